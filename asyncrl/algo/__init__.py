@@ -1,0 +1,1 @@
+"""Pure algorithm functions over `[batch, T]` tensors with masks: sampling, advantages, losses."""

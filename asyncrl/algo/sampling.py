@@ -1,0 +1,111 @@
+"""Token sampling as pure tensor functions.
+
+Randomness is *counter-based*: the uniform noise for token `v` at response position `p` of a
+sequence with seed `s` is a hash of `(s, p, v)`. A sample therefore depends only on the model's
+logits and `(s, p)`, never on batch composition, padding, or how generation is cut into windows:
+generating 3 windows of 8 tokens gives exactly the tokens of one 24-token call.
+
+Sampling is the exponential race (equivalently Gumbel-max): `argmax_v log p_v - log(-log u_v)`,
+an exact draw from the categorical `p`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+def _as_signed64(x: int) -> int:
+    x &= _MASK64
+    return x - (1 << 64) if x >= (1 << 63) else x
+
+
+_GOLDEN = _as_signed64(0x9E3779B97F4A7C15)
+_MIX1 = _as_signed64(0xBF58476D1CE4E5B9)
+_MIX2 = _as_signed64(0x94D049BB133111EB)
+
+
+def _splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64 finaliser on int64 tensors (wrapping arithmetic); logical shifts via masking."""
+    x = x + _GOLDEN
+    x = (x ^ ((x >> 30) & ((1 << 34) - 1))) * _MIX1
+    x = (x ^ ((x >> 27) & ((1 << 37) - 1))) * _MIX2
+    return x ^ ((x >> 31) & ((1 << 33) - 1))
+
+
+def counter_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Uniform(0,1) noise `[B, V]` (float64) determined by `(seed[b], position[b], v)`."""
+    row_key = _splitmix64(seeds.to(torch.int64) * 1_000_003 + positions.to(torch.int64))
+    cols = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)
+    bits = _splitmix64(row_key[:, None] ^ (cols[None, :] * _GOLDEN))
+    mantissa = (bits >> 11) & ((1 << 53) - 1)
+    return (mantissa.to(torch.float64) + 0.5) / float(1 << 53)
+
+
+def filtered_logprobs(
+    logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0
+) -> torch.Tensor:
+    """Log-probabilities `[B, V]` of the distribution actually sampled from.
+
+    Logits are divided by `temperature`, then restricted to the `top_k` most likely tokens
+    (0 = no limit) and to the smallest set whose probability reaches `top_p`; excluded tokens get
+    -inf and the rest are renormalised. With `top_k=0, top_p=1` this is `log_softmax(logits/T)`,
+    the distribution the learner uses, so behaviour log-probs and learner log-probs agree.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    scaled = logits.float() / temperature
+    if top_k and top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Keep a token if the mass strictly before it is < top_p (the first token is always kept).
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        remove_sorted = mass_before >= top_p
+        remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
+        scaled = scaled.masked_fill(remove, float("-inf"))
+    return torch.log_softmax(scaled, dim=-1)
+
+
+def sample_from_logprobs(
+    logprobs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row. Returns `(tokens [B] int64, their log-probs [B] float32)`."""
+    noise = counter_uniform(seeds, positions, logprobs.shape[-1])
+    race = logprobs.double() - torch.log(-torch.log(noise))
+    tokens = torch.argmax(race, dim=-1)
+    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1).float()
+
+
+def greedy_from_logprobs(logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.argmax(logprobs, dim=-1)
+    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1).float()
+
+
+def step_logprobs(
+    logits: torch.Tensor,
+    positions: torch.Tensor,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    first_token_temperature: float | None = None,
+    first_token_top_k: int = 0,
+) -> torch.Tensor:
+    """Per-row sampling distribution for one decoding step, with FIRE (arXiv 2410.21236).
+
+    Rows at response position 0 use the hot `first_token_temperature` restricted to
+    `first_token_top_k` when FIRE is on; every other row uses the regular settings. The returned
+    log-probs are those of the distribution each row is actually sampled from, so the behaviour
+    log-prob of a FIRE first token is exact and the PPO ratio stays importance-correct.
+    """
+    regular = filtered_logprobs(logits, temperature, top_k, top_p)
+    if first_token_temperature is None:
+        return regular
+    first = positions == 0
+    if not bool(first.any()):
+        return regular
+    hot = filtered_logprobs(logits, first_token_temperature, first_token_top_k, 1.0)
+    return torch.where(first[:, None], hot, regular)

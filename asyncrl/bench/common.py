@@ -1,0 +1,59 @@
+"""Shared benchmark plumbing: paired timing, machine description, JSON output."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from datetime import datetime, timezone
+from typing import Callable
+
+
+def machine() -> dict:
+    import torch
+
+    return {
+        "cpu_count": os.cpu_count(),
+        "processor": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+    }
+
+
+def time_per_call(fn: Callable[[], object], min_seconds: float = 0.2) -> float:
+    """Seconds per call, from a loop that runs at least `min_seconds`."""
+    fn()
+    n, start = 0, time.perf_counter()
+    while True:
+        fn()
+        n += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_seconds:
+            return elapsed / n
+
+
+def paired(a: Callable[[], float], b: Callable[[], float], rounds: int) -> dict:
+    """Run A, B, A, B... and report medians and the median of per-round ratios b/a."""
+    a_times, b_times = [], []
+    for _ in range(rounds):
+        a_times.append(a())
+        b_times.append(b())
+    ratios = [y / x for x, y in zip(a_times, b_times)]
+    return {
+        "a_median": statistics.median(a_times),
+        "b_median": statistics.median(b_times),
+        "ratio_b_over_a_median": statistics.median(ratios),
+        "rounds": rounds,
+    }
+
+
+def write_result(run_dir: str, name: str, result: dict) -> str:
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, f"bench_{name}.json")
+    with open(path, "w") as f:
+        json.dump({"benchmark": name, "machine": machine(), **result}, f, indent=2)
+    return path

@@ -1,0 +1,73 @@
+"""Encode+decode throughput of a `Segment`: msgspec codec against pickle, paired rounds."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+
+from asyncrl.bench.common import paired, time_per_call
+from asyncrl.schema import Codec, FinishReason, Segment, float32_array, int32_array
+
+
+def make_segment(new_tokens: int, prompt_tokens: int = 256) -> Segment:
+    rng = np.random.default_rng(0)
+    return Segment(
+        prompt_id="prompt-000123",
+        sample_idx=3,
+        turn=0,
+        group_id="prompt-000123",
+        prompt_token_ids=int32_array(rng.integers(0, 49152, prompt_tokens)),
+        prior_response_ids=int32_array([]),
+        prior_versions=int32_array([]),
+        new_token_ids=int32_array(rng.integers(0, 49152, new_tokens)),
+        new_logprobs=float32_array(-rng.random(new_tokens) * 5),
+        new_versions=int32_array(np.full(new_tokens, 17)),
+        finished=True,
+        finish_reason=FinishReason.EOS,
+        data_source="arithmetic",
+        ground_truth="42",
+    )
+
+
+def run(quick: bool = False, tokens: tuple[int, ...] = (256, 4096, 8192)) -> dict:
+    codec = Codec(Segment)
+    rounds = 3 if quick else 9
+    seconds = 0.05 if quick else 0.25
+    results = {}
+    for n in tokens:
+        seg = make_segment(n)
+        data = codec.encode(seg)
+        pickled = pickle.dumps(seg, protocol=5)
+        assert np.array_equal(codec.decode(data).new_token_ids, seg.new_token_ids)
+
+        def msgspec_rt():
+            return time_per_call(lambda: codec.decode(codec.encode(seg)), seconds)
+
+        def pickle_rt():
+            return time_per_call(lambda: pickle.loads(pickle.dumps(seg, protocol=5)), seconds)
+
+        pair = paired(msgspec_rt, pickle_rt, rounds)
+        results[f"{n}_tokens"] = {
+            "msgspec_bytes": len(data),
+            "pickle_bytes": len(pickled),
+            "msgspec_roundtrip_us": pair["a_median"] * 1e6,
+            "pickle_roundtrip_us": pair["b_median"] * 1e6,
+            "msgspec_segments_per_s": 1 / pair["a_median"],
+            "msgspec_MB_per_s": len(data) / pair["a_median"] / 1e6,
+            "pickle_over_msgspec_time_ratio": pair["ratio_b_over_a_median"],
+            "rounds": rounds,
+        }
+    return results
+
+
+def report(results: dict) -> str:
+    lines = ["| segment | msgspec bytes | pickle bytes | msgspec enc+dec | pickle enc+dec | pickle/msgspec |",
+             "|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        lines.append(
+            f"| {name.replace('_', ' ')} | {r['msgspec_bytes']} | {r['pickle_bytes']} | "
+            f"{r['msgspec_roundtrip_us']:.1f} µs ({r['msgspec_MB_per_s']:.0f} MB/s) | "
+            f"{r['pickle_roundtrip_us']:.1f} µs | {r['pickle_over_msgspec_time_ratio']:.2f}x |"
+        )
+    return "\n".join(lines)

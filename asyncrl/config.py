@@ -1,0 +1,206 @@
+"""Typed configuration: dataclasses (the schema) mirrored by the Hydra YAML files in `configs/`.
+
+`compose(overrides)` composes `configs/config.yaml` with dotted overrides (the same call serves the
+CLI, `serve run` and tests), merges it into the dataclass schema so unknown or mistyped fields fail
+at start-up naming the field, and returns a plain `Config` instance. Actors receive only their own
+sub-config.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+
+@dataclass
+class ModelConfig:
+    source: str = "gguf"
+    """tiny (random, built in-process) | gguf (embedded SmolLM2-135M-Instruct) | hf (local dir)."""
+    name: str = "smollm2-135m"
+    """Name reported by the policy endpoint's /v1/models."""
+    path: str = ""
+    """Local directory for source=hf (or a GGUF directory; empty = the embedded wheel)."""
+    gguf_file: str = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    hidden_size: int = 64
+    """tiny only: width, depth and heads of the random Llama."""
+    num_layers: int = 2
+    num_heads: int = 4
+    max_positions: int = 512
+    seed: int = 0
+    """tiny only: initialisation seed."""
+    dtype: str = "float32"
+    use_chat_template: bool = True
+    """Wrap task prompts in the tokenizer's chat template (instruct models)."""
+
+
+@dataclass
+class EngineConfig:
+    window_tokens: int = 64
+    """W: new tokens per sequence per generator turn. A sequence cut at W continues next turn."""
+    max_response_tokens: int = 128
+    """Total response budget; a response reaching it finishes with reason max_length."""
+    max_windows: int = 0
+    """K: at most this many windows per response (0 = ceil(max_response_tokens / W))."""
+    max_inflight_sequences: int = 16
+    """Sequences a generator advances per window (its batch); continuations come first."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    first_token_temperature: float | None = None
+    """FIRE: hot temperature for the first response token (None = off)."""
+    first_token_top_k: int = 20
+    threads: int = 1
+    """torch threads of each generator process."""
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = "dapo"
+    """grpo | dapo (critic-free, group-normalised advantages)."""
+    group_size: int = 8
+    """G: samples per prompt."""
+    scale_advantage_by_std: bool = True
+    """GRPO: divide by the group std (False = Dr.GRPO)."""
+    dynamic_sampling: bool = True
+    """DAPO: drop groups whose rewards are all equal (no gradient) and count them."""
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    dual_clip: float | None = 10.0
+    """Dual-clip constant c (> 1) for negative advantages; None = off."""
+    loss_agg: str = "token-mean"
+    """token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm."""
+    kl_coef: float = 0.0
+    """Weight of a KL-to-reference loss term (k3 estimator); 0 = no reference model."""
+    entropy_coef: float = 0.0
+    overlong_buffer_tokens: int = 0
+    """DAPO soft overlong punishment buffer L_cache (0 = off); L_max = engine.max_response_tokens."""
+    overlong_penalty_factor: float = 1.0
+    max_staleness_versions: int = 4
+    """Samples whose oldest token is more than this many versions behind the learner are dropped."""
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+    micro_batch_tokens: int = 4096
+    """Tokens per forward/backward chunk on the learner (gradient accumulation)."""
+
+
+@dataclass
+class TaskConfig:
+    name: str = "arithmetic"
+    """tiny | arithmetic | file."""
+    path: str = ""
+    """file: a local jsonl or parquet in verl's layout."""
+    eval_path: str = ""
+    num_train_prompts: int = 512
+    """Built-in tasks: prompts generated for training (and a disjoint held-out set)."""
+    num_eval_prompts: int = 64
+    reward: str = "zero_one"
+    """zero_one (1/0) | plus_minus (+1/-1, DAPO)."""
+    seed: int = 0
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 30
+    """Learner steps before `asyncrl train` exits (serve runs until stopped)."""
+    prompts_per_step: int = 8
+    """Groups per training batch (samples per step = prompts_per_step * group_size)."""
+    num_generators: int = 1
+    generator_threads: int = 1
+    learner_threads: int = 1
+    broadcast_bucket_mb: int = 64
+    seed: int = 0
+    run_dir: str = ""
+    """Where metrics.jsonl, plots and checkpoints go (default outputs/<time>)."""
+    eval_every: int = 0
+    """Evaluate on the held-out prompts every N steps (0 = only at start and end)."""
+    eval_samples: int = 64
+    mailbox_capacity: int = 256
+    lease_s: float = 600.0
+    wandb_project: str = "asyncrl"
+    wandb_mode: str = "offline"
+    """offline | online | disabled (WANDB_MODE in the environment wins)."""
+
+
+@dataclass
+class ServeConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
+
+
+def config_dir() -> str:
+    """`configs/` of the source tree (editable install), or ASYNCRL_CONFIG_DIR."""
+    env = os.environ.get("ASYNCRL_CONFIG_DIR")
+    if env:
+        return os.path.abspath(env)
+    return str(Path(__file__).resolve().parent.parent / "configs")
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the field."""
+
+
+def compose(overrides: list[str] | None = None, config_name: str = "config") -> Config:
+    """Compose the Hydra config with overrides and validate it against the `Config` schema."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    try:
+        with initialize_config_dir(config_dir=config_dir(), version_base=None, job_name="asyncrl"):
+            raw = hydra_compose(config_name=config_name, overrides=list(overrides or []))
+        merged = OmegaConf.merge(OmegaConf.structured(Config), raw)
+        config: Config = OmegaConf.to_object(merged)
+    except Exception as exc:  # Hydra/OmegaConf errors name the key; re-raise as one type
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"invalid config: {exc}") from exc
+    validate(config)
+    return config
+
+
+def validate(config: Config) -> None:
+    """Cross-field checks that the schema alone cannot express."""
+    e, a = config.engine, config.algorithm
+    checks = [
+        (e.window_tokens >= 1, "engine.window_tokens must be >= 1"),
+        (e.max_response_tokens >= 1, "engine.max_response_tokens must be >= 1"),
+        (e.max_inflight_sequences >= 1, "engine.max_inflight_sequences must be >= 1"),
+        (e.temperature > 0, "engine.temperature must be > 0"),
+        (0 < e.top_p <= 1, "engine.top_p must be in (0, 1]"),
+        (a.group_size >= 1, "algorithm.group_size must be >= 1"),
+        (a.name in ALGORITHMS, f"algorithm.name must be one of {sorted(ALGORITHMS)}"),
+        (a.loss_agg in LOSS_AGG_MODES, f"algorithm.loss_agg must be one of {LOSS_AGG_MODES}"),
+        (a.dual_clip is None or a.dual_clip > 1, "algorithm.dual_clip must be > 1 (or null)"),
+        (0 <= a.clip_low < 1 and a.clip_high >= 0, "algorithm.clip_low/clip_high out of range"),
+        (a.overlong_buffer_tokens < e.max_response_tokens,
+         "algorithm.overlong_buffer_tokens must be < engine.max_response_tokens"),
+        (config.model.source in ("tiny", "gguf", "hf"), "model.source must be tiny, gguf or hf"),
+        (config.task.reward in ("zero_one", "plus_minus"), "task.reward must be zero_one or plus_minus"),
+        (config.trainer.prompts_per_step >= 1, "trainer.prompts_per_step must be >= 1"),
+        (config.trainer.num_generators >= 1, "trainer.num_generators must be >= 1"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+
+
+ALGORITHMS = ("grpo", "dapo")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+def to_dict(config: Config) -> dict:
+    return OmegaConf.to_container(OmegaConf.structured(config), resolve=True)

@@ -1,0 +1,68 @@
+"""The generation-engine interface shared by the embedded torch engine and SGLang.
+
+An engine advances sequences by *windows*: each call generates at most `window_tokens` new tokens
+per sequence and returns them with their behaviour log-probs and a finish reason. A sequence cut
+at the window is continued by a later call that passes the tokens generated so far.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Protocol
+
+import msgspec
+import numpy as np
+import torch
+
+from asyncrl.schema import FinishReason
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    # FIRE: hot temperature (and top-k guard) for the first response token; None = off.
+    first_token_temperature: float | None = None
+    first_token_top_k: int = 20
+    greedy: bool = False
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+
+class SequenceInput(msgspec.Struct, kw_only=True, frozen=True):
+    """A sequence to advance: its prompt, what was generated before, and its sampling seed."""
+
+    prompt_ids: np.ndarray  # int32 [P]
+    response_ids: np.ndarray  # int32 [R], generated in earlier windows
+    seed: int
+    max_response_tokens: int  # total response budget; reaching it finishes with MAX_LENGTH
+
+
+class WindowOutput(msgspec.Struct, kw_only=True, frozen=True):
+    token_ids: np.ndarray  # int32 [N], N <= window_tokens
+    logprobs: np.ndarray  # float32 [N], under the distribution actually sampled from
+    finish_reason: FinishReason  # WINDOW means not finished
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not FinishReason.WINDOW
+
+
+class Engine(Protocol):
+    """What a generator needs from an inference engine."""
+
+    @property
+    def version(self) -> int:
+        """Weight version currently loaded."""
+
+    async def generate_window(
+        self, sequences: list[SequenceInput], window_tokens: int, params: SamplingParams
+    ) -> list[WindowOutput]: ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Load new weights (all or some parameters) and set the version."""

@@ -1,0 +1,155 @@
+"""The embedded generation engine: a transformers causal LM driven by our own decode loop on CPU.
+
+Batches sequences of different lengths with left padding, keeps a KV cache across the tokens of
+a window, samples with `asyncrl.algo.sampling` (temperature, top-p, top-k, FIRE, counter-based
+seeds) and records the log-prob of each token under the distribution it was drawn from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Iterable
+
+import numpy as np
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from asyncrl.algo.sampling import greedy_from_logprobs, sample_from_logprobs, step_logprobs
+from asyncrl.engines.base import SamplingParams, SequenceInput, WindowOutput
+from asyncrl.schema import FinishReason
+
+
+class TorchEngine:
+    def __init__(self, model: PreTrainedModel, eos_token_ids: Iterable[int], pad_token_id: int = 0):
+        self.model = model.eval()
+        self.eos_token_ids = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long)
+        if self.eos_token_ids.numel() == 0:
+            raise ValueError("an engine needs at least one EOS token id")
+        self.pad_token_id = pad_token_id
+        self.max_positions = int(getattr(model.config, "max_position_embeddings", 1 << 30))
+        self._version = 0
+        # Weight updates and generation never overlap: updates land between windows.
+        self._lock = threading.Lock()
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    async def generate_window(
+        self, sequences: list[SequenceInput], window_tokens: int, params: SamplingParams
+    ) -> list[WindowOutput]:
+        return await asyncio.to_thread(self.generate_window_sync, sequences, window_tokens, params)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        state = dict(self.model.named_parameters())
+        state.update(self.model.named_buffers())
+        with self._lock, torch.no_grad():
+            for name, tensor in named_tensors:
+                if name not in state:
+                    raise KeyError(f"weight update names unknown parameter {name!r}")
+                state[name].copy_(tensor)
+            self._version = version
+
+    @torch.inference_mode()
+    def generate_window_sync(
+        self, sequences: list[SequenceInput], window_tokens: int, params: SamplingParams
+    ) -> list[WindowOutput]:
+        if window_tokens < 1:
+            raise ValueError(f"window_tokens must be >= 1, got {window_tokens}")
+        if not sequences:
+            return []
+        with self._lock:
+            return self._generate(sequences, window_tokens, params)
+
+    def _generate(
+        self, sequences: list[SequenceInput], window_tokens: int, params: SamplingParams
+    ) -> list[WindowOutput]:
+        batch = len(sequences)
+        contexts = [np.concatenate([s.prompt_ids, s.response_ids]).astype(np.int64) for s in sequences]
+        context_lens = torch.tensor([len(c) for c in contexts])
+        prior = torch.tensor([len(s.response_ids) for s in sequences])
+        # Tokens each row may still generate in this window (response budget and context limit).
+        length_left = torch.minimum(
+            torch.tensor([s.max_response_tokens for s in sequences]) - prior,
+            self.max_positions - context_lens,
+        )
+        budget = length_left.clamp(max=window_tokens)
+        if bool((budget <= 0).any()):
+            raise ValueError("a sequence passed to generate_window has no response budget left")
+        seeds = torch.tensor([s.seed for s in sequences], dtype=torch.int64)
+
+        width = int(context_lens.max())
+        input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((batch, width), dtype=torch.long)
+        for row, ctx in enumerate(contexts):
+            input_ids[row, width - len(ctx):] = torch.from_numpy(ctx)
+            attention_mask[row, width - len(ctx):] = 1
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+        cache = DynamicCache()
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        logits = out.logits[:, -1, :]
+        next_position = context_lens.clone()
+
+        tokens = torch.zeros((batch, window_tokens), dtype=torch.long)
+        logprobs = torch.zeros((batch, window_tokens), dtype=torch.float32)
+        produced = torch.zeros(batch, dtype=torch.long)
+        reason = torch.full((batch,), -1, dtype=torch.long)  # -1 running, 0 eos, 1 max length
+        for step in range(window_tokens):
+            running = reason < 0
+            dist = step_logprobs(
+                logits,
+                prior + step,
+                params.temperature,
+                params.top_k,
+                params.top_p,
+                params.first_token_temperature,
+                params.first_token_top_k,
+            )
+            if params.greedy:
+                tok, tok_lp = greedy_from_logprobs(dist)
+            else:
+                tok, tok_lp = sample_from_logprobs(dist, seeds, prior + step)
+            tokens[:, step] = torch.where(running, tok, tokens[:, step])
+            logprobs[:, step] = torch.where(running, tok_lp, logprobs[:, step])
+            produced += running.long()
+            hit_eos = running & torch.isin(tok, self.eos_token_ids)
+            # Out of response budget or context: MAX_LENGTH. A row that merely fills the window
+            # stays running and is reported as WINDOW below.
+            out_of_length = running & ~hit_eos & (produced >= length_left)
+            reason = torch.where(hit_eos, 0, reason)
+            reason = torch.where(out_of_length, 1, reason)
+            if step == window_tokens - 1 or bool((reason >= 0).all()) or bool((produced >= budget).all()):
+                break
+            attention_mask = torch.cat([attention_mask, torch.ones((batch, 1), dtype=torch.long)], dim=1)
+            out = self.model(
+                input_ids=tok[:, None],
+                attention_mask=attention_mask,
+                position_ids=next_position[:, None],
+                past_key_values=out.past_key_values,
+                use_cache=True,
+            )
+            logits = out.logits[:, -1, :]
+            next_position += 1
+
+        results = []
+        for row in range(batch):
+            n = int(produced[row])
+            code = int(reason[row])
+            finish = FinishReason.EOS if code == 0 else FinishReason.MAX_LENGTH if code == 1 else FinishReason.WINDOW
+            results.append(
+                WindowOutput(
+                    token_ids=tokens[row, :n].to(torch.int32).numpy().copy(),
+                    logprobs=logprobs[row, :n].numpy().copy(),
+                    finish_reason=finish,
+                )
+            )
+        return results

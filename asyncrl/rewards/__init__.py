@@ -1,0 +1,1 @@
+"""Reward functions (pure): rule-based verifiers. Reward endpoints (actors) call into these."""

@@ -1,0 +1,289 @@
+"""Messages that cross actor boundaries.
+
+Every message is a `msgspec.Struct` encoded as msgpack. Numeric arrays (token ids, log-probs,
+weight versions, per-token rewards) are numpy arrays carried as msgpack extension values holding
+raw little-endian bytes, never as lists of Python numbers.
+
+Invariants checked on construction *and* on decode (msgspec runs `__post_init__` when decoding):
+array dtypes and the lengths that must agree. A malformed message raises `msgspec.ValidationError`
+whose text names the offending field.
+
+Wire evolution: structs are encoded as maps (field names on the wire), so a decode error names the
+field and new fields may be appended with defaults; never change a field's type.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import struct
+from typing import Any, Generic, TypeVar
+
+import msgspec
+import numpy as np
+
+# --- numpy arrays as msgpack extension values -------------------------------------------------
+
+# One extension code per dtype; the payload is `ndim:uint8, shape:uint32*ndim, raw bytes`.
+_EXT_CODE_BY_DTYPE = {
+    np.dtype("<i4"): 1,
+    np.dtype("<f4"): 2,
+    np.dtype("<i8"): 3,
+    np.dtype("<f8"): 4,
+    np.dtype("u1"): 5,
+}
+_DTYPE_BY_EXT_CODE = {code: dtype for dtype, code in _EXT_CODE_BY_DTYPE.items()}
+
+
+def _encode_array(array: np.ndarray) -> msgspec.msgpack.Ext:
+    dtype = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
+    code = _EXT_CODE_BY_DTYPE.get(np.dtype(dtype))
+    if code is None:
+        raise TypeError(f"arrays of dtype {array.dtype} are not supported on the wire")
+    header = struct.pack(f"<B{array.ndim}I", array.ndim, *array.shape)
+    return msgspec.msgpack.Ext(code, header + np.ascontiguousarray(array, dtype=dtype).tobytes())
+
+
+def _decode_array(code: int, data: memoryview) -> np.ndarray:
+    dtype = _DTYPE_BY_EXT_CODE.get(code)
+    if dtype is None:
+        raise ValueError(f"unknown msgpack extension code {code}")
+    if len(data) < 1:
+        raise ValueError("empty array payload")
+    ndim = data[0]
+    header_len = 1 + 4 * ndim
+    if len(data) < header_len:
+        raise ValueError("truncated array header")
+    shape = _SHAPE_STRUCTS[ndim].unpack_from(data, 1) if ndim < len(_SHAPE_STRUCTS) else struct.unpack_from(f"<{ndim}I", data, 1)
+    expected = math.prod(shape) * dtype.itemsize
+    if len(data) - header_len != expected:
+        raise ValueError(f"array payload has {len(data) - header_len} bytes, shape {shape} needs {expected}")
+    # Copy: the decoded message must not alias (and keep alive) the whole input buffer.
+    array = np.frombuffer(data[header_len:], dtype=dtype).copy()
+    return array if ndim == 1 else array.reshape(shape)
+
+
+_SHAPE_STRUCTS = [struct.Struct(f"<{n}I") for n in range(5)]
+
+
+def _enc_hook(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):
+        return _encode_array(obj)
+    if isinstance(obj, np.generic):
+        return obj.item()
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
+def _dec_hook(expected_type: type, obj: Any) -> Any:
+    if expected_type is np.ndarray:
+        if isinstance(obj, np.ndarray):
+            return obj
+        raise TypeError(f"expected a numeric array, got {type(obj).__name__}")
+    raise NotImplementedError(f"cannot decode {expected_type}")
+
+
+def _check_array(name: str, value: Any, dtype: str, length: int | None = None) -> None:
+    if not isinstance(value, np.ndarray):
+        raise TypeError(f"field `{name}`: expected a numpy array, got {type(value).__name__}")
+    if value.dtype != np.dtype(dtype):
+        raise TypeError(f"field `{name}`: expected dtype {np.dtype(dtype)}, got {value.dtype}")
+    if value.ndim != 1:
+        raise ValueError(f"field `{name}`: expected a 1-D array, got shape {value.shape}")
+    if length is not None and value.shape[0] != length:
+        raise ValueError(f"field `{name}`: expected {length} elements, got {value.shape[0]}")
+
+
+def int32_array(values: Any) -> np.ndarray:
+    return np.asarray(values, dtype=np.int32).reshape(-1)
+
+
+def float32_array(values: Any) -> np.ndarray:
+    return np.asarray(values, dtype=np.float32).reshape(-1)
+
+
+# --- messages ---------------------------------------------------------------------------------
+
+
+class FinishReason(str, enum.Enum):
+    """Why a segment ended. `WINDOW` means *not* finished: cut at the window, continues next turn."""
+
+    EOS = "eos"
+    MAX_LENGTH = "max_length"
+    WINDOW = "window"
+
+
+class PromptRequest(msgspec.Struct, kw_only=True, frozen=True):
+    """One prompt to be sampled `group_size` times by the generators."""
+
+    prompt_id: str
+    prompt_token_ids: np.ndarray  # int32 [P]
+    group_size: int
+    data_source: str = ""
+    ground_truth: str = ""
+    prompt_text: str = ""
+    # Sampling seed of the prompt; sample i uses seed + i, so results do not depend on batching.
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_array("prompt_token_ids", self.prompt_token_ids, "int32")
+        if self.prompt_token_ids.shape[0] == 0:
+            raise ValueError("field `prompt_token_ids`: a prompt needs at least one token")
+        if self.group_size < 1:
+            raise ValueError(f"field `group_size`: must be >= 1, got {self.group_size}")
+
+    @property
+    def msg_id(self) -> str:
+        return self.prompt_id
+
+
+class Segment(msgspec.Struct, kw_only=True, frozen=True):
+    """A partial trajectory: one generator turn (window) of one sample of one prompt.
+
+    Identity is `(prompt_id, sample_idx, turn)`; the G samples of a prompt share `group_id`.
+    `prior_response_ids` are the response tokens generated in earlier turns (context for this turn,
+    "response tokens so far"); `new_token_ids` are this turn's tokens, with their behaviour
+    log-probs under the sampling distribution actually used and the weight version of each token.
+    """
+
+    prompt_id: str
+    sample_idx: int
+    turn: int
+    group_id: str
+    prompt_token_ids: np.ndarray  # int32 [P]
+    prior_response_ids: np.ndarray  # int32 [R]
+    prior_versions: np.ndarray  # int32 [R]
+    new_token_ids: np.ndarray  # int32 [N]
+    new_logprobs: np.ndarray  # float32 [N]
+    new_versions: np.ndarray  # int32 [N]
+    finished: bool
+    finish_reason: FinishReason
+    data_source: str = ""
+    ground_truth: str = ""
+    seed: int = 0
+    generator_id: str = ""
+
+    def __post_init__(self) -> None:
+        _check_array("prompt_token_ids", self.prompt_token_ids, "int32")
+        _check_array("prior_response_ids", self.prior_response_ids, "int32")
+        _check_array("prior_versions", self.prior_versions, "int32", len(self.prior_response_ids))
+        _check_array("new_token_ids", self.new_token_ids, "int32")
+        n = len(self.new_token_ids)
+        _check_array("new_logprobs", self.new_logprobs, "float32", n)
+        _check_array("new_versions", self.new_versions, "int32", n)
+        if self.finished == (self.finish_reason is FinishReason.WINDOW):
+            raise ValueError(
+                f"field `finish_reason`: {self.finish_reason.value!r} contradicts finished={self.finished}"
+            )
+        if self.sample_idx < 0 or self.turn < 0:
+            raise ValueError("fields `sample_idx` and `turn` must be >= 0")
+
+    @property
+    def msg_id(self) -> str:
+        return segment_id(self.prompt_id, self.sample_idx, self.turn)
+
+    @property
+    def sample_id(self) -> str:
+        return sample_id(self.prompt_id, self.sample_idx)
+
+    @property
+    def response_ids(self) -> np.ndarray:
+        """All response tokens so far, this turn's included."""
+        return np.concatenate([self.prior_response_ids, self.new_token_ids])
+
+    @property
+    def response_versions(self) -> np.ndarray:
+        return np.concatenate([self.prior_versions, self.new_versions])
+
+
+def sample_id(prompt_id: str, sample_idx: int) -> str:
+    return f"{prompt_id}/{sample_idx}"
+
+
+def segment_id(prompt_id: str, sample_idx: int, turn: int) -> str:
+    return f"{prompt_id}/{sample_idx}/{turn}"
+
+
+class Reward(msgspec.Struct, kw_only=True, frozen=True):
+    """The reward of one finished sample, from one reward endpoint.
+
+    `score` is the sequence-level reward placed on the last token; `token_rewards`, when present,
+    are dense per-response-token rewards (process rewards) added on top.
+    """
+
+    prompt_id: str
+    sample_idx: int
+    score: float
+    source: str
+    source_version: str = ""
+    token_rewards: np.ndarray | None = None  # float32 [response length]
+    correct: bool | None = None
+    failed: bool = False
+    details: dict[str, str | float | int | bool] = {}
+
+    def __post_init__(self) -> None:
+        if self.token_rewards is not None:
+            _check_array("token_rewards", self.token_rewards, "float32")
+        if not np.isfinite(self.score):
+            raise ValueError(f"field `score`: must be finite, got {self.score}")
+
+    @property
+    def msg_id(self) -> str:
+        return sample_id(self.prompt_id, self.sample_idx)
+
+
+class TrainSample(msgspec.Struct, kw_only=True, frozen=True):
+    """One row of a training batch: a segment, its reward and its advantages (one per new token)."""
+
+    segment: Segment
+    score: float
+    advantages: np.ndarray  # float32 [len(segment.new_token_ids)]
+    correct: bool | None = None
+
+    def __post_init__(self) -> None:
+        _check_array("advantages", self.advantages, "float32", len(self.segment.new_token_ids))
+
+
+class TrainBatch(msgspec.Struct, kw_only=True, frozen=True):
+    """A training batch for a learner. `batch_id` is unique, so a batch is trained at most once."""
+
+    batch_id: str
+    samples: list[TrainSample]
+    # Metrics of the assembly that produced this batch (dropped groups, staleness, ...).
+    stats: dict[str, float] = {}
+
+    @property
+    def msg_id(self) -> str:
+        return self.batch_id
+
+
+# --- codecs -----------------------------------------------------------------------------------
+
+M = TypeVar("M")
+
+
+class Codec(Generic[M]):
+    """Reusable msgpack encoder/decoder for one message type."""
+
+    def __init__(self, message_type: type[M]):
+        self.message_type = message_type
+        self._encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+        self._decoder = msgspec.msgpack.Decoder(message_type, dec_hook=_dec_hook, ext_hook=_decode_array)
+
+    def encode(self, message: M) -> bytes:
+        return self._encoder.encode(message)
+
+    def decode(self, data: bytes | memoryview) -> M:
+        """Decode; raises `msgspec.ValidationError` or `msgspec.DecodeError` naming what is wrong."""
+        try:
+            return self._decoder.decode(data)
+        except msgspec.ValidationError:
+            raise
+        except (ValueError, TypeError) as exc:  # raised by the array ext hook
+            raise msgspec.DecodeError(f"malformed {self.message_type.__name__}: {exc}") from exc
+
+
+def encode(message: Any) -> bytes:
+    return _GENERIC_ENCODER.encode(message)
+
+
+_GENERIC_ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)

@@ -1,0 +1,154 @@
+"""Prompt sets with ground truth: built-in tasks that generate their own data, and local files in
+the layout verl uses (`prompt` as chat messages, `reward_model.ground_truth`, `data_source`).
+
+Each task also names how its responses are scored (`score_response`), a pure function.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+
+from asyncrl.rewards.math import math_correct, score_from_correct
+
+
+@dataclass(frozen=True)
+class Example:
+    prompt_id: str
+    messages: list[dict]  # chat messages; the user turn holds the task text
+    ground_truth: str
+    data_source: str
+
+    @property
+    def text(self) -> str:
+        return "\n".join(m["content"] for m in self.messages)
+
+
+# --- tiny: successor digit ----------------------------------------------------------------------
+
+
+def tiny_examples(split: str) -> list[Example]:
+    """"d:" -> the next digit (d+1 mod 10). Train and eval share the 10 prompts (it is a
+    memorisation task for a model with no prior); the eval is sampled, so it measures the policy."""
+    return [
+        Example(f"tiny-{split}-{d}", [{"role": "user", "content": f"{d}:"}], str((d + 1) % 10), "tiny")
+        for d in range(10)
+    ]
+
+
+def tiny_correct(response: str, ground_truth: str) -> tuple[bool, str]:
+    pred = response[:1]
+    return pred == ground_truth, pred
+
+
+# --- arithmetic word problems -------------------------------------------------------------------
+
+_NAMES = ["Sam", "Ana", "Li", "Omar", "Mia", "Ravi", "Zoe", "Ben", "Kai", "Eva"]
+_ITEMS = ["apples", "pencils", "stickers", "marbles", "books", "coins", "cards", "shells"]
+_INSTRUCTION = "Put the final answer in \\boxed{}."
+
+
+def _word_problem(rng: random.Random) -> tuple[str, int]:
+    name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
+    kind = rng.choice(["add", "sub", "mul"])
+    if kind == "add":
+        a, b = rng.randint(2, 20), rng.randint(2, 20)
+        return f"{name} has {a} {item} and gets {b} more. How many {item} does {name} have now?", a + b
+    if kind == "sub":
+        a = rng.randint(5, 30)
+        b = rng.randint(1, a - 1)
+        return f"{name} has {a} {item} and gives away {b}. How many {item} are left?", a - b
+    a, b = rng.randint(2, 9), rng.randint(2, 9)
+    return f"{name} has {a} bags with {b} {item} in each bag. How many {item} are there in total?", a * b
+
+
+def arithmetic_examples(split: str, n: int, seed: int = 0) -> list[Example]:
+    """Deterministic; the eval split never repeats a train question."""
+    train_rng = random.Random(f"arith-train-{seed}")
+    train_texts: list[tuple[str, int]] = []
+    seen: set[str] = set()
+    while len(train_texts) < (n if split == "train" else 4096):
+        q, a = _word_problem(train_rng)
+        if q not in seen:
+            seen.add(q)
+            train_texts.append((q, a))
+        if len(seen) >= 4096:
+            break
+    if split == "train":
+        pairs = train_texts[:n]
+    else:
+        eval_rng = random.Random(f"arith-eval-{seed}")
+        train_set = {q for q, _ in train_texts}
+        pairs = []
+        while len(pairs) < n:
+            q, a = _word_problem(eval_rng)
+            if q not in train_set and q not in {p for p, _ in pairs}:
+                pairs.append((q, a))
+    return [
+        Example(f"arith-{split}-{i}", [{"role": "user", "content": f"{q} {_INSTRUCTION}"}], str(a), "arithmetic")
+        for i, (q, a) in enumerate(pairs)
+    ]
+
+
+# --- local files in verl's layout ------------------------------------------------------------------
+
+
+def file_examples(path: str) -> list[Example]:
+    """Rows of a jsonl or parquet file: `prompt` (list of chat messages, or a string),
+    `reward_model.ground_truth`, `data_source`; an `extra_info.index` or the row number is the id."""
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        rows = pq.read_table(path).to_pylist()
+    elif path.endswith(".jsonl") or path.endswith(".json"):
+        with open(path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    else:
+        raise ValueError(f"task.path must be a .jsonl or .parquet file, got {path!r}")
+    examples = []
+    for i, row in enumerate(rows):
+        for key in ("prompt", "reward_model"):
+            if key not in row:
+                raise ValueError(f"{path}: row {i} has no `{key}` field")
+        prompt = row["prompt"]
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        extra = row.get("extra_info") or {}
+        index = extra.get("index", i) if isinstance(extra, dict) else i
+        examples.append(
+            Example(
+                prompt_id=f"{row.get('data_source', 'file')}-{index}",
+                messages=[{"role": m["role"], "content": m["content"]} for m in messages],
+                ground_truth=str(row["reward_model"]["ground_truth"]),
+                data_source=str(row.get("data_source", "file")),
+            )
+        )
+    return examples
+
+
+def load_examples(task_name: str, split: str, n: int, seed: int, path: str = "") -> list[Example]:
+    if task_name == "tiny":
+        return tiny_examples(split)
+    if task_name == "arithmetic":
+        return arithmetic_examples(split, n, seed)
+    if task_name == "file":
+        if not path:
+            raise ValueError(f"task=file needs task.{'path' if split == 'train' else 'eval_path'}")
+        return file_examples(path)
+    raise ValueError(f"unknown task {task_name!r}: expected tiny, arithmetic or file")
+
+
+def score_response(data_source: str, response: str, ground_truth: str, style: str) -> tuple[float, bool, str]:
+    """(score, correct, prediction) of a response, routed by data source."""
+    if data_source == "tiny":
+        correct, pred = tiny_correct(response, ground_truth)
+    else:
+        correct, pred = math_correct(response, ground_truth)
+    return score_from_correct(correct, style), correct, pred
+
+
+def encode_prompt(example: Example, tokenizer, use_chat_template: bool) -> list[int]:
+    """Prompt token ids: the chat template with a generation prompt, or the raw user text."""
+    if use_chat_template:
+        return list(tokenizer.apply_chat_template(example.messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    return tokenizer.encode(example.text, add_special_tokens=False)

@@ -1,0 +1,35 @@
+import os
+
+import pytest
+
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray instance for the whole test session (starting Ray costs seconds)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(
+            num_cpus=16,  # logical CPUs: actors reserve little; real threads are budgeted per actor
+            include_dashboard=False,
+            object_store_memory=256 * 2**20,
+            log_to_driver=False,
+            # Workers import test modules (remote functions defined in tests pickle by reference).
+            runtime_env={
+                "env_vars": {
+                    "PYTHONPATH": os.pathsep.join([TESTS_DIR, os.environ.get("PYTHONPATH", "")]),
+                    "TOKENIZERS_PARALLELISM": "false",
+                    "WANDB_MODE": "disabled",
+                }
+            },
+        )
+    yield ray
+    from ray import serve
+
+    if ray.is_initialized():
+        serve.shutdown()
+        ray.shutdown()

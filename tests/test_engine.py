@@ -1,0 +1,178 @@
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from asyncrl.algo.sampling import counter_uniform, filtered_logprobs, step_logprobs
+from asyncrl.engines.base import SamplingParams, SequenceInput
+from asyncrl.engines.torch_engine import TorchEngine
+from asyncrl.models import ModelSpec, build_tiny_model, build_tiny_tokenizer
+from asyncrl.schema import FinishReason, int32_array
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    tok = build_tiny_tokenizer()
+    model = build_tiny_model(ModelSpec(source="tiny", seed=3), len(tok))
+    return model, tok
+
+
+def engine_for(model, eos=(1,)):
+    return TorchEngine(model, eos_token_ids=eos, pad_token_id=0)
+
+
+def seq(prompt, response=(), seed=0, max_tokens=64):
+    return SequenceInput(
+        prompt_ids=int32_array(prompt), response_ids=int32_array(list(response)), seed=seed,
+        max_response_tokens=max_tokens,
+    )
+
+
+PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14], [4]]
+# An EOS id outside the vocabulary: never sampled, so windows are full.
+NO_EOS = (10_000,)
+
+
+def teacher_forced_logprobs(model, prompt, response, temperature=1.0, top_k=0, top_p=1.0):
+    ids = torch.tensor([list(prompt) + list(response)])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0]
+    lp = filtered_logprobs(logits[len(prompt) - 1 : -1], temperature, top_k, top_p)
+    return lp.gather(-1, torch.tensor(response)[:, None]).squeeze(-1).numpy()
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.7, top_p=0.9, top_k=12)])
+def test_logprobs_match_teacher_forced_pass(tiny, params):
+    model, _ = tiny
+    engine = engine_for(model, NO_EOS)
+    outs = engine.generate_window_sync([seq(p, seed=i) for i, p in enumerate(PROMPTS)], 12, params)
+    for prompt, out in zip(PROMPTS, outs):
+        ref = teacher_forced_logprobs(model, prompt, out.token_ids.tolist(), params.temperature, params.top_k, params.top_p)
+        np.testing.assert_allclose(out.logprobs, ref, atol=1e-4)
+
+
+def test_three_windows_equal_one_long_generation(tiny):
+    model, _ = tiny
+    engine = engine_for(model, NO_EOS)
+    params = SamplingParams(temperature=1.0)
+    whole = engine.generate_window_sync([seq(p, seed=10 + i) for i, p in enumerate(PROMPTS)], 24, params)
+    responses = [[] for _ in PROMPTS]
+    logprobs = [[] for _ in PROMPTS]
+    for window in range(3):
+        outs = engine.generate_window_sync(
+            [seq(p, responses[i], seed=10 + i) for i, p in enumerate(PROMPTS)], 8, params
+        )
+        for i, out in enumerate(outs):
+            assert out.finish_reason is FinishReason.WINDOW
+            responses[i] += out.token_ids.tolist()
+            logprobs[i] += out.logprobs.tolist()
+    for i, out in enumerate(whole):
+        assert out.token_ids.tolist() == responses[i]
+        np.testing.assert_allclose(out.logprobs, logprobs[i], atol=1e-4)
+
+
+def test_batch_composition_does_not_change_samples(tiny):
+    model, _ = tiny
+    engine = engine_for(model, NO_EOS)
+    params = SamplingParams()
+    batched = engine.generate_window_sync([seq(p, seed=i) for i, p in enumerate(PROMPTS)], 10, params)
+    alone = engine.generate_window_sync([seq(PROMPTS[2], seed=2)], 10, params)[0]
+    assert batched[2].token_ids.tolist() == alone.token_ids.tolist()
+
+
+def test_seeds_differ_and_repeat(tiny):
+    model, _ = tiny
+    engine = engine_for(model, NO_EOS)
+    a = engine.generate_window_sync([seq(PROMPTS[0], seed=1)], 16, SamplingParams())[0]
+    b = engine.generate_window_sync([seq(PROMPTS[0], seed=1)], 16, SamplingParams())[0]
+    c = engine.generate_window_sync([seq(PROMPTS[0], seed=2)], 16, SamplingParams())[0]
+    assert a.token_ids.tolist() == b.token_ids.tolist()
+    assert a.token_ids.tolist() != c.token_ids.tolist()
+
+
+def test_stops_on_eos_and_max_length(tiny):
+    model, _ = tiny
+    engine = engine_for(model, NO_EOS)
+    probe = engine.generate_window_sync([seq(PROMPTS[0], seed=4)], 12, SamplingParams())[0]
+    # Declare the 5th sampled token an EOS: generation stops right there, the EOS included.
+    eos_engine = engine_for(model, (int(probe.token_ids[4]),))
+    first = list(probe.token_ids).index(probe.token_ids[4])
+    stopped = eos_engine.generate_window_sync([seq(PROMPTS[0], seed=4)], 12, SamplingParams())[0]
+    assert stopped.finish_reason is FinishReason.EOS
+    assert stopped.token_ids.tolist() == probe.token_ids[: first + 1].tolist()
+    # A response budget of 7 with 4 already generated: 3 tokens, then MAX_LENGTH.
+    capped = engine.generate_window_sync(
+        [seq(PROMPTS[0], probe.token_ids[:4].tolist(), seed=4, max_tokens=7)], 12, SamplingParams()
+    )[0]
+    assert capped.finish_reason is FinishReason.MAX_LENGTH
+    assert capped.token_ids.tolist() == probe.token_ids[4:7].tolist()
+    with pytest.raises(ValueError, match="budget"):
+        engine.generate_window_sync([seq(PROMPTS[0], [3] * 7, max_tokens=7)], 4, SamplingParams())
+
+
+def test_update_weights_changes_outputs_and_version(tiny):
+    _, tok = tiny
+    model = build_tiny_model(ModelSpec(source="tiny", seed=3), len(tok))
+    other = build_tiny_model(ModelSpec(source="tiny", seed=4), len(tok))
+    engine = engine_for(model, NO_EOS)
+    before = engine.generate_window_sync([seq(PROMPTS[1])], 16, SamplingParams(greedy=True))[0]
+    engine.update_weights(other.named_parameters(), version=5)
+    after = engine.generate_window_sync([seq(PROMPTS[1])], 16, SamplingParams(greedy=True))[0]
+    ref = engine_for(other, NO_EOS).generate_window_sync([seq(PROMPTS[1])], 16, SamplingParams(greedy=True))[0]
+    assert engine.version == 5
+    assert after.token_ids.tolist() == ref.token_ids.tolist() != before.token_ids.tolist()
+    with pytest.raises(KeyError, match="nonexistent"):
+        engine.update_weights([("nonexistent", torch.zeros(1))], 6)
+
+
+def test_async_generate_window(tiny):
+    model, _ = tiny
+    engine = engine_for(model, NO_EOS)
+    outs = asyncio.run(engine.generate_window([seq(p) for p in PROMPTS], 4, SamplingParams()))
+    assert [len(o.token_ids) for o in outs] == [4, 4, 4, 4]
+
+
+# --- sampling functions --------------------------------------------------------------------------
+
+
+def test_counter_uniform_is_a_function_of_seed_and_position():
+    u = counter_uniform(torch.tensor([1, 1, 2]), torch.tensor([5, 5, 5]), 1000)
+    assert torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
+    assert 0 < float(u.min()) and float(u.max()) < 1
+    # Roughly uniform: mean 0.5, variance 1/12.
+    big = counter_uniform(torch.arange(64), torch.zeros(64, dtype=torch.long), 4096)
+    assert abs(float(big.mean()) - 0.5) < 0.01 and abs(float(big.var()) - 1 / 12) < 0.005
+
+
+def test_top_k_top_p_filtering_by_hand():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    # top_p=0.7: 0.5 then 0.3 reaches 0.8 >= 0.7, so two tokens remain, renormalised.
+    lp = filtered_logprobs(logits, 1.0, top_p=0.7)
+    np.testing.assert_allclose(lp.exp().numpy(), [[0.625, 0.375, 0, 0]], atol=1e-6)
+    lp = filtered_logprobs(logits, 1.0, top_k=3)
+    np.testing.assert_allclose(lp.exp().numpy(), [[0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0]], atol=1e-6)
+
+
+def test_fire_first_token_uses_hot_distribution():
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.05, 0.05]] * 2))
+    lp = step_logprobs(logits, torch.tensor([0, 3]), 1.0, first_token_temperature=1e6, first_token_top_k=2)
+    np.testing.assert_allclose(lp[0].exp().numpy(), [0.5, 0.5, 0, 0], atol=1e-4)  # ~uniform over top-2
+    np.testing.assert_allclose(lp[1].exp().numpy(), [0.7, 0.2, 0.05, 0.05], atol=1e-6)
+
+
+def test_fire_empirical_first_token_near_uniform_and_rest_regular(tiny):
+    model, _ = tiny
+    engine = engine_for(model, NO_EOS)
+    hot = SamplingParams(first_token_temperature=1e4, first_token_top_k=4)
+    outs = engine.generate_window_sync([seq(PROMPTS[0], seed=s) for s in range(400)], 2, hot)
+    counts = np.bincount([int(o.token_ids[0]) for o in outs], minlength=30)
+    nonzero = counts[counts > 0]
+    assert len(nonzero) == 4
+    chi2 = float(((nonzero - 100) ** 2 / 100).sum())
+    assert chi2 < 16.3  # chi-square, 3 dof, p = 0.001
+    # With T_hot == T, FIRE is regular sampling (same seed, same outputs).
+    same = SamplingParams(first_token_temperature=1.0, first_token_top_k=0)
+    a = engine.generate_window_sync([seq(PROMPTS[0], seed=9)], 8, same)[0]
+    b = engine.generate_window_sync([seq(PROMPTS[0], seed=9)], 8, SamplingParams())[0]
+    assert a.token_ids.tolist() == b.token_ids.tolist()

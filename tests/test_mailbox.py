@@ -1,0 +1,203 @@
+import asyncio
+import time
+
+import msgspec
+import pytest
+
+from asyncrl.mailbox import InProcessMailbox, MailboxCore, RayMailbox
+from asyncrl.schema import PromptRequest, int32_array
+
+
+class Msg(msgspec.Struct, frozen=True):
+    msg_id: str
+    value: int = 0
+
+
+def msgs(*ids):
+    return [Msg(str(i), i) for i in ids]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_core_lease_expiry_and_ack():
+    core = MailboxCore(capacity=3, lease_s=10.0)
+    assert core.offer("a", 1) and core.offer("b", 2) and core.offer("c", 3)
+    assert core.offer("d", 4) is None  # full
+    assert core.offer("a", 1) is False  # duplicate
+    assert [m for m, _ in core.take(2, now=0.0)] == ["a", "b"]
+    assert core.take(5, now=5.0) == [("c", 3)]
+    # a and b expire at t=10 and come back first, in order.
+    assert [m for m, _ in core.take(5, now=10.0)] == ["a", "b"]
+    assert core.ack(["a", "b", "c"]) == 3
+    assert len(core) == 0
+    assert core.offer("a", 1) is False  # acked ids stay deduplicated
+    stats = core.stats()
+    assert stats.redelivered_total == 2 and stats.duplicates_dropped == 2 and stats.acked_total == 3
+
+
+def test_core_dedup_window_is_bounded():
+    core = MailboxCore(capacity=10, lease_s=1.0, dedup_window=2)
+    for i in range(3):
+        core.offer(str(i), i)
+    core.ack([m for m, _ in core.take(3, now=0.0)])
+    assert core.offer("0", 0) is True  # forgotten: oldest beyond the window
+    assert core.offer("2", 2) is False
+
+
+def test_fifo_order_and_get_timeout():
+    async def main():
+        box = InProcessMailbox(capacity=100)
+        await box.put(msgs(*range(10)))
+        got = await box.get(4)
+        got += await box.get(100)
+        assert [m.value for m in got] == list(range(10))
+        t0 = time.monotonic()
+        assert await box.get(1, timeout=0.05) == []
+        assert time.monotonic() - t0 >= 0.04
+
+    run(main())
+
+
+def test_backpressure_put_waits_until_ack():
+    async def main():
+        box = InProcessMailbox(capacity=2)
+        await box.put(msgs(1, 2))
+        blocked = asyncio.create_task(box.put(msgs(3)))
+        await asyncio.sleep(0.05)
+        assert not blocked.done()  # full: queued + leased count against capacity
+        got = await box.get(2)
+        await asyncio.sleep(0.05)
+        assert not blocked.done()  # leased messages still occupy the mailbox
+        await box.ack([m.msg_id for m in got])
+        assert await asyncio.wait_for(blocked, 1.0) == 1
+        with pytest.raises(TimeoutError):
+            await box.put(msgs(4, 5), timeout=0.05)
+
+    run(main())
+
+
+def test_killed_consumer_messages_come_back():
+    async def main():
+        box = InProcessMailbox(capacity=10, lease_s=0.2)
+        await box.put(msgs(1, 2, 3))
+
+        async def doomed_consumer():
+            await box.get(2)
+            await asyncio.sleep(60)  # dies before ack
+
+        task = asyncio.create_task(doomed_consumer())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        survivor = await box.get(10, timeout=2.0)
+        assert [m.value for m in survivor] == [3]
+        redelivered = await box.get(10, timeout=2.0)  # waits for the lease to expire
+        assert sorted(m.value for m in redelivered) == [1, 2]
+        assert (await box.stats()).redelivered_total == 2
+
+    run(main())
+
+
+def test_duplicate_puts_are_delivered_once():
+    async def main():
+        box = InProcessMailbox(capacity=10)
+        assert await box.put(msgs(1, 1, 2)) == 2
+        got = await box.get(10)
+        assert await box.put(msgs(1)) == 0  # leased
+        await box.ack([m.msg_id for m in got])
+        assert await box.put(msgs(2)) == 0  # acknowledged
+        assert await box.get(10, timeout=0.05) == []
+
+    run(main())
+
+
+def test_many_producers_and_consumers():
+    async def main():
+        box = InProcessMailbox(capacity=8, lease_s=30)
+        seen = []
+
+        async def producer(p):
+            for i in range(50):
+                # Every message put twice (a retrying producer): still delivered once.
+                await box.put([Msg(f"{p}-{i}", i)] * 2)
+
+        async def consumer():
+            while True:
+                got = await box.get(3, timeout=0.3)
+                if not got:
+                    return
+                seen.extend(m.msg_id for m in got)
+                await box.ack([m.msg_id for m in got])
+
+        await asyncio.gather(*(producer(p) for p in range(4)), *(consumer() for _ in range(3)))
+        assert len(seen) == 200 and len(set(seen)) == 200
+
+    run(main())
+
+
+# --- across processes --------------------------------------------------------------------------
+
+
+def _prompt(i):
+    return PromptRequest(prompt_id=f"p{i}", prompt_token_ids=int32_array([i + 1]), group_size=2)
+
+
+def test_ray_mailbox_across_processes(ray_session):
+    ray = ray_session
+    box = RayMailbox.create(PromptRequest, capacity=4, lease_s=30)
+
+    @ray.remote(num_cpus=0)
+    def produce(box, start):
+        import asyncio
+
+        async def go():
+            return await box.put([_prompt(i) for i in range(start, start + 6)])
+
+        return asyncio.run(go())
+
+    async def consume(n):
+        out = []
+        deadline = time.monotonic() + 60
+        while len(out) < n and time.monotonic() < deadline:
+            got = await box.get(3, timeout=10)
+            out += got
+            await box.ack([m.msg_id for m in got])
+        return out
+
+    refs = [produce.remote(box, 0), produce.remote(box, 6)]
+    got = asyncio.run(consume(12))
+    assert sum(ray.get(refs)) == 12  # both producers finished despite capacity 4 (backpressure)
+    assert sorted(m.prompt_id for m in got) == sorted(f"p{i}" for i in range(12))
+    assert all(m.prompt_token_ids.dtype.name == "int32" for m in got)
+
+
+def test_ray_consumer_killed_between_get_and_ack(ray_session):
+    ray = ray_session
+    box = RayMailbox.create(PromptRequest, capacity=10, lease_s=1.0)
+    asyncio.run(box.put([_prompt(i) for i in range(3)]))
+
+    @ray.remote(num_cpus=0)
+    class Consumer:
+        async def take_and_hang(self, box):
+            got = await box.get(2)
+            return [m.prompt_id for m in got]
+
+    consumer = Consumer.remote()
+    taken = ray.get(consumer.take_and_hang.remote(box))
+    assert taken == ["p0", "p1"]
+    ray.kill(consumer)  # dies holding the lease, never acks
+
+    async def drain():
+        out = []
+        deadline = time.monotonic() + 10
+        while len(out) < 3 and time.monotonic() < deadline:
+            got = await box.get(10, timeout=2)
+            out += got
+            await box.ack([m.msg_id for m in got])
+        return out
+
+    got = asyncio.run(drain())
+    assert sorted(m.prompt_id for m in got) == ["p0", "p1", "p2"]
+    stats = asyncio.run(box.stats())
+    assert stats.redelivered_total == 2 and stats.acked_total == 3
