@@ -1,0 +1,94 @@
+"""Policy losses, aggregation, KL estimators (verl `core_algos.py` conventions, ALGORITHMS.md §0, §5).
+
+Shapes: `[B, T]` per-token tensors with a 0/1 `mask`. Losses are returned with a metrics dict of
+plain floats.
+"""
+
+from __future__ import annotations
+
+import torch
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, norm_constant: float | None = None) -> torch.Tensor:
+    """Aggregate per-token losses.
+
+    token-mean: Σ loss / Σ mask (DAPO token-level loss); seq-mean-token-mean: mean over tokens,
+    then over sequences (GRPO); seq-mean-token-sum: sum over tokens, mean over sequences;
+    seq-mean-token-sum-norm: total sum / constant (Dr.GRPO; default constant = padded length T).
+    """
+    mask = mask.to(loss_mat.dtype)
+    if mode == "token-mean":
+        return (loss_mat * mask).sum() / mask.sum().clamp(min=1)
+    seq_has_tokens = (mask.sum(-1) > 0).to(loss_mat.dtype)
+    n_seq = seq_has_tokens.sum().clamp(min=1)
+    if mode == "seq-mean-token-mean":
+        per_seq = (loss_mat * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        return (per_seq * seq_has_tokens).sum() / n_seq
+    if mode == "seq-mean-token-sum":
+        return (loss_mat * mask).sum(-1).sum() / n_seq
+    if mode == "seq-mean-token-sum-norm":
+        constant = float(loss_mat.shape[-1]) if norm_constant is None else norm_constant
+        return (loss_mat * mask).sum() / constant
+    raise ValueError(f"unknown loss aggregation {mode!r}; expected one of {AGG_MODES}")
+
+
+def ppo_policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None = None,
+    agg: str = "token-mean",
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped surrogate with decoupled clip (DAPO clip-higher) and optional dual clip.
+
+    Per token: `ℓ = max(−Â ρ, −Â clip(ρ, 1−ε_low, 1+ε_high))`, and for `Â < 0` capped at `−Â c`
+    (dual clip, Ye et al. 2020; verl `compute_policy_loss_vanilla`). `ρ = exp(clamp(logπ − logπ_old,
+    ±20))`. Metrics: clip fractions and the approximate KL `mean(−log ρ)` over valid tokens.
+    """
+    mask = mask.to(logp.dtype)
+    log_ratio = torch.clamp(logp - old_logp, -20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    loss_mat = torch.maximum(unclipped, clipped)
+    clipped_mask = (clipped > unclipped).to(logp.dtype)
+    dual_mask = torch.zeros_like(loss_mat)
+    if dual_clip is not None:
+        if dual_clip <= 1.0:
+            raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+        capped = torch.minimum(loss_mat, -advantages * dual_clip)
+        dual_mask = ((advantages < 0) & (capped < loss_mat)).to(logp.dtype)
+        loss_mat = torch.where(advantages < 0, capped, loss_mat)
+    loss = agg_loss(loss_mat, mask, agg)
+    n = mask.sum().clamp(min=1)
+    with torch.no_grad():
+        metrics = {
+            "clip_fraction": float((clipped_mask * mask).sum() / n),
+            "clip_fraction_high": float((((ratio > 1 + clip_high) & (advantages > 0)).to(logp.dtype) * mask).sum() / n),
+            "clip_fraction_low": float((((ratio < 1 - clip_low) & (advantages < 0)).to(logp.dtype) * mask).sum() / n),
+            "dual_clip_fraction": float((dual_mask * mask).sum() / n),
+            "approx_kl": float((-log_ratio * mask).sum() / n),
+            "ratio_mean": float((ratio * mask).sum() / n),
+        }
+    return loss, metrics
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "low_var_kl") -> torch.Tensor:
+    """Per-token KL(π‖π_ref) estimators. k1: `logπ − logπ_ref`; low_var_kl (k3, Schulman):
+    `π_ref/π − log(π_ref/π) − 1`, clamped to ±10 as in verl."""
+    if kind in ("k1", "kl"):
+        return logp - ref_logp
+    if kind in ("k3", "low_var_kl"):
+        log_ratio = torch.clamp(ref_logp - logp, -20.0, 20.0)
+        return torch.clamp(torch.exp(log_ratio) - log_ratio - 1.0, -10.0, 10.0)
+    raise ValueError(f"unknown KL estimator {kind!r}; expected k1 or low_var_kl")
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
