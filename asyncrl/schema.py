@@ -161,6 +161,7 @@ class Segment(msgspec.Struct, kw_only=True, frozen=True):
     ground_truth: str = ""
     seed: int = 0
     generator_id: str = ""
+    group_size: int = 1  # G: samples in this segment's group (the assembler waits for all G)
 
     def __post_init__(self) -> None:
         _check_array("prompt_token_ids", self.prompt_token_ids, "int32")
@@ -176,6 +177,8 @@ class Segment(msgspec.Struct, kw_only=True, frozen=True):
             )
         if self.sample_idx < 0 or self.turn < 0:
             raise ValueError("fields `sample_idx` and `turn` must be >= 0")
+        if not 0 <= self.sample_idx < self.group_size:
+            raise ValueError(f"field `sample_idx`: {self.sample_idx} outside group of size {self.group_size}")
 
     @property
     def msg_id(self) -> str:

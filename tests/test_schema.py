@@ -32,6 +32,7 @@ def make_segment(n_new=5, n_prior=3, finished=False, turn=1) -> Segment:
         finish_reason=FinishReason.EOS if finished else FinishReason.WINDOW,
         data_source="tiny",
         ground_truth="42",
+        group_size=4,
     )
 
 

@@ -43,11 +43,13 @@ def ppo_policy_loss(
     clip_high: float,
     dual_clip: float | None = None,
     agg: str = "token-mean",
+    norm_constant: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped surrogate with decoupled clip (DAPO clip-higher) and optional dual clip.
 
     Per token: `ℓ = max(−Â ρ, −Â clip(ρ, 1−ε_low, 1+ε_high))`, and for `Â < 0` capped at `−Â c`
-    (dual clip, Ye et al. 2020; verl `compute_policy_loss_vanilla`). `ρ = exp(clamp(logπ − logπ_old,
+    (dual clip, Ye et al. 2020; verl `compute_policy_loss_vanilla`). `norm_constant` is
+    the divisor of `seq-mean-token-sum-norm` (default: padded length). `ρ = exp(clamp(logπ − logπ_old,
     ±20))`. Metrics: clip fractions and the approximate KL `mean(−log ρ)` over valid tokens.
     """
     mask = mask.to(logp.dtype)
@@ -64,7 +66,7 @@ def ppo_policy_loss(
         capped = torch.minimum(loss_mat, -advantages * dual_clip)
         dual_mask = ((advantages < 0) & (capped < loss_mat)).to(logp.dtype)
         loss_mat = torch.where(advantages < 0, capped, loss_mat)
-    loss = agg_loss(loss_mat, mask, agg)
+    loss = agg_loss(loss_mat, mask, agg, norm_constant)
     n = mask.sum().clamp(min=1)
     with torch.no_grad():
         metrics = {

@@ -27,6 +27,7 @@ def make_segment(new_tokens: int, prompt_tokens: int = 256) -> Segment:
         finish_reason=FinishReason.EOS,
         data_source="arithmetic",
         ground_truth="42",
+        group_size=8,
     )
 
 

@@ -1,0 +1,191 @@
+"""Generator: runs engine windows in a loop and streams `Segment`s.
+
+Each turn advances every in-flight sequence by at most one window. Unfinished sequences continue
+next turn and have priority; new prompts fill freed slots (a prompt's G samples are admitted
+together). Every token is tagged with the weight version that produced it. Weight updates are
+applied between windows, never during one.
+
+A `PromptRequest` is acknowledged only when all G of its samples have emitted their final
+segment, so a generator that dies mid-prompt loses nothing: the lease expires, another generator
+regenerates the prompt with the same seeds, and the assembler drops segment ids it already has.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from asyncrl.engines.base import Engine, SamplingParams, SequenceInput
+from asyncrl.mailbox import Mailbox
+from asyncrl.schema import FinishReason, PromptRequest, Segment
+from asyncrl.weight_sync import BucketPlan, receive_weights
+
+
+@dataclass
+class _Sequence:
+    request: PromptRequest
+    sample_idx: int
+    turn: int = 0
+    response_ids: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+
+class Generator:
+    def __init__(self, engine: Engine, prompts: Mailbox, segments: Mailbox, params: SamplingParams,
+                 window_tokens: int, max_response_tokens: int, max_windows: int, max_inflight: int,
+                 generator_id: str = "gen-0"):
+        self.engine = engine
+        self.prompts = prompts
+        self.segments = segments
+        self.params = params
+        self.window_tokens = window_tokens
+        self.max_response_tokens = max_response_tokens
+        self.max_windows = max_windows
+        self.max_inflight = max_inflight
+        self.generator_id = generator_id
+        self.inflight: list[_Sequence] = []
+        self.samples_left: dict[str, int] = {}  # prompt id -> samples not yet finished
+        self._pending_update: tuple[BucketPlan, int, asyncio.Future] | None = None
+        self._running = False
+        self._started = time.monotonic()
+        self.timing = {"generate_s": 0.0, "weight_update_s": 0.0, "wait_prompts_s": 0.0, "wait_mailbox_s": 0.0}
+        self.counters = {"windows": 0, "tokens": 0, "segments": 0, "samples_finished": 0, "prompts_admitted": 0,
+                         "weight_updates": 0}
+
+    # --- weight updates (called by the learner) -------------------------------------------------
+
+    async def receive_weights(self, plan: BucketPlan, version: int) -> float:
+        """Join the broadcast of `version` between windows; returns seconds paused for it."""
+        future = asyncio.get_running_loop().create_future()
+        self._pending_update = (plan, version, future)
+        return await future
+
+    async def _apply_pending_update(self) -> None:
+        if self._pending_update is None:
+            return
+        plan, version, future = self._pending_update
+        self._pending_update = None
+        start = time.perf_counter()
+        try:
+            await asyncio.to_thread(lambda: self.engine.update_weights(receive_weights(plan), version))
+        except Exception as exc:
+            future.set_exception(exc)
+            raise
+        paused = time.perf_counter() - start
+        self.timing["weight_update_s"] += paused
+        self.counters["weight_updates"] += 1
+        future.set_result(paused)
+
+    # --- the loop --------------------------------------------------------------------------------
+
+    async def _admit(self) -> None:
+        free = self.max_inflight - len(self.inflight)
+        if free <= 0:
+            return
+        # Wait for prompts only when idle; otherwise take what is there without blocking.
+        timeout = 0.05 if self.inflight else 0.2
+        max_prompts = max(1, free // max(1, self._group_size_hint()))
+        start = time.perf_counter()
+        requests = await self.prompts.get(max_prompts, timeout=timeout)
+        if not self.inflight:
+            self.timing["wait_prompts_s"] += time.perf_counter() - start
+        for request in requests:
+            self.samples_left[request.prompt_id] = request.group_size
+            self.inflight += [_Sequence(request, i) for i in range(request.group_size)]
+            self.counters["prompts_admitted"] += 1
+
+    def _group_size_hint(self) -> int:
+        return self.inflight[0].request.group_size if self.inflight else 1
+
+    async def step(self) -> None:
+        """One turn: apply a pending update, admit prompts, generate a window, emit segments."""
+        await self._apply_pending_update()
+        await self._admit()
+        if not self.inflight:
+            return
+        batch = self.inflight[: self.max_inflight]
+        inputs = [
+            SequenceInput(
+                prompt_ids=s.request.prompt_token_ids,
+                response_ids=np.asarray(s.response_ids, dtype=np.int32),
+                seed=s.request.seed + s.sample_idx,
+                max_response_tokens=self.max_response_tokens,
+            )
+            for s in batch
+        ]
+        version = self.engine.version
+        start = time.perf_counter()
+        outputs = await self.engine.generate_window(inputs, self.window_tokens, self.params)
+        self.timing["generate_s"] += time.perf_counter() - start
+        self.counters["windows"] += 1
+
+        segments, finished_prompts, still_running = [], [], []
+        for seq, out in zip(batch, outputs):
+            finished = out.finished or (self.max_windows > 0 and seq.turn + 1 >= self.max_windows)
+            # The K-th window ends a response whether or not it reached EOS.
+            reason = out.finish_reason if out.finished or not finished else FinishReason.MAX_LENGTH
+            segments.append(
+                Segment(
+                    prompt_id=seq.request.prompt_id,
+                    sample_idx=seq.sample_idx,
+                    turn=seq.turn,
+                    group_id=seq.request.prompt_id,
+                    prompt_token_ids=seq.request.prompt_token_ids,
+                    prior_response_ids=np.asarray(seq.response_ids, dtype=np.int32),
+                    prior_versions=np.asarray(seq.versions, dtype=np.int32),
+                    new_token_ids=out.token_ids,
+                    new_logprobs=out.logprobs,
+                    new_versions=np.full(len(out.token_ids), version, dtype=np.int32),
+                    finished=finished,
+                    finish_reason=reason,
+                    data_source=seq.request.data_source,
+                    ground_truth=seq.request.ground_truth,
+                    seed=seq.request.seed + seq.sample_idx,
+                    generator_id=self.generator_id,
+                    group_size=seq.request.group_size,
+                )
+            )
+            self.counters["tokens"] += len(out.token_ids)
+            if finished:
+                self.counters["samples_finished"] += 1
+                self.samples_left[seq.request.prompt_id] -= 1
+                if self.samples_left[seq.request.prompt_id] == 0:
+                    del self.samples_left[seq.request.prompt_id]
+                    finished_prompts.append(seq.request.prompt_id)
+            else:
+                seq.response_ids += out.token_ids.tolist()
+                seq.versions += [version] * len(out.token_ids)
+                seq.turn += 1
+                still_running.append(seq)
+        # Continuations first, in their original order; sequences outside this batch keep theirs.
+        self.inflight = still_running + self.inflight[len(batch):]
+        start = time.perf_counter()
+        await self.segments.put(segments)
+        self.timing["wait_mailbox_s"] += time.perf_counter() - start
+        self.counters["segments"] += len(segments)
+        if finished_prompts:
+            await self.prompts.ack(finished_prompts)
+
+    async def run(self) -> None:
+        self._running = True
+        self._started = time.monotonic()
+        while self._running:
+            await self.step()
+
+    def stop(self) -> None:
+        self._running = False
+
+    def stats(self) -> dict:
+        wall = max(time.monotonic() - self._started, 1e-9)
+        return {
+            **self.counters,
+            **self.timing,
+            "version": self.engine.version,
+            "inflight_sequences": len(self.inflight),
+            "wall_s": wall,
+            "busy_fraction": self.timing["generate_s"] / wall,
+            "paused_for_weights_fraction": self.timing["weight_update_s"] / wall,
+        }

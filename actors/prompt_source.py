@@ -1,0 +1,96 @@
+"""Prompt source: walks the dataset (an epoch cursor over a seeded shuffle) and feeds the
+generators' prompt mailbox.
+
+It owns the staleness bound of the stream (one knob, one place): a prompt is issued only while
+`issued < (learner_version + max_staleness_versions + 1) * prompts_per_step + dropped_groups`, so
+generators can never run more than `max_staleness_versions` learner steps ahead of training, and
+dropped groups (dynamic sampling) are replaced. The assembler's staleness check is the safety net.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import numpy as np
+
+from asyncrl.mailbox import Mailbox
+from asyncrl.schema import PromptRequest
+from asyncrl.tasks import Example
+
+
+class PromptSource:
+    def __init__(self, examples: list[Example], prompt_token_ids: list[list[int]], group_size: int,
+                 out: Mailbox, seed: int = 0, prompts_per_step: int = 1, max_staleness_versions: int = 1 << 30):
+        if not examples:
+            raise ValueError("the prompt source needs at least one example")
+        self.examples = examples
+        self.prompt_token_ids = prompt_token_ids
+        self.group_size = group_size
+        self.out = out
+        self.seed = seed
+        self.epoch = 0
+        self.index = 0  # position in the current epoch's order
+        self.issued = 0
+        self._order = self._shuffle(0)
+        self._running = False
+        self.prompts_per_step = prompts_per_step
+        self.max_staleness_versions = max_staleness_versions
+        self.learner_version = 0
+        self.dropped_groups = 0
+        self._budget_changed = asyncio.Event()
+
+    @property
+    def budget(self) -> int:
+        return (self.learner_version + self.max_staleness_versions + 1) * self.prompts_per_step + self.dropped_groups
+
+    def set_learner_version(self, version: int) -> None:
+        self.learner_version = max(self.learner_version, version)
+        self._budget_changed.set()
+
+    def note_dropped_groups(self, n: int) -> None:
+        self.dropped_groups += n
+        self._budget_changed.set()
+
+    def _shuffle(self, epoch: int) -> list[int]:
+        order = list(range(len(self.examples)))
+        random.Random(f"{self.seed}-{epoch}").shuffle(order)
+        return order
+
+    def next_request(self) -> PromptRequest:
+        if self.index >= len(self._order):
+            self.epoch, self.index = self.epoch + 1, 0
+            self._order = self._shuffle(self.epoch)
+        example = self.examples[self._order[self.index]]
+        tokens = self.prompt_token_ids[self._order[self.index]]
+        self.index += 1
+        self.issued += 1
+        # The prompt id is unique per issue (a prompt recurs every epoch); seeds follow it.
+        return PromptRequest(
+            prompt_id=f"{example.prompt_id}@{self.epoch}",
+            prompt_token_ids=np.asarray(tokens, dtype=np.int32),
+            group_size=self.group_size,
+            data_source=example.data_source,
+            ground_truth=example.ground_truth,
+            prompt_text=example.text,
+            seed=(self.seed * 1_000_003 + self.issued) * 1024,
+        )
+
+    async def run(self) -> None:
+        self._running = True
+        while self._running:
+            if self.issued >= self.budget:
+                self._budget_changed.clear()
+                try:
+                    await asyncio.wait_for(self._budget_changed.wait(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            await self.out.put([self.next_request()])
+
+    def stop(self) -> None:
+        self._running = False
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index, "issued": self.issued, "budget": self.budget,
+                "learner_version": self.learner_version, "dropped_groups": self.dropped_groups}

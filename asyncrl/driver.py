@@ -1,0 +1,167 @@
+"""The streaming driver of `asyncrl train`: start the system, watch it, stop after N steps.
+
+The driver never waits on the actors' work: generators, assembler and learner run their own
+loops; the driver only polls metrics (every `poll_s`) to log them, and evaluates the policy on
+held-out prompts before the first step and after the last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import datetime
+
+import numpy as np
+import ray
+import torch
+
+from asyncrl.config import Config, compose, to_dict
+from asyncrl.engines.base import SamplingParams, SequenceInput
+from asyncrl.system import TrainingSystem, build_engine
+from asyncrl.tasks import encode_prompt, load_examples, score_response
+
+
+def default_run_dir() -> str:
+    return os.path.join("outputs", datetime.now().strftime("%Y%m%d-%H%M%S"))
+
+
+def evaluate(config: Config, engine, tokenizer, max_prompts: int | None = None) -> dict:
+    """Greedy pass@1 on the held-out prompts of the task."""
+    t = config.task
+    examples = load_examples(t.name, "eval", t.num_eval_prompts, t.seed, t.eval_path or t.path)
+    examples = examples[: max_prompts or config.trainer.eval_samples]
+    sequences = [
+        SequenceInput(prompt_ids=np.asarray(encode_prompt(ex, tokenizer, config.model.use_chat_template), dtype=np.int32),
+                      response_ids=np.zeros(0, dtype=np.int32), seed=i, max_response_tokens=config.engine.max_response_tokens)
+        for i, ex in enumerate(examples)
+    ]
+    correct, lengths = 0, []
+    batch = 16
+    for start in range(0, len(sequences), batch):
+        outs = engine.generate_window_sync(sequences[start:start + batch], config.engine.max_response_tokens, SamplingParams(greedy=True))
+        for ex, out in zip(examples[start:start + batch], outs):
+            text = tokenizer.decode(out.token_ids.tolist(), skip_special_tokens=True)
+            correct += score_response(ex.data_source, text, ex.ground_truth, "zero_one")[1]
+            lengths.append(len(out.token_ids))
+    return {"accuracy": correct / max(len(examples), 1), "n": len(examples), "response_length_mean": float(np.mean(lengths))}
+
+
+def plot_curve(records: list[dict], path: str, key: str = "reward_mean", title: str = "reward") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in records if key in r]
+    values = [r[key] for r in records if key in r]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, values, marker=".", label=key)
+    if len(values) >= 5:
+        window = max(3, len(values) // 10)
+        smooth = np.convolve(values, np.ones(window) / window, mode="valid")
+        ax.plot(steps[window - 1:], smooth, label=f"{key} (mean of {window})")
+    ax.set_xlabel("learner step")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def init_ray(config: Config) -> None:
+    if not ray.is_initialized():
+        ray.init(num_cpus=16, include_dashboard=False, object_store_memory=512 * 2**20, log_to_driver=False,
+                 namespace="asyncrl",
+                 runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}})
+
+
+def train(config: Config, progress: bool = True, eval_prompts: int | None = None) -> dict:
+    """Run `trainer.total_steps` learner steps; returns a summary with held-out accuracy before/after."""
+    run_dir = config.trainer.run_dir or default_run_dir()
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "config.json"), "w") as f:
+        json.dump(to_dict(config), f, indent=2)
+    init_ray(config)
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    engine, tokenizer = build_engine(config)
+    before = evaluate(config, engine, tokenizer, eval_prompts)
+    print(f"held-out accuracy before training: {before['accuracy']:.3f} (n={before['n']})", flush=True)
+
+    wandb_run = _init_wandb(config, run_dir)
+    system = TrainingSystem(config).start()
+    records: list[dict] = []
+    started = time.time()
+    bar = _progress(config.trainer.total_steps, progress)
+    try:
+        with open(os.path.join(run_dir, "metrics.jsonl"), "a") as metrics_file:
+            while not records or records[-1]["step"] < config.trainer.total_steps:
+                time.sleep(0.5)
+                system.check_alive()
+                new = system.pop_metrics()
+                if not new:
+                    continue
+                status = system.status()
+                for record in new:
+                    record.update({
+                        "samples_trained": status["samples_trained"], "samples_dropped": status["samples_dropped"],
+                        "samples_generated": status["samples_generated"],
+                        "generator_busy_fraction": status["generator_busy_fraction"],
+                        "generator_paused_for_weights_fraction": status["generator_paused_for_weights_fraction"],
+                        "broadcast_s": status["last_broadcast"].get("total_s", 0.0),
+                        "wall_time_s": time.time() - started,
+                    })
+                    metrics_file.write(json.dumps(record) + "\n")
+                    records.append(record)
+                    if wandb_run is not None:
+                        wandb_run.log(record, step=record["step"])
+                metrics_file.flush()
+                if bar is not None:
+                    bar.update(len(new))
+                    bar.set_postfix(reward=f"{records[-1]['reward_mean']:.3f}",
+                                    samples_s=f"{status['samples_trained'] / max(time.time() - started, 1e-9):.2f}")
+        final_status = system.status()
+        version, weights = system.weights()
+    finally:
+        if bar is not None:
+            bar.close()
+        system.stop()
+    wall = time.time() - started
+    engine.update_weights(weights.items(), version)
+    after = evaluate(config, engine, tokenizer, eval_prompts)
+    print(f"held-out accuracy after {len(records)} steps: {after['accuracy']:.3f} (n={after['n']}), "
+          f"{wall / 60:.1f} min of training", flush=True)
+    plot_curve(records, os.path.join(run_dir, "reward_curve.png"))
+    summary = {"run_dir": run_dir, "eval_before": before, "eval_after": after, "train_wall_s": wall,
+               "steps": len(records), "final_status": {k: v for k, v in final_status.items() if k != "generators"},
+               "records": records}
+    with open(os.path.join(run_dir, "summary.json"), "w") as f:
+        json.dump({k: v for k, v in summary.items() if k != "records"}, f, indent=2, default=str)
+    if wandb_run is not None:
+        wandb_run.summary.update({"eval_accuracy_before": before["accuracy"], "eval_accuracy_after": after["accuracy"]})
+        wandb_run.finish()
+    return summary
+
+
+def _init_wandb(config: Config, run_dir: str):
+    mode = os.environ.get("WANDB_MODE", config.trainer.wandb_mode)
+    if mode == "disabled":
+        return None
+    import wandb
+
+    return wandb.init(project=config.trainer.wandb_project, dir=run_dir, mode=mode, config=to_dict(config))
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="train", unit="step")
+
+
+def train_cli(overrides: list[str]) -> int:
+    config = compose(overrides)
+    summary = train(config)
+    print(json.dumps({k: summary[k] for k in ("run_dir", "eval_before", "eval_after", "train_wall_s")}, indent=2))
+    return 0

@@ -1,0 +1,295 @@
+"""Bringing a training run up as Ray actors, and taking it down.
+
+`TrainingSystem(config).start()` creates the mailboxes, the verifier, the policy learner, the
+generators, the assembler and the prompt source, joins the learner and the generators in a weight
+group, and starts every actor's loop. The same object serves `asyncrl train`, the Serve `train`
+application and the tests. Each actor gets an explicit torch thread budget.
+
+The Ray shells below only build the plain role objects of `actors/` from config and forward calls.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import ray
+import torch
+
+from asyncrl.assembly import AssemblySettings
+from asyncrl.config import Config
+from asyncrl.engines.base import SamplingParams
+from asyncrl.engines.torch_engine import TorchEngine
+from asyncrl.learning import PolicyLossSettings
+from asyncrl.mailbox import RayMailbox
+from asyncrl.models import ModelSpec, eos_token_ids, load_model, load_tokenizer
+from asyncrl.schema import PromptRequest, Segment, TrainBatch
+from asyncrl.tasks import encode_prompt, load_examples
+from asyncrl.weight_sync import free_port, init_weight_group
+
+NAMESPACE = "asyncrl"
+LEARNER_NAME = "asyncrl-policy-learner"
+
+
+def model_spec(config: Config) -> ModelSpec:
+    return ModelSpec(**{k: getattr(config.model, k) for k in ModelSpec.__dataclass_fields__})
+
+
+def sampling_params(config: Config) -> SamplingParams:
+    e = config.engine
+    return SamplingParams(temperature=e.temperature, top_p=e.top_p, top_k=e.top_k,
+                          first_token_temperature=e.first_token_temperature, first_token_top_k=e.first_token_top_k)
+
+
+def build_engine(config: Config) -> tuple[TorchEngine, Any]:
+    tokenizer = load_tokenizer(model_spec(config))
+    model = load_model(model_spec(config), tokenizer)
+    return TorchEngine(model, eos_token_ids(model, tokenizer), tokenizer.pad_token_id or 0), tokenizer
+
+
+# --- Ray shells --------------------------------------------------------------------------------
+
+
+class GeneratorActor:
+    def __init__(self, config: Config, prompts: RayMailbox, segments: RayMailbox, generator_id: str):
+        from actors.generator import Generator
+
+        torch.set_num_threads(config.engine.threads)
+        engine, _ = build_engine(config)
+        e = config.engine
+        max_windows = e.max_windows or math.ceil(e.max_response_tokens / e.window_tokens)
+        self.inner = Generator(engine, prompts, segments, sampling_params(config), e.window_tokens,
+                               e.max_response_tokens, max_windows, e.max_inflight_sequences, generator_id)
+
+    def init_weight_group(self, addr: str, port: int, world_size: int, rank: int) -> None:
+        init_weight_group(addr, port, world_size, rank, "gloo")
+
+    async def receive_weights(self, plan, version: int) -> float:
+        return await self.inner.receive_weights(plan, version)
+
+    async def run(self) -> None:
+        await self.inner.run()
+
+    def stop(self) -> None:
+        self.inner.stop()
+
+    def stats(self) -> dict:
+        return self.inner.stats()
+
+
+class LearnerActor:
+    def __init__(self, config: Config, batches: RayMailbox):
+        from actors.policy_learner import PolicyLearner
+
+        torch.set_num_threads(config.trainer.learner_threads)
+        torch.manual_seed(config.trainer.seed)
+        tokenizer = load_tokenizer(model_spec(config))
+        model = load_model(model_spec(config), tokenizer)
+        a = config.algorithm
+        settings = PolicyLossSettings(
+            clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip, loss_agg=a.loss_agg,
+            kl_coef=a.kl_coef, entropy_coef=a.entropy_coef, temperature=config.engine.temperature,
+            grad_clip=a.grad_clip, micro_batch_tokens=a.micro_batch_tokens,
+        )
+        self.inner = PolicyLearner(model, settings, batches, a.lr, a.weight_decay, a.warmup_steps, a.kl_coef,
+                                   tokenizer.pad_token_id or 0, config.trainer.broadcast_bucket_mb << 20)
+
+    def init_weight_group(self, addr: str, port: int, world_size: int, rank: int) -> None:
+        init_weight_group(addr, port, world_size, rank, "gloo")
+
+    def connect(self, generators: list, assembler, prompt_source) -> None:
+        self.inner.generators = generators
+        self.inner.on_version = [lambda v: assembler.set_policy_version.remote(v),
+                                 lambda v: prompt_source.set_learner_version.remote(v)]
+
+    async def run(self) -> None:
+        await self.inner.run()
+
+    def stop(self) -> None:
+        self.inner.stop()
+
+    def stats(self) -> dict:
+        return self.inner.stats()
+
+    def pop_metrics(self) -> list[dict]:
+        return self.inner.pop_metrics()
+
+    def weights(self) -> tuple[int, dict[str, torch.Tensor]]:
+        """(version, a snapshot of the parameters): for evaluation and the policy endpoint."""
+        return self.inner.version, self.inner.snapshot()
+
+    def version(self) -> int:
+        return self.inner.version
+
+
+class VerifierActor:
+    def __init__(self, reward_style: str):
+        from actors.verifier import Verifier
+
+        self.inner = Verifier(reward_style)
+
+    def score(self, requests):
+        return self.inner.score(requests)
+
+    def stats(self) -> dict:
+        return self.inner.stats()
+
+
+class AssemblerActor:
+    def __init__(self, config: Config, segments: RayMailbox, batches: RayMailbox, verifier, prompt_source):
+        from actors.assembler import Assembler
+
+        torch.set_num_threads(1)
+        tokenizer = load_tokenizer(model_spec(config))
+        a = config.algorithm
+        settings = AssemblySettings(
+            dynamic_sampling=a.dynamic_sampling, scale_advantage_by_std=a.scale_advantage_by_std,
+            max_staleness_versions=a.max_staleness_versions, overlong_buffer_tokens=a.overlong_buffer_tokens,
+            overlong_penalty_factor=a.overlong_penalty_factor, max_response_tokens=config.engine.max_response_tokens,
+        )
+
+        async def score(requests):
+            return await verifier.score.remote(requests)
+
+        self.inner = Assembler(segments, batches, score, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                               settings, config.trainer.prompts_per_step,
+                               on_dropped_group=lambda reason: prompt_source.note_dropped_groups.remote(1))
+
+    def set_policy_version(self, version: int) -> None:
+        self.inner.set_policy_version(version)
+
+    async def run(self) -> None:
+        await self.inner.run()
+
+    def stop(self) -> None:
+        self.inner.stop()
+
+    def stats(self) -> dict:
+        return self.inner.stats()
+
+
+class PromptSourceActor:
+    def __init__(self, config: Config, prompts: RayMailbox):
+        from actors.prompt_source import PromptSource
+
+        tokenizer = load_tokenizer(model_spec(config))
+        t = config.task
+        examples = load_examples(t.name, "train", t.num_train_prompts, t.seed, t.path)
+        tokens = [encode_prompt(ex, tokenizer, config.model.use_chat_template) for ex in examples]
+        self.inner = PromptSource(examples, tokens, config.algorithm.group_size, prompts, config.trainer.seed,
+                                  config.trainer.prompts_per_step, config.algorithm.max_staleness_versions)
+
+    def set_learner_version(self, version: int) -> None:
+        self.inner.set_learner_version(version)
+
+    def note_dropped_groups(self, n: int) -> None:
+        self.inner.note_dropped_groups(n)
+
+    async def run(self) -> None:
+        await self.inner.run()
+
+    def stop(self) -> None:
+        self.inner.stop()
+
+    def stats(self) -> dict:
+        return self.inner.state()
+
+
+# --- the system ----------------------------------------------------------------------------------
+
+
+class TrainingSystem:
+    def __init__(self, config: Config, name_actors: bool = True):
+        self.config = config
+        self.name_actors = name_actors
+        self.actors: dict[str, Any] = {}
+        self.generators: list[Any] = []
+        self.run_refs: dict[str, Any] = {}
+        self.mailboxes: dict[str, RayMailbox] = {}
+        self.started_at = 0.0
+
+    def start(self) -> "TrainingSystem":
+        cfg, tr = self.config, self.config.trainer
+        G = cfg.algorithm.group_size
+        prompts_ahead = max(2, 2 * tr.num_generators * math.ceil(cfg.engine.max_inflight_sequences / G))
+        self.mailboxes = {
+            "prompts": RayMailbox.create(PromptRequest, capacity=prompts_ahead, lease_s=tr.lease_s),
+            "segments": RayMailbox.create(Segment, capacity=tr.mailbox_capacity, lease_s=tr.lease_s),
+            "batches": RayMailbox.create(TrainBatch, capacity=2, lease_s=tr.lease_s),
+        }
+        opts = {"num_cpus": 0, "max_concurrency": 64}
+        learner_opts = dict(opts, name=LEARNER_NAME, namespace=NAMESPACE, lifetime=None) if self.name_actors else opts
+        verifier = ray.remote(VerifierActor).options(num_cpus=0, max_concurrency=4).remote(cfg.task.reward)
+        learner = ray.remote(LearnerActor).options(**learner_opts).remote(cfg, self.mailboxes["batches"])
+        self.generators = [
+            ray.remote(GeneratorActor).options(**opts).remote(cfg, self.mailboxes["prompts"], self.mailboxes["segments"], f"gen-{i}")
+            for i in range(tr.num_generators)
+        ]
+        prompt_source = ray.remote(PromptSourceActor).options(**opts).remote(cfg, self.mailboxes["prompts"])
+        assembler = ray.remote(AssemblerActor).options(**opts).remote(
+            cfg, self.mailboxes["segments"], self.mailboxes["batches"], verifier, prompt_source)
+        self.actors = {"verifier": verifier, "learner": learner, "assembler": assembler, "prompt_source": prompt_source}
+
+        # Weight group: receivers first, then the sender, then wait (any other order deadlocks).
+        port, world = free_port(), tr.num_generators + 1
+        joins = [g.init_weight_group.remote("127.0.0.1", port, world, i + 1) for i, g in enumerate(self.generators)]
+        joins.append(learner.init_weight_group.remote("127.0.0.1", port, world, 0))
+        ray.get(joins)
+        ray.get(learner.connect.remote(self.generators, assembler, prompt_source))
+
+        for name, actor in [("learner", learner), ("assembler", assembler), ("prompt_source", prompt_source)]:
+            self.run_refs[name] = actor.run.remote()
+        for i, g in enumerate(self.generators):
+            self.run_refs[f"generator-{i}"] = g.run.remote()
+        self.started_at = time.time()
+        return self
+
+    def check_alive(self) -> None:
+        """Raise the error of any actor loop that ended (a crash must not look like a slow run)."""
+        done, _ = ray.wait(list(self.run_refs.values()), timeout=0, num_returns=len(self.run_refs))
+        for ref in done:
+            ray.get(ref)  # raises the actor's exception
+            name = next(k for k, v in self.run_refs.items() if v == ref)
+            raise RuntimeError(f"actor loop {name} stopped unexpectedly")
+
+    def status(self) -> dict:
+        learner = ray.get(self.actors["learner"].stats.remote())
+        generators = ray.get([g.stats.remote() for g in self.generators])
+        assembler = ray.get(self.actors["assembler"].stats.remote())
+        mailboxes = {name: ray.get(box.actor.stats.remote()) for name, box in self.mailboxes.items()}
+        return summarize(learner, generators, assembler, mailboxes, time.time() - self.started_at)
+
+    def pop_metrics(self) -> list[dict]:
+        return ray.get(self.actors["learner"].pop_metrics.remote())
+
+    def weights(self) -> tuple[int, dict[str, torch.Tensor]]:
+        return ray.get(self.actors["learner"].weights.remote())
+
+    def stop(self) -> None:
+        stops = [a.stop.remote() for a in [*self.actors.values(), *self.generators] if hasattr(a, "stop")]
+        ray.wait(stops, num_returns=len(stops), timeout=5)  # best effort: the actors are killed next
+        for actor in [*self.actors.values(), *self.generators, *(b.actor for b in self.mailboxes.values())]:
+            ray.kill(actor)
+
+
+def summarize(learner: dict, generators: list[dict], assembler: dict, mailboxes: dict, wall_s: float) -> dict:
+    generated = sum(g["samples_finished"] for g in generators)
+    return {
+        "step": learner["step"],
+        "weight_version": learner["weight_version"],
+        "samples_generated": generated,
+        "samples_trained": learner["samples_trained"],
+        "samples_dropped": assembler.get("samples_dropped", 0),
+        "dropped_by_reason": {k.removeprefix("dropped_").removesuffix("_samples"): v for k, v in assembler.items()
+                              if k.startswith("dropped_") and k.endswith("_samples")},
+        "reward_mean": assembler.get("reward_mean_all", 0.0),
+        "generator_busy_fraction": sum(g["busy_fraction"] for g in generators) / max(len(generators), 1),
+        "generator_paused_for_weights_fraction": sum(g["paused_for_weights_fraction"] for g in generators) / max(len(generators), 1),
+        "learner_busy_fraction": learner["busy_fraction"],
+        "last_broadcast": learner["last_broadcast"],
+        "queue_depths": {name: {"queued": s.queued, "leased": s.leased, "capacity": s.capacity} for name, s in mailboxes.items()},
+        "generators": generators,
+        "assembler": assembler,
+        "wall_time_s": wall_s,
+    }
