@@ -121,6 +121,9 @@ class TrainerConfig:
     eval_samples: int = 64
     mailbox_capacity: int = 256
     lease_s: float = 600.0
+    stall_timeout_s: float = 600.0
+    """`asyncrl train` fails if no learner step happens for this long (e.g. dynamic sampling
+    dropping every group of a task the policy has solved), naming the drop counts."""
     wandb_project: str = "asyncrl"
     wandb_mode: str = "offline"
     """offline | online | disabled (WANDB_MODE in the environment wins)."""
@@ -158,7 +161,11 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
     """Compose the Hydra config with overrides and validate it against the `Config` schema."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
+    from hydra.core.config_store import ConfigStore
 
+    # The dataclass schema is the base of configs/config.yaml: every field is overridable and
+    # typed, and a key the schema lacks is an error naming it.
+    ConfigStore.instance().store(name="asyncrl_schema", node=Config)
     try:
         with initialize_config_dir(config_dir=config_dir(), version_base=None, job_name="asyncrl"):
             raw = hydra_compose(config_name=config_name, overrides=list(overrides or []))

@@ -93,6 +93,7 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
     records: list[dict] = []
     started = time.time()
     bar = _progress(config.trainer.total_steps, progress)
+    last_step_at = time.time()
     try:
         with open(os.path.join(run_dir, "metrics.jsonl"), "a") as metrics_file:
             while not records or records[-1]["step"] < config.trainer.total_steps:
@@ -100,7 +101,13 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
                 system.check_alive()
                 new = system.pop_metrics()
                 if not new:
+                    if time.time() - last_step_at > config.trainer.stall_timeout_s:
+                        status = system.status()
+                        raise RuntimeError(
+                            f"no learner step for {config.trainer.stall_timeout_s:.0f}s at step {status['step']}; "
+                            f"samples dropped by reason: {status['dropped_by_reason']}, queues: {status['queue_depths']}")
                     continue
+                last_step_at = time.time()
                 status = system.status()
                 for record in new:
                     record.update({
