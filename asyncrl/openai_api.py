@@ -1,0 +1,111 @@
+"""OpenAI-compatible request/response schemas for the policy endpoint (pydantic, as FastAPI wants).
+
+Bad requests raise `OpenAIError` (or fail validation), which the app turns into a 4xx with an
+OpenAI-style body `{"error": {"message", "type", "param", "code"}}`.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Literal
+
+import numpy as np
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from asyncrl.engines.base import SamplingParams, SequenceInput
+from asyncrl.schema import FinishReason
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+def openai_error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int = Field(16, ge=1, le=4096)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=16)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] = Field(..., min_length=1)
+    logprobs: int | None = Field(None, ge=0, le=5)
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    logprobs: bool = False
+
+
+def _stops(stop: str | list[str] | None) -> list[str]:
+    return [stop] if isinstance(stop, str) else list(stop or [])
+
+
+async def generate_choices(engine, tokenizer, prompt_ids: list[list[int]], body: _Sampling) -> list[dict]:
+    """n samples per prompt in one engine call; text cut at the first stop string."""
+    seed = body.seed if body.seed is not None else random.randrange(1 << 40)
+    sequences = [
+        SequenceInput(prompt_ids=np.asarray(ids, dtype=np.int32), response_ids=np.zeros(0, dtype=np.int32),
+                      seed=seed + k, max_response_tokens=body.max_tokens)
+        for ids in prompt_ids for k in range(body.n)
+    ]
+    greedy = body.temperature == 0.0
+    params = SamplingParams(temperature=1.0 if greedy else body.temperature, top_p=body.top_p, greedy=greedy)
+    outputs = await engine.generate_window(sequences, body.max_tokens, params)
+    choices = []
+    for index, out in enumerate(outputs):
+        text = tokenizer.decode(out.token_ids.tolist(), skip_special_tokens=True)
+        finish = "stop" if out.finish_reason is FinishReason.EOS else "length"
+        cuts = [text.find(s) for s in _stops(body.stop) if s and s in text]
+        if cuts:
+            text, finish = text[: min(cuts)], "stop"
+        choices.append({"index": index, "text": text, "finish_reason": finish,
+                        "token_logprobs": out.logprobs.tolist(),
+                        "tokens": [tokenizer.decode([t]) for t in out.token_ids.tolist()],
+                        "completion_tokens": len(out.token_ids), "prompt_tokens": len(prompt_ids[index // body.n])})
+    return choices
+
+
+def _usage(choices: list[dict]) -> dict:
+    prompt = sum(c["prompt_tokens"] for c in choices[:: max(1, len(choices))]) if choices else 0
+    completion = sum(c["completion_tokens"] for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def completion_response(request_id: str, model: str, choices: list[dict], version: int) -> dict:
+    return {
+        "id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
+        "weight_version": version,
+        "choices": [{"index": c["index"], "text": c["text"], "finish_reason": c["finish_reason"],
+                     "logprobs": {"tokens": c["tokens"], "token_logprobs": c["token_logprobs"]}} for c in choices],
+        "usage": _usage(choices),
+    }
+
+
+def chat_response(request_id: str, model: str, choices: list[dict], version: int) -> dict:
+    return {
+        "id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
+        "weight_version": version,
+        "choices": [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
+                     "finish_reason": c["finish_reason"], "logprobs": None} for c in choices],
+        "usage": _usage(choices),
+    }

@@ -1,0 +1,185 @@
+"""Ray Serve applications: `train` (the running system and its status) and `policy`
+(OpenAI-compatible completions from the latest weights).
+
+The deployments are a thin control plane: the training actors live outside Serve (a replica that
+fails a health check is restarted and would lose their state), the controller owns them.
+
+    serve run configs/serve.yaml            # both applications, trains until stopped
+    serve run asyncrl.serve_app:build_train overrides="model=tiny task=tiny"
+
+The policy endpoint pulls new weights from the learner (a named actor) when its version moves,
+instead of joining the broadcast group: Serve replicas come and go independently, and a
+fixed-size collective cannot lose a member.
+
+No `from __future__ import annotations` here: Serve's ingress wrapper resolves route annotations
+at runtime, and string annotations would turn request bodies into query parameters.
+"""
+
+import asyncio
+import json
+import os
+import time
+import uuid
+from typing import Any
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from ray import serve
+
+from asyncrl.config import Config, ConfigError, compose
+from asyncrl.openai_api import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+    chat_response,
+    completion_response,
+    openai_error,
+)
+from asyncrl.system import LEARNER_NAME, NAMESPACE, TrainingSystem, build_engine
+
+VERSION_HEADER = "x-asyncrl-weight-version"
+
+
+def _config_from_args(args: dict[str, Any]) -> Config:
+    """Builder args (strings from `serve run` or the config file) -> a validated Config."""
+    overrides = args.get("overrides", "")
+    overrides = overrides.split() if isinstance(overrides, str) else list(overrides)
+    overrides += [f"{k}={v}" for k, v in args.items() if k != "overrides"]
+    return compose(overrides)
+
+
+# --- train -------------------------------------------------------------------------------------------
+
+train_api = FastAPI(title="asyncrl train")
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=100, health_check_period_s=10)
+@serve.ingress(train_api)
+class TrainController:
+    def __init__(self, config: Config):
+        self.config = config
+        self.run_dir = config.trainer.run_dir or os.path.join("outputs", time.strftime("serve-%Y%m%d-%H%M%S"))
+        os.makedirs(self.run_dir, exist_ok=True)
+        self.system = TrainingSystem(config).start()
+        self.history: list[dict] = []
+        self._task = asyncio.get_event_loop().create_task(self._collect_metrics())
+
+    async def _collect_metrics(self) -> None:
+        path = os.path.join(self.run_dir, "metrics.jsonl")
+        while True:
+            await asyncio.sleep(1.0)
+            records = await self.system.actors["learner"].pop_metrics.remote()
+            if records:
+                with open(path, "a") as f:
+                    for record in records:
+                        f.write(json.dumps(record) + "\n")
+                self.history += records
+
+    @train_api.get("/status")
+    def status(self) -> dict:
+        status = self.system.status()
+        status.pop("generators")
+        status["run_dir"] = self.run_dir
+        status["reward_curve"] = [(r["step"], r["reward_mean"]) for r in self.history[-200:]]
+        return status
+
+    @train_api.get("/healthz")
+    def healthz(self) -> dict:
+        self.system.check_alive()
+        return {"ok": True}
+
+    def check_health(self) -> None:
+        self.system.check_alive()  # raises if any actor loop died
+
+    def __del__(self):
+        self._task.cancel()
+        self.system.stop()
+
+
+def build_train(args: dict[str, Any]) -> serve.Application:
+    return TrainController.bind(_config_from_args(args))
+
+
+# --- policy ------------------------------------------------------------------------------------------
+
+policy_api = FastAPI(title="asyncrl policy")
+
+
+@policy_api.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0] if exc.errors() else {}
+    param = ".".join(str(p) for p in first.get("loc", [])[1:]) or None
+    return openai_error(400, f"invalid request: {first.get('msg', 'malformed body')}", param)
+
+
+@policy_api.exception_handler(OpenAIError)
+async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+    return openai_error(exc.status, exc.message, exc.param)
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=64)
+@serve.ingress(policy_api)
+class PolicyServer:
+    def __init__(self, config: Config, poll_s: float = 1.0):
+        self.config = config
+        self.engine, self.tokenizer = build_engine(config)
+        self.poll_s = poll_s
+        self._task = asyncio.get_event_loop().create_task(self._follow_weights())
+
+    async def _follow_weights(self) -> None:
+        while True:
+            try:
+                learner = ray.get_actor(LEARNER_NAME, namespace=NAMESPACE)
+                version = await learner.version.remote()
+                if version > self.engine.version:
+                    version, weights = await learner.weights.remote()
+                    await asyncio.to_thread(self.engine.update_weights, weights.items(), version)
+            except ValueError:
+                pass  # no learner running (yet): serve the weights we have
+            await asyncio.sleep(self.poll_s)
+
+    @policy_api.get("/models")
+    def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.config.model.name, "object": "model", "owned_by": "asyncrl",
+                                            "weight_version": self.engine.version}]}
+
+    @policy_api.post("/completions")
+    async def completions(self, body: CompletionRequest) -> JSONResponse:
+        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        return await self._respond(body, ids, chat=False)
+
+    @policy_api.post("/chat/completions")
+    async def chat_completions(self, body: ChatCompletionRequest) -> JSONResponse:
+        messages = [{"role": m.role, "content": m.content} for m in body.messages]
+        if self.config.model.use_chat_template:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        else:
+            ids = self.tokenizer.encode("\n".join(m["content"] for m in messages), add_special_tokens=False)
+        return await self._respond(body, [list(ids)], chat=True)
+
+    async def _respond(self, body, prompt_ids: list[list[int]], chat: bool) -> JSONResponse:
+        from asyncrl.openai_api import generate_choices
+
+        limit = self.engine.max_positions
+        for ids in prompt_ids:
+            if not ids:
+                raise OpenAIError(400, "the prompt is empty", "prompt")
+            if len(ids) + body.max_tokens > limit:
+                raise OpenAIError(400, f"prompt ({len(ids)} tokens) + max_tokens ({body.max_tokens}) exceeds the "
+                                       f"model's context of {limit} tokens", "max_tokens")
+        version = self.engine.version
+        choices = await generate_choices(self.engine, self.tokenizer, prompt_ids, body)
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        build = chat_response if chat else completion_response
+        payload = build(request_id, self.config.model.name, choices, version)
+        return JSONResponse(payload, headers={VERSION_HEADER: str(version)})
+
+
+def build_policy(args: dict[str, Any]) -> serve.Application:
+    return PolicyServer.bind(_config_from_args(args))
+
+
+__all__ = ["build_train", "build_policy", "TrainController", "PolicyServer", "ConfigError"]

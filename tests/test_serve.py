@@ -1,0 +1,73 @@
+"""`train` and `policy` Serve applications: status while training, openai client, weight versions."""
+
+import time
+
+import httpx
+import openai
+import pytest
+from ray import serve
+
+from asyncrl.serve_app import build_policy, build_train
+from asyncrl.weight_sync import free_port
+
+OVERRIDES = "model=tiny task=tiny algorithm=grpo trainer.wandb_mode=disabled"
+
+
+@pytest.fixture(scope="module")
+def apps(ray_session, tmp_path_factory):
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    run_dir = tmp_path_factory.mktemp("serve")
+    serve.run(build_train({"overrides": OVERRIDES, "trainer.run_dir": str(run_dir)}), name="train", route_prefix="/train")
+    serve.run(build_policy({"overrides": OVERRIDES}), name="policy", route_prefix="/v1")
+    yield f"http://127.0.0.1:{port}"
+    serve.delete("policy")
+    serve.delete("train")
+
+
+def test_status_and_openai_client_see_rising_weight_version(apps):
+    client = openai.OpenAI(base_url=f"{apps}/v1", api_key="unused")
+    seen = []
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        raw = client.chat.completions.with_raw_response.create(
+            model="tiny", messages=[{"role": "user", "content": "3:"}], max_tokens=2, temperature=0.7)
+        completion = raw.parse()
+        version = int(raw.headers["x-asyncrl-weight-version"])
+        assert completion.model_extra["weight_version"] == version
+        assert completion.choices[0].message.role == "assistant"
+        seen.append(version)
+        if len(set(seen)) >= 3 and seen[-1] > seen[0]:
+            break
+        time.sleep(1.0)
+    assert seen[-1] > seen[0], seen  # training runs while the policy answers, and it follows
+
+    text = client.completions.create(model="tiny", prompt="4:", max_tokens=3, n=2, seed=7)
+    assert len(text.choices) == 2 and all(c.finish_reason in ("stop", "length") for c in text.choices)
+    assert client.models.list().data[0].id == "tiny"
+
+    status = httpx.get(f"{apps}/train/status", timeout=30).json()
+    for key in ("step", "weight_version", "samples_generated", "samples_trained", "samples_dropped",
+                "reward_mean", "generator_busy_fraction", "queue_depths"):
+        assert key in status, key
+    assert status["step"] > 0 and status["samples_trained"] > 0
+    assert httpx.get(f"{apps}/train/healthz", timeout=30).json() == {"ok": True}
+
+
+def test_bad_requests_get_openai_style_4xx(apps):
+    bad = [
+        {"model": "tiny", "messages": []},
+        {"model": "tiny", "messages": [{"role": "user", "content": "1:"}], "max_tokens": 0},
+        {"model": "tiny", "messages": [{"role": "wizard", "content": "1:"}]},
+        {"model": "tiny", "messages": [{"role": "user", "content": "1:"}], "temperature": -1},
+        {"model": "tiny", "messages": [{"role": "user", "content": "1:" * 200}], "max_tokens": 100},
+    ]
+    for body in bad:
+        r = httpx.post(f"{apps}/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(f"{apps}/v1/completions", content=b"{not json", headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400
+    # The endpoint is still healthy afterwards.
+    ok = httpx.post(f"{apps}/v1/completions", json={"prompt": "1:", "max_tokens": 1}, timeout=30)
+    assert ok.status_code == 200
