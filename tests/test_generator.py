@@ -1,0 +1,122 @@
+"""Generator with in-process mailboxes and the tiny engine: windows, continuations, identity, acks."""
+
+import asyncio
+
+import numpy as np
+
+from actors.generator import Generator
+from asyncrl.engines.base import SamplingParams
+from asyncrl.engines.torch_engine import TorchEngine
+from asyncrl.mailbox import InProcessMailbox
+from asyncrl.models import ModelSpec, build_tiny_model, build_tiny_tokenizer
+from asyncrl.schema import FinishReason, PromptRequest, int32_array
+
+
+def make_generator(window=3, max_tokens=8, max_windows=0, max_inflight=4):
+    tok = build_tiny_tokenizer()
+    engine = TorchEngine(build_tiny_model(ModelSpec(source="tiny", seed=1), len(tok)), eos_token_ids=[10_000])
+    prompts, segments = InProcessMailbox(100, lease_s=60), InProcessMailbox(1000, lease_s=60)
+    gen = Generator(engine, prompts, segments, SamplingParams(), window, max_tokens, max_windows, max_inflight)
+    return gen, prompts, segments
+
+
+def request(i, G=2):
+    return PromptRequest(prompt_id=f"p{i}", prompt_token_ids=int32_array([5 + i, 6]), group_size=G, seed=100 * i)
+
+
+def test_windows_continue_with_same_identity_until_max_length():
+    async def main():
+        gen, prompts, segments = make_generator(window=3, max_tokens=8)
+        await prompts.put([request(0), request(1), request(2)])
+        for _ in range(12):
+            await gen.step()
+        got = await segments.get(1000, timeout=0.1)
+        by_sample = {}
+        for seg in got:
+            by_sample.setdefault(seg.sample_id, []).append(seg)
+        assert len(by_sample) == 6  # 3 prompts x G=2, all finished
+        for sample_id, segs in by_sample.items():
+            segs.sort(key=lambda s: s.turn)
+            assert [s.turn for s in segs] == [0, 1, 2]
+            assert [len(s.new_token_ids) for s in segs] == [3, 3, 2]  # 8 = 3 + 3 + 2
+            assert [s.finish_reason for s in segs] == [FinishReason.WINDOW, FinishReason.WINDOW, FinishReason.MAX_LENGTH]
+            for k in (1, 2):  # a continuation carries the earlier windows as context, same identity
+                assert segs[k].prior_response_ids.tolist() == np.concatenate([s.new_token_ids for s in segs[:k]]).tolist()
+                assert (segs[k].prompt_id, segs[k].sample_idx, segs[k].group_id) == (segs[0].prompt_id, segs[0].sample_idx, segs[0].group_id)
+                assert segs[k].prompt_token_ids.tolist() == segs[0].prompt_token_ids.tolist()
+        # Every prompt acknowledged once all its samples finished: nothing left leased.
+        stats = await prompts.stats()
+        assert stats.acked_total == 3 and stats.leased == 0
+
+    asyncio.run(main())
+
+
+def test_continuations_have_priority_and_inflight_is_capped():
+    async def main():
+        gen, prompts, segments = make_generator(window=2, max_tokens=6, max_inflight=4)
+        await prompts.put([request(i) for i in range(4)])
+        await gen.step()  # admits 2 prompts (4 sequences), generates window 0
+        assert len(gen.inflight) == 4 and gen.counters["prompts_admitted"] == 2
+        await gen.step()  # full: no admission; the same 4 sequences continue
+        assert gen.counters["prompts_admitted"] == 2
+        assert all(s.turn == 2 for s in gen.inflight)
+
+    asyncio.run(main())
+
+
+def test_max_windows_finishes_a_response():
+    async def main():
+        gen, prompts, segments = make_generator(window=2, max_tokens=100, max_windows=2)
+        await prompts.put([request(0, G=1)])
+        for _ in range(3):
+            await gen.step()
+        got = sorted(await segments.get(100, timeout=0.1), key=lambda s: s.turn)
+        assert [s.turn for s in got] == [0, 1]
+        assert got[-1].finished and got[-1].finish_reason is FinishReason.MAX_LENGTH
+        assert sum(len(s.new_token_ids) for s in got) == 4
+
+    asyncio.run(main())
+
+
+def test_long_windows_respect_the_response_budget():
+    async def main():
+        gen, prompts, segments = make_generator(window=32, max_tokens=64, max_windows=2, max_inflight=16)
+        await prompts.put([request(i, G=4) for i in range(8)])
+        for _ in range(12):
+            await gen.step()
+        got = await segments.get(10_000, timeout=0.1)
+        lengths = {}
+        for seg in got:
+            lengths[seg.sample_id] = lengths.get(seg.sample_id, 0) + len(seg.new_token_ids)
+            assert len(seg.prior_response_ids) + len(seg.new_token_ids) <= 64
+        assert len(lengths) == 32 and max(lengths.values()) == 64
+
+    asyncio.run(main())
+
+
+def test_generator_to_assembler_merges_whole_responses():
+    from actors.assembler import Assembler
+    from asyncrl.assembly import AssemblySettings
+    from asyncrl.schema import Reward
+
+    async def main():
+        gen, prompts, segments = make_generator(window=32, max_tokens=64, max_windows=2, max_inflight=16)
+        batches = InProcessMailbox(100)
+
+        async def score(requests):
+            return [Reward(prompt_id=r.prompt_id, sample_idx=r.sample_idx, score=float(r.sample_idx % 2),
+                           correct=bool(r.sample_idx % 2), source="test") for r in requests]
+
+        settings = AssemblySettings(True, True, 4, 0, 1.0, 64)
+        asm = Assembler(segments, batches, score, lambda ids: str(ids), settings, prompts_per_batch=2)
+        await prompts.put([request(i, G=4) for i in range(8)])
+        for _ in range(12):
+            await gen.step()
+            await asm.step(timeout=0.01)
+        await asyncio.sleep(0.05)
+        out = await batches.get(100, timeout=0.1)
+        assert len(out) == 4
+        for batch in out:
+            assert all(len(s.segment.new_token_ids) == 64 for s in batch.samples)
+
+    asyncio.run(main())
