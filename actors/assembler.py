@@ -44,6 +44,9 @@ class Assembler:
         self._failure: BaseException | None = None
         self.counters = collections.Counter()
         self.rewards_sum = 0.0
+        # Reward over every sample scored since the last batch, dropped groups included: the policy's
+        # reward. The batch's own mean is biased by dynamic sampling (kept groups are mixed).
+        self._since_batch = [0.0, 0, 0]  # score sum, correct count, samples
 
     def set_policy_version(self, version: int) -> None:
         self.policy_version = max(self.policy_version, version)
@@ -71,6 +74,9 @@ class Assembler:
             self.counters["samples_scored"] += 1
             self.counters["reward_failures"] += int(reward.failed)
             self.rewards_sum += reward.score
+            self._since_batch[0] += reward.score
+            self._since_batch[1] += int(bool(reward.correct))
+            self._since_batch[2] += 1
             group = self._groups[merged.group_id]
             group[merged.sample_idx] = (merged, reward)
             if len(group) == merged.group_size:
@@ -104,10 +110,13 @@ class Assembler:
                     "reward_mean": sum(s["reward_mean"] for s in stats) / len(stats),
                     "accuracy": sum(s["accuracy"] for s in stats) / len(stats),
                     "staleness_max": max(s["staleness_max"] for s in stats),
+                    "reward_mean_generated": self._since_batch[0] / max(self._since_batch[2], 1),
+                    "accuracy_generated": self._since_batch[1] / max(self._since_batch[2], 1),
                     "assembled_at": time.time(),
                 },
             )
             self._batch_index += 1
+            self._since_batch = [0.0, 0, 0]
             await self.batches.put([batch])
             self.counters["batches"] += 1
             self.counters["samples_emitted"] += len(batch.samples)

@@ -91,6 +91,6 @@ class PromptSource:
     def stop(self) -> None:
         self._running = False
 
-    def state(self) -> dict:
+    def stats(self) -> dict:
         return {"epoch": self.epoch, "index": self.index, "issued": self.issued, "budget": self.budget,
                 "learner_version": self.learner_version, "dropped_groups": self.dropped_groups}

@@ -125,7 +125,7 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
                 metrics_file.flush()
                 if bar is not None:
                     bar.update(len(new))
-                    bar.set_postfix(reward=f"{records[-1]['reward_mean']:.3f}",
+                    bar.set_postfix(reward=f"{records[-1]['reward_mean_generated']:.3f}",
                                     samples_s=f"{status['samples_trained'] / max(time.time() - started, 1e-9):.2f}")
         final_status = system.status()
         version, weights = system.weights()
@@ -138,7 +138,8 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
     after = evaluate(config, engine, tokenizer, eval_prompts)
     print(f"held-out accuracy after {len(records)} steps: {after['accuracy']:.3f} (n={after['n']}), "
           f"{wall / 60:.1f} min of training", flush=True)
-    plot_curve(records, os.path.join(run_dir, "reward_curve.png"))
+    plot_curve(records, os.path.join(run_dir, "reward_curve.png"), key="reward_mean_generated",
+               title="reward of generated samples (all groups, before dynamic sampling)")
     summary = {"run_dir": run_dir, "eval_before": before, "eval_after": after, "train_wall_s": wall,
                "steps": len(records), "final_status": {k: v for k, v in final_status.items() if k != "generators"},
                "records": records}

@@ -51,7 +51,23 @@ def build_engine(config: Config) -> tuple[TorchEngine, Any]:
 # --- Ray shells --------------------------------------------------------------------------------
 
 
-class GeneratorActor:
+class _LoopShell:
+    """Forwards the loop controls of a role object held in `self.inner`."""
+
+    inner: Any
+
+    async def run(self) -> None:
+        await self.inner.run()
+
+    def stop(self) -> None:
+        self.inner.stop()
+
+    def stats(self) -> dict:
+        return self.inner.stats()
+
+
+
+class GeneratorActor(_LoopShell):
     def __init__(self, config: Config, prompts: RayMailbox, segments: RayMailbox, generator_id: str):
         from actors.generator import Generator
 
@@ -68,17 +84,8 @@ class GeneratorActor:
     async def receive_weights(self, plan, version: int) -> float:
         return await self.inner.receive_weights(plan, version)
 
-    async def run(self) -> None:
-        await self.inner.run()
 
-    def stop(self) -> None:
-        self.inner.stop()
-
-    def stats(self) -> dict:
-        return self.inner.stats()
-
-
-class LearnerActor:
+class LearnerActor(_LoopShell):
     def __init__(self, config: Config, batches: RayMailbox):
         from actors.policy_learner import PolicyLearner
 
@@ -102,15 +109,6 @@ class LearnerActor:
         self.inner.generators = generators
         self.inner.on_version = [lambda v: assembler.set_policy_version.remote(v),
                                  lambda v: prompt_source.set_learner_version.remote(v)]
-
-    async def run(self) -> None:
-        await self.inner.run()
-
-    def stop(self) -> None:
-        self.inner.stop()
-
-    def stats(self) -> dict:
-        return self.inner.stats()
 
     def pop_metrics(self) -> list[dict]:
         return self.inner.pop_metrics()
@@ -136,7 +134,7 @@ class VerifierActor:
         return self.inner.stats()
 
 
-class AssemblerActor:
+class AssemblerActor(_LoopShell):
     def __init__(self, config: Config, segments: RayMailbox, batches: RayMailbox, verifier, prompt_source):
         from actors.assembler import Assembler
 
@@ -159,17 +157,8 @@ class AssemblerActor:
     def set_policy_version(self, version: int) -> None:
         self.inner.set_policy_version(version)
 
-    async def run(self) -> None:
-        await self.inner.run()
 
-    def stop(self) -> None:
-        self.inner.stop()
-
-    def stats(self) -> dict:
-        return self.inner.stats()
-
-
-class PromptSourceActor:
+class PromptSourceActor(_LoopShell):
     def __init__(self, config: Config, prompts: RayMailbox):
         from actors.prompt_source import PromptSource
 
@@ -185,15 +174,6 @@ class PromptSourceActor:
 
     def note_dropped_groups(self, n: int) -> None:
         self.inner.note_dropped_groups(n)
-
-    async def run(self) -> None:
-        await self.inner.run()
-
-    def stop(self) -> None:
-        self.inner.stop()
-
-    def stats(self) -> dict:
-        return self.inner.state()
 
 
 # --- the system ----------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ def test_tiny_model_learns_tiny_task(ray_session, tmp_path):
                       "algorithm.loss_agg=token-mean", "trainer.total_steps=300",
                       f"trainer.run_dir={tmp_path}", "trainer.wandb_mode=disabled"])
     summary = train(config, progress=False)
-    rewards = [r["reward_mean"] for r in summary["records"]]
+    rewards = [r["reward_mean_generated"] for r in summary["records"]]
     early = float(np.mean(rewards[:10]))
     late = max(float(np.mean(rewards[i:i + 20])) for i in range(len(rewards) - 20))
     # Chance is 1/30 per sample (first character among 30 tokens).
@@ -29,7 +29,7 @@ def test_tiny_model_learns_tiny_task(ray_session, tmp_path):
     # Bookkeeping the run writes: one metrics record per step, a curve, bounded staleness.
     lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in lines] == list(range(1, len(lines) + 1))
-    for key in ("step", "weight_version", "reward_mean", "samples_trained", "samples_dropped",
+    for key in ("step", "weight_version", "reward_mean", "reward_mean_generated", "samples_trained", "samples_dropped",
                 "generator_busy_fraction", "wall_time_s"):
         assert key in lines[-1], key
     assert os.path.getsize(tmp_path / "reward_curve.png") > 1000
