@@ -121,6 +121,10 @@ class TrainerConfig:
     eval_samples: int = 64
     mailbox_capacity: int = 256
     lease_s: float = 600.0
+    target_reward: float | None = None
+    """Stop early once the mean `reward_mean_generated` of the last `target_window` steps reaches
+    this (None = run all steps). Benchmarks use it for wall-clock to a target reward."""
+    target_window: int = 20
     stall_timeout_s: float = 600.0
     """`asyncrl train` fails if no learner step happens for this long (e.g. dynamic sampling
     dropping every group of a task the policy has solved), naming the drop counts."""

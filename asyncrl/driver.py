@@ -97,6 +97,8 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
     try:
         with open(os.path.join(run_dir, "metrics.jsonl"), "a") as metrics_file:
             while not records or records[-1]["step"] < config.trainer.total_steps:
+                if _reached_target(records, config):
+                    break
                 time.sleep(0.5)
                 system.check_alive()
                 new = system.pop_metrics()
@@ -141,6 +143,7 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
     plot_curve(records, os.path.join(run_dir, "reward_curve.png"), key="reward_mean_generated",
                title="reward of generated samples (all groups, before dynamic sampling)")
     summary = {"run_dir": run_dir, "eval_before": before, "eval_after": after, "train_wall_s": wall,
+               "reached_target": _reached_target(records, config),
                "steps": len(records), "final_status": {k: v for k, v in final_status.items() if k != "generators"},
                "records": records}
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
@@ -149,6 +152,13 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
         wandb_run.summary.update({"eval_accuracy_before": before["accuracy"], "eval_accuracy_after": after["accuracy"]})
         wandb_run.finish()
     return summary
+
+
+def _reached_target(records: list[dict], config: Config) -> bool:
+    target, window = config.trainer.target_reward, config.trainer.target_window
+    if target is None or len(records) < window:
+        return False
+    return float(np.mean([r["reward_mean_generated"] for r in records[-window:]])) >= target
 
 
 def _init_wandb(config: Config, run_dir: str):

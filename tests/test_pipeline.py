@@ -15,15 +15,16 @@ def test_tiny_model_learns_tiny_task(ray_session, tmp_path):
     # GRPO with DAPO's clip-higher and token-level loss; dynamic sampling is off because once the
     # task is solved every group is all-correct and would be dropped (tested separately).
     config = compose(["model=tiny", "task=tiny", "algorithm=grpo", "algorithm.clip_high=0.28",
-                      "algorithm.loss_agg=token-mean", "trainer.total_steps=300",
+                      "algorithm.loss_agg=token-mean", "trainer.total_steps=800", "trainer.target_reward=0.9",
                       f"trainer.run_dir={tmp_path}", "trainer.wandb_mode=disabled"])
     summary = train(config, progress=False)
     rewards = [r["reward_mean_generated"] for r in summary["records"]]
     early = float(np.mean(rewards[:10]))
-    late = max(float(np.mean(rewards[i:i + 20])) for i in range(len(rewards) - 20))
     # Chance is 1/30 per sample (first character among 30 tokens).
     assert early < 0.25, early
-    assert late >= 0.9, late
+    # The run stops once the mean of the last 20 steps reaches 0.9; it must get there within 800.
+    assert summary["reached_target"], rewards[-20:]
+    assert float(np.mean(rewards[-20:])) >= 0.9
     assert summary["eval_after"]["accuracy"] > summary["eval_before"]["accuracy"]
 
     # Bookkeeping the run writes: one metrics record per step, a curve, bounded staleness.
@@ -37,7 +38,7 @@ def test_tiny_model_learns_tiny_task(ray_session, tmp_path):
     assert max(r["staleness_max"] for r in lines) <= config.algorithm.max_staleness_versions
     assert max(r["staleness_mean"] for r in lines) <= config.algorithm.max_staleness_versions + 3
     status = summary["final_status"]
-    assert status["weight_version"] >= 300
+    assert status["weight_version"] >= 20
     assert status["last_broadcast"]["bytes"] > 0  # weights went over the gloo group
     # Every generated sample is trained, dropped or still in flight; nothing is counted twice.
     assert status["assembler"].get("duplicate_segments", 0) == 0
