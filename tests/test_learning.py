@@ -1,0 +1,73 @@
+"""The policy step: micro-batching does not change the gradient; only new tokens are trained."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from asyncrl.learning import PolicyLossSettings, collate, policy_step, token_logprobs
+from asyncrl.models import ModelSpec, build_tiny_model
+from asyncrl.schema import FinishReason, Segment, TrainSample, float32_array, int32_array
+
+
+def sample(i, prompt_len, prior_len, new_len, adv):
+    rng = np.random.default_rng(i)
+    return TrainSample(
+        segment=Segment(prompt_id=f"p{i}", sample_idx=0, turn=1 if prior_len else 0, group_id=f"p{i}",
+                        prompt_token_ids=int32_array(rng.integers(3, 30, prompt_len)),
+                        prior_response_ids=int32_array(rng.integers(3, 30, prior_len)),
+                        prior_versions=int32_array([0] * prior_len),
+                        new_token_ids=int32_array(rng.integers(3, 30, new_len)),
+                        new_logprobs=float32_array(-rng.random(new_len) - 2.5),
+                        new_versions=int32_array([0] * new_len), finished=True, finish_reason=FinishReason.EOS),
+        score=adv, advantages=float32_array([adv] * new_len))
+
+
+SAMPLES = [sample(0, 3, 0, 5, 1.0), sample(1, 6, 4, 2, -0.5), sample(2, 2, 0, 9, 0.7), sample(3, 4, 2, 1, -1.2)]
+
+
+def settings(agg, micro_tokens, kl=0.0):
+    return PolicyLossSettings(clip_low=0.2, clip_high=0.28, dual_clip=3.0, loss_agg=agg, kl_coef=kl, entropy_coef=0.0,
+                              temperature=1.0, grad_clip=1e9, micro_batch_tokens=micro_tokens)
+
+
+def grads_after_step(agg, micro_tokens, kl=0.0):
+    model = build_tiny_model(ModelSpec(source="tiny", seed=5), 30)
+    reference = copy.deepcopy(model) if kl else None
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: keep the weights, inspect the grads
+    metrics = policy_step(model, optimizer, SAMPLES, settings(agg, micro_tokens, kl), reference)
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, metrics
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+def test_micro_batching_gives_the_full_batch_gradient(agg):
+    full, m_full = grads_after_step(agg, micro_tokens=10_000)
+    split, m_split = grads_after_step(agg, micro_tokens=12)  # one row per micro-batch
+    for name in full:
+        torch.testing.assert_close(split[name], full[name], rtol=1e-4, atol=1e-6)
+    assert m_full["tokens_trained"] == 17 and m_split["samples_trained"] == 4
+
+
+def test_only_new_tokens_are_scored():
+    c = collate(SAMPLES)
+    assert c.response_mask.sum(-1).tolist() == [5, 2, 9, 1]
+    # Row 1: prompt 6 + prior 4 tokens are context; its 2 new tokens are predicted at positions 9 and 10.
+    assert c.response_mask[1].nonzero().flatten().tolist() == [9, 10]
+    assert c.targets[1, 9:11].tolist() == SAMPLES[1].segment.new_token_ids.tolist()
+
+
+def test_kl_to_reference_is_zero_at_the_start_and_reported():
+    _, metrics = grads_after_step("token-mean", 10_000, kl=0.1)
+    assert metrics["kl_ref"] == pytest.approx(0.0, abs=1e-7)
+
+
+def test_logprobs_use_the_sampling_temperature():
+    model = build_tiny_model(ModelSpec(source="tiny", seed=5), 30)
+    c = collate(SAMPLES[:1])
+    lp1, _ = token_logprobs(model, c.input_ids, c.attention_mask, c.targets, 1.0)
+    lp2, _ = token_logprobs(model, c.input_ids, c.attention_mask, c.targets, 0.5)
+    logits = model(input_ids=c.input_ids).logits[0, 2]
+    expected = torch.log_softmax(logits / 0.5, -1)[c.targets[0, 2]]
+    assert float(lp2[0, 2]) == pytest.approx(float(expected), abs=1e-5)
+    assert not torch.allclose(lp1, lp2)
