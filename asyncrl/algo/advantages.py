@@ -76,3 +76,72 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, 
     if not shift_mean:
         out = out + mean
     return out * mask
+
+
+def last_valid_value(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`V` at each row's last valid position `[B]` (0 for an empty row)."""
+    positions = torch.arange(values.shape[1], device=values.device).expand_as(values)
+    last = torch.where(mask > 0, positions, torch.full_like(positions, -1)).max(dim=1).values
+    return torch.where(last >= 0, values.gather(1, last.clamp(min=0)[:, None]).squeeze(1), torch.zeros_like(values[:, 0]))
+
+
+def egae(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    finished: torch.Tensor,
+    gamma: float,
+    lam: float | torch.Tensor,
+    edge_mask_tokens: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Extended GAE on a window (T-PPO, arXiv 2506.15050 §3; ALGORITHMS.md §6.3).
+
+    Finished rows (`finished[b]` true) are ordinary GAE with bootstrap 0. Unfinished rows, cut at
+    the window, bootstrap the missing `V(s_l)` with `V(s_{l-1})`, so the last TD error is
+    `(γ−1)·V_{l−1}` (0 for γ=1). For unfinished rows the advantages of the last `edge_mask_tokens`
+    valid tokens are set to 0 (they depend almost only on the approximated bootstrap). Returns
+    `(advantages, returns)`; returns (critic targets) are zeroed on unfinished rows, which have none.
+    """
+    finished = finished.to(values.dtype)
+    bootstrap = (1.0 - finished) * last_valid_value(values, mask)
+    advantages, returns = gae(token_rewards, values, mask, gamma, lam, bootstrap=bootstrap)
+    if edge_mask_tokens > 0:
+        # Rank positions from the end among valid tokens: 1 = last valid token.
+        from_end = torch.flip(torch.cumsum(torch.flip(mask.to(values.dtype), [1]), dim=1), [1]) * mask
+        edge = (from_end > 0) & (from_end <= edge_mask_tokens) & (finished[:, None] == 0)
+        advantages = advantages.masked_fill(edge, 0.0)
+    return advantages, returns * finished[:, None]
+
+
+def decoupled_gae(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    lam_policy: float | torch.Tensor,
+    lam_critic: float = 1.0,
+    bootstrap: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """VC-PPO decoupled λ (arXiv 2503.01491): advantages from the policy λ, critic targets from the
+    critic λ (1.0: Monte-Carlo, unbiased). Returns `(policy advantages, critic returns)`."""
+    advantages, _ = gae(token_rewards, values, mask, gamma, lam_policy, bootstrap)
+    _, returns = gae(token_rewards, values, mask, gamma, lam_critic, bootstrap)
+    return advantages, returns
+
+
+def length_adaptive_lambda(lengths: torch.Tensor, alpha: float = 0.05, floor: float | None = None) -> torch.Tensor:
+    """VAPO length-adaptive λ = 1 − 1/(α·l) per row (arXiv 2504.05118).
+
+    `floor=None` clamps as NeMo-RL does: `1 − 1/max(α·l, 1)` then into [0, 1] (0 for l ≤ 1/α).
+    `floor=λ_base` is the T-PPO recipe: `max(1 − 1/(α·l), λ_base)`.
+    """
+    scaled = alpha * lengths.to(torch.float64)
+    if floor is None:
+        return (1.0 - 1.0 / scaled.clamp(min=1.0)).clamp(0.0, 1.0)
+    return torch.clamp(1.0 - 1.0 / scaled.clamp(min=1e-12), min=floor)
+
+
+def tppo_lambda_lengths(generated: torch.Tensor, finished: torch.Tensor, window_tokens: int) -> torch.Tensor:
+    """The length fed to length-adaptive λ in T-PPO: the generated length for finished rows, plus a
+    guess of W/2 remaining tokens for unfinished ones (ALGORITHMS.md §6.3)."""
+    return generated.to(torch.float64) + (~finished.bool()).to(torch.float64) * (window_tokens / 2)

@@ -94,3 +94,35 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "low_var_
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     logp = torch.log_softmax(logits.float(), dim=-1)
     return -(logp.exp() * logp).sum(-1)
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float | None = 0.5,
+    clip_high: float | None = 0.5,
+    agg: str = "token-mean",
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped value loss `0.5·agg(max((V−G)², (clip(V, V_old−ε_low, V_old+ε_high) − G)²))` (verl;
+    T-PPO clips asymmetrically, 0.5/0.6). `clip_low=clip_high=None` is the plain squared error."""
+    unclipped = (values - returns) ** 2
+    if clip_low is None or clip_high is None:
+        loss_mat = unclipped
+        clipped_frac = 0.0
+    else:
+        clipped_values = torch.maximum(torch.minimum(values, old_values + clip_high), old_values - clip_low)
+        clipped = (clipped_values - returns) ** 2
+        loss_mat = torch.maximum(unclipped, clipped)
+        m = mask.to(values.dtype)
+        clipped_frac = float(((clipped > unclipped).to(values.dtype) * m).sum() / m.sum().clamp(min=1))
+    loss = 0.5 * agg_loss(loss_mat, mask, agg)
+    return loss, {"value_clip_fraction": clipped_frac}
+
+
+def positive_example_nll(logp: torch.Tensor, mask: torch.Tensor, correct: torch.Tensor) -> torch.Tensor:
+    """VAPO self-imitation term: mean of −log π over the tokens of correct responses (`correct` `[B]`),
+    normalised by their token count; exactly 0 (not NaN) when no response is correct."""
+    m = mask.to(logp.dtype) * correct.to(logp.dtype)[:, None]
+    return -(logp * m).sum() / m.sum().clamp(min=1)
