@@ -72,7 +72,12 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("overrides", nargs="*")
     bench.set_defaults(func=_bench)
 
-    args = parser.parse_args(argv)
+    # Options may come after the Hydra overrides (`bench engine model=tiny --quick`).
+    args, extra = parser.parse_known_args(argv)
+    unknown = [a for a in extra if a.startswith("-")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.overrides = list(getattr(args, "overrides", [])) + extra
     return int(args.func(args) or 0)
 
 

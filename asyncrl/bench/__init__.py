@@ -11,7 +11,12 @@ def run_benchmark(name: str, quick: bool, run_dir: str, overrides: list[str]) ->
 
         result = messages.run(quick=quick)
         print(messages.report(result))
+    elif name == "engine":
+        from asyncrl.bench import engine
+
+        result = engine.run(quick=quick, overrides=overrides)
+        print(engine.report(result))
     else:
-        raise SystemExit(f"unknown benchmark {name!r}; available: messages")
+        raise SystemExit(f"unknown benchmark {name!r}; available: messages, engine")
     print(f"wrote {write_result(run_dir, name, result)}")
     return 0
