@@ -62,6 +62,15 @@ def merge_segments(segments: list[Segment]) -> Segment:
     )
 
 
+def reward_to_go(token_rewards: np.ndarray, length: int) -> np.ndarray:
+    """Suffix sums of per-token rewards, aligned to the response start and cut or zero-padded to
+    `length`: an endpoint returning the wrong number of token rewards must not crash the assembler."""
+    aligned = np.zeros(length, dtype=np.float32)
+    n = min(length, len(token_rewards))
+    aligned[:n] = token_rewards[:n]
+    return np.cumsum(aligned[::-1])[::-1].astype(np.float32)
+
+
 def assemble_group(
     samples: list[Segment], rewards: list[Reward], current_version: int, settings: AssemblySettings
 ) -> tuple[list[TrainSample], str | None, dict[str, float]]:
@@ -84,6 +93,6 @@ def assemble_group(
         token_adv = np.full(len(seg.new_token_ids), adv, dtype=np.float32)
         if reward.token_rewards is not None:
             # Dense (process) rewards add per-token credit on top of the outcome advantage.
-            token_adv = token_adv + np.cumsum(reward.token_rewards[::-1])[::-1][: len(token_adv)].astype(np.float32)
+            token_adv = token_adv + reward_to_go(reward.token_rewards, len(token_adv))
         train.append(TrainSample(segment=seg, score=score, advantages=token_adv, correct=reward.correct))
     return train, None, stats

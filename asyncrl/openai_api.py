@@ -81,12 +81,13 @@ async def generate_choices(engine, tokenizer, prompt_ids: list[list[int]], body:
         choices.append({"index": index, "text": text, "finish_reason": finish,
                         "token_logprobs": out.logprobs.tolist(),
                         "tokens": [tokenizer.decode([t]) for t in out.token_ids.tolist()],
-                        "completion_tokens": len(out.token_ids), "prompt_tokens": len(prompt_ids[index // body.n])})
+                        "completion_tokens": len(out.token_ids), "prompt_tokens": len(prompt_ids[index // body.n]),
+                        "first_of_prompt": index % body.n == 0})
     return choices
 
 
 def _usage(choices: list[dict]) -> dict:
-    prompt = sum(c["prompt_tokens"] for c in choices[:: max(1, len(choices))]) if choices else 0
+    prompt = sum(c["prompt_tokens"] for c in choices if c["first_of_prompt"])  # each prompt once, not per sample
     completion = sum(c["completion_tokens"] for c in choices)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 

@@ -199,7 +199,7 @@ class TrainingSystem:
             "batches": RayMailbox.create(TrainBatch, capacity=2, lease_s=tr.lease_s),
         }
         opts = {"num_cpus": 0, "max_concurrency": 64}
-        learner_opts = dict(opts, name=LEARNER_NAME, namespace=NAMESPACE, lifetime=None) if self.name_actors else opts
+        learner_opts = dict(opts, name=LEARNER_NAME, namespace=NAMESPACE) if self.name_actors else opts
         verifier = ray.remote(VerifierActor).options(num_cpus=0, max_concurrency=4).remote(cfg.task.reward)
         learner = ray.remote(LearnerActor).options(**learner_opts).remote(cfg, self.mailboxes["batches"])
         self.generators = [

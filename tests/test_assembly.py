@@ -90,3 +90,11 @@ def test_dynamic_sampling_and_staleness_drops():
         assert stats["dropped_no_signal_samples"] == 2 and stats["dropped_stale_samples"] == 2
 
     asyncio.run(main())
+
+
+def test_reward_to_go_is_length_safe():
+    from asyncrl.assembly import reward_to_go
+
+    np.testing.assert_allclose(reward_to_go(np.array([0.0, 1.0, 0.5], dtype=np.float32), 3), [1.5, 1.5, 0.5])
+    np.testing.assert_allclose(reward_to_go(np.array([1.0], dtype=np.float32), 3), [1.0, 0.0, 0.0])  # padded
+    np.testing.assert_allclose(reward_to_go(np.array([1.0, 1.0, 1.0], dtype=np.float32), 2), [2.0, 1.0])  # cut

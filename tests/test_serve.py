@@ -71,3 +71,11 @@ def test_bad_requests_get_openai_style_4xx(apps):
     # The endpoint is still healthy afterwards.
     ok = httpx.post(f"{apps}/v1/completions", json={"prompt": "1:", "max_tokens": 1}, timeout=30)
     assert ok.status_code == 200
+
+
+def test_usage_counts_each_prompt_once(apps):
+    body = {"prompt": ["1:", "2:3"], "max_tokens": 2, "n": 3}
+    r = httpx.post(f"{apps}/v1/completions", json=body, timeout=30).json()
+    assert len(r["choices"]) == 6
+    assert r["usage"]["prompt_tokens"] == 2 + 3  # characters are tokens in the tiny vocabulary
+    assert r["usage"]["completion_tokens"] == 12

@@ -81,7 +81,10 @@ class TorchEngine:
 
         width = int(context_lens.max())
         input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((batch, width), dtype=torch.long)
+        # Allocated once for the whole window; decode steps take a growing prefix view.
+        full_mask = torch.ones((batch, width + window_tokens), dtype=torch.long)
+        full_mask[:, :width] = 0
+        attention_mask = full_mask[:, :width]
         for row, ctx in enumerate(contexts):
             input_ids[row, width - len(ctx):] = torch.from_numpy(ctx)
             attention_mask[row, width - len(ctx):] = 1
@@ -129,7 +132,7 @@ class TorchEngine:
             reason = torch.where(out_of_length, 1, reason)
             if step == window_tokens - 1 or bool((reason >= 0).all()) or bool((produced >= budget).all()):
                 break
-            attention_mask = torch.cat([attention_mask, torch.ones((batch, 1), dtype=torch.long)], dim=1)
+            attention_mask = full_mask[:, : width + step + 1]
             out = self.model(
                 input_ids=tok[:, None],
                 attention_mask=attention_mask,
