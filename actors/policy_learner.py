@@ -24,7 +24,7 @@ from asyncrl.weight_sync import BucketPlan, broadcast_weights, plan_buckets
 class PolicyLearner:
     def __init__(self, model, settings: PolicyLossSettings, batches: Mailbox, lr: float, weight_decay: float,
                  warmup_steps: int = 0, kl_coef: float = 0.0, pad_token_id: int = 0,
-                 bucket_bytes: int = 64 << 20):
+                 bucket_bytes: int = 64 << 20, notify_after_broadcast: bool = False):
         self.model = model.eval()
         self.settings = settings
         self.batches = batches
@@ -46,8 +46,12 @@ class PolicyLearner:
         self._running = False
         self._started = time.monotonic()
         self.timing = {"train_s": 0.0, "wait_batch_s": 0.0, "broadcast_s": 0.0}
-        self.counters = {"broadcasts": 0, "duplicate_batches": 0, "samples_trained": 0}
+        # A row is a whole response, or one window of it (T-PPO); a sample counts when its last row trains.
+        self.counters = {"broadcasts": 0, "duplicate_batches": 0, "samples_trained": 0, "rows_trained": 0}
         self.last_broadcast: dict[str, float] = {}
+        # Synchronous mode: tell the prompt source and assembler of a version only once every
+        # generator holds it, so the next batch is generated entirely by the new weights.
+        self.notify_after_broadcast = notify_after_broadcast
 
     # --- weights ----------------------------------------------------------------------------------
 
@@ -67,6 +71,12 @@ class PolicyLearner:
             self.counters["broadcasts"] += 1
             self.last_broadcast = {**timing, "version": version, "total_s": elapsed,
                                    "generator_pause_s_max": max(paused, default=0.0)}
+            if self.notify_after_broadcast:
+                self._notify(version)
+
+    def _notify(self, version: int) -> None:
+        for notify in self.on_version:
+            notify(version)
 
     def _request_broadcast(self) -> None:
         if not self.generators:
@@ -90,7 +100,8 @@ class PolicyLearner:
         self._trained_ids.add(batch.batch_id)
         self.step += 1
         self.version += 1
-        self.counters["samples_trained"] += len(batch.samples)
+        self.counters["samples_trained"] += sum(1 for s in batch.samples if s.segment.finished)
+        self.counters["rows_trained"] += len(batch.samples)
         staleness = [self.version - 1 - int(s.segment.new_versions.min()) for s in batch.samples if len(s.segment.new_versions)]
         record = {
             "step": self.step,
@@ -103,8 +114,8 @@ class PolicyLearner:
             "train_s": time.perf_counter() - start,
         }
         self._metrics.append(record)
-        for notify in self.on_version:
-            notify(self.version)
+        if not self.notify_after_broadcast or not self.generators:
+            self._notify(self.version)
         self._request_broadcast()
         return record
 

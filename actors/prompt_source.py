@@ -2,9 +2,10 @@
 generators' prompt mailbox.
 
 It owns the staleness bound of the stream (one knob, one place): a prompt is issued only while
-`issued < (learner_version + max_staleness_versions + 1) * prompts_per_step + dropped_groups`, so
+`issued < (learner_version + max_staleness_versions + 1) * prompts_per_step + dropped_prompts`, so
 generators can never run more than `max_staleness_versions` learner steps ahead of training, and
-dropped groups (dynamic sampling) are replaced. The assembler's staleness check is the safety net.
+dropped work (dynamic sampling, stale rows, value warm-up) is replaced: `dropped_prompts` counts a
+dropped group as 1 and a dropped sample as 1/G. The assembler's staleness check is the safety net.
 """
 
 from __future__ import annotations
@@ -37,19 +38,20 @@ class PromptSource:
         self.prompts_per_step = prompts_per_step
         self.max_staleness_versions = max_staleness_versions
         self.learner_version = 0
-        self.dropped_groups = 0
+        self.dropped_prompts = 0.0
         self._budget_changed = asyncio.Event()
 
     @property
     def budget(self) -> int:
-        return (self.learner_version + self.max_staleness_versions + 1) * self.prompts_per_step + self.dropped_groups
+        return int((self.learner_version + self.max_staleness_versions + 1) * self.prompts_per_step
+                   + self.dropped_prompts + 1e-9)
 
     def set_learner_version(self, version: int) -> None:
         self.learner_version = max(self.learner_version, version)
         self._budget_changed.set()
 
-    def note_dropped_groups(self, n: int) -> None:
-        self.dropped_groups += n
+    def note_dropped(self, prompts: float) -> None:
+        self.dropped_prompts += prompts
         self._budget_changed.set()
 
     def _shuffle(self, epoch: int) -> list[int]:
@@ -93,4 +95,4 @@ class PromptSource:
 
     def stats(self) -> dict:
         return {"epoch": self.epoch, "index": self.index, "issued": self.issued, "budget": self.budget,
-                "learner_version": self.learner_version, "dropped_groups": self.dropped_groups}
+                "learner_version": self.learner_version, "dropped_prompts": self.dropped_prompts}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 import torch
 
@@ -96,3 +97,166 @@ def assemble_group(
             token_adv = token_adv + reward_to_go(reward.token_rewards, len(token_adv))
         train.append(TrainSample(segment=seg, score=score, advantages=token_adv, correct=reward.correct))
     return train, None, stats
+
+
+# --- value-based algorithms (PPO, VC-PPO, VAPO, T-PPO) -----------------------------------------
+
+
+@dataclass(frozen=True)
+class ValueAdvantageSettings:
+    gamma: float
+    lam: float
+    length_adaptive_alpha: float  # 0 = fixed λ
+    lambda_floor: bool  # True: max(λ_adaptive, lam) (T-PPO); False: clamp to [0, 1] (NeMo-RL)
+    edge_mask_tokens: int
+    window_training: bool
+    window_tokens: int
+    max_staleness_versions: int
+    bootstrap: str = "previous"  # cut rows: "previous" = V(s_{l-1}) (T-PPO's EGAE) | "next" = V(s_l)
+    overlong_buffer_tokens: int = 0
+    overlong_penalty_factor: float = 1.0
+    max_response_tokens: int = 1 << 30
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The reward of a finished response, for its last row."""
+
+    score: float
+    correct: bool | None = None
+    token_rewards: np.ndarray | None = None  # aligned with the *whole* response
+
+
+def row_is_stale(row: Segment, current_version: int, max_staleness_versions: int) -> bool:
+    """Per row: only the tokens this row trains on count (earlier windows are context)."""
+    if not len(row.new_versions):
+        return False
+    return current_version - int(row.new_versions.min()) > max_staleness_versions
+
+
+def value_rows(rows: list[Segment], values: list[np.ndarray], outcomes: list[Outcome | None],
+               settings: ValueAdvantageSettings, value_version: int | None = None) -> list[TrainSample]:
+    """Policy rows with (E)GAE advantages. `values[i]` holds `V(s_t)` for each of row i's n new
+    tokens plus `V(s_n)`, the state after its last token (`predict_values(..., with_next=True)`).
+
+    A finished row (the last window, or a whole response) carries its outcome on the last token and
+    is plain GAE; an unfinished window (T-PPO) bootstraps with its last value, and its last
+    `edge_mask_tokens` tokens are left out of the loss. λ is fixed or length-adaptive per row.
+    Unwhitened; see `whiten_rows`.
+    """
+    from asyncrl.algo.advantages import egae, length_adaptive_lambda, tppo_lambda_lengths
+
+    if not rows:
+        return []
+    n_max = max(len(r.new_token_ids) for r in rows)
+    batch = len(rows)
+    token_rewards = torch.zeros(batch, n_max, dtype=torch.float64)
+    value_t = torch.zeros(batch, n_max, dtype=torch.float64)
+    mask = torch.zeros(batch, n_max, dtype=torch.float64)
+    finished = torch.tensor([r.finished for r in rows])
+    generated = torch.tensor([len(r.prior_response_ids) + len(r.new_token_ids) for r in rows])
+    shaped_scores: list[float] = []
+    next_values = torch.zeros(batch, dtype=torch.float64)
+    for i, (row, v, outcome) in enumerate(zip(rows, values, outcomes)):
+        n = len(row.new_token_ids)
+        if len(v) != n + 1:
+            raise ValueError(f"row {row.msg_id}: {len(v)} values for {n} tokens (expected n + 1)")
+        mask[i, :n] = 1.0
+        value_t[i, :n] = torch.from_numpy(np.asarray(v[:n], dtype=np.float64))
+        next_values[i] = float(v[n])
+        score = 0.0
+        if row.finished:
+            if outcome is None:
+                raise ValueError(f"finished row {row.msg_id} has no outcome")
+            score = outcome.score + float(overlong_penalty(
+                generated[i : i + 1], settings.max_response_tokens, settings.overlong_buffer_tokens,
+                settings.overlong_penalty_factor)[0])
+            if n:
+                token_rewards[i, n - 1] += score
+            if outcome.token_rewards is not None:
+                # Dense (process) rewards of this row's slice of the response.
+                offset = len(row.prior_response_ids)
+                dense = np.asarray(outcome.token_rewards, dtype=np.float64)[offset : offset + n]
+                token_rewards[i, : len(dense)] += torch.from_numpy(dense)
+        shaped_scores.append(score)
+    if settings.length_adaptive_alpha > 0:
+        lengths = (tppo_lambda_lengths(generated, finished, settings.window_tokens) if settings.window_training
+                   else generated.to(torch.float64))
+        lam = length_adaptive_lambda(lengths, settings.length_adaptive_alpha,
+                                     floor=settings.lam if settings.lambda_floor else None)
+    else:
+        lam = settings.lam
+    advantages, _ = egae(token_rewards, value_t, mask, finished, settings.gamma, lam, settings.edge_mask_tokens,
+                         next_values=next_values if settings.bootstrap == "next" else None)
+    out = []
+    for i, (row, outcome) in enumerate(zip(rows, outcomes)):
+        n = len(row.new_token_ids)
+        loss_mask = np.ones(n, dtype=np.uint8)
+        if not row.finished and settings.edge_mask_tokens > 0:
+            loss_mask[max(0, n - settings.edge_mask_tokens):] = 0
+        out.append(TrainSample(
+            segment=row, score=shaped_scores[i], advantages=advantages[i, :n].float().numpy().copy(),
+            correct=outcome.correct if outcome is not None else None, loss_mask=loss_mask,
+            value_version=value_version,
+        ))
+    return out
+
+
+def _trained_advantages(samples: list[TrainSample]) -> tuple[np.ndarray, np.ndarray]:
+    flat = np.concatenate([s.advantages for s in samples]).astype(np.float64)
+    mask = np.concatenate([s.loss_mask if s.loss_mask is not None else np.ones(len(s.advantages), dtype=np.uint8)
+                           for s in samples]).astype(bool)
+    return flat, mask
+
+
+@dataclass
+class RunningMoments:
+    """Mean and variance of advantages over recent batches (exponentially weighted by batch).
+
+    Why not per-batch whitening: in a stream a batch can hold only first windows of T-PPO rows,
+    whose advantages are small value differences; whitening such a batch on its own would blow
+    that noise up to unit scale. Whitening against the stream's recent moments keeps the scale of
+    every batch comparable (the recipe's batches mix every window of a step, so it does not see this).
+    """
+
+    decay: float = 0.9
+    mean: float = 0.0
+    var: float = 1.0
+    batches: int = 0
+
+    def update(self, samples: list[TrainSample]) -> None:
+        flat, mask = _trained_advantages(samples)
+        if mask.sum() < 2:
+            return
+        batch_mean, batch_var = float(flat[mask].mean()), float(flat[mask].var(ddof=1))
+        if self.batches == 0:
+            self.mean, self.var = batch_mean, batch_var
+        else:
+            d = self.decay
+            delta = batch_mean - self.mean
+            self.mean += (1 - d) * delta
+            self.var = d * self.var + (1 - d) * batch_var + d * (1 - d) * delta**2
+        self.batches += 1
+
+
+def whiten_rows(samples: list[TrainSample], clamp: float = 0.0, mean: float | None = None,
+                std: float | None = None) -> list[TrainSample]:
+    """Whiten advantages over the trained tokens (loss mask), then clamp to ±clamp (0 = no clamp);
+    excluded tokens stay 0. `mean`/`std` default to the batch's own (T-PPO recipe: whiten, then
+    clamp to ±10); the assembler passes the stream's `RunningMoments`."""
+    if not samples:
+        return samples
+    flat, mask = _trained_advantages(samples)
+    if mean is None or std is None:
+        if mask.sum() < 2:
+            return samples
+        mean, std = float(flat[mask].mean()), float(flat[mask].std(ddof=1))
+    whitened = np.where(mask, (flat - mean) / np.sqrt(std**2 + 1e-8), 0.0)
+    if clamp > 0:
+        whitened = np.clip(whitened, -clamp, clamp)
+    out, start = [], 0
+    for s in samples:
+        n = len(s.advantages)
+        out.append(msgspec.structs.replace(s, advantages=whitened[start : start + n].astype(np.float32)))
+        start += n
+    return out

@@ -59,7 +59,7 @@ class EngineConfig:
 @dataclass
 class AlgorithmConfig:
     name: str = "dapo"
-    """grpo | dapo (critic-free, group-normalised advantages)."""
+    """grpo | dapo (critic-free) | ppo | vcppo | vapo | tppo | tppo_sync (value-based)."""
     group_size: int = 8
     """G: samples per prompt."""
     scale_advantage_by_std: bool = True
@@ -86,6 +86,52 @@ class AlgorithmConfig:
     warmup_steps: int = 0
     micro_batch_tokens: int = 4096
     """Tokens per forward/backward chunk on the learner (gradient accumulation)."""
+    # --- advantage estimation ---
+    estimator: str = "group"
+    """group (GRPO/DAPO: group-normalised outcome, no critic) | gae (PPO family: a value learner)."""
+    gamma: float = 1.0
+    lam: float = 0.95
+    """Policy GAE λ (used when length-adaptive λ is off; the floor of the T-PPO clamp)."""
+    length_adaptive_alpha: float = 0.0
+    """VAPO length-adaptive λ = 1 − 1/(α·l); 0 = off (use `lam`). Paper: 0.05."""
+    lambda_floor: bool = False
+    """How length-adaptive λ is clamped: True = max(λ, `lam`) (T-PPO recipe), False = into [0, 1] (NeMo-RL)."""
+    window_training: bool = False
+    """T-PPO: train the policy on every window as it streams (EGAE), not only on finished responses."""
+    egae_bootstrap: str = "previous"
+    """Value of the state after a cut window: previous = V(s_{l-1}) (T-PPO's EGAE) | next = the value
+    model's V(s_l), which a streaming system has at no extra cost (the window's last token is known)."""
+    edge_mask_tokens: int = 0
+    """T-PPO: the last N tokens of an unfinished window carry no policy loss (recipe: 8)."""
+    whiten_advantages: bool = False
+    """Whiten advantages over the batch's trained tokens (PPO/T-PPO), then clamp to ±advantage_clamp."""
+    advantage_clamp: float = 0.0
+    """0 = no clamp."""
+    nll_coef: float = 0.0
+    """VAPO positive-example LM loss weight μ on the tokens of correct finished responses (paper: 0.1)."""
+
+
+@dataclass
+class CriticConfig:
+    """The value learner (used when `algorithm.estimator=gae`): its own model, optimizer and pace."""
+
+    lr: float = 2e-6
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    lam: float = 1.0
+    """Critic GAE λ (VC-PPO decoupled GAE: 1.0 = Monte-Carlo targets)."""
+    clip_low: float | None = 0.5
+    """Clipped value loss range around the pre-step values (T-PPO: 0.5 / 0.6); null = plain MSE."""
+    clip_high: float | None = 0.6
+    batch_trajectories: int = 16
+    """Finished trajectories per value step."""
+    warmup_steps: int = 0
+    """Value-only steps under the frozen initial policy before the first policy step (VC-PPO pretraining)."""
+    init_path: str = ""
+    """Initialise from a reward / process-reward model directory (sequence or token classification
+    with one label); empty = from the policy, with a zero scalar head."""
+    micro_batch_tokens: int = 4096
+    threads: int = 1
 
 
 @dataclass
@@ -125,6 +171,9 @@ class TrainerConfig:
     """Stop early once the mean `reward_mean_generated` of the last `target_window` steps reaches
     this (None = run all steps). Benchmarks use it for wall-clock to a target reward."""
     target_window: int = 20
+    synchronous: bool = False
+    """Synchronous baseline: issue a batch of prompts, wait for all of it, train, wait for the new
+    weights to reach the generators, repeat (no staleness). Use with W = L_max for plain PPO."""
     stall_timeout_s: float = 600.0
     """`asyncrl train` fails if no learner step happens for this long (e.g. dynamic sampling
     dropping every group of a task the policy has solved), naming the drop counts."""
@@ -144,6 +193,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
@@ -203,13 +253,24 @@ def validate(config: Config) -> None:
         (config.task.reward in ("zero_one", "plus_minus"), "task.reward must be zero_one or plus_minus"),
         (config.trainer.prompts_per_step >= 1, "trainer.prompts_per_step must be >= 1"),
         (config.trainer.num_generators >= 1, "trainer.num_generators must be >= 1"),
+        (a.estimator in ESTIMATORS, f"algorithm.estimator must be one of {ESTIMATORS}"),
+        (0 < a.gamma <= 1 and 0 <= a.lam <= 1, "algorithm.gamma must be in (0, 1] and algorithm.lam in [0, 1]"),
+        (0 <= config.critic.lam <= 1, "critic.lam must be in [0, 1]"),
+        (not a.window_training or a.estimator == "gae",
+         "algorithm.window_training needs algorithm.estimator=gae (windows have no outcome to normalise)"),
+        (a.egae_bootstrap in ("previous", "next"), "algorithm.egae_bootstrap must be previous or next"),
+        (a.edge_mask_tokens >= 0 and a.nll_coef >= 0, "algorithm.edge_mask_tokens and nll_coef must be >= 0"),
+        (config.critic.batch_trajectories >= 1, "critic.batch_trajectories must be >= 1"),
+        (not config.trainer.synchronous or a.max_staleness_versions == 0,
+         "trainer.synchronous needs algorithm.max_staleness_versions=0"),
     ]
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
 
 
-ALGORITHMS = ("grpo", "dapo")
+ALGORITHMS = ("grpo", "dapo", "ppo", "vcppo", "vapo", "tppo", "tppo_sync")
+ESTIMATORS = ("group", "gae")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from asyncrl.algo.losses import agg_loss, entropy_from_logits, kl_penalty, ppo_policy_loss
-from asyncrl.schema import TrainSample
+from asyncrl.schema import ScoredTrajectory, TrainSample
 
 
 @dataclass
@@ -29,6 +29,7 @@ class PolicyLossSettings:
     temperature: float
     grad_clip: float
     micro_batch_tokens: int
+    nll_coef: float = 0.0
 
 
 @dataclass
@@ -41,34 +42,66 @@ class Collated:
     targets: torch.Tensor  # [B, L]: the next token at each position (0 where not trained)
     old_logprobs: torch.Tensor  # [B, L], behaviour log-probs aligned with targets
     advantages: torch.Tensor  # [B, L]
+    nll_mask: torch.Tensor  # [B, L]: trained tokens of finished, correct rows (positive-example NLL)
+
+
+@dataclass
+class RowLayout:
+    """Right-padded token rows `context + new`; row i's new tokens are scored at `slices[i]`
+    (the logits/hidden state at position p belong to the token at p+1)."""
+
+    input_ids: torch.Tensor  # [B, L]
+    attention_mask: torch.Tensor  # [B, L]
+    slices: list[slice]
+
+    def place(self, per_row: list[np.ndarray], dtype=torch.float32) -> torch.Tensor:
+        """Scatter one array per row (aligned with its new tokens) into a `[B, L]` tensor."""
+        out = torch.zeros(self.input_ids.shape, dtype=dtype)
+        for i, (sl, values) in enumerate(zip(self.slices, per_row)):
+            out[i, sl] = torch.as_tensor(np.asarray(values), dtype=dtype)
+        return out
+
+    def gather(self, full: torch.Tensor) -> list[np.ndarray]:
+        return [full[i, sl].detach().float().numpy().copy() for i, sl in enumerate(self.slices)]
+
+
+def layout_rows(rows: list[tuple[np.ndarray, np.ndarray]], pad_token_id: int = 0) -> RowLayout:
+    """`rows` = (context ids, new ids) pairs. A row needs at least one context token."""
+    width = max(len(c) + len(n) for c, n in rows)
+    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    slices = []
+    for i, (context, new) in enumerate(rows):
+        c, n = len(context), len(new)
+        if c < 1:
+            raise ValueError("a row needs at least one context (prompt) token")
+        input_ids[i, :c] = torch.from_numpy(np.asarray(context, dtype=np.int64))
+        input_ids[i, c : c + n] = torch.from_numpy(np.asarray(new, dtype=np.int64))
+        attention_mask[i, : c + n] = 1
+        slices.append(slice(c - 1, c - 1 + n))
+    return RowLayout(input_ids, attention_mask, slices)
+
+
+def segment_row(seg) -> tuple[np.ndarray, np.ndarray]:
+    """Context (prompt + earlier windows, no gradient) and new tokens of a segment."""
+    return np.concatenate([seg.prompt_token_ids, seg.prior_response_ids]), seg.new_token_ids
 
 
 def collate(samples: list[TrainSample], pad_token_id: int = 0) -> Collated:
-    rows = []
-    for s in samples:
-        seg = s.segment
-        context = np.concatenate([seg.prompt_token_ids, seg.prior_response_ids]).astype(np.int64)
-        rows.append((context, seg.new_token_ids.astype(np.int64), seg.new_logprobs, s.advantages))
-    width = max(len(c) + len(n) for c, n, _, _ in rows)
-    batch = len(rows)
-    input_ids = torch.full((batch, width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((batch, width), dtype=torch.long)
-    response_mask = torch.zeros((batch, width))
-    targets = torch.zeros((batch, width), dtype=torch.long)
-    old_logprobs = torch.zeros((batch, width))
-    advantages = torch.zeros((batch, width))
-    for i, (context, new, logprobs, adv) in enumerate(rows):
-        c, n = len(context), len(new)
-        input_ids[i, :c] = torch.from_numpy(context)
-        input_ids[i, c : c + n] = torch.from_numpy(new)
-        attention_mask[i, : c + n] = 1
-        # The logits at position p predict token p+1: new token j sits at c+j, predicted at c+j-1.
-        sl = slice(c - 1, c - 1 + n)
-        response_mask[i, sl] = 1.0
-        targets[i, sl] = torch.from_numpy(new)
-        old_logprobs[i, sl] = torch.from_numpy(np.asarray(logprobs, dtype=np.float32))
-        advantages[i, sl] = torch.from_numpy(np.asarray(adv, dtype=np.float32))
-    return Collated(input_ids, attention_mask, response_mask, targets, old_logprobs, advantages)
+    layout = layout_rows([segment_row(s.segment) for s in samples], pad_token_id)
+    ones = [np.ones(len(s.segment.new_token_ids), dtype=np.float32) for s in samples]
+    loss_masks = [m if s.loss_mask is None else s.loss_mask.astype(np.float32) for s, m in zip(samples, ones)]
+    response_mask = layout.place(loss_masks)
+    nll_rows = [m * float(s.segment.finished and bool(s.correct)) for s, m in zip(samples, loss_masks)]
+    return Collated(
+        input_ids=layout.input_ids,
+        attention_mask=layout.attention_mask,
+        response_mask=response_mask,
+        targets=layout.place([s.segment.new_token_ids for s in samples], torch.long),
+        old_logprobs=layout.place([s.segment.new_logprobs for s in samples]),
+        advantages=layout.place([s.advantages for s in samples]),
+        nll_mask=layout.place(nll_rows),
+    )
 
 
 def token_logprobs(model, input_ids, attention_mask, targets, temperature: float, with_entropy: bool = False):
@@ -82,16 +115,7 @@ def token_logprobs(model, input_ids, attention_mask, targets, temperature: float
 
 def micro_batches(collated: Collated, max_tokens: int) -> list[slice]:
     """Contiguous row ranges whose padded token count stays under `max_tokens` (at least one row)."""
-    lengths = collated.attention_mask.sum(-1).tolist()
-    slices, start, longest = [], 0, 0
-    for i, length in enumerate(lengths):
-        longest_if_added = max(longest, length)
-        if i > start and longest_if_added * (i - start + 1) > max_tokens:
-            slices.append(slice(start, i))
-            start, longest_if_added = i, length
-        longest = longest_if_added
-    slices.append(slice(start, len(lengths)))
-    return slices
+    return micro_batches_of(RowLayout(collated.input_ids, collated.attention_mask, []), max_tokens)
 
 
 def _micro_batch_weight(mode: str, mask: torch.Tensor, total_tokens: float, total_seqs: float) -> float:
@@ -107,9 +131,10 @@ def policy_step(model, optimizer, samples: list[TrainSample], settings: PolicyLo
                 reference_model=None, pad_token_id: int = 0) -> dict[str, float]:
     """Forward/backward over micro-batches, clip gradients, step. Returns metrics."""
     collated = collate(samples, pad_token_id)
-    total_tokens = float(collated.response_mask.sum())
-    total_seqs = float((collated.response_mask.sum(-1) > 0).sum())
+    total_tokens = max(float(collated.response_mask.sum()), 1.0)
+    total_seqs = max(float((collated.response_mask.sum(-1) > 0).sum()), 1.0)
     norm_constant = float(collated.response_mask.sum(-1).max())
+    total_nll_tokens = float(collated.nll_mask.sum())
     model.train()
     optimizer.zero_grad(set_to_none=True)
     sums: dict[str, float] = {}
@@ -124,18 +149,22 @@ def policy_step(model, optimizer, samples: list[TrainSample], settings: PolicyLo
         loss = pg_loss
         if settings.entropy_coef:
             loss = loss - settings.entropy_coef * agg_loss(entropy, mask, settings.loss_agg, norm_constant)
+        # VAPO positive-example LM loss: already normalised by the batch's count of such tokens,
+        # so the micro-batch parts simply add up.
+        nll = -(logp * collated.nll_mask[sl]).sum() / max(total_nll_tokens, 1.0)
         if settings.kl_coef and reference_model is not None:
             with torch.no_grad():
                 ref_logp, _ = token_logprobs(reference_model, collated.input_ids[sl], collated.attention_mask[sl],
                                              collated.targets[sl], settings.temperature)
             kl = agg_loss(kl_penalty(logp, ref_logp), mask, settings.loss_agg, norm_constant)
             loss = loss + settings.kl_coef * kl
-            metrics["kl_ref"] = float(kl)
+            metrics["kl_ref"] = kl.item()
         weight = _micro_batch_weight(settings.loss_agg, mask, total_tokens, total_seqs)
-        (loss * weight).backward()
+        (loss * weight + settings.nll_coef * nll).backward()
+        sums["nll_positive"] = sums.get("nll_positive", 0.0) + nll.item()
         token_share = float(mask.sum()) / total_tokens
         metrics["entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1))
-        metrics["loss"] = float(loss)
+        metrics["loss"] = loss.item()
         for key, value in metrics.items():
             sums[key] = sums.get(key, 0.0) + value * token_share
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
@@ -144,5 +173,116 @@ def policy_step(model, optimizer, samples: list[TrainSample], settings: PolicyLo
     else:
         optimizer.zero_grad(set_to_none=True)
     model.eval()
-    return {**sums, "grad_norm": float(grad_norm), "tokens_trained": total_tokens, "samples_trained": len(samples)}
+    return {**sums, "grad_norm": float(grad_norm), "tokens_trained": total_tokens, "rows_trained": len(samples)}
 
+
+
+# --- the value model --------------------------------------------------------------------------
+
+
+@dataclass
+class ValueLossSettings:
+    gamma: float
+    lam: float  # critic λ (1.0: Monte-Carlo targets)
+    clip_low: float | None
+    clip_high: float | None
+    grad_clip: float
+    micro_batch_tokens: int
+
+
+def trajectory_rewards(trajectory: ScoredTrajectory) -> np.ndarray:
+    """Per-token rewards of a finished response: dense rewards (if any) plus the score on the last token."""
+    n = len(trajectory.segment.new_token_ids)
+    rewards = np.zeros(n, dtype=np.float32)
+    if trajectory.token_rewards is not None:
+        m = min(n, len(trajectory.token_rewards))
+        rewards[:m] = trajectory.token_rewards[:m]
+    if n:
+        rewards[-1] += trajectory.score
+    return rewards
+
+
+def predict_values(value_model, rows: list[tuple[np.ndarray, np.ndarray]], pad_token_id: int = 0,
+                   max_tokens: int = 4096, with_next: bool = False) -> list[np.ndarray]:
+    """`V(s_t)` for each new token of each (context, new) row: the state before the token. With
+    `with_next`, one more value per row: the state after its last token."""
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]) + len(rows[i][1]))
+    by_index: dict[int, np.ndarray] = {}
+    with torch.no_grad():
+        start = 0
+        while start < len(order):
+            # Length-sorted chunks bounded by padded tokens.
+            end, longest = start, 0
+            while end < len(order):
+                length = len(rows[order[end]][0]) + len(rows[order[end]][1])
+                if end > start and max(longest, length) * (end - start + 1) > max_tokens:
+                    break
+                longest = max(longest, length)
+                end += 1
+            chunk = order[start:end]
+            layout = layout_rows([rows[i] for i in chunk], pad_token_id)
+            values = value_model(layout.input_ids, layout.attention_mask)
+            for j, i in enumerate(chunk):
+                sl = layout.slices[j]
+                stop = sl.stop + 1 if with_next else sl.stop
+                by_index[i] = values[j, sl.start : stop].float().numpy().copy()
+            start = end
+    return [by_index[i] for i in range(len(rows))]
+
+
+def value_step(value_model, optimizer, trajectories: list[ScoredTrajectory], settings: ValueLossSettings,
+               pad_token_id: int = 0) -> dict[str, float]:
+    """One critic update on finished trajectories. Targets are GAE returns with the critic λ over
+    the pre-step values (λ=1: Monte-Carlo returns, independent of the values); the loss is the
+    clipped value loss around those pre-step values, token-mean over the batch."""
+    from asyncrl.algo.advantages import gae
+    from asyncrl.algo.losses import value_loss
+
+    if not all(t.segment.finished for t in trajectories):
+        raise ValueError("the value model trains on finished trajectories only")
+    layout = layout_rows([segment_row(t.segment) for t in trajectories], pad_token_id)
+    mask = layout.place([np.ones(len(t.segment.new_token_ids), dtype=np.float32) for t in trajectories])
+    rewards = layout.place([trajectory_rewards(t) for t in trajectories])
+    value_model.eval()
+    with torch.no_grad():
+        old_values = torch.cat([value_model(layout.input_ids[sl], layout.attention_mask[sl])
+                                for sl in micro_batches_of(layout, settings.micro_batch_tokens)]) * mask
+    # Positions run left to right through context then response; GAE walks only the masked ones.
+    _, returns = gae(rewards, old_values, mask, settings.gamma, settings.lam)
+    total_tokens = max(float(mask.sum()), 1.0)
+    value_model.train()
+    optimizer.zero_grad(set_to_none=True)
+    sums = {"value_loss": 0.0, "value_clip_fraction": 0.0}
+    for sl in micro_batches_of(layout, settings.micro_batch_tokens):
+        values = value_model(layout.input_ids[sl], layout.attention_mask[sl])
+        loss, metrics = value_loss(values, old_values[sl], returns[sl], mask[sl], settings.clip_low, settings.clip_high)
+        share = float(mask[sl].sum()) / total_tokens
+        (loss * share).backward()
+        sums["value_loss"] += loss.item() * share
+        sums["value_clip_fraction"] += metrics["value_clip_fraction"] * share
+    grad_norm = torch.nn.utils.clip_grad_norm_(value_model.parameters(), settings.grad_clip)
+    if math.isfinite(float(grad_norm)):
+        optimizer.step()
+    else:
+        optimizer.zero_grad(set_to_none=True)
+    value_model.eval()
+    m = mask.bool()
+    residual = (returns - old_values)[m]
+    target_var = returns[m].var(unbiased=False)
+    explained = 1.0 - float(residual.var(unbiased=False) / target_var) if float(target_var) > 1e-12 else 0.0
+    return {**sums, "value_grad_norm": float(grad_norm), "value_explained_variance": explained,
+            "value_mean": float(old_values[m].mean()), "return_mean": float(returns[m].mean()),
+            "value_tokens": total_tokens, "value_trajectories": len(trajectories)}
+
+
+def micro_batches_of(layout: RowLayout, max_tokens: int) -> list[slice]:
+    """Contiguous row ranges whose padded token count stays under `max_tokens` (at least one row)."""
+    lengths = layout.attention_mask.sum(-1).tolist()
+    slices, start, longest = [], 0, 0
+    for i, length in enumerate(lengths):
+        if i > start and max(longest, length) * (i - start + 1) > max_tokens:
+            slices.append(slice(start, i))
+            start, longest = i, 0
+        longest = max(longest, length)
+    slices.append(slice(start, len(lengths)))
+    return slices

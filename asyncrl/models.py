@@ -134,3 +134,47 @@ def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) ->
     elif config_eos:
         ids.update(int(i) for i in config_eos)
     return sorted(ids)
+
+
+# --- value model ---------------------------------------------------------------------------------
+
+
+class ValueModel(torch.nn.Module):
+    """A language model's trunk with a scalar head: `V(s_t)` at every position.
+
+    Initialised from the policy (same trunk, zero head so every value starts at 0) or from a
+    reward / process-reward model directory (its trunk and its one-label classification head).
+    """
+
+    def __init__(self, backbone: torch.nn.Module, head: torch.nn.Linear):
+        super().__init__()
+        self.backbone = backbone
+        self.head = head
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).float()
+
+
+def value_model_from_policy(policy: PreTrainedModel) -> ValueModel:
+    backbone = policy.base_model  # the decoder without the LM head
+    head = torch.nn.Linear(policy.config.hidden_size, 1, dtype=next(policy.parameters()).dtype)
+    torch.nn.init.zeros_(head.weight)
+    torch.nn.init.zeros_(head.bias)
+    return ValueModel(backbone, head)
+
+
+def value_model_from_reward_model(path: str, dtype: str = "float32") -> ValueModel:
+    """A one-label sequence- or token-classification checkpoint (a reward model or a PRM)."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoModelForTokenClassification
+
+    config = AutoConfig.from_pretrained(path)
+    if getattr(config, "num_labels", 1) != 1:
+        raise ValueError(f"value init checkpoint {path} has {config.num_labels} labels; a value head needs 1")
+    is_token = any(a.endswith("ForTokenClassification") for a in (config.architectures or []))
+    auto = AutoModelForTokenClassification if is_token else AutoModelForSequenceClassification
+    model = auto.from_pretrained(path, dtype=getattr(torch, dtype))
+    head = getattr(model, "score", None) or getattr(model, "classifier", None)
+    if not isinstance(head, torch.nn.Linear):
+        raise ValueError(f"value init checkpoint {path}: no linear `score`/`classifier` head found")
+    return ValueModel(model.base_model, head)

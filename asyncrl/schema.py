@@ -241,9 +241,37 @@ class TrainSample(msgspec.Struct, kw_only=True, frozen=True):
     score: float
     advantages: np.ndarray  # float32 [len(segment.new_token_ids)]
     correct: bool | None = None
+    # uint8 [len(new_token_ids)]: 0 excludes a token from the policy loss (T-PPO's window-edge
+    # tokens of unfinished rows). None trains every new token.
+    loss_mask: np.ndarray | None = None
+    # Weight version of the value model whose values built `advantages` (value-based algorithms).
+    value_version: int | None = None
 
     def __post_init__(self) -> None:
-        _check_array("advantages", self.advantages, "float32", len(self.segment.new_token_ids))
+        n = len(self.segment.new_token_ids)
+        _check_array("advantages", self.advantages, "float32", n)
+        if self.loss_mask is not None:
+            _check_array("loss_mask", self.loss_mask, "uint8", n)
+
+
+class ScoredTrajectory(msgspec.Struct, kw_only=True, frozen=True):
+    """A finished response (all windows merged) and its reward: what the value learner trains on,
+    with Monte-Carlo targets built from `score` on the last token plus any dense `token_rewards`."""
+
+    segment: Segment
+    score: float
+    token_rewards: np.ndarray | None = None  # float32, aligned with segment.new_token_ids
+    correct: bool | None = None
+
+    def __post_init__(self) -> None:
+        if not self.segment.finished:
+            raise ValueError(f"ScoredTrajectory {self.segment.sample_id}: segment is not finished")
+        if self.token_rewards is not None:
+            _check_array("token_rewards", self.token_rewards, "float32")
+
+    @property
+    def msg_id(self) -> str:
+        return self.segment.sample_id
 
 
 class TrainBatch(msgspec.Struct, kw_only=True, frozen=True):

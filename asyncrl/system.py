@@ -24,7 +24,7 @@ from asyncrl.engines.torch_engine import TorchEngine
 from asyncrl.learning import PolicyLossSettings
 from asyncrl.mailbox import RayMailbox
 from asyncrl.models import ModelSpec, eos_token_ids, load_model, load_tokenizer
-from asyncrl.schema import PromptRequest, Segment, TrainBatch
+from asyncrl.schema import PromptRequest, ScoredTrajectory, Segment, TrainBatch
 from asyncrl.tasks import encode_prompt, load_examples
 from asyncrl.weight_sync import free_port, init_weight_group
 
@@ -97,10 +97,11 @@ class LearnerActor(_LoopShell):
         settings = PolicyLossSettings(
             clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip, loss_agg=a.loss_agg,
             kl_coef=a.kl_coef, entropy_coef=a.entropy_coef, temperature=config.engine.temperature,
-            grad_clip=a.grad_clip, micro_batch_tokens=a.micro_batch_tokens,
+            grad_clip=a.grad_clip, micro_batch_tokens=a.micro_batch_tokens, nll_coef=a.nll_coef,
         )
         self.inner = PolicyLearner(model, settings, batches, a.lr, a.weight_decay, a.warmup_steps, a.kl_coef,
-                                   tokenizer.pad_token_id or 0, config.trainer.broadcast_bucket_mb << 20)
+                                   tokenizer.pad_token_id or 0, config.trainer.broadcast_bucket_mb << 20,
+                                   notify_after_broadcast=config.trainer.synchronous)
 
     def init_weight_group(self, addr: str, port: int, world_size: int, rank: int) -> None:
         init_weight_group(addr, port, world_size, rank, "gloo")
@@ -121,6 +122,35 @@ class LearnerActor(_LoopShell):
         return self.inner.version
 
 
+class ValueLearnerActor(_LoopShell):
+    def __init__(self, config: Config, trajectories: RayMailbox):
+        from actors.value_learner import ValueLearner
+        from asyncrl.learning import ValueLossSettings
+        from asyncrl.models import value_model_from_policy, value_model_from_reward_model
+
+        c = config.critic
+        torch.set_num_threads(c.threads)
+        torch.manual_seed(config.trainer.seed + 1)
+        tokenizer = load_tokenizer(model_spec(config))
+        if c.init_path:
+            value_model = value_model_from_reward_model(c.init_path, config.model.dtype)
+        else:
+            value_model = value_model_from_policy(load_model(model_spec(config), tokenizer))
+        settings = ValueLossSettings(gamma=config.algorithm.gamma, lam=c.lam, clip_low=c.clip_low,
+                                     clip_high=c.clip_high, grad_clip=c.grad_clip, micro_batch_tokens=c.micro_batch_tokens)
+        self.inner = ValueLearner(value_model, trajectories, settings, c.lr, c.weight_decay, c.batch_trajectories,
+                                  c.warmup_steps, tokenizer.pad_token_id or 0)
+
+    def connect(self, assembler) -> None:
+        self.inner.on_ready = [lambda: assembler.set_value_ready.remote()]
+
+    async def values(self, rows):
+        return await self.inner.values(rows)
+
+    def pop_metrics(self) -> list[dict]:
+        return self.inner.pop_metrics()
+
+
 class VerifierActor:
     def __init__(self, reward_style: str):
         from actors.verifier import Verifier
@@ -135,8 +165,10 @@ class VerifierActor:
 
 
 class AssemblerActor(_LoopShell):
-    def __init__(self, config: Config, segments: RayMailbox, batches: RayMailbox, verifier, prompt_source):
-        from actors.assembler import Assembler
+    def __init__(self, config: Config, segments: RayMailbox, batches: RayMailbox, verifier, prompt_source,
+                 value_learner=None, trajectories: RayMailbox | None = None):
+        from actors.assembler import Assembler, ValueMode
+        from asyncrl.assembly import ValueAdvantageSettings
 
         torch.set_num_threads(1)
         tokenizer = load_tokenizer(model_spec(config))
@@ -150,12 +182,34 @@ class AssemblerActor(_LoopShell):
         async def score(requests):
             return await verifier.score.remote(requests)
 
+        value_mode = None
+        if a.estimator == "gae":
+            async def values(rows):
+                return await value_learner.values.remote(rows)
+
+            value_mode = ValueMode(
+                values=values, trajectories=trajectories, rows_per_batch=config.trainer.prompts_per_step * a.group_size,
+                whiten=a.whiten_advantages, advantage_clamp=a.advantage_clamp,
+                settings=ValueAdvantageSettings(
+                    gamma=a.gamma, lam=a.lam, length_adaptive_alpha=a.length_adaptive_alpha,
+                    lambda_floor=a.lambda_floor, edge_mask_tokens=a.edge_mask_tokens,
+                    window_training=a.window_training, window_tokens=config.engine.window_tokens,
+                    bootstrap=a.egae_bootstrap,
+                    max_staleness_versions=a.max_staleness_versions, overlong_buffer_tokens=a.overlong_buffer_tokens,
+                    overlong_penalty_factor=a.overlong_penalty_factor,
+                    max_response_tokens=config.engine.max_response_tokens,
+                ),
+            )
         self.inner = Assembler(segments, batches, score, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                                settings, config.trainer.prompts_per_step,
-                               on_dropped_group=lambda reason: prompt_source.note_dropped_groups.remote(1))
+                               on_dropped=lambda prompts: prompt_source.note_dropped.remote(prompts),
+                               value_mode=value_mode)
 
     def set_policy_version(self, version: int) -> None:
         self.inner.set_policy_version(version)
+
+    def set_value_ready(self) -> None:
+        self.inner.set_value_ready()
 
 
 class PromptSourceActor(_LoopShell):
@@ -172,8 +226,8 @@ class PromptSourceActor(_LoopShell):
     def set_learner_version(self, version: int) -> None:
         self.inner.set_learner_version(version)
 
-    def note_dropped_groups(self, n: int) -> None:
-        self.inner.note_dropped_groups(n)
+    def note_dropped(self, prompts: float) -> None:
+        self.inner.note_dropped(prompts)
 
 
 # --- the system ----------------------------------------------------------------------------------
@@ -188,6 +242,7 @@ class TrainingSystem:
         self.run_refs: dict[str, Any] = {}
         self.mailboxes: dict[str, RayMailbox] = {}
         self.started_at = 0.0
+        self._last_value: dict = {}
 
     def start(self) -> "TrainingSystem":
         cfg, tr = self.config, self.config.trainer
@@ -198,6 +253,10 @@ class TrainingSystem:
             "segments": RayMailbox.create(Segment, capacity=tr.mailbox_capacity, lease_s=tr.lease_s),
             "batches": RayMailbox.create(TrainBatch, capacity=2, lease_s=tr.lease_s),
         }
+        value_based = cfg.algorithm.estimator == "gae"
+        if value_based:
+            self.mailboxes["trajectories"] = RayMailbox.create(
+                ScoredTrajectory, capacity=max(4 * cfg.critic.batch_trajectories, 64), lease_s=tr.lease_s)
         opts = {"num_cpus": 0, "max_concurrency": 64}
         learner_opts = dict(opts, name=LEARNER_NAME, namespace=NAMESPACE) if self.name_actors else opts
         verifier = ray.remote(VerifierActor).options(num_cpus=0, max_concurrency=4).remote(cfg.task.reward)
@@ -207,9 +266,15 @@ class TrainingSystem:
             for i in range(tr.num_generators)
         ]
         prompt_source = ray.remote(PromptSourceActor).options(**opts).remote(cfg, self.mailboxes["prompts"])
+        value_learner = (ray.remote(ValueLearnerActor).options(**opts).remote(cfg, self.mailboxes["trajectories"])
+                         if value_based else None)
         assembler = ray.remote(AssemblerActor).options(**opts).remote(
-            cfg, self.mailboxes["segments"], self.mailboxes["batches"], verifier, prompt_source)
+            cfg, self.mailboxes["segments"], self.mailboxes["batches"], verifier, prompt_source,
+            value_learner, self.mailboxes.get("trajectories"))
         self.actors = {"verifier": verifier, "learner": learner, "assembler": assembler, "prompt_source": prompt_source}
+        if value_learner is not None:
+            self.actors["value_learner"] = value_learner
+            ray.get(value_learner.connect.remote(assembler))
 
         # Weight group: receivers first, then the sender, then wait (any other order deadlocks).
         port, world = free_port(), tr.num_generators + 1
@@ -218,7 +283,10 @@ class TrainingSystem:
         ray.get(joins)
         ray.get(learner.connect.remote(self.generators, assembler, prompt_source))
 
-        for name, actor in [("learner", learner), ("assembler", assembler), ("prompt_source", prompt_source)]:
+        loops = [("learner", learner), ("assembler", assembler), ("prompt_source", prompt_source)]
+        if value_learner is not None:
+            loops.append(("value_learner", value_learner))
+        for name, actor in loops:
             self.run_refs[name] = actor.run.remote()
         for i, g in enumerate(self.generators):
             self.run_refs[f"generator-{i}"] = g.run.remote()
@@ -238,10 +306,21 @@ class TrainingSystem:
         generators = ray.get([g.stats.remote() for g in self.generators])
         assembler = ray.get(self.actors["assembler"].stats.remote())
         mailboxes = {name: ray.get(box.actor.stats.remote()) for name, box in self.mailboxes.items()}
-        return summarize(learner, generators, assembler, mailboxes, time.time() - self.started_at)
+        status = summarize(learner, generators, assembler, mailboxes, time.time() - self.started_at)
+        if "value_learner" in self.actors:
+            status["value_learner"] = ray.get(self.actors["value_learner"].stats.remote())
+        return status
 
     def pop_metrics(self) -> list[dict]:
-        return ray.get(self.actors["learner"].pop_metrics.remote())
+        """Policy-step records; with a value learner, each carries its latest value-step metrics."""
+        records = ray.get(self.actors["learner"].pop_metrics.remote())
+        if "value_learner" in self.actors:
+            value_records = ray.get(self.actors["value_learner"].pop_metrics.remote())
+            if value_records:
+                self._last_value = value_records[-1]
+            for record in records:
+                record.update(self._last_value)
+        return records
 
     def weights(self) -> tuple[int, dict[str, torch.Tensor]]:
         return ray.get(self.actors["learner"].weights.remote())

@@ -42,6 +42,26 @@ def tiny_correct(response: str, ground_truth: str) -> tuple[bool, str]:
     return pred == ground_truth, pred
 
 
+TINY_SEQ_DIGITS = 3
+
+
+def tiny_seq_examples(split: str) -> list[Example]:
+    """"d:" -> the next three digits ("3:" -> "456"): with 2-token windows the answer spans two
+    windows, so T-PPO must credit a window before the response is finished."""
+    return [
+        Example(f"tiny_seq-{split}-{d}", [{"role": "user", "content": f"{d}:"}],
+                "".join(str((d + i) % 10) for i in range(1, TINY_SEQ_DIGITS + 1)), "tiny_seq")
+        for d in range(10)
+    ]
+
+
+def tiny_seq_credit(response: str, ground_truth: str) -> tuple[float, bool, str]:
+    """Partial credit: the fraction of answer positions right; correct when all are."""
+    pred = response[: len(ground_truth)]
+    hits = sum(a == b for a, b in zip(pred, ground_truth))
+    return hits / len(ground_truth), hits == len(ground_truth), pred
+
+
 # --- arithmetic word problems -------------------------------------------------------------------
 
 _NAMES = ["Sam", "Ana", "Li", "Omar", "Mia", "Ravi", "Zoe", "Ben", "Kai", "Eva"]
@@ -129,17 +149,22 @@ def file_examples(path: str) -> list[Example]:
 def load_examples(task_name: str, split: str, n: int, seed: int, path: str = "") -> list[Example]:
     if task_name == "tiny":
         return tiny_examples(split)
+    if task_name == "tiny_seq":
+        return tiny_seq_examples(split)
     if task_name == "arithmetic":
         return arithmetic_examples(split, n, seed)
     if task_name == "file":
         if not path:
             raise ValueError(f"task=file needs task.{'path' if split == 'train' else 'eval_path'}")
         return file_examples(path)
-    raise ValueError(f"unknown task {task_name!r}: expected tiny, arithmetic or file")
+    raise ValueError(f"unknown task {task_name!r}: expected tiny, tiny_seq, arithmetic or file")
 
 
 def score_response(data_source: str, response: str, ground_truth: str, style: str) -> tuple[float, bool, str]:
     """(score, correct, prediction) of a response, routed by data source."""
+    if data_source == "tiny_seq":
+        credit, correct, pred = tiny_seq_credit(response, ground_truth)
+        return (credit if style == "zero_one" else 2 * credit - 1), correct, pred
     if data_source == "tiny":
         correct, pred = tiny_correct(response, ground_truth)
     else:

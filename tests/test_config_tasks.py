@@ -81,3 +81,39 @@ def test_verl_layout_jsonl_and_parquet(tmp_path):
     bad.write_text(json.dumps({"prompt": "x"}))
     with pytest.raises(ValueError, match="reward_model"):
         file_examples(str(bad))
+
+
+@pytest.mark.parametrize("name", ["ppo", "vcppo", "vapo", "tppo", "tppo_sync", "grpo", "dapo"])
+def test_every_algorithm_composes_with_its_paper_settings(name):
+    config = compose([f"algorithm={name}"])
+    a, c = config.algorithm, config.critic
+    assert a.name == name
+    value_based = name not in ("grpo", "dapo")
+    assert (a.estimator == "gae") == value_based
+    if name in ("vcppo", "vapo", "tppo"):
+        assert c.lam == 1.0 and a.lam == 0.95 and c.warmup_steps > 0  # decoupled GAE + value pretraining
+    if name in ("vapo", "tppo"):
+        assert a.length_adaptive_alpha == 0.05 and a.nll_coef == 0.1 and a.clip_high == 0.28
+        assert a.lambda_floor == (name == "tppo")  # NeMo clamp vs the T-PPO recipe's floor
+    if name == "tppo":
+        assert a.window_training and config.engine.window_tokens < config.engine.max_response_tokens
+        assert (c.clip_low, c.clip_high) == (0.5, 0.6) and a.advantage_clamp == 10.0 and a.dual_clip == 10.0
+    if name == "tppo_sync":
+        assert config.trainer.synchronous and config.engine.window_tokens == config.engine.max_response_tokens
+
+
+def test_value_based_knobs_are_validated():
+    with pytest.raises(ConfigError, match="window_training"):
+        compose(["algorithm=grpo", "algorithm.window_training=true"])
+    with pytest.raises(ConfigError, match="egae_bootstrap"):
+        compose(["algorithm=tppo", "algorithm.egae_bootstrap=sometimes"])
+    with pytest.raises(ConfigError, match="synchronous"):
+        compose(["algorithm=tppo", "trainer.synchronous=true"])
+
+
+def test_tiny_seq_partial_credit():
+    example = load_examples("tiny_seq", "train", 0, 0)[3]
+    assert example.text == "3:" and example.ground_truth == "456"
+    assert score_response("tiny_seq", "456", "456", "zero_one")[:2] == (1.0, True)
+    assert score_response("tiny_seq", "4x6", "456", "zero_one")[:2] == (pytest.approx(2 / 3), False)
+    assert score_response("tiny_seq", "", "456", "plus_minus")[:2] == (-1.0, False)

@@ -46,7 +46,7 @@ def test_micro_batching_gives_the_full_batch_gradient(agg):
     split, m_split = grads_after_step(agg, micro_tokens=12)  # one row per micro-batch
     for name in full:
         torch.testing.assert_close(split[name], full[name], rtol=1e-4, atol=1e-6)
-    assert m_full["tokens_trained"] == 17 and m_split["samples_trained"] == 4
+    assert m_full["tokens_trained"] == 17 and m_split["rows_trained"] == 4
 
 
 def test_only_new_tokens_are_scored():

@@ -93,17 +93,21 @@ def egae(
     gamma: float,
     lam: float | torch.Tensor,
     edge_mask_tokens: int = 0,
+    next_values: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Extended GAE on a window (T-PPO, arXiv 2506.15050 §3; ALGORITHMS.md §6.3).
 
     Finished rows (`finished[b]` true) are ordinary GAE with bootstrap 0. Unfinished rows, cut at
     the window, bootstrap the missing `V(s_l)` with `V(s_{l-1})`, so the last TD error is
-    `(γ−1)·V_{l−1}` (0 for γ=1). For unfinished rows the advantages of the last `edge_mask_tokens`
-    valid tokens are set to 0 (they depend almost only on the approximated bootstrap). Returns
-    `(advantages, returns)`; returns (critic targets) are zeroed on unfinished rows, which have none.
+    `(γ−1)·V_{l−1}` (0 for γ=1). `next_values` `[B]`, when given, is the value model's actual
+    `V(s_l)` (the state after the window's last token) and replaces that approximation. For
+    unfinished rows the advantages of the last `edge_mask_tokens` valid tokens are set to 0 (they
+    depend almost only on the bootstrap). Returns `(advantages, returns)`; returns (critic targets)
+    are zeroed on unfinished rows, which have none.
     """
     finished = finished.to(values.dtype)
-    bootstrap = (1.0 - finished) * last_valid_value(values, mask)
+    cut_value = last_valid_value(values, mask) if next_values is None else next_values.to(values.dtype)
+    bootstrap = (1.0 - finished) * cut_value
     advantages, returns = gae(token_rewards, values, mask, gamma, lam, bootstrap=bootstrap)
     if edge_mask_tokens > 0:
         # Rank positions from the end among valid tokens: 1 = last valid token.

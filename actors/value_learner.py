@@ -1,0 +1,123 @@
+"""Value learner: owns the value model (critic), trains it on finished trajectories at its own pace,
+and answers value requests for (E)GAE.
+
+* Trains only on **finished** trajectories (all windows), with targets from the critic λ
+  (1.0 = Monte-Carlo), `critic.batch_trajectories` per step, whenever that many have arrived.
+* Serves `V(s_t)` from a serving copy refreshed after each step, so a request never waits for a
+  training step and never sees half-updated weights; each answer carries the value version.
+* Warm-up (VC-PPO value pretraining): until `warmup_steps` value steps are done, `ready` is false
+  and the assembler trains no policy rows, so the policy stays the frozen initial one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from asyncrl.learning import ValueLossSettings, predict_values, value_step
+from asyncrl.mailbox import Mailbox
+from asyncrl.schema import ScoredTrajectory
+
+
+class ValueLearner:
+    def __init__(self, value_model, trajectories: Mailbox, settings: ValueLossSettings, lr: float,
+                 weight_decay: float, batch_trajectories: int, warmup_steps: int = 0, pad_token_id: int = 0):
+        self.model = value_model.eval()
+        self.serving = copy.deepcopy(value_model).eval().requires_grad_(False)
+        self.trajectories = trajectories
+        self.settings = settings
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
+        self.batch_trajectories = batch_trajectories
+        self.warmup_steps = warmup_steps
+        self.pad_token_id = pad_token_id
+        self.version = 0
+        self.on_ready: list[Callable[[], Any]] = []
+        self._seen: set[str] = set()
+        self._pending: list[ScoredTrajectory] = []
+        self._serving_lock = asyncio.Lock()
+        self._metrics: list[dict] = []
+        self._running = False
+        self._started = time.monotonic()
+        self.timing = {"train_s": 0.0, "serve_s": 0.0}
+        self.counters = {"value_steps": 0, "trajectories_trained": 0, "duplicate_trajectories": 0,
+                         "value_requests": 0, "rows_valued": 0}
+        self.last: dict[str, float] = {}
+
+    @property
+    def ready(self) -> bool:
+        return self.version >= self.warmup_steps
+
+    async def values(self, rows: list[tuple[np.ndarray, np.ndarray]]) -> tuple[list[np.ndarray], int]:
+        """`V(s_t)` for the new tokens of each (context, new) row plus the state after its last
+        token (n + 1 values), and the value version used."""
+        start = time.perf_counter()
+        async with self._serving_lock:
+            version = self.version
+            out = await asyncio.to_thread(predict_values, self.serving, rows, self.pad_token_id,
+                                          self.settings.micro_batch_tokens, True)
+        self.timing["serve_s"] += time.perf_counter() - start
+        self.counters["value_requests"] += 1
+        self.counters["rows_valued"] += len(rows)
+        return out, version
+
+    async def _train(self, batch: list[ScoredTrajectory]) -> dict:
+        start = time.perf_counter()
+        metrics = await asyncio.to_thread(value_step, self.model, self.optimizer, batch, self.settings,
+                                          self.pad_token_id)
+        async with self._serving_lock:
+            self.serving.load_state_dict(self.model.state_dict())
+            self.version += 1
+        elapsed = time.perf_counter() - start
+        self.timing["train_s"] += elapsed
+        self.counters["value_steps"] += 1
+        self.counters["trajectories_trained"] += len(batch)
+        record = {"value_step": self.version, **metrics, "value_train_s": elapsed, "value_ready": self.ready}
+        self.last = record
+        self._metrics.append(record)
+        if self.version == self.warmup_steps:
+            for notify in self.on_ready:
+                notify()
+        return record
+
+    async def step_once(self, timeout: float = 1.0) -> dict | None:
+        got = await self.trajectories.get(self.batch_trajectories, timeout=timeout)
+        for t in got:
+            if t.msg_id in self._seen:
+                self.counters["duplicate_trajectories"] += 1
+            else:
+                self._seen.add(t.msg_id)
+                self._pending.append(t)
+        # Held here from now on (a crash before training loses at most this partial batch).
+        if got:
+            await self.trajectories.ack([t.msg_id for t in got])
+        if len(self._pending) < self.batch_trajectories:
+            return None
+        batch, self._pending = self._pending[: self.batch_trajectories], self._pending[self.batch_trajectories:]
+        return await self._train(batch)
+
+    async def run(self) -> None:
+        self._running = True
+        self._started = time.monotonic()
+        if self.ready:
+            for notify in self.on_ready:
+                notify()
+        while self._running:
+            await self.step_once()
+
+    def stop(self) -> None:
+        self._running = False
+
+    def pop_metrics(self) -> list[dict]:
+        out, self._metrics = self._metrics, []
+        return out
+
+    def stats(self) -> dict:
+        wall = max(time.monotonic() - self._started, 1e-9)
+        return {"value_version": self.version, "value_ready": self.ready, "pending_trajectories": len(self._pending),
+                **self.counters, **{f"value_{k}": v for k, v in self.timing.items()},
+                "value_busy_fraction": self.timing["train_s"] / wall, "last": self.last}

@@ -1,0 +1,182 @@
+"""Value-based pieces end to end below the actors: rows with (E)GAE, whitening, the value model and
+its training step, and the gradient invariants of T-PPO (ALGORITHMS.md §6.5)."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForSequenceClassification
+
+from asyncrl.assembly import Outcome, ValueAdvantageSettings, value_rows, whiten_rows
+from asyncrl.learning import (PolicyLossSettings, ValueLossSettings, collate, policy_step, predict_values,
+                              segment_row, value_step)
+from asyncrl.models import ModelSpec, build_tiny_model, value_model_from_policy, value_model_from_reward_model
+from asyncrl.schema import FinishReason, ScoredTrajectory, Segment, TrainSample, float32_array, int32_array
+
+SETTINGS = ValueAdvantageSettings(gamma=1.0, lam=1.0, length_adaptive_alpha=0.0, lambda_floor=False,
+                                  edge_mask_tokens=0, window_training=True, window_tokens=4, max_staleness_versions=4)
+
+
+def segment(new, prior=(), finished=True, prompt=(5, 6, 7), turn=None, pid="p", idx=0, version=0):
+    n = len(new)
+    return Segment(prompt_id=pid, sample_idx=idx, turn=turn if turn is not None else (1 if prior else 0), group_id=pid,
+                   prompt_token_ids=int32_array(prompt), prior_response_ids=int32_array(list(prior)),
+                   prior_versions=int32_array([version] * len(prior)), new_token_ids=int32_array(new),
+                   new_logprobs=float32_array([-2.0] * n), new_versions=int32_array([version] * n), finished=finished,
+                   finish_reason=FinishReason.EOS if finished else FinishReason.WINDOW)
+
+
+# V(s_t) for four tokens, then V(s_4) after the last one (what the value learner serves).
+V = np.array([0.2, 0.4, 0.5, 0.7, 0.9], dtype=np.float32)
+
+
+def test_rows_reproduce_section_12_values():
+    finished = segment([8, 9, 10, 11])
+    cut = segment([8, 9, 10, 11], finished=False, pid="q")
+    rows = value_rows([finished, cut], [V, V], [Outcome(1.0, True), None], SETTINGS, value_version=3)
+    np.testing.assert_allclose(rows[0].advantages, [0.8, 0.6, 0.5, 0.3], atol=1e-6)  # GAE complete, λ=1
+    np.testing.assert_allclose(rows[1].advantages, [0.5, 0.3, 0.2, 0.0], atol=1e-6)  # EGAE truncated, λ=1
+    assert rows[0].value_version == 3 and rows[0].correct is True and rows[1].correct is None
+    lam95 = dataclasses.replace(SETTINGS, lam=0.95)
+    rows = value_rows([finished, cut], [V, V], [Outcome(1.0, True), None], lam95)
+    np.testing.assert_allclose(rows[0].advantages, [0.7327, 0.5608, 0.4850, 0.3], atol=1e-4)
+    np.testing.assert_allclose(rows[1].advantages, [0.4755, 0.29, 0.20, 0.0], atol=1e-4)
+    # With the value model's own V(s_l) = 0.9 as the bootstrap (γ=λ=1): Â_t = V(s_l) − V_t.
+    nxt = dataclasses.replace(SETTINGS, bootstrap="next")
+    rows = value_rows([finished, cut], [V, V], [Outcome(1.0, True), None], nxt)
+    np.testing.assert_allclose(rows[1].advantages, [0.7, 0.5, 0.4, 0.2], atol=1e-6)
+    np.testing.assert_allclose(rows[0].advantages, [0.8, 0.6, 0.5, 0.3], atol=1e-6)  # finished: unchanged
+    with pytest.raises(ValueError, match="expected n \\+ 1"):
+        value_rows([cut], [V[:4]], [None], SETTINGS)
+
+
+def test_edge_mask_leaves_unfinished_window_tails_out_of_the_loss():
+    edge = dataclasses.replace(SETTINGS, edge_mask_tokens=2)
+    cut = segment([8, 9, 10, 11], finished=False)
+    done = segment([8, 9, 10, 11], prior=[3, 4, 5, 6], pid="q")
+    rows = value_rows([cut, done], [V, V], [None, Outcome(1.0)], edge)
+    assert rows[0].loss_mask.tolist() == [1, 1, 0, 0] and rows[0].advantages[2:].tolist() == [0.0, 0.0]
+    assert rows[1].loss_mask.tolist() == [1, 1, 1, 1]
+    assert collate(rows).response_mask.sum(-1).tolist() == [2.0, 4.0]
+
+
+def test_last_window_of_a_response_gets_its_slice_of_dense_rewards_and_lambda_floor():
+    # A PRM-style reward per token of the whole 8-token response; the last window holds tokens 4..7.
+    dense = float32_array([0, 0, 0, 0, 0.1, 0.2, 0.3, 0.4])
+    last = segment([8, 9, 10, 11], prior=[3, 4, 5, 6])
+    zero_v = np.zeros(5, dtype=np.float32)
+    [row] = value_rows([last], [zero_v], [Outcome(1.0, True, dense)], SETTINGS)
+    # λ=1, V=0: advantage = reward-to-go = suffix sums of [0.1, 0.2, 0.3, 0.4 + 1].
+    np.testing.assert_allclose(row.advantages, [2.0, 1.9, 1.7, 1.4], atol=1e-6)
+    # T-PPO λ floor: an unfinished 8192-token window with W=8192 uses λ = 1 − 1/(0.05·12288).
+    floor = dataclasses.replace(SETTINGS, lam=0.95, length_adaptive_alpha=0.05, lambda_floor=True, window_tokens=8192)
+    n = 8192
+    cut = segment(list(np.full(n, 8)), finished=False)
+    values = np.zeros(n + 1, dtype=np.float32)
+    values[n - 1], values[n - 2] = 1.0, 0.0
+    [row] = value_rows([cut], [values], [None], floor)
+    # Â_{l−2} = δ_{l−2} + γλ·δ_{l−1} = (V_{l−1} − V_{l−2}) + λ·0.
+    assert row.advantages[-2] == pytest.approx(1.0)
+    assert row.advantages[-3] == pytest.approx(0.998372, abs=1e-6)  # λ·Â_{l−2} with δ_{l−3} = 0
+
+
+def test_whitening_uses_only_trained_tokens():
+    rows = value_rows([segment([8, 9, 10, 11], finished=False), segment([8, 9, 10, 11], pid="q")], [V, V],
+                      [None, Outcome(1.0)], dataclasses.replace(SETTINGS, edge_mask_tokens=1))
+    white = whiten_rows(rows, clamp=10.0)
+    adv = np.concatenate([r.advantages for r in white])
+    mask = np.concatenate([r.loss_mask for r in white]).astype(bool)
+    assert abs(adv[mask].mean()) < 1e-6 and adv[mask].std(ddof=1) == pytest.approx(1.0, abs=1e-4)
+    assert adv[~mask].tolist() == [0.0]
+    assert np.abs(whiten_rows(rows, clamp=0.5)[1].advantages).max() <= 0.5
+
+
+def tiny_policy(seed=3):
+    return build_tiny_model(ModelSpec(source="tiny", seed=seed), 30)
+
+
+def test_no_gradient_reaches_prompt_or_earlier_windows():
+    """§6.5.6: only the current window's tokens are scored; the logits at every context position
+    (prompt and earlier windows) get exactly zero gradient."""
+    model = tiny_policy()
+    captured = {}
+
+    def keep_logit_grad(module, inputs, output):
+        output.register_hook(lambda grad: captured.setdefault("g", grad))
+
+    model.lm_head.register_forward_hook(keep_logit_grad)
+    row = segment([20, 21, 22], prior=[10, 11, 12, 13], prompt=(5, 6, 7))
+    sample = TrainSample(segment=row, score=1.0, advantages=float32_array([5.0, 3.0, 2.0]))  # ratio < 1: unclipped
+    settings = PolicyLossSettings(clip_low=0.2, clip_high=0.28, dual_clip=None, loss_agg="token-mean", kl_coef=0.0,
+                                  entropy_coef=0.0, temperature=1.0, grad_clip=1e9, micro_batch_tokens=4096)
+    policy_step(model, torch.optim.SGD(model.parameters(), lr=0.0), [sample], settings)
+    grad_per_position = captured["g"][0].abs().sum(-1)
+    context = len(row.prompt_token_ids) + len(row.prior_response_ids)  # 7: logits 0..5 predict context tokens
+    assert bool((grad_per_position[: context - 1] == 0).all())
+    assert bool((grad_per_position[context - 1 : context - 1 + 3] > 0).all())
+    assert bool((grad_per_position[context - 1 + 3 :] == 0).all())
+
+
+def test_positive_example_nll_only_moves_with_correct_finished_rows():
+    def grads(correct, finished, nll_coef):
+        model = tiny_policy()
+        row = segment([20, 21, 22], finished=finished)
+        sample = TrainSample(segment=row, score=1.0, advantages=float32_array([0.0, 0.0, 0.0]), correct=correct)
+        settings = PolicyLossSettings(clip_low=0.2, clip_high=0.28, dual_clip=None, loss_agg="token-mean",
+                                      kl_coef=0.0, entropy_coef=0.0, temperature=1.0, grad_clip=1e9,
+                                      micro_batch_tokens=4096, nll_coef=nll_coef)
+        metrics = policy_step(model, torch.optim.SGD(model.parameters(), lr=0.0), [sample], settings)
+        return model.lm_head.weight.grad.abs().sum().item(), metrics
+
+    assert grads(True, True, 0.1)[0] > 0  # zero advantages: only the NLL term has a gradient
+    assert grads(False, True, 0.1)[0] == 0  # wrong answer: no imitation
+    assert grads(True, False, 0.1)[0] == 0  # unfinished window: not a positive example
+    assert grads(True, True, 0.0)[0] == 0
+
+
+def test_value_model_values_align_with_the_state_before_each_token():
+    value_model = value_model_from_policy(tiny_policy())
+    torch.nn.init.normal_(value_model.head.weight)
+    rows = [segment_row(segment([20, 21], prior=[10, 11])), segment_row(segment([22, 23, 24, 25]))]
+    values = predict_values(value_model, rows, max_tokens=1)  # one row per forward: batching must not matter
+    with_next = predict_values(value_model, rows, with_next=True)
+    for (context, new), v, vn in zip(rows, values, with_next):
+        full = torch.tensor(np.concatenate([context, new]), dtype=torch.long)[None]
+        reference = value_model(full, torch.ones_like(full))[0].detach().numpy()
+        c = len(context)
+        np.testing.assert_allclose(v, reference[c - 1 : c - 1 + len(new)], rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(vn, reference[c - 1 :], rtol=1e-4, atol=1e-5)  # + V after the last token
+
+
+def test_value_model_starts_at_zero_from_the_policy_and_loads_a_reward_model(tmp_path):
+    assert np.all(predict_values(value_model_from_policy(tiny_policy()), [segment_row(segment([20, 21]))])[0] == 0)
+    config = LlamaConfig(vocab_size=30, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, num_labels=1, pad_token_id=0)
+    reward_model = LlamaForSequenceClassification(config).eval()
+    reward_model.save_pretrained(tmp_path)
+    value_model = value_model_from_reward_model(str(tmp_path))
+    ids = torch.tensor([[5, 6, 7, 20, 21]])
+    hidden = reward_model.model(input_ids=ids).last_hidden_state
+    expected = reward_model.score(hidden).squeeze(-1)[0]
+    got = predict_values(value_model, [segment_row(segment([20, 21]))])[0]
+    np.testing.assert_allclose(got, expected[2:4].detach().numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_value_step_targets_are_monte_carlo_and_loss_falls():
+    """§6.5.5: a finished three-window response with R=+1 has target 1 at every generated position."""
+    torch.manual_seed(0)
+    value_model = value_model_from_policy(tiny_policy())
+    optimizer = torch.optim.Adam(value_model.parameters(), lr=1e-2)
+    windows = segment([20, 21, 22, 23, 24, 25], prior=[], turn=2)  # merged: all windows as new tokens
+    trajectory = ScoredTrajectory(segment=windows, score=1.0, correct=True)
+    settings = ValueLossSettings(gamma=1.0, lam=1.0, clip_low=None, clip_high=None, grad_clip=1e9,
+                                 micro_batch_tokens=4096)
+    first = value_step(value_model, optimizer, [trajectory], settings)
+    assert first["return_mean"] == pytest.approx(1.0) and first["value_mean"] == pytest.approx(0.0)
+    for _ in range(30):
+        last = value_step(value_model, optimizer, [trajectory], settings)
+    assert last["value_loss"] < 0.1 * first["value_loss"]
+    assert np.all(np.abs(predict_values(value_model, [segment_row(windows)])[0] - 1.0) < 0.3)
+    with pytest.raises(ValueError, match="not finished"):
+        ScoredTrajectory(segment=segment([20], finished=False), score=0.0)
