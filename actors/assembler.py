@@ -27,9 +27,7 @@ from asyncrl.assembly import (AssemblySettings, Outcome, ValueAdvantageSettings,
                               RunningMoments, row_is_stale, value_rows, whiten_rows)
 from asyncrl.learning import segment_row
 from asyncrl.mailbox import Mailbox
-from asyncrl.schema import Reward, ScoredTrajectory, Segment, TrainBatch, TrainSample
-
-from actors.verifier import RewardRequest
+from asyncrl.schema import PairRequest, Reward, RewardRequest, ScoredTrajectory, Segment, TrainBatch, TrainSample
 
 ScoreFn = Callable[[list[RewardRequest]], Awaitable[list[Reward]]]
 ValuesFn = Callable[[list[tuple[np.ndarray, np.ndarray]]], Awaitable[tuple[list[np.ndarray], int]]]
@@ -48,11 +46,20 @@ class ValueMode:
     ready: bool = False  # the value learner finished its warm-up
 
 
+@dataclass
+class PairwiseMode:
+    """What the `pairwise` estimator needs: a judge of `PairRequest`s (both orders, symmetrised)."""
+
+    judge: Callable[[list[PairRequest]], Awaitable[list[dict]]]
+    anchor: str = "group"  # group | reference
+
+
 class Assembler:
     def __init__(self, segments: Mailbox, batches: Mailbox, score: ScoreFn, decode: Callable[[list[int]], str],
                  settings: AssemblySettings, prompts_per_batch: int,
                  on_dropped: Callable[[float], None] = lambda prompts: None,
-                 value_mode: ValueMode | None = None, max_pending_tasks: int = 64):
+                 value_mode: ValueMode | None = None, max_pending_tasks: int = 64,
+                 pairwise_mode: PairwiseMode | None = None):
         self.segments = segments
         self.batches = batches
         self.score = score
@@ -61,6 +68,7 @@ class Assembler:
         self.prompts_per_batch = prompts_per_batch
         self.on_dropped = on_dropped  # told how many prompts' worth of samples were dropped
         self.value_mode = value_mode
+        self.pairwise_mode = pairwise_mode
         self.max_pending_tasks = max_pending_tasks
         self._ready_rows: list[TrainSample] = []
         self._moments = RunningMoments()
@@ -116,12 +124,15 @@ class Assembler:
                 to_score.append((merged, RewardRequest(
                     prompt_id=merged.prompt_id, sample_idx=merged.sample_idx,
                     response_text=self.decode(merged.new_token_ids.tolist()),
-                    ground_truth=merged.ground_truth, data_source=merged.data_source)))
+                    ground_truth=merged.ground_truth, data_source=merged.data_source,
+                    prompt_text=self.decode(merged.prompt_token_ids.tolist()),
+                    response_token_ids=merged.new_token_ids)))
         return rows, to_score
 
     def _note_scored(self, reward: Reward) -> None:
         self.counters["samples_scored"] += 1
         self.counters["reward_failures"] += int(reward.failed)
+        self.counters[f"rewards_by_version.{reward.source_version or reward.source}"] += 1
         self.rewards_sum += reward.score
         self._since_batch[0] += reward.score
         self._since_batch[1] += int(bool(reward.correct))
@@ -134,8 +145,43 @@ class Assembler:
             group = self._groups[merged.group_id]
             group[merged.sample_idx] = (merged, reward)
             if len(group) == merged.group_size:
-                self._close_group(merged.group_id)
+                if self.pairwise_mode is not None:
+                    await self._close_pairwise_group(merged.group_id)
+                else:
+                    self._close_group(merged.group_id)
         await self._emit_ready()
+
+    async def _close_pairwise_group(self, group_id: str) -> None:
+        """Pairwise PPO: judge the group's responses against each other (or the reference) in both
+        orders, and build advantages from the symmetrised win probabilities."""
+        import torch
+
+        from asyncrl.algo.advantages import pairwise_advantages
+
+        group = self._groups[group_id]
+        members = [group[i] for i in sorted(group)]
+        texts = [self.decode(m[0].new_token_ids.tolist()) for m in members]
+        prompt = self.decode(members[0][0].prompt_token_ids.tolist())
+        truth = members[0][0].ground_truth
+        g = len(members)
+        if self.pairwise_mode.anchor == "reference":
+            pairs = [(i, None) for i in range(g)]
+            requests = [PairRequest(prompt_text=prompt, first=texts[i], second=truth) for i in range(g)]
+        else:
+            pairs = [(i, j) for i in range(g) for j in range(i + 1, g)]
+            requests = [PairRequest(prompt_text=prompt, first=texts[i], second=texts[j], ground_truth=truth)
+                        for i, j in pairs]
+        verdicts = await self.pairwise_mode.judge(requests) if requests else []
+        prefs = torch.full((g, 1 if self.pairwise_mode.anchor == "reference" else g), 0.5, dtype=torch.float64)
+        for (i, j), v in zip(pairs, verdicts):
+            self.counters["pairs_judged"] += 1
+            self.counters["pairs_inconsistent"] += int(not v["consistent"])
+            self.counters["pairs_failed"] += int(v["failed"])
+            if j is None:
+                prefs[i, 0] = v["p_first"]
+            else:
+                prefs[i, j], prefs[j, i] = v["p_first"], 1.0 - v["p_first"]
+        self._close_group(group_id, advantages=pairwise_advantages(prefs).tolist())
 
     async def _score_and_value(self, rows: list[Segment], items: list[tuple[Segment, RewardRequest]]) -> None:
         """`gae` mode: score finished samples, feed them to the value learner, value and train rows."""
@@ -178,11 +224,11 @@ class Assembler:
             self.counters["samples_dropped"] += 1
             self.on_dropped(1.0 / max(row.group_size, 1))
 
-    def _close_group(self, group_id: str) -> None:
+    def _close_group(self, group_id: str, advantages: list[float] | None = None) -> None:
         group = self._groups.pop(group_id)
         members = [group[i] for i in sorted(group)]
         samples, rewards = [m[0] for m in members], [m[1] for m in members]
-        train, reason, stats = assemble_group(samples, rewards, self.policy_version, self.settings)
+        train, reason, stats = assemble_group(samples, rewards, self.policy_version, self.settings, advantages)
         self.counters["groups_closed"] += 1
         if reason is not None:
             self.counters[f"dropped_{reason}_groups"] += 1

@@ -15,6 +15,7 @@ import random
 
 import numpy as np
 
+from asyncrl.algo.selection import curriculum_sources
 from asyncrl.mailbox import Mailbox
 from asyncrl.schema import PromptRequest
 from asyncrl.tasks import Example
@@ -22,9 +23,17 @@ from asyncrl.tasks import Example
 
 class PromptSource:
     def __init__(self, examples: list[Example], prompt_token_ids: list[list[int]], group_size: int,
-                 out: Mailbox, seed: int = 0, prompts_per_step: int = 1, max_staleness_versions: int = 1 << 30):
+                 out: Mailbox, seed: int = 0, prompts_per_step: int = 1, max_staleness_versions: int = 1 << 30,
+                 curriculum: list[tuple[int, list[str]]] | None = None):
         if not examples:
             raise ValueError("the prompt source needs at least one example")
+        self.curriculum = curriculum or []
+        sources = {ex.data_source for ex in examples}
+        for start, stage_sources in self.curriculum:
+            if stage_sources and not sources & set(stage_sources):
+                raise ValueError(f"curriculum stage at step {start} serves {stage_sources}, but the prompts "
+                                 f"come from {sorted(sources)}")
+        self.skipped_by_curriculum = 0
         self.examples = examples
         self.prompt_token_ids = prompt_token_ids
         self.group_size = group_size
@@ -54,16 +63,33 @@ class PromptSource:
         self.dropped_prompts += prompts
         self._budget_changed.set()
 
+    def set_examples(self, examples: list[Example], prompt_token_ids: list[list[int]]) -> None:
+        """Replace the prompt set before the first issue (Pre-PPO selection)."""
+        if self.issued:
+            raise RuntimeError("the prompt set can only change before the first prompt is issued")
+        if not examples:
+            raise ValueError("the prompt selection is empty")
+        self.examples, self.prompt_token_ids = examples, prompt_token_ids
+        self.epoch, self.index = 0, 0
+        self._order = self._shuffle(0)
+
     def _shuffle(self, epoch: int) -> list[int]:
         order = list(range(len(self.examples)))
         random.Random(f"{self.seed}-{epoch}").shuffle(order)
         return order
 
     def next_request(self) -> PromptRequest:
-        if self.index >= len(self._order):
-            self.epoch, self.index = self.epoch + 1, 0
-            self._order = self._shuffle(self.epoch)
-        example = self.examples[self._order[self.index]]
+        allowed = curriculum_sources(self.learner_version, self.curriculum)
+        while True:
+            if self.index >= len(self._order):
+                self.epoch, self.index = self.epoch + 1, 0
+                self._order = self._shuffle(self.epoch)
+            example = self.examples[self._order[self.index]]
+            if allowed is None or example.data_source in allowed:
+                break
+            # Not in this curriculum stage: it comes back next epoch (stages are validated non-empty).
+            self.index += 1
+            self.skipped_by_curriculum += 1
         tokens = self.prompt_token_ids[self._order[self.index]]
         self.index += 1
         self.issued += 1
@@ -95,4 +121,5 @@ class PromptSource:
 
     def stats(self) -> dict:
         return {"epoch": self.epoch, "index": self.index, "issued": self.issued, "budget": self.budget,
-                "learner_version": self.learner_version, "dropped_prompts": self.dropped_prompts}
+                "learner_version": self.learner_version, "dropped_prompts": self.dropped_prompts,
+                "skipped_by_curriculum": self.skipped_by_curriculum, "prompts": len(self.examples)}

@@ -73,9 +73,11 @@ def reward_to_go(token_rewards: np.ndarray, length: int) -> np.ndarray:
 
 
 def assemble_group(
-    samples: list[Segment], rewards: list[Reward], current_version: int, settings: AssemblySettings
+    samples: list[Segment], rewards: list[Reward], current_version: int, settings: AssemblySettings,
+    advantages_override: list[float] | None = None,
 ) -> tuple[list[TrainSample], str | None, dict[str, float]]:
-    """Group of merged samples + their rewards -> (train samples, drop reason or None, stats)."""
+    """Group of merged samples + their rewards -> (train samples, drop reason or None, stats).
+    `advantages_override` (one per sample) replaces GRPO's, e.g. Pairwise PPO's win probabilities."""
     oldest = min(int(s.new_versions.min()) if len(s.new_versions) else current_version for s in samples)
     stats = {"staleness_max": float(current_version - oldest)}
     if current_version - oldest > settings.max_staleness_versions:
@@ -87,8 +89,11 @@ def assemble_group(
     scores = torch.tensor([r.score for r in rewards], dtype=torch.float32)
     scores = scores + overlong_penalty(lengths, settings.max_response_tokens, settings.overlong_buffer_tokens,
                                        settings.overlong_penalty_factor)
-    advantages = grpo_advantages(scores, torch.zeros(len(samples), dtype=torch.long),
-                                 scale_by_std=settings.scale_advantage_by_std)
+    if advantages_override is not None:
+        advantages = torch.tensor(advantages_override, dtype=torch.float32)
+    else:
+        advantages = grpo_advantages(scores, torch.zeros(len(samples), dtype=torch.long),
+                                     scale_by_std=settings.scale_advantage_by_std)
     train = []
     for seg, reward, score, adv in zip(samples, rewards, scores.tolist(), advantages.tolist()):
         token_adv = np.full(len(seg.new_token_ids), adv, dtype=np.float32)

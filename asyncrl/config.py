@@ -88,7 +88,12 @@ class AlgorithmConfig:
     """Tokens per forward/backward chunk on the learner (gradient accumulation)."""
     # --- advantage estimation ---
     estimator: str = "group"
-    """group (GRPO/DAPO: group-normalised outcome, no critic) | gae (PPO family: a value learner)."""
+    """group (GRPO/DAPO: group-normalised outcome, no critic) | gae (PPO family: a value learner) |
+    pairwise (Pairwise PPO: mean win probability against the group, from a pairwise judge)."""
+    pairwise_endpoint: str = "genrm"
+    """pairwise: the genrm endpoint that judges pairs (both orders, averaged)."""
+    pairwise_anchor: str = "group"
+    """pairwise: group (every other response of the group) | reference (the ground-truth answer)."""
     gamma: float = 1.0
     lam: float = 0.95
     """Policy GAE λ (used when length-adaptive λ is off; the floor of the T-PPO clamp)."""
@@ -130,8 +135,68 @@ class CriticConfig:
     init_path: str = ""
     """Initialise from a reward / process-reward model directory (sequence or token classification
     with one label); empty = from the policy, with a zero scalar head."""
-    micro_batch_tokens: int = 4096
+    micro_batch_tokens: int = 1024
+    """Tokens per forward/backward chunk (the embedded model's value step peaks at ~3.9 GB with 1024,
+    ~6 GB with 4096: measured with 16 trajectories of 164 tokens)."""
     threads: int = 1
+
+
+@dataclass
+class EndpointConfig:
+    """One reward endpoint (an actor, or the Serve application `reward-<name>` under `serve run`)."""
+
+    kind: str = "verifier"
+    """verifier | genrm (generative judge) | bt (scalar Bradley–Terry RM) | prm (process reward model)."""
+    model_path: str = ""
+    """genrm: empty = the policy's model (the embedded SmolLM2 on CPU); bt/prm: a local HF directory."""
+    judge_mode: str = "pointwise"
+    """genrm: pointwise (Yes/No against the reference) | pairwise (the reference as the anchor)."""
+    style: str = ""
+    """verifier: zero_one | plus_minus (empty = task.reward)."""
+    verifier_kinds: dict[str, str] = field(default_factory=dict)
+    """verifier: data_source -> math | code | format | tiny | tiny_seq | none (none: not applicable, so a
+    hybrid route falls through to the judge). Unlisted sources get a kind by name."""
+    code_wall_s: float = 5.0
+    code_memory_mb: int = 512
+    sigmoid: bool = False
+    """bt: squash the logit into (0, 1)."""
+    version: str = "1"
+    """Reported in every Reward this endpoint produces; bump it when swapping code or model."""
+
+
+@dataclass
+class RouteConfig:
+    """Which endpoints score a data source (fnmatch pattern), and how their rewards combine."""
+
+    match: str = "*"
+    endpoints: list[str] = field(default_factory=lambda: ["verifier"])
+    combine: str = "first"
+    """first: the first endpoint that applies (verifier first, the judge where no verifier applies) |
+    mix: weighted mean of the endpoints' scores."""
+    weights: list[float] = field(default_factory=list)
+    dense: list[str] = field(default_factory=list)
+    """Endpoints adding per-token (process) rewards, scaled by dense_lambda_fail/pass by outcome."""
+    dense_lambda_fail: float = 0.25
+    dense_lambda_pass: float = 0.025
+
+
+@dataclass
+class RewardConfig:
+    endpoints: dict[str, EndpointConfig] = field(default_factory=lambda: {"verifier": EndpointConfig()})
+    routes: list[RouteConfig] = field(default_factory=lambda: [RouteConfig()])
+    timeout_s: float = 120.0
+    """A reward call slower than this is retried, then recorded as a failed reward (never a hang)."""
+    retries: int = 3
+    use_serve: bool = False
+    """Call the Serve applications `reward-<name>` (deployed by `serve run configs/serve.yaml`)
+    instead of starting the endpoints as actors: they can then be redeployed while training runs."""
+
+
+@dataclass
+class CurriculumStage:
+    start_step: int = 0
+    data_sources: list[str] = field(default_factory=list)
+    """Sources served from `start_step` on (empty = all). E.g. code first, then code + math, then all."""
 
 
 @dataclass
@@ -147,6 +212,17 @@ class TaskConfig:
     reward: str = "zero_one"
     """zero_one (1/0) | plus_minus (+1/-1, DAPO)."""
     seed: int = 0
+    pre_ppo_fraction: float = 0.0
+    """Pre-PPO selection: before training, sample a response per candidate prompt with the initial
+    policy, score it with `pre_ppo_endpoint`, z-score within each data source and keep the lowest
+    fraction per source (paper: 0.1). 0 = off."""
+    pre_ppo_pool_path: str = ""
+    """Candidates for Pre-PPO (a jsonl/parquet in verl's layout); the selection is added to the train
+    prompts. Empty: the train prompts themselves are the candidates and the selection replaces them."""
+    pre_ppo_endpoint: str = "verifier"
+    curriculum: list[CurriculumStage] = field(default_factory=list)
+    """Stages by learner step, e.g. [{start_step: 0, data_sources: [code]}, {start_step: 50,
+    data_sources: [code, math]}, {start_step: 150}]."""
 
 
 @dataclass
@@ -194,6 +270,7 @@ class Config:
     engine: EngineConfig = field(default_factory=EngineConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
@@ -261,6 +338,10 @@ def validate(config: Config) -> None:
         (a.egae_bootstrap in ("previous", "next"), "algorithm.egae_bootstrap must be previous or next"),
         (a.edge_mask_tokens >= 0 and a.nll_coef >= 0, "algorithm.edge_mask_tokens and nll_coef must be >= 0"),
         (config.critic.batch_trajectories >= 1, "critic.batch_trajectories must be >= 1"),
+        *_reward_checks(config),
+        (0 <= config.task.pre_ppo_fraction <= 1, "task.pre_ppo_fraction must be in [0, 1]"),
+        (config.task.pre_ppo_fraction == 0 or config.task.pre_ppo_endpoint in config.reward.endpoints,
+         "task.pre_ppo_endpoint must name an entry of reward.endpoints"),
         (not config.trainer.synchronous or a.max_staleness_versions == 0,
          "trainer.synchronous needs algorithm.max_staleness_versions=0"),
     ]
@@ -269,8 +350,30 @@ def validate(config: Config) -> None:
             raise ConfigError(message)
 
 
-ALGORITHMS = ("grpo", "dapo", "ppo", "vcppo", "vapo", "tppo", "tppo_sync")
-ESTIMATORS = ("group", "gae")
+def _reward_checks(config: Config) -> list[tuple[bool, str]]:
+    r = config.reward
+    checks = [(bool(r.endpoints), "reward.endpoints must name at least one endpoint"),
+              (r.timeout_s > 0 and r.retries >= 0, "reward.timeout_s must be > 0 and reward.retries >= 0")]
+    for name, e in r.endpoints.items():
+        checks.append((e.kind in ENDPOINT_KINDS, f"reward.endpoints.{name}.kind must be one of {ENDPOINT_KINDS}"))
+        checks.append((e.kind not in ("bt", "prm") or bool(e.model_path), f"reward.endpoints.{name}.model_path is required for {e.kind}"))
+        checks.append((e.judge_mode in ("pointwise", "pairwise"), f"reward.endpoints.{name}.judge_mode must be pointwise or pairwise"))
+    for i, route in enumerate(r.routes):
+        for name in [*route.endpoints, *route.dense]:
+            checks.append((name in r.endpoints, f"reward.routes[{i}] names unknown endpoint {name!r}"))
+        checks.append((route.combine in ("first", "mix"), f"reward.routes[{i}].combine must be first or mix"))
+        checks.append((route.combine != "mix" or len(route.weights) == len(route.endpoints),
+                       f"reward.routes[{i}].weights must give one weight per endpoint for combine=mix"))
+    if config.algorithm.estimator == "pairwise":
+        judge = r.endpoints.get(config.algorithm.pairwise_endpoint)
+        checks.append((judge is not None and judge.kind == "genrm",
+                       "algorithm.pairwise_endpoint must name a genrm endpoint in reward.endpoints"))
+    return checks
+
+
+ENDPOINT_KINDS = ("verifier", "genrm", "bt", "prm")
+ALGORITHMS = ("grpo", "dapo", "ppo", "vcppo", "vapo", "tppo", "tppo_sync", "pairwise_ppo")
+ESTIMATORS = ("group", "gae", "pairwise")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 

@@ -206,6 +206,36 @@ def segment_id(prompt_id: str, sample_idx: int, turn: int) -> str:
     return f"{prompt_id}/{sample_idx}/{turn}"
 
 
+class RewardRequest(msgspec.Struct, kw_only=True, frozen=True):
+    """What a reward endpoint is asked to score: one finished response."""
+
+    prompt_id: str
+    sample_idx: int
+    response_text: str
+    ground_truth: str
+    data_source: str
+    prompt_text: str = ""
+    # Policy token ids of the response: process reward models score per token on them.
+    response_token_ids: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.response_token_ids is not None:
+            _check_array("response_token_ids", self.response_token_ids, "int32")
+
+    @property
+    def msg_id(self) -> str:
+        return sample_id(self.prompt_id, self.sample_idx)
+
+
+class PairRequest(msgspec.Struct, kw_only=True, frozen=True):
+    """A pairwise judgement: is `first` better than `second` for this prompt?"""
+
+    prompt_text: str
+    first: str
+    second: str
+    ground_truth: str = ""
+
+
 class Reward(msgspec.Struct, kw_only=True, frozen=True):
     """The reward of one finished sample, from one reward endpoint.
 
@@ -221,7 +251,7 @@ class Reward(msgspec.Struct, kw_only=True, frozen=True):
     token_rewards: np.ndarray | None = None  # float32 [response length]
     correct: bool | None = None
     failed: bool = False
-    details: dict[str, str | float | int | bool] = {}
+    details: dict[str, Any] = {}
 
     def __post_init__(self) -> None:
         if self.token_rewards is not None:

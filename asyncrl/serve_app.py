@@ -1,5 +1,6 @@
-"""Ray Serve applications: `train` (the running system and its status) and `policy`
-(OpenAI-compatible completions from the latest weights).
+"""Ray Serve applications: `train` (the running system and its status), `policy`
+(OpenAI-compatible completions from the latest weights) and `reward-<name>` (one per reward
+endpoint, redeployable while training runs).
 
 The deployments are a thin control plane: the training actors live outside Serve (a replica that
 fails a health check is restarted and would lose their state), the controller owns them.
@@ -20,12 +21,16 @@ import json
 import os
 import time
 import uuid
+from dataclasses import asdict
 from typing import Any
+
+import msgspec
 
 import ray
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
 from ray import serve
 
 from asyncrl.config import Config, ConfigError, compose
@@ -37,6 +42,8 @@ from asyncrl.openai_api import (
     completion_response,
     openai_error,
 )
+from asyncrl.rewards.endpoint import RewardEndpoint
+from asyncrl.schema import RewardRequest
 from asyncrl.system import LEARNER_NAME, NAMESPACE, TrainingSystem, build_engine
 
 VERSION_HEADER = "x-asyncrl-weight-version"
@@ -182,4 +189,62 @@ def build_policy(args: dict[str, Any]) -> serve.Application:
     return PolicyServer.bind(_config_from_args(args))
 
 
-__all__ = ["build_train", "build_policy", "TrainController", "PolicyServer", "ConfigError"]
+# --- reward endpoints ------------------------------------------------------------------------------
+
+reward_api = FastAPI(title="asyncrl reward endpoint")
+
+
+class ScoreItem(BaseModel):
+    prompt_id: str = Field(min_length=1, max_length=512)
+    sample_idx: int = Field(ge=0)
+    response_text: str = Field(max_length=4 << 20)
+    ground_truth: str = Field(default="", max_length=1 << 20)
+    data_source: str = Field(min_length=1, max_length=256)
+    prompt_text: str = Field(default="", max_length=1 << 20)
+
+
+class ScoreBody(BaseModel):
+    requests: list[ScoreItem] = Field(min_length=1, max_length=256)
+
+
+@reward_api.exception_handler(RequestValidationError)
+async def _reward_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0] if exc.errors() else {}
+    return JSONResponse({"error": {"message": f"invalid request: {first.get('msg', 'malformed body')}",
+                                   "param": ".".join(str(p) for p in first.get("loc", [])[1:]) or None}},
+                        status_code=400)
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=32, num_replicas=2,
+                  graceful_shutdown_wait_loop_s=0.5, graceful_shutdown_timeout_s=30)
+@serve.ingress(reward_api)
+class RewardService(RewardEndpoint):
+    """A reward endpoint as its own Serve application (`reward-<name>`). The trainer calls
+    `score`/`compare` through a handle; people and load tests use POST /score. Two replicas by
+    default, so a code or model swap (a rolling update) always leaves one serving; a settings swap
+    goes through `user_config` -> `reconfigure` with no restart at all."""
+
+    @reward_api.post("/score")
+    async def score_http(self, body: ScoreBody) -> dict:
+        requests = [RewardRequest(**item.model_dump()) for item in body.requests]
+        rewards = await self.score(requests)
+        # token_rewards (numpy) become lists in JSON.
+        return {"version": self.version, "rewards": [msgspec.to_builtins(r, enc_hook=lambda a: a.tolist()) for r in rewards]}
+
+    @reward_api.get("/stats")
+    def stats_http(self) -> dict:
+        return self.stats()
+
+
+def build_reward(args: dict[str, Any]) -> serve.Application:
+    """args: `name` (an entry of reward.endpoints) and the same `overrides` as the train app."""
+    args = dict(args)
+    name = args.pop("name", "verifier")
+    config = _config_from_args(args)
+    if name not in config.reward.endpoints:
+        raise ConfigError(f"reward endpoint {name!r} is not in reward.endpoints ({sorted(config.reward.endpoints)})")
+    return RewardService.bind(name, asdict(config.reward.endpoints[name]), asdict(config.model), config.task.reward)
+
+
+__all__ = ["build_train", "build_policy", "build_reward", "TrainController", "PolicyServer", "RewardService",
+           "ConfigError"]

@@ -1,6 +1,6 @@
 """Bringing a training run up as Ray actors, and taking it down.
 
-`TrainingSystem(config).start()` creates the mailboxes, the verifier, the policy learner, the
+`TrainingSystem(config).start()` creates the mailboxes, the reward endpoints, the policy learner, the
 generators, the assembler and the prompt source, joins the learner and the generators in a weight
 group, and starts every actor's loop. The same object serves `asyncrl train`, the Serve `train`
 application and the tests. Each actor gets an explicit torch thread budget.
@@ -151,22 +151,23 @@ class ValueLearnerActor(_LoopShell):
         return self.inner.pop_metrics()
 
 
-class VerifierActor:
-    def __init__(self, reward_style: str):
-        from actors.verifier import Verifier
+def reward_endpoint_actors(config: Config) -> dict[str, Any]:
+    """Reward endpoints as plain Ray actors (`asyncrl train`); under `serve run` they are the Serve
+    applications `reward-<name>` instead (reward.use_serve)."""
+    from dataclasses import asdict
 
-        self.inner = Verifier(reward_style)
+    from asyncrl.rewards.endpoint import RewardEndpoint
 
-    def score(self, requests):
-        return self.inner.score(requests)
-
-    def stats(self) -> dict:
-        return self.inner.stats()
+    return {
+        name: ray.remote(RewardEndpoint).options(num_cpus=0, max_concurrency=8).remote(
+            name, asdict(endpoint), asdict(config.model), config.task.reward)
+        for name, endpoint in config.reward.endpoints.items()
+    }
 
 
 class AssemblerActor(_LoopShell):
-    def __init__(self, config: Config, segments: RayMailbox, batches: RayMailbox, verifier, prompt_source,
-                 value_learner=None, trajectories: RayMailbox | None = None):
+    def __init__(self, config: Config, segments: RayMailbox, batches: RayMailbox, endpoints: dict[str, Any],
+                 prompt_source, value_learner=None, trajectories: RayMailbox | None = None):
         from actors.assembler import Assembler, ValueMode
         from asyncrl.assembly import ValueAdvantageSettings
 
@@ -179,8 +180,25 @@ class AssemblerActor(_LoopShell):
             overlong_penalty_factor=a.overlong_penalty_factor, max_response_tokens=config.engine.max_response_tokens,
         )
 
-        async def score(requests):
-            return await verifier.score.remote(requests)
+        from asyncrl.rewards.hybrid import RewardRouter
+
+        r = config.reward
+
+        def handle(name):
+            if r.use_serve:
+                from ray import serve
+
+                return serve.get_app_handle(f"reward-{name}")  # looked up per call: survives redeploys
+            return endpoints[name]
+
+        async def call(name, requests):
+            return await handle(name).score.remote(requests)
+
+        async def compare(name, pairs):
+            return await handle(name).compare.remote(pairs)
+
+        self.router = RewardRouter(list(r.routes), call, r.timeout_s, r.retries)
+        score = self.router.score
 
         value_mode = None
         if a.estimator == "gae":
@@ -200,10 +218,18 @@ class AssemblerActor(_LoopShell):
                     max_response_tokens=config.engine.max_response_tokens,
                 ),
             )
+        pairwise = None
+        if a.estimator == "pairwise":
+            from actors.assembler import PairwiseMode
+
+            async def judge(pairs):
+                return await compare(a.pairwise_endpoint, pairs)
+
+            pairwise = PairwiseMode(judge=judge, anchor=a.pairwise_anchor)
         self.inner = Assembler(segments, batches, score, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                                settings, config.trainer.prompts_per_step,
                                on_dropped=lambda prompts: prompt_source.note_dropped.remote(prompts),
-                               value_mode=value_mode)
+                               value_mode=value_mode, pairwise_mode=pairwise)
 
     def set_policy_version(self, version: int) -> None:
         self.inner.set_policy_version(version)
@@ -211,17 +237,84 @@ class AssemblerActor(_LoopShell):
     def set_value_ready(self) -> None:
         self.inner.set_value_ready()
 
+    def set_reward_routes(self, routes: list[dict]) -> list[dict]:
+        """Admin: change the hybrid mix while training runs (validated like the config)."""
+        from dataclasses import asdict
+
+        from asyncrl.config import RouteConfig
+
+        parsed = [RouteConfig(**route) for route in routes]
+        for route in parsed:
+            if route.combine not in ("first", "mix") or (route.combine == "mix" and len(route.weights) != len(route.endpoints)):
+                raise ValueError(f"invalid reward route {asdict(route)}")
+        self.router.set_routes(parsed)
+        return [asdict(route) for route in parsed]
+
+    def stats(self) -> dict:
+        return {**self.inner.stats(), "reward_router": self.router.stats()}
+
 
 class PromptSourceActor(_LoopShell):
     def __init__(self, config: Config, prompts: RayMailbox):
         from actors.prompt_source import PromptSource
 
-        tokenizer = load_tokenizer(model_spec(config))
+        self.config = config
+        self.tokenizer = tokenizer = load_tokenizer(model_spec(config))
         t = config.task
         examples = load_examples(t.name, "train", t.num_train_prompts, t.seed, t.path)
         tokens = [encode_prompt(ex, tokenizer, config.model.use_chat_template) for ex in examples]
+        curriculum = [(stage.start_step, list(stage.data_sources)) for stage in t.curriculum]
         self.inner = PromptSource(examples, tokens, config.algorithm.group_size, prompts, config.trainer.seed,
-                                  config.trainer.prompts_per_step, config.algorithm.max_staleness_versions)
+                                  config.trainer.prompts_per_step, config.algorithm.max_staleness_versions,
+                                  curriculum)
+        self.pre_ppo: dict = {}
+
+    async def prepare(self, endpoints: dict[str, Any]) -> dict:
+        """Pre-PPO prompt selection (before the first prompt is issued); a no-op when off."""
+        import asyncio
+
+        import numpy as np
+
+        from asyncrl.algo.selection import select_hardest
+        from asyncrl.engines.base import SequenceInput
+        from asyncrl.schema import RewardRequest
+        from asyncrl.tasks import file_examples
+
+        t = self.config.task
+        if t.pre_ppo_fraction <= 0:
+            return {}
+        pool = file_examples(t.pre_ppo_pool_path) if t.pre_ppo_pool_path else list(self.inner.examples)
+        pool_tokens = [encode_prompt(ex, self.tokenizer, self.config.model.use_chat_template) for ex in pool]
+        engine, _ = build_engine(self.config)
+        texts: list[str] = []
+        batch = max(1, self.config.engine.max_inflight_sequences)
+        for start in range(0, len(pool), batch):
+            inputs = [SequenceInput(prompt_ids=np.asarray(ids, dtype=np.int32), response_ids=np.zeros(0, dtype=np.int32),
+                                    seed=self.config.trainer.seed * 7919 + start + i,
+                                    max_response_tokens=self.config.engine.max_response_tokens)
+                      for i, ids in enumerate(pool_tokens[start : start + batch])]
+            outputs = await asyncio.to_thread(engine.generate_window_sync, inputs, self.config.engine.max_response_tokens,
+                                              sampling_params(self.config))
+            texts += [self.tokenizer.decode(o.token_ids.tolist(), skip_special_tokens=True) for o in outputs]
+        requests = [RewardRequest(prompt_id=ex.prompt_id, sample_idx=0, response_text=text, ground_truth=ex.ground_truth,
+                                  data_source=ex.data_source, prompt_text=ex.text) for ex, text in zip(pool, texts)]
+        endpoint = self.config.task.pre_ppo_endpoint
+        if self.config.reward.use_serve:
+            from ray import serve
+
+            rewards = await serve.get_app_handle(f"reward-{endpoint}").score.remote(requests)
+        else:
+            rewards = await endpoints[endpoint].score.remote(requests)
+        scores = np.array([r.score for r in rewards])
+        keep = select_hardest(scores, [ex.data_source for ex in pool], t.pre_ppo_fraction)
+        chosen, chosen_tokens = [pool[i] for i in keep], [pool_tokens[i] for i in keep]
+        if t.pre_ppo_pool_path:  # new prompts join the original set
+            chosen, chosen_tokens = list(self.inner.examples) + chosen, list(self.inner.prompt_token_ids) + chosen_tokens
+        self.inner.set_examples(chosen, chosen_tokens)
+        self.pre_ppo = {"candidates": len(pool), "selected": len(keep), "train_prompts": len(chosen),
+                        "candidate_score_mean": float(scores.mean()), "selected_score_mean": float(scores[keep].mean()),
+                        "failed_rewards": int(sum(r.failed for r in rewards))}
+        return self.pre_ppo
 
     def set_learner_version(self, version: int) -> None:
         self.inner.set_learner_version(version)
@@ -243,6 +336,7 @@ class TrainingSystem:
         self.mailboxes: dict[str, RayMailbox] = {}
         self.started_at = 0.0
         self._last_value: dict = {}
+        self.pre_ppo: dict = {}
 
     def start(self) -> "TrainingSystem":
         cfg, tr = self.config, self.config.trainer
@@ -259,7 +353,7 @@ class TrainingSystem:
                 ScoredTrajectory, capacity=max(4 * cfg.critic.batch_trajectories, 64), lease_s=tr.lease_s)
         opts = {"num_cpus": 0, "max_concurrency": 64}
         learner_opts = dict(opts, name=LEARNER_NAME, namespace=NAMESPACE) if self.name_actors else opts
-        verifier = ray.remote(VerifierActor).options(num_cpus=0, max_concurrency=4).remote(cfg.task.reward)
+        endpoints = {} if cfg.reward.use_serve else reward_endpoint_actors(cfg)
         learner = ray.remote(LearnerActor).options(**learner_opts).remote(cfg, self.mailboxes["batches"])
         self.generators = [
             ray.remote(GeneratorActor).options(**opts).remote(cfg, self.mailboxes["prompts"], self.mailboxes["segments"], f"gen-{i}")
@@ -269,9 +363,10 @@ class TrainingSystem:
         value_learner = (ray.remote(ValueLearnerActor).options(**opts).remote(cfg, self.mailboxes["trajectories"])
                          if value_based else None)
         assembler = ray.remote(AssemblerActor).options(**opts).remote(
-            cfg, self.mailboxes["segments"], self.mailboxes["batches"], verifier, prompt_source,
+            cfg, self.mailboxes["segments"], self.mailboxes["batches"], endpoints, prompt_source,
             value_learner, self.mailboxes.get("trajectories"))
-        self.actors = {"verifier": verifier, "learner": learner, "assembler": assembler, "prompt_source": prompt_source}
+        self.actors = {"learner": learner, "assembler": assembler, "prompt_source": prompt_source,
+                       **{f"reward-{name}": actor for name, actor in endpoints.items()}}
         if value_learner is not None:
             self.actors["value_learner"] = value_learner
             ray.get(value_learner.connect.remote(assembler))
@@ -283,6 +378,7 @@ class TrainingSystem:
         ray.get(joins)
         ray.get(learner.connect.remote(self.generators, assembler, prompt_source))
 
+        self.pre_ppo = ray.get(prompt_source.prepare.remote(endpoints))
         loops = [("learner", learner), ("assembler", assembler), ("prompt_source", prompt_source)]
         if value_learner is not None:
             loops.append(("value_learner", value_learner))
@@ -309,6 +405,10 @@ class TrainingSystem:
         status = summarize(learner, generators, assembler, mailboxes, time.time() - self.started_at)
         if "value_learner" in self.actors:
             status["value_learner"] = ray.get(self.actors["value_learner"].stats.remote())
+        status["reward_endpoints"] = {name.removeprefix("reward-"): ray.get(actor.stats.remote())
+                                      for name, actor in self.actors.items() if name.startswith("reward-")}
+        status["prompt_source"] = ray.get(self.actors["prompt_source"].stats.remote())
+        status["pre_ppo"] = self.pre_ppo
         return status
 
     def pop_metrics(self) -> list[dict]:

@@ -10,7 +10,6 @@ import json
 import random
 from dataclasses import dataclass
 
-from asyncrl.rewards.math import math_correct, score_from_correct
 
 
 @dataclass(frozen=True)
@@ -37,11 +36,6 @@ def tiny_examples(split: str) -> list[Example]:
     ]
 
 
-def tiny_correct(response: str, ground_truth: str) -> tuple[bool, str]:
-    pred = response[:1]
-    return pred == ground_truth, pred
-
-
 TINY_SEQ_DIGITS = 3
 
 
@@ -53,13 +47,6 @@ def tiny_seq_examples(split: str) -> list[Example]:
                 "".join(str((d + i) % 10) for i in range(1, TINY_SEQ_DIGITS + 1)), "tiny_seq")
         for d in range(10)
     ]
-
-
-def tiny_seq_credit(response: str, ground_truth: str) -> tuple[float, bool, str]:
-    """Partial credit: the fraction of answer positions right; correct when all are."""
-    pred = response[: len(ground_truth)]
-    hits = sum(a == b for a, b in zip(pred, ground_truth))
-    return hits / len(ground_truth), hits == len(ground_truth), pred
 
 
 # --- arithmetic word problems -------------------------------------------------------------------
@@ -161,15 +148,11 @@ def load_examples(task_name: str, split: str, n: int, seed: int, path: str = "")
 
 
 def score_response(data_source: str, response: str, ground_truth: str, style: str) -> tuple[float, bool, str]:
-    """(score, correct, prediction) of a response, routed by data source."""
-    if data_source == "tiny_seq":
-        credit, correct, pred = tiny_seq_credit(response, ground_truth)
-        return (credit if style == "zero_one" else 2 * credit - 1), correct, pred
-    if data_source == "tiny":
-        correct, pred = tiny_correct(response, ground_truth)
-    else:
-        correct, pred = math_correct(response, ground_truth)
-    return score_from_correct(correct, style), correct, pred
+    """(score, correct, prediction) of a response with the default verifier of its data source."""
+    from asyncrl.rewards.verifiers import kind_for, verify
+
+    verdict = verify(kind_for(data_source), response, ground_truth, style)
+    return verdict.score, verdict.correct, str(verdict.details.get("pred", ""))
 
 
 def encode_prompt(example: Example, tokenizer, use_chat_template: bool) -> list[int]:

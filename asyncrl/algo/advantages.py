@@ -149,3 +149,18 @@ def tppo_lambda_lengths(generated: torch.Tensor, finished: torch.Tensor, window_
     """The length fed to length-adaptive λ in T-PPO: the generated length for finished rows, plus a
     guess of W/2 remaining tokens for unfinished ones (ALGORITHMS.md §6.3)."""
     return generated.to(torch.float64) + (~finished.bool()).to(torch.float64) * (window_tokens / 2)
+
+
+def pairwise_advantages(preferences: torch.Tensor) -> torch.Tensor:
+    """Pairwise PPO within a group (Pairwise-RL, arXiv 2504.04950): `preferences[i, j] = p(y_i ≻ y_j)`
+    (symmetrised, so `p_ij + p_ji = 1`; the diagonal is ignored). A response's advantage is its mean
+    win probability against the others, centred at parity: `2·(mean_j p_ij − 0.5) ∈ [−1, 1]`. Against
+    a single reference anchor pass `[G, 1]` (column j = the anchor): `2·(p(y_i ≻ y_ref) − 0.5)`."""
+    g, k = preferences.shape
+    p = preferences.double()
+    if k == g and g > 1:
+        off_diagonal = ~torch.eye(g, dtype=torch.bool)
+        mean_win = (p * off_diagonal).sum(1) / (g - 1)
+    else:
+        mean_win = p.mean(1)
+    return (2.0 * (mean_win - 0.5)).float()

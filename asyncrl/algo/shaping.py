@@ -21,3 +21,24 @@ def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer_tokens: int,
 def group_has_signal(scores: torch.Tensor) -> bool:
     """DAPO dynamic sampling keeps a group if its rewards are not all equal (or it has one member)."""
     return scores.numel() == 1 or bool((scores != scores[0]).any())
+
+
+def symmetrized_preference(p_first_ab: torch.Tensor, p_first_ba: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pairwise-RL position-swap averaging: `p(A≻B) = ½[P(first|A,B) + 1 − P(first|B,A)]`, so
+    `p(A≻B) + p(B≻A) = 1` exactly. Also returns whether the two orders agree (the verdict survives
+    the swap: A first in one order and A second in the other)."""
+    p = 0.5 * (p_first_ab + 1.0 - p_first_ba)
+    consistent = (p_first_ab > 0.5) == (p_first_ba < 0.5)
+    return p, consistent
+
+
+def prm_dense_rewards(line_scores: torch.Tensor, line_end_mask: torch.Tensor, neutral_mask: torch.Tensor,
+                      passed: bool, lam_fail: float = 0.25, lam_pass: float = 0.025) -> torch.Tensor:
+    """PRM DenseReward (arXiv 2410.17621): PRM scores at line-end tokens, weighted by λ (0.25 when
+    the final code fails its tests, 0.025 when it passes) and divided by the number of scored lines
+    (so the total is bounded by λ·max|score| whatever the line count); comment lines (`neutral_mask`)
+    get 0. All `[T]`; returns `[T]`, non-zero only at scored line ends."""
+    lam = lam_pass if passed else lam_fail
+    scored = line_end_mask.bool() & ~neutral_mask.bool()
+    n_lines = scored.sum().clamp(min=1)
+    return torch.where(scored, lam * line_scores / n_lines, torch.zeros_like(line_scores))

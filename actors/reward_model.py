@@ -1,0 +1,263 @@
+"""Model-based reward endpoints: a generative judge (GenRM, pointwise or pairwise), a scalar
+Bradley–Terry reward model, and a process reward model (PRM) giving line-level token rewards.
+
+The generative judge reads the verdict from the next-token distribution (P("Yes") vs P("No"), or
+P("A") vs P("B")), so a small model on CPU gives a calibrated probability without sampling; a judge
+whose verdict tokens carry almost no probability mass is "answering nonsense" and yields a failed
+reward with that reason. Pairwise verdicts are taken in both orders and averaged (position swap).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from asyncrl.algo.shaping import prm_dense_rewards, symmetrized_preference
+from asyncrl.schema import PairRequest, Reward, RewardRequest
+
+from actors.verifier import failed, not_applicable
+
+POINTWISE_TEMPLATE = (
+    "You are grading a response to a question against a reference answer.\n"
+    "Question:\n{prompt}\n\nReference answer:\n{reference}\n\nResponse:\n{response}\n\n"
+    "Does the response reach the reference answer? Answer Yes or No."
+)
+PAIRWISE_TEMPLATE = (
+    "Compare two responses to the same question.\n"
+    "Question:\n{prompt}\n{reference_block}\nResponse A:\n{first}\n\nResponse B:\n{second}\n\n"
+    "Which response is better? Answer A or B."
+)
+
+
+@dataclass
+class JudgeSettings:
+    mode: str = "pointwise"  # pointwise (against the reference) | pairwise (against the reference as the anchor)
+    max_text_chars: int = 2000  # each of prompt/reference/response is cut to its last N characters
+    max_tokens: int = 1024
+    min_verdict_mass: float = 1e-3
+    batch_size: int = 8
+    use_chat_template: bool = True
+
+
+def _verdict_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """First token ids of each verdict word (with and without a leading space, any case), keeping
+    only ids that spell the word's start and belong to no other verdict word."""
+    special = set(tokenizer.all_special_ids)
+    candidates = []
+    for word in words:
+        ids = set()
+        for variant in (word, " " + word, word.lower(), " " + word.lower()):
+            encoded = tokenizer.encode(variant, add_special_tokens=False)
+            if encoded and encoded[0] not in special and tokenizer.decode([encoded[0]]).strip():
+                ids.add(encoded[0])
+        candidates.append(ids)
+    out = []
+    for i, ids in enumerate(candidates):
+        others = set().union(*(c for j, c in enumerate(candidates) if j != i))
+        kept = sorted(ids - others)
+        if not kept:
+            raise ValueError(f"the judge's tokenizer has no token for the verdict {words[i]!r}")
+        out.append(kept)
+    return out
+
+
+class GenerativeJudge:
+    name = "genrm"
+
+    def __init__(self, model, tokenizer, settings: JudgeSettings | None = None, version: str = "1"):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.settings = settings or JudgeSettings()
+        self.version = version
+        self.counters = {"judged": 0, "no_verdict": 0, "pairs": 0, "inconsistent_pairs": 0}
+
+    def reconfigure(self, settings: JudgeSettings, version: str) -> None:
+        self.settings, self.version = settings, version
+
+    def _encode(self, text: str) -> list[int]:
+        if self.settings.use_chat_template and getattr(self.tokenizer, "chat_template", None):
+            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                     tokenize=True, return_dict=False)
+        else:
+            ids = self.tokenizer.encode(text + "\nAnswer:", add_special_tokens=False)
+        return list(ids)[-self.settings.max_tokens:]
+
+    @torch.no_grad()
+    def verdict_probabilities(self, texts: list[str], words: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """P(words[0]) / P(any verdict word) at the next token of each prompt, and the verdict mass."""
+        ids_per_word = _verdict_ids(self.tokenizer, words)
+        p_first, mass = [], []
+        for start in range(0, len(texts), self.settings.batch_size):
+            encoded = [self._encode(t) for t in texts[start : start + self.settings.batch_size]]
+            width = max(len(e) for e in encoded)
+            pad = self.tokenizer.pad_token_id or 0
+            input_ids = torch.full((len(encoded), width), pad, dtype=torch.long)
+            attention = torch.zeros((len(encoded), width), dtype=torch.long)
+            for i, e in enumerate(encoded):  # left padding: the next token is at the last position
+                input_ids[i, width - len(e):] = torch.tensor(e)
+                attention[i, width - len(e):] = 1
+            positions = (attention.cumsum(-1) - 1).clamp(min=0)
+            logits = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions).logits[:, -1]
+            probs = torch.softmax(logits.float(), dim=-1)
+            per_word = torch.stack([probs[:, ids].sum(-1) for ids in ids_per_word], dim=-1)
+            total = per_word.sum(-1)
+            p_first.append((per_word[:, 0] / total.clamp(min=1e-12)).numpy())
+            mass.append(total.numpy())
+        return np.concatenate(p_first), np.concatenate(mass)
+
+    def _cut(self, text: str) -> str:
+        return text[-self.settings.max_text_chars:]
+
+    def compare(self, pairs: list[PairRequest]) -> list[dict]:
+        """p(first ≻ second) for each pair, symmetrised over both orders, with the raw verdicts and
+        whether they survived the swap. A pair with no verdict mass in either order is `failed`."""
+        def text(p: PairRequest, a: str, b: str) -> str:
+            ref = f"\nReference answer:\n{self._cut(p.ground_truth)}\n" if p.ground_truth else ""
+            return PAIRWISE_TEMPLATE.format(prompt=self._cut(p.prompt_text), reference_block=ref, first=self._cut(a),
+                                            second=self._cut(b))
+
+        forward = [text(p, p.first, p.second) for p in pairs]
+        swapped = [text(p, p.second, p.first) for p in pairs]
+        probs, mass = self.verdict_probabilities(forward + swapped, ["A", "B"])
+        n = len(pairs)
+        p_ab, p_ba = torch.from_numpy(probs[:n]).double(), torch.from_numpy(probs[n:]).double()
+        p, consistent = symmetrized_preference(p_ab, p_ba)
+        out = []
+        for i in range(n):
+            ok = bool(mass[i] >= self.settings.min_verdict_mass and mass[n + i] >= self.settings.min_verdict_mass)
+            out.append({"p_first": float(p[i]) if ok else 0.5, "consistent": bool(consistent[i]), "failed": not ok,
+                        "p_first_forward": float(p_ab[i]), "p_first_swapped": float(p_ba[i]),
+                        "verdict_mass": float(min(mass[i], mass[n + i]))})
+        self.counters["pairs"] += n
+        self.counters["inconsistent_pairs"] += sum(not o["consistent"] for o in out if not o["failed"])
+        return out
+
+    def score(self, requests: list[RewardRequest]) -> list[Reward]:
+        usable = [r for r in requests if r.ground_truth]
+        rewards: dict[int, Reward] = {}
+        for i, r in enumerate(requests):
+            if not r.ground_truth:
+                rewards[i] = not_applicable(r, self.name, self.version, "no reference answer to judge against")
+        try:
+            if self.settings.mode == "pointwise":
+                texts = [POINTWISE_TEMPLATE.format(prompt=self._cut(r.prompt_text), reference=self._cut(r.ground_truth),
+                                                   response=self._cut(r.response_text)) for r in usable]
+                probs, mass = self.verdict_probabilities(texts, ["Yes", "No"]) if texts else ([], [])
+                verdicts = [{"p": float(p), "mass": float(m)} for p, m in zip(probs, mass)]
+            elif self.settings.mode == "pairwise":
+                # GenRM with ground truth as the anchor: p(response ≻ reference) in [0, 1], 0.5 = as good.
+                compared = self.compare([PairRequest(prompt_text=r.prompt_text, first=r.response_text,
+                                                     second=r.ground_truth) for r in usable])
+                verdicts = [{"p": c["p_first"], "mass": c["verdict_mass"], "consistent": c["consistent"]}
+                            for c in compared]
+            else:
+                raise ValueError(f"unknown judge mode {self.settings.mode!r}")
+        except Exception as exc:  # the judge failing must not lose samples
+            return [rewards.get(i) or failed(r, self.name, self.version, exc) for i, r in enumerate(requests)]
+        it = iter(verdicts)
+        for i, r in enumerate(requests):
+            if i in rewards:
+                continue
+            v = next(it)
+            self.counters["judged"] += 1
+            if v["mass"] < self.settings.min_verdict_mass:
+                self.counters["no_verdict"] += 1
+                rewards[i] = failed(r, self.name, self.version,
+                                    f"judge gave no verdict (verdict-token mass {v['mass']:.2e})")
+                continue
+            rewards[i] = Reward(prompt_id=r.prompt_id, sample_idx=r.sample_idx, score=v["p"], correct=v["p"] > 0.5,
+                                source=self.name, source_version=self.version,
+                                details={"judge_mode": self.settings.mode, **{k: v[k] for k in v if k != "p"}})
+        return [rewards[i] for i in range(len(requests))]
+
+    def stats(self) -> dict:
+        pairs = max(self.counters["pairs"], 1)
+        return {**self.counters, "swap_disagreement_rate": self.counters["inconsistent_pairs"] / pairs,
+                "version": self.version}
+
+
+class ScalarRewardModel:
+    """Bradley–Terry reward model: a sequence-classification head with one label; the score is the
+    logit at the last token (optionally squashed with a sigmoid)."""
+
+    name = "bt_rm"
+
+    def __init__(self, path: str, sigmoid: bool = False, max_tokens: int = 2048, version: str = "1"):
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1).eval()
+        if self.model.config.pad_token_id is None:
+            self.model.config.pad_token_id = self.tokenizer.pad_token_id or 0
+        self.sigmoid, self.max_tokens, self.version = sigmoid, max_tokens, version
+
+    @torch.no_grad()
+    def score(self, requests: list[RewardRequest]) -> list[Reward]:
+        out = []
+        for r in requests:
+            try:
+                ids = self.tokenizer.encode(r.prompt_text + "\n" + r.response_text, add_special_tokens=False)
+                ids = torch.tensor([ids[-self.max_tokens:] or [self.model.config.pad_token_id]])
+                logit = float(self.model(input_ids=ids).logits[0, 0])
+                score = float(torch.sigmoid(torch.tensor(logit))) if self.sigmoid else logit
+                out.append(Reward(prompt_id=r.prompt_id, sample_idx=r.sample_idx, score=score, source=self.name,
+                                  source_version=self.version, details={"logit": logit}))
+            except Exception as exc:
+                out.append(failed(r, self.name, self.version, exc))
+        return out
+
+
+class ProcessRewardModel:
+    """Line-level process rewards on the policy's own tokens: a token-classification model with one
+    label scores the state at each line end; comment lines are neutral; scores are normalised by the
+    number of scored lines (`prm_dense_rewards` with λ = 1; the hybrid router applies the λ switch)."""
+
+    name = "prm"
+
+    def __init__(self, path: str, max_tokens: int = 4096, version: str = "1"):
+        from transformers import AutoModelForTokenClassification, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1).eval()
+        self.max_tokens, self.version = max_tokens, version
+
+    def line_structure(self, token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(line-end mask, neutral mask) over response tokens: a line ends at a token containing a
+        newline (or at the last token); a line whose text starts with '#' is neutral."""
+        n = len(token_ids)
+        ends, neutral = torch.zeros(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool)
+        line_start = 0
+        for i in range(n):
+            if "\n" in self.tokenizer.decode([token_ids[i]]) or i == n - 1:
+                ends[i] = True
+                neutral[i] = self.tokenizer.decode(token_ids[line_start : i + 1]).strip().startswith("#")
+                line_start = i + 1
+        return ends, neutral
+
+    @torch.no_grad()
+    def score(self, requests: list[RewardRequest]) -> list[Reward]:
+        out = []
+        for r in requests:
+            try:
+                if r.response_token_ids is None or not len(r.response_token_ids):
+                    out.append(not_applicable(r, self.name, self.version, "no response tokens to score"))
+                    continue
+                response = [int(t) for t in r.response_token_ids]
+                if max(response) >= self.model.config.vocab_size:
+                    raise ValueError("response token ids exceed the PRM's vocabulary (tokenizers differ)")
+                prompt = self.tokenizer.encode(r.prompt_text, add_special_tokens=False)
+                ids = (prompt + response)[-self.max_tokens:]
+                scores = self.model(input_ids=torch.tensor([ids])).logits[0, :, 0].float()
+                response_scores = torch.zeros(len(response))
+                kept = min(len(response), len(ids))
+                response_scores[len(response) - kept:] = scores[len(ids) - kept:]
+                ends, neutral = self.line_structure(response)
+                dense = prm_dense_rewards(response_scores, ends, neutral, passed=False, lam_fail=1.0, lam_pass=1.0)
+                out.append(Reward(prompt_id=r.prompt_id, sample_idx=r.sample_idx, score=0.0, source=self.name,
+                                  source_version=self.version, token_rewards=dense.numpy().astype(np.float32),
+                                  details={"lines": int((ends & ~neutral).sum())}))
+            except Exception as exc:
+                out.append(failed(r, self.name, self.version, exc))
+        return out

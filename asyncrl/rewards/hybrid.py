@@ -1,0 +1,155 @@
+"""Hybrid reward: route each request to the endpoints its data source names, call them with a
+timeout and retries, and combine their rewards (pure `combine_rewards`).
+
+Every combined `Reward` records which endpoints produced it and their versions; a timeout, an
+exception or a malformed answer becomes a failed reward with the reason, never a lost sample.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fnmatch
+import time
+from typing import Any, Awaitable, Callable
+
+import numpy as np
+
+from asyncrl.config import RouteConfig
+from asyncrl.schema import Reward, RewardRequest
+
+CallFn = Callable[[str, list[RewardRequest]], Awaitable[list[Reward]]]
+
+
+def route_for(data_source: str, routes: list[RouteConfig]) -> RouteConfig:
+    for route in routes:
+        if fnmatch.fnmatchcase(data_source, route.match):
+            return route
+    raise ValueError(f"no reward route matches data source {data_source!r}")
+
+
+def _applies(reward: Reward) -> bool:
+    return not reward.failed
+
+
+def combine_rewards(request: RewardRequest, route: RouteConfig, by_endpoint: dict[str, Reward]) -> Reward:
+    """The reward of one request from the rewards of the route's endpoints (all already called)."""
+    primary = [by_endpoint[name] for name in route.endpoints if name in by_endpoint]
+    if route.combine == "first":
+        chosen = next((r for r in primary if _applies(r)), None)
+        if chosen is None:  # nothing applied: keep the first failure's reason
+            chosen = primary[0] if primary else Reward(prompt_id=request.prompt_id, sample_idx=request.sample_idx,
+                                                       score=0.0, source="none", failed=True,
+                                                       details={"error": "no endpoint answered"})
+        score, correct, failed = chosen.score, chosen.correct, chosen.failed
+        source, versions = chosen.source, [chosen.source_version]
+        details = {"route": route.match, "chosen": chosen.source, **{f"{chosen.source}.{k}": v for k, v in chosen.details.items()}}
+        if failed:
+            details["error"] = str(chosen.details.get("error", "failed"))
+    else:  # mix
+        weighted = [(w, by_endpoint[name]) for name, w in zip(route.endpoints, route.weights)
+                    if name in by_endpoint and _applies(by_endpoint[name])]
+        total = sum(w for w, _ in weighted)
+        failed = total <= 0
+        score = sum(w * r.score for w, r in weighted) / total if total > 0 else 0.0
+        verifiers = [r for _, r in weighted if r.correct is not None]
+        correct = verifiers[0].correct if verifiers else (score > 0.5 if not failed else False)
+        source = "mix(" + ",".join(f"{r.source}:{w:g}" for w, r in weighted) + ")"
+        versions = [r.source_version for _, r in weighted]
+        details = {"route": route.match, **{f"{r.source}.score": r.score for _, r in weighted}}
+        if failed:
+            details["error"] = "; ".join(str(r.details.get("error", "")) for r in primary)[:500]
+    token_rewards = None
+    for name in route.dense:
+        dense = by_endpoint.get(name)
+        if dense is None or dense.failed or dense.token_rewards is None:
+            continue
+        lam = route.dense_lambda_pass if correct else route.dense_lambda_fail
+        part = lam * dense.token_rewards.astype(np.float32)
+        token_rewards = part if token_rewards is None else _add_aligned(token_rewards, part)
+        versions.append(dense.source_version)
+        details[f"{name}.lambda"] = lam
+    return Reward(prompt_id=request.prompt_id, sample_idx=request.sample_idx, score=float(score), correct=correct,
+                  source=source, source_version="+".join(v for v in versions if v), token_rewards=token_rewards,
+                  failed=failed, details=details)
+
+
+def _add_aligned(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    out = np.zeros(max(len(a), len(b)), dtype=np.float32)
+    out[: len(a)] += a
+    out[: len(b)] += b
+    return out
+
+
+class RewardRouter:
+    """Holds the routes (changeable at run time: the admin route) and the endpoint callers."""
+
+    def __init__(self, routes: list[RouteConfig], call: CallFn, timeout_s: float = 120.0, retries: int = 2):
+        self.routes = routes
+        self.call = call
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.counters: dict[str, int] = {"calls": 0, "retries": 0, "timeouts": 0, "errors": 0}
+        self.latencies: list[float] = []
+
+    def set_routes(self, routes: list[RouteConfig]) -> None:
+        self.routes = routes
+
+    async def _call_endpoint(self, name: str, requests: list[RewardRequest]) -> list[Reward]:
+        last_error = ""
+        for attempt in range(self.retries + 1):
+            start = time.perf_counter()
+            try:
+                self.counters["calls"] += 1
+                rewards = await asyncio.wait_for(self.call(name, requests), timeout=self.timeout_s)
+                if len(rewards) != len(requests):
+                    raise ValueError(f"endpoint {name} answered {len(rewards)} rewards for {len(requests)} requests")
+                self.latencies = (self.latencies + [time.perf_counter() - start])[-1000:]
+                return list(rewards)
+            except asyncio.TimeoutError:
+                self.counters["timeouts"] += 1
+                last_error = f"endpoint {name} timed out after {self.timeout_s:g}s"
+            except Exception as exc:  # a dead replica, a swap in progress, a bad answer: retry
+                self.counters["errors"] += 1
+                last_error = f"endpoint {name}: {type(exc).__name__}: {exc}"[:500]
+            if attempt < self.retries:
+                self.counters["retries"] += 1
+                await asyncio.sleep(min(0.5 * 2**attempt, 5.0))
+        return [Reward(prompt_id=r.prompt_id, sample_idx=r.sample_idx, score=0.0, correct=False, source=name,
+                       failed=True, details={"error": last_error}) for r in requests]
+
+    async def score(self, requests: list[RewardRequest]) -> list[Reward]:
+        routes = [route_for(r.data_source, self.routes) for r in requests]
+        wanted: dict[str, list[int]] = {}
+        for i, route in enumerate(routes):
+            names = list(route.endpoints) + list(route.dense)
+            if route.combine == "first":
+                # Call the first endpoint; the rest only for requests it does not apply to.
+                names = names[:1] + list(route.dense)
+            for name in names:
+                wanted.setdefault(name, []).append(i)
+        answers: dict[int, dict[str, Reward]] = {i: {} for i in range(len(requests))}
+
+        async def run(name: str, indices: list[int]) -> None:
+            rewards = await self._call_endpoint(name, [requests[i] for i in indices])
+            for i, reward in zip(indices, rewards):
+                answers[i][name] = reward
+
+        await asyncio.gather(*(run(n, idx) for n, idx in wanted.items()))
+        # Fall through for "first" routes whose earlier endpoints did not apply.
+        for depth in range(1, max((len(r.endpoints) for r in routes), default=1)):
+            pending: dict[str, list[int]] = {}
+            for i, route in enumerate(routes):
+                if route.combine != "first" or depth >= len(route.endpoints):
+                    continue
+                tried = route.endpoints[:depth]
+                if all(name in answers[i] and not _applies(answers[i][name]) for name in tried):
+                    pending.setdefault(route.endpoints[depth], []).append(i)
+            if not pending:
+                break
+            await asyncio.gather(*(run(n, idx) for n, idx in pending.items()))
+        return [combine_rewards(req, route, answers[i]) for i, (req, route) in enumerate(zip(requests, routes))]
+
+    def stats(self) -> dict[str, Any]:
+        lat = sorted(self.latencies)
+        pct = (lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] if lat else 0.0)
+        return {**self.counters, "latency_p50_s": pct(0.5), "latency_p99_s": pct(0.99)}

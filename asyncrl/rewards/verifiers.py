@@ -1,0 +1,79 @@
+"""Rule-based reasoning-task verifiers (RTV): math answers, code against unit tests, format checks,
+and the built-in tiny tasks. One entry point, `verify(kind, ...)`, returning a `Verdict`.
+
+A verifier is pure with respect to its inputs (the code verifier runs a sandboxed subprocess), so
+an endpoint can call it from any thread; every failure mode becomes a failing verdict with a reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from asyncrl.rewards.math import math_correct, score_from_correct
+
+VERIFIER_KINDS = ("math", "code", "format", "tiny", "tiny_seq")
+MAX_RESPONSE_CHARS = 256 << 10  # longer responses are judged on their tail / rejected for code
+
+
+@dataclass
+class Verdict:
+    score: float
+    correct: bool
+    details: dict = field(default_factory=dict)
+
+
+def kind_for(data_source: str) -> str:
+    """Default verifier for a dataset name (verl's `data_source`)."""
+    name = data_source.lower()
+    if name in ("tiny", "tiny_seq"):
+        return name
+    if any(key in name for key in ("code", "apps", "mbpp", "humaneval", "livecodebench", "taco", "primeintellect")):
+        return "code"
+    return "math"
+
+
+def format_verdict(response: str, min_chars: int = 1, max_chars: int = 8192, require_boxed: bool = True) -> Verdict:
+    """Format check: an answer is present (a \\boxed{} or an "Answer:" line) and the length is sane."""
+    from asyncrl.rewards.math import extract_answer
+
+    answer = extract_answer(response)
+    problems = []
+    if len(response.strip()) < min_chars:
+        problems.append("empty")
+    if len(response) > max_chars:
+        problems.append(f"longer than {max_chars} characters")
+    if answer is None or (require_boxed and not answer.startswith("\\boxed")):
+        problems.append("no final answer")
+    ok = not problems
+    return Verdict(1.0 if ok else 0.0, ok, {"format_problems": problems})
+
+
+def verify(kind: str, response: str, ground_truth: str, style: str = "zero_one", code_limits=None) -> Verdict:
+    """Score one response. `style`: zero_one (1/0) or plus_minus (+1/-1, DAPO); the code verifier
+    scores all-pass and reports the per-test pass fraction."""
+    if kind == "tiny":
+        pred = response[:1]
+        return Verdict(score_from_correct(pred == ground_truth, style), pred == ground_truth, {"pred": pred})
+    if kind == "tiny_seq":
+        pred = response[: len(ground_truth)]
+        hits = sum(a == b for a, b in zip(pred, ground_truth))
+        credit = hits / len(ground_truth)
+        return Verdict(credit if style == "zero_one" else 2 * credit - 1, hits == len(ground_truth), {"pred": pred})
+    if kind == "math":
+        correct, pred = math_correct(response[-MAX_RESPONSE_CHARS:], ground_truth)
+        return Verdict(score_from_correct(correct, style), correct, {"pred": pred[:200]})
+    if kind == "code":
+        from asyncrl.rewards.code import extract_code, parse_tests, run_tests
+        from asyncrl.rewards.sandbox import SandboxLimits
+
+        if len(response) > MAX_RESPONSE_CHARS:
+            return Verdict(score_from_correct(False, style), False, {"error": "response too long to run"})
+        tests = parse_tests(ground_truth)
+        verdict = run_tests(extract_code(response), tests, code_limits or SandboxLimits())
+        return Verdict(score_from_correct(verdict.all_passed, style), verdict.all_passed,
+                       {"pass_fraction": verdict.pass_fraction, "passed": verdict.passed, "tests": verdict.total,
+                        "failures": [d for d in verdict.details if d != "ok"][:5]})
+    if kind == "format":
+        verdict = format_verdict(response)
+        return Verdict(score_from_correct(verdict.correct, style), verdict.correct, verdict.details)
+    raise ValueError(f"unknown verifier kind {kind!r}; expected one of {VERIFIER_KINDS}")

@@ -1,0 +1,209 @@
+"""Reward endpoints: verifiers on pass/fail cases and bad input, the generative judge's protocol
+(embedded SmolLM2 on CPU), BT and process reward models, hybrid routing, Pre-PPO selection,
+curriculum and pairwise advantages."""
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForSequenceClassification, LlamaForTokenClassification
+
+from asyncrl.algo.advantages import pairwise_advantages
+from asyncrl.algo.selection import curriculum_sources, domain_zscores, select_hardest
+from asyncrl.algo.shaping import prm_dense_rewards, symmetrized_preference
+from asyncrl.config import RouteConfig
+from asyncrl.models import ModelSpec, build_tiny_tokenizer, load_policy
+from asyncrl.rewards.endpoint import RewardEndpoint
+from asyncrl.rewards.hybrid import RewardRouter
+from asyncrl.rewards.verifiers import verify
+from asyncrl.schema import PairRequest, RewardRequest, int32_array
+
+from actors.reward_model import GenerativeJudge, JudgeSettings
+
+
+def request(text, truth="42", source="math", idx=0, prompt="What is 6 times 7?", token_ids=None):
+    return RewardRequest(prompt_id="p", sample_idx=idx, response_text=text, ground_truth=truth, data_source=source,
+                         prompt_text=prompt, response_token_ids=token_ids)
+
+
+# --- verifiers ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("response,truth,correct", [
+    ("so the result is \\boxed{42}", "42", True),
+    ("Answer: 3/4", "0.75", True),
+    ("The set is \\boxed{\\{1, 2\\}}", "\\{2, 1\\}", True),
+    ("\\boxed{[0, 1)}", "[0,1)", True),
+    ("It costs \\boxed{5\\text{ dollars}}", "5", True),
+    ("\\boxed{41}", "42", False),
+    ("no answer at all", "42", False),
+])
+def test_math_verifier_cases_and_both_styles(response, truth, correct):
+    assert verify("math", response, truth, "zero_one").score == (1.0 if correct else 0.0)
+    assert verify("math", response, truth, "plus_minus").score == (1.0 if correct else -1.0)
+
+
+def test_format_verifier():
+    assert verify("format", "work... \\boxed{3}", "").correct
+    assert not verify("format", "", "").correct
+    assert verify("format", "no box here", "").details["format_problems"] == ["no final answer"]
+
+
+def test_bad_input_becomes_a_recorded_failure_not_a_crash():
+    endpoint = RewardEndpoint("verifier", {"kind": "verifier"})
+    requests = [
+        request(""),                                                   # empty
+        request(b"\xff\xfe\\boxed{42}".decode("utf-8", errors="replace")),  # undecodable bytes, replaced upstream
+        request("x" * (1 << 20) + "\\boxed{42}"),                      # 1 MB: judged on its tail
+        request("print(1)", truth="not json", source="code"),          # malformed code ground truth
+        request("\\boxed{42}", truth=""),                              # nothing to verify against
+    ]
+    rewards = asyncio.run(endpoint.score(requests))
+    assert [r.score for r in rewards] == [0.0, 1.0, 1.0, 0.0, 0.0]
+    assert rewards[3].failed and "not JSON" in rewards[3].details["error"]
+    assert rewards[4].failed and rewards[4].details["not_applicable"]
+    assert all(r.source == "verifier" and r.source_version == "verifier:verifier:1" for r in rewards)
+    assert endpoint.stats()["failed"] == 2
+
+
+# --- generative judge (the embedded model) --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def embedded_judge():
+    model, tokenizer = load_policy(ModelSpec(source="gguf"))
+    return GenerativeJudge(model, tokenizer, JudgeSettings(mode="pairwise"), version="test")
+
+
+def test_pairwise_judge_is_position_symmetric(embedded_judge):
+    pairs = [PairRequest(prompt_text="What is 6 times 7?", first="6 times 7 is 42.", second="It is 13."),
+             PairRequest(prompt_text="What is 6 times 7?", first="It is 13.", second="6 times 7 is 42."),
+             PairRequest(prompt_text="Name a colour.", first="Blue.", second="Blue.")]
+    out = embedded_judge.compare(pairs)
+    # p(A≻B) + p(B≻A) = 1 exactly, identical responses are at parity, and the raw verdicts are kept.
+    assert out[0]["p_first"] + out[1]["p_first"] == pytest.approx(1.0, abs=1e-12)
+    assert out[2]["p_first"] == pytest.approx(0.5, abs=1e-12)
+    assert all(0.0 <= o["p_first"] <= 1.0 and not o["failed"] for o in out)
+    assert 0.0 <= embedded_judge.stats()["swap_disagreement_rate"] <= 1.0
+
+
+def test_pointwise_judge_and_a_judge_with_no_verdict(embedded_judge):
+    embedded_judge.reconfigure(JudgeSettings(mode="pointwise"), "v2")
+    rewards = embedded_judge.score([request("6 times 7 is 42, so \\boxed{42}."), request("\\boxed{13}"),
+                                    request("anything", truth="")])
+    assert all(0.0 <= r.score <= 1.0 for r in rewards[:2]) and rewards[0].source_version == "v2"
+    assert rewards[2].failed and rewards[2].details["not_applicable"]
+    # A judge whose verdict tokens get (almost) no probability is answering nonsense: a failed reward.
+    embedded_judge.reconfigure(JudgeSettings(mode="pointwise", min_verdict_mass=1.01), "v3")
+    [nonsense] = embedded_judge.score([request("\\boxed{42}")])
+    assert nonsense.failed and "no verdict" in nonsense.details["error"]
+
+
+def test_symmetrized_preference_and_pairwise_advantages():
+    p, consistent = symmetrized_preference(torch.tensor([0.9, 0.7]), torch.tensor([0.2, 0.8]))
+    assert p.tolist() == pytest.approx([0.85, 0.45]) and consistent.tolist() == [True, False]
+    # Three responses: 0 beats both, 2 loses to both.
+    prefs = torch.tensor([[0.5, 0.8, 1.0], [0.2, 0.5, 0.6], [0.0, 0.4, 0.5]])
+    assert pairwise_advantages(prefs).tolist() == pytest.approx([0.8, -0.2, -0.6])
+    assert pairwise_advantages(torch.tensor([[0.75], [0.5]])).tolist() == pytest.approx([0.5, 0.0])  # vs an anchor
+
+
+# --- scalar and process reward models -------------------------------------------------------------
+
+
+def save_tiny(cls, path, **kwargs):
+    tokenizer = build_tiny_tokenizer()
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, num_labels=1, pad_token_id=0, **kwargs)
+    torch.manual_seed(0)
+    cls(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return tokenizer
+
+
+def test_hybrid_routes_first_mix_and_dense(tmp_path):
+    save_tiny(LlamaForSequenceClassification, tmp_path / "bt")
+    tokenizer = save_tiny(LlamaForTokenClassification, tmp_path / "prm")
+    endpoints = {
+        "verifier": RewardEndpoint("verifier", {"kind": "verifier", "verifier_kinds": {"chat": "none"}}),
+        "bt": RewardEndpoint("bt", {"kind": "bt", "model_path": str(tmp_path / "bt"), "sigmoid": True}),
+        "prm": RewardEndpoint("prm", {"kind": "prm", "model_path": str(tmp_path / "prm")}),
+    }
+
+    async def call(name, requests):
+        return await endpoints[name].score(requests)
+
+    routes = [RouteConfig(match="chat", endpoints=["verifier", "bt"], combine="first"),
+              RouteConfig(match="mixed", endpoints=["verifier", "bt"], combine="mix", weights=[0.5, 0.5]),
+              RouteConfig(match="*", endpoints=["verifier"], dense=["prm"])]
+    router = RewardRouter(routes, call, timeout_s=30, retries=0)
+    ids = int32_array(tokenizer.encode("1+1\n2\n", add_special_tokens=False))
+    rewards = asyncio.run(router.score([
+        request("hello", truth="", source="chat"),            # no verifier applies -> the BT model
+        request("\\boxed{42}", source="mixed"),                 # weighted mean of verifier (1) and BT
+        request("\\boxed{42}", source="math", token_ids=ids),   # verifier + dense PRM rewards (passed: λ=0.025)
+        request("\\boxed{41}", source="math", token_ids=ids),   # failed: λ=0.25
+    ]))
+    chat, mixed, passed, failed = rewards
+    assert chat.source == "bt" and 0 < chat.score < 1 and not chat.failed
+    assert mixed.source == "mix(verifier:0.5,bt:0.5)"
+    assert mixed.score == pytest.approx(0.5 * mixed.details["verifier.score"] + 0.5 * mixed.details["bt.score"])
+    assert mixed.details["verifier.score"] == 1.0 and mixed.correct
+    assert "verifier:verifier:1" in mixed.source_version and "bt:bt:1" in mixed.source_version
+    assert passed.correct and not failed.correct
+    # Same response tokens: the dense part differs only by the λ switch (0.025 vs 0.25).
+    np.testing.assert_allclose(failed.token_rewards, passed.token_rewards * 10, rtol=1e-5)
+    assert np.count_nonzero(passed.token_rewards) <= 2  # two line ends
+    assert "prm:prm:1" in passed.source_version
+
+
+def test_router_turns_a_hanging_or_raising_endpoint_into_failed_rewards():
+    async def hang(name, requests):
+        await asyncio.sleep(10)
+
+    async def boom(name, requests):
+        raise RuntimeError("replica died")
+
+    for call, reason in [(hang, "timed out"), (boom, "replica died")]:
+        router = RewardRouter([RouteConfig()], call, timeout_s=0.2, retries=1)
+        [reward] = asyncio.run(router.score([request("\\boxed{42}")]))
+        assert reward.failed and reason in reward.details["error"] and reward.score == 0.0
+        assert router.counters["retries"] == 1
+
+
+def test_prm_dense_rewards():
+    scores = torch.tensor([0.0, 2.0, 0.0, 4.0, 6.0])
+    ends = torch.tensor([0, 1, 0, 1, 1])
+    neutral = torch.tensor([0, 0, 0, 0, 1])  # the last line is a comment
+    failed = prm_dense_rewards(scores, ends, neutral, passed=False)
+    assert failed.tolist() == pytest.approx([0, 0.25 * 2 / 2, 0, 0.25 * 4 / 2, 0])
+    passed = prm_dense_rewards(scores, ends, neutral, passed=True)
+    assert passed.tolist() == pytest.approx((failed / 10).tolist())
+    # Length normalisation: the total is bounded by λ·max|score| whatever the number of lines.
+    many = prm_dense_rewards(torch.ones(100), torch.ones(100), torch.zeros(100), passed=False)
+    assert float(many.sum()) == pytest.approx(0.25)
+
+
+# --- Pre-PPO selection and curriculum --------------------------------------------------------------
+
+
+def test_pre_ppo_selection_is_per_domain_and_scale_invariant():
+    rng = np.random.default_rng(0)
+    scores = rng.random(60)
+    domains = ["math"] * 40 + ["code"] * 20
+    keep = select_hardest(scores, domains, 0.1)
+    assert sum(domains[i] == "math" for i in keep) == 4 and sum(domains[i] == "code" for i in keep) == 2
+    rescaled = scores.copy()
+    rescaled[40:] = 100 * rescaled[40:] - 7  # an affine change of one domain's scale
+    assert select_hardest(rescaled, domains, 0.1) == keep
+    assert all(scores[i] <= np.sort(scores[:40])[3] for i in keep if domains[i] == "math")
+    assert np.allclose(domain_zscores(np.array([1.0, 1.0]), ["a", "a"]), 0.0)
+
+
+def test_curriculum_stages():
+    stages = [(0, ["code"]), (100, ["code", "math"]), (300, [])]
+    assert curriculum_sources(5, stages) == {"code"}
+    assert curriculum_sources(150, stages) == {"code", "math"}
+    assert curriculum_sources(300, stages) is None
+    assert curriculum_sources(0, []) is None
