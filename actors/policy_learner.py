@@ -20,8 +20,10 @@ from asyncrl.mailbox import Mailbox
 from asyncrl.schema import TrainBatch
 from asyncrl.weight_sync import BucketPlan, broadcast_weights, plan_buckets
 
+from actors.loop import TrainingLoop
 
-class PolicyLearner:
+
+class PolicyLearner(TrainingLoop):
     def __init__(self, model, settings: PolicyLossSettings, batches: Mailbox, lr: float, weight_decay: float,
                  warmup_steps: int = 0, kl_coef: float = 0.0, pad_token_id: int = 0,
                  bucket_bytes: int = 64 << 20, notify_after_broadcast: bool = False):
@@ -134,13 +136,6 @@ class PolicyLearner:
         self._started = time.monotonic()
         while self._running:
             await self.step_once()
-
-    def stop(self) -> None:
-        self._running = False
-
-    def pop_metrics(self) -> list[dict]:
-        out, self._metrics = self._metrics, []
-        return out
 
     def stats(self) -> dict:
         wall = max(time.monotonic() - self._started, 1e-9)

@@ -23,8 +23,10 @@ from asyncrl.learning import ValueLossSettings, predict_values, value_step
 from asyncrl.mailbox import Mailbox
 from asyncrl.schema import ScoredTrajectory
 
+from actors.loop import TrainingLoop
 
-class ValueLearner:
+
+class ValueLearner(TrainingLoop):
     def __init__(self, value_model, trajectories: Mailbox, settings: ValueLossSettings, lr: float,
                  weight_decay: float, batch_trajectories: int, warmup_steps: int = 0, pad_token_id: int = 0):
         self.model = value_model.eval()
@@ -108,13 +110,6 @@ class ValueLearner:
                 notify()
         while self._running:
             await self.step_once()
-
-    def stop(self) -> None:
-        self._running = False
-
-    def pop_metrics(self) -> list[dict]:
-        out, self._metrics = self._metrics, []
-        return out
 
     def stats(self) -> dict:
         wall = max(time.monotonic() - self._started, 1e-9)

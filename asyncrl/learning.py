@@ -127,6 +127,17 @@ def _micro_batch_weight(mode: str, mask: torch.Tensor, total_tokens: float, tota
     return 1.0
 
 
+def clip_and_step(model, optimizer, grad_clip: float) -> torch.Tensor:
+    """Clip the gradient norm and step; a non-finite norm skips the step (no NaN reaches the weights)."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    if math.isfinite(float(grad_norm)):
+        optimizer.step()
+    else:
+        optimizer.zero_grad(set_to_none=True)
+    model.eval()
+    return grad_norm
+
+
 def policy_step(model, optimizer, samples: list[TrainSample], settings: PolicyLossSettings,
                 reference_model=None, pad_token_id: int = 0) -> dict[str, float]:
     """Forward/backward over micro-batches, clip gradients, step. Returns metrics."""
@@ -167,12 +178,7 @@ def policy_step(model, optimizer, samples: list[TrainSample], settings: PolicyLo
         metrics["loss"] = loss.item()
         for key, value in metrics.items():
             sums[key] = sums.get(key, 0.0) + value * token_share
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
-    if math.isfinite(float(grad_norm)):
-        optimizer.step()
-    else:
-        optimizer.zero_grad(set_to_none=True)
-    model.eval()
+    grad_norm = clip_and_step(model, optimizer, settings.grad_clip)
     return {**sums, "grad_norm": float(grad_norm), "tokens_trained": total_tokens, "rows_trained": len(samples)}
 
 
@@ -260,12 +266,7 @@ def value_step(value_model, optimizer, trajectories: list[ScoredTrajectory], set
         (loss * share).backward()
         sums["value_loss"] += loss.item() * share
         sums["value_clip_fraction"] += metrics["value_clip_fraction"] * share
-    grad_norm = torch.nn.utils.clip_grad_norm_(value_model.parameters(), settings.grad_clip)
-    if math.isfinite(float(grad_norm)):
-        optimizer.step()
-    else:
-        optimizer.zero_grad(set_to_none=True)
-    value_model.eval()
+    grad_norm = clip_and_step(value_model, optimizer, settings.grad_clip)
     m = mask.bool()
     residual = (returns - old_values)[m]
     target_var = returns[m].var(unbiased=False)
