@@ -46,6 +46,33 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval(args: argparse.Namespace) -> int:
+    from asyncrl import evaluation
+    from asyncrl.config import compose
+
+    overrides = list(args.overrides)
+    if args.checkpoint:
+        overrides += ["model.source=hf", f"model.path={args.checkpoint}"]
+    config = compose(overrides)
+    ks = sorted({int(k) for k in args.k.split(",")})
+    n = max(args.n, max(ks))
+    examples = evaluation.held_out(config, args.prompts)
+    if args.endpoint:
+        texts, versions = evaluation.sample_endpoint(args.endpoint, config.model.name, examples, n, args.temperature,
+                                                     config.engine.max_response_tokens)
+        label = f"{args.endpoint} (weight versions {sorted(v for v in versions if v)})"
+    else:
+        from asyncrl.system import build_engine
+
+        engine, tokenizer = build_engine(config)
+        texts = evaluation.sample_engine(config, engine, tokenizer, examples, n, args.temperature)
+        label = args.checkpoint or config.model.name
+    result = {"model": label, "task": config.task.name, "temperature": args.temperature,
+              **evaluation.summarize(evaluation.score(examples, texts), ks)}
+    print(evaluation.write_table(result, args.out))
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     from asyncrl.bench import run_benchmark
 
@@ -64,6 +91,17 @@ def main(argv: list[str] | None = None) -> int:
     train = sub.add_parser("train", help="train for trainer.total_steps and exit")
     train.add_argument("overrides", nargs="*")
     train.set_defaults(func=lambda a: __import__("asyncrl.driver", fromlist=["x"]).train_cli(a.overrides))
+
+    ev = sub.add_parser("eval", help="pass@1 and pass@k on held-out prompts (a checkpoint, the model, or a live endpoint)")
+    ev.add_argument("--checkpoint", default="", help="a Hugging Face model directory")
+    ev.add_argument("--endpoint", default="", help="a live policy endpoint, e.g. http://127.0.0.1:8000/v1")
+    ev.add_argument("--n", type=int, default=4, help="samples per prompt")
+    ev.add_argument("--k", default="1,4", help="comma-separated k values")
+    ev.add_argument("--temperature", type=float, default=0.7)
+    ev.add_argument("--prompts", type=int, default=None, help="at most this many held-out prompts")
+    ev.add_argument("--out", default="outputs/eval")
+    ev.add_argument("overrides", nargs="*")
+    ev.set_defaults(func=_eval)
 
     bench = sub.add_parser("bench", help="run a benchmark; prints figures and writes JSON")
     bench.add_argument("name")

@@ -33,6 +33,7 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
+    stream: bool = False
     max_tokens: int = Field(16, ge=1, le=4096)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -60,6 +61,46 @@ def _stops(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop or [])
 
 
+def _params(body: _Sampling) -> SamplingParams:
+    greedy = body.temperature == 0.0
+    return SamplingParams(temperature=1.0 if greedy else body.temperature, top_p=body.top_p, greedy=greedy)
+
+
+async def stream_choices(engine, tokenizer, prompt_ids: list[list[int]], body: _Sampling, chunk_tokens: int = 4):
+    """n samples per prompt, advanced `chunk_tokens` at a time (counter-based seeds: the samples are
+    the same as in one call). Yields `(index, delta_text, new_tokens, new_logprobs, finish_reason)`
+    as text arrives; finish_reason is set on a choice's last delta. Text stops at a stop string."""
+    seed = body.seed if body.seed is not None else random.randrange(1 << 40)
+    stops = [s for s in _stops(body.stop) if s]
+    rows = [{"prompt": np.asarray(ids, dtype=np.int32), "seed": seed + k, "ids": [], "logprobs": [], "text": "",
+             "done": False} for ids in prompt_ids for k in range(body.n)]
+    params = _params(body)
+    while True:
+        live = [i for i, r in enumerate(rows) if not r["done"]]
+        if not live:
+            return
+        inputs = [SequenceInput(prompt_ids=rows[i]["prompt"], response_ids=np.asarray(rows[i]["ids"], dtype=np.int32),
+                                seed=rows[i]["seed"], max_response_tokens=body.max_tokens) for i in live]
+        outputs = await engine.generate_window(inputs, chunk_tokens, params)
+        for i, out in zip(live, outputs):
+            row = rows[i]
+            row["ids"] += out.token_ids.tolist()
+            row["logprobs"] += out.logprobs.tolist()
+            text = tokenizer.decode(row["ids"], skip_special_tokens=True)
+            finish = None
+            if out.finished:
+                finish = "stop" if out.finish_reason is FinishReason.EOS else "length"
+            cuts = [text.find(s) for s in stops if s in text]
+            if cuts:
+                text, finish = text[: min(cuts)], "stop"
+            if text.endswith("\ufffd") and finish is None:
+                text = text[:-1]  # an incomplete multi-byte character: wait for the rest
+            delta = text[len(row["text"]):] if text.startswith(row["text"]) else text
+            row["text"] = text
+            row["done"] = finish is not None
+            yield i, delta, out.token_ids.tolist(), out.logprobs.tolist(), finish
+
+
 async def generate_choices(engine, tokenizer, prompt_ids: list[list[int]], body: _Sampling) -> list[dict]:
     """n samples per prompt in one engine call; text cut at the first stop string."""
     seed = body.seed if body.seed is not None else random.randrange(1 << 40)
@@ -68,9 +109,7 @@ async def generate_choices(engine, tokenizer, prompt_ids: list[list[int]], body:
                       seed=seed + k, max_response_tokens=body.max_tokens)
         for ids in prompt_ids for k in range(body.n)
     ]
-    greedy = body.temperature == 0.0
-    params = SamplingParams(temperature=1.0 if greedy else body.temperature, top_p=body.top_p, greedy=greedy)
-    outputs = await engine.generate_window(sequences, body.max_tokens, params)
+    outputs = await engine.generate_window(sequences, body.max_tokens, _params(body))
     choices = []
     for index, out in enumerate(outputs):
         text = tokenizer.decode(out.token_ids.tolist(), skip_special_tokens=True)
@@ -86,6 +125,13 @@ async def generate_choices(engine, tokenizer, prompt_ids: list[list[int]], body:
     return choices
 
 
+def logprob_entries(tokens: list[str], logprobs: list[float]) -> list[dict]:
+    """Chat-style log-prob entries of the sampled tokens (alternatives are not computed: top_logprobs
+    is empty)."""
+    return [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": []}
+            for t, lp in zip(tokens, logprobs)]
+
+
 def _usage(choices: list[dict]) -> dict:
     prompt = sum(c["prompt_tokens"] for c in choices if c["first_of_prompt"])  # each prompt once, not per sample
     completion = sum(c["completion_tokens"] for c in choices)
@@ -97,7 +143,9 @@ def completion_response(request_id: str, model: str, choices: list[dict], versio
         "id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
         "weight_version": version,
         "choices": [{"index": c["index"], "text": c["text"], "finish_reason": c["finish_reason"],
-                     "logprobs": {"tokens": c["tokens"], "token_logprobs": c["token_logprobs"]}} for c in choices],
+                     "logprobs": {"tokens": c["tokens"], "token_logprobs": c["token_logprobs"],
+                                  "top_logprobs": None, "text_offset": None} if c.get("want_logprobs") else None}
+                    for c in choices],
         "usage": _usage(choices),
     }
 
@@ -107,6 +155,20 @@ def chat_response(request_id: str, model: str, choices: list[dict], version: int
         "id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
         "weight_version": version,
         "choices": [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
-                     "finish_reason": c["finish_reason"], "logprobs": None} for c in choices],
+                     "finish_reason": c["finish_reason"],
+                     "logprobs": {"content": logprob_entries(c["tokens"], c["token_logprobs"])} if c.get("want_logprobs") else None}
+                    for c in choices],
         "usage": _usage(choices),
     }
+
+
+def stream_chunk(request_id: str, model: str, version: int, chat: bool, index: int, delta: str,
+                 finish: str | None, logprobs: dict | None = None) -> dict:
+    created = int(time.time())
+    if chat:
+        return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+                "weight_version": version,
+                "choices": [{"index": index, "delta": {"role": "assistant", "content": delta}, "finish_reason": finish,
+                             "logprobs": logprobs}]}
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model, "weight_version": version,
+            "choices": [{"index": index, "text": delta, "finish_reason": finish, "logprobs": logprobs}]}

@@ -29,7 +29,7 @@ import msgspec
 import ray
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 from ray import serve
 
@@ -178,11 +178,31 @@ class PolicyServer:
                 raise OpenAIError(400, f"prompt ({len(ids)} tokens) + max_tokens ({body.max_tokens}) exceeds the "
                                        f"model's context of {limit} tokens", "max_tokens")
         version = self.engine.version
-        choices = await generate_choices(self.engine, self.tokenizer, prompt_ids, body)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        want_logprobs = bool(body.logprobs) or (not chat and body.logprobs == 0)
+        if body.stream:
+            return StreamingResponse(self._stream(body, prompt_ids, chat, request_id, version, want_logprobs),
+                                     media_type="text/event-stream", headers={VERSION_HEADER: str(version)})
+        choices = await generate_choices(self.engine, self.tokenizer, prompt_ids, body)
+        for c in choices:
+            c["want_logprobs"] = want_logprobs
         build = chat_response if chat else completion_response
         payload = build(request_id, self.config.model.name, choices, version)
         return JSONResponse(payload, headers={VERSION_HEADER: str(version)})
+
+    async def _stream(self, body, prompt_ids, chat: bool, request_id: str, version: int, want_logprobs: bool):
+        """Server-sent events: one chunk per text delta of a choice, then `data: [DONE]`."""
+        from asyncrl.openai_api import logprob_entries, stream_chunk, stream_choices
+
+        async for index, delta, tokens, logprobs, finish in stream_choices(self.engine, self.tokenizer, prompt_ids, body):
+            lp = None
+            if want_logprobs:
+                texts = [self.tokenizer.decode([t]) for t in tokens]
+                lp = {"content": logprob_entries(texts, logprobs)} if chat else {"tokens": texts, "token_logprobs": logprobs}
+            if delta or finish or lp:
+                chunk = stream_chunk(request_id, self.config.model.name, version, chat, index, delta, finish, lp)
+                yield f"data: {json.dumps(chunk)}\n\n"
+        yield "data: [DONE]\n\n"
 
 
 def build_policy(args: dict[str, Any]) -> serve.Application:

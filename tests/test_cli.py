@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def asyncrl(*args, cwd):
     return subprocess.run([sys.executable, "-m", "asyncrl.cli", *args], capture_output=True, text=True, timeout=300, cwd=cwd)
@@ -27,3 +29,23 @@ def test_bad_override_fails_with_the_field_name(tmp_path):
     assert out.returncode != 0 and "windw" in out.stderr
     out = asyncrl("bench", "nonsense", "--quick", cwd=tmp_path)
     assert out.returncode != 0 and "unknown benchmark" in out.stderr
+
+
+def test_pass_at_k():
+    from asyncrl.evaluation import pass_at_k, summarize
+
+    assert pass_at_k(4, 0, 1) == 0.0 and pass_at_k(4, 4, 2) == 1.0
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(4, 1, 2) == pytest.approx(1 - 3 / 6)  # 1 − C(3,2)/C(4,2)
+    assert summarize([[True, False], [False, False]], [1, 2]) == {"prompts": 2, "samples_per_prompt": 2,
+                                                                 "pass@1": 0.25, "pass@2": 0.5}
+
+
+def test_eval_command_on_the_tiny_model(tmp_path, capsys):
+    from asyncrl.cli import main
+
+    assert main(["eval", "model=tiny", "task=tiny", "--n", "4", "--k", "1,4", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "eval.json").read_text())
+    assert result["prompts"] == 10 and result["samples_per_prompt"] == 4
+    assert 0.0 <= result["pass@1"] <= result["pass@4"] <= 1.0
+    assert "| pass@1 | pass@4 |" in (tmp_path / "eval.md").read_text()

@@ -79,3 +79,28 @@ def test_usage_counts_each_prompt_once(apps):
     assert len(r["choices"]) == 6
     assert r["usage"]["prompt_tokens"] == 2 + 3  # characters are tokens in the tiny vocabulary
     assert r["usage"]["completion_tokens"] == 12
+
+
+def test_streaming_and_logprobs_with_the_openai_client(apps):
+    client = openai.OpenAI(base_url=f"{apps}/v1", api_key="unused")
+    kwargs = dict(model="tiny", messages=[{"role": "user", "content": "5:"}], max_tokens=6, temperature=0.9, seed=11)
+    for _ in range(10):  # training moves the weights: compare a stream and a plain call of one version
+        chunks = list(client.chat.completions.create(stream=True, **kwargs))
+        full = client.chat.completions.create(**kwargs)
+        versions = {c.model_extra["weight_version"] for c in chunks} | {full.model_extra["weight_version"]}
+        if len(versions) == 1:
+            break
+    assert len(versions) == 1, versions
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason]
+    assert len(finishes) == 1 and finishes[0] in ("stop", "length") and chunks[-1].choices[0].finish_reason
+    assert text == full.choices[0].message.content  # same seed, same weights: the stream is the same sample
+
+    with_logprobs = client.chat.completions.create(logprobs=True, **kwargs)
+    entries = with_logprobs.choices[0].logprobs.content
+    assert entries and all(e.logprob <= 0.0 for e in entries)
+    assert client.chat.completions.create(**kwargs).choices[0].logprobs is None  # only when asked
+
+    pieces = list(client.completions.create(model="tiny", prompt="2:", max_tokens=4, n=2, stream=True, logprobs=0))
+    assert {p.choices[0].index for p in pieces} == {0, 1}
+    assert all(p.choices[0].logprobs is not None for p in pieces if p.choices[0].text)
