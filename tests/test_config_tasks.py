@@ -117,3 +117,15 @@ def test_tiny_seq_partial_credit():
     assert score_response("tiny_seq", "456", "456", "zero_one")[:2] == (1.0, True)
     assert score_response("tiny_seq", "4x6", "456", "zero_one")[:2] == (pytest.approx(2 / 3), False)
     assert score_response("tiny_seq", "", "456", "plus_minus")[:2] == (-1.0, False)
+
+
+def test_reward_presets_and_validation():
+    hybrid = compose(["reward=hybrid"]).reward
+    assert sorted(hybrid.endpoints) == ["genrm", "verifier"] and hybrid.routes[0].endpoints == ["verifier", "genrm"]
+    assert compose(["reward=mix"]).reward.routes[0].weights == [0.7, 0.3]
+    with pytest.raises(ConfigError, match="unknown endpoint 'judge'"):
+        compose(["reward.routes=[{match: '*', endpoints: [judge]}]"])
+    with pytest.raises(ConfigError, match="one weight per endpoint"):
+        compose(["reward=mix", "reward.routes=[{match: '*', endpoints: [verifier, genrm], combine: mix}]"])
+    with pytest.raises(ConfigError, match="pre_ppo_fraction"):
+        compose(["task.pre_ppo_fraction=1.5"])

