@@ -73,7 +73,9 @@ def init_ray(config: Config) -> None:
     if not ray.is_initialized():
         ray.init(num_cpus=16, include_dashboard=False, object_store_memory=512 * 2**20, log_to_driver=False,
                  namespace="asyncrl",
-                 runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}})
+                 # Few malloc arenas: torch's threads otherwise keep freed activation memory per arena.
+                 runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
+                                           "MALLOC_ARENA_MAX": "2"}})
 
 
 def train(config: Config, progress: bool = True, eval_prompts: int | None = None) -> dict:
@@ -142,6 +144,9 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
           f"{wall / 60:.1f} min of training", flush=True)
     plot_curve(records, os.path.join(run_dir, "reward_curve.png"), key="reward_mean_generated",
                title="reward of generated samples (all groups, before dynamic sampling)")
+    from asyncrl.plots import write_plots
+
+    write_plots(records, run_dir)
     summary = {"run_dir": run_dir, "eval_before": before, "eval_after": after, "train_wall_s": wall,
                "reached_target": _reached_target(records, config),
                "steps": len(records), "final_status": {k: v for k, v in final_status.items() if k != "generators"},

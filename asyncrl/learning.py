@@ -104,12 +104,37 @@ def collate(samples: list[TrainSample], pad_token_id: int = 0) -> Collated:
     )
 
 
-def token_logprobs(model, input_ids, attention_mask, targets, temperature: float, with_entropy: bool = False):
+def _head_only_on(model) -> bool:
+    """The LM head can be applied to selected hidden states only (a plain linear head, no logit
+    soft-capping or scaling inside `forward`)."""
+    config = model.config
+    return (hasattr(model, "lm_head") and hasattr(model, "base_model") and model.base_model is not model
+            and getattr(config, "final_logit_softcapping", None) is None
+            and getattr(config, "logit_scale", None) is None)
+
+
+def token_logprobs(model, input_ids, attention_mask, targets, temperature: float, with_entropy: bool = False,
+                   positions: torch.Tensor | None = None):
     """log π(target | prefix) at every position under `softmax(logits / T)` (the sampler's
-    distribution with top-k/top-p off), and optionally the entropy."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.float() / temperature
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
-    entropy = entropy_from_logits(logits) if with_entropy else None
+    distribution with top-k/top-p off), and optionally the entropy.
+
+    With `positions` (a `[B, L]` mask of the positions that are trained), the vocabulary projection
+    runs only there: prompt and earlier-window positions need hidden states but no logits, and the
+    `[tokens, vocab]` logits are most of a step's memory (49k vocabulary on the embedded model).
+    Other positions get log-prob 0 and entropy 0."""
+    if positions is None or not _head_only_on(model):
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.float() / temperature
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+        entropy = entropy_from_logits(logits) if with_entropy else None
+        return logp, entropy
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    selected = positions.bool()
+    logits = model.lm_head(hidden[selected]).float() / temperature  # [tokens, vocab]
+    logp_sel = torch.log_softmax(logits, dim=-1).gather(-1, targets[selected][:, None]).squeeze(-1)
+    logp = torch.zeros(targets.shape, dtype=logp_sel.dtype).masked_scatter(selected, logp_sel)
+    entropy = None
+    if with_entropy:
+        entropy = torch.zeros(targets.shape, dtype=logp_sel.dtype).masked_scatter(selected, entropy_from_logits(logits))
     return logp, entropy
 
 
@@ -151,8 +176,9 @@ def policy_step(model, optimizer, samples: list[TrainSample], settings: PolicyLo
     sums: dict[str, float] = {}
     for sl in micro_batches(collated, settings.micro_batch_tokens):
         mask = collated.response_mask[sl]
+        trained = (mask > 0) | (collated.nll_mask[sl] > 0)
         logp, entropy = token_logprobs(model, collated.input_ids[sl], collated.attention_mask[sl],
-                                       collated.targets[sl], settings.temperature, with_entropy=True)
+                                       collated.targets[sl], settings.temperature, with_entropy=True, positions=trained)
         pg_loss, metrics = ppo_policy_loss(
             logp, collated.old_logprobs[sl], collated.advantages[sl], mask,
             settings.clip_low, settings.clip_high, settings.dual_clip, settings.loss_agg, norm_constant,
@@ -166,7 +192,7 @@ def policy_step(model, optimizer, samples: list[TrainSample], settings: PolicyLo
         if settings.kl_coef and reference_model is not None:
             with torch.no_grad():
                 ref_logp, _ = token_logprobs(reference_model, collated.input_ids[sl], collated.attention_mask[sl],
-                                             collated.targets[sl], settings.temperature)
+                                             collated.targets[sl], settings.temperature, positions=trained)
             kl = agg_loss(kl_penalty(logp, ref_logp), mask, settings.loss_agg, norm_constant)
             loss = loss + settings.kl_coef * kl
             metrics["kl_ref"] = kl.item()

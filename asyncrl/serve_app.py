@@ -17,6 +17,7 @@ at runtime, and string annotations would turn request bodies into query paramete
 """
 
 import asyncio
+import hmac
 import json
 import os
 import time
@@ -27,9 +28,9 @@ from typing import Any
 import msgspec
 
 import ray
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 from ray import serve
 
@@ -47,6 +48,7 @@ from asyncrl.schema import RewardRequest
 from asyncrl.system import LEARNER_NAME, NAMESPACE, TrainingSystem, build_engine
 
 VERSION_HEADER = "x-asyncrl-weight-version"
+STATUS_PAGE = open(os.path.join(os.path.dirname(__file__), "static", "status.html"), encoding="utf-8").read()
 
 
 def _config_from_args(args: dict[str, Any]) -> Config:
@@ -58,6 +60,21 @@ def _config_from_args(args: dict[str, Any]) -> Config:
 
 
 # --- train -------------------------------------------------------------------------------------------
+
+
+class RouteBody(BaseModel):
+    match: str = Field("*", min_length=1, max_length=256)
+    endpoints: list[str] = Field(..., min_length=1, max_length=16)
+    combine: str = Field("first", pattern="^(first|mix)$")
+    weights: list[float] = Field(default_factory=list, max_length=16)
+    dense: list[str] = Field(default_factory=list, max_length=16)
+    dense_lambda_fail: float = 0.25
+    dense_lambda_pass: float = 0.025
+
+
+class RewardRoutesBody(BaseModel):
+    routes: list[RouteBody] = Field(..., min_length=1, max_length=64)
+
 
 train_api = FastAPI(title="asyncrl train")
 
@@ -79,6 +96,10 @@ class TrainController:
             await asyncio.sleep(1.0)
             records = await self.system.actors["learner"].pop_metrics.remote()
             if records:
+                status = await asyncio.to_thread(self.system.status)
+                for record in records:
+                    record.update({"samples_trained": status["samples_trained"], "wall_time_s": status["wall_time_s"],
+                                   "samples_dropped": status["samples_dropped"]})
                 with open(path, "a") as f:
                     for record in records:
                         f.write(json.dumps(record) + "\n")
@@ -91,6 +112,36 @@ class TrainController:
         status["run_dir"] = self.run_dir
         status["reward_curve"] = [(r["step"], r["reward_mean"]) for r in self.history[-200:]]
         return status
+
+    @train_api.get("/")
+    def page(self) -> HTMLResponse:
+        """The status page: facts, curves and queues, drawn in the browser from /status and /metrics."""
+        return HTMLResponse(STATUS_PAGE)
+
+    @train_api.get("/metrics")
+    def metrics(self, last: int = 500) -> list[dict]:
+        from asyncrl.plots import with_throughput
+
+        return with_throughput(self.history[-max(1, min(last, 5000)):])
+
+    def _require_admin(self, request: Request) -> None:
+        token = self.config.serve.admin_token or os.environ.get("ASYNCRL_ADMIN_TOKEN", "")
+        if not token:
+            raise HTTPException(403, "admin routes are disabled: set serve.admin_token or ASYNCRL_ADMIN_TOKEN")
+        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(given.encode(), token.encode()):  # constant time
+            raise HTTPException(401, "missing or wrong admin token")
+
+    @train_api.post("/admin/reward_routes")
+    async def set_reward_routes(self, request: Request, body: RewardRoutesBody) -> dict:
+        """Change the hybrid reward mix while training runs (validated; takes effect on the next scores)."""
+        self._require_admin(request)
+        try:
+            routes = await self.system.actors["assembler"].set_reward_routes.remote(
+                [route.model_dump() for route in body.routes])
+        except Exception as exc:  # a route the config schema rejects
+            raise HTTPException(400, f"invalid reward routes: {getattr(exc, 'cause', exc)}") from None
+        return {"routes": routes}
 
     @train_api.get("/healthz")
     def healthz(self) -> dict:

@@ -198,6 +198,7 @@ class AssemblerActor(_LoopShell):
             return await handle(name).compare.remote(pairs)
 
         self.router = RewardRouter(list(r.routes), call, r.timeout_s, r.retries)
+        self.endpoint_names = set(r.endpoints)
         score = self.router.score
 
         value_mode = None
@@ -245,6 +246,9 @@ class AssemblerActor(_LoopShell):
 
         parsed = [RouteConfig(**route) for route in routes]
         for route in parsed:
+            unknown = [n for n in [*route.endpoints, *route.dense] if n not in self.endpoint_names]
+            if unknown:
+                raise ValueError(f"unknown reward endpoints {unknown} (have {sorted(self.endpoint_names)})")
             if route.combine not in ("first", "mix") or (route.combine == "mix" and len(route.weights) != len(route.endpoints)):
                 raise ValueError(f"invalid reward route {asdict(route)}")
         self.router.set_routes(parsed)

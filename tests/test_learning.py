@@ -71,3 +71,17 @@ def test_logprobs_use_the_sampling_temperature():
     expected = torch.log_softmax(logits / 0.5, -1)[c.targets[0, 2]]
     assert float(lp2[0, 2]) == pytest.approx(float(expected), abs=1e-5)
     assert not torch.allclose(lp1, lp2)
+
+
+def test_head_on_trained_positions_only_matches_the_full_forward():
+    model = build_tiny_model(ModelSpec(source="tiny", seed=5), 30)
+    c = collate(SAMPLES)
+    full, full_entropy = token_logprobs(model, c.input_ids, c.attention_mask, c.targets, 0.7, with_entropy=True)
+    fast, fast_entropy = token_logprobs(model, c.input_ids, c.attention_mask, c.targets, 0.7, with_entropy=True,
+                                        positions=c.response_mask > 0)
+    m = c.response_mask > 0
+    torch.testing.assert_close(fast[m], full[m], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast_entropy[m], full_entropy[m], rtol=1e-5, atol=1e-5)
+    assert bool((fast[~m] == 0).all())
+    fast.sum().backward()  # gradients flow through the selected positions
+    assert model.lm_head.weight.grad is not None and model.lm_head.weight.grad.abs().sum() > 0

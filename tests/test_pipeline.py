@@ -34,6 +34,8 @@ def test_tiny_model_learns_tiny_task(ray_session, tmp_path):
                 "generator_busy_fraction", "wall_time_s"):
         assert key in lines[-1], key
     assert os.path.getsize(tmp_path / "reward_curve.png") > 1000
+    for name in ("accuracy_generated", "entropy", "approx_kl", "clip_fraction", "samples_per_s", "staleness_hist"):
+        assert os.path.getsize(tmp_path / f"{name}.png") > 1000, name
     # Guaranteed at assembly; a batch may then wait behind at most 2 queued batches + 1 in training.
     assert max(r["staleness_max"] for r in lines) <= config.algorithm.max_staleness_versions
     assert max(r["staleness_mean"] for r in lines) <= config.algorithm.max_staleness_versions + 3

@@ -11,6 +11,7 @@ from asyncrl.serve_app import build_policy, build_train
 from asyncrl.weight_sync import free_port
 
 OVERRIDES = "model=tiny task=tiny algorithm=grpo trainer.wandb_mode=disabled"
+ADMIN_TOKEN = "test-admin-token"
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +19,8 @@ def apps(ray_session, tmp_path_factory):
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     run_dir = tmp_path_factory.mktemp("serve")
-    serve.run(build_train({"overrides": OVERRIDES, "trainer.run_dir": str(run_dir)}), name="train", route_prefix="/train")
+    serve.run(build_train({"overrides": OVERRIDES, "trainer.run_dir": str(run_dir), "serve.admin_token": ADMIN_TOKEN}),
+              name="train", route_prefix="/train")
     serve.run(build_policy({"overrides": OVERRIDES}), name="policy", route_prefix="/v1")
     yield f"http://127.0.0.1:{port}"
     serve.delete("policy")
@@ -104,3 +106,31 @@ def test_streaming_and_logprobs_with_the_openai_client(apps):
     pieces = list(client.completions.create(model="tiny", prompt="2:", max_tokens=4, n=2, stream=True, logprobs=0))
     assert {p.choices[0].index for p in pieces} == {0, 1}
     assert all(p.choices[0].logprobs is not None for p in pieces if p.choices[0].text)
+
+
+def test_status_page_and_metrics_route(apps):
+    page = httpx.get(f"{apps}/train/", timeout=30)
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "<canvas" in page.text and 'fetch("status")' in page.text and 'fetch("metrics")' in page.text
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        history = httpx.get(f"{apps}/train/metrics", timeout=30).json()
+        if len(history) >= 2:
+            break
+        time.sleep(1.0)
+    assert history[-1]["step"] > history[0]["step"] and "reward_mean_generated" in history[-1]
+    assert "samples_per_s" in history[-1]
+
+
+def test_admin_route_changes_the_reward_mix_and_needs_the_token(apps):
+    url = f"{apps}/train/admin/reward_routes"
+    body = {"routes": [{"match": "*", "endpoints": ["verifier"], "combine": "mix", "weights": [1.0]}]}
+    assert httpx.post(url, json=body, timeout=30).status_code == 401
+    assert httpx.post(url, json=body, headers={"Authorization": "Bearer wrong"}, timeout=30).status_code == 401
+    auth = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    ok = httpx.post(url, json=body, headers=auth, timeout=30)
+    assert ok.status_code == 200 and ok.json()["routes"][0]["combine"] == "mix"
+    bad = httpx.post(url, json={"routes": [{"endpoints": ["nope"]}]}, headers=auth, timeout=30)
+    assert bad.status_code == 400 and "unknown reward endpoints" in bad.json()["detail"]
+    assert httpx.post(url, json={"routes": []}, headers=auth, timeout=30).status_code == 422
+    assert httpx.get(f"{apps}/train/healthz", timeout=30).json() == {"ok": True}  # still training

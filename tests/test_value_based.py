@@ -97,15 +97,16 @@ def tiny_policy(seed=3):
 
 
 def test_no_gradient_reaches_prompt_or_earlier_windows():
-    """§6.5.6: only the current window's tokens are scored; the logits at every context position
-    (prompt and earlier windows) get exactly zero gradient."""
+    """§6.5.6: only the current window's tokens are scored; the final hidden state at every context
+    position (prompt and earlier windows), which is what the LM head would read there, gets exactly
+    zero gradient (the loss reads no prediction made at those positions)."""
     model = tiny_policy()
     captured = {}
 
-    def keep_logit_grad(module, inputs, output):
+    def keep_hidden_grad(module, inputs, output):
         output.register_hook(lambda grad: captured.setdefault("g", grad))
 
-    model.lm_head.register_forward_hook(keep_logit_grad)
+    model.model.norm.register_forward_hook(keep_hidden_grad)
     row = segment([20, 21, 22], prior=[10, 11, 12, 13], prompt=(5, 6, 7))
     sample = TrainSample(segment=row, score=1.0, advantages=float32_array([5.0, 3.0, 2.0]))  # ratio < 1: unclipped
     settings = PolicyLossSettings(clip_low=0.2, clip_high=0.28, dual_clip=None, loss_agg="token-mean", kl_coef=0.0,

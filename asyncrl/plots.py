@@ -1,0 +1,73 @@
+"""Run plots as PNGs (matplotlib, no display): reward, accuracy, response length, entropy, KL,
+clip fraction, throughput, and a histogram of staleness."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+CURVES = [
+    ("reward_mean_generated", "reward (generated samples)"),
+    ("accuracy_generated", "accuracy (generated samples)"),
+    ("response_length_mean", "response length (tokens)"),
+    ("entropy", "policy entropy"),
+    ("approx_kl", "approx. KL to the behaviour policy"),
+    ("clip_fraction", "clip fraction"),
+    ("samples_per_s", "throughput (trained samples/s)"),
+    ("value_loss", "value loss"),
+]
+
+
+def with_throughput(records: list[dict]) -> list[dict]:
+    out, prev = [], None
+    for r in records:
+        r = dict(r)
+        if prev is not None and "wall_time_s" in r and "samples_trained" in r:
+            dt = r["wall_time_s"] - prev["wall_time_s"]
+            if dt > 0:
+                r["samples_per_s"] = (r["samples_trained"] - prev["samples_trained"]) / dt
+        out.append(r)
+        prev = r
+    return out
+
+
+def write_plots(records: list[dict], run_dir: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = with_throughput(records)
+    paths = []
+    for key, title in CURVES:
+        points = [(r["step"], r[key]) for r in records if key in r and r[key] is not None]
+        if not points:
+            continue
+        steps, values = zip(*points)
+        fig, ax = plt.subplots(figsize=(6, 3.2))
+        ax.plot(steps, values, marker=".", linewidth=1)
+        if len(values) >= 10:
+            window = max(3, len(values) // 10)
+            smooth = np.convolve(values, np.ones(window) / window, mode="valid")
+            ax.plot(steps[window - 1:], smooth, linewidth=2, label=f"mean of {window}")
+            ax.legend()
+        ax.set_xlabel("learner step")
+        ax.set_title(title)
+        fig.tight_layout()
+        path = os.path.join(run_dir, f"{key}.png")
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        paths.append(path)
+    staleness = [r["staleness_mean"] for r in records if "staleness_mean" in r]
+    if staleness:
+        fig, ax = plt.subplots(figsize=(6, 3.2))
+        ax.hist(staleness, bins=min(20, max(5, len(set(staleness)))))
+        ax.set_xlabel("mean staleness of a batch (versions)")
+        ax.set_title("staleness")
+        fig.tight_layout()
+        path = os.path.join(run_dir, "staleness_hist.png")
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        paths.append(path)
+    return paths
