@@ -49,3 +49,11 @@ def test_eval_command_on_the_tiny_model(tmp_path, capsys):
     assert result["prompts"] == 10 and result["samples_per_prompt"] == 4
     assert 0.0 <= result["pass@1"] <= result["pass@4"] <= 1.0
     assert "| pass@1 | pass@4 |" in (tmp_path / "eval.md").read_text()
+
+
+def test_throughput_rates_between_polls():
+    from asyncrl.plots import with_throughput
+
+    records = [{"step": 1, "wall_time_s": 10, "samples_trained": 16}, {"step": 2, "wall_time_s": 20, "samples_trained": 48},
+               {"step": 3, "wall_time_s": 20, "samples_trained": 48}, {"step": 4}]
+    assert [r.get("samples_per_s") for r in with_throughput(records)] == [1.6, 3.2, 3.2, None]
