@@ -24,7 +24,7 @@ from typing import Awaitable, Callable
 import numpy as np
 
 from asyncrl.assembly import (AssemblySettings, Outcome, ValueAdvantageSettings, assemble_group, merge_segments,
-                              RunningMoments, row_is_stale, value_rows, whiten_rows)
+                              RunningMoments, cut_row_batch, row_is_stale, value_rows, whiten_rows)
 from asyncrl.learning import segment_row
 from asyncrl.mailbox import Mailbox
 from asyncrl.schema import PairRequest, Reward, RewardRequest, ScoredTrajectory, Segment, TrainBatch, TrainSample
@@ -154,33 +154,22 @@ class Assembler:
     async def _close_pairwise_group(self, group_id: str) -> None:
         """Pairwise PPO: judge the group's responses against each other (or the reference) in both
         orders, and build advantages from the symmetrised win probabilities."""
-        import torch
-
-        from asyncrl.algo.advantages import pairwise_advantages
+        from asyncrl.algo.advantages import judged_pairs, pairwise_advantages, preference_matrix
 
         group = self._groups[group_id]
         members = [group[i] for i in sorted(group)]
         texts = [self.decode(m[0].new_token_ids.tolist()) for m in members]
         prompt = self.decode(members[0][0].prompt_token_ids.tolist())
         truth = members[0][0].ground_truth
-        g = len(members)
-        if self.pairwise_mode.anchor == "reference":
-            pairs = [(i, None) for i in range(g)]
-            requests = [PairRequest(prompt_text=prompt, first=texts[i], second=truth) for i in range(g)]
-        else:
-            pairs = [(i, j) for i in range(g) for j in range(i + 1, g)]
-            requests = [PairRequest(prompt_text=prompt, first=texts[i], second=texts[j], ground_truth=truth)
-                        for i, j in pairs]
+        pairs = judged_pairs(len(members), self.pairwise_mode.anchor == "reference")
+        requests = [PairRequest(prompt_text=prompt, first=texts[i], second=truth if j is None else texts[j],
+                                ground_truth="" if j is None else truth) for i, j in pairs]
         verdicts = await self.pairwise_mode.judge(requests) if requests else []
-        prefs = torch.full((g, 1 if self.pairwise_mode.anchor == "reference" else g), 0.5, dtype=torch.float64)
-        for (i, j), v in zip(pairs, verdicts):
+        for v in verdicts:
             self.counters["pairs_judged"] += 1
             self.counters["pairs_inconsistent"] += int(not v["consistent"])
             self.counters["pairs_failed"] += int(v["failed"])
-            if j is None:
-                prefs[i, 0] = v["p_first"]
-            else:
-                prefs[i, j], prefs[j, i] = v["p_first"], 1.0 - v["p_first"]
+        prefs = preference_matrix(len(members), pairs, [v["p_first"] for v in verdicts])
         self._close_group(group_id, advantages=pairwise_advantages(prefs).tolist())
 
     async def _score_and_value(self, rows: list[Segment], items: list[tuple[Segment, RewardRequest]]) -> None:
@@ -263,20 +252,15 @@ class Assembler:
 
     async def _emit_ready_rows(self) -> None:
         mode = self.value_mode
-        while True:
-            # A batch closes at its N-th finished row (N = prompts_per_step * G samples) and takes
-            # every window that arrived before it: each step consumes N samples, as in `group`
-            # mode, so the prompt source's admission budget (in prompts) matches consumption.
-            finished_positions = [i for i, r in enumerate(self._ready_rows) if r.segment.finished]
-            if len(finished_positions) < mode.rows_per_batch:
-                return
-            cut = finished_positions[mode.rows_per_batch - 1] + 1
-            rows, self._ready_rows = self._ready_rows[:cut], self._ready_rows[cut:]
+        while (cut := cut_row_batch(self._ready_rows, mode.rows_per_batch)) is not None:
+            taken, self._ready_rows = self._ready_rows[:cut], self._ready_rows[cut:]
             # The bound holds when the batch leaves (rows may have waited here for the N-th sample).
-            stale = [r for r in rows if row_is_stale(r.segment, self.policy_version, mode.settings.max_staleness_versions)]
-            for r in stale:
-                self._drop_row(r.segment, "stale")
-            rows = [r for r in rows if not row_is_stale(r.segment, self.policy_version, mode.settings.max_staleness_versions)]
+            rows = []
+            for r in taken:
+                if row_is_stale(r.segment, self.policy_version, mode.settings.max_staleness_versions):
+                    self._drop_row(r.segment, "stale")
+                else:
+                    rows.append(r)
             if not rows:
                 continue
             if mode.whiten:

@@ -228,9 +228,10 @@ class ProcessRewardModel:
         newline (or at the last token); a line whose text starts with '#' is neutral."""
         n = len(token_ids)
         ends, neutral = torch.zeros(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool)
+        pieces = self.tokenizer.batch_decode([[t] for t in token_ids])  # one call, not one per token
         line_start = 0
         for i in range(n):
-            if "\n" in self.tokenizer.decode([token_ids[i]]) or i == n - 1:
+            if "\n" in pieces[i] or i == n - 1:
                 ends[i] = True
                 neutral[i] = self.tokenizer.decode(token_ids[line_start : i + 1]).strip().startswith("#")
                 line_start = i + 1

@@ -139,6 +139,18 @@ def row_is_stale(row: Segment, current_version: int, max_staleness_versions: int
     return current_version - int(row.new_versions.min()) > max_staleness_versions
 
 
+def cut_row_batch(rows: list[TrainSample], finished_per_batch: int) -> int | None:
+    """Where a value-based batch ends: just after its N-th finished row, taking every window that
+    arrived before it (so each step consumes N samples, like the group mode, and the prompt
+    source's admission budget matches consumption). None while fewer than N rows are finished."""
+    seen = 0
+    for i, row in enumerate(rows):
+        seen += row.segment.finished
+        if seen == finished_per_batch:
+            return i + 1
+    return None
+
+
 def value_rows(rows: list[Segment], values: list[np.ndarray], outcomes: list[Outcome | None],
                settings: ValueAdvantageSettings, value_version: int | None = None) -> list[TrainSample]:
     """Policy rows with (E)GAE advantages. `values[i]` holds `V(s_t)` for each of row i's n new

@@ -353,6 +353,19 @@ def validate(config: Config) -> None:
             raise ConfigError(message)
 
 
+def route_checks(routes: list[RouteConfig], endpoint_names: set[str]) -> list[tuple[bool, str]]:
+    """Checks of reward routes (at start-up, and when the admin route changes them)."""
+    checks = []
+    for i, route in enumerate(routes):
+        for name in [*route.endpoints, *route.dense]:
+            checks.append((name in endpoint_names, f"reward.routes[{i}] names unknown endpoint {name!r}"))
+        checks.append((bool(route.endpoints), f"reward.routes[{i}].endpoints must not be empty"))
+        checks.append((route.combine in ("first", "mix"), f"reward.routes[{i}].combine must be first or mix"))
+        checks.append((route.combine != "mix" or len(route.weights) == len(route.endpoints),
+                       f"reward.routes[{i}].weights must give one weight per endpoint for combine=mix"))
+    return checks
+
+
 def _reward_checks(config: Config) -> list[tuple[bool, str]]:
     r = config.reward
     checks = [(bool(r.endpoints), "reward.endpoints must name at least one endpoint"),
@@ -361,12 +374,7 @@ def _reward_checks(config: Config) -> list[tuple[bool, str]]:
         checks.append((e.kind in ENDPOINT_KINDS, f"reward.endpoints.{name}.kind must be one of {ENDPOINT_KINDS}"))
         checks.append((e.kind not in ("bt", "prm") or bool(e.model_path), f"reward.endpoints.{name}.model_path is required for {e.kind}"))
         checks.append((e.judge_mode in ("pointwise", "pairwise"), f"reward.endpoints.{name}.judge_mode must be pointwise or pairwise"))
-    for i, route in enumerate(r.routes):
-        for name in [*route.endpoints, *route.dense]:
-            checks.append((name in r.endpoints, f"reward.routes[{i}] names unknown endpoint {name!r}"))
-        checks.append((route.combine in ("first", "mix"), f"reward.routes[{i}].combine must be first or mix"))
-        checks.append((route.combine != "mix" or len(route.weights) == len(route.endpoints),
-                       f"reward.routes[{i}].weights must give one weight per endpoint for combine=mix"))
+    checks += route_checks(r.routes, set(r.endpoints))
     if config.algorithm.estimator == "pairwise":
         judge = r.endpoints.get(config.algorithm.pairwise_endpoint)
         checks.append((judge is not None and judge.kind == "genrm",

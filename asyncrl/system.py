@@ -242,15 +242,12 @@ class AssemblerActor(_LoopShell):
         """Admin: change the hybrid mix while training runs (validated like the config)."""
         from dataclasses import asdict
 
-        from asyncrl.config import RouteConfig
+        from asyncrl.config import RouteConfig, route_checks
 
         parsed = [RouteConfig(**route) for route in routes]
-        for route in parsed:
-            unknown = [n for n in [*route.endpoints, *route.dense] if n not in self.endpoint_names]
-            if unknown:
-                raise ValueError(f"unknown reward endpoints {unknown} (have {sorted(self.endpoint_names)})")
-            if route.combine not in ("first", "mix") or (route.combine == "mix" and len(route.weights) != len(route.endpoints)):
-                raise ValueError(f"invalid reward route {asdict(route)}")
+        errors = [message for ok, message in route_checks(parsed, self.endpoint_names) if not ok]
+        if errors:
+            raise ValueError("; ".join(errors))
         self.router.set_routes(parsed)
         return [asdict(route) for route in parsed]
 

@@ -29,7 +29,8 @@ def test_pairwise_ppo_with_pre_ppo_selection(ray_session, tmp_path):
     assert assembler["pairs_failed"] == 0 and assembler["reward_failures"] == 0
     assert status["step"] >= 6
     genrm = status["reward_endpoints"]["genrm"]
-    assert genrm["pairs"] == assembler["pairs_judged"] and 0.0 <= genrm["swap_disagreement_rate"] <= 1.0
+    # Read from two actors at slightly different moments: a judge call may still be in flight.
+    assert genrm["pairs"] >= assembler["pairs_judged"] and 0.0 <= genrm["swap_disagreement_rate"] <= 1.0
 
 
 def test_curriculum_serves_stages_in_order():

@@ -207,3 +207,14 @@ def test_curriculum_stages():
     assert curriculum_sources(150, stages) == {"code", "math"}
     assert curriculum_sources(300, stages) is None
     assert curriculum_sources(0, []) is None
+
+
+def test_preference_matrix_from_judged_pairs():
+    from asyncrl.algo.advantages import judged_pairs, preference_matrix
+
+    pairs = judged_pairs(3, against_reference=False)
+    assert pairs == [(0, 1), (0, 2), (1, 2)]
+    prefs = preference_matrix(3, pairs, [0.8, 1.0, 0.6])
+    assert prefs.tolist() == [[0.5, 0.8, 1.0], [pytest.approx(0.2), 0.5, 0.6], [0.0, pytest.approx(0.4), 0.5]]
+    anchor = preference_matrix(2, judged_pairs(2, against_reference=True), [0.75, 0.5])
+    assert anchor.tolist() == [[0.75], [0.5]]

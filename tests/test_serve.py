@@ -131,6 +131,6 @@ def test_admin_route_changes_the_reward_mix_and_needs_the_token(apps):
     ok = httpx.post(url, json=body, headers=auth, timeout=30)
     assert ok.status_code == 200 and ok.json()["routes"][0]["combine"] == "mix"
     bad = httpx.post(url, json={"routes": [{"endpoints": ["nope"]}]}, headers=auth, timeout=30)
-    assert bad.status_code == 400 and "unknown reward endpoints" in bad.json()["detail"]
+    assert bad.status_code == 400 and "unknown endpoint 'nope'" in bad.json()["detail"]
     assert httpx.post(url, json={"routes": []}, headers=auth, timeout=30).status_code == 422
     assert httpx.get(f"{apps}/train/healthz", timeout=30).json() == {"ok": True}  # still training

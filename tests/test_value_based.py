@@ -196,3 +196,14 @@ def test_value_model_from_a_process_reward_model_checkpoint(tmp_path):
     expected = prm(input_ids=ids).logits[0, :, 0]  # the PRM's own per-token score is the initial value
     got = predict_values(value_model, [segment_row(segment([20, 21]))], with_next=True)[0]
     np.testing.assert_allclose(got, expected[2:5].detach().numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_a_value_batch_closes_after_its_nth_finished_row():
+    from asyncrl.assembly import cut_row_batch
+
+    def row(finished):
+        return TrainSample(segment=segment([8], finished=finished), score=0.0, advantages=float32_array([0.0]))
+
+    rows = [row(False), row(True), row(False), row(False), row(True), row(False)]
+    assert cut_row_batch(rows, 2) == 5  # the windows that arrived before the 2nd finished row come along
+    assert cut_row_batch(rows, 3) is None

@@ -164,3 +164,24 @@ def pairwise_advantages(preferences: torch.Tensor) -> torch.Tensor:
     else:
         mean_win = p.mean(1)
     return (2.0 * (mean_win - 0.5)).float()
+
+
+def judged_pairs(group_size: int, against_reference: bool) -> list[tuple[int, int | None]]:
+    """The comparisons Pairwise PPO asks the judge for: every unordered pair of the group (i < j),
+    or each response against the reference (j = None)."""
+    if against_reference:
+        return [(i, None) for i in range(group_size)]
+    return [(i, j) for i in range(group_size) for j in range(i + 1, group_size)]
+
+
+def preference_matrix(group_size: int, pairs: list[tuple[int, int | None]], p_first: list[float]) -> torch.Tensor:
+    """Symmetrised verdicts -> the `preferences` of `pairwise_advantages`: `[G, G]` with
+    `p_ji = 1 − p_ij` (diagonal 0.5), or `[G, 1]` against the reference. Unjudged entries are 0.5."""
+    against_reference = any(j is None for _, j in pairs)
+    prefs = torch.full((group_size, 1 if against_reference else group_size), 0.5, dtype=torch.float64)
+    for (i, j), p in zip(pairs, p_first):
+        if j is None:
+            prefs[i, 0] = p
+        else:
+            prefs[i, j], prefs[j, i] = p, 1.0 - p
+    return prefs
