@@ -26,11 +26,13 @@ import numpy as np
 from asyncrl.assembly import (AssemblySettings, Outcome, ValueAdvantageSettings, assemble_group, merge_segments,
                               RunningMoments, cut_row_batch, row_is_stale, value_rows, whiten_rows)
 from asyncrl.learning import segment_row
-from asyncrl.mailbox import Mailbox
+from asyncrl.mailbox import Mailbox, RecentIds
 from asyncrl.schema import PairRequest, Reward, RewardRequest, ScoredTrajectory, Segment, TrainBatch, TrainSample
 
 ScoreFn = Callable[[list[RewardRequest]], Awaitable[list[Reward]]]
 ValuesFn = Callable[[list[tuple[np.ndarray, np.ndarray]]], Awaitable[tuple[list[np.ndarray], int]]]
+# Ledger events: (sample ids, new state, reason of a drop).
+SamplesFn = Callable[[list[str], str, str], None]
 
 
 @dataclass
@@ -57,23 +59,24 @@ class PairwiseMode:
 class Assembler:
     def __init__(self, segments: Mailbox, batches: Mailbox, score: ScoreFn, decode: Callable[[list[int]], str],
                  settings: AssemblySettings, prompts_per_batch: int,
-                 on_dropped: Callable[[float], None] = lambda prompts: None,
+                 on_samples: SamplesFn = lambda ids, state, reason: None,
                  value_mode: ValueMode | None = None, max_pending_tasks: int = 64,
-                 pairwise_mode: PairwiseMode | None = None):
+                 pairwise_mode: PairwiseMode | None = None, batch_prefix: str = "batch"):
         self.segments = segments
         self.batches = batches
         self.score = score
         self.decode = decode
         self.settings = settings
         self.prompts_per_batch = prompts_per_batch
-        self.on_dropped = on_dropped  # told how many prompts' worth of samples were dropped
+        self.on_samples = on_samples  # the ledger: where each sample went
+        self.batch_prefix = batch_prefix  # unique per incarnation of a resumed run
         self.value_mode = value_mode
         self.pairwise_mode = pairwise_mode
         self.max_pending_tasks = max_pending_tasks
         self._ready_rows: list[TrainSample] = []
         self._moments = RunningMoments()
         self.policy_version = 0
-        self._seen: set[str] = set()
+        self._seen = RecentIds(200_000)
         self._parts: dict[str, list[Segment]] = collections.defaultdict(list)  # sample id -> segments
         self._groups: dict[str, dict[int, tuple[Segment, Reward]]] = collections.defaultdict(dict)
         self._ready: list[list[TrainSample]] = []
@@ -119,6 +122,7 @@ class Assembler:
                 rows.append(seg)
             if seg.finished:
                 merged = merge_segments(self._parts.pop(seg.sample_id))
+                self.on_samples([merged.sample_id], "awaiting_reward", "")
                 if self.value_mode is not None and not window_rows:
                     rows.append(merged)
                 to_score.append((merged, RewardRequest(
@@ -197,6 +201,9 @@ class Assembler:
             trained = value_rows(keep, values, [outcomes.get(r.sample_id) if r.finished else None for r in keep],
                                  mode.settings, value_version)
             self._ready_rows.extend(trained)
+            finished = [r.sample_id for r in keep if r.finished]
+            if finished:
+                self.on_samples(finished, "awaiting_training", "")
             self.counters["rows_ready"] += len(trained)
         await self._emit_ready_rows()
         # Last: a value learner behind the stream applies backpressure here (pending tasks then
@@ -211,7 +218,7 @@ class Assembler:
             # The sample ends here: count it and return its share of a prompt to the admission budget.
             self.counters[f"dropped_{reason}_samples"] += 1
             self.counters["samples_dropped"] += 1
-            self.on_dropped(1.0 / max(row.group_size, 1))
+            self.on_samples([row.sample_id], "dropped", reason)
 
     def _close_group(self, group_id: str, advantages: list[float] | None = None) -> None:
         group = self._groups.pop(group_id)
@@ -223,8 +230,9 @@ class Assembler:
             self.counters[f"dropped_{reason}_groups"] += 1
             self.counters[f"dropped_{reason}_samples"] += len(samples)
             self.counters["samples_dropped"] += len(samples)
-            self.on_dropped(1.0)
+            self.on_samples([m.sample_id for m in samples], "dropped", reason)
             return
+        self.on_samples([m.sample_id for m in samples], "awaiting_training", "")
         self._ready.append(train)
         self._ready_stats.append({**stats, "reward_mean": sum(r.score for r in rewards) / len(rewards),
                                   "accuracy": sum(bool(r.correct) for r in rewards) / len(rewards)})
@@ -234,7 +242,7 @@ class Assembler:
             groups, self._ready = self._ready[: self.prompts_per_batch], self._ready[self.prompts_per_batch:]
             stats, self._ready_stats = self._ready_stats[: self.prompts_per_batch], self._ready_stats[self.prompts_per_batch:]
             batch = TrainBatch(
-                batch_id=f"batch-{self._batch_index}",
+                batch_id=f"{self.batch_prefix}-{self._batch_index}",
                 samples=[s for g in groups for s in g],
                 stats={
                     "reward_mean": sum(s["reward_mean"] for s in stats) / len(stats),
@@ -272,7 +280,7 @@ class Assembler:
             oldest = min(int(r.segment.new_versions.min()) for r in rows if len(r.segment.new_versions)) \
                 if any(len(r.segment.new_versions) for r in rows) else self.policy_version
             batch = TrainBatch(
-                batch_id=f"batch-{self._batch_index}",
+                batch_id=f"{self.batch_prefix}-{self._batch_index}",
                 samples=rows,
                 stats={
                     "reward_mean": sum(r.score for r in finished) / max(len(finished), 1),

@@ -5,7 +5,7 @@ next turn and have priority; new prompts fill freed slots (a prompt's G samples 
 together). Every token is tagged with the weight version that produced it. Weight updates are
 applied between windows, never during one.
 
-A `PromptRequest` is acknowledged only when all G of its samples have emitted their final
+A `PromptRequest` is acknowledged only when all of its samples (G, or those it names) have emitted their final
 segment, so a generator that dies mid-prompt loses nothing: the lease expires, another generator
 regenerates the prompt with the same seeds, and the assembler drops segment ids it already has.
 """
@@ -93,11 +93,12 @@ class Generator:
             if not requests:
                 return
             request = requests[0]
-            if self.inflight and len(self.inflight) + request.group_size > self.max_inflight:
+            samples = request.samples
+            if self.inflight and len(self.inflight) + len(samples) > self.max_inflight:
                 await self.prompts.nack([request.prompt_id])
                 return
-            self.samples_left[request.prompt_id] = request.group_size
-            self.inflight += [_Sequence(request, i) for i in range(request.group_size)]
+            self.samples_left[request.prompt_id] = len(samples)
+            self.inflight += [_Sequence(request, i) for i in samples]
             self.counters["prompts_admitted"] += 1
 
     async def step(self) -> None:

@@ -6,19 +6,44 @@ It owns the staleness bound of the stream (one knob, one place): a prompt is iss
 generators can never run more than `max_staleness_versions` learner steps ahead of training, and
 dropped work (dynamic sampling, stale rows, value warm-up) is replaced: `dropped_prompts` counts a
 dropped group as 1 and a dropped sample as 1/G. The assembler's staleness check is the safety net.
+
+It keeps the ledger of samples (`asyncrl.ledger`): it admits every sample it issues, and the
+assembler and the learner report how each one moves on and ends. On resume, the prompts whose
+samples were open at the checkpoint (and not in a saved batch) are issued again first, with
+their ids and seeds, outside the budget they were already counted in.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import random
 
+import msgspec
 import numpy as np
 
 from asyncrl.algo.selection import curriculum_sources
+from asyncrl.ledger import LedgerSnapshot, SampleLedger
 from asyncrl.mailbox import Mailbox
-from asyncrl.schema import PromptRequest
+from asyncrl.schema import Codec, PromptRequest
 from asyncrl.tasks import Example
+
+
+class CursorSnapshot(msgspec.Struct, kw_only=True):
+    """The prompt source's part of a checkpoint (msgspec, never pickle)."""
+
+    epoch: int
+    index: int
+    issued: int
+    dropped_prompts: float
+    skipped_by_curriculum: int
+    ledger: LedgerSnapshot
+    # The prompt set when it differs from the task's (Pre-PPO selection), so a resume keeps it.
+    examples: list[dict] | None = None
+    prompt_token_ids: list[list[int]] | None = None
+
+
+SNAPSHOT_CODEC = Codec(CursorSnapshot)
 
 
 class PromptSource:
@@ -49,6 +74,9 @@ class PromptSource:
         self.learner_version = 0
         self.dropped_prompts = 0.0
         self._budget_changed = asyncio.Event()
+        self.ledger = SampleLedger()
+        self.reissue: collections.deque[PromptRequest] = collections.deque()
+        self.examples_replaced = False
 
     @property
     def budget(self) -> int:
@@ -59,9 +87,13 @@ class PromptSource:
         self.learner_version = max(self.learner_version, version)
         self._budget_changed.set()
 
-    def note_dropped(self, prompts: float) -> None:
-        self.dropped_prompts += prompts
-        self._budget_changed.set()
+    def record(self, sample_ids: list[str], state: str, reason: str = "") -> None:
+        """The ledger event of the assembler or the learner; a drop returns its share of a prompt
+        to the admission budget."""
+        moved = self.ledger.advance(sample_ids, state, reason)
+        if state == "dropped" and moved:
+            self.dropped_prompts += moved / self.group_size
+            self._budget_changed.set()
 
     def set_examples(self, examples: list[Example], prompt_token_ids: list[list[int]]) -> None:
         """Replace the prompt set before the first issue (Pre-PPO selection)."""
@@ -70,6 +102,7 @@ class PromptSource:
         if not examples:
             raise ValueError("the prompt selection is empty")
         self.examples, self.prompt_token_ids = examples, prompt_token_ids
+        self.examples_replaced = True
         self.epoch, self.index = 0, 0
         self._order = self._shuffle(0)
 
@@ -94,7 +127,7 @@ class PromptSource:
         self.index += 1
         self.issued += 1
         # The prompt id is unique per issue (a prompt recurs every epoch); seeds follow it.
-        return PromptRequest(
+        request = PromptRequest(
             prompt_id=f"{example.prompt_id}@{self.epoch}",
             prompt_token_ids=np.asarray(tokens, dtype=np.int32),
             group_size=self.group_size,
@@ -103,10 +136,16 @@ class PromptSource:
             prompt_text=example.text,
             seed=(self.seed * 1_000_003 + self.issued) * 1024,
         )
+        self.ledger.admit(request)
+        return request
 
     async def run(self) -> None:
         self._running = True
         while self._running:
+            if self.reissue:
+                await self.out.put([self.reissue[0]])
+                self.reissue.popleft()
+                continue
             if self.issued >= self.budget:
                 self._budget_changed.clear()
                 try:
@@ -122,4 +161,31 @@ class PromptSource:
     def stats(self) -> dict:
         return {"epoch": self.epoch, "index": self.index, "issued": self.issued, "budget": self.budget,
                 "learner_version": self.learner_version, "dropped_prompts": self.dropped_prompts,
-                "skipped_by_curriculum": self.skipped_by_curriculum, "prompts": len(self.examples)}
+                "skipped_by_curriculum": self.skipped_by_curriculum, "prompts": len(self.examples),
+                "reissue_pending": len(self.reissue), "ledger": self.ledger.state_counts(),
+                "ledger_problems": self.ledger.check()}
+
+    # --- checkpoint and resume -------------------------------------------------------------------
+
+    def snapshot(self) -> CursorSnapshot:
+        replaced = self.examples_replaced
+        return CursorSnapshot(
+            epoch=self.epoch, index=self.index, issued=self.issued, dropped_prompts=self.dropped_prompts,
+            skipped_by_curriculum=self.skipped_by_curriculum, ledger=self.ledger.snapshot(),
+            examples=[{"prompt_id": e.prompt_id, "messages": e.messages, "ground_truth": e.ground_truth,
+                       "data_source": e.data_source} for e in self.examples] if replaced else None,
+            prompt_token_ids=[list(map(int, t)) for t in self.prompt_token_ids] if replaced else None,
+        )
+
+    def restore(self, snap: CursorSnapshot, held_sample_ids: set[str], learner_version: int) -> None:
+        """Continue from a checkpoint: cursor, budget, ledger; queue the prompts to issue again."""
+        if snap.examples is not None:
+            self.examples = [Example(**e) for e in snap.examples]
+            self.prompt_token_ids = snap.prompt_token_ids
+            self.examples_replaced = True
+        self.epoch, self.index, self.issued = snap.epoch, snap.index, snap.issued
+        self._order = self._shuffle(self.epoch)
+        self.dropped_prompts, self.skipped_by_curriculum = snap.dropped_prompts, snap.skipped_by_curriculum
+        self.learner_version = learner_version
+        self.ledger, reissue = SampleLedger.restore(snap.ledger, held_sample_ids)
+        self.reissue = collections.deque(reissue)

@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import os
 import time
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
+from asyncrl import checkpoint
 from asyncrl.learning import ValueLossSettings, predict_values, value_step
-from asyncrl.mailbox import Mailbox
+from asyncrl.mailbox import Mailbox, RecentIds
 from asyncrl.schema import ScoredTrajectory
 
 from actors.loop import TrainingLoop
@@ -39,9 +41,10 @@ class ValueLearner(TrainingLoop):
         self.pad_token_id = pad_token_id
         self.version = 0
         self.on_ready: list[Callable[[], Any]] = []
-        self._seen: set[str] = set()
+        self._seen = RecentIds(200_000)
         self._pending: list[ScoredTrajectory] = []
         self._serving_lock = asyncio.Lock()
+        self._train_lock = asyncio.Lock()  # a checkpoint waits for a step in progress
         self._metrics: list[dict] = []
         self._running = False
         self._started = time.monotonic()
@@ -69,11 +72,12 @@ class ValueLearner(TrainingLoop):
 
     async def _train(self, batch: list[ScoredTrajectory]) -> dict:
         start = time.perf_counter()
-        metrics = await asyncio.to_thread(value_step, self.model, self.optimizer, batch, self.settings,
-                                          self.pad_token_id)
-        async with self._serving_lock:
-            self.serving.load_state_dict(self.model.state_dict())
-            self.version += 1
+        async with self._train_lock:
+            metrics = await asyncio.to_thread(value_step, self.model, self.optimizer, batch, self.settings,
+                                              self.pad_token_id)
+            async with self._serving_lock:
+                self.serving.load_state_dict(self.model.state_dict())
+                self.version += 1
         elapsed = time.perf_counter() - start
         self.timing["train_s"] += elapsed
         self.counters["value_steps"] += 1
@@ -110,6 +114,36 @@ class ValueLearner(TrainingLoop):
                 notify()
         while self._running:
             await self.step_once()
+
+    # --- checkpoints -------------------------------------------------------------------------------
+
+    async def save_checkpoint_part(self, directory: str) -> None:
+        """Write the value model, optimizer and version into a checkpoint directory. The partial
+        batch held here is not saved: its trajectories were regenerated-or-trained policy samples
+        already, and the critic simply sees other ones."""
+        from safetensors.torch import save_file
+
+        async with self._train_lock:  # between steps, the serving copy equals the model
+            part = os.path.join(directory, "value")
+            os.makedirs(part, exist_ok=True)
+            state = {k: v.contiguous() for k, v in self.model.state_dict().items()}
+            await asyncio.to_thread(save_file, state, os.path.join(part, "model.safetensors"))
+            await asyncio.to_thread(checkpoint.save_tensors, {"optimizer": self.optimizer.state_dict()},
+                                    os.path.join(part, "optimizer.pt"))
+            checkpoint.save_json({"version": self.version, "counters": self.counters},
+                                 os.path.join(part, "state.json"))
+
+    def load_checkpoint(self, directory: str) -> None:
+        from safetensors.torch import load_file
+
+        part = os.path.join(directory, "value")
+        state = load_file(os.path.join(part, "model.safetensors"))
+        self.model.load_state_dict(state)
+        self.serving.load_state_dict(state)
+        self.optimizer.load_state_dict(checkpoint.load_tensors(os.path.join(part, "optimizer.pt"))["optimizer"])
+        meta = checkpoint.load_json(os.path.join(part, "state.json"))
+        self.version = int(meta["version"])
+        self.counters.update({k: v for k, v in meta["counters"].items() if k in self.counters})
 
     def stats(self) -> dict:
         wall = max(time.monotonic() - self._started, 1e-9)

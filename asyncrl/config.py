@@ -240,6 +240,11 @@ class TrainerConfig:
     """Where metrics.jsonl, plots and checkpoints go (default outputs/<time>)."""
     eval_every: int = 0
     """Evaluate on the held-out prompts every N steps (0 = only at start and end)."""
+    checkpoint_every: int = 10
+    """Checkpoint every N learner steps into <run_dir>/checkpoints (0 = never; `asyncrl train`
+    also writes one at the end)."""
+    checkpoint_keep: int = 2
+    """How many of the newest checkpoints to keep."""
     eval_samples: int = 64
     mailbox_capacity: int = 256
     lease_s: float = 600.0
@@ -277,6 +282,9 @@ class Config:
     task: TaskConfig = field(default_factory=TaskConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
+    resume: bool = False
+    """Continue from the newest valid checkpoint of `trainer.run_dir` (default: the newest run
+    under outputs/ with one): step, weight version, optimizer, prompt cursor, unsent batches."""
 
 
 def config_dir() -> str:
@@ -347,6 +355,9 @@ def validate(config: Config) -> None:
          "task.pre_ppo_endpoint must name an entry of reward.endpoints"),
         (not config.trainer.synchronous or a.max_staleness_versions == 0,
          "trainer.synchronous needs algorithm.max_staleness_versions=0"),
+        (config.trainer.checkpoint_every >= 0, "trainer.checkpoint_every must be >= 0"),
+        (config.trainer.checkpoint_keep >= 1, "trainer.checkpoint_keep must be >= 1"),
+        (config.trainer.eval_every >= 0, "trainer.eval_every must be >= 0"),
     ]
     for ok, message in checks:
         if not ok:

@@ -2,7 +2,9 @@
 
 The driver never waits on the actors' work: generators, assembler and learner run their own
 loops; the driver only polls metrics (every `poll_s`) to log them, and evaluates the policy on
-held-out prompts before the first step and after the last.
+held-out prompts before the first step, every `trainer.eval_every` steps, and after the last. It
+writes a checkpoint at the end (the learner writes the periodic ones), and with `resume=true`
+continues the run of `trainer.run_dir` from its newest valid checkpoint.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from datetime import datetime
 
 import numpy as np
 import ray
@@ -20,10 +21,6 @@ from asyncrl.config import Config, compose, to_dict
 from asyncrl.engines.base import SamplingParams, SequenceInput
 from asyncrl.system import TrainingSystem, build_engine
 from asyncrl.tasks import encode_prompt, load_examples, score_response
-
-
-def default_run_dir() -> str:
-    return os.path.join("outputs", datetime.now().strftime("%Y%m%d-%H%M%S"))
 
 
 def evaluate(config: Config, engine, tokenizer, max_prompts: int | None = None) -> dict:
@@ -80,19 +77,30 @@ def init_ray(config: Config) -> None:
 
 def train(config: Config, progress: bool = True, eval_prompts: int | None = None) -> dict:
     """Run `trainer.total_steps` learner steps; returns a summary with held-out accuracy before/after."""
-    run_dir = config.trainer.run_dir or default_run_dir()
+    from asyncrl import checkpoint
+
+    run_dir = checkpoint.resolve_run_dir(config.trainer.run_dir, config.resume)
     os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "config.json"), "w") as f:
+    with open(os.path.join(run_dir, "config.resume.json" if config.resume else "config.json"), "w") as f:
         json.dump(to_dict(config), f, indent=2)
     init_ray(config)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     engine, tokenizer = build_engine(config)
+    if config.resume:
+        latest, _ = checkpoint.latest_valid(run_dir)
+        if latest is not None:
+            checkpoint.load_policy_weights(engine.model, os.path.join(latest, "policy"))
     before = evaluate(config, engine, tokenizer, eval_prompts)
     print(f"held-out accuracy before training: {before['accuracy']:.3f} (n={before['n']})", flush=True)
 
     wandb_run = _init_wandb(config, run_dir)
-    system = TrainingSystem(config).start()
+    system = TrainingSystem(config, run_dir=run_dir).start()
+    if system.resumed:
+        print(f"resumed from {system.resumed['checkpoint']} at step {system.resumed['step']} "
+              f"({system.resumed['reissued_prompts']} prompts to regenerate, "
+              f"{system.resumed['saved_batches']} saved batches)", flush=True)
     records: list[dict] = []
+    evals: list[dict] = []
     started = time.time()
     bar = _progress(config.trainer.total_steps, progress)
     last_step_at = time.time()
@@ -122,6 +130,13 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
                         "broadcast_s": status["last_broadcast"].get("total_s", 0.0),
                         "wall_time_s": time.time() - started,
                     })
+                    every = config.trainer.eval_every
+                    if every and record["step"] % every == 0:
+                        version, weights = system.weights()
+                        engine.update_weights(weights.items(), version)
+                        result = evaluate(config, engine, tokenizer, eval_prompts)
+                        record.update({"eval_accuracy": result["accuracy"], "eval_n": result["n"]})
+                        evals.append({"step": record["step"], **result})
                     metrics_file.write(json.dumps(record) + "\n")
                     records.append(record)
                     if wandb_run is not None:
@@ -131,6 +146,10 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
                     bar.update(len(new))
                     bar.set_postfix(reward=f"{records[-1]['reward_mean_generated']:.3f}",
                                     samples_s=f"{status['samples_trained'] / max(time.time() - started, 1e-9):.2f}")
+        if config.trainer.checkpoint_every and records and (
+                records[-1]["step"] % config.trainer.checkpoint_every):
+            path = system.checkpoint()
+            print(f"checkpoint: {path}", flush=True)
         final_status = system.status()
         version, weights = system.weights()
     finally:
@@ -148,7 +167,8 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
 
     write_plots(records, run_dir)
     summary = {"run_dir": run_dir, "eval_before": before, "eval_after": after, "train_wall_s": wall,
-               "reached_target": _reached_target(records, config),
+               "reached_target": _reached_target(records, config), "evals": evals,
+               "resumed": system.resumed,
                "steps": len(records), "final_status": {k: v for k, v in final_status.items() if k != "generators"},
                "records": records}
     with open(os.path.join(run_dir, "summary.json"), "w") as f:

@@ -45,6 +45,29 @@ class MailboxStats(msgspec.Struct, kw_only=True):
     acked_total: int
 
 
+class RecentIds:
+    """A set that remembers only the newest `window` ids: deduplication with bounded memory on a
+    run of days (a redelivery or retry arrives within minutes, far inside the window)."""
+
+    def __init__(self, window: int = 200_000):
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.window = window
+        self._ids: collections.OrderedDict[str, None] = collections.OrderedDict()
+
+    def __contains__(self, msg_id: str) -> bool:
+        return msg_id in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def add(self, msg_id: str) -> None:
+        self._ids[msg_id] = None
+        self._ids.move_to_end(msg_id)
+        while len(self._ids) > self.window:
+            self._ids.popitem(last=False)
+
+
 class MailboxCore(Generic[T]):
     """The mailbox state machine; synchronous and clock-injected so it is testable alone."""
 
@@ -59,7 +82,7 @@ class MailboxCore(Generic[T]):
         self._queue: collections.deque[tuple[str, T]] = collections.deque()
         self._queued_ids: set[str] = set()
         self._leased: dict[str, tuple[T, float]] = {}  # id -> (item, lease deadline)
-        self._acked: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._acked = RecentIds(dedup_window)
         self._stats = collections.Counter()
 
     def __len__(self) -> int:
@@ -152,9 +175,7 @@ class MailboxCore(Generic[T]):
         )
 
     def _remember_acked(self, msg_id: str) -> None:
-        self._acked[msg_id] = None
-        while len(self._acked) > self.dedup_window:
-            self._acked.popitem(last=False)
+        self._acked.add(msg_id)
 
 
 class Mailbox(Protocol[M]):

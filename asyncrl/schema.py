@@ -123,6 +123,9 @@ class PromptRequest(msgspec.Struct, kw_only=True, frozen=True):
     prompt_text: str = ""
     # Sampling seed of the prompt; sample i uses seed + i, so results do not depend on batching.
     seed: int = 0
+    # Which of the G samples to generate (empty = all): a resumed run regenerates only the samples
+    # of a prompt whose work was lost with the old actors.
+    sample_indices: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _check_array("prompt_token_ids", self.prompt_token_ids, "int32")
@@ -130,6 +133,13 @@ class PromptRequest(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError("field `prompt_token_ids`: a prompt needs at least one token")
         if self.group_size < 1:
             raise ValueError(f"field `group_size`: must be >= 1, got {self.group_size}")
+        if len(set(self.sample_indices)) != len(self.sample_indices) or not all(
+                0 <= i < self.group_size for i in self.sample_indices):
+            raise ValueError(f"field `sample_indices`: distinct indices in [0, {self.group_size}) expected")
+
+    @property
+    def samples(self) -> tuple[int, ...]:
+        return self.sample_indices or tuple(range(self.group_size))
 
     @property
     def msg_id(self) -> str:

@@ -83,10 +83,13 @@ train_api = FastAPI(title="asyncrl train")
 @serve.ingress(train_api)
 class TrainController:
     def __init__(self, config: Config):
+        from asyncrl.checkpoint import resolve_run_dir
+
         self.config = config
-        self.run_dir = config.trainer.run_dir or os.path.join("outputs", time.strftime("serve-%Y%m%d-%H%M%S"))
+        # A restarted app with resume=true (and the same trainer.run_dir) continues that run.
+        self.run_dir = resolve_run_dir(config.trainer.run_dir, config.resume, prefix="serve-")
         os.makedirs(self.run_dir, exist_ok=True)
-        self.system = TrainingSystem(config).start()
+        self.system = TrainingSystem(config, run_dir=self.run_dir).start()
         self.history: list[dict] = []
         self._task = asyncio.get_event_loop().create_task(self._collect_metrics())
 
@@ -142,6 +145,22 @@ class TrainController:
         except Exception as exc:  # a route the config schema rejects
             raise HTTPException(400, f"invalid reward routes: {getattr(exc, 'cause', exc)}") from None
         return {"routes": routes}
+
+    @train_api.post("/admin/checkpoint")
+    async def save_checkpoint(self, request: Request) -> dict:
+        """Write a checkpoint now (between two learner steps)."""
+        self._require_admin(request)
+        path = await self.system.actors["learner"].save_checkpoint.remote()
+        return {"path": path}
+
+    @train_api.get("/metrics/prometheus")
+    def prometheus(self):
+        """The run's counters and gauges in the Prometheus text format (for a scrape job)."""
+        from fastapi.responses import Response
+
+        from asyncrl.metrics import prometheus_text
+
+        return Response(prometheus_text(self.system.status()), media_type="text/plain; version=0.0.4")
 
     @train_api.get("/healthz")
     def healthz(self) -> dict:

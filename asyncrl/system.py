@@ -11,6 +11,7 @@ The Ray shells below only build the plain role objects of `actors/` from config 
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Any
 
@@ -86,7 +87,7 @@ class GeneratorActor(_LoopShell):
 
 
 class LearnerActor(_LoopShell):
-    def __init__(self, config: Config, batches: RayMailbox):
+    def __init__(self, config: Config, batches: RayMailbox, run_dir: str = "", resume_from: str | None = None):
         from actors.policy_learner import PolicyLearner
 
         torch.set_num_threads(config.trainer.learner_threads)
@@ -101,15 +102,39 @@ class LearnerActor(_LoopShell):
         )
         self.inner = PolicyLearner(model, settings, batches, a.lr, a.weight_decay, a.warmup_steps, a.kl_coef,
                                    tokenizer.pad_token_id or 0, config.trainer.broadcast_bucket_mb << 20,
-                                   notify_after_broadcast=config.trainer.synchronous)
+                                   notify_after_broadcast=config.trainer.synchronous, tokenizer=tokenizer)
+        self.inner.run_dir = run_dir
+        self.inner.checkpoint_every = config.trainer.checkpoint_every if run_dir else 0
+        self.inner.checkpoint_keep = config.trainer.checkpoint_keep
+        if resume_from:
+            self.inner.load_checkpoint(resume_from)
 
     def init_weight_group(self, addr: str, port: int, world_size: int, rank: int) -> None:
         init_weight_group(addr, port, world_size, rank, "gloo")
 
-    def connect(self, generators: list, assembler, prompt_source) -> None:
+    def connect(self, generators: list, assembler, prompt_source, value_learner=None) -> None:
         self.inner.generators = generators
         self.inner.on_version = [lambda v: assembler.set_policy_version.remote(v),
                                  lambda v: prompt_source.set_learner_version.remote(v)]
+
+        async def on_trained(ids):
+            await prompt_source.record.remote(ids, "trained", "")
+
+        self.inner.on_trained = on_trained
+        parts = [prompt_source] + ([value_learner] if value_learner is not None else [])
+
+        def writer(actor):
+            async def write(directory):
+                await actor.save_checkpoint_part.remote(directory)
+            return write
+
+        self.inner.checkpoint_parts = [writer(actor) for actor in parts]
+
+    async def publish(self) -> None:
+        await self.inner.publish()
+
+    async def save_checkpoint(self) -> str:
+        return await self.inner.save_checkpoint()
 
     def pop_metrics(self) -> list[dict]:
         return self.inner.pop_metrics()
@@ -123,7 +148,7 @@ class LearnerActor(_LoopShell):
 
 
 class ValueLearnerActor(_LoopShell):
-    def __init__(self, config: Config, trajectories: RayMailbox):
+    def __init__(self, config: Config, trajectories: RayMailbox, resume_from: str | None = None):
         from actors.value_learner import ValueLearner
         from asyncrl.learning import ValueLossSettings
         from asyncrl.models import value_model_from_policy, value_model_from_reward_model
@@ -140,6 +165,11 @@ class ValueLearnerActor(_LoopShell):
                                      clip_high=c.clip_high, grad_clip=c.grad_clip, micro_batch_tokens=c.micro_batch_tokens)
         self.inner = ValueLearner(value_model, trajectories, settings, c.lr, c.weight_decay, c.batch_trajectories,
                                   c.warmup_steps, tokenizer.pad_token_id or 0)
+        if resume_from:
+            self.inner.load_checkpoint(resume_from)
+
+    async def save_checkpoint_part(self, directory: str) -> None:
+        await self.inner.save_checkpoint_part(directory)
 
     def connect(self, assembler) -> None:
         self.inner.on_ready = [lambda: assembler.set_value_ready.remote()]
@@ -167,7 +197,8 @@ def reward_endpoint_actors(config: Config) -> dict[str, Any]:
 
 class AssemblerActor(_LoopShell):
     def __init__(self, config: Config, segments: RayMailbox, batches: RayMailbox, endpoints: dict[str, Any],
-                 prompt_source, value_learner=None, trajectories: RayMailbox | None = None):
+                 prompt_source, value_learner=None, trajectories: RayMailbox | None = None,
+                 batch_prefix: str = "batch"):
         from actors.assembler import Assembler, ValueMode
         from asyncrl.assembly import ValueAdvantageSettings
 
@@ -229,8 +260,8 @@ class AssemblerActor(_LoopShell):
             pairwise = PairwiseMode(judge=judge, anchor=a.pairwise_anchor)
         self.inner = Assembler(segments, batches, score, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                                settings, config.trainer.prompts_per_step,
-                               on_dropped=lambda prompts: prompt_source.note_dropped.remote(prompts),
-                               value_mode=value_mode, pairwise_mode=pairwise)
+                               on_samples=lambda ids, state, reason: prompt_source.record.remote(ids, state, reason),
+                               value_mode=value_mode, pairwise_mode=pairwise, batch_prefix=batch_prefix)
 
     def set_policy_version(self, version: int) -> None:
         self.inner.set_policy_version(version)
@@ -282,7 +313,7 @@ class PromptSourceActor(_LoopShell):
         from asyncrl.tasks import file_examples
 
         t = self.config.task
-        if t.pre_ppo_fraction <= 0:
+        if t.pre_ppo_fraction <= 0 or getattr(self, "restored", False):  # a resumed run keeps its selection
             return {}
         pool = file_examples(t.pre_ppo_pool_path) if t.pre_ppo_pool_path else list(self.inner.examples)
         pool_tokens = [encode_prompt(ex, self.tokenizer, self.config.model.use_chat_template) for ex in pool]
@@ -320,17 +351,48 @@ class PromptSourceActor(_LoopShell):
     def set_learner_version(self, version: int) -> None:
         self.inner.set_learner_version(version)
 
-    def note_dropped(self, prompts: float) -> None:
-        self.inner.note_dropped(prompts)
+    def record(self, sample_ids: list[str], state: str, reason: str = "") -> None:
+        self.inner.record(sample_ids, state, reason)
+
+    def save_checkpoint_part(self, directory: str) -> None:
+        import os
+
+        from actors.prompt_source import SNAPSHOT_CODEC
+
+        with open(os.path.join(directory, "prompt_source.msgpack"), "wb") as f:
+            f.write(SNAPSHOT_CODEC.encode(self.inner.snapshot()))
+
+    def restore(self, directory: str, held_sample_ids: set[str], learner_version: int) -> int:
+        """Continue from a checkpoint; returns how many prompts will be issued again."""
+        import os
+
+        from actors.prompt_source import SNAPSHOT_CODEC
+
+        with open(os.path.join(directory, "prompt_source.msgpack"), "rb") as f:
+            self.inner.restore(SNAPSHOT_CODEC.decode(f.read()), held_sample_ids, learner_version)
+        self.restored = True
+        return len(self.inner.reissue)
+
+    def sample_states(self, sample_ids: list[str]) -> dict[str, str | None]:
+        return {sid: self.inner.ledger.state(sid) for sid in sample_ids}
+
+    def ledger(self) -> dict:
+        return {"counts": self.inner.ledger.state_counts(), "problems": self.inner.ledger.check(),
+                "trained_ids": self.inner.ledger.trained_ids()}
 
 
 # --- the system ----------------------------------------------------------------------------------
 
 
 class TrainingSystem:
-    def __init__(self, config: Config, name_actors: bool = True):
+    """`run_dir` enables checkpoints (every `trainer.checkpoint_every` steps); with `resume=true`
+    the system continues from the newest valid checkpoint there."""
+
+    def __init__(self, config: Config, name_actors: bool = True, run_dir: str = ""):
         self.config = config
         self.name_actors = name_actors
+        self.run_dir = run_dir
+        self.resumed: dict[str, Any] = {}
         self.actors: dict[str, Any] = {}
         self.generators: list[Any] = []
         self.run_refs: dict[str, Any] = {}
@@ -340,7 +402,23 @@ class TrainingSystem:
         self.pre_ppo: dict = {}
 
     def start(self) -> "TrainingSystem":
+        from asyncrl import checkpoint
+
         cfg, tr = self.config, self.config.trainer
+        resume_from, saved_batches, held, incarnation = None, [], set(), 0
+        if cfg.resume:
+            if not self.run_dir:
+                raise ValueError("resume=true needs the run directory of the run to resume")
+            resume_from, rejected = checkpoint.latest_valid(self.run_dir)
+            if resume_from is None:
+                raise FileNotFoundError(f"resume=true: no valid checkpoint in {checkpoint.checkpoints_dir(self.run_dir)}"
+                                        + (f" (rejected: {'; '.join(rejected)})" if rejected else ""))
+            saved_batches, held = checkpoint.resumable_batches(
+                checkpoint.load_batches(os.path.join(resume_from, "batches.msgpack")))
+            learner_meta = checkpoint.load_json(os.path.join(resume_from, "learner.json"))
+            incarnation = int(learner_meta.get("incarnation", 0)) + 1
+            self.resumed = {"checkpoint": resume_from, "rejected": rejected, "step": learner_meta["step"],
+                            "weight_version": learner_meta["weight_version"], "saved_batches": len(saved_batches)}
         G = cfg.algorithm.group_size
         prompts_ahead = max(2, 2 * tr.num_generators * math.ceil(cfg.engine.max_inflight_sequences / G))
         self.mailboxes = {
@@ -355,17 +433,19 @@ class TrainingSystem:
         opts = {"num_cpus": 0, "max_concurrency": 64}
         learner_opts = dict(opts, name=LEARNER_NAME, namespace=NAMESPACE) if self.name_actors else opts
         endpoints = {} if cfg.reward.use_serve else reward_endpoint_actors(cfg)
-        learner = ray.remote(LearnerActor).options(**learner_opts).remote(cfg, self.mailboxes["batches"])
+        learner = ray.remote(LearnerActor).options(**learner_opts).remote(cfg, self.mailboxes["batches"], self.run_dir,
+                                                                          resume_from)
         self.generators = [
             ray.remote(GeneratorActor).options(**opts).remote(cfg, self.mailboxes["prompts"], self.mailboxes["segments"], f"gen-{i}")
             for i in range(tr.num_generators)
         ]
         prompt_source = ray.remote(PromptSourceActor).options(**opts).remote(cfg, self.mailboxes["prompts"])
-        value_learner = (ray.remote(ValueLearnerActor).options(**opts).remote(cfg, self.mailboxes["trajectories"])
+        value_learner = (ray.remote(ValueLearnerActor).options(**opts).remote(cfg, self.mailboxes["trajectories"],
+                                                                             resume_from)
                          if value_based else None)
         assembler = ray.remote(AssemblerActor).options(**opts).remote(
             cfg, self.mailboxes["segments"], self.mailboxes["batches"], endpoints, prompt_source,
-            value_learner, self.mailboxes.get("trajectories"))
+            value_learner, self.mailboxes.get("trajectories"), f"batch-r{incarnation}")
         self.actors = {"learner": learner, "assembler": assembler, "prompt_source": prompt_source,
                        **{f"reward-{name}": actor for name, actor in endpoints.items()}}
         if value_learner is not None:
@@ -377,18 +457,35 @@ class TrainingSystem:
         joins = [g.init_weight_group.remote("127.0.0.1", port, world, i + 1) for i, g in enumerate(self.generators)]
         joins.append(learner.init_weight_group.remote("127.0.0.1", port, world, 0))
         ray.get(joins)
-        ray.get(learner.connect.remote(self.generators, assembler, prompt_source))
+        ray.get(learner.connect.remote(self.generators, assembler, prompt_source, value_learner))
 
+        if resume_from:
+            self.resumed["reissued_prompts"] = ray.get(prompt_source.restore.remote(
+                resume_from, held, self.resumed["weight_version"]))
+            if saved_batches:
+                ray.get(self.mailboxes["batches"].actor.put.remote(
+                    [(b.batch_id, self.mailboxes["batches"].codec.encode(b)) for b in saved_batches]))
         self.pre_ppo = ray.get(prompt_source.prepare.remote(endpoints))
-        loops = [("learner", learner), ("assembler", assembler), ("prompt_source", prompt_source)]
-        if value_learner is not None:
-            loops.append(("value_learner", value_learner))
+        loops = [("assembler", assembler)] + ([("value_learner", value_learner)] if value_learner is not None else [])
         for name, actor in loops:
             self.run_refs[name] = actor.run.remote()
         for i, g in enumerate(self.generators):
             self.run_refs[f"generator-{i}"] = g.run.remote()
+        if resume_from:
+            # The generators hold the checkpoint's weights before the first prompt reaches them
+            # (their loops apply a broadcast between windows, so they run already).
+            ray.get(learner.publish.remote())
+        self.run_refs["learner"] = learner.run.remote()
+        self.run_refs["prompt_source"] = prompt_source.run.remote()
         self.started_at = time.time()
         return self
+
+    def checkpoint(self) -> str:
+        """Write a checkpoint now (between two learner steps); returns its path."""
+        return ray.get(self.actors["learner"].save_checkpoint.remote())
+
+    def ledger(self) -> dict:
+        return ray.get(self.actors["prompt_source"].ledger.remote())
 
     def check_alive(self) -> None:
         """Raise the error of any actor loop that ended (a crash must not look like a slow run)."""
@@ -409,6 +506,9 @@ class TrainingSystem:
         status["reward_endpoints"] = {name.removeprefix("reward-"): ray.get(actor.stats.remote())
                                       for name, actor in self.actors.items() if name.startswith("reward-")}
         status["prompt_source"] = ray.get(self.actors["prompt_source"].stats.remote())
+        status["ledger"] = {**status["prompt_source"].pop("ledger"),
+                            "problems": status["prompt_source"].pop("ledger_problems")}
+        status["resumed"] = self.resumed
         status["pre_ppo"] = self.pre_ppo
         return status
 
@@ -448,6 +548,7 @@ def summarize(learner: dict, generators: list[dict], assembler: dict, mailboxes:
         "generator_paused_for_weights_fraction": sum(g["paused_for_weights_fraction"] for g in generators) / max(len(generators), 1),
         "learner_busy_fraction": learner["busy_fraction"],
         "last_broadcast": learner["last_broadcast"],
+        "last_checkpoint": learner.get("last_checkpoint", {}),
         "queue_depths": {name: {"queued": s.queued, "leased": s.leased, "capacity": s.capacity} for name, s in mailboxes.items()},
         "generators": generators,
         "assembler": assembler,

@@ -24,7 +24,7 @@ def seg(prompt, idx, turn, finished, tokens, version=0, G=2):
 
 def make(settings=SETTINGS, prompts_per_batch=1):
     segments, batches = InProcessMailbox(100), InProcessMailbox(100)
-    dropped = []
+    events = []  # ledger events (ids, state, reason)
 
     async def score(requests):
         # The response is correct iff its first token id is 7 (decoded as the token string).
@@ -32,8 +32,8 @@ def make(settings=SETTINGS, prompts_per_batch=1):
                        correct=r.response_text.startswith("7"), source="test") for r in requests]
 
     asm = Assembler(segments, batches, score, lambda ids: "".join(str(i) for i in ids), settings, prompts_per_batch,
-                    on_dropped=dropped.append)
-    return asm, segments, batches, dropped
+                    on_samples=lambda ids, state, reason: events.append((ids, state, reason)))
+    return asm, segments, batches, events
 
 
 async def drain(asm, batches):
@@ -57,7 +57,7 @@ def test_multi_window_sample_is_merged_and_group_emitted_once():
         assert merged[0].segment.new_token_ids.tolist() == [7, 3, 4]
         assert merged[0].advantages.tolist() == [np.float32(0.70710576)] * 3
         assert merged[1].advantages[0] < 0
-        assert dropped == []
+        assert all(state != "dropped" for _, state, _ in dropped)
 
     asyncio.run(main())
 
@@ -85,7 +85,8 @@ def test_dynamic_sampling_and_staleness_drops():
         await segments.put([seg("stale", 0, 0, True, [7], version=2), seg("stale", 1, 0, True, [1], version=3)])
         out = await drain(asm, batches)
         assert out == []
-        assert dropped == [1.0, 1.0]  # one prompt returned to the admission budget per dropped group
+        drops = [(sorted(ids), reason) for ids, state, reason in dropped if state == "dropped"]
+        assert drops == [(["all-right/0", "all-right/1"], "no_signal"), (["stale/0", "stale/1"], "stale")]
         stats = asm.stats()
         assert stats["dropped_no_signal_samples"] == 2 and stats["dropped_stale_samples"] == 2
 

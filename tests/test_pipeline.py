@@ -44,3 +44,10 @@ def test_tiny_model_learns_tiny_task(ray_session, tmp_path):
     assert status["last_broadcast"]["bytes"] > 0  # weights went over the gloo group
     # Every generated sample is trained, dropped or still in flight; nothing is counted twice.
     assert status["assembler"].get("duplicate_segments", 0) == 0
+    # The ledger balances: every admitted sample is in exactly one state, none trained twice.
+    ledger = status["ledger"]
+    assert ledger["problems"] == [], ledger["problems"]
+    batch = config.trainer.prompts_per_step * config.algorithm.group_size  # one step may be in between reads
+    assert ledger["trained"] > 0 and abs(ledger["trained"] - status["samples_trained"]) <= batch
+    assert ledger["admitted"] == sum(ledger[s] for s in ("in_flight", "awaiting_reward", "awaiting_training",
+                                                         "trained", "dropped"))

@@ -1,0 +1,238 @@
+"""Checkpoints of a running system: layout, atomic commit, checksums, retention, loading, export.
+
+A checkpoint is a directory `<run_dir>/checkpoints/step_<k>/`, written by several actors into
+`step_<k>.tmp/` and renamed into place by the policy learner once every part is there, so a
+reader never sees half a checkpoint. `manifest.json` (written last) holds the SHA-256 and size of
+every file; a checkpoint whose files do not match is skipped for the previous one.
+
+    policy/                 the policy as a Hugging Face directory (safetensors, config, tokenizer):
+                            `transformers` loads it as is; `asyncrl export` copies it out
+    learner.pt              optimizer and LR-scheduler state (tensors and numbers only)
+    learner.json            step, weight version, counters, incarnation
+    batches.msgpack         assembled batches not yet trained (msgspec)
+    prompt_source.msgpack   the prompt cursor and the sample ledger (msgspec)
+    value/                  the value learner's model, optimizer and version (value-based runs)
+
+Nothing here is unpickled: tensors are read with `torch.load(weights_only=True)` or safetensors.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from typing import Any
+
+import msgspec
+import torch
+
+from asyncrl.schema import Codec, TrainBatch
+
+MANIFEST = "manifest.json"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+class CorruptCheckpoint(RuntimeError):
+    """A checkpoint whose files are missing or do not match its manifest."""
+
+
+def checkpoints_dir(run_dir: str) -> str:
+    return os.path.join(run_dir, "checkpoints")
+
+
+def step_dirname(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def begin(run_dir: str, step: int) -> str:
+    """A fresh temporary directory for the checkpoint of `step` (a stale one is removed)."""
+    tmp = os.path.join(checkpoints_dir(run_dir), step_dirname(step) + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    return tmp
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _files(root: str) -> list[str]:
+    return sorted(os.path.relpath(p, root) for p in glob.glob(os.path.join(root, "**", "*"), recursive=True)
+                  if os.path.isfile(p) and os.path.basename(p) != MANIFEST)
+
+
+def commit(tmp: str, step: int, keep_last: int) -> str:
+    """Checksum every file, write the manifest, fsync, rename into place, prune old checkpoints."""
+    files = {rel: {"sha256": _sha256(os.path.join(tmp, rel)), "bytes": os.path.getsize(os.path.join(tmp, rel))}
+             for rel in _files(tmp)}
+    with open(os.path.join(tmp, MANIFEST), "w") as f:
+        json.dump({"step": step, "created_at": time.time(), "files": files}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    final = tmp.removesuffix(".tmp")
+    if os.path.exists(final):  # a checkpoint of the same step from an earlier incarnation
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(os.path.dirname(final))
+    prune(os.path.dirname(final), keep_last)
+    return final
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def committed(root: str) -> list[tuple[int, str]]:
+    """(step, path) of every committed checkpoint under `root`, oldest first."""
+    out = []
+    for name in os.listdir(root) if os.path.isdir(root) else []:
+        match = _STEP_DIR.match(name)
+        if match:
+            out.append((int(match.group(1)), os.path.join(root, name)))
+    return sorted(out)
+
+
+def prune(root: str, keep_last: int) -> None:
+    for _, path in committed(root)[: -keep_last or None] if keep_last > 0 else []:
+        shutil.rmtree(path, ignore_errors=True)
+    for stale in glob.glob(os.path.join(root, "*.tmp")):  # an interrupted write of an older step
+        if committed(root) and stale < os.path.join(root, step_dirname(committed(root)[-1][0])):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def verify(path: str) -> dict:
+    """The manifest, if every file it names is there with its size and checksum."""
+    manifest_path = os.path.join(path, MANIFEST)
+    if not os.path.exists(manifest_path):
+        raise CorruptCheckpoint(f"{path}: no {MANIFEST}")
+    try:
+        with open(manifest_path) as f:
+            manifest = json.load(f)
+    except ValueError as exc:
+        raise CorruptCheckpoint(f"{path}: unreadable {MANIFEST}: {exc}") from None
+    for rel, meta in manifest["files"].items():
+        file = os.path.join(path, rel)
+        if not os.path.exists(file):
+            raise CorruptCheckpoint(f"{path}: {rel} is missing")
+        if os.path.getsize(file) != meta["bytes"]:
+            raise CorruptCheckpoint(f"{path}: {rel} has {os.path.getsize(file)} bytes, expected {meta['bytes']}")
+        if _sha256(file) != meta["sha256"]:
+            raise CorruptCheckpoint(f"{path}: {rel} does not match its checksum")
+    return manifest
+
+
+def latest_valid(run_dir: str) -> tuple[str | None, list[str]]:
+    """The newest checkpoint that verifies, and the reasons the newer ones were rejected."""
+    rejected = []
+    for _, path in reversed(committed(checkpoints_dir(run_dir))):
+        try:
+            verify(path)
+            return path, rejected
+        except CorruptCheckpoint as exc:
+            rejected.append(str(exc))
+    return None, rejected
+
+
+def resolve_run_dir(run_dir: str, resume: bool, outputs: str = "outputs", prefix: str = "") -> str:
+    """The run directory: the configured one; on resume without one, the newest run under
+    `outputs/` that has a checkpoint; otherwise a new timestamped one."""
+    if run_dir:
+        return run_dir
+    if resume:
+        runs = [d for d in glob.glob(os.path.join(outputs, "*")) if committed(checkpoints_dir(d))]
+        if not runs:
+            raise FileNotFoundError(f"resume=true but no run under {outputs}/ has a checkpoint; "
+                                    f"set trainer.run_dir to the run to resume")
+        return max(runs, key=lambda d: committed(checkpoints_dir(d))[-1][1] and os.path.getmtime(d))
+    return os.path.join(outputs, prefix + time.strftime("%Y%m%d-%H%M%S"))
+
+
+# --- parts ---------------------------------------------------------------------------------------
+
+
+def save_policy(model, tokenizer, directory: str) -> None:
+    model.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+
+
+def load_policy_weights(model, directory: str) -> None:
+    """Load a saved policy's weights into a model built from the run's config (the reference model
+    and everything else about it stay as built)."""
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for shard in sorted(glob.glob(os.path.join(directory, "*.safetensors"))):
+        state.update(load_file(shard))
+    result = model.load_state_dict(state, strict=False)
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    missing = [k for k in result.missing_keys if not (tied and k == "lm_head.weight")]
+    if missing or result.unexpected_keys:
+        raise CorruptCheckpoint(f"{directory}: weights do not fit the model (missing {missing[:5]}, "
+                                f"unexpected {result.unexpected_keys[:5]})")
+
+
+def save_tensors(obj: dict[str, Any], path: str) -> None:
+    torch.save(obj, path)
+
+
+def load_tensors(path: str) -> dict[str, Any]:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def save_json(obj: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+
+
+def load_json(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+_BATCHES = Codec(list[TrainBatch])
+
+
+def save_batches(batches: list[TrainBatch], path: str) -> None:
+    with open(path, "wb") as f:
+        f.write(_BATCHES.encode(batches))
+
+
+def load_batches(path: str) -> list[TrainBatch]:
+    if not os.path.exists(path):
+        return []
+    with open(path, "rb") as f:
+        return _BATCHES.decode(f.read())
+
+
+def resumable_batches(batches: list[TrainBatch]) -> tuple[list[TrainBatch], set[str]]:
+    """Saved batches, keeping only the rows of samples that end in them, and those samples' ids.
+
+    A window row (T-PPO) whose sample's last window is not among the saved batches belongs to a
+    sample that is regenerated whole on resume; training the old window too would train that
+    sample's prefix twice."""
+    held = {r.segment.sample_id for b in batches for r in b.samples if r.segment.finished}
+    kept = []
+    for batch in batches:
+        rows = [r for r in batch.samples if r.segment.sample_id in held]
+        if rows:
+            kept.append(msgspec.structs.replace(batch, samples=rows))
+    return kept, held
+
+
+def export_hf(checkpoint: str, out_dir: str) -> str:
+    """Copy a checkpoint's policy (after verifying it) to a Hugging Face directory."""
+    verify(checkpoint)
+    shutil.copytree(os.path.join(checkpoint, "policy"), out_dir, dirs_exist_ok=True)
+    return out_dir

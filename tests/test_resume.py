@@ -1,0 +1,141 @@
+"""Kill a running system after step k, resume it from its checkpoint, and check that nothing is
+counted twice or lost: the real actors, mailboxes, gloo broadcast and files."""
+
+import os
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from actors.prompt_source import SNAPSHOT_CODEC
+from asyncrl import checkpoint
+from asyncrl.config import compose
+from asyncrl.system import TrainingSystem
+
+
+def run_until(system: TrainingSystem, step: int, timeout_s: float = 240.0) -> list[dict]:
+    records, deadline = [], time.time() + timeout_s
+    while not records or records[-1]["step"] < step:
+        assert time.time() < deadline, f"no step {step} within {timeout_s}s: {system.status()['dropped_by_reason']}"
+        system.check_alive()
+        records += system.pop_metrics()
+        time.sleep(0.2)
+    return records
+
+
+def read_checkpoint(path: str):
+    with open(os.path.join(path, "prompt_source.msgpack"), "rb") as f:
+        cursor = SNAPSHOT_CODEC.decode(f.read())
+    return cursor, checkpoint.load_json(os.path.join(path, "learner.json"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setup", [
+    ["task=tiny", "algorithm=grpo"],
+    # Value-based, streaming windows: window rows of unfinished samples, a value learner to restore.
+    ["task=tiny_seq", "algorithm=tppo", "engine.window_tokens=2"],
+], ids=["grpo", "tppo"])
+def test_kill_after_step_k_and_resume(ray_session, tmp_path, setup):
+    run_dir = str(tmp_path)
+    overrides = ["model=tiny", *setup, "trainer.prompts_per_step=2",
+                 "trainer.checkpoint_every=3", "trainer.checkpoint_keep=2", f"trainer.run_dir={run_dir}"]
+    first = TrainingSystem(compose(overrides), name_actors=False, run_dir=run_dir).start()
+    try:
+        before = run_until(first, 7)  # checkpoints at steps 3 and 6, then killed mid-stream
+    finally:
+        first.stop()  # ray.kill of every actor: in-flight work is lost with them
+    assert [r["step"] for r in before][:7] == list(range(1, 8))
+    root = checkpoint.checkpoints_dir(run_dir)
+    steps = [s for s, _ in checkpoint.committed(root)]
+    assert steps[-1] >= 6 and steps[-1] % 3 == 0 and len(steps) <= 2  # keep the last 2
+    ckpt = checkpoint.latest_valid(run_dir)[0]
+    cursor, learner_meta = read_checkpoint(ckpt)
+    k = learner_meta["step"]
+    assert learner_meta["weight_version"] == k
+    trained_at_k = {sid for sid, how in cursor.ledger.ended.items() if how == "trained"}
+    open_at_k = list(cursor.ledger.open_samples)
+    assert len(trained_at_k) == cursor.ledger.counts["trained"] > 0
+    assert checkpoint.load_tensors(os.path.join(ckpt, "learner.pt"))["optimizer"]["state"][0]["step"] == k
+
+    value_version_at_k = None
+    if "algorithm=tppo" in setup:
+        value_version_at_k = checkpoint.load_json(os.path.join(ckpt, "value", "state.json"))["version"]
+        assert value_version_at_k >= 1
+
+    second = TrainingSystem(compose(overrides + ["resume=true"]), name_actors=False, run_dir=run_dir).start()
+    try:
+        assert second.resumed["checkpoint"] == ckpt and second.resumed["step"] == k
+        after = run_until(second, k + 6)
+        # Step numbering, weight version and the optimizer continue from the checkpoint.
+        assert [r["step"] for r in after][:6] == list(range(k + 1, k + 7))
+        assert after[0]["weight_version"] == k + 1
+        status = second.status()
+        # The generators got the checkpoint's weights before their first prompt: nothing is older.
+        assert all(g["version"] >= k for g in status["generators"])
+        assert max(r["staleness_max"] for r in after) <= compose(overrides).algorithm.max_staleness_versions
+        import ray
+
+        learner = ray.get(second.actors["learner"].stats.remote())
+        assert learner["optimizer_steps"] >= k + 6 and learner["incarnation"] == 1
+        if value_version_at_k is not None:  # the value learner continues from its saved version
+            assert status["value_learner"]["value_version"] >= value_version_at_k
+        # The prompt cursor continues: the resumed run issues prompts after the saved position.
+        prompts = ray.get(second.actors["prompt_source"].stats.remote())
+        assert prompts["issued"] > cursor.issued
+        assert (prompts["epoch"], prompts["index"]) > (cursor.epoch, cursor.index)
+        # No sample trained twice: the ledger carries the checkpoint's trained ids and would
+        # count a second training of any of them.
+        time.sleep(1.0)
+        ledger = second.ledger()
+        assert ledger["problems"] == [], ledger["problems"]
+        assert ledger["counts"]["duplicates"] == 0
+        trained_now = set(ledger["trained_ids"])
+        assert trained_at_k <= trained_now
+        assert ledger["counts"]["trained"] == len(trained_now)
+        # Nothing lost: every sample open at the checkpoint was regenerated (or its saved batch
+        # trained) and has ended, or is still moving through the pipeline.
+        deadline = time.time() + 120
+        while True:
+            states = ray.get(second.actors["prompt_source"].sample_states.remote(open_at_k))
+            assert None not in states.values()
+            if all(s in ("trained", "dropped") for s in states.values()) or time.time() > deadline:
+                break
+            second.pop_metrics()
+            time.sleep(0.5)
+        assert all(s in ("trained", "dropped") for s in states.values()), states
+        print(f"resumed at step {k}: {len(open_at_k)} samples open at the checkpoint, "
+              f"{sum(s == 'trained' for s in states.values())} trained after resume, {second.resumed}")
+        ledger = second.ledger()
+        assert ledger["problems"] == [] and ledger["counts"]["duplicates"] == 0
+    finally:
+        second.stop()
+
+
+@pytest.mark.slow
+def test_checkpoint_exports_a_hugging_face_directory(ray_session, tmp_path):
+    run_dir = str(tmp_path / "run")
+    config = compose(["model=tiny", "task=tiny", "algorithm=grpo", "trainer.prompts_per_step=2",
+                      "trainer.checkpoint_every=2", f"trainer.run_dir={run_dir}"])
+    system = TrainingSystem(config, name_actors=False, run_dir=run_dir).start()
+    try:
+        run_until(system, 2)
+        import ray
+
+        ray.get(system.actors["learner"].stop.remote())  # no step between the two reads below
+        ray.wait([system.run_refs["learner"]], timeout=30)
+        path = system.checkpoint()  # on demand (the admin route does the same)
+        version, weights = system.weights()
+    finally:
+        system.stop()
+    out = checkpoint.export_hf(path, str(tmp_path / "hf"))
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(out))
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    ids = tokenizer("3+4=", return_tensors="pt").input_ids
+    assert ids.shape[1] == 4  # the character-level tokenizer came along
+    state = dict(model.named_parameters())
+    # The exported weights are the learner's at the checkpoint.
+    assert version == checkpoint.load_json(os.path.join(path, "learner.json"))["weight_version"] >= 2
+    for name, tensor in weights.items():
+        assert torch.equal(state[name].detach(), tensor), name
