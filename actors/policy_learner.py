@@ -60,6 +60,7 @@ class PolicyLearner(TrainingLoop):
         self.checkpoint_keep = 2
         self.checkpoint_parts: list[Callable[[str], Awaitable[Any]]] = []
         self.incarnation = 0  # how many times this run was resumed
+        self.max_steps = 0  # stop training at this step (0 = never; `asyncrl train` sets total_steps)
         self._step_lock = asyncio.Lock()
         self.last_checkpoint: dict[str, Any] = {}
         self._metrics: list[dict] = []
@@ -146,6 +147,9 @@ class PolicyLearner(TrainingLoop):
         return record
 
     async def step_once(self, timeout: float = 1.0) -> dict | None:
+        if self.max_steps and self.step >= self.max_steps:
+            await asyncio.sleep(min(timeout, 0.2))  # done: later batches stay queued (and checkpointed)
+            return None
         async with self._step_lock:
             start = time.perf_counter()
             got = await self.batches.get(1, timeout=timeout)

@@ -231,8 +231,23 @@ def resumable_batches(batches: list[TrainBatch]) -> tuple[list[TrainBatch], set[
     return kept, held
 
 
-def export_hf(checkpoint: str, out_dir: str) -> str:
-    """Copy a checkpoint's policy (after verifying it) to a Hugging Face directory."""
-    verify(checkpoint)
-    shutil.copytree(os.path.join(checkpoint, "policy"), out_dir, dirs_exist_ok=True)
+def policy_dir(path: str) -> str:
+    """The Hugging Face directory of a policy given a run directory (its newest valid checkpoint),
+    a checkpoint (verified), or a Hugging Face directory (as is)."""
+    if os.path.isdir(checkpoints_dir(path)):
+        latest, rejected = latest_valid(path)
+        if latest is None:
+            raise CorruptCheckpoint(f"{path}: no valid checkpoint ({'; '.join(rejected) or 'none written'})")
+        return os.path.join(latest, "policy")
+    if os.path.exists(os.path.join(path, MANIFEST)):
+        verify(path)
+        return os.path.join(path, "policy")
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    raise FileNotFoundError(f"{path} is neither a run directory, a checkpoint, nor a Hugging Face directory")
+
+
+def export_hf(path: str, out_dir: str) -> str:
+    """Copy the policy of a run or checkpoint (verified first) to a Hugging Face directory."""
+    shutil.copytree(policy_dir(path), out_dir, dirs_exist_ok=True)
     return out_dir

@@ -1,4 +1,4 @@
-"""`asyncrl` command line: generate, train, eval, bench. Trailing arguments are Hydra overrides."""
+"""`asyncrl` command line: generate, train, eval, export, bench. Trailing arguments are Hydra overrides."""
 
 from __future__ import annotations
 
@@ -50,9 +50,11 @@ def _eval(args: argparse.Namespace) -> int:
     from asyncrl import evaluation
     from asyncrl.config import compose
 
+    from asyncrl.checkpoint import policy_dir
+
     overrides = list(args.overrides)
     if args.checkpoint:
-        overrides += ["model.source=hf", f"model.path={args.checkpoint}"]
+        overrides += ["model.source=hf", f"model.path={policy_dir(args.checkpoint)}"]
     config = compose(overrides)
     ks = sorted({int(k) for k in args.k.split(",")})
     n = max(args.n, max(ks))
@@ -70,6 +72,13 @@ def _eval(args: argparse.Namespace) -> int:
     result = {"model": label, "task": config.task.name, "temperature": args.temperature,
               **evaluation.summarize(evaluation.score(examples, texts), ks)}
     print(evaluation.write_table(result, args.out))
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from asyncrl.checkpoint import export_hf
+
+    print(f"exported to {export_hf(args.source, args.out)} (load it with transformers' from_pretrained)")
     return 0
 
 
@@ -93,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     train.set_defaults(func=lambda a: __import__("asyncrl.driver", fromlist=["x"]).train_cli(a.overrides))
 
     ev = sub.add_parser("eval", help="pass@1 and pass@k on held-out prompts (a checkpoint, the model, or a live endpoint)")
-    ev.add_argument("--checkpoint", default="", help="a Hugging Face model directory")
+    ev.add_argument("--checkpoint", default="", help="a run directory, an asyncrl checkpoint or a Hugging Face directory")
     ev.add_argument("--endpoint", default="", help="a live policy endpoint, e.g. http://127.0.0.1:8000/v1")
     ev.add_argument("--n", type=int, default=4, help="samples per prompt")
     ev.add_argument("--k", default="1,4", help="comma-separated k values")
@@ -102,6 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--out", default="outputs/eval")
     ev.add_argument("overrides", nargs="*")
     ev.set_defaults(func=_eval)
+
+    export = sub.add_parser("export", help="copy a checkpoint's policy out as a Hugging Face directory")
+    export.add_argument("source", help="a run directory (its newest valid checkpoint) or a checkpoint directory")
+    export.add_argument("out", help="the directory to write (safetensors, config, tokenizer)")
+    export.set_defaults(func=_export, overrides=[])
 
     bench = sub.add_parser("bench", help="run a benchmark; prints figures and writes JSON")
     bench.add_argument("name")

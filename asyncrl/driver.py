@@ -94,7 +94,7 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
     print(f"held-out accuracy before training: {before['accuracy']:.3f} (n={before['n']})", flush=True)
 
     wandb_run = _init_wandb(config, run_dir)
-    system = TrainingSystem(config, run_dir=run_dir).start()
+    system = TrainingSystem(config, run_dir=run_dir, max_steps=config.trainer.total_steps).start()
     if system.resumed:
         print(f"resumed from {system.resumed['checkpoint']} at step {system.resumed['step']} "
               f"({system.resumed['reissued_prompts']} prompts to regenerate, "
@@ -106,7 +106,8 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
     last_step_at = time.time()
     try:
         with open(os.path.join(run_dir, "metrics.jsonl"), "a") as metrics_file:
-            while not records or records[-1]["step"] < config.trainer.total_steps:
+            start_step = system.resumed.get("step", 0)
+            while (records[-1]["step"] if records else start_step) < config.trainer.total_steps:
                 if _reached_target(records, config):
                     break
                 time.sleep(0.5)

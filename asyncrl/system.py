@@ -87,7 +87,8 @@ class GeneratorActor(_LoopShell):
 
 
 class LearnerActor(_LoopShell):
-    def __init__(self, config: Config, batches: RayMailbox, run_dir: str = "", resume_from: str | None = None):
+    def __init__(self, config: Config, batches: RayMailbox, run_dir: str = "", resume_from: str | None = None,
+                 max_steps: int = 0):
         from actors.policy_learner import PolicyLearner
 
         torch.set_num_threads(config.trainer.learner_threads)
@@ -106,6 +107,7 @@ class LearnerActor(_LoopShell):
         self.inner.run_dir = run_dir
         self.inner.checkpoint_every = config.trainer.checkpoint_every if run_dir else 0
         self.inner.checkpoint_keep = config.trainer.checkpoint_keep
+        self.inner.max_steps = max_steps
         if resume_from:
             self.inner.load_checkpoint(resume_from)
 
@@ -388,8 +390,9 @@ class TrainingSystem:
     """`run_dir` enables checkpoints (every `trainer.checkpoint_every` steps); with `resume=true`
     the system continues from the newest valid checkpoint there."""
 
-    def __init__(self, config: Config, name_actors: bool = True, run_dir: str = ""):
+    def __init__(self, config: Config, name_actors: bool = True, run_dir: str = "", max_steps: int = 0):
         self.config = config
+        self.max_steps = max_steps  # the learner stops there (0: trains until stopped, as under Serve)
         self.name_actors = name_actors
         self.run_dir = run_dir
         self.resumed: dict[str, Any] = {}
@@ -434,7 +437,7 @@ class TrainingSystem:
         learner_opts = dict(opts, name=LEARNER_NAME, namespace=NAMESPACE) if self.name_actors else opts
         endpoints = {} if cfg.reward.use_serve else reward_endpoint_actors(cfg)
         learner = ray.remote(LearnerActor).options(**learner_opts).remote(cfg, self.mailboxes["batches"], self.run_dir,
-                                                                          resume_from)
+                                                                          resume_from, self.max_steps)
         self.generators = [
             ray.remote(GeneratorActor).options(**opts).remote(cfg, self.mailboxes["prompts"], self.mailboxes["segments"], f"gen-{i}")
             for i in range(tr.num_generators)

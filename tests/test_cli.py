@@ -57,3 +57,33 @@ def test_throughput_rates_between_polls():
     records = [{"step": 1, "wall_time_s": 10, "samples_trained": 16}, {"step": 2, "wall_time_s": 20, "samples_trained": 48},
                {"step": 3, "wall_time_s": 20, "samples_trained": 48}, {"step": 4}]
     assert [r.get("samples_per_s") for r in with_throughput(records)] == [1.6, 3.2, 3.2, None]
+
+
+@pytest.mark.slow
+def test_train_resume_export_eval_as_a_user_runs_them(tmp_path):
+    """`asyncrl train` (evaluating every 3 steps, checkpointing every 4 and at the end), then
+    `train resume=true` to a later step, `export` and `eval --checkpoint <run>`: subprocesses."""
+    run = tmp_path / "run"
+    common = ["model=tiny", "task=tiny", "algorithm=grpo", "trainer.prompts_per_step=2", f"trainer.run_dir={run}",
+              "trainer.checkpoint_every=4", "trainer.eval_every=3", "trainer.eval_samples=8"]
+    out = asyncrl("train", *common, "trainer.total_steps=6", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    first = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in first][:6] == list(range(1, 7))
+    assert [r["step"] for r in first if "eval_accuracy" in r][:2] == [3, 6]
+    # Checkpoints at step 4 and at the end (step >= 6).
+    steps = sorted(int(p.name.split("_")[1]) for p in (run / "checkpoints").iterdir())
+    assert steps[0] == 4 and steps[-1] >= 6
+    out = asyncrl("train", *common, "trainer.total_steps=10", "resume=true", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"at step {steps[-1]}" in out.stdout
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    resumed = [r["step"] for r in records[len(first):]]
+    assert resumed[0] == steps[-1] + 1 and resumed[-1] >= 10
+    assert resumed == list(range(resumed[0], resumed[0] + len(resumed)))
+    out = asyncrl("export", str(run), str(tmp_path / "hf"), cwd=tmp_path)
+    assert out.returncode == 0 and (tmp_path / "hf" / "model.safetensors").exists(), out.stderr[-2000:]
+    out = asyncrl("eval", "--checkpoint", str(run), "--n", "2", "--k", "1,2", "--out", str(tmp_path / "eval"),
+                  "model=tiny", "task=tiny", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads((tmp_path / "eval" / "eval.json").read_text())["prompts"] == 10

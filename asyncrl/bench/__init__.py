@@ -16,7 +16,12 @@ def run_benchmark(name: str, quick: bool, run_dir: str, overrides: list[str]) ->
 
         result = engine.run(quick=quick, overrides=overrides)
         print(engine.report(result))
+    elif name == "endpoint":
+        from asyncrl.bench import endpoint
+
+        result = endpoint.run(quick=quick, overrides=overrides)
+        print(endpoint.report(result))
     else:
-        raise SystemExit(f"unknown benchmark {name!r}; available: messages, engine")
+        raise SystemExit(f"unknown benchmark {name!r}; available: messages, engine, endpoint")
     print(f"wrote {write_result(run_dir, name, result)}")
     return 0
