@@ -162,6 +162,9 @@ class EndpointConfig:
     """bt: squash the logit into (0, 1)."""
     version: str = "1"
     """Reported in every Reward this endpoint produces; bump it when swapping code or model."""
+    fault_delay_s: float = 0.0
+    """Fault injection (load_tests/faults.py): every call waits this long first, e.g. longer than
+    reward.timeout_s to make the endpoint hang. 0 in any real run."""
 
 
 @dataclass
@@ -245,6 +248,9 @@ class TrainerConfig:
     also writes one at the end)."""
     checkpoint_keep: int = 2
     """How many of the newest checkpoints to keep."""
+    max_restarts: int = 3
+    """When an actor dies, restart the system from the newest checkpoint this many times at most
+    (`asyncrl train` and the Serve `train` app); 0 = fail at the first death."""
     eval_samples: int = 64
     mailbox_capacity: int = 256
     lease_s: float = 600.0
@@ -357,6 +363,7 @@ def validate(config: Config) -> None:
          "trainer.synchronous needs algorithm.max_staleness_versions=0"),
         (config.trainer.checkpoint_every >= 0, "trainer.checkpoint_every must be >= 0"),
         (config.trainer.checkpoint_keep >= 1, "trainer.checkpoint_keep must be >= 1"),
+        (config.trainer.max_restarts >= 0, "trainer.max_restarts must be >= 0"),
         (config.trainer.eval_every >= 0, "trainer.eval_every must be >= 0"),
     ]
     for ok, message in checks:

@@ -19,7 +19,8 @@ import torch
 
 from asyncrl.config import Config, compose, to_dict
 from asyncrl.engines.base import SamplingParams, SequenceInput
-from asyncrl.system import TrainingSystem, build_engine
+from asyncrl.supervisor import Supervisor
+from asyncrl.system import build_engine
 from asyncrl.tasks import encode_prompt, load_examples, score_response
 
 
@@ -94,7 +95,8 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
     print(f"held-out accuracy before training: {before['accuracy']:.3f} (n={before['n']})", flush=True)
 
     wandb_run = _init_wandb(config, run_dir)
-    system = TrainingSystem(config, run_dir=run_dir, max_steps=config.trainer.total_steps).start()
+    supervisor = Supervisor(config, run_dir, max_steps=config.trainer.total_steps)
+    system = supervisor.system
     if system.resumed:
         print(f"resumed from {system.resumed['checkpoint']} at step {system.resumed['step']} "
               f"({system.resumed['reissued_prompts']} prompts to regenerate, "
@@ -104,6 +106,7 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
     started = time.time()
     bar = _progress(config.trainer.total_steps, progress)
     last_step_at = time.time()
+    wandb_step = 0
     try:
         with open(os.path.join(run_dir, "metrics.jsonl"), "a") as metrics_file:
             start_step = system.resumed.get("step", 0)
@@ -111,7 +114,16 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
                 if _reached_target(records, config):
                     break
                 time.sleep(0.5)
-                system.check_alive()
+                restart = supervisor.check()
+                if restart is not None:  # an actor died: the system came back from a checkpoint
+                    system = supervisor.system
+                    records = [r for r in records if r["step"] <= restart["step"]]  # those steps are redone
+                    print(f"restarted in {restart['restart_s']:.1f}s from step {restart['step']} after "
+                          f"{restart['reason']}", flush=True)
+                    with open(os.path.join(run_dir, "restarts.jsonl"), "a") as f:
+                        f.write(json.dumps(restart) + "\n")
+                    last_step_at = time.time()
+                    continue
                 new = system.pop_metrics()
                 if not new:
                     if time.time() - last_step_at > config.trainer.stall_timeout_s:
@@ -140,8 +152,9 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
                         evals.append({"step": record["step"], **result})
                     metrics_file.write(json.dumps(record) + "\n")
                     records.append(record)
-                    if wandb_run is not None:
+                    if wandb_run is not None and record["step"] > wandb_step:  # wandb steps only go up
                         wandb_run.log(record, step=record["step"])
+                        wandb_step = record["step"]
                 metrics_file.flush()
                 if bar is not None:
                     bar.update(len(new))
@@ -156,7 +169,7 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
     finally:
         if bar is not None:
             bar.close()
-        system.stop()
+        supervisor.stop()
     wall = time.time() - started
     engine.update_weights(weights.items(), version)
     after = evaluate(config, engine, tokenizer, eval_prompts)
@@ -169,7 +182,7 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
     write_plots(records, run_dir)
     summary = {"run_dir": run_dir, "eval_before": before, "eval_after": after, "train_wall_s": wall,
                "reached_target": _reached_target(records, config), "evals": evals,
-               "resumed": system.resumed,
+               "resumed": system.resumed, "restarts": supervisor.restarts,
                "steps": len(records), "final_status": {k: v for k, v in final_status.items() if k != "generators"},
                "records": records}
     with open(os.path.join(run_dir, "summary.json"), "w") as f:

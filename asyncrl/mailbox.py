@@ -287,6 +287,11 @@ class MailboxActor(_AsyncMailboxBase[bytes]):
     def ready(self) -> bool:
         return True
 
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
 
 class RayMailbox(Generic[M]):
     """Client of a `MailboxActor`; picklable, so it can be handed to any actor.

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import random
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from asyncrl.engines.base import SamplingParams, SequenceInput
 from asyncrl.schema import FinishReason
@@ -38,22 +38,31 @@ class _Sampling(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=16)
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, lt=1 << 62)
+    # At most 4 stop strings, as in OpenAI's API.
+    stop: str | list[str] | None = Field(None, max_length=4)
+
+
+# Request size limits: a prompt longer than any context is refused before it is tokenized.
+MAX_PROMPT_CHARS = 1 << 20
+MAX_PROMPTS = 32
+
+
+PromptText = Annotated[str, StringConstraints(min_length=1, max_length=MAX_PROMPT_CHARS)]
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] = Field(..., min_length=1)
+    prompt: PromptText | Annotated[list[PromptText], Field(min_length=1, max_length=MAX_PROMPTS)]
     logprobs: int | None = Field(None, ge=0, le=5)
 
 
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant"]
-    content: str
+    content: str = Field(..., max_length=MAX_PROMPT_CHARS)
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(..., min_length=1)
+    messages: list[ChatMessage] = Field(..., min_length=1, max_length=256)
     logprobs: bool = False
 
 
@@ -61,8 +70,13 @@ def _stops(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop or [])
 
 
+# Below this, logits / temperature overflows float32 (found by fuzzing: 5e-324 gave NaN
+# probabilities); such a temperature means greedy anyway.
+GREEDY_BELOW_TEMPERATURE = 1e-3
+
+
 def _params(body: _Sampling) -> SamplingParams:
-    greedy = body.temperature == 0.0
+    greedy = body.temperature < GREEDY_BELOW_TEMPERATURE
     return SamplingParams(temperature=1.0 if greedy else body.temperature, top_p=body.top_p, greedy=greedy)
 
 

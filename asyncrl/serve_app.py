@@ -45,6 +45,7 @@ from asyncrl.openai_api import (
 )
 from asyncrl.rewards.endpoint import RewardEndpoint
 from asyncrl.schema import RewardRequest
+from asyncrl.supervisor import Supervisor
 from asyncrl.system import LEARNER_NAME, NAMESPACE, TrainingSystem, build_engine
 
 VERSION_HEADER = "x-asyncrl-weight-version"
@@ -89,14 +90,28 @@ class TrainController:
         # A restarted app with resume=true (and the same trainer.run_dir) continues that run.
         self.run_dir = resolve_run_dir(config.trainer.run_dir, config.resume, prefix="serve-")
         os.makedirs(self.run_dir, exist_ok=True)
-        self.system = TrainingSystem(config, run_dir=self.run_dir).start()
+        self.supervisor = Supervisor(config, self.run_dir)  # restarts the system from a checkpoint if an actor dies
+        self.failure: str | None = None
+        self.started_at = time.time()
         self.history: list[dict] = []
         self._task = asyncio.get_event_loop().create_task(self._collect_metrics())
+
+    @property
+    def system(self) -> TrainingSystem:
+        return self.supervisor.system
 
     async def _collect_metrics(self) -> None:
         path = os.path.join(self.run_dir, "metrics.jsonl")
         while True:
             await asyncio.sleep(1.0)
+            try:
+                restart = await asyncio.to_thread(self.supervisor.check)
+            except Exception as exc:  # could not recover: the health check reports it
+                self.failure = str(exc)
+                return
+            if restart is not None:
+                self.history = [r for r in self.history if r["step"] <= restart["step"]]
+                continue
             records = await self.system.actors["learner"].pop_metrics.remote()
             if records:
                 status = await asyncio.to_thread(self.system.status)
@@ -113,6 +128,7 @@ class TrainController:
         status = self.system.status()
         status.pop("generators")
         status["run_dir"] = self.run_dir
+        status["started_at"] = self.started_at
         status["reward_curve"] = [(r["step"], r["reward_mean"]) for r in self.history[-200:]]
         return status
 
@@ -164,15 +180,17 @@ class TrainController:
 
     @train_api.get("/healthz")
     def healthz(self) -> dict:
-        self.system.check_alive()
-        return {"ok": True}
+        if self.failure:
+            raise HTTPException(503, f"training stopped: {self.failure}")
+        return {"ok": True, "restarts": len(self.supervisor.restarts)}
 
     def check_health(self) -> None:
-        self.system.check_alive()  # raises if any actor loop died
+        if self.failure:  # the supervisor gave up: let Serve restart this replica
+            raise RuntimeError(self.failure)
 
     def __del__(self):
         self._task.cancel()
-        self.system.stop()
+        self.supervisor.stop()
 
 
 def build_train(args: dict[str, Any]) -> serve.Application:
@@ -203,6 +221,7 @@ class PolicyServer:
         self.config = config
         self.engine, self.tokenizer = build_engine(config)
         self.poll_s = poll_s
+        self.started_at = time.time()
         self._task = asyncio.get_event_loop().create_task(self._follow_weights())
 
     async def _follow_weights(self) -> None:
@@ -220,7 +239,7 @@ class PolicyServer:
     @policy_api.get("/models")
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.config.model.name, "object": "model", "owned_by": "asyncrl",
-                                            "weight_version": self.engine.version}]}
+                                            "weight_version": self.engine.version, "started_at": self.started_at}]}
 
     @policy_api.post("/completions")
     async def completions(self, body: CompletionRequest) -> JSONResponse:

@@ -66,6 +66,9 @@ class _LoopShell:
     def stats(self) -> dict:
         return self.inner.stats()
 
+    def pid(self) -> int:
+        return os.getpid()
+
 
 
 class GeneratorActor(_LoopShell):
@@ -191,7 +194,9 @@ def reward_endpoint_actors(config: Config) -> dict[str, Any]:
     from asyncrl.rewards.endpoint import RewardEndpoint
 
     return {
-        name: ray.remote(RewardEndpoint).options(num_cpus=0, max_concurrency=8).remote(
+        # Stateless: Ray restarts a dead endpoint and retries the calls it was answering.
+        name: ray.remote(RewardEndpoint).options(num_cpus=0, max_concurrency=8, max_restarts=-1,
+                                                 max_task_retries=3).remote(
             name, asdict(endpoint), asdict(config.model), config.task.reward)
         for name, endpoint in config.reward.endpoints.items()
     }

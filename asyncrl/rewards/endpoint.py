@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import time
 
 import msgspec
@@ -98,6 +99,8 @@ class RewardEndpoint:
 
     async def score(self, requests: list[RewardRequest]) -> list[Reward]:
         self.counters["requests"] += 1
+        if self.config.fault_delay_s > 0:
+            await asyncio.sleep(self.config.fault_delay_s)
         scorer = self.scorer  # a reconfigure during this call does not change the scorer it uses
         rewards = await asyncio.to_thread(scorer.score, requests)
         # Every reward names this endpoint and its version (the hybrid router records both).
@@ -112,6 +115,9 @@ class RewardEndpoint:
         scorer = self.scorer
         out = await asyncio.to_thread(scorer.compare, pairs)
         return [{**o, "source_version": self.version} for o in out]
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def stats(self) -> dict:
         inner = self.scorer.stats() if hasattr(self.scorer, "stats") else {}

@@ -1,0 +1,56 @@
+"""Keeping a run alive: when any actor of the system dies, bring the whole system back from the
+newest valid checkpoint (`trainer.max_restarts` times at most).
+
+Why the whole system, not the one actor: the weight group is a fixed-size `torch.distributed`
+collective, so a dead generator leaves every later broadcast waiting for it, and the assembler's
+open groups and the generators' sequences are not persisted. Resuming from the checkpoint is the
+one recovery that is exact (see `docs/architecture.md`, checkpoints and resume): in-flight work is
+regenerated from the ledger, nothing is trained twice, and the new generators hold the
+checkpoint's weights before their first prompt. The cost is the steps since that checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from asyncrl import checkpoint
+from asyncrl.config import Config
+from asyncrl.system import TrainingSystem
+
+
+class Supervisor:
+    def __init__(self, config: Config, run_dir: str, max_steps: int = 0):
+        self.config = config
+        self.run_dir = run_dir
+        self.max_steps = max_steps
+        self.restarts: list[dict[str, Any]] = []
+        self.system = TrainingSystem(config, run_dir=run_dir, max_steps=max_steps).start()
+
+    def check(self) -> dict | None:
+        """Raise nothing while the system is alive; after a death, restart it from the newest
+        checkpoint and return what happened (or re-raise when it cannot)."""
+        try:
+            self.system.check_alive()
+            return None
+        except Exception as exc:  # an actor loop ended: its error, or ActorDiedError
+            return self.restart(f"{type(exc).__name__}: {exc}".splitlines()[0][:300], exc)
+
+    def restart(self, reason: str, cause: BaseException | None = None) -> dict:
+        latest, _ = checkpoint.latest_valid(self.run_dir) if self.run_dir else (None, [])
+        if len(self.restarts) >= self.config.trainer.max_restarts or latest is None:
+            why = "no checkpoint to restart from" if latest is None else \
+                f"trainer.max_restarts={self.config.trainer.max_restarts} used up"
+            raise RuntimeError(f"the run cannot recover ({why}) from: {reason}") from cause
+        start = time.perf_counter()
+        self.system.stop()
+        resumed = dataclasses.replace(self.config, resume=True)
+        self.system = TrainingSystem(resumed, run_dir=self.run_dir, max_steps=self.max_steps).start()
+        event = {"reason": reason, "restart_s": time.perf_counter() - start, "at": time.time(),
+                 **{k: self.system.resumed[k] for k in ("checkpoint", "step", "reissued_prompts", "saved_batches")}}
+        self.restarts.append(event)
+        return event
+
+    def stop(self) -> None:
+        self.system.stop()
