@@ -28,7 +28,7 @@ from typing import Any
 import msgspec
 
 import ray
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
@@ -79,6 +79,20 @@ class RewardRoutesBody(BaseModel):
 
 train_api = FastAPI(title="asyncrl train")
 
+# The admin token of this replica's controller (set in its __init__; one controller per process).
+_ADMIN_TOKEN = {"value": ""}
+
+
+def require_admin(request: Request) -> None:
+    """Every /admin route depends on this, so the token is checked before the body is even
+    validated (an unauthenticated caller learns nothing about it). Compared in constant time."""
+    token = _ADMIN_TOKEN["value"]
+    if not token:
+        raise HTTPException(403, "admin routes are disabled: set serve.admin_token or ASYNCRL_ADMIN_TOKEN")
+    given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+    if not hmac.compare_digest(given.encode(), token.encode()):
+        raise HTTPException(401, "missing or wrong admin token")
+
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=100, health_check_period_s=10)
 @serve.ingress(train_api)
@@ -87,6 +101,7 @@ class TrainController:
         from asyncrl.checkpoint import resolve_run_dir
 
         self.config = config
+        _ADMIN_TOKEN["value"] = config.serve.admin_token or os.environ.get("ASYNCRL_ADMIN_TOKEN", "")
         # A restarted app with resume=true (and the same trainer.run_dir) continues that run.
         self.run_dir = resolve_run_dir(config.trainer.run_dir, config.resume, prefix="serve-")
         os.makedirs(self.run_dir, exist_ok=True)
@@ -143,18 +158,9 @@ class TrainController:
 
         return with_throughput(self.history[-max(1, min(last, 5000)):])
 
-    def _require_admin(self, request: Request) -> None:
-        token = self.config.serve.admin_token or os.environ.get("ASYNCRL_ADMIN_TOKEN", "")
-        if not token:
-            raise HTTPException(403, "admin routes are disabled: set serve.admin_token or ASYNCRL_ADMIN_TOKEN")
-        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(given.encode(), token.encode()):  # constant time
-            raise HTTPException(401, "missing or wrong admin token")
-
-    @train_api.post("/admin/reward_routes")
-    async def set_reward_routes(self, request: Request, body: RewardRoutesBody) -> dict:
+    @train_api.post("/admin/reward_routes", dependencies=[Depends(require_admin)])
+    async def set_reward_routes(self, body: RewardRoutesBody) -> dict:
         """Change the hybrid reward mix while training runs (validated; takes effect on the next scores)."""
-        self._require_admin(request)
         try:
             routes = await self.system.actors["assembler"].set_reward_routes.remote(
                 [route.model_dump() for route in body.routes])
@@ -162,10 +168,9 @@ class TrainController:
             raise HTTPException(400, f"invalid reward routes: {getattr(exc, 'cause', exc)}") from None
         return {"routes": routes}
 
-    @train_api.post("/admin/checkpoint")
-    async def save_checkpoint(self, request: Request) -> dict:
+    @train_api.post("/admin/checkpoint", dependencies=[Depends(require_admin)])
+    async def save_checkpoint(self) -> dict:
         """Write a checkpoint now (between two learner steps)."""
-        self._require_admin(request)
         path = await self.system.actors["learner"].save_checkpoint.remote()
         return {"path": path}
 

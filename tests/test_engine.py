@@ -152,6 +152,12 @@ def test_top_k_top_p_filtering_by_hand():
     np.testing.assert_allclose(lp.exp().numpy(), [[0.625, 0.375, 0, 0]], atol=1e-6)
     lp = filtered_logprobs(logits, 1.0, top_k=3)
     np.testing.assert_allclose(lp.exp().numpy(), [[0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0]], atol=1e-6)
+    # A vanishing top_p keeps exactly the most likely token (fuzzing found NaNs here: rounding in
+    # the cumulative sum removed the first token too).
+    wide = torch.randn(3, 49152) * 3
+    lp = filtered_logprobs(wide, 1.0, top_p=5e-324)
+    assert torch.isfinite(lp.max(dim=-1).values).all()
+    assert torch.equal(lp.argmax(-1), wide.argmax(-1)) and int(torch.isfinite(lp).sum()) == 3
 
 
 def test_fire_first_token_uses_hot_distribution():

@@ -134,3 +134,24 @@ def test_admin_route_changes_the_reward_mix_and_needs_the_token(apps):
     assert bad.status_code == 400 and "unknown endpoint 'nope'" in bad.json()["detail"]
     assert httpx.post(url, json={"routes": []}, headers=auth, timeout=30).status_code == 422
     assert httpx.get(f"{apps}/train/healthz", timeout=30).json()["ok"] is True  # still training
+
+
+def test_every_admin_route_needs_the_token_and_checkpoint_writes_one(apps):
+    """All routes under /train/admin refuse a missing or wrong token (compared in constant time)."""
+    from asyncrl.serve_app import train_api
+
+    admin = sorted(r.path for r in train_api.routes if r.path.startswith("/admin/"))
+    assert admin == ["/admin/checkpoint", "/admin/reward_routes"]
+    for path in admin:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": ADMIN_TOKEN}):
+            r = httpx.post(f"{apps}/train{path}", json={"routes": []}, headers=headers, timeout=30)
+            assert r.status_code == 401, (path, headers, r.status_code)  # before the body is looked at
+    r = httpx.post(f"{apps}/train/admin/checkpoint", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=120)
+    assert r.status_code == 200, r.text
+    path = r.json()["path"]
+    from asyncrl.checkpoint import verify
+
+    assert verify(path)["step"] >= 1  # a whole, checksummed checkpoint
+    metrics = httpx.get(f"{apps}/train/metrics/prometheus", timeout=30)
+    assert metrics.status_code == 200
+    assert "asyncrl_samples_trained_total" in metrics.text and 'asyncrl_ledger_samples{state="trained"}' in metrics.text

@@ -65,6 +65,9 @@ def filtered_logprobs(
         # Keep a token if the mass strictly before it is < top_p (the first token is always kept).
         mass_before = torch.cumsum(probs, dim=-1) - probs
         remove_sorted = mass_before >= top_p
+        # Explicitly: the cumsum's rounding can leave a tiny positive mass before the first token,
+        # which a tiny top_p (fuzzing sent 5e-324) would remove, leaving no token at all.
+        remove_sorted[..., 0] = False
         remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
         scaled = scaled.masked_fill(remove, float("-inf"))
     return torch.log_softmax(scaled, dim=-1)

@@ -1,0 +1,233 @@
+"""Fault injection: kill or stall one part of a running system and report what happened to it and
+to the sample ledger afterwards.
+
+    python load_tests/faults.py --quick              # every scenario, small sizes (a few minutes)
+    python load_tests/faults.py kill_generator       # one scenario
+
+Scenarios (tiny model, the real actors, mailboxes and gloo broadcast; checkpoints every 3 steps):
+
+* kill_generator      a generator is killed while it holds sequences in a window
+* kill_learner        the policy learner is killed
+* kill_value_learner  the value learner (T-PPO) is killed
+* kill_reward         the reward endpoint actor is killed while it scores (Ray restarts it, the
+                      calls are retried)
+* hang_reward         the reward endpoint stops answering for a while (calls time out and are
+                      recorded as failures; training continues)
+* fill_mailbox        the reward endpoint slows down so that segments pile up: the mailbox stays
+                      within its capacity and the generator waits (backpressure)
+
+Each prints one JSON object: what was injected, the restart (if any), and the ledger after
+(admitted = in flight + awaiting + trained + dropped, no duplicates), and writes them all to
+`<run-dir>/faults.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+
+import psutil
+import ray
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from asyncrl.config import compose  # noqa: E402
+from asyncrl.driver import init_ray  # noqa: E402
+from asyncrl.supervisor import Supervisor  # noqa: E402
+
+BASE = ["model=tiny", "task=tiny", "algorithm=grpo", "trainer.prompts_per_step=2", "trainer.checkpoint_every=3",
+        "trainer.checkpoint_keep=2", "trainer.max_restarts=5", "trainer.wandb_mode=disabled"]
+VALUE = ["model=tiny", "task=tiny_seq", "algorithm=tppo", "engine.window_tokens=2", "trainer.prompts_per_step=2",
+         "trainer.checkpoint_every=3", "trainer.checkpoint_keep=2", "trainer.max_restarts=5",
+         "trainer.wandb_mode=disabled"]
+
+
+def advance(sup: Supervisor, steps: int, timeout_s: float = 300.0) -> list[dict]:
+    """Run until the learner has taken `steps` more steps (restarting on a death); restarts seen."""
+    events, deadline = [], time.time() + timeout_s
+    target = sup.system.status()["step"] + steps
+    while sup.system.status()["step"] < target:
+        if time.time() > deadline:
+            raise TimeoutError(f"no progress to step {target} in {timeout_s:.0f}s: {sup.system.status()['step']}")
+        event = sup.check()
+        if event is not None:
+            events.append(event)
+            target = max(target, event["step"] + 1)
+        sup.system.pop_metrics()
+        time.sleep(0.3)
+    return events
+
+
+def wait_restart(sup: Supervisor, timeout_s: float = 120.0) -> dict:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        event = sup.check()
+        if event is not None:
+            return event
+        time.sleep(0.2)
+    raise TimeoutError("the supervisor saw no death")
+
+
+def ledger_report(sup: Supervisor) -> dict:
+    ledger = sup.system.ledger()
+    counts = ledger["counts"]
+    return {"admitted": counts["admitted"], "in_flight": counts["in_flight"],
+            "awaiting": counts["awaiting_reward"] + counts["awaiting_training"], "trained": counts["trained"],
+            "dropped": counts["dropped"], "dropped_by_reason": counts["dropped_by_reason"],
+            "duplicates": counts["duplicates"], "balanced": not ledger["problems"], "problems": ledger["problems"]}
+
+
+def rss_mb(actor) -> float:
+    return psutil.Process(ray.get(actor.pid.remote())).memory_info().rss / 2**20
+
+
+def _start(overrides: list[str], run_dir: str) -> Supervisor:
+    shutil.rmtree(run_dir, ignore_errors=True)
+    config = compose(overrides + [f"trainer.run_dir={run_dir}"])
+    return Supervisor(config, run_dir)
+
+
+def _kill(role: str, overrides: list[str], run_dir: str, quick: bool) -> dict:
+    sup = _start(overrides, run_dir)
+    try:
+        advance(sup, 4 if quick else 8)
+        system = sup.system
+        if role == "generator":
+            # Mid-window: wait until the generator holds sequences.
+            while ray.get(system.generators[0].stats.remote())["inflight_sequences"] == 0:
+                time.sleep(0.05)
+            target, held = system.generators[0], ray.get(system.generators[0].stats.remote())["inflight_sequences"]
+        else:
+            target, held = system.actors[role], None
+        step_at_kill = system.status()["step"]
+        ray.kill(target, no_restart=True)
+        event = wait_restart(sup)
+        advance(sup, 6 if quick else 12)
+        status = sup.system.status()
+        return {"injected": f"ray.kill({role}) at step {step_at_kill}" +
+                            (f" holding {held} sequences" if held is not None else ""),
+                "restart_s": round(event["restart_s"], 2), "resumed_from_step": event["step"],
+                "regenerated_prompts": event["reissued_prompts"], "saved_batches_trained": event["saved_batches"],
+                "steps_redone": step_at_kill - event["step"], "step_after": status["step"],
+                "generator_versions_after": [g["version"] for g in status["generators"]],
+                "ledger": ledger_report(sup)}
+    finally:
+        sup.stop()
+
+
+def kill_generator(run_dir: str, quick: bool) -> dict:
+    return _kill("generator", BASE, run_dir, quick)
+
+
+def kill_learner(run_dir: str, quick: bool) -> dict:
+    return _kill("learner", BASE, run_dir, quick)
+
+
+def kill_value_learner(run_dir: str, quick: bool) -> dict:
+    return _kill("value_learner", VALUE, run_dir, quick)
+
+
+def kill_reward(run_dir: str, quick: bool) -> dict:
+    # Slow calls (0.3 s) so that the kill lands mid-request.
+    sup = _start(BASE + ["reward.endpoints.verifier.fault_delay_s=0.3"], run_dir)
+    try:
+        advance(sup, 3)
+        endpoint = sup.system.actors["reward-verifier"]
+        before = sup.system.status()["assembler"]
+        kills = 2 if quick else 5
+        for _ in range(kills):
+            ray.kill(endpoint, no_restart=False)  # Ray restarts it; in-flight calls are retried
+            advance(sup, 2)
+        status = sup.system.status()
+        router = status["assembler"]["reward_router"]
+        return {"injected": f"{kills} kills of the reward endpoint actor mid-request",
+                "supervisor_restarts": len(sup.restarts),
+                "reward_failures": status["assembler"].get("reward_failures", 0) - before.get("reward_failures", 0),
+                "router": {k: router.get(k) for k in ("calls", "retries", "timeouts", "failures") if k in router},
+                "step_after": status["step"], "ledger": ledger_report(sup)}
+    finally:
+        sup.stop()
+
+
+def hang_reward(run_dir: str, quick: bool) -> dict:
+    sup = _start(BASE + ["reward.timeout_s=1.0", "reward.retries=1"], run_dir)
+    try:
+        advance(sup, 3)
+        endpoint = sup.system.actors["reward-verifier"]
+        hang_s = 5 if quick else 20
+        ray.get(endpoint.reconfigure.remote({"fault_delay_s": 3600.0}))  # never answers in time
+        time.sleep(hang_s)
+        ray.get(endpoint.reconfigure.remote({"fault_delay_s": 0.0}))
+        during = sup.system.status()["assembler"]
+        advance(sup, 4)
+        status = sup.system.status()
+        return {"injected": f"reward endpoint hung for {hang_s}s (timeout 1 s, 1 retry)",
+                "failed_rewards_recorded": during.get("reward_failures", 0),
+                "router": status["assembler"]["reward_router"], "supervisor_restarts": len(sup.restarts),
+                "step_after": status["step"], "ledger": ledger_report(sup)}
+    finally:
+        sup.stop()
+
+
+def fill_mailbox(run_dir: str, quick: bool) -> dict:
+    capacity = 8
+    sup = _start(BASE + [f"trainer.mailbox_capacity={capacity}"], run_dir)
+    try:
+        advance(sup, 2)
+        system = sup.system
+        endpoint = system.actors["reward-verifier"]
+        mailbox = system.mailboxes["segments"].actor
+        rss_before = {"segments_mailbox": rss_mb(mailbox), "assembler": rss_mb(system.actors["assembler"])}
+        ray.get(endpoint.reconfigure.remote({"fault_delay_s": 2.0}))  # the consumer falls behind
+        depths, wait_before = [], ray.get(system.generators[0].stats.remote())["wait_mailbox_s"]
+        end = time.time() + (15 if quick else 60)
+        while time.time() < end:
+            s = ray.get(mailbox.stats.remote())
+            depths.append(s.queued + s.leased)
+            time.sleep(0.2)
+        wait_after = ray.get(system.generators[0].stats.remote())["wait_mailbox_s"]
+        rss_after = {"segments_mailbox": rss_mb(mailbox), "assembler": rss_mb(system.actors["assembler"])}
+        ray.get(endpoint.reconfigure.remote({"fault_delay_s": 0.0}))
+        advance(sup, 3)
+        return {"injected": "reward endpoint slowed to 2 s per call for "
+                            f"{15 if quick else 60}s; segments mailbox capacity {capacity}",
+                "max_mailbox_depth": max(depths), "capacity": capacity,
+                "generator_waited_for_mailbox_s": round(wait_after - wait_before, 1),
+                "rss_mb_before": {k: round(v) for k, v in rss_before.items()},
+                "rss_mb_after": {k: round(v) for k, v in rss_after.items()},
+                "step_after": sup.system.status()["step"], "ledger": ledger_report(sup)}
+    finally:
+        sup.stop()
+
+
+SCENARIOS = {f.__name__: f for f in (kill_generator, kill_learner, kill_value_learner, kill_reward, hang_reward,
+                                     fill_mailbox)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("scenarios", nargs="*", default=list(SCENARIOS), help=f"any of {list(SCENARIOS)}")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--run-dir", default="outputs/faults")
+    args = parser.parse_args()
+    init_ray(compose(BASE))
+    results = {}
+    for name in args.scenarios:
+        start = time.time()
+        results[name] = {**SCENARIOS[name](os.path.join(args.run_dir, name), args.quick),
+                         "scenario_s": round(time.time() - start, 1)}
+        print(json.dumps({name: results[name]}), flush=True)
+    os.makedirs(args.run_dir, exist_ok=True)
+    with open(os.path.join(args.run_dir, "faults.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    bad = [n for n, r in results.items() if not r["ledger"]["balanced"] or r["ledger"]["duplicates"]]
+    print(f"{len(results)} scenarios; ledger unbalanced or duplicates in: {bad or 'none'}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

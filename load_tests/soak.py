@@ -1,0 +1,145 @@
+"""Soak: train for a long time with a fault every few minutes; sample every actor's resident memory
+and report its slope; check the sample ledger at the end.
+
+    python load_tests/soak.py --minutes 20 --fault-every 180     # the figures in docs/reliability.md
+    python load_tests/soak.py --quick                            # 3 minutes, a fault a minute
+
+The faults cycle: reward endpoint hangs (10 s, calls time out), reward endpoint killed (Ray
+restarts it), a generator killed mid-window and the policy learner killed (the supervisor restarts
+the system from its checkpoint). Memory slopes are fitted per process over its lifetime after a
+1-minute warm-up (a restarted system has new processes), in MB per minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import psutil
+import ray
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from asyncrl.config import compose  # noqa: E402
+from asyncrl.driver import init_ray  # noqa: E402
+from asyncrl.supervisor import Supervisor  # noqa: E402
+from load_tests.faults import ledger_report  # noqa: E402
+
+OVERRIDES = ["model=tiny", "task=tiny", "algorithm=grpo", "trainer.prompts_per_step=2", "trainer.checkpoint_every=20",
+             "trainer.checkpoint_keep=2", "trainer.max_restarts=100", "trainer.wandb_mode=disabled",
+             "reward.timeout_s=2.0", "reward.retries=1"]
+
+
+def processes(sup: Supervisor) -> dict[str, int]:
+    """role -> pid of every actor of the running system."""
+    system = sup.system
+    actors = {**{name: a for name, a in system.actors.items()},
+              **{f"generator-{i}": g for i, g in enumerate(system.generators)},
+              **{f"mailbox-{name}": box.actor for name, box in system.mailboxes.items()}}
+    refs = {name: a.pid.remote() for name, a in actors.items()}
+    return {name: ray.get(ref, timeout=30) for name, ref in refs.items()}
+
+
+def inject(sup: Supervisor, kind: str) -> str:
+    system = sup.system
+    endpoint = system.actors["reward-verifier"]
+    if kind == "hang_reward":
+        ray.get(endpoint.reconfigure.remote({"fault_delay_s": 3600.0}))
+        time.sleep(10)
+        ray.get(endpoint.reconfigure.remote({"fault_delay_s": 0.0}))
+        return "reward endpoint hung 10 s"
+    if kind == "kill_reward":
+        ray.kill(endpoint, no_restart=False)
+        return "reward endpoint killed (restarted by Ray)"
+    if kind == "kill_generator":
+        ray.kill(system.generators[0], no_restart=True)
+        return "generator killed"
+    ray.kill(system.actors["learner"], no_restart=True)
+    return "policy learner killed"
+
+
+def slope_mb_per_min(samples: list[tuple[float, float]], warmup_s: float) -> float | None:
+    if not samples:
+        return None
+    t0 = samples[0][0]
+    kept = [(t - t0, m) for t, m in samples if t - t0 >= warmup_s]
+    if len(kept) < 4:
+        return None
+    t, m = np.array(kept).T
+    return float(np.polyfit(t / 60, m, 1)[0])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--minutes", type=float, default=20)
+    parser.add_argument("--fault-every", type=float, default=180, help="seconds between faults")
+    parser.add_argument("--sample-every", type=float, default=10, help="seconds between memory samples")
+    parser.add_argument("--quick", action="store_true", help="3 minutes, a fault a minute")
+    parser.add_argument("--run-dir", default="outputs/soak")
+    args = parser.parse_args()
+    if args.quick:
+        args.minutes, args.fault_every, args.sample_every = 3, 60, 5
+    config = compose(OVERRIDES + [f"trainer.run_dir={args.run_dir}"])
+    init_ray(config)
+    import shutil
+
+    shutil.rmtree(args.run_dir, ignore_errors=True)
+    sup = Supervisor(config, args.run_dir)
+    cycle = ["hang_reward", "kill_reward", "kill_generator", "kill_learner"]
+    memory: dict[int, list[tuple[float, float]]] = collections.defaultdict(list)
+    role_of: dict[int, str] = {}
+    faults, started = [], time.time()
+    next_fault, next_sample = started + args.fault_every, started
+    try:
+        while time.time() - started < args.minutes * 60:
+            event = sup.check()
+            if event is not None:
+                faults[-1]["restart_s"] = round(event["restart_s"], 1) if faults else None
+            sup.system.pop_metrics()
+            now = time.time()
+            if now >= next_sample:
+                for role, pid in processes(sup).items():
+                    try:
+                        memory[pid].append((now, psutil.Process(pid).memory_info().rss / 2**20))
+                        role_of[pid] = role
+                    except psutil.NoSuchProcess:
+                        pass
+                next_sample = now + args.sample_every
+            if now >= next_fault:
+                kind = cycle[len(faults) % len(cycle)]
+                faults.append({"at_s": round(now - started), "kind": kind, "what": inject(sup, kind),
+                               "step": sup.system.status()["step"]})
+                print(json.dumps(faults[-1]), flush=True)
+                next_fault = now + args.fault_every
+            time.sleep(1.0)
+        time.sleep(3.0)
+        status, ledger = sup.system.status(), ledger_report(sup)
+    finally:
+        sup.stop()
+    per_role: dict[str, list[dict]] = collections.defaultdict(list)
+    for pid, samples in memory.items():
+        per_role[role_of[pid]].append({"pid": pid, "minutes": round((samples[-1][0] - samples[0][0]) / 60, 1),
+                                       "rss_mb_first": round(samples[0][1]), "rss_mb_last": round(samples[-1][1]),
+                                       "slope_mb_per_min": slope_mb_per_min(samples, 60.0)})
+    result = {"minutes": args.minutes, "faults": faults, "supervisor_restarts": len(sup.restarts),
+              "final_step": status["step"], "samples_trained": status["samples_trained"], "ledger": ledger,
+              "memory": dict(per_role)}
+    os.makedirs(args.run_dir, exist_ok=True)
+    with open(os.path.join(args.run_dir, "soak.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    print(json.dumps({k: v for k, v in result.items() if k != "memory"}, indent=1))
+    for role, lives in sorted(per_role.items()):
+        longest = max(lives, key=lambda life: life["minutes"])
+        slope = longest["slope_mb_per_min"]
+        print(f"{role:28s} longest life {longest['minutes']:5.1f} min, RSS {longest['rss_mb_first']} -> "
+              f"{longest['rss_mb_last']} MB, slope {'n/a' if slope is None else f'{slope:+.2f}'} MB/min")
+    return 0 if ledger["balanced"] and not ledger["duplicates"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
