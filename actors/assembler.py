@@ -185,12 +185,17 @@ class Assembler:
             rewards = await self.score([req for _, req in items])
             for (merged, _), reward in zip(items, rewards):
                 self._note_scored(reward)
-                outcomes[merged.sample_id] = Outcome(reward.score, reward.correct, reward.token_rewards)
-                trajectories.append(ScoredTrajectory(segment=merged, score=reward.score,
-                                                     token_rewards=reward.token_rewards, correct=reward.correct))
+                outcomes[merged.sample_id] = Outcome(reward.score, reward.correct, reward.token_rewards, reward.failed)
+                if not reward.failed:  # the critic learns from real outcomes only
+                    trajectories.append(ScoredTrajectory(segment=merged, score=reward.score,
+                                                         token_rewards=reward.token_rewards, correct=reward.correct))
         keep = []
         for row in rows:
-            if not mode.ready:
+            outcome_failed = row.finished and outcomes.get(row.sample_id) is not None and \
+                outcomes[row.sample_id].failed
+            if outcome_failed:
+                self._drop_row(row, "reward_failed")
+            elif not mode.ready:
                 self._drop_row(row, "value_warmup")
             elif row_is_stale(row, self.policy_version, mode.settings.max_staleness_versions):
                 self._drop_row(row, "stale")

@@ -82,6 +82,10 @@ def assemble_group(
     stats = {"staleness_max": float(current_version - oldest)}
     if current_version - oldest > settings.max_staleness_versions:
         return [], "stale", stats
+    if any(r.failed for r in rewards):
+        # A reward endpoint that timed out or errored gave no score: a made-up 0 would be trained
+        # as a real outcome, and a group's advantages depend on every member.
+        return [], "reward_failed", stats
     correct = torch.tensor([1.0 if r.correct else 0.0 for r in rewards])
     if settings.dynamic_sampling and not group_has_signal(correct):
         return [], "no_signal", stats
@@ -130,6 +134,7 @@ class Outcome:
     score: float
     correct: bool | None = None
     token_rewards: np.ndarray | None = None  # aligned with the *whole* response
+    failed: bool = False  # the reward endpoint gave no score (timeout, error): the row is dropped
 
 
 def row_is_stale(row: Segment, current_version: int, max_staleness_versions: int) -> bool:

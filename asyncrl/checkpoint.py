@@ -107,8 +107,10 @@ def committed(root: str) -> list[tuple[int, str]]:
 def prune(root: str, keep_last: int) -> None:
     for _, path in committed(root)[: -keep_last or None] if keep_last > 0 else []:
         shutil.rmtree(path, ignore_errors=True)
-    for stale in glob.glob(os.path.join(root, "*.tmp")):  # an interrupted write of an older step
-        if committed(root) and stale < os.path.join(root, step_dirname(committed(root)[-1][0])):
+    newest = committed(root)[-1][0] if committed(root) else None
+    for stale in glob.glob(os.path.join(root, "step_*.tmp")):  # an interrupted write of an older step
+        match = _STEP_DIR.match(os.path.basename(stale).removesuffix(".tmp"))
+        if match and newest is not None and int(match.group(1)) < newest:
             shutil.rmtree(stale, ignore_errors=True)
 
 

@@ -38,13 +38,15 @@ class Supervisor:
             return self.restart(f"{type(exc).__name__}: {exc}".splitlines()[0][:300], exc)
 
     def restart(self, reason: str, cause: BaseException | None = None) -> dict:
+        start = time.perf_counter()
+        # Stop first: a learner still alive could otherwise commit newer checkpoints and prune the
+        # one chosen below.
+        self.system.stop()
         latest, _ = checkpoint.latest_valid(self.run_dir) if self.run_dir else (None, [])
         if len(self.restarts) >= self.config.trainer.max_restarts or latest is None:
             why = "no checkpoint to restart from" if latest is None else \
                 f"trainer.max_restarts={self.config.trainer.max_restarts} used up"
             raise RuntimeError(f"the run cannot recover ({why}) from: {reason}") from cause
-        start = time.perf_counter()
-        self.system.stop()
         resumed = dataclasses.replace(self.config, resume=True)
         self.system = TrainingSystem(resumed, run_dir=self.run_dir, max_steps=self.max_steps).start()
         event = {"reason": reason, "restart_s": time.perf_counter() - start, "at": time.time(),

@@ -195,7 +195,7 @@ def reward_endpoint_actors(config: Config) -> dict[str, Any]:
 
     return {
         # Stateless: Ray restarts a dead endpoint and retries the calls it was answering.
-        name: ray.remote(RewardEndpoint).options(num_cpus=0, max_concurrency=8, max_restarts=-1,
+        name: ray.remote(RewardEndpoint).options(num_cpus=0, max_concurrency=64, max_restarts=-1,
                                                  max_task_retries=3).remote(
             name, asdict(endpoint), asdict(config.model), config.task.reward)
         for name, endpoint in config.reward.endpoints.items()
@@ -539,6 +539,9 @@ class TrainingSystem:
         ray.wait(stops, num_returns=len(stops), timeout=5)  # best effort: the actors are killed next
         for actor in [*self.actors.values(), *self.generators, *(b.actor for b in self.mailboxes.values())]:
             ray.kill(actor)
+        # Return once the loops are gone (a learner must not write a checkpoint after this).
+        if self.run_refs:
+            ray.wait(list(self.run_refs.values()), num_returns=len(self.run_refs), timeout=15)
 
 
 def summarize(learner: dict, generators: list[dict], assembler: dict, mailboxes: dict, wall_s: float) -> dict:

@@ -99,3 +99,20 @@ def test_reward_to_go_is_length_safe():
     np.testing.assert_allclose(reward_to_go(np.array([0.0, 1.0, 0.5], dtype=np.float32), 3), [1.5, 1.5, 0.5])
     np.testing.assert_allclose(reward_to_go(np.array([1.0], dtype=np.float32), 3), [1.0, 0.0, 0.0])  # padded
     np.testing.assert_allclose(reward_to_go(np.array([1.0, 1.0, 1.0], dtype=np.float32), 2), [2.0, 1.0])  # cut
+
+
+def test_a_group_with_a_failed_reward_is_dropped_not_trained_as_zero():
+    async def main():
+        asm, segments, batches, events = make()
+
+        async def flaky(requests):  # sample 1 timed out at the endpoint
+            return [Reward(prompt_id=r.prompt_id, sample_idx=r.sample_idx, score=0.0 if r.sample_idx else 1.0,
+                           correct=not r.sample_idx, failed=bool(r.sample_idx), source="test") for r in requests]
+
+        asm.score = flaky
+        await segments.put([seg("f", 0, 0, True, [7]), seg("f", 1, 0, True, [1])])
+        assert await drain(asm, batches) == []
+        assert asm.stats()["dropped_reward_failed_samples"] == 2
+        assert (["f/0", "f/1"], "dropped", "reward_failed") in [(sorted(i), s, r) for i, s, r in events]
+
+    asyncio.run(main())

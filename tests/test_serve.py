@@ -63,6 +63,12 @@ def test_bad_requests_get_openai_style_4xx(apps):
         {"model": "tiny", "messages": [{"role": "wizard", "content": "1:"}]},
         {"model": "tiny", "messages": [{"role": "user", "content": "1:"}], "temperature": -1},
         {"model": "tiny", "messages": [{"role": "user", "content": "1:" * 200}], "max_tokens": 100},
+        # Size limits: refused before anything is tokenized or generated.
+        {"model": "tiny", "messages": [{"role": "user", "content": "1"}], "max_tokens": 100_000},
+        {"model": "tiny", "messages": [{"role": "user", "content": "1" * (2 << 20)}]},
+        {"model": "tiny", "messages": [{"role": "user", "content": "1"}] * 300},
+        {"model": "tiny", "messages": [{"role": "user", "content": "1"}], "n": 1000},
+        {"model": "tiny", "messages": [{"role": "user", "content": "1"}], "stop": ["a", "b", "c", "d", "e"]},
     ]
     for body in bad:
         r = httpx.post(f"{apps}/v1/chat/completions", json=body, timeout=30)
@@ -70,6 +76,8 @@ def test_bad_requests_get_openai_style_4xx(apps):
         assert r.json()["error"]["type"] == "invalid_request_error"
     r = httpx.post(f"{apps}/v1/completions", content=b"{not json", headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == 400
+    r = httpx.post(f"{apps}/v1/completions", json={"prompt": ["1:"] * 33, "max_tokens": 1}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("prompt")
     # The endpoint is still healthy afterwards.
     ok = httpx.post(f"{apps}/v1/completions", json={"prompt": "1:", "max_tokens": 1}, timeout=30)
     assert ok.status_code == 200

@@ -99,8 +99,7 @@ class RewardEndpoint:
 
     async def score(self, requests: list[RewardRequest]) -> list[Reward]:
         self.counters["requests"] += 1
-        if self.config.fault_delay_s > 0:
-            await asyncio.sleep(self.config.fault_delay_s)
+        await self._fault_delay()
         scorer = self.scorer  # a reconfigure during this call does not change the scorer it uses
         rewards = await asyncio.to_thread(scorer.score, requests)
         # Every reward names this endpoint and its version (the hybrid router records both).
@@ -115,6 +114,13 @@ class RewardEndpoint:
         scorer = self.scorer
         out = await asyncio.to_thread(scorer.compare, pairs)
         return [{**o, "source_version": self.version} for o in out]
+
+    async def _fault_delay(self) -> None:
+        """Fault injection: wait `fault_delay_s`, re-reading it, so clearing the fault (a
+        reconfigure to 0) releases the calls already waiting."""
+        start = time.monotonic()
+        while time.monotonic() - start < self.config.fault_delay_s:
+            await asyncio.sleep(min(0.1, self.config.fault_delay_s))
 
     def pid(self) -> int:
         return os.getpid()
