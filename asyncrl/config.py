@@ -271,8 +271,7 @@ class TrainerConfig:
 
 @dataclass
 class ServeConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
+    # Where Serve listens is Serve's own `http_options` (configs/serve.yaml: 127.0.0.1:8000).
     admin_token: str = ""
     """Bearer token for the admin routes (e.g. changing the reward mix); empty = ASYNCRL_ADMIN_TOKEN
     from the environment; neither set = admin routes refuse every call."""

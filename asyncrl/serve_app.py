@@ -89,8 +89,8 @@ def require_admin(request: Request) -> None:
     token = _ADMIN_TOKEN["value"]
     if not token:
         raise HTTPException(403, "admin routes are disabled: set serve.admin_token or ASYNCRL_ADMIN_TOKEN")
-    given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-    if not hmac.compare_digest(given.encode(), token.encode()):
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
         raise HTTPException(401, "missing or wrong admin token")
 
 
@@ -101,7 +101,11 @@ class TrainController:
         from asyncrl.checkpoint import resolve_run_dir
 
         self.config = config
-        _ADMIN_TOKEN["value"] = config.serve.admin_token or os.environ.get("ASYNCRL_ADMIN_TOKEN", "")
+        # Through the imported module: Serve pickles this class by value, so a bare global here
+        # would be a copy, not the dict `require_admin` reads.
+        from asyncrl import serve_app
+
+        serve_app._ADMIN_TOKEN["value"] = config.serve.admin_token or os.environ.get("ASYNCRL_ADMIN_TOKEN", "")
         # A restarted app with resume=true (and the same trainer.run_dir) continues that run.
         self.run_dir = resolve_run_dir(config.trainer.run_dir, config.resume, prefix="serve-")
         os.makedirs(self.run_dir, exist_ok=True)

@@ -129,3 +129,13 @@ def test_reward_presets_and_validation():
         compose(["reward=mix", "reward.routes=[{match: '*', endpoints: [verifier, genrm], combine: mix}]"])
     with pytest.raises(ConfigError, match="pre_ppo_fraction"):
         compose(["task.pre_ppo_fraction=1.5"])
+
+
+def test_services_bind_to_localhost_by_default():
+    import yaml
+
+    from asyncrl.config import config_dir
+
+    serve_yaml = yaml.safe_load(open(os.path.join(config_dir(), "serve.yaml")))
+    assert serve_yaml["http_options"]["host"] == "127.0.0.1"
+    assert compose([]).serve.admin_token == ""  # admin routes are off until a token is set

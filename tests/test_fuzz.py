@@ -32,6 +32,7 @@ def deployed(ray_session, tmp_path_factory):
     yield f"http://127.0.0.1:{port}"
     for app in APPS:
         serve.delete(app)
+    serve.shutdown()  # the next module starts Serve on its own port
 
 
 def replica_identities(url: str) -> dict:
