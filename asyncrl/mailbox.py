@@ -8,7 +8,7 @@ A mailbox is owned by its consumer. The guarantees, stated once here and enforce
   `lease_s` goes back to the front of the queue and is delivered again. A consumer that dies
   between `get` and `ack` therefore loses nothing.
 * **Deduplication by message id.** A put whose id is queued, leased, or acknowledged within the
-  last `dedup_window` ids is dropped, so a producer that retries a put never makes a duplicate.
+  last `dedup_window` ids (100,000 by default) is dropped, so a producer that retries a put never makes a duplicate.
   With consumers that process a message before acknowledging it, each message is delivered to
   processing once in the absence of lease expiry, and the consumer-side dedup of the id
   (the assembler, the learner) turns a redelivery after a slow consumer into exactly-once.
@@ -71,7 +71,7 @@ class RecentIds:
 class MailboxCore(Generic[T]):
     """The mailbox state machine; synchronous and clock-injected so it is testable alone."""
 
-    def __init__(self, capacity: int, lease_s: float, dedup_window: int = 1_000_000):
+    def __init__(self, capacity: int, lease_s: float, dedup_window: int = 100_000):
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         if lease_s <= 0:
@@ -198,7 +198,7 @@ class Mailbox(Protocol[M]):
 class _AsyncMailboxBase(Generic[T]):
     """asyncio waiting around a `MailboxCore`; shared by the in-process mailbox and the Ray actor."""
 
-    def __init__(self, capacity: int, lease_s: float = 60.0, dedup_window: int = 1_000_000):
+    def __init__(self, capacity: int, lease_s: float = 60.0, dedup_window: int = 100_000):
         self._core: MailboxCore[T] = MailboxCore(capacity, lease_s, dedup_window)
         self._changed = asyncio.Condition()
 
@@ -311,7 +311,7 @@ class RayMailbox(Generic[M]):
         capacity: int,
         lease_s: float = 60.0,
         name: str | None = None,
-        dedup_window: int = 1_000_000,
+        dedup_window: int = 100_000,
     ) -> "RayMailbox[M]":
         import ray
 

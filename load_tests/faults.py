@@ -98,9 +98,9 @@ def _kill(role: str, overrides: list[str], run_dir: str, quick: bool) -> dict:
         system = sup.system
         if role == "generator":
             # Mid-window: wait until the generator holds sequences.
-            while ray.get(system.generators[0].stats.remote())["inflight_sequences"] == 0:
+            while (held := ray.get(system.generators[0].stats.remote())["inflight_sequences"]) == 0:
                 time.sleep(0.05)
-            target, held = system.generators[0], ray.get(system.generators[0].stats.remote())["inflight_sequences"]
+            target = system.generators[0]
         else:
             target, held = system.actors[role], None
         step_at_kill = system.status()["step"]

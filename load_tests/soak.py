@@ -7,7 +7,7 @@ and report its slope; check the sample ledger at the end.
 The faults cycle: reward endpoint hangs (10 s, calls time out), reward endpoint killed (Ray
 restarts it), a generator killed mid-window and the policy learner killed (the supervisor restarts
 the system from its checkpoint). Memory slopes are fitted per process over its lifetime after a
-1-minute warm-up (a restarted system has new processes), in MB per minute.
+warm-up (1 minute with --quick, 5 otherwise, while the bounded id windows fill; a restarted system has new processes), in MB per minute.
 """
 
 from __future__ import annotations
@@ -100,10 +100,17 @@ def main() -> int:
             event = sup.check()
             if event is not None:
                 faults[-1]["restart_s"] = round(event["restart_s"], 1) if faults else None
-            sup.system.pop_metrics()
+            try:
+                sup.system.pop_metrics()
+            except ray.exceptions.RayError:
+                continue  # the learner just died; the next check restarts the system
             now = time.time()
             if now >= next_sample:
-                for role, pid in processes(sup).items():
+                try:
+                    pids = processes(sup)
+                except ray.exceptions.RayError:  # an actor just died: the next check restarts the system
+                    pids = {}
+                for role, pid in pids.items():
                     try:
                         memory[pid].append((now, psutil.Process(pid).memory_info().rss / 2**20))
                         role_of[pid] = role
@@ -112,8 +119,8 @@ def main() -> int:
                 next_sample = now + args.sample_every
             if now >= next_fault:
                 kind = cycle[len(faults) % len(cycle)]
-                faults.append({"at_s": round(now - started), "kind": kind, "what": inject(sup, kind),
-                               "step": sup.system.status()["step"]})
+                step = sup.system.status()["step"]
+                faults.append({"at_s": round(now - started), "kind": kind, "what": inject(sup, kind), "step": step})
                 print(json.dumps(faults[-1]), flush=True)
                 next_fault = now + args.fault_every
             time.sleep(1.0)
@@ -121,11 +128,14 @@ def main() -> int:
         status, ledger = sup.system.status(), ledger_report(sup)
     finally:
         sup.stop()
+    # The bounded id windows (ledger, dedup) fill in the first minutes of a fast tiny run; the slope
+    # that matters is the one after.
+    warmup_s = 60.0 if args.quick else 300.0
     per_role: dict[str, list[dict]] = collections.defaultdict(list)
     for pid, samples in memory.items():
         per_role[role_of[pid]].append({"pid": pid, "minutes": round((samples[-1][0] - samples[0][0]) / 60, 1),
                                        "rss_mb_first": round(samples[0][1]), "rss_mb_last": round(samples[-1][1]),
-                                       "slope_mb_per_min": slope_mb_per_min(samples, 60.0)})
+                                       "slope_mb_per_min": slope_mb_per_min(samples, warmup_s)})
     result = {"minutes": args.minutes, "faults": faults, "supervisor_restarts": len(sup.restarts),
               "final_step": status["step"], "samples_trained": status["samples_trained"], "ledger": ledger,
               "memory": dict(per_role)}
