@@ -28,3 +28,30 @@ def test_embedded_model_generates_and_scores():
     assert np.all(out.logprobs <= 0)
     result = evaluate(config, engine, tokenizer, max_prompts=2)
     assert result["n"] == 2 and 0.0 <= result["accuracy"] <= 1.0
+
+
+@pytest.mark.slow
+def test_embedded_model_checkpoint_is_a_loadable_hugging_face_directory(tmp_path):
+    """The GGUF-loaded default model saves (transformers refuses GGUF-quantized models by default)
+    and loads back, with transformers and into a fresh model, bit for bit."""
+    import json
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl import checkpoint
+
+    engine, tokenizer = build_engine(compose([]))
+    model = engine.model
+    checkpoint.save_policy(model, tokenizer, str(tmp_path / "policy"))
+    assert "quantization_config" not in json.load(open(tmp_path / "policy" / "config.json"))
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "policy"))
+    for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), name
+    fresh, _ = build_engine(compose([]))
+    with torch.no_grad():
+        for p in fresh.model.parameters():
+            p.add_(1.0)
+    checkpoint.load_policy_weights(fresh.model, str(tmp_path / "policy"))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.model.state_dict().values()))
+    assert os.path.exists(tmp_path / "policy" / "tokenizer.json")
