@@ -174,7 +174,9 @@ class PolicyLearner(TrainingLoop):
         """Write a checkpoint of the current step (between two steps) and return its path."""
         if not self.run_dir:
             raise RuntimeError("checkpoints need a run directory")
-        async with self._step_lock:
+        async with self._step_lock:  # also waits for a checkpoint in progress
+            if self.last_checkpoint.get("step") == self.step:  # this step is saved already
+                return self.last_checkpoint["path"]
             start = time.perf_counter()
             tmp = checkpoint.begin(self.run_dir, self.step)
             pending = await self.batches.drain_unacked()  # before the ledger: see the module doc

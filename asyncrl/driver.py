@@ -160,8 +160,8 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
                     bar.update(len(new))
                     bar.set_postfix(reward=f"{records[-1]['reward_mean_generated']:.3f}",
                                     samples_s=f"{status['samples_trained'] / max(time.time() - started, 1e-9):.2f}")
-        if config.trainer.checkpoint_every and records and (
-                records[-1]["step"] % config.trainer.checkpoint_every):
+        if config.trainer.checkpoint_every and records:
+            # The final step's checkpoint (waits for one the learner is writing, if any).
             path = system.checkpoint()
             print(f"checkpoint: {path}", flush=True)
         final_status = system.status()
