@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.asyncrl-installed
 
-.PHONY: setup demo generate test clean
+.PHONY: setup demo generate test clean bench-venv
 
 setup: $(STAMP)
 
@@ -28,4 +28,12 @@ test: setup
 	$(VENV)/bin/python -m pytest -q
 
 clean:
-	rm -rf $(VENV) outputs
+	rm -rf $(VENV) .venv-bench outputs
+
+# The benchmarks' own environment: asyncrl's packages (seen through a .pth) plus TRL, which asyncrl
+# itself never depends on (`asyncrl bench trl`).
+BENCH_VENV := .venv-bench
+bench-venv: setup
+	python3 -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/python -c "import site, sys; print('import site; site.addsitedir(%r)' % sys.argv[1], file=open(site.getsitepackages()[0] + '/asyncrl-main.pth', 'w'))" "$$($(PY) -c 'import site; print(site.getsitepackages()[0])')"
+	$(BENCH_VENV)/bin/python -m pip install -q trl==1.16.0 "transformers==$$($(PY) -c 'import transformers; print(transformers.__version__)')"

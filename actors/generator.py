@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from asyncrl.engines.base import Engine, SamplingParams, SequenceInput
+from asyncrl.engines.base import Engine, SamplingParams, SequenceInput, long_tail_min_tokens
 from asyncrl.mailbox import Mailbox
 from asyncrl.schema import FinishReason, PromptRequest, Segment
 from asyncrl.weight_sync import BucketPlan, receive_weights
@@ -36,7 +36,7 @@ class _Sequence:
 class Generator:
     def __init__(self, engine: Engine, prompts: Mailbox, segments: Mailbox, params: SamplingParams,
                  window_tokens: int, max_response_tokens: int, max_windows: int, max_inflight: int,
-                 generator_id: str = "gen-0"):
+                 generator_id: str = "gen-0", long_tail: tuple[float, int] = (0.0, 0)):
         self.engine = engine
         self.prompts = prompts
         self.segments = segments
@@ -46,6 +46,7 @@ class Generator:
         self.max_windows = max_windows
         self.max_inflight = max_inflight
         self.generator_id = generator_id
+        self.long_tail = long_tail  # (fraction, tokens): the long-tail benchmark workload
         self.inflight: list[_Sequence] = []
         self.samples_left: dict[str, int] = {}  # prompt id -> samples not yet finished
         self._pending_update: tuple[BucketPlan, int, asyncio.Future] | None = None
@@ -87,7 +88,7 @@ class Generator:
         while len(self.inflight) < self.max_inflight:
             # Wait for prompts only when idle; otherwise take what is there without blocking.
             start = time.perf_counter()
-            requests = await self.prompts.get(1, timeout=0.05 if self.inflight else 0.2)
+            requests = await self.prompts.get(1, timeout=0.0 if self.inflight else 0.2)
             if not self.inflight:
                 self.timing["wait_prompts_s"] += time.perf_counter() - start
             if not requests:
@@ -114,6 +115,7 @@ class Generator:
                 response_ids=np.asarray(s.response_ids, dtype=np.int32),
                 seed=s.request.seed + s.sample_idx,
                 max_response_tokens=self.max_response_tokens,
+                min_response_tokens=long_tail_min_tokens(s.request.seed + s.sample_idx, *self.long_tail),
             )
             for s in batch
         ]

@@ -54,6 +54,11 @@ class EngineConfig:
     first_token_top_k: int = 20
     threads: int = 1
     """torch threads of each generator process."""
+    long_tail_fraction: float = 0.0
+    """Benchmark workload: this fraction of samples (chosen by seed) may not end before
+    `long_tail_tokens`, like chains of thought that run long (0 = off; EOS is held back as
+    SGLang's `min_new_tokens` does)."""
+    long_tail_tokens: int = 0
 
 
 @dataclass
@@ -260,7 +265,8 @@ class TrainerConfig:
     target_window: int = 20
     synchronous: bool = False
     """Synchronous baseline: issue a batch of prompts, wait for all of it, train, wait for the new
-    weights to reach the generators, repeat (no staleness). Use with W = L_max for plain PPO."""
+    weights to reach the generators, repeat (no staleness). Windows are whole responses
+    (`engine.window_tokens` is set to `engine.max_response_tokens`)."""
     stall_timeout_s: float = 600.0
     """`asyncrl train` fails if no learner step happens for this long (e.g. dynamic sampling
     dropping every group of a task the policy has solved), naming the drop counts."""
@@ -322,6 +328,10 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
         if isinstance(exc, ConfigError):
             raise
         raise ConfigError(f"invalid config: {exc}") from exc
+    if config.trainer.synchronous:
+        # A synchronous batch is whole responses (cut windows would wait for a batch that never
+        # fills); set here so that a task's window size cannot undo it.
+        config.engine.window_tokens = config.engine.max_response_tokens
     validate(config)
     return config
 
@@ -333,6 +343,8 @@ def validate(config: Config) -> None:
         (e.window_tokens >= 1, "engine.window_tokens must be >= 1"),
         (e.max_response_tokens >= 1, "engine.max_response_tokens must be >= 1"),
         (e.max_inflight_sequences >= 1, "engine.max_inflight_sequences must be >= 1"),
+        (0 <= e.long_tail_fraction <= 1 and 0 <= e.long_tail_tokens <= e.max_response_tokens,
+         "engine.long_tail_fraction must be in [0, 1] and engine.long_tail_tokens in [0, max_response_tokens]"),
         (e.temperature > 0, "engine.temperature must be > 0"),
         (0 < e.top_p <= 1, "engine.top_p must be in (0, 1]"),
         (a.group_size >= 1, "algorithm.group_size must be >= 1"),

@@ -183,7 +183,7 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
     summary = {"run_dir": run_dir, "eval_before": before, "eval_after": after, "train_wall_s": wall,
                "reached_target": _reached_target(records, config), "evals": evals,
                "resumed": system.resumed, "restarts": supervisor.restarts,
-               "steps": len(records), "final_status": {k: v for k, v in final_status.items() if k != "generators"},
+               "steps": len(records), "final_status": final_status,
                "records": records}
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump({k: v for k, v in summary.items() if k != "records"}, f, indent=2, default=str)

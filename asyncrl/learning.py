@@ -138,6 +138,16 @@ def token_logprobs(model, input_ids, attention_mask, targets, temperature: float
     return logp, entropy
 
 
+def row_length(segment) -> int:
+    return len(segment.prompt_token_ids) + len(segment.prior_response_ids) + len(segment.new_token_ids)
+
+
+def width_of(attention_mask: torch.Tensor, rows: slice) -> int:
+    """Columns a micro-batch of right-padded rows needs (its longest row): a batch holding one long
+    row would otherwise pad every micro-batch to that length."""
+    return int(attention_mask[rows].sum(-1).max())
+
+
 def micro_batches(collated: Collated, max_tokens: int) -> list[slice]:
     """Contiguous row ranges whose padded token count stays under `max_tokens` (at least one row)."""
     return micro_batches_of(RowLayout(collated.input_ids, collated.attention_mask, []), max_tokens)
@@ -166,6 +176,9 @@ def clip_and_step(model, optimizer, grad_clip: float) -> torch.Tensor:
 def policy_step(model, optimizer, samples: list[TrainSample], settings: PolicyLossSettings,
                 reference_model=None, pad_token_id: int = 0) -> dict[str, float]:
     """Forward/backward over micro-batches, clip gradients, step. Returns metrics."""
+    # Rows sorted by length, micro-batches trimmed to their longest row: little padding with
+    # long-tailed lengths. The loss is a sum over rows, so their order does not change it.
+    samples = sorted(samples, key=lambda s: row_length(s.segment))
     collated = collate(samples, pad_token_id)
     total_tokens = max(float(collated.response_mask.sum()), 1.0)
     total_seqs = max(float((collated.response_mask.sum(-1) > 0).sum()), 1.0)
@@ -174,7 +187,8 @@ def policy_step(model, optimizer, samples: list[TrainSample], settings: PolicyLo
     model.train()
     optimizer.zero_grad(set_to_none=True)
     sums: dict[str, float] = {}
-    for sl in micro_batches(collated, settings.micro_batch_tokens):
+    for rows in micro_batches(collated, settings.micro_batch_tokens):
+        sl = (rows, slice(0, width_of(collated.attention_mask, rows)))
         mask = collated.response_mask[sl]
         trained = (mask > 0) | (collated.nll_mask[sl] > 0)
         logp, entropy = token_logprobs(model, collated.input_ids[sl], collated.attention_mask[sl],
@@ -272,20 +286,25 @@ def value_step(value_model, optimizer, trajectories: list[ScoredTrajectory], set
 
     if not all(t.segment.finished for t in trajectories):
         raise ValueError("the value model trains on finished trajectories only")
+    trajectories = sorted(trajectories, key=lambda t: row_length(t.segment))  # see policy_step
     layout = layout_rows([segment_row(t.segment) for t in trajectories], pad_token_id)
+    chunks = [(rows, slice(0, width_of(layout.attention_mask, rows)))
+              for rows in micro_batches_of(layout, settings.micro_batch_tokens)]
     mask = layout.place([np.ones(len(t.segment.new_token_ids), dtype=np.float32) for t in trajectories])
     rewards = layout.place([trajectory_rewards(t) for t in trajectories])
     value_model.eval()
+    old_values = torch.zeros(mask.shape)
     with torch.no_grad():
-        old_values = torch.cat([value_model(layout.input_ids[sl], layout.attention_mask[sl])
-                                for sl in micro_batches_of(layout, settings.micro_batch_tokens)]) * mask
+        for sl in chunks:
+            old_values[sl] = value_model(layout.input_ids[sl], layout.attention_mask[sl]).float()
+    old_values = old_values * mask
     # Positions run left to right through context then response; GAE walks only the masked ones.
     _, returns = gae(rewards, old_values, mask, settings.gamma, settings.lam)
     total_tokens = max(float(mask.sum()), 1.0)
     value_model.train()
     optimizer.zero_grad(set_to_none=True)
     sums = {"value_loss": 0.0, "value_clip_fraction": 0.0}
-    for sl in micro_batches_of(layout, settings.micro_batch_tokens):
+    for sl in chunks:
         values = value_model(layout.input_ids[sl], layout.attention_mask[sl])
         loss, metrics = value_loss(values, old_values[sl], returns[sl], mask[sl], settings.clip_low, settings.clip_high)
         share = float(mask[sl].sum()) / total_tokens

@@ -80,7 +80,8 @@ class GeneratorActor(_LoopShell):
         e = config.engine
         max_windows = e.max_windows or math.ceil(e.max_response_tokens / e.window_tokens)
         self.inner = Generator(engine, prompts, segments, sampling_params(config), e.window_tokens,
-                               e.max_response_tokens, max_windows, e.max_inflight_sequences, generator_id)
+                               e.max_response_tokens, max_windows, e.max_inflight_sequences, generator_id,
+                               long_tail=(e.long_tail_fraction, e.long_tail_tokens))
 
     def init_weight_group(self, addr: str, port: int, world_size: int, rank: int) -> None:
         init_weight_group(addr, port, world_size, rank, "gloo")
@@ -429,8 +430,12 @@ class TrainingSystem:
                             "weight_version": learner_meta["weight_version"], "saved_batches": len(saved_batches)}
         G = cfg.algorithm.group_size
         prompts_ahead = max(2, 2 * tr.num_generators * math.ceil(cfg.engine.max_inflight_sequences / G))
+        # The capacity counts leased prompts too, and a prompt stays leased until its last sample
+        # ends: with long-tailed lengths a few stragglers would hold every slot and starve the
+        # generators. Room for every prompt the staleness budget allows to be open, plus a queue.
+        prompts_open = min((cfg.algorithm.max_staleness_versions + 1) * tr.prompts_per_step, 4096)
         self.mailboxes = {
-            "prompts": RayMailbox.create(PromptRequest, capacity=prompts_ahead, lease_s=tr.lease_s),
+            "prompts": RayMailbox.create(PromptRequest, capacity=prompts_ahead + prompts_open, lease_s=tr.lease_s),
             "segments": RayMailbox.create(Segment, capacity=tr.mailbox_capacity, lease_s=tr.lease_s),
             "batches": RayMailbox.create(TrainBatch, capacity=2, lease_s=tr.lease_s),
         }

@@ -109,6 +109,11 @@ def test_value_based_knobs_are_validated():
         compose(["algorithm=tppo", "algorithm.egae_bootstrap=sometimes"])
     with pytest.raises(ConfigError, match="synchronous"):
         compose(["algorithm=tppo", "trainer.synchronous=true"])
+    # Synchronous batches are whole responses whatever window the task sets (tiny_seq: W=2 < 4).
+    sync = compose(["algorithm=tppo_sync", "model=tiny", "task=tiny_seq"])
+    assert sync.engine.window_tokens == sync.engine.max_response_tokens == 4
+    with pytest.raises(ConfigError, match="long_tail"):
+        compose(["engine.long_tail_fraction=1.5"])
 
 
 def test_tiny_seq_partial_credit():

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from asyncrl.algo.sampling import counter_uniform, filtered_logprobs, step_logprobs
+from asyncrl.algo.sampling import counter_uniform, filtered_logprobs, sample_from_logprobs, step_logprobs
 from asyncrl.engines.base import SamplingParams, SequenceInput
 from asyncrl.engines.torch_engine import TorchEngine
 from asyncrl.models import ModelSpec, build_tiny_model, build_tiny_tokenizer
@@ -137,12 +137,26 @@ def test_async_generate_window(tiny):
 
 
 def test_counter_uniform_is_a_function_of_seed_and_position():
-    u = counter_uniform(torch.tensor([1, 1, 2]), torch.tensor([5, 5, 5]), 1000)
-    assert torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
+    u = counter_uniform(torch.tensor([1, 1, 2, 1]), torch.tensor([5, 5, 5, 6]))
+    assert u[0] == u[1] and u[0] != u[2] and u[0] != u[3]
     assert 0 < float(u.min()) and float(u.max()) < 1
     # Roughly uniform: mean 0.5, variance 1/12.
-    big = counter_uniform(torch.arange(64), torch.zeros(64, dtype=torch.long), 4096)
-    assert abs(float(big.mean()) - 0.5) < 0.01 and abs(float(big.var()) - 1 / 12) < 0.005
+    big = counter_uniform(torch.arange(100_000), torch.zeros(100_000, dtype=torch.long))
+    assert abs(float(big.mean()) - 0.5) < 0.005 and abs(float(big.var()) - 1 / 12) < 0.002
+
+
+def test_sampling_draws_from_the_distribution_and_never_a_zero_probability_token():
+    probs = torch.tensor([0.5, 0.3, 0.0, 0.15, 0.05, 0.0])
+    n = 40_000
+    logprobs = torch.log(probs).expand(n, -1)
+    tokens, token_lp = sample_from_logprobs(logprobs, torch.arange(n), torch.full((n,), 3))
+    freq = torch.bincount(tokens, minlength=6).double() / n
+    np.testing.assert_allclose(freq.numpy(), probs.numpy(), atol=0.01)
+    assert freq[2] == 0 and freq[5] == 0
+    torch.testing.assert_close(token_lp, torch.log(probs)[tokens])
+    # A row's draw depends on its own (seed, position) only, not on the rows beside it.
+    alone, _ = sample_from_logprobs(logprobs[:1], torch.tensor([7]), torch.tensor([3]))
+    assert int(alone) == int(tokens[7])
 
 
 def test_top_k_top_p_filtering_by_hand():
@@ -182,3 +196,29 @@ def test_fire_empirical_first_token_near_uniform_and_rest_regular(tiny):
     a = engine.generate_window_sync([seq(PROMPTS[0], seed=9)], 8, same)[0]
     b = engine.generate_window_sync([seq(PROMPTS[0], seed=9)], 8, SamplingParams())[0]
     assert a.token_ids.tolist() == b.token_ids.tolist()
+
+
+def test_min_response_tokens_hold_eos_back_and_the_long_tail_workload_is_by_seed(tiny):
+    from asyncrl.engines.base import long_tail_min_tokens
+
+    model, _ = tiny
+    engine = engine_for(model, eos=tuple(range(15)))  # half the vocabulary ends a response
+    free = engine.generate_window_sync([seq(PROMPTS[0], seed=s) for s in range(40)], 32, SamplingParams())
+    assert np.median([len(o.token_ids) for o in free]) <= 3
+    held = [SequenceInput(prompt_ids=int32_array(PROMPTS[0]), response_ids=int32_array([]), seed=s,
+                          max_response_tokens=64, min_response_tokens=12) for s in range(40)]
+    outs = engine.generate_window_sync(held, 32, SamplingParams())
+    for o in outs:
+        assert len(o.token_ids) >= 12 and all(int(t) >= 15 for t in o.token_ids[:12])
+        # The log-probs are those of the distribution sampled from (EOS masked): finite, and
+        # higher than the unmasked ones.
+        assert np.isfinite(o.logprobs).all()
+    # Continuation from 10 generated tokens: only 2 more must be held back.
+    cont = engine.generate_window_sync([SequenceInput(prompt_ids=int32_array(PROMPTS[0]), response_ids=outs[0].token_ids[:10],
+                                                      seed=0, max_response_tokens=64, min_response_tokens=12)], 32, SamplingParams())[0]
+    assert cont.token_ids[:2].tolist() == outs[0].token_ids[10:12].tolist()
+
+    floors = [long_tail_min_tokens(s, 0.1, 80) for s in range(5000)]
+    assert set(floors) == {0, 80} and abs(np.mean(np.array(floors) == 80) - 0.1) < 0.015
+    assert floors == [long_tail_min_tokens(s, 0.1, 80) for s in range(5000)]  # a regenerated sample is the same
+    assert long_tail_min_tokens(3, 0.0, 80) == 0 and long_tail_min_tokens(3, 1.0, 80) == 80

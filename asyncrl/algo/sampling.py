@@ -1,12 +1,14 @@
 """Token sampling as pure tensor functions.
 
-Randomness is *counter-based*: the uniform noise for token `v` at response position `p` of a
-sequence with seed `s` is a hash of `(s, p, v)`. A sample therefore depends only on the model's
-logits and `(s, p)`, never on batch composition, padding, or how generation is cut into windows:
-generating 3 windows of 8 tokens gives exactly the tokens of one 24-token call.
+Randomness is *counter-based*: the uniform number for response position `p` of a sequence with
+seed `s` is a hash of `(s, p)`. A sample therefore depends only on the model's logits and `(s, p)`,
+never on batch composition, padding, or how generation is cut into windows: generating 3 windows
+of 8 tokens gives exactly the tokens of one 24-token call.
 
-Sampling is the exponential race (equivalently Gumbel-max): `argmax_v log p_v - log(-log u_v)`,
-an exact draw from the categorical `p`.
+Sampling is by inverse CDF: the first token whose cumulative probability exceeds `u`, an exact
+draw from the categorical `p`. One number per row, not one per vocabulary entry: the Gumbel race
+this replaced hashed `[B, V]` int64 counters every step (3M at batch 64 on a 49k vocabulary),
+about a tenth of a decode step on the embedded model.
 """
 
 from __future__ import annotations
@@ -34,11 +36,9 @@ def _splitmix64(x: torch.Tensor) -> torch.Tensor:
     return x ^ ((x >> 31) & ((1 << 33) - 1))
 
 
-def counter_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Uniform(0,1) noise `[B, V]` (float64) determined by `(seed[b], position[b], v)`."""
-    row_key = _splitmix64(seeds.to(torch.int64) * 1_000_003 + positions.to(torch.int64))
-    cols = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)
-    bits = _splitmix64(row_key[:, None] ^ (cols[None, :] * _GOLDEN))
+def counter_uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Uniform(0,1) numbers `[B]` (float64) determined by `(seed[b], position[b])`."""
+    bits = _splitmix64(_splitmix64(seeds.to(torch.int64) * 1_000_003 + positions.to(torch.int64)))
     mantissa = (bits >> 11) & ((1 << 53) - 1)
     return (mantissa.to(torch.float64) + 0.5) / float(1 << 53)
 
@@ -77,10 +77,18 @@ def sample_from_logprobs(
     logprobs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row. Returns `(tokens [B] int64, their log-probs [B] float32)`."""
-    noise = counter_uniform(seeds, positions, logprobs.shape[-1])
-    race = logprobs.double() - torch.log(-torch.log(noise))
-    tokens = torch.argmax(race, dim=-1)
-    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1).float()
+    cdf = torch.cumsum(logprobs.double().exp(), dim=-1)
+    target = counter_uniform(seeds, positions) * cdf[:, -1]
+    # The first index whose cumulative mass exceeds the target: a token of zero probability has an
+    # empty interval and cannot be drawn (`right=True`).
+    tokens = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1).clamp(max=logprobs.shape[-1] - 1)
+    token_lp = logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+    # Rounding can put the target on the last boundary: take the most likely token instead.
+    stray = ~torch.isfinite(token_lp)
+    if bool(stray.any()):
+        tokens = torch.where(stray, logprobs.argmax(-1), tokens)
+        token_lp = logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, token_lp.float()
 
 
 def greedy_from_logprobs(logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

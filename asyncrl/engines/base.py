@@ -41,6 +41,16 @@ class SequenceInput(msgspec.Struct, kw_only=True, frozen=True):
     response_ids: np.ndarray  # int32 [R], generated in earlier windows
     seed: int
     max_response_tokens: int  # total response budget; reaching it finishes with MAX_LENGTH
+    min_response_tokens: int = 0  # EOS is not sampled before this many response tokens
+
+
+def long_tail_min_tokens(seed: int, fraction: float, tokens: int) -> int:
+    """The long-tail benchmark workload: a `fraction` of samples, chosen by their seed, may not
+    end before `tokens` (0 for the others). Deterministic, so a regenerated sample is the same."""
+    if fraction <= 0 or tokens <= 0:
+        return 0
+    draw = np.random.default_rng([seed, 0x7A11]).random()
+    return tokens if draw < fraction else 0
 
 
 class WindowOutput(msgspec.Struct, kw_only=True, frozen=True):

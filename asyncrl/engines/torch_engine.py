@@ -78,6 +78,8 @@ class TorchEngine:
         if bool((budget <= 0).any()):
             raise ValueError("a sequence passed to generate_window has no response budget left")
         seeds = torch.tensor([s.seed for s in sequences], dtype=torch.int64)
+        min_tokens = torch.tensor([s.min_response_tokens for s in sequences])
+        hold_eos = bool((min_tokens > prior).any())
 
         width = int(context_lens.max())
         input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
@@ -108,6 +110,9 @@ class TorchEngine:
         reason = torch.full((batch,), -1, dtype=torch.long)  # -1 running, 0 eos, 1 max length
         for step in range(window_tokens):
             running = reason < 0
+            if hold_eos:  # rows below their minimum length cannot sample EOS
+                early = (prior + step < min_tokens)[:, None]
+                logits[:, self.eos_token_ids] = torch.where(early, float("-inf"), logits[:, self.eos_token_ids])
             dist = step_logprobs(
                 logits,
                 prior + step,
