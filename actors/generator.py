@@ -50,6 +50,7 @@ class Generator:
         self.inflight: list[_Sequence] = []
         self.samples_left: dict[str, int] = {}  # prompt id -> samples not yet finished
         self._pending_update: tuple[BucketPlan, int, asyncio.Future] | None = None
+        self._emitting: asyncio.Future | None = None  # the previous window's segments being sent
         self._running = False
         self._started = time.monotonic()
         self.timing = {"generate_s": 0.0, "weight_update_s": 0.0, "wait_prompts_s": 0.0, "wait_mailbox_s": 0.0}
@@ -102,8 +103,12 @@ class Generator:
             self.inflight += [_Sequence(request, i) for i in samples]
             self.counters["prompts_admitted"] += 1
 
-    async def step(self) -> None:
-        """One turn: apply a pending update, admit prompts, generate a window, emit segments."""
+    async def step(self, overlap: bool = False) -> None:
+        """One turn: apply a pending update, admit prompts, generate a window, emit segments.
+
+        With `overlap` (the run loop) the segments are sent, and finished prompts acknowledged,
+        while the next window generates: the engine runs in a thread, so the event loop is free.
+        One emission is in flight at most, so order and mailbox backpressure are kept."""
         await self._apply_pending_update()
         await self._admit()
         if not self.inflight:
@@ -165,18 +170,36 @@ class Generator:
                 still_running.append(seq)
         # Continuations first, in their original order; sequences outside this batch keep theirs.
         self.inflight = still_running + self.inflight[len(batch):]
-        start = time.perf_counter()
+        await self.flush()
+        emission = self._emit(segments, finished_prompts)
+        if overlap:
+            self._emitting = asyncio.ensure_future(emission)
+        else:
+            await emission
+
+    async def _emit(self, segments: list[Segment], finished_prompts: list[str]) -> None:
+        # A prompt is acknowledged only after its last segments are in the mailbox.
         await self.segments.put(segments)
-        self.timing["wait_mailbox_s"] += time.perf_counter() - start
         self.counters["segments"] += len(segments)
         if finished_prompts:
             await self.prompts.ack(finished_prompts)
 
+    async def flush(self) -> None:
+        """Wait for the emission in flight (time blocked here is mailbox backpressure)."""
+        if self._emitting is not None:
+            start = time.perf_counter()
+            emitting, self._emitting = self._emitting, None
+            await emitting
+            self.timing["wait_mailbox_s"] += time.perf_counter() - start
+
     async def run(self) -> None:
         self._running = True
         self._started = time.monotonic()
-        while self._running:
-            await self.step()
+        try:
+            while self._running:
+                await self.step(overlap=True)
+        finally:
+            await self.flush()
 
     def stop(self) -> None:
         self._running = False

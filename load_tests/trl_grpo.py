@@ -24,7 +24,7 @@ def main() -> None:
 
     import torch
     from datasets import Dataset
-    from transformers import TrainerCallback
+    from transformers import PrinterCallback, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from asyncrl.config import compose
@@ -36,6 +36,13 @@ def main() -> None:
     config = compose(json.loads(args.overrides))
     a, e, t = config.algorithm, config.engine, config.task
     model, tokenizer = load_policy(model_spec(config))
+    # The GGUF loader leaves its quantizer attached although the weights are dequantized fp32
+    # (asyncrl's checkpoints drop it the same way); TRL refuses to train a "quantized" model.
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer = None
+        model.is_quantized = False
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
     tokenizer.padding_side = "left"
     examples = load_examples(t.name, "train", t.num_train_prompts, t.seed, t.path)
     rows = [{"prompt": ex.messages if config.model.use_chat_template else ex.text,
@@ -72,6 +79,7 @@ def main() -> None:
         )
         trainer = GRPOTrainer(model=model, reward_funcs=reward, args=trl_config, train_dataset=dataset,
                               processing_class=tokenizer, callbacks=[Log()])
+        trainer.remove_callback(PrinterCallback)  # one dict per step on stdout otherwise
         trainer.train()
     import trl
 

@@ -31,7 +31,7 @@ def shapes_of(model_name: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]
         config = AutoConfig.for_model(**HALF_B)
     elif model_name == "embedded":
         from asyncrl.config import compose
-        from asyncrl.models import ModelSpec, load_policy
+        from asyncrl.models import load_policy
         from asyncrl.system import model_spec
 
         model, _ = load_policy(model_spec(compose([])))

@@ -39,7 +39,7 @@ class PickleRayMailbox(RayMailbox):
 def _renamed(segment: Segment, i: int) -> Segment:
     import msgspec
 
-    return msgspec.structs.replace(segment, sample_idx=i)  # distinct msg ids (the mailbox dedups)
+    return msgspec.structs.replace(segment, prompt_id=f"p-{i}", group_id=f"p-{i}")  # distinct ids (the mailbox dedups)
 
 
 async def _in_process(segment: Segment, n: int) -> float:
@@ -97,18 +97,19 @@ def _across_ray(actors: dict, offset: int, n: int) -> float:
     return time.perf_counter() - start
 
 
-def run(quick: bool = False) -> dict:
+def run(quick: bool = False, sizes: dict[int, int] | None = None, rounds: int | None = None) -> dict:
+    """`sizes`: segments sent per round for each segment length (new tokens)."""
     import ray
 
-    from asyncrl.driver import init_ray
     from asyncrl.config import compose
+    from asyncrl.driver import init_ray
 
     init_ray(compose(["model=tiny"]))
-    rounds = 3 if quick else 7
+    rounds = rounds or (3 if quick else 7)
+    sizes = sizes or ({256: 400, 8192: 100} if quick else {256: 2000, 8192: 500})
     results = {}
-    for tokens in (256, 8192):
+    for tokens, n in sizes.items():
         segment = make_segment(tokens)
-        n = (400 if quick else 2000) if tokens == 256 else (100 if quick else 500)
         nbytes = len(pickle.dumps(segment, protocol=5))
         in_proc = [asyncio.run(_in_process(segment, n)) for _ in range(rounds)]
         systems = {}

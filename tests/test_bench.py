@@ -1,0 +1,32 @@
+"""The benchmarks' measuring parts on tiny sizes: they run, move every byte, and report sane figures
+(the figures themselves live in docs/benchmarks.md, never in assertions on speed)."""
+
+import torch
+
+from asyncrl.bench import broadcast, mailbox
+
+
+def test_broadcast_moves_every_byte_of_the_model_and_reports_against_memcpy():
+    result = broadcast.measure("tiny", rounds=2, bucket_mb=1)
+    shapes = broadcast.shapes_of("tiny")
+    assert result["bytes"] == sum(torch.Size(s).numel() * 4 for s, _ in shapes.values())
+    assert result["parameters"] > 100_000 and result["rounds"] == 2
+    # The receiver's checksum is compared inside `measure`; timings are positive and paired.
+    assert result["seconds_per_update_median"] > 0 and result["memcpy_s_median"] > 0
+    assert result["ratio_update_over_memcpy_median"] > 0
+    assert "| tiny |" in broadcast.report({"tiny": result})
+
+
+def test_half_billion_model_shapes_without_allocating():
+    shapes = broadcast.shapes_of("0.5b")
+    params = sum(torch.Size(s).numel() for s, _ in shapes.values())
+    assert 480e6 < params < 500e6  # Qwen2.5-0.5B: 494M with tied embeddings
+
+
+def test_mailbox_across_ray_msgspec_and_pickle(ray_session):
+    result = mailbox.run(sizes={256: 64}, rounds=1)
+    row = result["256_tokens"]
+    for key in ("in_process_segments_per_s", "ray_msgspec_segments_per_s", "ray_pickle_segments_per_s"):
+        assert row[key] > 0
+    assert row["segment_bytes"] > 256 * 4 and row["ray_ratio_msgspec_over_pickle_median"] > 0
+    assert "256 tokens" in mailbox.report(result)
