@@ -21,7 +21,10 @@ def test_bench_messages_quick_writes_json(tmp_path):
     out = asyncrl("bench", "messages", "--quick", "--run-dir", str(tmp_path), cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads((tmp_path / "bench_messages.json").read_text())
-    assert result["4096_tokens"]["msgspec_roundtrip_us"] > 0 and "machine" in result
+    assert result["codec"]["4096_tokens"]["msgspec_roundtrip_us"] > 0 and "machine" in result
+    # Segments through a mailbox across Ray processes, both codecs.
+    assert result["mailbox"]["8192_tokens"]["ray_pickle_segments_per_s"] > 0
+    assert "Ray msgspec" in out.stdout
 
 
 def test_bad_override_fails_with_the_field_name(tmp_path):

@@ -116,7 +116,8 @@ def measure(model_name: str, rounds: int, bucket_mb: int = 64) -> dict:
     }
 
 
-def run(quick: bool = False, step_seconds: dict[str, float] | None = None) -> dict:
+def run(quick: bool = False, overrides: list[str] | None = None, step_seconds: dict[str, float] | None = None) -> dict:
+    """`overrides` are not used: the models are fixed by name (embedded, 0.5b; tiny with --quick)."""
     models = ("tiny", "embedded") if quick else ("embedded", "0.5b")
     rounds = 3 if quick else 5
     out = {}

@@ -31,7 +31,20 @@ def make_segment(new_tokens: int, prompt_tokens: int = 256) -> Segment:
     )
 
 
-def run(quick: bool = False, tokens: tuple[int, ...] = (256, 4096, 8192)) -> dict:
+def run(quick: bool = False, overrides: list[str] | None = None) -> dict:
+    """The codec alone, then segments through mailboxes (in-process and across Ray)."""
+    from asyncrl.bench import mailbox
+
+    return {"codec": run_codec(quick=quick), "mailbox": mailbox.run(quick=quick)}
+
+
+def report(result: dict) -> str:
+    from asyncrl.bench import mailbox
+
+    return report_codec(result["codec"]) + "\n\n" + mailbox.report(result["mailbox"])
+
+
+def run_codec(quick: bool = False, tokens: tuple[int, ...] = (256, 4096, 8192)) -> dict:
     codec = Codec(Segment)
     rounds = 3 if quick else 9
     seconds = 0.05 if quick else 0.25
@@ -62,7 +75,7 @@ def run(quick: bool = False, tokens: tuple[int, ...] = (256, 4096, 8192)) -> dic
     return results
 
 
-def report(results: dict) -> str:
+def report_codec(results: dict) -> str:
     lines = ["| segment | msgspec bytes | pickle bytes | msgspec enc+dec | pickle enc+dec | pickle/msgspec |",
              "|---|---|---|---|---|---|"]
     for name, r in results.items():

@@ -97,6 +97,10 @@ def run(quick: bool = False, overrides: list[str] | None = None) -> dict:
     return out
 
 
+def write_extras(result: dict, run_dir: str) -> None:
+    plot(result, os.path.join(run_dir, "bench_trl_reward.png"))
+
+
 def plot(result: dict, path: str) -> None:
     import matplotlib
 
