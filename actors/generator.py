@@ -51,9 +51,13 @@ class Generator:
         self.samples_left: dict[str, int] = {}  # prompt id -> samples not yet finished
         self._pending_update: tuple[BucketPlan, int, asyncio.Future] | None = None
         self._emitting: asyncio.Future | None = None  # the previous window's segments being sent
+        self._last_group_size = 1  # samples of the last prompt taken (admission asks when it fits)
         self._running = False
         self._started = time.monotonic()
-        self.timing = {"generate_s": 0.0, "weight_update_s": 0.0, "wait_prompts_s": 0.0, "wait_mailbox_s": 0.0}
+        # admit_s: taking prompts while sequences are running; prepare_s: building a window's inputs
+        # and turning its outputs into segments (the generator's own work between windows).
+        self.timing = {"generate_s": 0.0, "weight_update_s": 0.0, "wait_prompts_s": 0.0, "wait_mailbox_s": 0.0,
+                       "admit_s": 0.0, "prepare_s": 0.0}
         self.counters = {"windows": 0, "tokens": 0, "segments": 0, "samples_finished": 0, "prompts_admitted": 0,
                          "weight_updates": 0}
 
@@ -87,6 +91,10 @@ class Generator:
         """Fill free slots with whole prompts (all G samples together). A prompt that does not fit
         goes back to the mailbox; the cap is exceeded only by a lone group larger than the cap."""
         while len(self.inflight) < self.max_inflight:
+            # Ask only when the last prompt's group would fit: a prompt that does not fit costs a
+            # get and a nack (two mailbox round trips) for nothing, every window.
+            if self.inflight and len(self.inflight) + self._last_group_size > self.max_inflight:
+                return
             # Wait for prompts only when idle; otherwise take what is there without blocking.
             start = time.perf_counter()
             requests = await self.prompts.get(1, timeout=0.0 if self.inflight else 0.2)
@@ -96,6 +104,7 @@ class Generator:
                 return
             request = requests[0]
             samples = request.samples
+            self._last_group_size = len(samples)
             if self.inflight and len(self.inflight) + len(samples) > self.max_inflight:
                 await self.prompts.nack([request.prompt_id])
                 return
@@ -110,9 +119,14 @@ class Generator:
         while the next window generates: the engine runs in a thread, so the event loop is free.
         One emission is in flight at most, so order and mailbox backpressure are kept."""
         await self._apply_pending_update()
+        start = time.perf_counter()
+        busy = bool(self.inflight)
         await self._admit()
+        if busy:
+            self.timing["admit_s"] += time.perf_counter() - start
         if not self.inflight:
             return
+        start = time.perf_counter()
         batch = self.inflight[: self.max_inflight]
         inputs = [
             SequenceInput(
@@ -125,10 +139,12 @@ class Generator:
             for s in batch
         ]
         version = self.engine.version
+        self.timing["prepare_s"] += time.perf_counter() - start
         start = time.perf_counter()
         outputs = await self.engine.generate_window(inputs, self.window_tokens, self.params)
         self.timing["generate_s"] += time.perf_counter() - start
         self.counters["windows"] += 1
+        start = time.perf_counter()
 
         segments, finished_prompts, still_running = [], [], []
         for seq, out in zip(batch, outputs):
@@ -170,6 +186,7 @@ class Generator:
                 still_running.append(seq)
         # Continuations first, in their original order; sequences outside this batch keep theirs.
         self.inflight = still_running + self.inflight[len(batch):]
+        self.timing["prepare_s"] += time.perf_counter() - start
         await self.flush()
         emission = self._emit(segments, finished_prompts)
         if overlap:

@@ -41,7 +41,9 @@ def one(algorithm: str, steps: int, overrides: list[str]) -> dict:
         "samples_per_s": records[-1]["samples_trained"] / records[-1]["wall_time_s"],
         "generating": share("generate_s"), "waiting_for_weights": share("weight_update_s"),
         "waiting_for_prompts": share("wait_prompts_s"), "waiting_for_mailbox": share("wait_mailbox_s"),
-        "other": 1 - share("generate_s") - share("weight_update_s") - share("wait_prompts_s") - share("wait_mailbox_s"),
+        "taking_prompts": share("admit_s"), "preparing": share("prepare_s"),
+        "other": 1 - sum(share(k) for k in ("generate_s", "weight_update_s", "wait_prompts_s", "wait_mailbox_s",
+                                            "admit_s", "prepare_s")),
         "learner_busy": status["learner_busy_fraction"],
         "window_tokens": config.engine.window_tokens, "group_size": config.algorithm.group_size,
     }
@@ -58,9 +60,10 @@ def run(quick: bool = False, overrides: list[str] | None = None) -> dict:
 
 
 def report(result: dict) -> str:
-    lines = ["| algorithm | generating | weights | prompts | mailbox | other | learner busy | samples/s |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| algorithm | generating | waiting: weights | waiting: prompts | waiting: mailbox | taking prompts | "
+             "preparing windows | other | learner busy | samples/s |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in result.items():
         lines.append(f"| {name} | {r['generating']:.3f} | {r['waiting_for_weights']:.3f} | {r['waiting_for_prompts']:.3f} | "
-                     f"{r['waiting_for_mailbox']:.3f} | {r['other']:.3f} | {r['learner_busy']:.2f} | {r['samples_per_s']:.1f} |")
+                     f"{r['waiting_for_mailbox']:.3f} | {r['taking_prompts']:.3f} | {r['preparing']:.3f} | {r['other']:.3f} | "
+                     f"{r['learner_busy']:.2f} | {r['samples_per_s']:.1f} |")
     return "\n".join(lines)
