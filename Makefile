@@ -25,7 +25,7 @@ generate: setup
 	$(VENV)/bin/asyncrl generate
 
 test: setup
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q --durations=15
 
 clean:
 	rm -rf $(VENV) .venv-bench outputs

@@ -16,7 +16,7 @@ from asyncrl.weight_sync import free_port
 
 OVERRIDES = "model=tiny task=tiny algorithm=grpo trainer.wandb_mode=disabled trainer.checkpoint_every=0"
 APPS = {"train": "/train", "policy": "/v1", "reward-verifier": "/reward/verifier"}
-EXAMPLES = 12  # per operation and generation mode (CI time); raise it for a deeper run
+EXAMPLES = 8  # per operation and generation mode (CI time); raise it for a deeper run
 
 
 @pytest.fixture(scope="module")

@@ -105,8 +105,8 @@ def run(quick: bool = False, sizes: dict[int, int] | None = None, rounds: int | 
     from asyncrl.driver import init_ray
 
     init_ray(compose(["model=tiny"]))
-    rounds = rounds or (3 if quick else 7)
-    sizes = sizes or ({256: 400, 8192: 100} if quick else {256: 2000, 8192: 500})
+    rounds = rounds or (2 if quick else 7)
+    sizes = sizes or ({256: 200, 8192: 50} if quick else {256: 2000, 8192: 500})
     results = {}
     for tokens, n in sizes.items():
         segment = make_segment(tokens)
