@@ -31,6 +31,7 @@ class _Sequence:
     turn: int = 0
     response_ids: list[int] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    min_response_tokens: int = 0  # drawn once at admission (long-tail workload), not per window
 
 
 class Generator:
@@ -109,7 +110,8 @@ class Generator:
                 await self.prompts.nack([request.prompt_id])
                 return
             self.samples_left[request.prompt_id] = len(samples)
-            self.inflight += [_Sequence(request, i) for i in samples]
+            self.inflight += [_Sequence(request, i, min_response_tokens=long_tail_min_tokens(request.seed + i, *self.long_tail))
+                              for i in samples]
             self.counters["prompts_admitted"] += 1
 
     async def step(self, overlap: bool = False) -> None:
@@ -134,7 +136,7 @@ class Generator:
                 response_ids=np.asarray(s.response_ids, dtype=np.int32),
                 seed=s.request.seed + s.sample_idx,
                 max_response_tokens=self.max_response_tokens,
-                min_response_tokens=long_tail_min_tokens(s.request.seed + s.sample_idx, *self.long_tail),
+                min_response_tokens=s.min_response_tokens,
             )
             for s in batch
         ]
