@@ -87,6 +87,7 @@ class Assembler:
         self._failure: BaseException | None = None
         self.counters = collections.Counter()
         self.rewards_sum = 0.0
+        self.last_reward_failure = ""
         # Reward over every sample scored since the last batch, dropped groups included: the policy's
         # reward. The batch's own mean is biased by dynamic sampling (kept groups are mixed).
         self._since_batch = [0.0, 0, 0]  # score sum, correct count, samples
@@ -136,6 +137,8 @@ class Assembler:
     def _note_scored(self, reward: Reward) -> None:
         self.counters["samples_scored"] += 1
         self.counters["reward_failures"] += int(reward.failed)
+        if reward.failed:  # the counter says how many, this says why
+            self.last_reward_failure = str(reward.details.get("error", ""))[:300]
         self.counters[f"rewards_by_version.{reward.source_version or reward.source}"] += 1
         self.rewards_sum += reward.score
         self._since_batch[0] += reward.score
@@ -350,4 +353,5 @@ class Assembler:
             "scoring_tasks": len(self._scoring),
             "ready_rows": len(self._ready_rows),
             "value_ready": self.value_mode.ready if self.value_mode is not None else None,
+            "last_reward_failure": self.last_reward_failure,
         }

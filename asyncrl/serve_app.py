@@ -333,8 +333,13 @@ async def _reward_validation_error(request: Request, exc: RequestValidationError
                         status_code=400)
 
 
+# max_surge_percent=100: a rolling update starts both replacements while the old replicas serve and
+# stops those once the new ones are ready (Serve's default stops one first and goes one at a time).
+# The surge needs room for twice the replicas; where there is none (a GPU judge), lower it under
+# the deployment in the Serve config file.
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=32, num_replicas=2,
-                  graceful_shutdown_wait_loop_s=0.5, graceful_shutdown_timeout_s=30)
+                  graceful_shutdown_wait_loop_s=0.5, graceful_shutdown_timeout_s=30,
+                  max_surge_percent=100, rolling_update_percentage=1.0)
 @serve.ingress(reward_api)
 class RewardService(RewardEndpoint):
     """A reward endpoint as its own Serve application (`reward-<name>`). The trainer calls
@@ -364,5 +369,40 @@ def build_reward(args: dict[str, Any]) -> serve.Application:
     return RewardService.bind(name, asdict(config.reward.endpoints[name]), asdict(config.model), config.task.reward)
 
 
+def reward_app_config(name: str, overrides: str, user_config: dict | None = None) -> dict:
+    """The `reward-<name>` application as an entry of a Serve config file (`configs/serve.yaml`)."""
+    app = {"name": f"reward-{name}", "route_prefix": f"/reward/{name}", "import_path": "asyncrl.serve_app:build_reward",
+           "args": {"name": name, "overrides": overrides}}
+    if user_config is not None:
+        app["deployments"] = [{"name": "RewardService", "user_config": user_config}]
+    return app
+
+
+def deploy_declaratively(applications: list[dict], timeout_s: float = 120.0) -> None:
+    """Deploy applications from config-file entries, as `serve deploy` and `serve run <file>` do,
+    and wait until they run. Use this, not `serve.run`, to swap a reward endpoint: an imperative
+    `serve.run` gives the deployment a new code version every time, so even a `user_config`-only
+    change replaces the replicas (seen on Ray 2.60). Declaratively, a change under `user_config`
+    reconfigures the running replicas in place, and a change of `args` rolls them.
+
+    Like a config file, the list is the whole declarative state: applications deployed this way
+    before and missing from it are deleted (those from `serve.run` are left alone).
+    """
+    from ray.serve.context import _get_global_client  # what `serve run <file>` calls; no dashboard needed
+    from ray.serve.schema import ApplicationStatus, ServeDeploySchema
+
+    client = _get_global_client()
+    client.deploy_apps(ServeDeploySchema(applications=applications))
+    names, deadline = {app["name"] for app in applications}, time.monotonic() + timeout_s
+    while True:
+        statuses = {name: app.status for name, app in serve.status().applications.items() if name in names}
+        # apply_config has already set the app to DEPLOYING; RUNNING means the new target is reached.
+        if len(statuses) == len(names) and set(statuses.values()) == {ApplicationStatus.RUNNING}:
+            break
+        if ApplicationStatus.DEPLOY_FAILED in statuses.values() or time.monotonic() > deadline:
+            raise RuntimeError(f"Serve deploy did not reach RUNNING: {serve.status().applications}")
+        time.sleep(0.2)
+
+
 __all__ = ["build_train", "build_policy", "build_reward", "TrainController", "PolicyServer", "RewardService",
-           "ConfigError"]
+           "ConfigError", "reward_app_config", "deploy_declaratively"]

@@ -219,22 +219,19 @@ class AssemblerActor(_LoopShell):
             overlong_penalty_factor=a.overlong_penalty_factor, max_response_tokens=config.engine.max_response_tokens,
         )
 
-        from asyncrl.rewards.hybrid import RewardRouter
+        from asyncrl.rewards.hybrid import RewardRouter, ServeRewardEndpoints
 
         r = config.reward
 
-        def handle(name):
-            if r.use_serve:
-                from ray import serve
+        if r.use_serve:
+            serve_endpoints = ServeRewardEndpoints()
+            call, compare = serve_endpoints.score, serve_endpoints.compare
+        else:
+            async def call(name, requests):
+                return await endpoints[name].score.remote(requests)
 
-                return serve.get_app_handle(f"reward-{name}")  # looked up per call: survives redeploys
-            return endpoints[name]
-
-        async def call(name, requests):
-            return await handle(name).score.remote(requests)
-
-        async def compare(name, pairs):
-            return await handle(name).compare.remote(pairs)
+            async def compare(name, pairs):
+                return await endpoints[name].compare.remote(pairs)
 
         self.router = RewardRouter(list(r.routes), call, r.timeout_s, r.retries)
         self.endpoint_names = set(r.endpoints)

@@ -23,23 +23,21 @@ import ray
 from ray import serve
 
 from asyncrl.config import RouteConfig
-from asyncrl.rewards.hybrid import RewardRouter
+from asyncrl.rewards.hybrid import RewardRouter, ServeRewardEndpoints
 from asyncrl.schema import RewardRequest
-from asyncrl.serve_app import RewardService
+from asyncrl.serve_app import deploy_declaratively, reward_app_config
 from asyncrl.weight_sync import free_port
 
 
 def deploy(version: str, code_wall_s: float) -> None:
-    serve.run(RewardService.options(user_config={"version": version}).bind(
-        "verifier", {"kind": "verifier", "code_wall_s": code_wall_s}, None, "zero_one"),
-        name="reward-verifier", route_prefix="/reward/verifier")
+    """As `serve deploy` with the application's entry in a config file: `version` sits under
+    user_config (in place), `code_wall_s` in the args (a rolling update)."""
+    overrides = f"model=tiny task=tiny algorithm=grpo reward.endpoints.verifier.code_wall_s={code_wall_s}"
+    deploy_declaratively([reward_app_config("verifier", overrides, {"version": version})])
 
 
 async def load(rate: float, seconds: float, events: list) -> list[dict]:
-    async def call(name, requests):
-        return await serve.get_app_handle(f"reward-{name}").score.remote(requests)
-
-    router = RewardRouter([RouteConfig()], call, timeout_s=10.0, retries=3)
+    router = RewardRouter([RouteConfig()], ServeRewardEndpoints().score, timeout_s=10.0, retries=3)
     results, tasks = [], []
     start = time.monotonic()
 
@@ -82,15 +80,24 @@ def main() -> None:
     swap_times: dict[str, float] = {}
     t0 = time.monotonic()
 
+    replicas: dict[str, list[int]] = {}
+
+    def replica_pids() -> list[int]:
+        handle = serve.get_app_handle("reward-verifier")
+        return sorted({handle.pid.remote().result() for _ in range(16)})
+
     def swapper() -> None:
+        replicas["before"] = replica_pids()
         time.sleep(args.seconds / 3)
         swap_times["settings_start"] = time.monotonic() - t0
         deploy("2", 5.0)  # user_config only: reconfigure in place
         swap_times["settings_done"] = time.monotonic() - t0
+        replicas["after_settings_swap"] = replica_pids()
         time.sleep(max(0.0, 2 * args.seconds / 3 - (time.monotonic() - t0)))
         swap_times["code_start"] = time.monotonic() - t0
         deploy("3", 4.0)  # new constructor arguments: rolling replacement of the replicas
         swap_times["code_done"] = time.monotonic() - t0
+        replicas["after_code_swap"] = replica_pids()
 
     thread = threading.Thread(target=swapper)
     thread.start()
@@ -99,7 +106,7 @@ def main() -> None:
     offset = 0.0  # the load loop started right after t0
     first_swap, last_done = swap_times["settings_start"] - offset, swap_times["code_done"] - offset
     report = {
-        "rate_per_s": args.rate, "seconds": args.seconds, "swaps": swap_times,
+        "rate_per_s": args.rate, "seconds": args.seconds, "swaps": swap_times, "replica_pids": replicas,
         "total": summarize(results, 0, 1e9),
         "before": summarize(results, 0, first_swap),
         "during": summarize(results, first_swap, last_done),

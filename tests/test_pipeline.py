@@ -15,14 +15,15 @@ def test_tiny_model_learns_tiny_task(ray_session, tmp_path):
     # GRPO with DAPO's clip-higher and token-level loss; dynamic sampling is off because once the
     # task is solved every group is all-correct and would be dropped (tested separately).
     config = compose(["model=tiny", "task=tiny", "algorithm=grpo", "algorithm.clip_high=0.28",
-                      "algorithm.loss_agg=token-mean", "trainer.total_steps=800", "trainer.target_reward=0.9",
+                      "algorithm.loss_agg=token-mean", "trainer.total_steps=400", "trainer.target_reward=0.9",
                       f"trainer.run_dir={tmp_path}", "trainer.wandb_mode=disabled"])
     summary = train(config, progress=False)
     rewards = [r["reward_mean_generated"] for r in summary["records"]]
     early = float(np.mean(rewards[:10]))
     # Chance is 1/30 per sample (first character among 30 tokens).
     assert early < 0.25, early
-    # The run stops once the mean of the last 20 steps reaches 0.9; it must get there within 800.
+    # The run stops once the mean of the last 20 steps reaches 0.9; it must get there within 400
+    # (107-150 steps over 20 seeds).
     assert summary["reached_target"], rewards[-20:]
     assert float(np.mean(rewards[-20:])) >= 0.9
     assert summary["eval_after"]["accuracy"] > summary["eval_before"]["accuracy"]

@@ -8,16 +8,22 @@ import ray
 from ray import serve
 
 from asyncrl.config import compose
-from asyncrl.serve_app import RewardService, build_reward
+from asyncrl.serve_app import deploy_declaratively, reward_app_config
 from asyncrl.system import TrainingSystem
 from asyncrl.weight_sync import free_port
 
 OVERRIDES = "model=tiny task=tiny algorithm=grpo trainer.wandb_mode=disabled reward.use_serve=true"
+REWARD_OVERRIDES = "model=tiny task=tiny algorithm=grpo"
 
 
 def versions(status):
     return {k.removeprefix("rewards_by_version."): v for k, v in status["assembler"].items()
             if k.startswith("rewards_by_version.")}
+
+
+def replica_pids() -> set[int]:
+    handle = serve.get_app_handle("reward-verifier")
+    return {handle.pid.remote().result() for _ in range(16)}  # two replicas, requests spread over both
 
 
 def wait_for(predicate, system, timeout=120):
@@ -35,27 +41,30 @@ def wait_for(predicate, system, timeout=120):
 def test_reward_endpoint_swaps_while_training_with_no_failed_request(ray_session, tmp_path):
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_reward({"name": "verifier", "overrides": OVERRIDES}), name="reward-verifier",
-              route_prefix="/reward/verifier")
+    # Deployed as `serve deploy configs/serve.yaml` deploys it (serve.run would restart replicas on
+    # every redeploy, user_config-only changes included).
+    deploy_declaratively([reward_app_config("verifier", REWARD_OVERRIDES, {"version": "1"})])
     system = TrainingSystem(compose([*OVERRIDES.split(), f"trainer.run_dir={tmp_path}"]), name_actors=False).start()
     try:
         wait_for(lambda s: s["step"] >= 3, system)
+        pids = replica_pids()
+        assert len(pids) == 2
 
-        # 1. Settings swap through user_config: in place, no restart; the version changes.
-        serve.run(RewardService.options(user_config={"version": "2"}).bind(
-            "verifier", {"kind": "verifier"}, None, "zero_one"), name="reward-verifier", route_prefix="/reward/verifier")
+        # 1. Settings swap through user_config: reconfigure in place, the same replicas; the version changes.
+        deploy_declaratively([reward_app_config("verifier", REWARD_OVERRIDES, {"version": "2"})])
+        assert replica_pids() == pids
         wait_for(lambda s: versions(s).get("verifier:verifier:2", 0) > 0, system)
 
         # 2. A code/model swap: new constructor arguments roll the replicas (two: one always serves).
-        serve.run(RewardService.options(user_config={"version": "3"}).bind(
-            "verifier", {"kind": "verifier", "code_wall_s": 3.0}, None, "zero_one"),
-            name="reward-verifier", route_prefix="/reward/verifier")
+        deploy_declaratively([reward_app_config("verifier", REWARD_OVERRIDES + " reward.endpoints.verifier.code_wall_s=3.0",
+                                                {"version": "3"})])
+        assert not replica_pids() & pids
         status = wait_for(lambda s: versions(s).get("verifier:verifier:3", 0) > 0, system)
         step_at_swap = status["step"]
         status = wait_for(lambda s: s["step"] >= step_at_swap + 3, system)
 
         assembler = status["assembler"]
-        assert assembler["reward_failures"] == 0, assembler
+        assert assembler["reward_failures"] == 0, assembler["last_reward_failure"]
         assert set(versions(status)) >= {"verifier:verifier:1", "verifier:verifier:2", "verifier:verifier:3"}
         # Nothing lost: every scored sample is in a group that is open, emitted or dropped.
         assert assembler["samples_scored"] == sum(versions(status).values())

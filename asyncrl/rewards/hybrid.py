@@ -80,6 +80,40 @@ def _add_aligned(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return out
 
 
+class ServeRewardEndpoints:
+    """Calls reward endpoints deployed as Serve applications (`reward-<name>`).
+
+    Handles are kept, not looked up per call: while a redeploy with new args rebuilds the
+    application, a lookup fails ("does not exist") for seconds, but a handle held keeps routing to
+    the replicas that serve until the rolling update replaces them. A handle is dropped after a
+    failed call, so an application deleted and deployed again is found on the retry.
+    """
+
+    def __init__(self) -> None:
+        self.handles: dict[str, Any] = {}
+
+    def _handle(self, name: str):
+        if name not in self.handles:
+            from ray import serve
+
+            self.handles[name] = serve.get_app_handle(f"reward-{name}")
+        return self.handles[name]
+
+    async def score(self, name: str, requests: list[RewardRequest]) -> list[Reward]:
+        try:
+            return await self._handle(name).score.remote(requests)
+        except Exception:
+            self.handles.pop(name, None)
+            raise
+
+    async def compare(self, name: str, pairs: list) -> list[dict]:
+        try:
+            return await self._handle(name).compare.remote(pairs)
+        except Exception:
+            self.handles.pop(name, None)
+            raise
+
+
 class RewardRouter:
     """Holds the routes (changeable at run time: the admin route) and the endpoint callers."""
 
