@@ -43,9 +43,13 @@ def sampling_params(config: Config) -> SamplingParams:
                           first_token_temperature=e.first_token_temperature, first_token_top_k=e.first_token_top_k)
 
 
-def build_engine(config: Config) -> tuple[TorchEngine, Any]:
-    tokenizer = load_tokenizer(model_spec(config))
-    model = load_model(model_spec(config), tokenizer)
+def build_engine(config: Config, policy: tuple[Any, Any] | None = None) -> tuple[TorchEngine, Any]:
+    """The CPU engine and tokenizer for `config.model`; `policy` = an already loaded `(model, tokenizer)`."""
+    if policy is None:
+        tokenizer = load_tokenizer(model_spec(config))
+        model = load_model(model_spec(config), tokenizer)
+    else:
+        model, tokenizer = policy
     return TorchEngine(model, eos_token_ids(model, tokenizer), tokenizer.pad_token_id or 0), tokenizer
 
 

@@ -33,3 +33,14 @@ def ray_session():
     if ray.is_initialized():
         serve.shutdown()
         ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def embedded_policy():
+    """The embedded SmolLM2-135M-Instruct `(model, tokenizer)`, loaded once for the session:
+    dequantizing the GGUF file takes ~15 s. Tests only run it forward or copy it."""
+    from asyncrl.config import compose
+    from asyncrl.models import load_policy
+    from asyncrl.system import model_spec
+
+    return load_policy(model_spec(compose([])))

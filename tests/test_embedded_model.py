@@ -11,11 +11,19 @@ from asyncrl.system import build_engine
 from asyncrl.tasks import encode_prompt, load_examples
 
 
-@pytest.mark.slow
-def test_embedded_model_generates_and_scores():
+CONFIG = ["engine.max_response_tokens=24"]
+
+
+@pytest.fixture(scope="module")
+def embedded(embedded_policy):
     torch.set_num_threads(2)
-    config = compose(["engine.max_response_tokens=24"])
-    engine, tokenizer = build_engine(config)
+    return build_engine(compose(CONFIG), policy=embedded_policy)
+
+
+@pytest.mark.slow
+def test_embedded_model_generates_and_scores(embedded):
+    config = compose(CONFIG)
+    engine, tokenizer = embedded
     assert engine.model.config.vocab_size == 49152
     example = load_examples("arithmetic", "eval", 1, 0)[0]
     prompt = encode_prompt(example, tokenizer, use_chat_template=True)
@@ -31,9 +39,10 @@ def test_embedded_model_generates_and_scores():
 
 
 @pytest.mark.slow
-def test_embedded_model_checkpoint_is_a_loadable_hugging_face_directory(tmp_path):
+def test_embedded_model_checkpoint_is_a_loadable_hugging_face_directory(embedded, tmp_path):
     """The GGUF-loaded default model saves (transformers refuses GGUF-quantized models by default)
     and loads back, with transformers and into a fresh model, bit for bit."""
+    import copy
     import json
     import os
 
@@ -41,17 +50,17 @@ def test_embedded_model_checkpoint_is_a_loadable_hugging_face_directory(tmp_path
 
     from asyncrl import checkpoint
 
-    engine, tokenizer = build_engine(compose([]))
+    engine, tokenizer = embedded
     model = engine.model
     checkpoint.save_policy(model, tokenizer, str(tmp_path / "policy"))
     assert "quantization_config" not in json.load(open(tmp_path / "policy" / "config.json"))
     loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "policy"))
     for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
         assert torch.equal(a, b), name
-    fresh, _ = build_engine(compose([]))
+    fresh = copy.deepcopy(model)
     with torch.no_grad():
-        for p in fresh.model.parameters():
+        for p in fresh.parameters():
             p.add_(1.0)
-    checkpoint.load_policy_weights(fresh.model, str(tmp_path / "policy"))
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.model.state_dict().values()))
+    checkpoint.load_policy_weights(fresh, str(tmp_path / "policy"))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
     assert os.path.exists(tmp_path / "policy" / "tokenizer.json")

@@ -21,9 +21,10 @@ def run(tmp_path, overrides):
 def test_tppo_learns_a_task_whose_answer_spans_windows(ray_session, tmp_path):
     # "d:" -> three digits with 2-token windows: the first window is trained before the response
     # is finished (EGAE bootstrap), the reward only exists on the second.
-    config, summary, records = run(tmp_path, ["algorithm=tppo", "trainer.total_steps=300"])
+    config, summary, records = run(tmp_path, ["algorithm=tppo", "trainer.total_steps=150"])
     rewards = np.array([r["reward_mean_generated"] for r in records])
-    # Chance is about 1/30 per digit; the partial-credit reward must clearly rise.
+    # Chance is about 1/30 per digit; the partial-credit reward must clearly rise (steps 110-150 of
+    # three seeds: 0.19-0.24, from 0.03).
     assert rewards[:20].mean() < 0.08, rewards[:20]
     assert rewards[-40:].mean() > rewards[:20].mean() + 0.05, (rewards[:20].mean(), rewards[-40:].mean())
 

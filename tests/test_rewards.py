@@ -13,7 +13,7 @@ from asyncrl.algo.advantages import pairwise_advantages
 from asyncrl.algo.selection import curriculum_sources, domain_zscores, select_hardest
 from asyncrl.algo.shaping import prm_dense_rewards, symmetrized_preference
 from asyncrl.config import RouteConfig
-from asyncrl.models import ModelSpec, build_tiny_tokenizer, load_policy
+from asyncrl.models import build_tiny_tokenizer
 from asyncrl.rewards.endpoint import RewardEndpoint
 from asyncrl.rewards.hybrid import RewardRouter
 from asyncrl.rewards.verifiers import verify
@@ -71,8 +71,8 @@ def test_bad_input_becomes_a_recorded_failure_not_a_crash():
 
 
 @pytest.fixture(scope="module")
-def embedded_judge():
-    model, tokenizer = load_policy(ModelSpec(source="gguf"))
+def embedded_judge(embedded_policy):
+    model, tokenizer = embedded_policy
     return GenerativeJudge(model, tokenizer, JudgeSettings(mode="pairwise"), version="test")
 
 
