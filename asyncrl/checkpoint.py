@@ -165,21 +165,7 @@ def resolve_run_dir(run_dir: str, resume: bool, outputs: str = "outputs", prefix
 
 
 def save_policy(model, tokenizer, directory: str) -> None:
-    # A model loaded from GGUF keeps its (dequantizing) loader attached, and transformers refuses
-    # to save it although its weights are plain tensors by now: save them as an ordinary model.
-    quantizer = getattr(model, "hf_quantizer", None)
-    if quantizer is not None and not quantizer.is_serializable():
-        model.hf_quantizer = None
-        try:
-            model.save_pretrained(directory, safe_serialization=True)
-        finally:
-            model.hf_quantizer = quantizer
-        config_path = os.path.join(directory, "config.json")
-        config = load_json(config_path)
-        config.pop("quantization_config", None)  # the saved weights are not quantized
-        save_json(config, config_path)
-    else:
-        model.save_pretrained(directory, safe_serialization=True)
+    model.save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)
 
 

@@ -111,10 +111,21 @@ def load_model(spec: ModelSpec, tokenizer: PreTrainedTokenizerBase) -> PreTraine
         directory = spec.path or embedded_gguf_dir()
         if not os.path.exists(os.path.join(directory, spec.gguf_file)):
             raise FileNotFoundError(f"GGUF file {spec.gguf_file} not found in {directory}")
-        return AutoModelForCausalLM.from_pretrained(directory, gguf_file=spec.gguf_file, dtype=dtype)
+        return _without_gguf_quantizer(AutoModelForCausalLM.from_pretrained(directory, gguf_file=spec.gguf_file, dtype=dtype))
     if spec.source == "hf":
         return AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype)
     raise ValueError(f"model.source must be tiny, gguf or hf, got {spec.source!r}")
+
+
+def _without_gguf_quantizer(model: PreTrainedModel) -> PreTrainedModel:
+    """transformers dequantizes GGUF weights to plain tensors on load but leaves its GGUF quantizer
+    attached and the model marked quantized; then `save_pretrained` refuses to save it and
+    `Trainer` (TRL) refuses to train it. The model is an ordinary one: detach both."""
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    return model
 
 
 def load_policy(spec: ModelSpec) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

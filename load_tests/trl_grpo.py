@@ -36,13 +36,6 @@ def main() -> None:
     config = compose(json.loads(args.overrides))
     a, e, t = config.algorithm, config.engine, config.task
     model, tokenizer = load_policy(model_spec(config))
-    # The GGUF loader leaves its quantizer attached although the weights are dequantized fp32
-    # (asyncrl's checkpoints drop it the same way); TRL refuses to train a "quantized" model.
-    if getattr(model, "hf_quantizer", None) is not None:
-        model.hf_quantizer = None
-        model.is_quantized = False
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
     tokenizer.padding_side = "left"
     examples = load_examples(t.name, "train", t.num_train_prompts, t.seed, t.path)
     rows = [{"prompt": ex.messages if config.model.use_chat_template else ex.text,

@@ -6,9 +6,9 @@ never on batch composition, padding, or how generation is cut into windows: gene
 of 8 tokens gives exactly the tokens of one 24-token call.
 
 Sampling is by inverse CDF: the first token whose cumulative probability exceeds `u`, a draw
-from the categorical `p` (up to float32 rounding of the cumulative sum). One number per row, not one per vocabulary entry: the Gumbel race
-this replaced hashed `[B, V]` int64 counters every step (3M at batch 64 on a 49k vocabulary),
-about a tenth of a decode step on the embedded model.
+from the categorical `p` (up to float32 rounding of the cumulative sum). One number per row, not
+one per vocabulary entry: the Gumbel race this replaced hashed `[B, V]` int64 counters every step
+(3M at batch 64 on a 49k vocabulary), about a tenth of a decode step on the embedded model.
 """
 
 from __future__ import annotations

@@ -99,19 +99,18 @@ class ServeRewardEndpoints:
             self.handles[name] = serve.get_app_handle(f"reward-{name}")
         return self.handles[name]
 
-    async def score(self, name: str, requests: list[RewardRequest]) -> list[Reward]:
+    async def _call(self, name: str, method: str, payload: list):
         try:
-            return await self._handle(name).score.remote(requests)
+            return await getattr(self._handle(name), method).remote(payload)
         except Exception:
             self.handles.pop(name, None)
             raise
 
+    async def score(self, name: str, requests: list[RewardRequest]) -> list[Reward]:
+        return await self._call(name, "score", requests)
+
     async def compare(self, name: str, pairs: list) -> list[dict]:
-        try:
-            return await self._handle(name).compare.remote(pairs)
-        except Exception:
-            self.handles.pop(name, None)
-            raise
+        return await self._call(name, "compare", pairs)
 
 
 class RewardRouter:
