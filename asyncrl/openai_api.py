@@ -14,7 +14,8 @@ import numpy as np
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from asyncrl.engines.base import SamplingParams, SequenceInput
+from asyncrl.engines.base import SamplingParams
+from asyncrl.generation import complete_async, decode, sequence_input
 from asyncrl.schema import FinishReason
 
 
@@ -93,14 +94,13 @@ async def stream_choices(engine, tokenizer, prompt_ids: list[list[int]], body: _
         live = [i for i, r in enumerate(rows) if not r["done"]]
         if not live:
             return
-        inputs = [SequenceInput(prompt_ids=rows[i]["prompt"], response_ids=np.asarray(rows[i]["ids"], dtype=np.int32),
-                                seed=rows[i]["seed"], max_response_tokens=body.max_tokens) for i in live]
+        inputs = [sequence_input(rows[i]["prompt"], rows[i]["seed"], body.max_tokens, rows[i]["ids"]) for i in live]
         outputs = await engine.generate_window(inputs, chunk_tokens, params)
         for i, out in zip(live, outputs):
             row = rows[i]
             row["ids"] += out.token_ids.tolist()
             row["logprobs"] += out.logprobs.tolist()
-            text = tokenizer.decode(row["ids"], skip_special_tokens=True)
+            text = decode(tokenizer, row["ids"])
             finish = None
             if out.finished:
                 finish = "stop" if out.finish_reason is FinishReason.EOS else "length"
@@ -118,15 +118,12 @@ async def stream_choices(engine, tokenizer, prompt_ids: list[list[int]], body: _
 async def generate_choices(engine, tokenizer, prompt_ids: list[list[int]], body: _Sampling) -> list[dict]:
     """n samples per prompt in one engine call; text cut at the first stop string."""
     seed = body.seed if body.seed is not None else random.randrange(1 << 40)
-    sequences = [
-        SequenceInput(prompt_ids=np.asarray(ids, dtype=np.int32), response_ids=np.zeros(0, dtype=np.int32),
-                      seed=seed + k, max_response_tokens=body.max_tokens)
-        for ids in prompt_ids for k in range(body.n)
-    ]
-    outputs = await engine.generate_window(sequences, body.max_tokens, _params(body))
+    prompts = [ids for ids in prompt_ids for _ in range(body.n)]
+    seeds = [seed + k for _ in prompt_ids for k in range(body.n)]
+    completions = await complete_async(engine, tokenizer, prompts, seeds, body.max_tokens, _params(body))
     choices = []
-    for index, out in enumerate(outputs):
-        text = tokenizer.decode(out.token_ids.tolist(), skip_special_tokens=True)
+    for index, out in enumerate(completions):
+        text = out.text
         finish = "stop" if out.finish_reason is FinishReason.EOS else "length"
         cuts = [text.find(s) for s in _stops(body.stop) if s and s in text]
         if cuts:

@@ -79,3 +79,25 @@ def write_plots(records: list[dict], run_dir: str) -> list[str]:
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+def plot_curve(records: list[dict], path: str, key: str = "reward_mean", title: str = "reward") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in records if key in r]
+    values = [r[key] for r in records if key in r]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, values, marker=".", label=key)
+    if len(values) >= 5:
+        window = max(3, len(values) // 10)
+        smooth = np.convolve(values, np.ones(window) / window, mode="valid")
+        ax.plot(steps[window - 1:], smooth, label=f"{key} (mean of {window})")
+    ax.set_xlabel("learner step")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

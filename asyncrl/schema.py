@@ -208,6 +208,12 @@ class Segment(msgspec.Struct, kw_only=True, frozen=True):
         return np.concatenate([self.prior_versions, self.new_versions])
 
 
+def segment_row(segment: Segment) -> tuple[np.ndarray, np.ndarray]:
+    """A segment as a training row: its context (prompt + earlier windows, no gradient) and its new
+    tokens. The learner, the value learner and the assembler's value requests all read rows so."""
+    return np.concatenate([segment.prompt_token_ids, segment.prior_response_ids]), segment.new_token_ids
+
+
 def sample_id(prompt_id: str, sample_idx: int) -> str:
     return f"{prompt_id}/{sample_idx}"
 

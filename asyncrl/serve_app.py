@@ -45,8 +45,10 @@ from asyncrl.openai_api import (
 )
 from asyncrl.rewards.endpoint import RewardEndpoint
 from asyncrl.schema import RewardRequest
+from asyncrl.generation import build_engine
+from asyncrl.monitor import REWARD_KEY, RunMonitor
 from asyncrl.supervisor import Supervisor
-from asyncrl.system import LEARNER_NAME, NAMESPACE, TrainingSystem, build_engine
+from asyncrl.system import LEARNER_NAME, NAMESPACE, TrainingSystem
 
 VERSION_HEADER = "x-asyncrl-weight-version"
 STATUS_PAGE = open(os.path.join(os.path.dirname(__file__), "static", "status.html"), encoding="utf-8").read()
@@ -110,37 +112,32 @@ class TrainController:
         self.run_dir = resolve_run_dir(config.trainer.run_dir, config.resume, prefix="serve-")
         os.makedirs(self.run_dir, exist_ok=True)
         self.supervisor = Supervisor(config, self.run_dir)  # restarts the system from a checkpoint if an actor dies
+        # The same watch loop as `asyncrl train`. A service runs until stopped: no stall deadline.
+        self.monitor = RunMonitor(self.supervisor, self.run_dir, stall_timeout_s=float("inf"), history_limit=5000)
         self.failure: str | None = None
         self.started_at = time.time()
-        self.history: list[dict] = []
-        self._task = asyncio.get_event_loop().create_task(self._collect_metrics())
+        self._task = asyncio.get_event_loop().create_task(self._watch())
 
     @property
     def system(self) -> TrainingSystem:
         return self.supervisor.system
 
-    async def _collect_metrics(self) -> None:
-        path = os.path.join(self.run_dir, "metrics.jsonl")
+    @property
+    def history(self) -> list[dict]:
+        return self.monitor.records
+
+    async def _watch(self, plot_every_s: float = 60.0) -> None:
+        plotted_at = time.monotonic()
         while True:
             await asyncio.sleep(1.0)
             try:
-                restart = await asyncio.to_thread(self.supervisor.check)
+                await asyncio.to_thread(self.monitor.poll)
+                if time.monotonic() - plotted_at > plot_every_s and self.monitor.records:
+                    await asyncio.to_thread(self.monitor.write_plots)
+                    plotted_at = time.monotonic()
             except Exception as exc:  # could not recover: the health check reports it
                 self.failure = str(exc)
                 return
-            if restart is not None:
-                self.history = [r for r in self.history if r["step"] <= restart["step"]]
-                continue
-            records = await self.system.actors["learner"].pop_metrics.remote()
-            if records:
-                status = await asyncio.to_thread(self.system.status)
-                for record in records:
-                    record.update({"samples_trained": status["samples_trained"], "wall_time_s": status["wall_time_s"],
-                                   "samples_dropped": status["samples_dropped"]})
-                with open(path, "a") as f:
-                    for record in records:
-                        f.write(json.dumps(record) + "\n")
-                self.history += records
 
     @train_api.get("/status")
     def status(self) -> dict:
@@ -148,7 +145,7 @@ class TrainController:
         status.pop("generators")
         status["run_dir"] = self.run_dir
         status["started_at"] = self.started_at
-        status["reward_curve"] = [(r["step"], r["reward_mean"]) for r in self.history[-200:]]
+        status["reward_curve"] = [(r["step"], r[REWARD_KEY]) for r in self.history[-200:]]
         return status
 
     @train_api.get("/")
@@ -228,7 +225,7 @@ async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
 class PolicyServer:
     def __init__(self, config: Config, poll_s: float = 1.0):
         self.config = config
-        self.engine, self.tokenizer = build_engine(config)
+        self.engine, self.tokenizer = build_engine(config.model)
         self.poll_s = poll_s
         self.started_at = time.time()
         self._task = asyncio.get_event_loop().create_task(self._follow_weights())

@@ -29,13 +29,12 @@ def main() -> None:
 
     from asyncrl.config import compose
     from asyncrl.models import load_policy
-    from asyncrl.system import model_spec
     from asyncrl.tasks import load_examples, score_response
 
     torch.set_num_threads(args.threads)
     config = compose(json.loads(args.overrides))
     a, e, t = config.algorithm, config.engine, config.task
-    model, tokenizer = load_policy(model_spec(config))
+    model, tokenizer = load_policy(config.model)
     tokenizer.padding_side = "left"
     examples = load_examples(t.name, "train", t.num_train_prompts, t.seed, t.path)
     rows = [{"prompt": ex.messages if config.model.use_chat_template else ex.text,

@@ -41,6 +41,5 @@ def embedded_policy():
     dequantizing the GGUF file takes ~15 s. Tests only run it forward or copy it."""
     from asyncrl.config import compose
     from asyncrl.models import load_policy
-    from asyncrl.system import model_spec
 
-    return load_policy(model_spec(compose([])))
+    return load_policy(compose([]).model)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from asyncrl.algo.advantages import decoupled_gae, egae, gae, length_adaptive_lambda, tppo_lambda_lengths
+from asyncrl.algo.advantages import critic_returns, egae, gae, length_adaptive_lambda, tppo_lambda_lengths
 from asyncrl.algo.losses import positive_example_nll, value_loss
 
 T = torch.tensor
@@ -46,15 +46,20 @@ def test_window_edge_mask_only_on_unfinished_rows():
 
 
 def test_decoupled_lambda():
+    """VC-PPO: the critic's targets (`critic_returns`, what `value_step` trains on) use the critic λ,
+    the policy's advantages (`egae` on a finished row, what `value_rows` computes) the policy λ."""
     # Critic λ=1, γ=1, sparse R=1, no KL: every return is R, for any V.
     r = T([[0.0, 0.0, 0.0, 1.0]], dtype=torch.float64)
     values = torch.rand(1, 4, dtype=torch.float64)
-    adv, ret = decoupled_gae(r, values, ONES, 1.0, lam_policy=0.95, lam_critic=1.0)
+    ret = critic_returns(r, values, ONES, 1.0, lam_critic=1.0)
+    adv, _ = egae(r, values, ONES, T([True]), 1.0, 0.95)
     np.testing.assert_allclose(ret.numpy(), np.ones((1, 4)), atol=1e-12)
     assert not torch.allclose(ret, adv + values)  # the two λ differ, so returns ≠ Â_actor + V
-    # With V ≡ 0 and λ_a = .95: Â_t = .95^(L−1−t)·R.
-    adv, _ = decoupled_gae(r, torch.zeros(1, 4, dtype=torch.float64), ONES, 1.0, 0.95, 1.0)
+    # With V ≡ 0 and λ_a = .95: Â_t = .95^(L−1−t)·R; the critic λ = .95 would give the same targets.
+    adv, _ = egae(r, torch.zeros(1, 4, dtype=torch.float64), ONES, T([True]), 1.0, 0.95)
     np.testing.assert_allclose(adv.numpy(), [[0.95**3, 0.95**2, 0.95, 1.0]], atol=1e-12)
+    np.testing.assert_allclose(critic_returns(r, torch.zeros(1, 4, dtype=torch.float64), ONES, 1.0, 0.95).numpy(),
+                               adv.numpy(), atol=1e-12)
 
 
 def test_length_adaptive_lambda_table_and_both_clamps():
@@ -102,3 +107,6 @@ def test_positive_example_nll():
     assert float(positive_example_nll(logp, mask, T([False, False]))) == 0.0
     assert float(positive_example_nll(logp, mask, T([True, False]))) == pytest.approx(1.5)
     assert float(positive_example_nll(logp, mask, T([True, True]))) == pytest.approx(2.5)
+    # Micro-batches: each part divides by the whole batch's count (4 tokens), so the parts add up.
+    parts = [positive_example_nll(logp[i : i + 1], mask[i : i + 1], T([True]), normalizer=4.0) for i in range(2)]
+    assert float(sum(parts)) == pytest.approx(2.5)

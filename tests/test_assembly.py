@@ -4,7 +4,8 @@ import asyncio
 
 import numpy as np
 
-from actors.assembler import Assembler
+from asyncrl.roles.assembler import Assembler
+from asyncrl.roles.estimators import GroupEstimator
 from asyncrl.assembly import AssemblySettings
 from asyncrl.mailbox import InProcessMailbox
 from asyncrl.schema import FinishReason, Reward, Segment, float32_array, int32_array
@@ -31,8 +32,8 @@ def make(settings=SETTINGS, prompts_per_batch=1):
         return [Reward(prompt_id=r.prompt_id, sample_idx=r.sample_idx, score=float(r.response_text.startswith("7")),
                        correct=r.response_text.startswith("7"), source="test") for r in requests]
 
-    asm = Assembler(segments, batches, score, lambda ids: "".join(str(i) for i in ids), settings, prompts_per_batch,
-                    on_samples=lambda ids, state, reason: events.append((ids, state, reason)))
+    asm = Assembler(segments, batches, score, lambda ids: "".join(str(i) for i in ids),
+                    GroupEstimator(settings, prompts_per_batch), on_samples=lambda ids, state, reason: events.append((ids, state, reason)))
     return asm, segments, batches, events
 
 

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from asyncrl.config import compose
-from asyncrl.driver import evaluate
+from asyncrl.evaluation import greedy_accuracy
 from asyncrl.engines.base import SamplingParams, SequenceInput
-from asyncrl.system import build_engine
+from asyncrl.generation import build_engine
 from asyncrl.tasks import encode_prompt, load_examples
 
 
@@ -17,7 +17,7 @@ CONFIG = ["engine.max_response_tokens=24"]
 @pytest.fixture(scope="module")
 def embedded(embedded_policy):
     torch.set_num_threads(2)
-    return build_engine(compose(CONFIG), policy=embedded_policy)
+    return build_engine(compose(CONFIG).model, policy=embedded_policy)
 
 
 @pytest.mark.slow
@@ -34,7 +34,7 @@ def test_embedded_model_generates_and_scores(embedded):
     text = tokenizer.decode(out.token_ids.tolist(), skip_special_tokens=True)
     assert len(out.token_ids) > 0 and text.strip()
     assert np.all(out.logprobs <= 0)
-    result = evaluate(config, engine, tokenizer, max_prompts=2)
+    result = greedy_accuracy(config, engine, tokenizer, max_prompts=2)
     assert result["n"] == 2 and 0.0 <= result["accuracy"] <= 1.0
 
 

@@ -7,14 +7,15 @@ import torch
 from asyncrl.algo.sampling import counter_uniform, filtered_logprobs, sample_from_logprobs, step_logprobs
 from asyncrl.engines.base import SamplingParams, SequenceInput
 from asyncrl.engines.torch_engine import TorchEngine
-from asyncrl.models import ModelSpec, build_tiny_model, build_tiny_tokenizer
+from asyncrl.config import ModelConfig
+from asyncrl.models import build_tiny_model, build_tiny_tokenizer
 from asyncrl.schema import FinishReason, int32_array
 
 
 @pytest.fixture(scope="module")
 def tiny():
     tok = build_tiny_tokenizer()
-    model = build_tiny_model(ModelSpec(source="tiny", seed=3), len(tok))
+    model = build_tiny_model(ModelConfig(source="tiny", seed=3), len(tok))
     return model, tok
 
 
@@ -113,8 +114,8 @@ def test_stops_on_eos_and_max_length(tiny):
 
 def test_update_weights_changes_outputs_and_version(tiny):
     _, tok = tiny
-    model = build_tiny_model(ModelSpec(source="tiny", seed=3), len(tok))
-    other = build_tiny_model(ModelSpec(source="tiny", seed=4), len(tok))
+    model = build_tiny_model(ModelConfig(source="tiny", seed=3), len(tok))
+    other = build_tiny_model(ModelConfig(source="tiny", seed=4), len(tok))
     engine = engine_for(model, NO_EOS)
     before = engine.generate_window_sync([seq(PROMPTS[1])], 16, SamplingParams(greedy=True))[0]
     engine.update_weights(other.named_parameters(), version=5)

@@ -4,17 +4,18 @@ import asyncio
 
 import numpy as np
 
-from actors.generator import Generator
+from asyncrl.roles.generator import Generator
 from asyncrl.engines.base import SamplingParams
 from asyncrl.engines.torch_engine import TorchEngine
 from asyncrl.mailbox import InProcessMailbox
-from asyncrl.models import ModelSpec, build_tiny_model, build_tiny_tokenizer
+from asyncrl.config import ModelConfig
+from asyncrl.models import build_tiny_model, build_tiny_tokenizer
 from asyncrl.schema import FinishReason, PromptRequest, int32_array
 
 
 def make_generator(window=3, max_tokens=8, max_windows=0, max_inflight=4):
     tok = build_tiny_tokenizer()
-    engine = TorchEngine(build_tiny_model(ModelSpec(source="tiny", seed=1), len(tok)), eos_token_ids=[10_000])
+    engine = TorchEngine(build_tiny_model(ModelConfig(source="tiny", seed=1), len(tok)), eos_token_ids=[10_000])
     prompts, segments = InProcessMailbox(100, lease_s=60), InProcessMailbox(1000, lease_s=60)
     gen = Generator(engine, prompts, segments, SamplingParams(), window, max_tokens, max_windows, max_inflight)
     return gen, prompts, segments
@@ -95,7 +96,8 @@ def test_long_windows_respect_the_response_budget():
 
 
 def test_generator_to_assembler_merges_whole_responses():
-    from actors.assembler import Assembler
+    from asyncrl.roles.assembler import Assembler
+    from asyncrl.roles.estimators import GroupEstimator
     from asyncrl.assembly import AssemblySettings
     from asyncrl.schema import Reward
 
@@ -108,7 +110,7 @@ def test_generator_to_assembler_merges_whole_responses():
                            correct=bool(r.sample_idx % 2), source="test") for r in requests]
 
         settings = AssemblySettings(True, True, 4, 0, 1.0, 64)
-        asm = Assembler(segments, batches, score, lambda ids: str(ids), settings, prompts_per_batch=2)
+        asm = Assembler(segments, batches, score, lambda ids: str(ids), GroupEstimator(settings, prompts_per_batch=2))
         await prompts.put([request(i, G=4) for i in range(8)])
         for _ in range(12):
             await gen.step()

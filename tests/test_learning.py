@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from asyncrl.learning import PolicyLossSettings, collate, policy_step, token_logprobs
-from asyncrl.models import ModelSpec, build_tiny_model
+from asyncrl.config import ModelConfig
+from asyncrl.models import build_tiny_model
 from asyncrl.schema import FinishReason, Segment, TrainSample, float32_array, int32_array
 
 
@@ -33,7 +34,7 @@ def settings(agg, micro_tokens, kl=0.0):
 
 
 def grads_after_step(agg, micro_tokens, kl=0.0):
-    model = build_tiny_model(ModelSpec(source="tiny", seed=5), 30)
+    model = build_tiny_model(ModelConfig(source="tiny", seed=5), 30)
     reference = copy.deepcopy(model) if kl else None
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: keep the weights, inspect the grads
     metrics = policy_step(model, optimizer, SAMPLES, settings(agg, micro_tokens, kl), reference)
@@ -63,7 +64,7 @@ def test_kl_to_reference_is_zero_at_the_start_and_reported():
 
 
 def test_logprobs_use_the_sampling_temperature():
-    model = build_tiny_model(ModelSpec(source="tiny", seed=5), 30)
+    model = build_tiny_model(ModelConfig(source="tiny", seed=5), 30)
     c = collate(SAMPLES[:1])
     lp1, _ = token_logprobs(model, c.input_ids, c.attention_mask, c.targets, 1.0)
     lp2, _ = token_logprobs(model, c.input_ids, c.attention_mask, c.targets, 0.5)
@@ -74,7 +75,7 @@ def test_logprobs_use_the_sampling_temperature():
 
 
 def test_head_on_trained_positions_only_matches_the_full_forward():
-    model = build_tiny_model(ModelSpec(source="tiny", seed=5), 30)
+    model = build_tiny_model(ModelConfig(source="tiny", seed=5), 30)
     c = collate(SAMPLES)
     full, full_entropy = token_logprobs(model, c.input_ids, c.attention_mask, c.targets, 0.7, with_entropy=True)
     fast, fast_entropy = token_logprobs(model, c.input_ids, c.attention_mask, c.targets, 0.7, with_entropy=True,

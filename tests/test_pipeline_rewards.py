@@ -10,7 +10,7 @@ from asyncrl.driver import train
 from asyncrl.mailbox import InProcessMailbox
 from asyncrl.tasks import Example
 
-from actors.prompt_source import PromptSource
+from asyncrl.roles.prompt_source import PromptSource
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from actors.prompt_source import SNAPSHOT_CODEC
+from asyncrl.roles.prompt_source import SNAPSHOT_CODEC
 from asyncrl import checkpoint
 from asyncrl.config import compose
 from asyncrl.system import TrainingSystem

@@ -19,7 +19,7 @@ from asyncrl.rewards.hybrid import RewardRouter
 from asyncrl.rewards.verifiers import verify
 from asyncrl.schema import PairRequest, RewardRequest, int32_array
 
-from actors.reward_model import GenerativeJudge, JudgeSettings
+from asyncrl.rewards.reward_model import GenerativeJudge, JudgeSettings
 
 
 def request(text, truth="42", source="math", idx=0, prompt="What is 6 times 7?", token_ids=None):

@@ -9,9 +9,10 @@ import torch
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
 from asyncrl.assembly import Outcome, ValueAdvantageSettings, value_rows, whiten_rows
-from asyncrl.learning import (PolicyLossSettings, ValueLossSettings, collate, policy_step, predict_values,
-                              segment_row, value_step)
-from asyncrl.models import ModelSpec, build_tiny_model, value_model_from_policy, value_model_from_reward_model
+from asyncrl.schema import segment_row
+from asyncrl.learning import PolicyLossSettings, ValueLossSettings, collate, policy_step, predict_values, value_step
+from asyncrl.config import ModelConfig
+from asyncrl.models import build_tiny_model, value_model_from_policy, value_model_from_reward_model
 from asyncrl.schema import FinishReason, ScoredTrajectory, Segment, TrainSample, float32_array, int32_array
 
 SETTINGS = ValueAdvantageSettings(gamma=1.0, lam=1.0, length_adaptive_alpha=0.0, lambda_floor=False,
@@ -93,7 +94,7 @@ def test_whitening_uses_only_trained_tokens():
 
 
 def tiny_policy(seed=3):
-    return build_tiny_model(ModelSpec(source="tiny", seed=seed), 30)
+    return build_tiny_model(ModelConfig(source="tiny", seed=seed), 30)
 
 
 def test_no_gradient_reaches_prompt_or_earlier_windows():

@@ -67,11 +67,15 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
-    """Whiten over valid positions (unbiased variance, as verl's masked_whiten)."""
-    mean = masked_mean(x, mask)
-    count = mask.sum()
-    var = ((x - mean) ** 2 * mask).sum() / (count - 1).clamp(min=1)
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8,
+                  mean: float | None = None, var: float | None = None) -> torch.Tensor:
+    """Whiten over valid positions (unbiased variance, as verl's masked_whiten); masked positions
+    are 0. `mean`/`var` given: whiten against those moments instead (the assembler's running ones)."""
+    if mean is None or var is None:
+        mean = masked_mean(x, mask)
+        count = mask.sum()
+        var = ((x - mean) ** 2 * mask).sum() / (count - 1).clamp(min=1)
+    var = torch.as_tensor(var, dtype=x.dtype)
     out = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean
@@ -117,20 +121,14 @@ def egae(
     return advantages, returns * finished[:, None]
 
 
-def decoupled_gae(
-    token_rewards: torch.Tensor,
-    values: torch.Tensor,
-    mask: torch.Tensor,
-    gamma: float,
-    lam_policy: float | torch.Tensor,
-    lam_critic: float = 1.0,
-    bootstrap: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """VC-PPO decoupled λ (arXiv 2503.01491): advantages from the policy λ, critic targets from the
-    critic λ (1.0: Monte-Carlo, unbiased). Returns `(policy advantages, critic returns)`."""
-    advantages, _ = gae(token_rewards, values, mask, gamma, lam_policy, bootstrap)
-    _, returns = gae(token_rewards, values, mask, gamma, lam_critic, bootstrap)
-    return advantages, returns
+def critic_returns(
+    token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam_critic: float = 1.0,
+) -> torch.Tensor:
+    """The value learner's targets: GAE returns with the critic's own λ (VC-PPO decoupled λ,
+    arXiv 2503.01491). The policy's advantages use the policy λ (`egae`), so with
+    `lam_critic=1.0` the targets are unbiased Monte-Carlo returns whatever the values are."""
+    _, returns = gae(token_rewards, values, mask, gamma, lam_critic)
+    return returns
 
 
 def length_adaptive_lambda(lengths: torch.Tensor, alpha: float = 0.05, floor: float | None = None) -> torch.Tensor:

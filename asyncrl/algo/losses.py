@@ -121,8 +121,12 @@ def value_loss(
     return loss, {"value_clip_fraction": clipped_frac}
 
 
-def positive_example_nll(logp: torch.Tensor, mask: torch.Tensor, correct: torch.Tensor) -> torch.Tensor:
+def positive_example_nll(logp: torch.Tensor, mask: torch.Tensor, correct: torch.Tensor,
+                         normalizer: float | None = None) -> torch.Tensor:
     """VAPO self-imitation term: mean of −log π over the tokens of correct responses (`correct` `[B]`),
-    normalised by their token count; exactly 0 (not NaN) when no response is correct."""
+    normalised by their token count; exactly 0 (not NaN) when no response is correct. A learner
+    that splits a batch into micro-batches passes the whole batch's count as `normalizer`, so the
+    micro-batch terms add up to the batch's mean."""
     m = mask.to(logp.dtype) * correct.to(logp.dtype)[:, None]
-    return -(logp * m).sum() / m.sum().clamp(min=1)
+    count = m.sum().clamp(min=1) if normalizer is None else max(float(normalizer), 1.0)
+    return -(logp * m).sum() / count

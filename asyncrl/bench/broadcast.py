@@ -32,16 +32,14 @@ def shapes_of(model_name: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]
     elif model_name == "embedded":
         from asyncrl.config import compose
         from asyncrl.models import load_policy
-        from asyncrl.system import model_spec
 
-        model, _ = load_policy(model_spec(compose([])))
+        model, _ = load_policy(compose([]).model)
         return {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
     elif model_name == "tiny":
         from asyncrl.config import compose
         from asyncrl.models import load_policy
-        from asyncrl.system import model_spec
 
-        model, _ = load_policy(model_spec(compose(["model=tiny"])))
+        model, _ = load_policy(compose(["model=tiny"]).model)
         return {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
     else:
         raise ValueError(f"unknown model {model_name!r}: embedded, 0.5b or tiny")

@@ -9,15 +9,15 @@ import numpy as np
 import torch
 
 from asyncrl.config import compose
-from asyncrl.engines.base import SamplingParams, SequenceInput
-from asyncrl.system import build_engine
+from asyncrl.engines.base import SamplingParams
+from asyncrl.generation import build_engine, sequence_input
 from asyncrl.tasks import encode_prompt, load_examples
 
 
 def run(quick: bool = False, overrides: list[str] | None = None) -> dict:
     config = compose(overrides or [])
     torch.set_num_threads(config.engine.threads)
-    engine, tokenizer = build_engine(config)
+    engine, tokenizer = build_engine(config.model)
     new_tokens = 16 if quick else 64
     batches = (1, 4) if quick else (1, 16, 64)
     rounds = 1 if quick else 3
@@ -30,8 +30,7 @@ def run(quick: bool = False, overrides: list[str] | None = None) -> dict:
         # A budget nobody can stop early on: both sides generate exactly `new_tokens` per row.
         no_eos_engine_ids = engine.eos_token_ids
         engine.eos_token_ids = torch.tensor([-1])
-        sequences = [SequenceInput(prompt_ids=np.asarray(p, dtype=np.int32), response_ids=np.zeros(0, dtype=np.int32),
-                                   seed=i, max_response_tokens=new_tokens) for i, p in enumerate(chosen)]
+        sequences = [sequence_input(p, i, new_tokens) for i, p in enumerate(chosen)]
         width = max(len(p) for p in chosen)
         input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in chosen])
         attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chosen])

@@ -31,15 +31,15 @@ def endpoint_config(raw: dict | EndpointConfig) -> EndpointConfig:
 
 
 def verifier_settings(config: EndpointConfig, default_style: str):
-    from actors.verifier import VerifierSettings
+    from asyncrl.rewards.verifier import VerifierSettings
 
     return VerifierSettings(style=config.style or default_style, kinds=dict(config.verifier_kinds),
                             code_wall_s=config.code_wall_s, code_memory_mb=config.code_memory_mb)
 
 
 def build_scorer(config: EndpointConfig, model: ModelConfig | None, default_style: str):
-    from actors.reward_model import GenerativeJudge, JudgeSettings, ProcessRewardModel, ScalarRewardModel
-    from actors.verifier import Verifier, VerifierSettings
+    from asyncrl.rewards.reward_model import GenerativeJudge, JudgeSettings, ProcessRewardModel, ScalarRewardModel
+    from asyncrl.rewards.verifier import Verifier, VerifierSettings
 
     if config.kind == "verifier":
         return Verifier(verifier_settings(config, default_style), config.version)

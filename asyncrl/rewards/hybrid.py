@@ -15,9 +15,10 @@ from typing import Any, Awaitable, Callable
 import numpy as np
 
 from asyncrl.config import RouteConfig
-from asyncrl.schema import Reward, RewardRequest
+from asyncrl.schema import PairRequest, Reward, RewardRequest
 
 CallFn = Callable[[str, list[RewardRequest]], Awaitable[list[Reward]]]
+CompareFn = Callable[[str, list[PairRequest]], Awaitable[list[dict]]]
 
 
 def route_for(data_source: str, routes: list[RouteConfig]) -> RouteConfig:
@@ -114,11 +115,15 @@ class ServeRewardEndpoints:
 
 
 class RewardRouter:
-    """Holds the routes (changeable at run time: the admin route) and the endpoint callers."""
+    """Holds the routes (changeable at run time: the admin route) and the endpoint callers. Every
+    reward a run asks for goes through one: the assembler's scores, Pairwise PPO's judged pairs
+    (`compare`) and Pre-PPO's candidate scores."""
 
-    def __init__(self, routes: list[RouteConfig], call: CallFn, timeout_s: float = 120.0, retries: int = 2):
+    def __init__(self, routes: list[RouteConfig], call: CallFn, timeout_s: float = 120.0, retries: int = 2,
+                 compare: CompareFn | None = None):
         self.routes = routes
         self.call = call
+        self._compare = compare
         self.timeout_s = timeout_s
         self.retries = retries
         self.counters: dict[str, int] = {"calls": 0, "retries": 0, "timeouts": 0, "errors": 0}
@@ -181,6 +186,12 @@ class RewardRouter:
                 break
             await asyncio.gather(*(run(n, idx) for n, idx in pending.items()))
         return [combine_rewards(req, route, answers[i]) for i, (req, route) in enumerate(zip(requests, routes))]
+
+    async def compare(self, name: str, pairs: list[PairRequest]) -> list[dict]:
+        """Pairs judged by the endpoint `name` (a pairwise generative judge)."""
+        if self._compare is None:
+            raise ValueError("this reward router has no pairwise judge")
+        return await self._compare(name, pairs)
 
     def stats(self) -> dict[str, Any]:
         lat = sorted(self.latencies)

@@ -26,9 +26,10 @@ from asyncrl import checkpoint
 from asyncrl.learning import PolicyLossSettings, policy_step
 from asyncrl.mailbox import Mailbox, RecentIds
 from asyncrl.schema import TrainBatch
+from asyncrl.staleness import mean_staleness
 from asyncrl.weight_sync import BucketPlan, broadcast_weights, plan_buckets
 
-from actors.loop import TrainingLoop
+from asyncrl.roles.loop import TrainingLoop
 
 
 class PolicyLearner(TrainingLoop):
@@ -127,13 +128,13 @@ class PolicyLearner(TrainingLoop):
         finished_ids = [s.segment.sample_id for s in batch.samples if s.segment.finished]
         self.counters["samples_trained"] += len(finished_ids)
         self.counters["rows_trained"] += len(batch.samples)
-        staleness = [self.version - 1 - int(s.segment.new_versions.min()) for s in batch.samples if len(s.segment.new_versions)]
         record = {
             "step": self.step,
             "weight_version": self.version,
             **{k: v for k, v in batch.stats.items() if k != "assembled_at"},
             **metrics,
-            "staleness_mean": sum(staleness) / max(len(staleness), 1),
+            # Against the weights this step trained (the version before the bump).
+            "staleness_mean": mean_staleness(self.version - 1, [s.segment.new_versions for s in batch.samples]),
             "response_length_mean": sum(len(s.segment.new_token_ids) for s in batch.samples) / len(batch.samples),
             "lr": self.scheduler.get_last_lr()[0],
             "train_s": time.perf_counter() - start,

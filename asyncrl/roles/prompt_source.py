@@ -1,11 +1,10 @@
 """Prompt source: walks the dataset (an epoch cursor over a seeded shuffle) and feeds the
 generators' prompt mailbox.
 
-It owns the staleness bound of the stream (one knob, one place): a prompt is issued only while
-`issued < (learner_version + max_staleness_versions + 1) * prompts_per_step + dropped_prompts`, so
-generators can never run more than `max_staleness_versions` learner steps ahead of training, and
-dropped work (dynamic sampling, stale rows, value warm-up) is replaced: `dropped_prompts` counts a
-dropped group as 1 and a dropped sample as 1/G. The assembler's staleness check is the safety net.
+It holds the admission side of the staleness bound (`asyncrl.staleness.admission_budget`): a
+prompt is issued only while the budget allows, so generators never run more than
+`max_staleness_versions` learner steps ahead of training, and dropped work (dynamic sampling, stale
+rows, value warm-up) is replaced. The assembler's staleness check is the other side.
 
 It keeps the ledger of samples (`asyncrl.ledger`): it admits every sample it issues, and the
 assembler and the learner report how each one moves on and ends. On resume, the prompts whose
@@ -26,6 +25,7 @@ from asyncrl.algo.selection import curriculum_sources
 from asyncrl.ledger import LedgerSnapshot, SampleLedger
 from asyncrl.mailbox import Mailbox
 from asyncrl.schema import Codec, PromptRequest
+from asyncrl.staleness import admission_budget
 from asyncrl.tasks import Example
 
 
@@ -80,8 +80,8 @@ class PromptSource:
 
     @property
     def budget(self) -> int:
-        return int((self.learner_version + self.max_staleness_versions + 1) * self.prompts_per_step
-                   + self.dropped_prompts + 1e-9)
+        return admission_budget(self.learner_version, self.max_staleness_versions, self.prompts_per_step,
+                                self.dropped_prompts)
 
     def set_learner_version(self, version: int) -> None:
         self.learner_version = max(self.learner_version, version)

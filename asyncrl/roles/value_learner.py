@@ -25,7 +25,7 @@ from asyncrl.learning import ValueLossSettings, predict_values, value_step
 from asyncrl.mailbox import Mailbox, RecentIds
 from asyncrl.schema import ScoredTrajectory
 
-from actors.loop import TrainingLoop
+from asyncrl.roles.loop import TrainingLoop
 
 
 class ValueLearner(TrainingLoop):

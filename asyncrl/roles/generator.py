@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from asyncrl.engines.base import Engine, SamplingParams, SequenceInput, long_tail_min_tokens
+from asyncrl.engines.base import Engine, SamplingParams, long_tail_min_tokens
+from asyncrl.generation import sequence_input
 from asyncrl.mailbox import Mailbox
 from asyncrl.schema import FinishReason, PromptRequest, Segment
 from asyncrl.weight_sync import BucketPlan, receive_weights
@@ -130,16 +131,8 @@ class Generator:
             return
         start = time.perf_counter()
         batch = self.inflight[: self.max_inflight]
-        inputs = [
-            SequenceInput(
-                prompt_ids=s.request.prompt_token_ids,
-                response_ids=np.asarray(s.response_ids, dtype=np.int32),
-                seed=s.request.seed + s.sample_idx,
-                max_response_tokens=self.max_response_tokens,
-                min_response_tokens=s.min_response_tokens,
-            )
-            for s in batch
-        ]
+        inputs = [sequence_input(s.request.prompt_token_ids, s.request.seed + s.sample_idx, self.max_response_tokens,
+                                 s.response_ids, s.min_response_tokens) for s in batch]
         version = self.engine.version
         self.timing["prepare_s"] += time.perf_counter() - start
         start = time.perf_counter()

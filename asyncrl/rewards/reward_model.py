@@ -17,7 +17,7 @@ import torch
 from asyncrl.algo.shaping import prm_dense_rewards, symmetrized_preference
 from asyncrl.schema import PairRequest, Reward, RewardRequest
 
-from actors.verifier import failed, not_applicable
+from asyncrl.rewards.verifier import failed, not_applicable
 
 POINTWISE_TEMPLATE = (
     "You are grading a response to a question against a reference answer.\n"

@@ -1,0 +1,89 @@
+"""Prompt -> text: the one path from prompt token ids through engine windows to decoded text.
+
+Every caller that wants whole responses goes through `complete` / `complete_async`: held-out
+evaluation, `asyncrl generate`, Pre-PPO's candidate scoring, the policy endpoint and the engine
+benchmark. The generator role, which streams windows, builds its inputs with `sequence_input`
+and reads the same `sampling_params` of the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from asyncrl.config import EngineConfig, ModelConfig
+from asyncrl.engines.base import SamplingParams, SequenceInput
+from asyncrl.engines.torch_engine import TorchEngine
+from asyncrl.models import eos_token_ids, load_policy
+from asyncrl.schema import FinishReason
+
+EMPTY = np.zeros(0, dtype=np.int32)
+
+
+def build_engine(model: ModelConfig, policy: tuple | None = None) -> tuple[TorchEngine, object]:
+    """The embedded engine and tokenizer of `model`; `policy` = an already loaded `(model, tokenizer)`."""
+    lm, tokenizer = policy if policy is not None else load_policy(model)
+    return TorchEngine(lm, eos_token_ids(lm, tokenizer), tokenizer.pad_token_id or 0), tokenizer
+
+
+def sequence_input(prompt_ids: Sequence[int] | np.ndarray, seed: int, max_response_tokens: int,
+                   response_ids: Sequence[int] | np.ndarray = EMPTY, min_response_tokens: int = 0) -> SequenceInput:
+    """A sequence to advance: its prompt, the response so far (empty for a new one), its seed."""
+    return SequenceInput(prompt_ids=np.asarray(prompt_ids, dtype=np.int32),
+                         response_ids=np.asarray(response_ids, dtype=np.int32), seed=seed,
+                         max_response_tokens=max_response_tokens, min_response_tokens=min_response_tokens)
+
+
+def sampling_params(engine: EngineConfig) -> SamplingParams:
+    """The behaviour distribution of a run: what generators sample from (FIRE's first token included)."""
+    return SamplingParams(temperature=engine.temperature, top_p=engine.top_p, top_k=engine.top_k,
+                          first_token_temperature=engine.first_token_temperature,
+                          first_token_top_k=engine.first_token_top_k)
+
+
+def decode(tokenizer, token_ids: Sequence[int] | np.ndarray) -> str:
+    """Response text as users, verifiers and judges see it (special tokens dropped)."""
+    ids = token_ids.tolist() if isinstance(token_ids, np.ndarray) else list(token_ids)
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@dataclass(frozen=True)
+class Completion:
+    token_ids: np.ndarray  # int32 [N]
+    logprobs: np.ndarray  # float32 [N], under the distribution sampled from
+    finish_reason: FinishReason  # EOS or MAX_LENGTH
+    text: str
+
+
+def _inputs(prompts: list[Sequence[int]], seeds: list[int], max_tokens: int) -> list[SequenceInput]:
+    if len(prompts) != len(seeds):
+        raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+    return [sequence_input(ids, seed, max_tokens) for ids, seed in zip(prompts, seeds)]
+
+
+def _completions(tokenizer, outputs) -> list[Completion]:
+    return [Completion(o.token_ids, o.logprobs, o.finish_reason, decode(tokenizer, o.token_ids)) for o in outputs]
+
+
+def complete(engine, tokenizer, prompts: list[Sequence[int]], seeds: list[int], max_tokens: int,
+             params: SamplingParams, batch_size: int = 16) -> list[Completion]:
+    """Whole responses (one window of `max_tokens`) to `prompts`, `batch_size` sequences per engine call."""
+    inputs = _inputs(prompts, seeds, max_tokens)
+    out: list[Completion] = []
+    for start in range(0, len(inputs), max(1, batch_size)):
+        outputs = engine.generate_window_sync(inputs[start : start + batch_size], max_tokens, params)
+        out += _completions(tokenizer, outputs)
+    return out
+
+
+async def complete_async(engine, tokenizer, prompts: list[Sequence[int]], seeds: list[int], max_tokens: int,
+                         params: SamplingParams, batch_size: int | None = None) -> list[Completion]:
+    """`complete` for callers on an event loop: the engine runs off the loop. `batch_size=None`:
+    every prompt in one engine call (the policy endpoint's `n` choices)."""
+    if batch_size is None:
+        outputs = await engine.generate_window(_inputs(prompts, seeds, max_tokens), max_tokens, params)
+        return _completions(tokenizer, outputs)
+    return await asyncio.to_thread(complete, engine, tokenizer, prompts, seeds, max_tokens, params, batch_size)

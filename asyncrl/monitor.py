@@ -1,0 +1,106 @@
+"""The one watch loop of a run, used by `asyncrl train` (the driver) and the Serve `train` app.
+
+Each `poll()` checks the system's health (the supervisor restarts it from a checkpoint when an
+actor died), drains the learners' step records (value-learner metrics merged into each policy
+record), stamps them with the run's counters from one status read (`RUN_FIELDS`), lets the caller
+annotate them (the driver's periodic evaluation), and appends them to `metrics.jsonl` (and wandb).
+So both entry points write the same records, draw the same plots and show the same status.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from asyncrl.supervisor import Supervisor
+
+# Fields every record gets from the system's status at the poll that drained it.
+RUN_FIELDS = ("samples_trained", "samples_dropped", "samples_generated", "generator_busy_fraction",
+              "generator_paused_for_weights_fraction", "broadcast_s", "wall_time_s")
+# The curve a run is watched by: the reward of everything generated (before dynamic sampling).
+REWARD_KEY = "reward_mean_generated"
+
+
+class StallError(RuntimeError):
+    """No learner step for `trainer.stall_timeout_s`."""
+
+
+@dataclass
+class Poll:
+    records: list[dict] = field(default_factory=list)  # new step records, as written
+    restart: dict | None = None  # set when the system was restarted from a checkpoint
+
+
+class RunMonitor:
+    def __init__(self, supervisor: Supervisor, run_dir: str, stall_timeout_s: float,
+                 annotate: Callable[[dict], None] | None = None, wandb_run: Any = None, history_limit: int = 0):
+        self.supervisor = supervisor
+        self.run_dir = run_dir
+        self.stall_timeout_s = stall_timeout_s
+        self.annotate = annotate  # called on each record before it is written (e.g. evaluation)
+        self.wandb_run = wandb_run
+        self.history_limit = history_limit  # 0 = keep every record (the driver's summary needs them)
+        self.records: list[dict] = []
+        self.status: dict = {}
+        self.started = time.time()
+        self.last_step_at = time.time()
+        self._wandb_step = 0
+        self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
+
+    @property
+    def system(self):
+        return self.supervisor.system
+
+    @property
+    def step(self) -> int:
+        return self.records[-1]["step"] if self.records else self.system.resumed.get("step", 0)
+
+    def poll(self) -> Poll:
+        """One look at the run; raises when it cannot recover, or `StallError` when it stalled."""
+        restart = self.supervisor.check()
+        if restart is not None:  # an actor died: the system came back from a checkpoint
+            self.records = [r for r in self.records if r["step"] <= restart["step"]]  # those steps are redone
+            with open(os.path.join(self.run_dir, "restarts.jsonl"), "a") as f:
+                f.write(json.dumps(restart) + "\n")
+            self.last_step_at = time.time()
+            return Poll(restart=restart)
+        new = self.system.pop_metrics()
+        if not new:
+            if time.time() - self.last_step_at > self.stall_timeout_s:
+                status = self.system.status()
+                raise StallError(
+                    f"no learner step for {self.stall_timeout_s:.0f}s at step {status['step']}; "
+                    f"samples dropped by reason: {status['dropped_by_reason']}, queues: {status['queue_depths']}")
+            return Poll()
+        self.last_step_at = time.time()
+        self.status = status = self.system.status()
+        stamp = {"samples_trained": status["samples_trained"], "samples_dropped": status["samples_dropped"],
+                 "samples_generated": status["samples_generated"],
+                 "generator_busy_fraction": status["generator_busy_fraction"],
+                 "generator_paused_for_weights_fraction": status["generator_paused_for_weights_fraction"],
+                 "broadcast_s": status["last_broadcast"].get("total_s", 0.0),
+                 "wall_time_s": time.time() - self.started}
+        with open(self.metrics_path, "a") as metrics_file:
+            for record in new:
+                record.update(stamp)
+                if self.annotate is not None:
+                    self.annotate(record)
+                metrics_file.write(json.dumps(record) + "\n")
+                if self.wandb_run is not None and record["step"] > self._wandb_step:  # wandb steps only go up
+                    self.wandb_run.log(record, step=record["step"])
+                    self._wandb_step = record["step"]
+        self.records += new
+        if self.history_limit and len(self.records) > self.history_limit:
+            self.records = self.records[-self.history_limit:]
+        return Poll(records=new)
+
+    def write_plots(self) -> None:
+        """The run's PNGs in its directory (the same for both entry points)."""
+        from asyncrl.plots import plot_curve, write_plots
+
+        plot_curve(self.records, os.path.join(self.run_dir, "reward_curve.png"), key=REWARD_KEY,
+                   title="reward of generated samples (all groups, before dynamic sampling)")
+        write_plots(self.records, self.run_dir)

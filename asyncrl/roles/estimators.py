@@ -1,0 +1,233 @@
+"""The advantage estimators of the assembler, chosen by `algorithm.estimator` through `ESTIMATORS`.
+
+* `group` (GRPO/DAPO): a group of G finished samples becomes G rows with group-normalised
+  advantages, or is dropped whole (stale, failed reward, no signal).
+* `pairwise` (Pairwise PPO): the same groups, with advantages from a pairwise judge's symmetrised
+  win probabilities instead of the scores.
+* `gae` (PPO/VC-PPO/VAPO/T-PPO): every row gets values from the value learner and (E)GAE
+  advantages. With `window_training` (T-PPO) each window is a row as soon as it arrives, finished
+  or not; otherwise a row is a whole finished response. Every finished response also goes to the
+  value learner as a `ScoredTrajectory`. Rows are dropped one by one (stale, value warm-up).
+
+Each estimator is told by the assembler of new rows and finished samples (`process`) and calls
+back into it to count, drop and emit; the maths are the pure functions of `asyncrl.assembly`.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Awaitable, Callable, ClassVar, Protocol
+
+import numpy as np
+
+from asyncrl.assembly import (AssemblySettings, Outcome, RunningMoments, ValueAdvantageSettings, assemble_group,
+                              cut_row_batch, value_rows, whiten_rows)
+from asyncrl.mailbox import Mailbox
+from asyncrl.schema import PairRequest, Reward, RewardRequest, ScoredTrajectory, Segment, TrainSample, segment_row
+from asyncrl.staleness import is_stale, max_staleness
+
+if TYPE_CHECKING:
+    from asyncrl.roles.assembler import Assembler
+
+Scored = list[tuple[Segment, RewardRequest]]
+ValuesFn = Callable[[list[tuple[np.ndarray, np.ndarray]]], Awaitable[tuple[list[np.ndarray], int]]]
+JudgeFn = Callable[[list[PairRequest]], Awaitable[list[dict]]]
+
+
+class Estimator(Protocol):
+    needs_value_learner: ClassVar[bool]  # the run starts a value learner for it
+    window_rows: bool  # every window is a row as it arrives (T-PPO)
+    response_rows: bool  # every finished response is a row (value-based, not window training)
+
+    async def process(self, asm: Assembler, rows: list[Segment], scored: Scored) -> None: ...
+
+    def stats(self) -> dict: ...
+
+
+@dataclass
+class GroupEstimator:
+    """GRPO/DAPO: group-normalised outcomes; `close_group` is where Pairwise PPO differs."""
+
+    settings: AssemblySettings
+    prompts_per_batch: int
+    needs_value_learner: ClassVar[bool] = False
+    window_rows: bool = False
+    response_rows: bool = False
+    _groups: dict[str, dict[int, tuple[Segment, Reward]]] = field(default_factory=lambda: collections.defaultdict(dict))
+    _ready: list[list[TrainSample]] = field(default_factory=list)
+    _ready_stats: list[dict[str, float]] = field(default_factory=list)
+
+    async def process(self, asm: Assembler, rows: list[Segment], scored: Scored) -> None:
+        if scored:
+            rewards = await asm.score([req for _, req in scored])
+            for (merged, _), reward in zip(scored, rewards):
+                asm.note_scored(reward)
+                group = self._groups[merged.group_id]
+                group[merged.sample_idx] = (merged, reward)
+                if len(group) == merged.group_size:
+                    await self.close_group(asm, merged.group_id)
+        await self._emit_ready(asm)
+
+    async def close_group(self, asm: Assembler, group_id: str) -> None:
+        self._close(asm, group_id, None)
+
+    def _close(self, asm: Assembler, group_id: str, advantages: list[float] | None) -> None:
+        group = self._groups.pop(group_id)
+        members = [group[i] for i in sorted(group)]
+        samples, rewards = [m[0] for m in members], [m[1] for m in members]
+        train, reason, stats = assemble_group(samples, rewards, asm.policy_version, self.settings, advantages)
+        asm.counters["groups_closed"] += 1
+        if reason is not None:
+            asm.counters[f"dropped_{reason}_groups"] += 1
+            asm.drop_samples([m.sample_id for m in samples], reason)
+            return
+        asm.on_samples([m.sample_id for m in samples], "awaiting_training", "")
+        self._ready.append(train)
+        self._ready_stats.append({**stats, "reward_mean": sum(r.score for r in rewards) / len(rewards),
+                                  "accuracy": sum(bool(r.correct) for r in rewards) / len(rewards)})
+
+    async def _emit_ready(self, asm: Assembler) -> None:
+        n = self.prompts_per_batch
+        while len(self._ready) >= n:
+            groups, self._ready = self._ready[:n], self._ready[n:]
+            stats, self._ready_stats = self._ready_stats[:n], self._ready_stats[n:]
+            samples = [s for g in groups for s in g]
+            await asm.emit(samples, {
+                "reward_mean": sum(s["reward_mean"] for s in stats) / len(stats),
+                "accuracy": sum(s["accuracy"] for s in stats) / len(stats),
+                "staleness_max": max(s["staleness_max"] for s in stats),
+            }, samples_emitted=len(samples))
+
+    def stats(self) -> dict:
+        return {"open_groups": len(self._groups), "ready_groups": len(self._ready), "ready_rows": 0,
+                "value_ready": None}
+
+
+@dataclass
+class PairwiseEstimator(GroupEstimator):
+    """Pairwise PPO: judge each closed group's responses against each other (or the reference) in
+    both orders; advantages from the symmetrised win probabilities."""
+
+    judge: JudgeFn | None = None
+    anchor: str = "group"  # group | reference
+
+    async def close_group(self, asm: Assembler, group_id: str) -> None:
+        from asyncrl.algo.advantages import judged_pairs, pairwise_advantages, preference_matrix
+
+        group = self._groups[group_id]
+        members = [group[i] for i in sorted(group)]
+        texts = [asm.decode(m[0].new_token_ids.tolist()) for m in members]
+        prompt = asm.decode(members[0][0].prompt_token_ids.tolist())
+        truth = members[0][0].ground_truth
+        pairs = judged_pairs(len(members), self.anchor == "reference")
+        requests = [PairRequest(prompt_text=prompt, first=texts[i], second=truth if j is None else texts[j],
+                                ground_truth="" if j is None else truth) for i, j in pairs]
+        verdicts = await self.judge(requests) if requests else []
+        for v in verdicts:
+            asm.counters["pairs_judged"] += 1
+            asm.counters["pairs_inconsistent"] += int(not v["consistent"])
+            asm.counters["pairs_failed"] += int(v["failed"])
+        prefs = preference_matrix(len(members), pairs, [v["p_first"] for v in verdicts])
+        self._close(asm, group_id, pairwise_advantages(prefs).tolist())
+
+
+@dataclass
+class ValueEstimator:
+    """PPO family: values from the value learner, (E)GAE per row, batches of N finished samples."""
+
+    values: ValuesFn
+    value_ready: Callable[[], Awaitable[bool]]  # asked until the value learner's warm-up is over
+    trajectories: Mailbox  # finished, scored responses for the value learner
+    settings: ValueAdvantageSettings
+    rows_per_batch: int  # finished samples per batch (with all windows that arrived before them)
+    whiten: bool = False
+    advantage_clamp: float = 0.0
+    needs_value_learner: ClassVar[bool] = True
+    ready: bool = False
+    _ready_rows: list[TrainSample] = field(default_factory=list)
+    _moments: RunningMoments = field(default_factory=RunningMoments)
+
+    @property
+    def window_rows(self) -> bool:
+        return self.settings.window_training
+
+    @property
+    def response_rows(self) -> bool:
+        return not self.settings.window_training
+
+    async def process(self, asm: Assembler, rows: list[Segment], scored: Scored) -> None:
+        """Score finished samples, feed them to the value learner, value and train rows."""
+        outcomes: dict[str, Outcome] = {}
+        trajectories = []
+        if scored:
+            rewards = await asm.score([req for _, req in scored])
+            for (merged, _), reward in zip(scored, rewards):
+                asm.note_scored(reward)
+                outcomes[merged.sample_id] = Outcome(reward.score, reward.correct, reward.token_rewards, reward.failed)
+                if not reward.failed:  # the critic learns from real outcomes only
+                    trajectories.append(ScoredTrajectory(segment=merged, score=reward.score,
+                                                         token_rewards=reward.token_rewards, correct=reward.correct))
+        if not self.ready:
+            self.ready = await self.value_ready()
+        limit = self.settings.max_staleness_versions
+        keep = []
+        for row in rows:
+            outcome = outcomes.get(row.sample_id) if row.finished else None
+            if outcome is not None and outcome.failed:
+                asm.drop_row(row, "reward_failed")
+            elif not self.ready:
+                asm.drop_row(row, "value_warmup")
+            elif is_stale(asm.policy_version, [row.new_versions], limit):
+                asm.drop_row(row, "stale")
+            else:
+                keep.append(row)
+        if keep:
+            values, value_version = await self.values([segment_row(r) for r in keep])
+            trained = value_rows(keep, values, [outcomes.get(r.sample_id) if r.finished else None for r in keep],
+                                 self.settings, value_version)
+            self._ready_rows.extend(trained)
+            finished = [r.sample_id for r in keep if r.finished]
+            if finished:
+                asm.on_samples(finished, "awaiting_training", "")
+            asm.counters["rows_ready"] += len(trained)
+        await self._emit_ready_rows(asm)
+        # Last: a value learner behind the stream applies backpressure here (pending tasks then
+        # throttle segment intake) without delaying the rows above.
+        if trajectories:
+            await self.trajectories.put(trajectories)
+            asm.counters["trajectories_sent"] += len(trajectories)
+
+    async def _emit_ready_rows(self, asm: Assembler) -> None:
+        limit = self.settings.max_staleness_versions
+        while (cut := cut_row_batch(self._ready_rows, self.rows_per_batch)) is not None:
+            taken, self._ready_rows = self._ready_rows[:cut], self._ready_rows[cut:]
+            # The bound holds when the batch leaves (rows may have waited here for the N-th sample).
+            rows = []
+            for r in taken:
+                if is_stale(asm.policy_version, [r.segment.new_versions], limit):
+                    asm.drop_row(r.segment, "stale")
+                else:
+                    rows.append(r)
+            if not rows:
+                continue
+            if self.whiten:
+                self._moments.update(rows)
+                rows = whiten_rows(rows, self.advantage_clamp, self._moments.mean, self._moments.var**0.5)
+            elif self.advantage_clamp > 0:
+                rows = whiten_rows(rows, self.advantage_clamp, 0.0, 1.0)  # clamp only
+            finished = [r for r in rows if r.segment.finished]
+            await asm.emit(rows, {
+                "reward_mean": sum(r.score for r in finished) / max(len(finished), 1),
+                "accuracy": sum(bool(r.correct) for r in finished) / max(len(finished), 1),
+                "finished_row_fraction": len(finished) / len(rows),
+                "staleness_max": float(max_staleness(asm.policy_version, [r.segment.new_versions for r in rows])),
+                "value_version_min": float(min(r.value_version or 0 for r in rows)),
+            }, samples_emitted=len(finished))
+
+    def stats(self) -> dict:
+        return {"open_groups": 0, "ready_groups": 0, "ready_rows": len(self._ready_rows), "value_ready": self.ready}
+
+
+# The one mapping from `algorithm.estimator` to its strategy (`asyncrl.config.ESTIMATORS` names them).
+ESTIMATORS: dict[str, type] = {"group": GroupEstimator, "pairwise": PairwiseEstimator, "gae": ValueEstimator}

@@ -1,0 +1,343 @@
+"""The Ray shells of the roles, and the builders that make each role from its own config sections.
+
+A builder (`build_*`) is a plain function: config sections and the role's edges (mailboxes and the
+callables it talks through) in, a role object out; tests call the builders without Ray. A shell is
+the Ray actor around one role: it sets the process's torch thread budget, turns actor handles into
+those callables, and forwards calls. Which sections each role reads is visible in its builder's
+signature, and `TrainingSystem.start` passes exactly those.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict
+from typing import Any
+
+import ray
+import torch
+
+from asyncrl.assembly import AssemblySettings, ValueAdvantageSettings
+from asyncrl.config import (AlgorithmConfig, CriticConfig, EngineConfig, ModelConfig, RewardConfig, RouteConfig,
+                            TaskConfig, TrainerConfig, route_checks)
+from asyncrl.generation import build_engine, decode, sampling_params
+from asyncrl.learning import PolicyLossSettings, ValueLossSettings
+from asyncrl.mailbox import Mailbox
+from asyncrl.models import load_model, load_tokenizer, value_model_from_policy, value_model_from_reward_model
+from asyncrl.rewards.hybrid import RewardRouter, ServeRewardEndpoints
+from asyncrl.roles.assembler import Assembler
+from asyncrl.roles.estimators import ESTIMATORS, GroupEstimator, PairwiseEstimator, ValueEstimator
+from asyncrl.roles.generator import Generator
+from asyncrl.roles.policy_learner import PolicyLearner
+from asyncrl.roles.prompt_source import SNAPSHOT_CODEC, PromptSource
+from asyncrl.roles.value_learner import ValueLearner
+from asyncrl.tasks import encode_prompt, load_examples
+from asyncrl.weight_sync import init_weight_group
+
+
+# --- builders ------------------------------------------------------------------------------------
+
+
+def build_generator(model: ModelConfig, engine: EngineConfig, prompts: Mailbox, segments: Mailbox,
+                    generator_id: str) -> Generator:
+    embedded, _ = build_engine(model)
+    max_windows = engine.max_windows or math.ceil(engine.max_response_tokens / engine.window_tokens)
+    return Generator(embedded, prompts, segments, sampling_params(engine), engine.window_tokens,
+                     engine.max_response_tokens, max_windows, engine.max_inflight_sequences, generator_id,
+                     long_tail=(engine.long_tail_fraction, engine.long_tail_tokens))
+
+
+def build_policy_learner(model: ModelConfig, algorithm: AlgorithmConfig, trainer: TrainerConfig,
+                         sampling_temperature: float, batches: Mailbox, run_dir: str = "",
+                         max_steps: int = 0) -> PolicyLearner:
+    """`sampling_temperature`: the engine's, so the learner scores tokens under the distribution
+    they were sampled from."""
+    torch.manual_seed(trainer.seed)
+    tokenizer = load_tokenizer(model)
+    a = algorithm
+    settings = PolicyLossSettings(
+        clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip, loss_agg=a.loss_agg,
+        kl_coef=a.kl_coef, entropy_coef=a.entropy_coef, temperature=sampling_temperature,
+        grad_clip=a.grad_clip, micro_batch_tokens=a.micro_batch_tokens, nll_coef=a.nll_coef,
+    )
+    learner = PolicyLearner(load_model(model, tokenizer), settings, batches, a.lr, a.weight_decay, a.warmup_steps,
+                            a.kl_coef, tokenizer.pad_token_id or 0, trainer.broadcast_bucket_mb << 20,
+                            notify_after_broadcast=trainer.synchronous, tokenizer=tokenizer)
+    learner.run_dir = run_dir
+    learner.checkpoint_every = trainer.checkpoint_every if run_dir else 0
+    learner.checkpoint_keep = trainer.checkpoint_keep
+    learner.max_steps = max_steps
+    return learner
+
+
+def build_value_learner(model: ModelConfig, critic: CriticConfig, gamma: float, seed: int,
+                        trajectories: Mailbox) -> ValueLearner:
+    torch.manual_seed(seed + 1)
+    tokenizer = load_tokenizer(model)
+    if critic.init_path:
+        value_model = value_model_from_reward_model(critic.init_path, model.dtype)
+    else:
+        value_model = value_model_from_policy(load_model(model, tokenizer))
+    settings = ValueLossSettings(gamma=gamma, lam=critic.lam, clip_low=critic.clip_low, clip_high=critic.clip_high,
+                                 grad_clip=critic.grad_clip, micro_batch_tokens=critic.micro_batch_tokens)
+    return ValueLearner(value_model, trajectories, settings, critic.lr, critic.weight_decay,
+                        critic.batch_trajectories, critic.warmup_steps, tokenizer.pad_token_id or 0)
+
+
+def build_estimator(algorithm: AlgorithmConfig, engine: EngineConfig, prompts_per_step: int, router: RewardRouter,
+                    value_learner: Any = None, trajectories: Mailbox | None = None):
+    """The strategy `ESTIMATORS[algorithm.estimator]`, given what it talks to."""
+    a, kind = algorithm, ESTIMATORS[algorithm.estimator]
+    if kind is ValueEstimator:
+        settings = ValueAdvantageSettings(
+            gamma=a.gamma, lam=a.lam, length_adaptive_alpha=a.length_adaptive_alpha, lambda_floor=a.lambda_floor,
+            edge_mask_tokens=a.edge_mask_tokens, window_training=a.window_training,
+            window_tokens=engine.window_tokens, bootstrap=a.egae_bootstrap,
+            max_staleness_versions=a.max_staleness_versions, overlong_buffer_tokens=a.overlong_buffer_tokens,
+            overlong_penalty_factor=a.overlong_penalty_factor, max_response_tokens=engine.max_response_tokens)
+
+        async def values(rows):
+            return await value_learner.values.remote(rows)
+
+        async def value_ready() -> bool:
+            return await value_learner.ready.remote()
+
+        return ValueEstimator(values=values, value_ready=value_ready, trajectories=trajectories, settings=settings,
+                              rows_per_batch=prompts_per_step * a.group_size, whiten=a.whiten_advantages,
+                              advantage_clamp=a.advantage_clamp)
+    settings = AssemblySettings(
+        dynamic_sampling=a.dynamic_sampling, scale_advantage_by_std=a.scale_advantage_by_std,
+        max_staleness_versions=a.max_staleness_versions, overlong_buffer_tokens=a.overlong_buffer_tokens,
+        overlong_penalty_factor=a.overlong_penalty_factor, max_response_tokens=engine.max_response_tokens)
+    if kind is PairwiseEstimator:
+        async def judge(pairs):
+            return await router.compare(a.pairwise_endpoint, pairs)
+
+        return PairwiseEstimator(settings, prompts_per_step, judge=judge, anchor=a.pairwise_anchor)
+    return GroupEstimator(settings, prompts_per_step)
+
+
+def build_reward_router(reward: RewardConfig, endpoints: dict[str, Any],
+                        routes: list[RouteConfig] | None = None) -> RewardRouter:
+    """Calls reward endpoints with the run's timeout and retries: the actors of `endpoints`, or the
+    Serve applications `reward-<name>` when `reward.use_serve`. `routes` default to the config's."""
+    if reward.use_serve:
+        serve_endpoints = ServeRewardEndpoints()
+        call, compare = serve_endpoints.score, serve_endpoints.compare
+    else:
+        async def call(name, requests):
+            return await endpoints[name].score.remote(requests)
+
+        async def compare(name, pairs):
+            return await endpoints[name].compare.remote(pairs)
+
+    return RewardRouter(list(routes if routes is not None else reward.routes), call, reward.timeout_s,
+                        reward.retries, compare=compare)
+
+
+def build_prompt_source(model: ModelConfig, task: TaskConfig, algorithm: AlgorithmConfig, trainer: TrainerConfig,
+                        prompts: Mailbox) -> PromptSource:
+    tokenizer = load_tokenizer(model)
+    examples = load_examples(task.name, "train", task.num_train_prompts, task.seed, task.path)
+    tokens = [encode_prompt(ex, tokenizer, model.use_chat_template) for ex in examples]
+    curriculum = [(stage.start_step, list(stage.data_sources)) for stage in task.curriculum]
+    return PromptSource(examples, tokens, algorithm.group_size, prompts, trainer.seed, trainer.prompts_per_step,
+                        algorithm.max_staleness_versions, curriculum)
+
+
+# --- shells --------------------------------------------------------------------------------------
+
+
+class _LoopShell:
+    """Forwards the loop controls of a role object held in `self.inner`."""
+
+    inner: Any
+
+    async def run(self) -> None:
+        await self.inner.run()
+
+    def stop(self) -> None:
+        self.inner.stop()
+
+    def stats(self) -> dict:
+        return self.inner.stats()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class _WeightGroupMember:
+    def init_weight_group(self, addr: str, port: int, world_size: int, rank: int) -> None:
+        init_weight_group(addr, port, world_size, rank, "gloo")
+
+
+class PromptSourceActor(_LoopShell):
+    def __init__(self, model: ModelConfig, task: TaskConfig, algorithm: AlgorithmConfig, trainer: TrainerConfig,
+                 prompts: Mailbox):
+        torch.set_num_threads(1)
+        self.inner = build_prompt_source(model, task, algorithm, trainer, prompts)
+        self.restored = False
+        self.pre_ppo: dict = {}
+
+    async def prepare(self, model: ModelConfig, engine: EngineConfig, task: TaskConfig, reward: RewardConfig,
+                      seed: int, endpoints: dict[str, Any]) -> dict:
+        """Pre-PPO prompt selection before the first prompt is issued; a no-op when off or resumed
+        (a resumed run keeps the selection its checkpoint holds)."""
+        from asyncrl.pre_ppo import select_prompts
+
+        if task.pre_ppo_fraction <= 0 or self.restored:
+            return {}
+        router = build_reward_router(reward, endpoints, [RouteConfig(match="*", endpoints=[task.pre_ppo_endpoint])])
+        examples, tokens, self.pre_ppo = await select_prompts(
+            self.inner.examples, self.inner.prompt_token_ids, model, engine, task, router, seed)
+        self.inner.set_examples(examples, tokens)
+        return self.pre_ppo
+
+    def set_policy_version(self, version: int) -> None:
+        self.inner.set_learner_version(version)
+
+    def record(self, sample_ids: list[str], state: str, reason: str = "") -> None:
+        self.inner.record(sample_ids, state, reason)
+
+    def save_checkpoint_part(self, directory: str) -> None:
+        with open(os.path.join(directory, "prompt_source.msgpack"), "wb") as f:
+            f.write(SNAPSHOT_CODEC.encode(self.inner.snapshot()))
+
+    def restore(self, directory: str, held_sample_ids: set[str], learner_version: int) -> int:
+        """Continue from a checkpoint; returns how many prompts will be issued again."""
+        with open(os.path.join(directory, "prompt_source.msgpack"), "rb") as f:
+            self.inner.restore(SNAPSHOT_CODEC.decode(f.read()), held_sample_ids, learner_version)
+        self.restored = True
+        return len(self.inner.reissue)
+
+    def sample_states(self, sample_ids: list[str]) -> dict[str, str | None]:
+        return {sid: self.inner.ledger.state(sid) for sid in sample_ids}
+
+    def ledger(self) -> dict:
+        return {"counts": self.inner.ledger.state_counts(), "problems": self.inner.ledger.check(),
+                "trained_ids": self.inner.ledger.trained_ids()}
+
+
+class ValueLearnerActor(_LoopShell):
+    def __init__(self, model: ModelConfig, critic: CriticConfig, gamma: float, seed: int, trajectories: Mailbox,
+                 resume_from: str | None = None):
+        torch.set_num_threads(critic.threads)
+        self.inner = build_value_learner(model, critic, gamma, seed, trajectories)
+        if resume_from:
+            self.inner.load_checkpoint(resume_from)
+
+    async def save_checkpoint_part(self, directory: str) -> None:
+        await self.inner.save_checkpoint_part(directory)
+
+    async def values(self, rows):
+        return await self.inner.values(rows)
+
+    def ready(self) -> bool:
+        """The warm-up (value pretraining) is over: the assembler may train policy rows."""
+        return self.inner.ready
+
+    def pop_metrics(self) -> list[dict]:
+        return self.inner.pop_metrics()
+
+
+class AssemblerActor(_LoopShell):
+    def __init__(self, model: ModelConfig, algorithm: AlgorithmConfig, engine: EngineConfig, reward: RewardConfig,
+                 prompts_per_step: int, segments: Mailbox, batches: Mailbox, endpoints: dict[str, Any],
+                 ledger, value_learner=None, trajectories: Mailbox | None = None, batch_prefix: str = "batch"):
+        torch.set_num_threads(1)
+        tokenizer = load_tokenizer(model)
+        self.router = build_reward_router(reward, endpoints)
+        self.endpoint_names = set(reward.endpoints)
+        estimator = build_estimator(algorithm, engine, prompts_per_step, self.router, value_learner, trajectories)
+        self.inner = Assembler(segments, batches, self.router.score, lambda ids: decode(tokenizer, ids), estimator,
+                               on_samples=lambda ids, state, reason: ledger.record.remote(ids, state, reason),
+                               batch_prefix=batch_prefix)
+
+    def set_policy_version(self, version: int) -> None:
+        self.inner.set_policy_version(version)
+
+    def set_reward_routes(self, routes: list[dict]) -> list[dict]:
+        """Admin: change the hybrid mix while training runs (validated like the config)."""
+        parsed = [RouteConfig(**route) for route in routes]
+        errors = [message for ok, message in route_checks(parsed, self.endpoint_names) if not ok]
+        if errors:
+            raise ValueError("; ".join(errors))
+        self.router.set_routes(parsed)
+        return [asdict(route) for route in parsed]
+
+    def stats(self) -> dict:
+        return {**self.inner.stats(), "reward_router": self.router.stats()}
+
+
+class GeneratorActor(_LoopShell, _WeightGroupMember):
+    def __init__(self, model: ModelConfig, engine: EngineConfig, prompts: Mailbox, segments: Mailbox,
+                 generator_id: str):
+        torch.set_num_threads(engine.threads)
+        self.inner = build_generator(model, engine, prompts, segments, generator_id)
+
+    async def receive_weights(self, plan, version: int) -> float:
+        return await self.inner.receive_weights(plan, version)
+
+
+class PolicyLearnerActor(_LoopShell, _WeightGroupMember):
+    """Edges: broadcasts to `generators`; tells `version_listeners` (assembler, prompt source) of
+    each version; reports trained samples to the `ledger`; asks `checkpoint_parts` (prompt source,
+    value learner) to write their parts of each checkpoint."""
+
+    def __init__(self, model: ModelConfig, algorithm: AlgorithmConfig, trainer: TrainerConfig,
+                 sampling_temperature: float, batches: Mailbox, generators: list, version_listeners: list[Any],
+                 ledger, checkpoint_parts: list[Any], run_dir: str = "", resume_from: str | None = None,
+                 max_steps: int = 0):
+        torch.set_num_threads(trainer.learner_threads)
+        self.inner = build_policy_learner(model, algorithm, trainer, sampling_temperature, batches, run_dir, max_steps)
+        if resume_from:
+            self.inner.load_checkpoint(resume_from)
+        self.inner.generators = generators
+        self.inner.on_version = [_version_notice(listener) for listener in version_listeners]
+
+        async def on_trained(ids):
+            await ledger.record.remote(ids, "trained", "")
+
+        self.inner.on_trained = on_trained
+        self.inner.checkpoint_parts = [_part_writer(actor) for actor in checkpoint_parts]
+
+    async def publish(self) -> None:
+        await self.inner.publish()
+
+    async def save_checkpoint(self) -> str:
+        return await self.inner.save_checkpoint()
+
+    def pop_metrics(self) -> list[dict]:
+        return self.inner.pop_metrics()
+
+    def weights(self) -> tuple[int, dict[str, torch.Tensor]]:
+        """(version, a snapshot of the parameters): for evaluation and the policy endpoint."""
+        return self.inner.version, self.inner.snapshot()
+
+    def version(self) -> int:
+        return self.inner.version
+
+
+def _version_notice(listener):
+    """Fire-and-forget: the assembler and the prompt source take `max` of what they are told."""
+    return lambda version: listener.set_policy_version.remote(version)
+
+
+def _part_writer(actor):
+    async def write(directory: str) -> None:
+        await actor.save_checkpoint_part.remote(directory)
+    return write
+
+
+def reward_endpoint_actors(reward: RewardConfig, model: ModelConfig, default_style: str) -> dict[str, Any]:
+    """Reward endpoints as plain Ray actors (`asyncrl train`); under `serve run` they are the Serve
+    applications `reward-<name>` instead (reward.use_serve)."""
+    from asyncrl.rewards.endpoint import RewardEndpoint
+
+    return {
+        # Stateless: Ray restarts a dead endpoint and retries the calls it was answering.
+        name: ray.remote(RewardEndpoint).options(num_cpus=0, max_concurrency=64, max_restarts=-1,
+                                                 max_task_retries=3).remote(
+            name, asdict(endpoint), asdict(model), default_style)
+        for name, endpoint in reward.endpoints.items()
+    }
