@@ -104,6 +104,32 @@ def test_masked_whiten():
     w = masked_whiten(x, m)
     np.testing.assert_allclose(w[0, :3].numpy(), [-1.0, 0.0, 1.0], atol=1e-6)  # unbiased var = 1
     assert float(w[0, 3]) == 0.0
+    # Against given moments (the assembler's running ones): (x - 1) / sqrt(4) = [0, .5, 1].
+    w = masked_whiten(x, m, mean=1.0, var=4.0)
+    np.testing.assert_allclose(w[0, :3].numpy(), [0.0, 0.5, 1.0], atol=1e-6)
+    assert float(w[0, 3]) == 0.0
+
+
+def test_whiten_rows_is_masked_whiten_over_the_trained_tokens():
+    """The assembler's `whiten_rows` (production) whitens exactly as `masked_whiten` (tested above):
+    rows concatenated, loss-masked tokens excluded and left at 0."""
+    from asyncrl.assembly import whiten_rows
+    from asyncrl.schema import FinishReason, Segment, TrainSample, float32_array, int32_array
+
+    def row(advantages, loss_mask):
+        n = len(advantages)
+        seg = Segment(prompt_id="p", sample_idx=0, turn=0, group_id="p", group_size=1, prompt_token_ids=int32_array([1]),
+                      prior_response_ids=int32_array([]), prior_versions=int32_array([]),
+                      new_token_ids=int32_array([5] * n), new_logprobs=float32_array([-1.0] * n),
+                      new_versions=int32_array([0] * n), finished=True, finish_reason=FinishReason.EOS,
+                      data_source="tiny", ground_truth="1")
+        return TrainSample(segment=seg, score=0.0, advantages=float32_array(advantages),
+                           loss_mask=np.asarray(loss_mask, dtype=np.uint8))
+
+    rows = whiten_rows([row([1.0, 2.0], [1, 1]), row([3.0, 100.0], [1, 0])])
+    np.testing.assert_allclose(np.concatenate([r.advantages for r in rows]), [-1.0, 0.0, 1.0, 0.0], atol=1e-6)
+    rows = whiten_rows([row([1.0, 2.0], [1, 1]), row([3.0, 100.0], [1, 0])], mean=1.0, std=2.0)
+    np.testing.assert_allclose(np.concatenate([r.advantages for r in rows]), [0.0, 0.5, 1.0, 0.0], atol=1e-6)
 
 
 # --- policy loss ----------------------------------------------------------------------------------

@@ -201,6 +201,53 @@ def test_pre_ppo_selection_is_per_domain_and_scale_invariant():
     assert np.allclose(domain_zscores(np.array([1.0, 1.0]), ["a", "a"]), 0.0)
 
 
+def test_pre_ppo_keeps_the_hardest_and_merges_or_replaces():
+    from asyncrl.pre_ppo import pre_ppo_selection
+    from asyncrl.schema import Reward
+    from asyncrl.tasks import Example
+
+    def example(i, source):
+        return Example(prompt_id=f"p{i}", messages=[{"role": "user", "content": f"q{i}"}], ground_truth="1",
+                       data_source=source)
+
+    pool = [example(i, "math" if i < 4 else "code") for i in range(6)]
+    tokens = [[i] for i in range(6)]
+    rewards = [Reward(prompt_id=ex.prompt_id, sample_idx=0, score=s, source="v")
+               for ex, s in zip(pool, [0.9, 0.1, 0.5, 0.7, 1.0, 0.0])]
+    chosen, chosen_tokens, report = pre_ppo_selection(pool, tokens, pool, tokens, rewards, 0.5, pool_joins_train=False)
+    # Per domain, the lower half by score: math keeps p1 (0.1) and p2 (0.5); code keeps p5 (0.0).
+    assert [ex.prompt_id for ex in chosen] == ["p1", "p2", "p5"] and chosen_tokens == [[1], [2], [5]]
+    assert report["selected"] == 3 and report["train_prompts"] == 3 and report["selected_score_mean"] == pytest.approx(0.2)
+    train = [example(9, "math")]
+    chosen, _, report = pre_ppo_selection(train, [[9]], pool, tokens, rewards, 0.5, pool_joins_train=True)
+    assert [ex.prompt_id for ex in chosen] == ["p9", "p1", "p2", "p5"] and report["train_prompts"] == 4
+
+
+def test_pre_ppo_scores_candidates_through_the_reward_router():
+    """Pre-PPO's rewards come through the same router as the assembler's: a failing first call is
+    retried (the router's retries), and the selection uses the answer of the retry."""
+    from asyncrl.config import compose
+    from asyncrl.pre_ppo import select_prompts
+    from asyncrl.tasks import encode_prompt, load_examples
+
+    config = compose(["model=tiny", "task=tiny", "task.pre_ppo_fraction=0.2"])
+    endpoint = RewardEndpoint("verifier", {"kind": "verifier"}, None, "zero_one")
+    calls = []
+
+    async def call(name, requests):
+        calls.append(name)
+        if len(calls) == 1:
+            raise RuntimeError("replica restarting")
+        return await endpoint.score(requests)
+
+    router = RewardRouter([RouteConfig(endpoints=["verifier"])], call, timeout_s=30, retries=2)
+    train = load_examples("tiny", "train", 10, 0)
+    tokens = [encode_prompt(ex, build_tiny_tokenizer(), False) for ex in train]
+    chosen, _, report = asyncio.run(select_prompts(train, tokens, config.model, config.engine, config.task, router, 0))
+    assert calls == ["verifier", "verifier"] and router.counters["retries"] == 1
+    assert report["candidates"] == 10 and report["failed_rewards"] == 0 and len(chosen) == report["selected"] >= 1
+
+
 def test_curriculum_stages():
     stages = [(0, ["code"]), (100, ["code", "math"]), (300, [])]
     assert curriculum_sources(5, stages) == {"code"}

@@ -10,6 +10,10 @@ import time
 from datetime import datetime, timezone
 from typing import Callable
 
+import numpy as np
+
+from asyncrl.schema import FinishReason, Segment, float32_array, int32_array
+
 
 def machine() -> dict:
     import torch
@@ -57,3 +61,25 @@ def write_result(run_dir: str, name: str, result: dict) -> str:
     with open(path, "w") as f:
         json.dump({"benchmark": name, "machine": machine(), **result}, f, indent=2)
     return path
+
+
+def make_segment(new_tokens: int, prompt_tokens: int = 256) -> Segment:
+    """A finished segment of realistic size (embedded model vocabulary) for the message benchmarks."""
+    rng = np.random.default_rng(0)
+    return Segment(
+        prompt_id="prompt-000123",
+        sample_idx=3,
+        turn=0,
+        group_id="prompt-000123",
+        prompt_token_ids=int32_array(rng.integers(0, 49152, prompt_tokens)),
+        prior_response_ids=int32_array([]),
+        prior_versions=int32_array([]),
+        new_token_ids=int32_array(rng.integers(0, 49152, new_tokens)),
+        new_logprobs=float32_array(-rng.random(new_tokens) * 5),
+        new_versions=int32_array(np.full(new_tokens, 17)),
+        finished=True,
+        finish_reason=FinishReason.EOS,
+        data_source="arithmetic",
+        ground_truth="42",
+        group_size=8,
+    )

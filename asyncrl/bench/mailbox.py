@@ -10,7 +10,7 @@ import pickle
 import statistics
 import time
 
-from asyncrl.bench.messages import make_segment
+from asyncrl.bench.common import make_segment
 from asyncrl.mailbox import InProcessMailbox, RayMailbox
 from asyncrl.schema import Segment
 

@@ -6,29 +6,8 @@ import pickle
 
 import numpy as np
 
-from asyncrl.bench.common import paired, time_per_call
-from asyncrl.schema import Codec, FinishReason, Segment, float32_array, int32_array
-
-
-def make_segment(new_tokens: int, prompt_tokens: int = 256) -> Segment:
-    rng = np.random.default_rng(0)
-    return Segment(
-        prompt_id="prompt-000123",
-        sample_idx=3,
-        turn=0,
-        group_id="prompt-000123",
-        prompt_token_ids=int32_array(rng.integers(0, 49152, prompt_tokens)),
-        prior_response_ids=int32_array([]),
-        prior_versions=int32_array([]),
-        new_token_ids=int32_array(rng.integers(0, 49152, new_tokens)),
-        new_logprobs=float32_array(-rng.random(new_tokens) * 5),
-        new_versions=int32_array(np.full(new_tokens, 17)),
-        finished=True,
-        finish_reason=FinishReason.EOS,
-        data_source="arithmetic",
-        ground_truth="42",
-        group_size=8,
-    )
+from asyncrl.bench.common import make_segment, paired, time_per_call
+from asyncrl.schema import Codec, Segment
 
 
 def run(quick: bool = False, overrides: list[str] | None = None) -> dict:

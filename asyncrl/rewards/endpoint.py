@@ -44,18 +44,18 @@ def build_scorer(config: EndpointConfig, model: ModelConfig | None, default_styl
     if config.kind == "verifier":
         return Verifier(verifier_settings(config, default_style), config.version)
     if config.kind == "genrm":
-        from asyncrl.models import ModelSpec, load_model, load_tokenizer
+        from asyncrl.models import load_model, load_tokenizer
 
         if config.model_path:
-            spec = ModelSpec(source="hf", path=config.model_path)
+            judge_model = ModelConfig(source="hf", path=config.model_path)
+        elif model is None:
+            raise ValueError("a genrm endpoint without model_path needs the policy's model config")
         else:
-            if model is None:
-                raise ValueError("a genrm endpoint without model_path needs the policy's model config")
-            spec = ModelSpec(**{k: getattr(model, k) for k in ModelSpec.__dataclass_fields__})
-        tokenizer = load_tokenizer(spec)
+            judge_model = model
+        tokenizer = load_tokenizer(judge_model)
         settings = JudgeSettings(mode=config.judge_mode,
                                  use_chat_template=model.use_chat_template if model is not None else True)
-        return GenerativeJudge(load_model(spec, tokenizer), tokenizer, settings, config.version)
+        return GenerativeJudge(load_model(judge_model, tokenizer), tokenizer, settings, config.version)
     if config.kind == "bt":
         return ScalarRewardModel(config.model_path, sigmoid=config.sigmoid, version=config.version)
     if config.kind == "prm":

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Awaitable, Callable, ClassVar, Protocol
+from typing import Awaitable, Callable, ClassVar, Protocol
 
 import numpy as np
 
@@ -27,12 +27,27 @@ from asyncrl.mailbox import Mailbox
 from asyncrl.schema import PairRequest, Reward, RewardRequest, ScoredTrajectory, Segment, TrainSample, segment_row
 from asyncrl.staleness import is_stale, max_staleness
 
-if TYPE_CHECKING:
-    from asyncrl.roles.assembler import Assembler
-
 Scored = list[tuple[Segment, RewardRequest]]
 ValuesFn = Callable[[list[tuple[np.ndarray, np.ndarray]]], Awaitable[tuple[list[np.ndarray], int]]]
 JudgeFn = Callable[[list[PairRequest]], Awaitable[list[dict]]]
+
+
+class Assembler(Protocol):
+    """What an estimator uses of the assembler (`asyncrl.roles.assembler.Assembler`)."""
+
+    policy_version: int
+    counters: collections.Counter
+    score: Callable[[list[RewardRequest]], Awaitable[list[Reward]]]
+    decode: Callable[[list[int]], str]
+    on_samples: Callable[[list[str], str, str], None]
+
+    def note_scored(self, reward: Reward) -> None: ...
+
+    def drop_samples(self, sample_ids: list[str], reason: str) -> None: ...
+
+    def drop_row(self, row: Segment, reason: str) -> None: ...
+
+    async def emit(self, samples: list[TrainSample], stats: dict[str, float], samples_emitted: int) -> None: ...
 
 
 class Estimator(Protocol):

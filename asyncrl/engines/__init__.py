@@ -1,0 +1,1 @@
+"""Generation engines behind one interface (`base.Engine`): the embedded torch engine on CPU."""
