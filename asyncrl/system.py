@@ -39,6 +39,15 @@ class ResumePoint:
     held_sample_ids: set = field(default_factory=set)  # samples inside those batches
 
 
+def _spawn(role_shell: type, *args, actor_name: str | None = None, **kwargs):
+    """A role's Ray actor. No CPU reserved (each role budgets its torch threads itself), and async
+    methods run concurrently (a learner answers `weights` while it trains)."""
+    options: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 64}
+    if actor_name:
+        options.update(name=actor_name, namespace=NAMESPACE)
+    return ray.remote(role_shell).options(**options).remote(*args, **kwargs)
+
+
 class TrainingSystem:
     """`run_dir` enables checkpoints (every `trainer.checkpoint_every` steps); with `resume=true`
     the system continues from the newest valid checkpoint there."""
@@ -63,8 +72,6 @@ class TrainingSystem:
         cfg, tr = self.config, self.config.trainer
         resume = self._resume_point()  # None for a fresh run
         value_based = ESTIMATORS[cfg.algorithm.estimator].needs_value_learner
-        actor = ray.remote  # every role is a Ray actor with max_concurrency for its async methods
-        opts = {"num_cpus": 0, "max_concurrency": 64}
 
         # 1. Mailboxes (each owned by its consumer). Prompts: room for every prompt the staleness
         #    budget allows to be open (stragglers hold leases), plus a queue ahead of the generators.
@@ -83,30 +90,27 @@ class TrainingSystem:
         endpoints = {} if cfg.reward.use_serve else reward_endpoint_actors(cfg.reward, cfg.model, cfg.task.reward)
 
         # 3. Roles. Prompt source: dataset cursor, admission budget, ledger of every sample.
-        prompt_source = actor(PromptSourceActor).options(**opts).remote(
-            cfg.model, cfg.task, cfg.algorithm, tr, prompts)
+        prompt_source = _spawn(PromptSourceActor, cfg.model, cfg.task, cfg.algorithm, tr, prompts)
         # Value learner (value-based estimators): trains on `trajectories`, answers value requests.
-        value_learner = (actor(ValueLearnerActor).options(**opts).remote(
-            cfg.model, cfg.critic, cfg.algorithm.gamma, tr.seed, trajectories, resume and resume.checkpoint)
-            if value_based else None)
+        value_learner = (_spawn(ValueLearnerActor, cfg.model, cfg.critic, cfg.algorithm.gamma, tr.seed, trajectories,
+                                resume and resume.checkpoint) if value_based else None)
         # Assembler: `segments` -> rewards (router) -> estimator -> `batches` (and `trajectories`);
         # reports every sample's fate to the ledger (prompt source); asks the value learner for values.
-        assembler = actor(AssemblerActor).options(**opts).remote(
-            cfg.model, cfg.algorithm, cfg.engine, cfg.reward, tr.prompts_per_step, segments, batches, endpoints,
-            prompt_source, value_learner, trajectories, f"batch-r{resume.incarnation if resume else 0}")
+        assembler = _spawn(AssemblerActor, cfg.model, cfg.algorithm, cfg.engine, cfg.reward, tr.prompts_per_step,
+                           segments, batches, endpoints, prompt_source, value_learner, trajectories,
+                           f"batch-r{resume.incarnation if resume else 0}")
         # Generators: `prompts` -> engine windows -> `segments`.
-        self.generators = [actor(GeneratorActor).options(**opts).remote(cfg.model, cfg.engine, prompts, segments,
-                                                                          f"gen-{i}")
+        self.generators = [_spawn(GeneratorActor, cfg.model, cfg.engine, prompts, segments, f"gen-{i}")
                            for i in range(tr.num_generators)]
         # Policy learner: `batches` -> optimizer step -> weights broadcast to the generators; each new
         # version told to the assembler and the prompt source (staleness, admission); trained samples
         # to the ledger; checkpoints written with the prompt source's and value learner's parts.
-        learner_opts = dict(opts, name=LEARNER_NAME, namespace=NAMESPACE) if self.name_actors else opts
-        learner = actor(PolicyLearnerActor).options(**learner_opts).remote(
-            cfg.model, cfg.algorithm, tr, cfg.engine.temperature, batches,
+        learner = _spawn(
+            PolicyLearnerActor, cfg.model, cfg.algorithm, tr, cfg.engine.temperature, batches,
             generators=self.generators, version_listeners=[assembler, prompt_source], ledger=prompt_source,
             checkpoint_parts=[prompt_source] + ([value_learner] if value_learner is not None else []),
-            run_dir=self.run_dir, resume_from=resume and resume.checkpoint, max_steps=self.max_steps)
+            run_dir=self.run_dir, resume_from=resume and resume.checkpoint, max_steps=self.max_steps,
+            actor_name=LEARNER_NAME if self.name_actors else None)  # the policy endpoint finds it by name
         self.actors = {"learner": learner, "assembler": assembler, "prompt_source": prompt_source,
                        **({"value_learner": value_learner} if value_learner is not None else {}),
                        **{f"reward-{name}": endpoint for name, endpoint in endpoints.items()}}
