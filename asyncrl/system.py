@@ -211,12 +211,17 @@ class TrainingSystem:
     def weights(self) -> tuple[int, dict[str, torch.Tensor]]:
         return ray.get(self.actors["learner"].weights.remote())
 
-    def stop(self) -> None:
+    def stop(self, learner_grace_s: float = 60.0) -> None:
+        """Stop every loop and kill every actor. Once this returns, no checkpoint is committed any
+        more: the caller (the supervisor, a resume) may pick the newest one."""
         stops = [a.stop.remote() for a in [*self.actors.values(), *self.generators] if hasattr(a, "stop")]
         ray.wait(stops, num_returns=len(stops), timeout=5)  # best effort: the actors are killed next
+        # The learner is the one writer of checkpoints: let its loop end first, so a checkpoint it is
+        # writing is committed or never started, never committed after a kill that landed late.
+        if "learner" in self.run_refs:
+            ray.wait([self.run_refs["learner"]], timeout=learner_grace_s)
         for actor in [*self.actors.values(), *self.generators, *(b.actor for b in self.mailboxes.values())]:
             ray.kill(actor)
-        # Return once the loops are gone (a learner must not write a checkpoint after this).
         if self.run_refs:
             ray.wait(list(self.run_refs.values()), num_returns=len(self.run_refs), timeout=15)
 
