@@ -2,8 +2,11 @@
 `reward-verifier`, built concurrently from config entries): status while training, the openai
 client, weight versions, admin routes, and every HTTP route fuzzed from its OpenAPI schema
 (schemathesis): valid and invalid bodies, queries and headers. No answer may be a 5xx, and no
-replica may restart. One deployment serves the whole module (starting the apps costs most of it)."""
+replica may restart. One deployment serves the whole module (starting the apps costs most of it).
+The train app runs PPO, so its records carry value-learner metrics, and they are compared with
+those `asyncrl train` writes for the same overrides (one run monitor behind both)."""
 
+import json
 import time
 
 import httpx
@@ -15,20 +18,44 @@ from hypothesis.errors import Unsatisfiable
 from ray import serve
 from schemathesis import GenerationMode
 
+from asyncrl.config import compose
+from asyncrl.driver import train
+from asyncrl.monitor import RUN_FIELDS
 from asyncrl.serve_app import deploy_declaratively, reward_app_config
 from asyncrl.weight_sync import free_port
 
-OVERRIDES = "model=tiny task=tiny algorithm=grpo trainer.wandb_mode=disabled trainer.checkpoint_every=0"
+OVERRIDES = "model=tiny task=tiny algorithm=ppo trainer.wandb_mode=disabled trainer.checkpoint_every=0"
 ADMIN_TOKEN = "test-admin-token"
 APPS = {"train": "/train", "policy": "/v1", "reward-verifier": "/reward/verifier"}
 EXAMPLES = 8  # fuzzed examples per operation and generation mode (CI time); raise it for a deeper run
 
 
+RUN_DIRS = {}  # "serve": the train app's run directory
+
+
+def records_with_value_metrics(path) -> list[dict]:
+    try:
+        lines = open(path).read().splitlines()
+    except FileNotFoundError:
+        return []
+    return [r for r in map(json.loads, lines) if "value_loss" in r]
+
+
 @pytest.fixture(scope="module")
-def apps(ray_session, tmp_path_factory):
+def cli_run(ray_session, tmp_path_factory):
+    """`asyncrl train` with the train app's overrides, run before the apps start (both name their
+    learner actor, so they cannot run at once)."""
+    run_dir = tmp_path_factory.mktemp("cli")
+    summary = train(compose([*OVERRIDES.split(), "trainer.total_steps=3", f"trainer.run_dir={run_dir}"]),
+                    progress=False, eval_prompts=1)
+    return summary, records_with_value_metrics(run_dir / "metrics.jsonl")
+
+
+@pytest.fixture(scope="module")
+def apps(ray_session, cli_run, tmp_path_factory):
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    run_dir = tmp_path_factory.mktemp("serve")
+    run_dir = RUN_DIRS["serve"] = tmp_path_factory.mktemp("serve")
     deploy_declaratively([
         {"name": "train", "route_prefix": "/train", "import_path": "asyncrl.serve_app:build_train",
          "args": {"overrides": OVERRIDES, "trainer.run_dir": str(run_dir), "serve.admin_token": ADMIN_TOKEN}},
@@ -96,6 +123,23 @@ def test_bad_requests_get_openai_style_4xx(apps):
     # The endpoint is still healthy afterwards.
     ok = httpx.post(f"{apps}/v1/completions", json={"prompt": "1:", "max_tokens": 1}, timeout=30)
     assert ok.status_code == 200
+
+
+def test_serve_train_app_and_asyncrl_train_write_the_same_records(apps, cli_run):
+    summary, cli = cli_run
+    assert cli, "asyncrl train wrote no record with value-learner metrics"
+    deadline = time.time() + 180
+    while not (served := records_with_value_metrics(RUN_DIRS["serve"] / "metrics.jsonl")):
+        assert time.time() < deadline, "the Serve train app wrote no record with value-learner metrics"
+        time.sleep(1.0)
+    assert set(served[-1]) == set(cli[-1]), set(served[-1]) ^ set(cli[-1])
+    assert set(RUN_FIELDS) <= set(served[-1])
+    assert {"value_loss", "value_explained_variance", "value_step"} <= set(served[-1])
+    # The status page shows what `asyncrl train`'s summary holds (less the per-generator list).
+    status = httpx.get(f"{apps}/train/status", timeout=30).json()
+    final = {k for k in summary["final_status"] if k != "generators"}
+    assert final <= set(status), final - set(status)
+    assert status["reward_curve"]
 
 
 def test_usage_counts_each_prompt_once(apps):

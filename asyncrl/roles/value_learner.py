@@ -6,7 +6,7 @@ and answers value requests for (E)GAE.
 * Serves `V(s_t)` from a serving copy refreshed after each step, so a request never waits for a
   training step and never sees half-updated weights; each answer carries the value version.
 * Warm-up (VC-PPO value pretraining): until `warmup_steps` value steps are done, `ready` is false
-  and the assembler trains no policy rows, so the policy stays the frozen initial one.
+  and the assembler (which asks) trains no policy rows, so the policy stays the frozen initial one.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import asyncio
 import copy
 import os
 import time
-from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -40,7 +39,6 @@ class ValueLearner(TrainingLoop):
         self.warmup_steps = warmup_steps
         self.pad_token_id = pad_token_id
         self.version = 0
-        self.on_ready: list[Callable[[], Any]] = []
         self._seen = RecentIds(200_000)
         self._pending: list[ScoredTrajectory] = []
         self._serving_lock = asyncio.Lock()
@@ -85,9 +83,6 @@ class ValueLearner(TrainingLoop):
         record = {"value_step": self.version, **metrics, "value_train_s": elapsed, "value_ready": self.ready}
         self.last = record
         self._metrics.append(record)
-        if self.version == self.warmup_steps:
-            for notify in self.on_ready:
-                notify()
         return record
 
     async def step_once(self, timeout: float = 1.0) -> dict | None:
@@ -109,9 +104,6 @@ class ValueLearner(TrainingLoop):
     async def run(self) -> None:
         self._running = True
         self._started = time.monotonic()
-        if self.ready:
-            for notify in self.on_ready:
-                notify()
         while self._running:
             await self.step_once()
 
