@@ -24,7 +24,9 @@ from asyncrl.monitor import RUN_FIELDS
 from asyncrl.serve_app import deploy_declaratively, reward_app_config
 from asyncrl.weight_sync import free_port
 
-OVERRIDES = "model=tiny task=tiny algorithm=ppo trainer.wandb_mode=disabled trainer.checkpoint_every=0"
+# critic.warmup_steps=1: the policy trains only after a value step, so every record carries value metrics.
+OVERRIDES = ("model=tiny task=tiny algorithm=ppo critic.warmup_steps=1 trainer.wandb_mode=disabled "
+             "trainer.checkpoint_every=0")
 ADMIN_TOKEN = "test-admin-token"
 APPS = {"train": "/train", "policy": "/v1", "reward-verifier": "/reward/verifier"}
 EXAMPLES = 8  # fuzzed examples per operation and generation mode (CI time); raise it for a deeper run
@@ -127,7 +129,7 @@ def test_bad_requests_get_openai_style_4xx(apps):
 
 def test_serve_train_app_and_asyncrl_train_write_the_same_records(apps, cli_run):
     summary, cli = cli_run
-    assert cli, "asyncrl train wrote no record with value-learner metrics"
+    assert cli and len(cli) == summary["steps"], "every record of asyncrl train carries value-learner metrics"
     deadline = time.time() + 180
     while not (served := records_with_value_metrics(RUN_DIRS["serve"] / "metrics.jsonl")):
         assert time.time() < deadline, "the Serve train app wrote no record with value-learner metrics"
@@ -143,11 +145,14 @@ def test_serve_train_app_and_asyncrl_train_write_the_same_records(apps, cli_run)
 
 
 def test_usage_counts_each_prompt_once(apps):
-    body = {"prompt": ["1:", "2:3"], "max_tokens": 2, "n": 3}
+    body = {"prompt": ["1:", "2:3"], "max_tokens": 2, "n": 3, "logprobs": 0}
     r = httpx.post(f"{apps}/v1/completions", json=body, timeout=30).json()
     assert len(r["choices"]) == 6
     assert r["usage"]["prompt_tokens"] == 2 + 3  # characters are tokens in the tiny vocabulary
-    assert r["usage"]["completion_tokens"] == 12
+    # Every generated token counted once; a choice may end before max_tokens (the policy learns EOS).
+    generated = [len(c["logprobs"]["tokens"]) for c in r["choices"]]
+    assert all(1 <= n <= 2 for n in generated)
+    assert r["usage"]["completion_tokens"] == sum(generated)
 
 
 def test_streaming_and_logprobs_with_the_openai_client(apps):
