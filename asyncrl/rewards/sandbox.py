@@ -1,16 +1,30 @@
-"""Running untrusted programs (policy-written code) in a throwaway sandbox process.
+"""Running untrusted programs (policy-written code) in a throwaway sandbox.
 
-Layers, each independent of the others:
-* **Limits** (setrlimit in the child): CPU seconds, address space, file size, open files, processes;
-  a wall-clock timeout kills the whole process group; stdout/stderr are read up to a cap.
-* **Clean environment**: only PATH/LANG/HOME; the parent's secrets are not inherited.
-* **Namespaces** (when `unshare` works here, as root or with user namespaces): a new network namespace
-  (no interface but a down loopback: nothing to connect to), a new PID namespace (the child cannot
-  see or signal other processes; killing its init ends every descendant, so fork bombs die with it)
-  and a new mount namespace in which the project directory, the home directory and the caller's
-  extra paths are hidden under empty tmpfs mounts and /tmp and /dev/shm are private throwaway
-  tmpfs mounts. As root the program then runs as `nobody`, so the process limit binds and it cannot
-  write to anything it does not own.
+What the program sees is an allow-list, not the host with parts hidden: a new root holding only
+the interpreter, its standard library and the shared libraries they load (all read-only), /dev's
+null/zero/random, a private /proc and /tmp, and its own work directory (a size-capped tmpfs with
+the test files copied in). Nothing else of the host exists for it: not the project, not a sibling
+checkout, not a dataset's answers or a run's checkpoints.
+
+Layers:
+* **Namespaces**: new mount, PID, network (a down loopback only), IPC and UTS namespaces, made by
+  `unshare` as root, or, where that is refused (a container's seccomp profile), inside a new user
+  namespace, which works unprivileged. The sandbox's PID 1 is a small init (`_LAUNCHER`) that
+  builds the root, starts the program and reaps every orphan; when the program ends, PID 1 exits
+  and the kernel kills whatever is left (`setsid()` escapes nothing).
+* **No privilege**: as root the program runs as a uid of its own (one per sandbox, so process
+  limits and signals never reach another sandbox); in a user namespace it keeps uid 0 there with
+  an empty capability bounding set. `no_new_privs` in both.
+* **One cgroup per sandbox** (`asyncrl.rewards.cgroup`) where this process may create one: memory
+  and process count over all its processes together, and a kill that reaches all of them.
+* **rlimits** per process (CPU seconds, address space, file size, open files) and a wall-clock
+  timeout; stdout/stderr read up to a cap; stdin written from its own thread, so a program that
+  never reads cannot block the caller.
+* **Clean environment**: only PATH/LANG/HOME.
+
+With no namespaces at all there is no isolation to speak of; `run_program` then refuses with
+`SandboxUnavailable` unless the caller opted in (`SandboxLimits.allow_unisolated`, or
+`ASYNCRL_SANDBOX_ALLOW_UNISOLATED=1`), and says so loudly when it does run.
 
 `probe_isolation()` says which layers this machine supports; callers and tests read it.
 """
@@ -18,7 +32,10 @@ Layers, each independent of the others:
 from __future__ import annotations
 
 import functools
+import glob
+import itertools
 import json
+import logging
 import os
 import resource
 import shutil
@@ -30,19 +47,33 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-NOBODY_UID = 65534
+from asyncrl.rewards.cgroup import SandboxCgroup, cgroup_layout
+
+log = logging.getLogger(__name__)
+
+# Sandbox uids, one per sandbox run by this process: far above any real account.
+_UID_BASE = 1_000_000
+_UIDS = itertools.count()
+ISOLATION_MODES = ("auto", "namespaces", "user_namespaces", "unisolated")
+
+
+class SandboxUnavailable(RuntimeError):
+    """No isolation can be had here and the caller did not opt in to running code without it."""
 
 
 @dataclass(frozen=True)
 class SandboxLimits:
     wall_s: float = 5.0
     cpu_s: int = 6  # a backstop above wall_s: the wall clock normally ends a runaway first
-    memory_mb: int = 512
+    memory_mb: int = 512  # the whole sandbox (a cgroup) where cgroups work; else each process
     file_size_mb: int = 8
+    disk_mb: int = 64  # the work directory and /tmp, each a tmpfs of this size
     max_processes: int = 64
     max_open_files: int = 64
     max_output_bytes: int = 64 << 10
-    hide_paths: tuple[str, ...] = ()  # more paths to hide, beyond the project and home directories
+    allow_paths: tuple[str, ...] = ()  # more host paths the program may read (e.g. a package dir)
+    isolation: str = "auto"  # auto | namespaces | user_namespaces | unisolated
+    allow_unisolated: bool = False  # run with rlimits alone where no namespace can be made
 
 
 @dataclass
@@ -66,8 +97,8 @@ def project_root() -> str:
 
 def sandbox_python() -> str:
     """The interpreter that runs untrusted code: ASYNCRL_SANDBOX_PYTHON, else the system python3
-    (readable by `nobody`, unlike a pyenv under /root), else this process's base interpreter. Never
-    the project's venv, which is hidden inside the sandbox."""
+    (a plain interpreter with nothing installed into it), else this process's base interpreter.
+    Only its standard library is visible inside; never a venv's packages."""
     configured = os.environ.get("ASYNCRL_SANDBOX_PYTHON")
     if configured:
         return configured
@@ -77,48 +108,183 @@ def sandbox_python() -> str:
     return os.path.realpath(sys.executable)
 
 
-@functools.lru_cache(maxsize=1)
-def probe_isolation() -> dict:
-    """Which layers work on this machine: namespaces via `unshare`, and dropping to `nobody`."""
-    unshare = shutil.which("unshare")
-    namespaces = False
-    if unshare:
-        try:
-            namespaces = subprocess.run(
-                [unshare, "--net", "--pid", "--fork", "--kill-child", "--mount", "--mount-proc", "true"],
-                capture_output=True, timeout=10).returncode == 0
-        except (OSError, subprocess.TimeoutExpired):
-            namespaces = False
-    return {"namespaces": namespaces, "drop_to_nobody": os.geteuid() == 0, "unshare": unshare}
+@functools.lru_cache(maxsize=4)
+def interpreter_paths(python: str) -> tuple[str, ...]:
+    """The host paths an interpreter needs: itself, its standard library (lib-dynload included)
+    and the directories of the shared libraries it and its extension modules load (from `ldd`)."""
+    info = json.loads(subprocess.run(
+        [python, "-I", "-S", "-c",
+         "import json, sys, sysconfig; print(json.dumps([sys.executable, sysconfig.get_path('stdlib'), "
+         "sysconfig.get_path('platstdlib'), sysconfig.get_config_var('DESTSHARED') or '']))"],
+        capture_output=True, text=True, timeout=30, check=True).stdout)
+    paths = {python, *[p for p in info if p]}
+    objects = [os.path.realpath(python), *glob.glob(os.path.join(info[3] or info[1], "*.so"))]
+    ldd = subprocess.run(["ldd", *objects], capture_output=True, text=True, timeout=30).stdout if shutil.which("ldd") else ""
+    for line in ldd.splitlines():
+        for token in line.replace("=>", " ").split():
+            if token.startswith("/") and os.path.exists(token):
+                paths.add(os.path.dirname(token))  # the directory: libraries load their own deps from it
+    return tuple(sorted(paths))
 
 
-# Runs as the sandbox's PID 1 inside the new namespaces (as root there), hides paths, then becomes
-# the untrusted program. Only the standard library; argv[1] is a JSON job description.
+def _tree(paths: list[str]) -> tuple[list[tuple[str, str]], list[str]]:
+    """(symlinks to recreate, real paths to bind) so that every path in `paths` resolves inside
+    the new root as it does on the host (e.g. /lib64 -> usr/lib64 for the dynamic loader)."""
+    links, binds = {}, set()
+    pending = list(paths)
+    while pending:
+        path = os.path.normpath(pending.pop())
+        parts, current = path.strip("/").split("/"), "/"
+        for i, part in enumerate(parts):
+            current = os.path.join(current, part)
+            if os.path.islink(current):
+                target = os.readlink(current)
+                links[current] = target
+                rest = os.path.join(*parts[i + 1:]) if i + 1 < len(parts) else ""
+                resolved = os.path.normpath(os.path.join(os.path.dirname(current), target, rest))
+                pending.append(resolved)
+                break
+        else:
+            if os.path.exists(path):
+                binds.add(path)
+    # A path under another bound directory comes with it.
+    kept = [p for p in sorted(binds) if not any(p != q and p.startswith(q.rstrip("/") + "/") for q in binds)]
+    return sorted(links.items()), kept
+
+
+# Runs as the sandbox's PID 1 inside the new namespaces, with only the standard library: builds
+# the new root, drops privilege, starts the program, reaps every orphan until the program ends.
+# argv[1] is a JSON job description. Errors exit 125 with the reason on stderr.
 _LAUNCHER = r"""
-import json, os, resource, subprocess, sys
+import ctypes, json, os, resource, shutil, sys
 job = json.loads(sys.argv[1])
-workdir = os.open(job["workdir"], os.O_RDONLY)
-def mount_tmpfs(path, size, mode):
-    if os.path.isdir(path):
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=%s,mode=%s,nosuid,nodev" % (size, mode), "tmpfs", path],
-                       check=True)
-for path in job["hide"]:
-    mount_tmpfs(path, "1k", "0755")  # empty and read-only for the program
-for path in ("/tmp", "/dev/shm", "/var/tmp"):
-    mount_tmpfs(path, "64m", "1777")  # private scratch space, gone with the sandbox
-# The work directory lived under the old /tmp: bring it back at a fixed path in the new one.
-os.makedirs("/tmp/work")
-subprocess.run(["mount", "--bind", "/proc/%d/fd/%d" % (os.getpid(), workdir), "/tmp/work"], check=True)
-os.chdir("/tmp/work")
-job["env"]["HOME"] = "/tmp/work"
-for name, value in job["limits"].items():
-    resource.setrlimit(getattr(resource, name), (value, value))
-if job["uid"] is not None:
-    os.setgroups([])
-    os.setgid(job["uid"])
-    os.setuid(job["uid"])
-os.execve(job["argv"][0], job["argv"], job["env"])
+libc = ctypes.CDLL(None, use_errno=True)
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
+ST_TO_MS = {1: MS_RDONLY, 2: MS_NOSUID, 4: MS_NODEV, 8: MS_NOEXEC, 1024: 1024, 2048: 2048, 4096: 1 << 21}
+def fail(why):
+    os.write(2, ("sandbox setup failed: %s\n" % why).encode()); os._exit(125)
+def mount(src, dst, fstype, flags, data=None):
+    if libc.mount(src and src.encode(), dst.encode(), fstype and fstype.encode(), flags, data and data.encode()):
+        e = ctypes.get_errno(); fail("mount %s on %s: %s" % (src, dst, os.strerror(e)))
+def locked_flags(path):  # flags a remount in a user namespace must keep
+    f = os.statvfs(path).f_flag
+    return sum(ms for st, ms in ST_TO_MS.items() if f & st and ms != MS_RDONLY)
+def bind_ro(src, dst, nodev=MS_NODEV):
+    if os.path.isdir(src):
+        os.makedirs(dst, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(dst), exist_ok=True); open(dst, "a").close()
+    mount(src, dst, None, MS_BIND)
+    mount(None, dst, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | nodev | locked_flags(src))
+def tmpfs(dst, size, mode):
+    os.makedirs(dst, exist_ok=True)
+    mount("tmpfs", dst, "tmpfs", MS_NOSUID | MS_NODEV, "size=%s,mode=%s" % (size, mode))
+try:
+    mount(None, "/", None, MS_REC | MS_PRIVATE)
+    root = job["root"]
+    tmpfs(root, "4m", "0755")
+    for src in job["binds"]:
+        bind_ro(src, root + src)
+    for src in job["hidden"]:  # e.g. site-packages inside a bound stdlib: empty and read-only
+        if os.path.isdir(root + src):
+            mount("tmpfs", root + src, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k")
+    for link, target in job["links"]:
+        os.makedirs(os.path.dirname(root + link), exist_ok=True)
+        if not os.path.lexists(root + link):
+            os.symlink(target, root + link)
+    for dev in ("null", "zero", "random", "urandom"):
+        bind_ro("/dev/" + dev, root + "/dev/" + dev, nodev=0)  # device nodes: only these four
+    os.makedirs(root + "/proc")
+    mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    tmpfs(root + "/tmp", "%dm" % job["disk_mb"], "1777")
+    tmpfs(root + "/dev/shm", "%dm" % job["disk_mb"], "1777")
+    tmpfs(root + "/work", "%dm" % job["disk_mb"], "0700")
+    for name in os.listdir(job["files"]):
+        shutil.copyfile(os.path.join(job["files"], name), os.path.join(root, "work", name))
+        if job["uid"] is not None:
+            os.chown(os.path.join(root, "work", name), job["uid"], job["uid"])
+    if job["uid"] is not None:
+        os.chown(root + "/work", job["uid"], job["uid"])
+    mount(None, root, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    os.chroot(root)
+    os.chdir("/work")
+    for name, value in job["limits"].items():
+        resource.setrlimit(getattr(resource, name), (value, value))
+    if libc.prctl(38, 1, 0, 0, 0):  # PR_SET_NO_NEW_PRIVS
+        fail("no_new_privs")
+    if job["uid"] is None:  # user namespace: stay uid 0 there, with no capability to keep or gain
+        for cap in range(64):
+            libc.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP (EINVAL past the last capability)
+except OSError as exc:
+    fail(exc)
+program = os.fork()
+if program == 0:
+    try:
+        if job["uid"] is not None:
+            os.setgroups([]); os.setgid(job["uid"]); os.setuid(job["uid"])
+        os.execve(job["argv"][0], job["argv"], job["env"])
+    except OSError as exc:
+        os.write(2, ("cannot start %s: %s\n" % (job["argv"][0], exc)).encode())
+    os._exit(127)
+while True:  # PID 1 reaps every orphan, so a fork bomb's zombies do not hold process slots
+    pid, status = os.wait()
+    if pid == program:
+        code = os.waitstatus_to_exitcode(status)
+        os._exit(code if code >= 0 else 128 - code)  # the kernel then kills what is left
 """
+
+
+def _unshare_command(mode: str) -> list[str]:
+    unshare = shutil.which("unshare")
+    if not unshare:
+        raise SandboxUnavailable("no `unshare` on this machine (util-linux)")
+    user = ["--user", "--map-root-user"] if mode == "user_namespaces" else []
+    return [unshare, *user, "--net", "--pid", "--mount", "--ipc", "--uts", "--fork", "--kill-child"]
+
+
+@functools.lru_cache(maxsize=8)
+def _mode_works(mode: str, python: str) -> bool:
+    """Does a full sandbox start in `mode` here? Tried once with a trivial program."""
+    if mode == "namespaces" and os.geteuid() != 0:
+        return False
+    try:
+        result = _run(mode, {}, [python, "-I", "-S", "-c", "print('ok')"], "", SandboxLimits(wall_s=20), python)
+    except (OSError, SandboxUnavailable, subprocess.SubprocessError):
+        return False
+    return result.returncode == 0 and result.stdout.strip() == "ok"
+
+
+def probe_isolation(python: str | None = None) -> dict:
+    """Which layers work on this machine: the namespace mode `auto` picks, and cgroups."""
+    python = python or sandbox_python()
+    modes = [m for m in ("namespaces", "user_namespaces") if _mode_works(m, python)]
+    layout = cgroup_layout()
+    return {"mode": modes[0] if modes else "none", "modes": modes, "namespaces": bool(modes),
+            "user_namespaces": "user_namespaces" in modes, "cgroups": layout.get("version", 0),
+            "drop_to_nobody": "namespaces" in modes}
+
+
+def _resolve_mode(limits: SandboxLimits, python: str) -> str:
+    if limits.isolation not in ISOLATION_MODES:
+        raise ValueError(f"sandbox isolation {limits.isolation!r}; expected one of {ISOLATION_MODES}")
+    if limits.isolation != "auto":
+        return limits.isolation
+    modes = probe_isolation(python)["modes"]
+    if modes:
+        return modes[0]
+    if limits.allow_unisolated or os.environ.get("ASYNCRL_SANDBOX_ALLOW_UNISOLATED") == "1":
+        _warn_unisolated()
+        return "unisolated"
+    raise SandboxUnavailable(
+        "cannot isolate untrusted code here: neither `unshare` as root nor a user namespace works (a container's "
+        "seccomp profile refuses both). Run where one works, or opt in to running code rewards without isolation "
+        "(code_allow_unisolated=true on the reward endpoint, or ASYNCRL_SANDBOX_ALLOW_UNISOLATED=1)")
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_unisolated() -> None:
+    log.error("RUNNING POLICY-WRITTEN CODE WITHOUT ISOLATION: it can read this machine's files, reach the network "
+              "and signal this user's processes. Only resource limits apply. You opted in.")
 
 
 def _rlimits(limits: SandboxLimits) -> dict[str, int]:
@@ -127,7 +293,6 @@ def _rlimits(limits: SandboxLimits) -> dict[str, int]:
         "RLIMIT_AS": limits.memory_mb << 20,
         "RLIMIT_FSIZE": limits.file_size_mb << 20,
         "RLIMIT_NOFILE": limits.max_open_files,
-        "RLIMIT_NPROC": limits.max_processes,
         "RLIMIT_CORE": 0,
     }
 
@@ -145,62 +310,79 @@ def _read_capped(stream, cap: int, out: list, flags: dict) -> None:
             flags["truncated"] = True
 
 
-def run_program(files: dict[str, str], argv: list[str], stdin: str = "", limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
-    """Write `files` into a fresh directory and run `argv` (argv[0] "python" means the sandbox
-    interpreter) there with `stdin`. Never raises for anything the program does."""
-    iso = probe_isolation()
-    workdir = tempfile.mkdtemp(prefix="asyncrl-sandbox-")
+def _write_stdin(stream, data: bytes) -> None:
     try:
-        for name, text in files.items():
-            path = os.path.join(workdir, name)
-            if os.path.dirname(os.path.abspath(path)) != workdir:
-                raise ValueError(f"sandbox file name {name!r} must be a plain name")
-            with open(path, "w", encoding="utf-8", errors="replace") as f:
-                f.write(text)
-        argv = [sandbox_python() if argv[0] == "python" else argv[0], *argv[1:]]
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir, "PYTHONDONTWRITEBYTECODE": "1"}
-        uid = NOBODY_UID if iso["drop_to_nobody"] else None
-        if uid is not None:
-            os.chown(workdir, uid, uid)
-            os.chmod(workdir, 0o700)
-            for name in files:
-                os.chown(os.path.join(workdir, name), uid, uid)
-        if iso["namespaces"]:
-            home = os.path.expanduser("~")
-            hide = [p for p in {project_root(), home, *limits.hide_paths}
-                    if p and os.path.isdir(p) and not workdir.startswith(p.rstrip("/") + "/")
-                    and not sandbox_python().startswith(p.rstrip("/") + "/")]
-            job = {"workdir": workdir, "hide": sorted(hide), "limits": _rlimits(limits), "uid": uid,
-                   "argv": argv, "env": env}
-            command = [iso["unshare"], "--net", "--pid", "--fork", "--kill-child", "--mount", "--mount-proc",
-                       sandbox_python(), "-I", "-c", _LAUNCHER, json.dumps(job)]
-            preexec = None
-        else:
-            command = argv
-            rl = _rlimits(limits)
-            if uid is None:
-                rl.pop("RLIMIT_NPROC")  # per-user: would throttle the caller's own processes too
-
-            def preexec():
-                for name, value in rl.items():
-                    resource.setrlimit(getattr(resource, name), (value, value))
-                if uid is not None:
-                    os.setgroups([])
-                    os.setgid(uid)
-                    os.setuid(uid)
-        start = time.monotonic()
-        proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                cwd=workdir, env=env, start_new_session=True, preexec_fn=preexec)
-        out, err, flags = [], [], {}
-        readers = [threading.Thread(target=_read_capped, args=(proc.stdout, limits.max_output_bytes, out, flags), daemon=True),
-                   threading.Thread(target=_read_capped, args=(proc.stderr, limits.max_output_bytes, err, flags), daemon=True)]
-        for t in readers:
-            t.start()
+        stream.write(data)
+    except (BrokenPipeError, OSError, ValueError):
+        pass  # the program ended or closed its stdin: what it did not read does not matter
+    finally:
         try:
-            proc.stdin.write(stdin.encode("utf-8", errors="replace"))
-            proc.stdin.close()
+            stream.close()
         except (BrokenPipeError, OSError):
             pass
+
+
+def _processes_of(uid: int) -> int:
+    count = 0
+    for entry in os.listdir("/proc"):
+        try:
+            count += entry.isdigit() and os.stat(f"/proc/{entry}").st_uid == uid
+        except OSError:
+            pass
+    return count
+
+
+def run_program(files: dict[str, str], argv: list[str], stdin: str = "", limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
+    """Put `files` in a fresh work directory and run `argv` (argv[0] "python" means the sandbox
+    interpreter) there with `stdin`. Never raises for anything the program does; raises
+    `SandboxUnavailable` when it cannot isolate it and the caller did not opt out of isolation."""
+    python = sandbox_python()
+    for name in files:
+        if not name or os.path.basename(name) != name or name in (".", ".."):
+            raise ValueError(f"sandbox file name {name!r} must be a plain name")
+    argv = [python if argv[0] == "python" else argv[0], *argv[1:]]
+    return _run(_resolve_mode(limits, python), files, argv, stdin, limits, python)
+
+
+def _run(mode: str, files: dict[str, str], argv: list[str], stdin: str, limits: SandboxLimits, python: str) -> SandboxResult:
+    staging = tempfile.mkdtemp(prefix="asyncrl-sandbox-")  # 0700, ours: the program never sees it
+    cgroup = None
+    try:
+        os.makedirs(os.path.join(staging, "files"))
+        for name, text in files.items():
+            with open(os.path.join(staging, "files", name), "w", encoding="utf-8", errors="replace") as f:
+                f.write(text)
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/work", "PYTHONDONTWRITEBYTECODE": "1"}
+        rlimits = _rlimits(limits)
+        if cgroup_layout():
+            # Memory of every process together, tmpfs pages included; process count likewise.
+            cgroup = SandboxCgroup.create((limits.memory_mb + 2 * limits.disk_mb) << 20, limits.max_processes + 2)
+        if mode == "unisolated":
+            cwd = os.path.join(staging, "files")
+            command, preexec = argv, _unisolated_preexec(limits, rlimits, staging, cgroup)
+            env["HOME"] = cwd
+        else:
+            uid = _UID_BASE + os.getpid() % 4096 * 4096 + next(_UIDS) % 4096 if mode == "namespaces" else None
+            if uid is not None or cgroup is None:
+                # uid of its own: the limit is this sandbox's alone. In a user namespace without a
+                # cgroup the uid is the caller's: allow what already runs, plus the sandbox's share.
+                rlimits["RLIMIT_NPROC"] = limits.max_processes + (0 if uid is not None else _processes_of(os.getuid()))
+            links, binds = _tree([*interpreter_paths(python), *limits.allow_paths])
+            hidden = [p for b in binds for p in glob.glob(os.path.join(b, "*-packages"))]
+            job = {"root": os.path.join(staging, "root"), "files": os.path.join(staging, "files"), "binds": binds,
+                   "links": links, "hidden": hidden, "disk_mb": limits.disk_mb, "limits": rlimits, "uid": uid,
+                   "argv": argv, "env": env}
+            command = [*_unshare_command(mode), python, "-I", "-S", "-c", _LAUNCHER, json.dumps(job)]
+            cwd, preexec = "/", (cgroup.attach if cgroup else None)
+        start = time.monotonic()
+        proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                cwd=cwd, env=env, start_new_session=True, preexec_fn=preexec)
+        out, err, flags = [], [], {}
+        threads = [threading.Thread(target=_read_capped, args=(proc.stdout, limits.max_output_bytes, out, flags), daemon=True),
+                   threading.Thread(target=_read_capped, args=(proc.stderr, limits.max_output_bytes, err, flags), daemon=True),
+                   threading.Thread(target=_write_stdin, args=(proc.stdin, stdin.encode("utf-8", errors="replace")), daemon=True)]
+        for t in threads:
+            t.start()
         timed_out = False
         try:
             proc.wait(timeout=limits.wall_s)
@@ -208,18 +390,43 @@ def run_program(files: dict[str, str], argv: list[str], stdin: str = "", limits:
             timed_out = True
         finally:
             try:
-                os.killpg(proc.pid, signal.SIGKILL)  # the whole group: forks included
+                os.killpg(proc.pid, signal.SIGKILL)  # unshare dies -> --kill-child ends the namespace
             except (ProcessLookupError, PermissionError):
                 pass
+            if cgroup is not None:
+                cgroup.kill()  # what escaped the process group (setsid) is still in the cgroup
             proc.wait()
-        for t in readers:
+        for t in threads:
             t.join(timeout=2)
         return SandboxResult(
             returncode=None if timed_out else proc.returncode,
             stdout=b"".join(out).decode("utf-8", errors="replace"),
             stderr=b"".join(err).decode("utf-8", errors="replace"),
             timed_out=timed_out, output_truncated=bool(flags.get("truncated")),
-            wall_s=time.monotonic() - start, isolation=dict(iso),
+            wall_s=time.monotonic() - start, isolation={"mode": mode, "cgroup": cgroup is not None},
         )
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        if cgroup is not None:
+            cgroup.remove()
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _unisolated_preexec(limits: SandboxLimits, rlimits: dict[str, int], staging: str, cgroup: SandboxCgroup | None):
+    """Resource limits only (the caller opted in); as root, also a uid of its own and the cgroup."""
+    uid = _UID_BASE + os.getpid() % 4096 * 4096 + next(_UIDS) % 4096 if os.geteuid() == 0 else None
+    if uid is not None:
+        rlimits = {**rlimits, "RLIMIT_NPROC": limits.max_processes}
+        os.chmod(staging, 0o711)  # the program may enter its own directory, not list the staging one
+        for path in [os.path.join(staging, "files"), *glob.glob(os.path.join(staging, "files", "*"))]:
+            os.chown(path, uid, uid)
+
+    def preexec():
+        if cgroup is not None:
+            cgroup.attach()
+        for name, value in rlimits.items():
+            resource.setrlimit(getattr(resource, name), (value, value))
+        if uid is not None:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+    return preexec

@@ -20,6 +20,7 @@ class Verdict:
     score: float
     correct: bool
     details: dict = field(default_factory=dict)
+    suspicious: list[str] = field(default_factory=list)  # reward-hacking conduct seen (code: early_exit, ...)
 
 
 def kind_for(data_source: str) -> str:
@@ -72,7 +73,7 @@ def verify(kind: str, response: str, ground_truth: str, style: str = "zero_one",
         verdict = run_tests(extract_code(response), tests, code_limits or SandboxLimits())
         return Verdict(score_from_correct(verdict.all_passed, style), verdict.all_passed,
                        {"pass_fraction": verdict.pass_fraction, "passed": verdict.passed, "tests": verdict.total,
-                        "failures": [d for d in verdict.details if d != "ok"][:5]})
+                        "failures": [d for d in verdict.details if d != "ok"][:5]}, suspicious=verdict.suspicious)
     if kind == "format":
         verdict = format_verdict(response)
         return Verdict(score_from_correct(verdict.correct, style), verdict.correct, verdict.details)
