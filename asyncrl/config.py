@@ -162,7 +162,15 @@ class EndpointConfig:
     """verifier: data_source -> math | code | format | tiny | tiny_seq | none (none: not applicable, so a
     hybrid route falls through to the judge). Unlisted sources get a kind by name."""
     code_wall_s: float = 5.0
+    """code: wall-clock limit of one test (a run of several asserts gets up to 3x, plus 1 s)."""
     code_memory_mb: int = 512
+    """code: memory of the whole sandbox (a cgroup), else of each process."""
+    code_isolation: str = "auto"
+    """code: auto | namespaces (as root) | user_namespaces | unisolated (rlimits only; needs code_allow_unisolated)."""
+    code_allow_unisolated: bool = False
+    """code: where no namespace can be made, run code rewards with rlimits alone instead of refusing."""
+    math_timeout_s: float = 6.0
+    """math: a symbolic check past this is killed (a worker process) and counts as wrong."""
     sigmoid: bool = False
     """bt: squash the logit into (0, 1)."""
     version: str = "1"
@@ -281,6 +289,9 @@ class ServeConfig:
     admin_token: str = ""
     """Bearer token for the admin routes (e.g. changing the reward mix); empty = ASYNCRL_ADMIN_TOKEN
     from the environment; neither set = admin routes refuse every call."""
+    reward_token: str = ""
+    """Bearer token for POST /reward/<name>/score (it runs submitted code); empty =
+    ASYNCRL_REWARD_TOKEN; neither set = only callers on this machine (loopback) are served."""
 
 
 @dataclass

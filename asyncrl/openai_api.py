@@ -30,6 +30,20 @@ def openai_error(status: int, message: str, param: str | None = None) -> JSONRes
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)
 
 
+MAX_STOP_CHARS = 256
+StopText = Annotated[str, StringConstraints(max_length=MAX_STOP_CHARS)]
+# One request's token positions (prompts x n x (prompt + max_tokens)): what its KV cache and
+# logits hold at once. Larger requests are refused with 400 before anything is generated.
+MAX_REQUEST_POSITIONS = 1 << 17
+
+
+def check_request_size(prompt_ids: list[list[int]], n: int, max_tokens: int) -> None:
+    positions = n * sum(len(ids) + max_tokens for ids in prompt_ids)
+    if positions > MAX_REQUEST_POSITIONS:
+        raise OpenAIError(400, f"request too large: {len(prompt_ids)} prompt(s) x n={n} x (prompt + max_tokens) is "
+                               f"{positions} token positions; the limit is {MAX_REQUEST_POSITIONS}", "max_tokens")
+
+
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -40,8 +54,8 @@ class _Sampling(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=16)
     seed: int | None = Field(None, ge=0, lt=1 << 62)
-    # At most 4 stop strings, as in OpenAI's API.
-    stop: str | list[str] | None = Field(None, max_length=4)
+    # At most 4 stop strings, as in OpenAI's API, each short: every one is searched in every delta.
+    stop: StopText | Annotated[list[StopText], Field(max_length=4)] | None = None
 
 
 # Request size limits: a prompt longer than any context is refused before it is tokenized.
@@ -87,8 +101,11 @@ async def stream_choices(engine, tokenizer, prompt_ids: list[list[int]], body: _
     as text arrives; finish_reason is set on a choice's last delta. Text stops at a stop string."""
     seed = body.seed if body.seed is not None else random.randrange(1 << 40)
     stops = [s for s in _stops(body.stop) if s]
+    longest_stop = max((len(s) for s in stops), default=0)
+    # Incremental detokenisation: each step decodes a few tokens around the new ones (from
+    # `prefix`, a token boundary before them), not the whole text so far.
     rows = [{"prompt": np.asarray(ids, dtype=np.int32), "seed": seed + k, "ids": [], "logprobs": [], "text": "",
-             "done": False} for ids in prompt_ids for k in range(body.n)]
+             "prefix": 0, "read": 0, "done": False} for ids in prompt_ids for k in range(body.n)]
     params = _params(body)
     while True:
         live = [i for i, r in enumerate(rows) if not r["done"]]
@@ -100,16 +117,23 @@ async def stream_choices(engine, tokenizer, prompt_ids: list[list[int]], body: _
             row = rows[i]
             row["ids"] += out.token_ids.tolist()
             row["logprobs"] += out.logprobs.tolist()
-            text = decode(tokenizer, row["ids"])
             finish = None
             if out.finished:
                 finish = "stop" if out.finish_reason is FinishReason.EOS else "length"
-            cuts = [text.find(s) for s in stops if s in text]
+            before = decode(tokenizer, row["ids"][row["prefix"]:row["read"]])
+            after = decode(tokenizer, row["ids"][row["prefix"]:])
+            new = after[len(before):] if after.startswith(before) else after
+            if new.endswith("\ufffd") and finish is None:
+                new = ""  # an incomplete multi-byte character: wait for the rest
+            else:
+                row["prefix"], row["read"] = row["read"], len(row["ids"])
+            text = row["text"] + new
+            # A stop string can only end inside the new text: search from where it could start.
+            start = max(0, len(row["text"]) - longest_stop + 1)
+            cuts = [text.find(s, start) for s in stops if s in text[start:]]
             if cuts:
                 text, finish = text[: min(cuts)], "stop"
-            if text.endswith("\ufffd") and finish is None:
-                text = text[:-1]  # an incomplete multi-byte character: wait for the rest
-            delta = text[len(row["text"]):] if text.startswith(row["text"]) else text
+            delta = text[len(row["text"]):]
             row["text"] = text
             row["done"] = finish is not None
             yield i, delta, out.token_ids.tolist(), out.logprobs.tolist(), finish

@@ -268,6 +268,9 @@ class Reward(msgspec.Struct, kw_only=True, frozen=True):
     correct: bool | None = None
     failed: bool = False
     details: dict[str, Any] = {}
+    suspicious: list[str] = []
+    """Reward-hacking conduct the endpoint saw (code: early_exit, exit_during_test, fake_value,
+    forged_report; judge: addresses_judge). The reward already ignores it; the metrics count it."""
 
     def __post_init__(self) -> None:
         if self.token_rewards is not None:

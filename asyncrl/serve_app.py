@@ -28,7 +28,7 @@ from typing import Any
 import msgspec
 
 import ray
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
@@ -81,19 +81,76 @@ class RewardRoutesBody(BaseModel):
 
 train_api = FastAPI(title="asyncrl train")
 
-# The admin token of this replica's controller (set in its __init__; one controller per process).
+# The admin token of this replica's controller (set in its __init__; one controller per process),
+# and the reward endpoint's token (set in RewardService.__init__).
 _ADMIN_TOKEN = {"value": ""}
+_REWARD_TOKEN = {"value": ""}
+MAX_ADMIN_BODY_BYTES = 1 << 20
+MAX_SCORE_BODY_BYTES = 16 << 20
 
 
-def require_admin(request: Request) -> None:
-    """Every /admin route depends on this, so the token is checked before the body is even
-    validated (an unauthenticated caller learns nothing about it). Compared in constant time."""
-    token = _ADMIN_TOKEN["value"]
-    if not token:
-        raise HTTPException(403, "admin routes are disabled: set serve.admin_token or ASYNCRL_ADMIN_TOKEN")
+def _route_path(request: Request) -> str:
+    """The path inside the application (Serve mounts it under its route prefix)."""
+    path, root = request.scope.get("path", ""), request.scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
+
+
+def _bearer_matches(request: Request, token: str) -> bool:
     scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
-        raise HTTPException(401, "missing or wrong admin token")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
+
+
+def _from_loopback(request: Request) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(request.client.host if request.client else "").is_loopback
+    except ValueError:
+        return False
+
+
+def _too_large(request: Request, limit: int) -> bool:
+    try:
+        return int(request.headers.get("content-length", "0")) > limit
+    except ValueError:
+        return True
+
+
+def _refuse(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"detail": message}, status_code=status)
+
+
+async def admin_guard(request: Request, call_next):
+    """Middleware of the train app: /admin routes check the token from the headers alone, before
+    the body is read (an unauthenticated caller makes the server parse nothing). Constant time."""
+    if _route_path(request).startswith("/admin"):
+        token = _ADMIN_TOKEN["value"]
+        if not token:
+            return _refuse(403, "admin routes are disabled: set serve.admin_token or ASYNCRL_ADMIN_TOKEN")
+        if not _bearer_matches(request, token):
+            return _refuse(401, "missing or wrong admin token")
+        if _too_large(request, MAX_ADMIN_BODY_BYTES):
+            return _refuse(413, f"admin request body over {MAX_ADMIN_BODY_BYTES} bytes")
+    return await call_next(request)
+
+
+async def reward_guard(request: Request, call_next):
+    """Middleware of a reward app: POST /score runs untrusted code and models for its caller. With
+    a token set (serve.reward_token / ASYNCRL_REWARD_TOKEN) every call must carry it; with none,
+    only this machine may call. Checked from the headers, before the body is read."""
+    if request.method == "POST":
+        token = _REWARD_TOKEN["value"]
+        if token and not _bearer_matches(request, token):
+            return _refuse(401, "missing or wrong reward token")
+        if not token and not _from_loopback(request):
+            return _refuse(403, "the reward endpoint runs submitted code: from other hosts it needs a token "
+                                "(set serve.reward_token or ASYNCRL_REWARD_TOKEN and send it as a bearer token)")
+        if _too_large(request, MAX_SCORE_BODY_BYTES):
+            return _refuse(413, f"score request body over {MAX_SCORE_BODY_BYTES} bytes")
+    return await call_next(request)
+
+
+train_api.middleware("http")(admin_guard)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=100, health_check_period_s=10)
@@ -104,7 +161,7 @@ class TrainController:
 
         self.config = config
         # Through the imported module: Serve pickles this class by value, so a bare global here
-        # would be a copy, not the dict `require_admin` reads.
+        # would be a copy, not the dict `admin_guard` reads.
         from asyncrl import serve_app
 
         serve_app._ADMIN_TOKEN["value"] = config.serve.admin_token or os.environ.get("ASYNCRL_ADMIN_TOKEN", "")
@@ -159,7 +216,7 @@ class TrainController:
 
         return with_throughput(self.history[-max(1, min(last, 5000)):])
 
-    @train_api.post("/admin/reward_routes", dependencies=[Depends(require_admin)])
+    @train_api.post("/admin/reward_routes")
     async def set_reward_routes(self, body: RewardRoutesBody) -> dict:
         """Change the hybrid reward mix while training runs (validated; takes effect on the next scores)."""
         try:
@@ -169,7 +226,7 @@ class TrainController:
             raise HTTPException(400, f"invalid reward routes: {getattr(exc, 'cause', exc)}") from None
         return {"routes": routes}
 
-    @train_api.post("/admin/checkpoint", dependencies=[Depends(require_admin)])
+    @train_api.post("/admin/checkpoint")
     async def save_checkpoint(self) -> dict:
         """Write a checkpoint now (between two learner steps)."""
         path = await self.system.actors["learner"].save_checkpoint.remote()
@@ -250,21 +307,25 @@ class PolicyServer:
     @policy_api.post("/completions")
     async def completions(self, body: CompletionRequest) -> JSONResponse:
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-        ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        # Tokenising a long prompt takes a while: off the event loop, which serves everyone.
+        ids = await asyncio.to_thread(lambda: [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts])
         return await self._respond(body, ids, chat=False)
 
     @policy_api.post("/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest) -> JSONResponse:
         messages = [{"role": m.role, "content": m.content} for m in body.messages]
         if self.config.model.use_chat_template:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+            ids = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, add_generation_prompt=True,
+                                          tokenize=True, return_dict=False)
         else:
-            ids = self.tokenizer.encode("\n".join(m["content"] for m in messages), add_special_tokens=False)
+            ids = await asyncio.to_thread(self.tokenizer.encode, "\n".join(m["content"] for m in messages),
+                                          add_special_tokens=False)
         return await self._respond(body, [list(ids)], chat=True)
 
     async def _respond(self, body, prompt_ids: list[list[int]], chat: bool) -> JSONResponse:
-        from asyncrl.openai_api import generate_choices
+        from asyncrl.openai_api import check_request_size, generate_choices
 
+        check_request_size(prompt_ids, body.n, body.max_tokens)
         limit = self.engine.max_positions
         for ids in prompt_ids:
             if not ids:
@@ -307,6 +368,7 @@ def build_policy(args: dict[str, Any]) -> serve.Application:
 # --- reward endpoints ------------------------------------------------------------------------------
 
 reward_api = FastAPI(title="asyncrl reward endpoint")
+reward_api.middleware("http")(reward_guard)
 
 
 class ScoreItem(BaseModel):
@@ -319,7 +381,7 @@ class ScoreItem(BaseModel):
 
 
 class ScoreBody(BaseModel):
-    requests: list[ScoreItem] = Field(min_length=1, max_length=256)
+    requests: list[ScoreItem] = Field(min_length=1, max_length=64)
 
 
 @reward_api.exception_handler(RequestValidationError)
@@ -344,6 +406,13 @@ class RewardService(RewardEndpoint):
     default, so a code or model swap (a rolling update) always leaves one serving; a settings swap
     goes through `user_config` -> `reconfigure` with no restart at all."""
 
+    def __init__(self, name: str, config: dict, model: dict | None = None, default_style: str = "zero_one",
+                 token: str = ""):
+        from asyncrl import serve_app  # the module's dict, not a pickled copy (see TrainController)
+
+        serve_app._REWARD_TOKEN["value"] = token or os.environ.get("ASYNCRL_REWARD_TOKEN", "")
+        super().__init__(name, config, model, default_style)
+
     @reward_api.post("/score")
     async def score_http(self, body: ScoreBody) -> dict:
         requests = [RewardRequest(**item.model_dump()) for item in body.requests]
@@ -363,7 +432,8 @@ def build_reward(args: dict[str, Any]) -> serve.Application:
     config = _config_from_args(args)
     if name not in config.reward.endpoints:
         raise ConfigError(f"reward endpoint {name!r} is not in reward.endpoints ({sorted(config.reward.endpoints)})")
-    return RewardService.bind(name, asdict(config.reward.endpoints[name]), asdict(config.model), config.task.reward)
+    return RewardService.bind(name, asdict(config.reward.endpoints[name]), asdict(config.model), config.task.reward,
+                              config.serve.reward_token)
 
 
 def reward_app_config(name: str, overrides: str, user_config: dict | None = None) -> dict:

@@ -34,7 +34,9 @@ def verifier_settings(config: EndpointConfig, default_style: str):
     from asyncrl.rewards.verifier import VerifierSettings
 
     return VerifierSettings(style=config.style or default_style, kinds=dict(config.verifier_kinds),
-                            code_wall_s=config.code_wall_s, code_memory_mb=config.code_memory_mb)
+                            code_wall_s=config.code_wall_s, code_memory_mb=config.code_memory_mb,
+                            code_isolation=config.code_isolation, code_allow_unisolated=config.code_allow_unisolated,
+                            math_timeout_s=config.math_timeout_s)
 
 
 def build_scorer(config: EndpointConfig, model: ModelConfig | None, default_style: str):

@@ -69,9 +69,11 @@ def combine_rewards(request: RewardRequest, route: RouteConfig, by_endpoint: dic
         token_rewards = part if token_rewards is None else _add_aligned(token_rewards, part)
         versions.append(dense.source_version)
         details[f"{name}.lambda"] = lam
+    # Hacking seen by any endpoint consulted counts, whichever one's score was used.
+    suspicious = sorted({s for r in by_endpoint.values() for s in r.suspicious})
     return Reward(prompt_id=request.prompt_id, sample_idx=request.sample_idx, score=float(score), correct=correct,
                   source=source, source_version="+".join(v for v in versions if v), token_rewards=token_rewards,
-                  failed=failed, details=details)
+                  failed=failed, details=details, suspicious=suspicious)
 
 
 def _add_aligned(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -1,11 +1,24 @@
 """Math answer checking with `math-verify`: extraction (\\boxed{}, "Answer:" lines, plain
-expressions) and symbolic equivalence to the ground truth."""
+expressions) and symbolic equivalence to the ground truth.
+
+Symbolic checking can run away: `\\boxed{9^{9^{9}}}` or `\\boxed{(10^{8})!}` asks sympy for numbers
+with millions of digits, and math-verify's own timeouts (SIGALRM) work only on a main thread, not
+in the reward endpoint's worker threads. So `checked_math_correct`, the function production calls,
+runs `math_correct` in a small pool of worker processes (`pebble`): there it runs on the worker's
+main thread with math-verify's timeouts on, under an address-space limit, and a check that still
+overruns its wall-clock budget is killed with its worker and answered as a failure with the reason.
+"""
 
 from __future__ import annotations
 
+import atexit
+import multiprocessing
 import re
+import resource
 import threading
+from concurrent.futures import TimeoutError as FutureTimeout
 
+import pebble
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
 # Only the tail of a response is searched (DAPO's verifier keeps the last 300 characters), so an
@@ -17,9 +30,17 @@ _BOXED = re.compile(r"\\boxed\s*\{")
 _EXTRACTION = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
 
 
+# Worst case per response: the pool's hard limit. math-verify's own limits (parse and compare, each
+# SIGALRM-based) end most runaways earlier, inside it.
+MATH_TIMEOUT_S = 6.0
+MATH_WORKER_MEMORY_MB = 1024
+MAX_GROUND_TRUTH_CHARS = 1000  # longer references are compared as text, never parsed
+_INNER_TIMEOUT_S = 2
+
+
 def _timeout() -> int | None:
     # math-verify's timeouts use SIGALRM, which only works on the main thread.
-    return 5 if threading.current_thread() is threading.main_thread() else None
+    return _INNER_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
 
 
 def extract_answer(response: str) -> str | None:
@@ -77,3 +98,40 @@ def score_from_correct(correct: bool, style: str) -> float:
     if style == "plus_minus":
         return 1.0 if correct else -1.0
     raise ValueError(f"unknown reward style {style!r}")
+
+
+def _limit_worker_memory(memory_mb: int) -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
+
+
+_POOL: pebble.ProcessPool | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool() -> pebble.ProcessPool:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None or not _POOL.active:
+            # spawn: the callers (Ray actors, the learner) hold threads and torch state a fork would copy.
+            _POOL = pebble.ProcessPool(max_workers=2, max_tasks=2000, initializer=_limit_worker_memory,
+                                       initargs=(MATH_WORKER_MEMORY_MB,), context=multiprocessing.get_context("spawn"))
+            atexit.register(_POOL.stop)
+        return _POOL
+
+
+def checked_math_correct(response: str, ground_truth: str, require_boxed: bool = False,
+                         timeout_s: float = MATH_TIMEOUT_S) -> tuple[bool, str, str]:
+    """`math_correct` with bounded time and memory: (correct, prediction, problem), where problem
+    is "" or why the check gave up (the answer then counts as wrong)."""
+    if len(ground_truth) > MAX_GROUND_TRUTH_CHARS:
+        candidate = extract_answer(response) or ""
+        inner = candidate[len("\\boxed{"):-1] if candidate.startswith("\\boxed{") else candidate
+        return inner.strip() == ground_truth.strip(), inner[:200], "ground truth too long to parse: compared as text"
+    future = _pool().schedule(math_correct, args=(response, ground_truth, require_boxed), timeout=timeout_s)
+    try:
+        correct, pred = future.result()
+        return correct, pred, ""
+    except FutureTimeout:
+        return False, "", f"math check ran past {timeout_s:g} s (killed)"
+    except pebble.ProcessExpired as exc:
+        return False, "", f"math check died ({exc}; memory limit {MATH_WORKER_MEMORY_MB} MB)"

@@ -20,6 +20,9 @@ class VerifierSettings:
     kinds: dict[str, str] = field(default_factory=dict)  # data_source -> verifier kind (default: by name)
     code_wall_s: float = 5.0
     code_memory_mb: int = 512
+    code_isolation: str = "auto"
+    code_allow_unisolated: bool = False
+    math_timeout_s: float = 6.0
 
     @classmethod
     def from_dict(cls, raw: dict) -> "VerifierSettings":
@@ -57,7 +60,8 @@ class Verifier:
     def score(self, requests: list[RewardRequest]) -> list[Reward]:
         rewards = []
         limits = SandboxLimits(wall_s=self.settings.code_wall_s, cpu_s=int(self.settings.code_wall_s) + 2,
-                               memory_mb=self.settings.code_memory_mb)
+                               memory_mb=self.settings.code_memory_mb, isolation=self.settings.code_isolation,
+                               allow_unisolated=self.settings.code_allow_unisolated)
         for req in requests:
             kind = self.settings.kinds.get(req.data_source) or kind_for(req.data_source)
             if kind == "none":  # no rule checks this data source (e.g. open-ended chat): a judge should
@@ -67,10 +71,12 @@ class Verifier:
                 rewards.append(not_applicable(req, self.name, self.version, "no ground truth to verify against"))
                 continue
             try:
-                verdict = verify(kind, req.response_text, req.ground_truth, self.settings.style, limits)
+                verdict = verify(kind, req.response_text, req.ground_truth, self.settings.style, limits,
+                                 self.settings.math_timeout_s)
                 rewards.append(Reward(prompt_id=req.prompt_id, sample_idx=req.sample_idx, score=verdict.score,
                                       correct=verdict.correct, source=self.name, source_version=self.version,
-                                      details={"verifier": kind, **verdict.details}))
+                                      details={"verifier": kind, **verdict.details},
+                                      suspicious=list(verdict.suspicious)))
             except Exception as exc:  # a verifier bug or bad ground truth must not lose the sample
                 self.failed += 1
                 rewards.append(failed(req, self.name, self.version, exc))

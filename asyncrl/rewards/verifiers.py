@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from asyncrl.rewards.math import math_correct, score_from_correct
+from asyncrl.rewards.math import MATH_TIMEOUT_S, checked_math_correct, score_from_correct
 
 VERIFIER_KINDS = ("math", "code", "format", "tiny", "tiny_seq")
 MAX_RESPONSE_CHARS = 256 << 10  # longer responses are judged on their tail / rejected for code
@@ -49,7 +49,8 @@ def format_verdict(response: str, min_chars: int = 1, max_chars: int = 8192, req
     return Verdict(1.0 if ok else 0.0, ok, {"format_problems": problems})
 
 
-def verify(kind: str, response: str, ground_truth: str, style: str = "zero_one", code_limits=None) -> Verdict:
+def verify(kind: str, response: str, ground_truth: str, style: str = "zero_one", code_limits=None,
+           math_timeout_s: float = MATH_TIMEOUT_S) -> Verdict:
     """Score one response. `style`: zero_one (1/0) or plus_minus (+1/-1, DAPO); the code verifier
     scores all-pass and reports the per-test pass fraction."""
     if kind == "tiny":
@@ -61,8 +62,10 @@ def verify(kind: str, response: str, ground_truth: str, style: str = "zero_one",
         credit = hits / len(ground_truth)
         return Verdict(credit if style == "zero_one" else 2 * credit - 1, hits == len(ground_truth), {"pred": pred})
     if kind == "math":
-        correct, pred = math_correct(response[-MAX_RESPONSE_CHARS:], ground_truth)
-        return Verdict(score_from_correct(correct, style), correct, {"pred": pred[:200]})
+        correct, pred, problem = checked_math_correct(response[-MAX_RESPONSE_CHARS:], ground_truth,
+                                                      timeout_s=math_timeout_s)
+        details = {"pred": pred[:200], **({"problem": problem} if problem else {})}
+        return Verdict(score_from_correct(correct, style), correct, details)
     if kind == "code":
         from asyncrl.rewards.code import extract_code, parse_tests, run_tests
         from asyncrl.rewards.sandbox import SandboxLimits

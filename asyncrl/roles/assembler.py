@@ -51,8 +51,9 @@ class Assembler:
         self.last_reward_failure = ""
         # Reward over every sample scored since the last batch, dropped groups included: the policy's
         # reward. The batch's own mean is biased by dynamic sampling (kept groups are mixed).
-        self._since_batch = [0.0, 0, 0]  # score sum, correct count, samples
-        self._last_generated = {"reward_mean_generated": 0.0, "accuracy_generated": 0.0}
+        self._since_batch = [0.0, 0, 0, 0]  # score sum, correct count, samples, suspicious
+        self._last_generated = {"reward_mean_generated": 0.0, "accuracy_generated": 0.0,
+                                "reward_suspicious_share_generated": 0.0}
 
     def set_policy_version(self, version: int) -> None:
         self.policy_version = max(self.policy_version, version)
@@ -65,10 +66,14 @@ class Assembler:
         if reward.failed:  # the counter says how many, this says why
             self.last_reward_failure = str(reward.details.get("error", ""))[:300]
         self.counters[f"rewards_by_version.{reward.source_version or reward.source}"] += 1
+        for conduct in reward.suspicious:  # reward hacking, by kind
+            self.counters[f"suspicious.{conduct}"] += 1
+        self.counters["rewards_suspicious"] += int(bool(reward.suspicious))
         self.rewards_sum += reward.score
         self._since_batch[0] += reward.score
         self._since_batch[1] += int(bool(reward.correct))
         self._since_batch[2] += 1
+        self._since_batch[3] += int(bool(reward.suspicious))
 
     def drop_samples(self, sample_ids: list[str], reason: str) -> None:
         """Samples that end here: counted, and their share of a prompt returns to the admission budget."""
@@ -86,7 +91,7 @@ class Assembler:
         batch = TrainBatch(batch_id=f"{self.batch_prefix}-{self._batch_index}", samples=samples,
                            stats={**stats, **self._generated_stats(), "assembled_at": time.time()})
         self._batch_index += 1
-        self._since_batch = [0.0, 0, 0]
+        self._since_batch = [0.0, 0, 0, 0]
         await self.batches.put([batch])
         self.counters["batches"] += 1
         self.counters["samples_emitted"] += samples_emitted
@@ -95,9 +100,11 @@ class Assembler:
     def _generated_stats(self) -> dict[str, float]:
         """Reward and accuracy of every sample scored since the previous batch; when none was (two
         batches emitted back to back), the previous figures stand rather than a false 0."""
-        total, correct, n = self._since_batch
+        total, correct, n, suspicious = self._since_batch
         if n:
-            self._last_generated = {"reward_mean_generated": total / n, "accuracy_generated": correct / n}
+            # The share of rewards that came with a sign of reward hacking: a user sees it begin.
+            self._last_generated = {"reward_mean_generated": total / n, "accuracy_generated": correct / n,
+                                    "reward_suspicious_share_generated": suspicious / n}
         return dict(self._last_generated)
 
     # --- intake -----------------------------------------------------------------------------------
