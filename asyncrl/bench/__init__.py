@@ -10,7 +10,7 @@ import os
 
 MODULES = {
     "async": "async_sync", "trl": "trl", "utilisation": "utilisation", "broadcast": "broadcast",
-    "messages": "messages", "endpoint": "endpoint", "engine": "engine",
+    "messages": "messages", "endpoint": "endpoint", "engine": "engine", "verifier": "verifier",
 }
 BENCHMARKS = tuple(MODULES)
 
