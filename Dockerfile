@@ -3,6 +3,10 @@
 #   docker build -t asyncrl:gpu .
 #   docker run --gpus all --shm-size 16g -p 8000:8000 asyncrl:gpu            # serve run configs/serve.yaml
 #   docker run --gpus all asyncrl:gpu asyncrl train model=... trainer.total_steps=200
+# Code rewards run policy-written programs in namespaces; Docker's default seccomp profile refuses
+# them, and asyncrl then refuses code rewards (docs/reward_hacking.md). Allow namespaces with
+#   docker run --security-opt seccomp=unconfined --cap-add SYS_ADMIN ...
+# or accept running code without isolation: -e ASYNCRL_SANDBOX_ALLOW_UNISOLATED=1 (resource limits only).
 # The tag matches the `[sglang]` extra's pin in pyproject.toml (sglang 0.5.23; CUDA 13 images).
 FROM lmsysorg/sglang:v0.5.23
 

@@ -16,6 +16,7 @@ CURVES = [
     ("clip_fraction", "clip fraction"),
     ("samples_per_s", "throughput (trained samples/s)"),
     ("value_loss", "value loss"),
+    ("reward_suspicious_share_generated", "share of rewards with signs of reward hacking"),
 ]
 
 

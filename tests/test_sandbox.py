@@ -90,7 +90,8 @@ def test_code_verifier_stdio_and_asserts():
     asserts = json.dumps({"asserts": ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) == 5"]})
     v = verify("code", "def add(a, b):\n    return a + b\n", asserts)
     assert v.details["passed"] == 2 and v.details["tests"] == 3 and not v.correct
-    loop = verify("code", "def add(a, b):\n    while True: pass\n", json.dumps({"asserts": ["assert add(1, 1) == 2"]}))
+    loop = verify("code", "def add(a, b):\n    while True: pass\n", json.dumps({"asserts": ["assert add(1, 1) == 2"]}),
+                  code_limits=SandboxLimits(wall_s=1.0, cpu_s=2))
     assert not loop.correct and loop.details["failures"] == ["timeout"]
     with pytest.raises(ValueError, match="not JSON"):
         verify("code", good, "print(1)")
