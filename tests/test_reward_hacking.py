@@ -122,13 +122,17 @@ def _check_allow_list(mode, sibling):
     assert "read-only" in result.stdout and "no network" in result.stdout
 
 
-@needs_namespaces
-def test_setsid_children_die_with_the_sandbox():
+# Unisolated (opted in, rlimits only): no PID namespace, so only the cgroup's kill reaches them.
+SETSID_MODES = ISOLATION["modes"] + (["unisolated"] if ISOLATION["cgroups"] else [])
+
+
+@pytest.mark.parametrize("mode", SETSID_MODES)
+def test_setsid_children_die_with_the_sandbox(mode):
     marker = f"asyncrl-escape-{uuid.uuid4().hex}"
     code = ("import os, sys, time\nif os.fork() == 0:\n    os.setsid()\n"
             f"    os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)', {marker!r}])\n"
             "time.sleep(0.5)\nprint('parent done')\n")
-    result = run(code)
+    result = run(code, limits=SandboxLimits(wall_s=3.0, isolation=mode, allow_unisolated=True))
     assert "parent done" in result.stdout
     time.sleep(0.2)
     survivors = []
