@@ -1,7 +1,6 @@
 """Reward features through the real pipeline: Pairwise PPO with a generative judge, Pre-PPO
 selection before training, and the curriculum in the prompt source."""
 
-import asyncio
 
 import pytest
 

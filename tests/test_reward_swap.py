@@ -4,7 +4,6 @@ import time
 
 import httpx
 import pytest
-import ray
 from ray import serve
 
 from asyncrl.config import compose

@@ -29,12 +29,10 @@ import builtins
 import json
 import os
 import signal
-import sys
 
 _type, _len, _repr, _str, _isinstance = type, len, repr, str, isinstance
 _write, _dup, _dup2, _open, _close = os.write, os.dup, os.dup2, os.open, os.close
 _dumps = json.dumps
-PLAIN_SCALARS = (type(None), bool, int, float, complex, str, bytes)
 MAX_NODES = 100_000
 
 

@@ -41,7 +41,7 @@ def verifier_settings(config: EndpointConfig, default_style: str):
 
 def build_scorer(config: EndpointConfig, model: ModelConfig | None, default_style: str):
     from asyncrl.rewards.reward_model import GenerativeJudge, JudgeSettings, ProcessRewardModel, ScalarRewardModel
-    from asyncrl.rewards.verifier import Verifier, VerifierSettings
+    from asyncrl.rewards.verifier import Verifier
 
     if config.kind == "verifier":
         return Verifier(verifier_settings(config, default_style), config.version)

@@ -260,8 +260,7 @@ def probe_isolation(python: str | None = None) -> dict:
     modes = [m for m in ("namespaces", "user_namespaces") if _mode_works(m, python)]
     layout = cgroup_layout()
     return {"mode": modes[0] if modes else "none", "modes": modes, "namespaces": bool(modes),
-            "user_namespaces": "user_namespaces" in modes, "cgroups": layout.get("version", 0),
-            "drop_to_nobody": "namespaces" in modes}
+            "user_namespaces": "user_namespaces" in modes, "cgroups": layout.get("version", 0)}
 
 
 def _resolve_mode(limits: SandboxLimits, python: str) -> str:
@@ -322,6 +321,11 @@ def _write_stdin(stream, data: bytes) -> None:
             pass
 
 
+def _new_uid() -> int:
+    """A uid no other sandbox of this machine holds now: this process's block, then a counter."""
+    return _UID_BASE + os.getpid() % 4096 * 4096 + next(_UIDS) % 4096
+
+
 def _processes_of(uid: int) -> int:
     count = 0
     for entry in os.listdir("/proc"):
@@ -362,7 +366,7 @@ def _run(mode: str, files: dict[str, str], argv: list[str], stdin: str, limits: 
             command, preexec = argv, _unisolated_preexec(limits, rlimits, staging, cgroup)
             env["HOME"] = cwd
         else:
-            uid = _UID_BASE + os.getpid() % 4096 * 4096 + next(_UIDS) % 4096 if mode == "namespaces" else None
+            uid = _new_uid() if mode == "namespaces" else None
             if uid is not None or cgroup is None:
                 # uid of its own: the limit is this sandbox's alone. In a user namespace without a
                 # cgroup the uid is the caller's: allow what already runs, plus the sandbox's share.
@@ -413,7 +417,7 @@ def _run(mode: str, files: dict[str, str], argv: list[str], stdin: str, limits: 
 
 def _unisolated_preexec(limits: SandboxLimits, rlimits: dict[str, int], staging: str, cgroup: SandboxCgroup | None):
     """Resource limits only (the caller opted in); as root, also a uid of its own and the cgroup."""
-    uid = _UID_BASE + os.getpid() % 4096 * 4096 + next(_UIDS) % 4096 if os.geteuid() == 0 else None
+    uid = _new_uid() if os.geteuid() == 0 else None
     if uid is not None:
         rlimits = {**rlimits, "RLIMIT_NPROC": limits.max_processes}
         os.chmod(staging, 0o711)  # the program may enter its own directory, not list the staging one
