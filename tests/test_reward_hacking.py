@@ -154,13 +154,16 @@ def test_stdin_larger_than_a_pipe_cannot_block_the_caller():
 @needs_cgroups
 def test_memory_and_disk_are_limited_per_sandbox():
     # Four children of 200 MB each under a 256 MB sandbox: the rlimit allows each alone, the cgroup
-    # (256 MB + the tmpfs allowance) allows one at most.
-    hog = ("import os, time\nfor _ in range(4):\n    if os.fork() == 0:\n        try:\n"
+    # (256 MB + the tmpfs allowance) one at a time. Each holds its memory until a common moment and
+    # then reports; an earlier holder may have been killed to make room for a later one, so only
+    # the survivors at that moment tell what was held together.
+    hog = ("import os, time\nend = time.time() + 2\nfor _ in range(4):\n    if os.fork() == 0:\n        try:\n"
            "            b = bytearray(200 << 20)\n            b[::4096] = b'x' * len(b[::4096])\n"
-           "            os.write(1, b'held\\n')\n            time.sleep(2)\n        finally:\n            os._exit(0)\n"
-           "time.sleep(2.5)\n")
-    result = run(hog, limits=SandboxLimits(wall_s=5.0, memory_mb=256))
-    assert result.stdout.count("held") <= 1
+           "            time.sleep(max(0, end - time.time()))\n            os.write(1, b'survived\\n')\n"
+           "        finally:\n            os._exit(0)\n"
+           "time.sleep(max(0, end - time.time()) + 0.5)\n")
+    result = run(hog, limits=SandboxLimits(wall_s=6.0, memory_mb=256))
+    assert result.stdout.count("survived") <= 1, result.stdout
     filler = ("import os\nn = 0\ntry:\n    for i in range(64):\n        with open(f'f{i}', 'wb') as f:\n"
               "            f.write(os.urandom(4 << 20))\n        n += 4\nexcept OSError as e:\n    print('stopped', e.errno)\n"
               "print('wrote_mb', n)\n")
@@ -189,7 +192,8 @@ def test_without_isolation_code_rewards_are_refused_unless_opted_in(tmp_path):
 
 
 def test_math_verifier_is_bounded_in_a_worker_thread():
-    probes = [("\\boxed{9^{9^{9}}}", "3"), ("\\boxed{(10^{8})!}", "3"), ("\\boxed{3}", "1" * 1_000_000)]
+    # (`asyncrl bench verifier` also runs \\boxed{(10^{8})!}; one runaway is enough here.)
+    probes = [("\\boxed{9^{9^{9}}}", "3"), ("\\boxed{3}", "1" * 1_000_000)]
     results = []
 
     def score():
@@ -202,8 +206,8 @@ def test_math_verifier_is_bounded_in_a_worker_thread():
     worker.join(timeout=90)
     assert not worker.is_alive()
     # Each runaway ends within the pool's limit (plus a worker restart), and the checker still works.
-    assert all(not v.correct and seconds < 12 for v, seconds in results[:3]), results
-    assert results[3][0].correct
+    assert all(not v.correct and seconds < 12 for v, seconds in results[:2]), results
+    assert results[2][0].correct
 
 
 # --- metrics --------------------------------------------------------------------------------------------
