@@ -120,7 +120,13 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.overrides = list(getattr(args, "overrides", [])) + extra
-    return int(args.func(args) or 0)
+    from asyncrl.config import ConfigError
+
+    try:
+        return int(args.func(args) or 0)
+    except (ConfigError, FileNotFoundError) as exc:  # a mistake in the command line: one line, no traceback
+        print(f"asyncrl {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
 
 @dataclass
@@ -322,23 +322,38 @@ class ConfigError(ValueError):
 
 
 def compose(overrides: list[str] | None = None, config_name: str = "config") -> Config:
-    """Compose the Hydra config with overrides and validate it against the `Config` schema."""
+    """Compose the Hydra config with overrides and validate it against the `Config` schema.
+
+    Hydra picks the config groups (`algorithm=vapo`); every dotted override is then applied to the
+    typed config here, so that a mistake is one line naming the field, the nearest valid name and
+    the expected type, and `+` never adds a field the schema does not have (Hydra's `+` would add
+    it and the dataclass would silently drop it). `+` adds an entry to a mapping, e.g.
+    `+reward.endpoints.judge={kind: genrm}`.
+    """
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.config_store import ConfigStore
 
-    # The dataclass schema is the base of configs/config.yaml: every field is overridable and
-    # typed, and a key the schema lacks is an error naming it.
+    parsed = _parse_overrides(list(overrides or []))
+    groups = _config_groups()
+    group_overrides = [o for o in parsed if o.key_or_group in groups]
+    value_overrides = [o for o in parsed if o.key_or_group not in groups]
+    for override in group_overrides:
+        _check_group_choice(override, groups[override.key_or_group])
+    # The dataclass schema is the base of configs/config.yaml: every field is typed.
     ConfigStore.instance().store(name="asyncrl_schema", node=Config)
     try:
         with initialize_config_dir(config_dir=config_dir(), version_base=None, job_name="asyncrl"):
-            raw = hydra_compose(config_name=config_name, overrides=list(overrides or []))
+            raw = hydra_compose(config_name=config_name, overrides=[o.input_line for o in group_overrides])
         merged = OmegaConf.merge(OmegaConf.structured(Config), raw)
+    except Exception as exc:  # a broken YAML file of a group: Hydra's first line names it
+        raise ConfigError(f"invalid config: {_first_line(exc)}") from exc
+    for override in value_overrides:
+        _apply_override(merged, override)
+    try:
         config: Config = OmegaConf.to_object(merged)
-    except Exception as exc:  # Hydra/OmegaConf errors name the key; re-raise as one type
-        if isinstance(exc, ConfigError):
-            raise
-        raise ConfigError(f"invalid config: {exc}") from exc
+    except Exception as exc:
+        raise ConfigError(f"invalid config: {_first_line(exc)}") from exc
     if config.trainer.synchronous:
         # A synchronous batch is whole responses (cut windows would wait for a batch that never
         # fills); set here so that a task's window size cannot undo it.
@@ -347,46 +362,222 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
     return config
 
 
+def _first_line(exc: BaseException) -> str:
+    cause = exc.__cause__ or exc
+    return (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+
+
+def _parse_overrides(overrides: list[str]):
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    parsed = []
+    for line in overrides:
+        try:
+            (override,) = parser.parse_overrides([line])
+        except Exception as exc:
+            raise ConfigError(f"{line!r} is not an override (key=value, +key=value or group=option): "
+                              f"{_first_line(exc)}") from exc
+        if override.is_sweep_override():
+            raise ConfigError(f"{line!r}: sweeps (a,b or range()) are not supported; run once per value")
+        parsed.append(override)
+    return parsed
+
+
+def _config_groups() -> dict[str, list[str]]:
+    """Config group -> its options (the YAML files of `configs/<group>/`)."""
+    root = Path(config_dir())
+    return {d.name: sorted(f.stem for f in d.glob("*.yaml")) for d in root.iterdir() if d.is_dir()}
+
+
+def _nearest(word: str, options) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _check_group_choice(override, options: list[str]) -> None:
+    choice = override.value()
+    if override.is_delete() or choice in options:
+        return
+    raise ConfigError(f"{override.input_line}: no {override.key_or_group} named {choice!r}"
+                      f"{_nearest(str(choice), options)} (choices: {', '.join(options)})")
+
+
+def _apply_override(merged, override) -> None:
+    """Walk the schema along the dotted key, then set (or delete) the value with its type checked."""
+    import typing
+    from dataclasses import is_dataclass
+
+    key, line = override.key_or_group, override.input_line
+    parts = key.split(".")
+    node, kind = merged, Config
+    for i, part in enumerate(parts):
+        at = ".".join(parts[: i + 1])
+        last = i == len(parts) - 1
+        kind = _strip_optional(kind)
+        if is_dataclass(kind):
+            hints = typing.get_type_hints(kind)
+            if part not in hints:
+                section = ".".join(parts[:i]) or "the config"
+                raise ConfigError(f"{line}: {section} has no field {part!r}"
+                                  f"{_nearest(part, hints) or ' (fields: ' + ', '.join(hints) + ')'}")
+            if last and override.is_delete():
+                raise ConfigError(f"{line}: {at} is a field of the schema and cannot be removed; set it instead")
+            kind = hints[part]
+        elif typing.get_origin(kind) is dict:
+            value_kind = typing.get_args(kind)[1]
+            if part not in node:
+                entries = ", ".join(map(str, node)) or "none"
+                if not override.is_add():
+                    raise ConfigError(f"{line}: {'.'.join(parts[:i])} has no entry {part!r}{_nearest(part, node)} "
+                                      f"(entries: {entries}); to add one, write +{at}=...")
+                if not last and is_dataclass(value_kind):
+                    with open_dict(node):
+                        node[part] = OmegaConf.structured(value_kind)
+            elif last and override.is_delete():
+                with open_dict(node):
+                    del node[part]
+                return
+            kind = value_kind
+        elif typing.get_origin(kind) is list:
+            if not part.isdigit() or int(part) >= len(node):
+                raise ConfigError(f"{line}: {'.'.join(parts[:i])} has {len(node)} entries; {part!r} is not one of them")
+            part, kind = int(part), typing.get_args(kind)[0]
+        else:
+            raise ConfigError(f"{line}: {'.'.join(parts[:i])} is {_describe(kind)} and has no field {part!r}")
+        if not last:
+            node = node[part]
+    if override.is_delete():
+        raise ConfigError(f"{line}: only entries of a mapping (e.g. ~reward.endpoints.genrm) can be removed")
+    value = override.value()
+    try:
+        if is_dataclass(_strip_optional(kind)) and isinstance(value, dict) and part not in node:
+            with open_dict(node):  # a new entry of a mapping, typed by the schema
+                node[part] = OmegaConf.merge(OmegaConf.structured(_strip_optional(kind)), value)
+        elif typing.get_origin(_strip_optional(kind)) is dict and not is_dataclass(typing.get_args(_strip_optional(kind))[1]):
+            with open_dict(merged):  # a mapping of plain values takes new keys
+                OmegaConf.update(merged, key, value, merge=True)
+        else:
+            OmegaConf.update(merged, key, value, merge=True)
+    except Exception as exc:
+        got = override.get_value_element_as_str()
+        detail = f" ({_first_line(exc)})" if isinstance(value, (dict, list)) else ""
+        raise ConfigError(f"{line}: {key} expects {_describe(kind)}, got {got!r}{detail}") from exc
+
+
+def _strip_optional(kind):
+    import typing
+
+    if typing.get_origin(kind) in (typing.Union, getattr(__import__("types"), "UnionType", typing.Union)):
+        args = [a for a in typing.get_args(kind) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return kind
+
+
+def _describe(kind) -> str:
+    import typing
+    from dataclasses import is_dataclass
+
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+    inner = _strip_optional(kind)
+    suffix = " or null" if inner is not kind else ""
+    if inner in names:
+        return names[inner] + suffix
+    if is_dataclass(inner):
+        return f"a mapping of {inner.__name__} fields ({', '.join(typing.get_type_hints(inner))})" + suffix
+    origin = typing.get_origin(inner)
+    if origin is list:
+        return f"a list of {_describe(typing.get_args(inner)[0])}" + suffix
+    if origin is dict:
+        return f"a mapping to {_describe(typing.get_args(inner)[1])}" + suffix
+    return str(inner) + suffix
+
+
+# Ranges of numeric fields: ">= 1", "> 0", "[0, 1]" or "(0, 1]"; `*` matches any entry of a
+# mapping; a null (where the field allows it) is always in range.
+RANGES = {
+    "model.hidden_size": ">= 1", "model.num_layers": ">= 1", "model.num_heads": ">= 1", "model.max_positions": ">= 1",
+    "engine.window_tokens": ">= 1", "engine.max_response_tokens": ">= 1", "engine.max_windows": ">= 0",
+    "engine.max_inflight_sequences": ">= 1", "engine.temperature": "> 0", "engine.top_p": "(0, 1]",
+    "engine.top_k": ">= 0", "engine.first_token_temperature": "> 0", "engine.first_token_top_k": ">= 0",
+    "engine.threads": ">= 1", "engine.long_tail_fraction": "[0, 1]", "engine.long_tail_tokens": ">= 0",
+    "algorithm.group_size": ">= 1", "algorithm.clip_low": "[0, 1)", "algorithm.clip_high": ">= 0",
+    "algorithm.kl_coef": ">= 0", "algorithm.entropy_coef": ">= 0", "algorithm.overlong_buffer_tokens": ">= 0",
+    "algorithm.overlong_penalty_factor": ">= 0", "algorithm.max_staleness_versions": ">= 0", "algorithm.lr": "> 0",
+    "algorithm.weight_decay": ">= 0", "algorithm.grad_clip": "> 0", "algorithm.warmup_steps": ">= 0",
+    "algorithm.micro_batch_tokens": ">= 1", "algorithm.gamma": "(0, 1]", "algorithm.lam": "[0, 1]",
+    "algorithm.length_adaptive_alpha": ">= 0", "algorithm.edge_mask_tokens": ">= 0",
+    "algorithm.advantage_clamp": ">= 0", "algorithm.nll_coef": ">= 0",
+    "critic.lr": "> 0", "critic.weight_decay": ">= 0", "critic.grad_clip": "> 0", "critic.lam": "[0, 1]",
+    "critic.clip_low": ">= 0", "critic.clip_high": ">= 0", "critic.batch_trajectories": ">= 1",
+    "critic.warmup_steps": ">= 0", "critic.micro_batch_tokens": ">= 1", "critic.threads": ">= 1",
+    "reward.timeout_s": "> 0", "reward.retries": ">= 0", "reward.endpoints.*.code_wall_s": "> 0",
+    "reward.endpoints.*.code_memory_mb": ">= 16", "reward.endpoints.*.math_timeout_s": "> 0",
+    "reward.endpoints.*.fault_delay_s": ">= 0", "reward.routes.*.dense_lambda_fail": ">= 0",
+    "reward.routes.*.dense_lambda_pass": ">= 0",
+    "task.num_train_prompts": ">= 1", "task.num_eval_prompts": ">= 1", "task.pre_ppo_fraction": "[0, 1]",
+    "trainer.total_steps": ">= 1", "trainer.prompts_per_step": ">= 1", "trainer.num_generators": ">= 1",
+    "trainer.generator_threads": ">= 1", "trainer.learner_threads": ">= 1", "trainer.broadcast_bucket_mb": ">= 1",
+    "trainer.eval_every": ">= 0", "trainer.checkpoint_every": ">= 0", "trainer.checkpoint_keep": ">= 1",
+    "trainer.max_restarts": ">= 0", "trainer.eval_samples": ">= 1", "trainer.mailbox_capacity": ">= 1",
+    "trainer.lease_s": "> 0", "trainer.target_window": ">= 1", "trainer.stall_timeout_s": "> 0",
+}
+
+
+def _in_range(value: float, bounds: str) -> bool:
+    if bounds.startswith((">", "<")):
+        op, limit = bounds.split()
+        return {">=": value >= float(limit), ">": value > float(limit)}[op]
+    low, high = (float(x) for x in bounds[1:-1].split(","))
+    return ((value >= low) if bounds[0] == "[" else (value > low)) and ((value <= high) if bounds[-1] == "]" else (value < high))
+
+
+def range_checks(config: Config) -> list[tuple[bool, str]]:
+    """Every field of RANGES (each entry of a mapping or list for `*`) against its bounds."""
+    def values(node, parts, path):
+        if not parts:
+            yield path, node
+        elif parts[0] == "*":
+            items = node.items() if isinstance(node, dict) else enumerate(node)
+            for key, child in items:
+                yield from values(child, parts[1:], f"{path}.{key}")
+        else:
+            yield from values(getattr(node, parts[0]), parts[1:], f"{path}.{parts[0]}" if path else parts[0])
+
+    checks = []
+    for pattern, bounds in RANGES.items():
+        for path, value in values(config, pattern.split("."), ""):
+            if value is not None:
+                checks.append((_in_range(value, bounds), f"{path}={value} is out of range: it must be "
+                                              f"{bounds if bounds[0] in '<>' else 'in ' + bounds}"))
+    return checks
+
+
 def validate(config: Config) -> None:
-    """Cross-field checks that the schema alone cannot express."""
+    """Ranges, then cross-field checks that the schema alone cannot express."""
     e, a = config.engine, config.algorithm
     checks = [
-        (e.window_tokens >= 1, "engine.window_tokens must be >= 1"),
-        (e.max_response_tokens >= 1, "engine.max_response_tokens must be >= 1"),
-        (e.max_inflight_sequences >= 1, "engine.max_inflight_sequences must be >= 1"),
-        (0 <= e.long_tail_fraction <= 1 and 0 <= e.long_tail_tokens <= e.max_response_tokens,
-         "engine.long_tail_fraction must be in [0, 1] and engine.long_tail_tokens in [0, max_response_tokens]"),
-        (e.temperature > 0, "engine.temperature must be > 0"),
-        (0 < e.top_p <= 1, "engine.top_p must be in (0, 1]"),
-        (a.group_size >= 1, "algorithm.group_size must be >= 1"),
+        *range_checks(config),
+        (e.long_tail_tokens <= e.max_response_tokens, "engine.long_tail_tokens must be <= engine.max_response_tokens"),
         (a.name in ALGORITHMS, f"algorithm.name must be one of {sorted(ALGORITHMS)}"),
         (a.loss_agg in LOSS_AGG_MODES, f"algorithm.loss_agg must be one of {LOSS_AGG_MODES}"),
         (a.dual_clip is None or a.dual_clip > 1, "algorithm.dual_clip must be > 1 (or null)"),
-        (0 <= a.clip_low < 1 and a.clip_high >= 0, "algorithm.clip_low/clip_high out of range"),
         (a.overlong_buffer_tokens < e.max_response_tokens,
          "algorithm.overlong_buffer_tokens must be < engine.max_response_tokens"),
         (config.model.source in ("tiny", "gguf", "hf"), "model.source must be tiny, gguf or hf"),
         (config.task.reward in ("zero_one", "plus_minus"), "task.reward must be zero_one or plus_minus"),
-        (config.trainer.prompts_per_step >= 1, "trainer.prompts_per_step must be >= 1"),
-        (config.trainer.num_generators >= 1, "trainer.num_generators must be >= 1"),
         (a.estimator in ESTIMATORS, f"algorithm.estimator must be one of {ESTIMATORS}"),
-        (0 < a.gamma <= 1 and 0 <= a.lam <= 1, "algorithm.gamma must be in (0, 1] and algorithm.lam in [0, 1]"),
-        (0 <= config.critic.lam <= 1, "critic.lam must be in [0, 1]"),
         (not a.window_training or a.estimator == "gae",
          "algorithm.window_training needs algorithm.estimator=gae (windows have no outcome to normalise)"),
         (a.egae_bootstrap in ("previous", "next"), "algorithm.egae_bootstrap must be previous or next"),
-        (a.edge_mask_tokens >= 0 and a.nll_coef >= 0, "algorithm.edge_mask_tokens and nll_coef must be >= 0"),
-        (config.critic.batch_trajectories >= 1, "critic.batch_trajectories must be >= 1"),
         *_reward_checks(config),
-        (0 <= config.task.pre_ppo_fraction <= 1, "task.pre_ppo_fraction must be in [0, 1]"),
         (config.task.pre_ppo_fraction == 0 or config.task.pre_ppo_endpoint in config.reward.endpoints,
          "task.pre_ppo_endpoint must name an entry of reward.endpoints"),
         (not config.trainer.synchronous or a.max_staleness_versions == 0,
          "trainer.synchronous needs algorithm.max_staleness_versions=0"),
-        (config.trainer.checkpoint_every >= 0, "trainer.checkpoint_every must be >= 0"),
-        (config.trainer.checkpoint_keep >= 1, "trainer.checkpoint_keep must be >= 1"),
-        (config.trainer.max_restarts >= 0, "trainer.max_restarts must be >= 0"),
-        (config.trainer.eval_every >= 0, "trainer.eval_every must be >= 0"),
     ]
     for ok, message in checks:
         if not ok:
@@ -408,8 +599,7 @@ def route_checks(routes: list[RouteConfig], endpoint_names: set[str]) -> list[tu
 
 def _reward_checks(config: Config) -> list[tuple[bool, str]]:
     r = config.reward
-    checks = [(bool(r.endpoints), "reward.endpoints must name at least one endpoint"),
-              (r.timeout_s > 0 and r.retries >= 0, "reward.timeout_s must be > 0 and reward.retries >= 0")]
+    checks = [(bool(r.endpoints), "reward.endpoints must name at least one endpoint")]
     for name, e in r.endpoints.items():
         checks.append((e.kind in ENDPOINT_KINDS, f"reward.endpoints.{name}.kind must be one of {ENDPOINT_KINDS}"))
         checks.append((e.kind not in ("bt", "prm") or bool(e.model_path), f"reward.endpoints.{name}.model_path is required for {e.kind}"))

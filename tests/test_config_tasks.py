@@ -33,6 +33,48 @@ def test_bad_config_fails_naming_the_field():
         compose(["algorithm.dual_clip=0.5"])
 
 
+def test_config_mistakes_are_one_line_naming_the_field_and_the_nearest_name():
+    cases = {
+        "algorithm.clip_hgh=0.3": "algorithm has no field 'clip_hgh'; did you mean 'clip_high'?",
+        # Hydra's `+` would add the field and the dataclass would silently drop it.
+        "+algorithm.clip_hgh=0.3": "algorithm has no field 'clip_hgh'; did you mean 'clip_high'?",
+        "trainer.total_steps=abc": "trainer.total_steps expects an integer, got 'abc'",
+        "trainer.total_steps=-5": "trainer.total_steps=-5 is out of range: it must be >= 1",
+        "engine.top_p=0": "engine.top_p=0.0 is out of range: it must be in (0, 1]",
+        "engine.first_token_temperature=hot": "expects a number or null, got 'hot'",
+        "algorithm=dapoo": "no algorithm named 'dapoo'; did you mean 'dapo'?",
+        "modle=tiny": "the config has no field 'modle'; did you mean 'model'?",
+        "reward.endpoints.verifer.kind=genrm": "reward.endpoints has no entry 'verifer'; did you mean 'verifier'?",
+        "+reward.endpoints.judge={kindd: genrm}": "Key 'kindd' not in 'EndpointConfig'",
+        "~trainer.total_steps": "cannot be removed",
+        "trainer.total_steps=1,2": "sweeps",
+        "trainer.total_steps=[1": "is not an override",
+    }
+    for override, message in cases.items():
+        with pytest.raises(ConfigError) as caught:
+            compose([override])
+        assert message in str(caught.value) and "\n" not in str(caught.value), (override, str(caught.value))
+
+
+def test_plus_adds_entries_to_mappings_only():
+    config = compose(["+reward.endpoints.judge={kind: genrm}", "+reward.endpoints.bt.kind=bt",
+                      "+reward.endpoints.bt.model_path=/models/rm", "+trainer.total_steps=3",
+                      "reward.routes=[{match: '*', endpoints: [verifier, judge]}]",
+                      "reward.endpoints.verifier.verifier_kinds={chat: none}"])
+    assert config.reward.endpoints["judge"].kind == "genrm" and config.reward.endpoints["bt"].model_path == "/models/rm"
+    assert config.reward.endpoints["verifier"].verifier_kinds == {"chat": "none"} and config.trainer.total_steps == 3
+    assert sorted(compose(["reward=hybrid", "~reward.endpoints.genrm", "reward.routes.0.endpoints=[verifier]"])
+                  .reward.endpoints) == ["verifier"]
+
+
+def test_cli_reports_a_config_mistake_in_one_line(capsys):
+    from asyncrl.cli import main
+
+    assert main(["train", "algorithm.clip_hgh=0.3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "asyncrl train: algorithm.clip_hgh=0.3: algorithm has no field 'clip_hgh'; did you mean 'clip_high'?"
+
+
 def test_math_verifier_cases():
     assert math_correct("so the answer is \\boxed{12}.", "12")[0]
     assert math_correct("Answer: 1,000", "1000")[0]
