@@ -167,6 +167,16 @@ def resolve_run_dir(run_dir: str, resume: bool, outputs: str = "outputs", prefix
 def save_policy(model, tokenizer, directory: str) -> None:
     model.save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)
+    _default_modes(directory)
+
+
+def _default_modes(directory: str) -> None:
+    """Give every file the mode a plain `open` would (0644 under the usual umask): the
+    safetensors file is written through a temporary file that is 0600, unlike the rest."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for rel in _files(directory):
+        os.chmod(os.path.join(directory, rel), 0o666 & ~umask)
 
 
 def load_policy_weights(model, directory: str) -> None:
@@ -252,4 +262,5 @@ def policy_dir(path: str) -> str:
 def export_hf(path: str, out_dir: str) -> str:
     """Copy the policy of a run or checkpoint (verified first) to a Hugging Face directory."""
     shutil.copytree(policy_dir(path), out_dir, dirs_exist_ok=True)
+    _default_modes(out_dir)  # checkpoints written before the modes were set
     return out_dir

@@ -259,8 +259,9 @@ class TrainerConfig:
     checkpoint_every: int = 10
     """Checkpoint every N learner steps into <run_dir>/checkpoints (0 = never; `asyncrl train`
     also writes one at the end)."""
-    checkpoint_keep: int = 2
-    """How many of the newest checkpoints to keep."""
+    checkpoint_keep: int = 1
+    """How many of the newest checkpoints to keep (a commit is atomic; 2 also keeps a fallback for a
+    checkpoint damaged on disk, at 1.6 GB each on the embedded model)."""
     max_restarts: int = 3
     """When an actor dies, restart the system from the newest checkpoint this many times at most
     (`asyncrl train` and the Serve `train` app); 0 = fail at the first death."""

@@ -396,9 +396,12 @@ async def _reward_validation_error(request: Request, exc: RequestValidationError
 # stops those once the new ones are ready (Serve's default stops one first and goes one at a time).
 # The surge needs room for twice the replicas; where there is none (a GPU judge), lower it under
 # the deployment in the Serve config file.
+# No access log: the trainer calls `score` once per batch, which was one INFO line each (500 KB in
+# 7 minutes); failures are still logged, and /stats counts the calls.
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=32, num_replicas=2,
                   graceful_shutdown_wait_loop_s=0.5, graceful_shutdown_timeout_s=30,
-                  max_surge_percent=100, rolling_update_percentage=1.0)
+                  max_surge_percent=100, rolling_update_percentage=1.0,
+                  logging_config={"enable_access_log": False})
 @serve.ingress(reward_api)
 class RewardService(RewardEndpoint):
     """A reward endpoint as its own Serve application (`reward-<name>`). The trainer calls

@@ -130,6 +130,8 @@ def test_checkpoint_exports_a_hugging_face_directory(ray_session, tmp_path):
         system.stop()
     out = checkpoint.export_hf(path, str(tmp_path / "hf"))
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(out))
+    # Every exported file gets the same default mode (safetensors' temporary file was 0600).
+    assert {os.stat(os.path.join(out, f)).st_mode & 0o777 for f in os.listdir(out)} == {0o666 & ~_umask()}
     model = AutoModelForCausalLM.from_pretrained(out)
     tokenizer = AutoTokenizer.from_pretrained(out)
     ids = tokenizer("3+4=", return_tensors="pt").input_ids
@@ -139,3 +141,9 @@ def test_checkpoint_exports_a_hugging_face_directory(ray_session, tmp_path):
     assert version == checkpoint.load_json(os.path.join(path, "learner.json"))["weight_version"] >= 2
     for name, tensor in weights.items():
         assert torch.equal(state[name].detach(), tensor), name
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
