@@ -42,10 +42,18 @@ def _eval(args: argparse.Namespace) -> int:
 
     from asyncrl.checkpoint import policy_dir
 
-    overrides = list(args.overrides)
+    # What the checkpoint's run or the endpoint says (task, lengths, model name), then the user's own
+    # overrides, which win (a task the user names replaces the derived task settings), then the
+    # checkpoint's weights (what --checkpoint means).
+    derived, weights = [], []
     if args.checkpoint:
-        overrides += ["model.source=hf", f"model.path={policy_dir(args.checkpoint)}"]
-    config = compose(overrides)
+        derived += evaluation.run_overrides(args.checkpoint)
+        weights = ["model.source=hf", f"model.path={policy_dir(args.checkpoint)}"]
+    if args.endpoint:
+        derived += evaluation.endpoint_overrides(args.endpoint)
+    named = {o.split("=", 1)[0].lstrip("+~") for o in args.overrides}
+    kept = [o for o in derived if not any(o.split("=", 1)[0] == n or o.startswith(n + ".") for n in named)]
+    config = compose([*kept, *args.overrides, *weights])
     ks = sorted({int(k) for k in args.k.split(",")})
     n = max(args.n, max(ks))
     examples = evaluation.held_out(config, args.prompts)

@@ -336,7 +336,7 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
     from hydra.core.config_store import ConfigStore
 
     parsed = _parse_overrides(list(overrides or []))
-    groups = _config_groups()
+    groups = config_groups()
     group_overrides = [o for o in parsed if o.key_or_group in groups]
     value_overrides = [o for o in parsed if o.key_or_group not in groups]
     for override in group_overrides:
@@ -385,7 +385,7 @@ def _parse_overrides(overrides: list[str]):
     return parsed
 
 
-def _config_groups() -> dict[str, list[str]]:
+def config_groups() -> dict[str, list[str]]:
     """Config group -> its options (the YAML files of `configs/<group>/`)."""
     root = Path(config_dir())
     return {d.name: sorted(f.stem for f in d.glob("*.yaml")) for d in root.iterdir() if d.is_dir()}

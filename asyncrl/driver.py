@@ -10,8 +10,10 @@ continues the run of `trainer.run_dir` from its newest valid checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import time
 
 import numpy as np
@@ -49,7 +51,7 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
         latest, _ = checkpoint.latest_valid(run_dir)
         if latest is not None:
             checkpoint.load_policy_weights(engine.model, os.path.join(latest, "policy"))
-    before = greedy_accuracy(config, engine, tokenizer, eval_prompts)
+    before = greedy_accuracy(config, engine, tokenizer, eval_prompts, progress="eval before" if progress else "")
     print(f"held-out accuracy before training: {before['accuracy']:.3f} (n={before['n']})", flush=True)
 
     wandb_run = _init_wandb(config, run_dir)
@@ -72,45 +74,87 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
     monitor = RunMonitor(supervisor, run_dir, config.trainer.stall_timeout_s, annotate=evaluate_every,
                          wandb_run=wandb_run)
     bar = _progress(config.trainer.total_steps, progress)
+    interrupted, last_checkpoint, weights = False, None, None
     try:
-        while monitor.step < config.trainer.total_steps and not _reached_target(monitor.records, config):
-            time.sleep(0.5)
-            polled = monitor.poll()
-            if polled.restart is not None:
-                restart = polled.restart
-                print(f"restarted in {restart['restart_s']:.1f}s from step {restart['step']} after "
-                      f"{restart['reason']}", flush=True)
-            if bar is not None and polled.records:
-                bar.update(len(polled.records))
-                bar.set_postfix(reward=f"{polled.records[-1][REWARD_KEY]:.3f}",
-                                samples_s=f"{monitor.status['samples_trained'] / max(time.time() - monitor.started, 1e-9):.2f}")
+        try:
+            while monitor.step < config.trainer.total_steps and not _reached_target(monitor.records, config):
+                time.sleep(0.5)
+                polled = monitor.poll()
+                if polled.restart is not None:
+                    restart = polled.restart
+                    print(f"restarted in {restart['restart_s']:.1f}s from step {restart['step']} after "
+                          f"{restart['reason']}", flush=True)
+                if bar is not None and polled.records:
+                    bar.update(len(polled.records))
+                    rate = polled.records[-1]["samples_per_s"]  # the number the plot and the status page show
+                    bar.set_postfix(reward=f"{polled.records[-1][REWARD_KEY]:.3f}",
+                                    samples_per_s="-" if rate is None else f"{rate:.1f}")
+        except KeyboardInterrupt:
+            interrupted = True
+            if bar is not None:
+                bar.close()
+            print(f"\ninterrupted after step {monitor.step}: the step in flight is abandoned; saving the last step "
+                  f"and evaluating (Ctrl-C again to skip)", flush=True)
         if config.trainer.checkpoint_every and monitor.records:
             # The final step's checkpoint (waits for one the learner is writing, if any).
-            print(f"checkpoint: {monitor.system.checkpoint()}", flush=True)
+            last_checkpoint = monitor.system.checkpoint()
+            print(f"checkpoint: {last_checkpoint}", flush=True)
         final_status = monitor.system.status()
         version, weights = monitor.system.weights()
+    except KeyboardInterrupt:  # a second Ctrl-C: stop now; a checkpoint being written is never half there
+        interrupted, final_status = True, {}
+        print("\nstopping without the final checkpoint and evaluation", flush=True)
     finally:
         if bar is not None:
             bar.close()
-        supervisor.stop()
+        with _sigint_deferred():  # the actors must not be left running
+            supervisor.stop()
     records = monitor.records
     wall = time.time() - monitor.started
-    engine.update_weights(weights.items(), version)
-    after = greedy_accuracy(config, engine, tokenizer, eval_prompts)
-    print(f"held-out accuracy after {len(records)} steps: {after['accuracy']:.3f} (n={after['n']}), "
-          f"{wall / 60:.1f} min of training", flush=True)
+    after = None
+    if weights is not None:
+        engine.update_weights(weights.items(), version)
+        try:
+            after = greedy_accuracy(config, engine, tokenizer, eval_prompts, progress="eval after" if progress else "")
+            print(f"held-out accuracy after {len(records)} steps: {after['accuracy']:.3f} (n={after['n']}), "
+                  f"{wall / 60:.1f} min of training", flush=True)
+        except KeyboardInterrupt:
+            print("\nfinal evaluation skipped", flush=True)
     monitor.write_plots()
+    if interrupted:
+        last_checkpoint = last_checkpoint or checkpoint.latest_valid(run_dir)[0]
+        print(f"stopped after step {monitor.step}; last checkpoint: {last_checkpoint or 'none'}"
+              + (f" (continue with: asyncrl train trainer.run_dir={run_dir} resume=true)" if last_checkpoint else ""),
+              flush=True)
     summary = {"run_dir": run_dir, "eval_before": before, "eval_after": after, "train_wall_s": wall,
                "reached_target": _reached_target(records, config), "evals": evals,
                "resumed": monitor.system.resumed, "restarts": supervisor.restarts,
-               "steps": len(records), "final_status": final_status,
-               "records": records}
+               "steps": len(records), "final_status": final_status, "interrupted": interrupted,
+               "last_checkpoint": last_checkpoint, "records": records}
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump({k: v for k, v in summary.items() if k != "records"}, f, indent=2, default=str)
     if wandb_run is not None:
-        wandb_run.summary.update({"eval_accuracy_before": before["accuracy"], "eval_accuracy_after": after["accuracy"]})
+        wandb_run.summary.update({"eval_accuracy_before": before["accuracy"],
+                                  "eval_accuracy_after": after["accuracy"] if after else None})
         wandb_run.finish()
     return summary
+
+
+@contextlib.contextmanager
+def _sigint_deferred():
+    """Hold a Ctrl-C until the block is done (stopping the actors), then raise it."""
+    received = []
+    try:
+        previous = signal.signal(signal.SIGINT, lambda *_: received.append(True))
+    except ValueError:  # not the main thread: nothing to defer
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
+        raise KeyboardInterrupt
 
 
 def _reached_target(records: list[dict], config: Config) -> bool:
@@ -140,5 +184,6 @@ def _progress(total: int, enabled: bool):
 def train_cli(overrides: list[str]) -> int:
     config = compose(overrides)
     summary = train(config)
-    print(json.dumps({k: summary[k] for k in ("run_dir", "eval_before", "eval_after", "train_wall_s")}, indent=2))
-    return 0
+    print(json.dumps({k: summary[k] for k in ("run_dir", "eval_before", "eval_after", "train_wall_s", "steps",
+                                              "last_checkpoint")}, indent=2))
+    return 130 if summary["interrupted"] else 0  # 128 + SIGINT, as a shell reports Ctrl-C

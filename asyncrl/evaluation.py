@@ -41,37 +41,118 @@ def held_out(config: Config, max_prompts: int | None = None) -> list[Example]:
     return examples[: max_prompts or len(examples)]
 
 
-def sample_engine(config: Config, engine, tokenizer, examples: list[Example], n: int, temperature: float) -> list[list[str]]:
+def progress_bar(total: int, desc: str, enabled: bool = True):
+    """A progress bar for a long evaluation (on stderr; gone when done), or None."""
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="sample", leave=False)
+
+
+def sample_engine(config: Config, engine, tokenizer, examples: list[Example], n: int, temperature: float,
+                  progress: bool = True) -> list[list[str]]:
     """n responses per held-out prompt from a local engine (temperature 0 = greedy)."""
     params = SamplingParams(greedy=True) if temperature == 0 else SamplingParams(temperature=temperature)
     prompts = [encode_prompt(ex, tokenizer, config.model.use_chat_template) for ex in examples for _ in range(n)]
     seeds = [1_000_003 * i + j for i in range(len(examples)) for j in range(n)]
-    texts = [c.text for c in complete(engine, tokenizer, prompts, seeds, config.engine.max_response_tokens, params)]
+    bar = progress_bar(len(prompts), "eval", progress)
+    try:
+        completions = complete(engine, tokenizer, prompts, seeds, config.engine.max_response_tokens, params,
+                               on_batch=bar.update if bar else None)
+    finally:
+        if bar is not None:
+            bar.close()
+    texts = [c.text for c in completions]
     return [texts[i * n : (i + 1) * n] for i in range(len(examples))]
 
 
-def greedy_accuracy(config: Config, engine, tokenizer, max_prompts: int | None = None) -> dict:
+def greedy_accuracy(config: Config, engine, tokenizer, max_prompts: int | None = None, progress: str = "") -> dict:
     """Greedy pass@1 on the task's held-out prompts (`trainer.eval_samples` of them unless
-    `max_prompts`): the before/after/periodic figure of a training run."""
+    `max_prompts`): the before/after/periodic figure of a training run. `progress`: a label for a
+    progress bar (empty = none)."""
     examples = held_out(config, max_prompts or config.trainer.eval_samples)
     prompts = [encode_prompt(ex, tokenizer, config.model.use_chat_template) for ex in examples]
-    completions = complete(engine, tokenizer, prompts, list(range(len(examples))), config.engine.max_response_tokens,
-                           SamplingParams(greedy=True))
+    bar = progress_bar(len(prompts), progress, bool(progress))
+    try:
+        completions = complete(engine, tokenizer, prompts, list(range(len(examples))),
+                               config.engine.max_response_tokens, SamplingParams(greedy=True),
+                               on_batch=bar.update if bar else None)
+    finally:
+        if bar is not None:
+            bar.close()
     correct = score(examples, [[c.text] for c in completions])
     return {"accuracy": sum(c[0] for c in correct) / max(len(examples), 1), "n": len(examples),
             "response_length_mean": float(np.mean([len(c.token_ids) for c in completions])) if completions else 0.0}
 
 
-def sample_endpoint(url: str, model: str, examples: list[Example], n: int, temperature: float, max_tokens: int) -> tuple[list[list[str]], set]:
+def run_overrides(path: str) -> list[str]:
+    """The task and response length of the run a checkpoint comes from (its `config.json`), as
+    overrides: `asyncrl eval --checkpoint` scores the task the run trained on. [] for a plain
+    Hugging Face directory."""
+    path = os.path.abspath(path)
+    for candidate in (path, os.path.dirname(os.path.dirname(path))):  # a run dir, or run/checkpoints/step_k
+        config_path = os.path.join(candidate, "config.json")
+        if os.path.exists(config_path):
+            with open(config_path) as f:
+                saved = json.load(f)
+            if "task" in saved and "trainer" in saved:  # asyncrl's, not a model's config.json
+                return [*_task_overrides(saved["task"], saved["engine"]["max_response_tokens"]),
+                        f"model.use_chat_template={saved['model']['use_chat_template']}"]
+    return []
+
+
+def endpoint_overrides(url: str) -> list[str]:
+    """The model name, task and response length a live policy endpoint reports (GET /models), as
+    overrides: `asyncrl eval --endpoint` scores the task that policy learns, whatever the local
+    defaults are (the user's own overrides come after and win)."""
+    import httpx
+
+    from asyncrl.config import ConfigError
+
+    try:
+        reply = httpx.get(url.rstrip("/") + "/models", timeout=30)
+        reply.raise_for_status()
+        card = reply.json()["data"][0]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
+        raise ConfigError(f"--endpoint {url}: no policy endpoint answers GET /models there ({exc})") from exc
+    return [f"model.name={card['id']}", *_task_overrides(card.get("task") or {}, card.get("max_response_tokens"))]
+
+
+def _task_overrides(task: dict, max_response_tokens: int | None) -> list[str]:
+    """Overrides that select a run's task: its config group where one is named so (which brings the
+    task's own settings, as `task=tiny` on the command line does), then the run's values."""
+    from asyncrl.config import config_groups
+
+    overrides = []
+    if task.get("name") in config_groups().get("task", []):
+        overrides.append(f"task={task['name']}")
+    for key in ("name", "seed", "num_eval_prompts"):
+        if key in task:
+            overrides.append(f"task.{key}={task[key]}")
+    if task.get("eval_path") or task.get("path"):
+        overrides.append(f"task.eval_path={task.get('eval_path') or task.get('path')}")
+    if max_response_tokens:
+        overrides.append(f"engine.max_response_tokens={max_response_tokens}")
+    return overrides
+
+
+def sample_endpoint(url: str, model: str, examples: list[Example], n: int, temperature: float, max_tokens: int,
+                    progress: bool = True) -> tuple[list[list[str]], set]:
     from openai import OpenAI
 
     client = OpenAI(base_url=url, api_key=os.environ.get("OPENAI_API_KEY", "unused"))
     texts, versions = [], set()
+    bar = progress_bar(len(examples) * n, "eval", progress)
     for i, ex in enumerate(examples):
         raw = client.chat.completions.with_raw_response.create(model=model, messages=ex.messages, n=n, seed=i,
                                                                temperature=temperature, max_tokens=max_tokens)
         versions.add(raw.headers.get("x-asyncrl-weight-version"))
         texts.append([c.message.content or "" for c in raw.parse().choices])
+        if bar is not None:
+            bar.update(n)
+    if bar is not None:
+        bar.close()
     return texts, versions
 
 

@@ -69,13 +69,16 @@ def _completions(tokenizer, outputs) -> list[Completion]:
 
 
 def complete(engine, tokenizer, prompts: list[Sequence[int]], seeds: list[int], max_tokens: int,
-             params: SamplingParams, batch_size: int = 16) -> list[Completion]:
-    """Whole responses (one window of `max_tokens`) to `prompts`, `batch_size` sequences per engine call."""
+             params: SamplingParams, batch_size: int = 16, on_batch=None) -> list[Completion]:
+    """Whole responses (one window of `max_tokens`) to `prompts`, `batch_size` sequences per engine
+    call; `on_batch(n)` after each call (a progress bar's `update`)."""
     inputs = _inputs(prompts, seeds, max_tokens)
     out: list[Completion] = []
     for start in range(0, len(inputs), max(1, batch_size)):
         outputs = engine.generate_window_sync(inputs[start : start + batch_size], max_tokens, params)
         out += _completions(tokenizer, outputs)
+        if on_batch is not None:
+            on_batch(len(outputs))
     return out
 
 

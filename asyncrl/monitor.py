@@ -19,9 +19,19 @@ from asyncrl.supervisor import Supervisor
 
 # Fields every record gets from the system's status at the poll that drained it.
 RUN_FIELDS = ("samples_trained", "samples_dropped", "samples_generated", "generator_busy_fraction",
-              "generator_paused_for_weights_fraction", "broadcast_s", "wall_time_s")
+              "generator_paused_for_weights_fraction", "broadcast_s", "wall_time_s", "samples_per_s")
 # The curve a run is watched by: the reward of everything generated (before dynamic sampling).
 REWARD_KEY = "reward_mean_generated"
+
+
+def samples_per_s(previous_poll: tuple[float, int] | None, wall_s: float, samples_trained: int) -> float | None:
+    """Throughput as every view shows it (progress bar, plot, status page): samples trained per
+    second since the previous poll that had new steps (`(wall_s, samples_trained)` then; None at
+    the first: the average since the start). None when the counter went back (a restart)."""
+    base_s, base_n = previous_poll if previous_poll is not None else (0.0, 0)
+    if samples_trained < base_n or wall_s <= base_s:
+        return None
+    return (samples_trained - base_n) / (wall_s - base_s)
 
 
 class StallError(RuntimeError):
@@ -48,6 +58,7 @@ class RunMonitor:
         self.started = time.time()
         self.last_step_at = time.time()
         self._wandb_step = 0
+        self._previous_poll: tuple[float, int] | None = None
         self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
 
     @property
@@ -66,6 +77,7 @@ class RunMonitor:
             with open(os.path.join(self.run_dir, "restarts.jsonl"), "a") as f:
                 f.write(json.dumps(restart) + "\n")
             self.last_step_at = time.time()
+            self._previous_poll = (time.time() - self.started, 1 << 62)  # the next poll's rate is unknown
             return Poll(restart=restart)
         new = self.system.pop_metrics()
         if not new:
@@ -83,6 +95,10 @@ class RunMonitor:
                  "generator_paused_for_weights_fraction": status["generator_paused_for_weights_fraction"],
                  "broadcast_s": status["last_broadcast"].get("total_s", 0.0),
                  "wall_time_s": time.time() - self.started}
+        if self._previous_poll is None and self.system.resumed:  # counters restored: no rate until the next poll
+            self._previous_poll = (0.0, 1 << 62)
+        stamp["samples_per_s"] = samples_per_s(self._previous_poll, stamp["wall_time_s"], stamp["samples_trained"])
+        self._previous_poll = (stamp["wall_time_s"], stamp["samples_trained"])
         with open(self.metrics_path, "a") as metrics_file:
             for record in new:
                 record.update(stamp)

@@ -20,14 +20,32 @@ from asyncrl.schema import FinishReason
 
 
 class OpenAIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
-        self.status, self.message, self.param = status, message, param
+        self.status, self.message, self.param, self.code = status, message, param, code
 
 
-def openai_error(status: int, message: str, param: str | None = None) -> JSONResponse:
+def openai_error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status)
+
+
+def describe_invalid_request(errors: list[dict]) -> tuple[str, str | None]:
+    """(message, param) of a request FastAPI could not validate: the first error's field as
+    `param`, or for a body that is not JSON, the character where parsing failed in the message."""
+    first = errors[0] if errors else {}
+    loc = list(first.get("loc", []))
+    if first.get("type") == "json_invalid":
+        where = f" at character {loc[-1]}" if loc and isinstance(loc[-1], int) else ""
+        return f"the body is not valid JSON{where}: {first.get('ctx', {}).get('error', 'malformed')}", None
+    return f"invalid request: {first.get('msg', 'malformed body')}", ".".join(str(p) for p in loc[1:]) or None
+
+
+def check_model_name(requested: str | None, served: str) -> None:
+    """An unknown model name is a 404 `model_not_found`, as OpenAI and vLLM answer (omitted: the policy)."""
+    if requested is not None and requested != served:
+        raise OpenAIError(404, f"The model `{requested}` does not exist; this endpoint serves `{served}` "
+                               f"(GET /v1/models)", "model", "model_not_found")
 
 
 MAX_STOP_CHARS = 256
@@ -95,48 +113,51 @@ def _params(body: _Sampling) -> SamplingParams:
     return SamplingParams(temperature=1.0 if greedy else body.temperature, top_p=body.top_p, greedy=greedy)
 
 
-async def stream_choices(engine, tokenizer, prompt_ids: list[list[int]], body: _Sampling, chunk_tokens: int = 4):
-    """n samples per prompt, advanced `chunk_tokens` at a time (counter-based seeds: the samples are
-    the same as in one call). Yields `(index, delta_text, new_tokens, new_logprobs, finish_reason)`
-    as text arrives; finish_reason is set on a choice's last delta. Text stops at a stop string."""
+async def stream_choices(engine, tokenizer, prompt_ids: list[list[int]], body: _Sampling):
+    """n samples per prompt, streamed token by token as the engine samples them (one decode loop;
+    counter-based seeds: the samples are those of `generate_choices`). Yields `(index, delta_text,
+    new_tokens, new_logprobs, finish_reason)`; finish_reason is set on a choice's last delta. Text
+    stops at a stop string; decoding stops once every choice has ended."""
     seed = body.seed if body.seed is not None else random.randrange(1 << 40)
     stops = [s for s in _stops(body.stop) if s]
     longest_stop = max((len(s) for s in stops), default=0)
     # Incremental detokenisation: each step decodes a few tokens around the new ones (from
     # `prefix`, a token boundary before them), not the whole text so far.
-    rows = [{"prompt": np.asarray(ids, dtype=np.int32), "seed": seed + k, "ids": [], "logprobs": [], "text": "",
+    rows = [{"prompt": np.asarray(ids, dtype=np.int32), "seed": seed + k, "ids": [], "text": "",
              "prefix": 0, "read": 0, "done": False} for ids in prompt_ids for k in range(body.n)]
-    params = _params(body)
-    while True:
-        live = [i for i, r in enumerate(rows) if not r["done"]]
-        if not live:
-            return
-        inputs = [sequence_input(rows[i]["prompt"], rows[i]["seed"], body.max_tokens, rows[i]["ids"]) for i in live]
-        outputs = await engine.generate_window(inputs, chunk_tokens, params)
-        for i, out in zip(live, outputs):
-            row = rows[i]
-            row["ids"] += out.token_ids.tolist()
-            row["logprobs"] += out.logprobs.tolist()
-            finish = None
-            if out.finished:
-                finish = "stop" if out.finish_reason is FinishReason.EOS else "length"
-            before = decode(tokenizer, row["ids"][row["prefix"]:row["read"]])
-            after = decode(tokenizer, row["ids"][row["prefix"]:])
-            new = after[len(before):] if after.startswith(before) else after
-            if new.endswith("\ufffd") and finish is None:
-                new = ""  # an incomplete multi-byte character: wait for the rest
-            else:
-                row["prefix"], row["read"] = row["read"], len(row["ids"])
-            text = row["text"] + new
-            # A stop string can only end inside the new text: search from where it could start.
-            start = max(0, len(row["text"]) - longest_stop + 1)
-            cuts = [text.find(s, start) for s in stops if s in text[start:]]
-            if cuts:
-                text, finish = text[: min(cuts)], "stop"
-            delta = text[len(row["text"]):]
-            row["text"] = text
-            row["done"] = finish is not None
-            yield i, delta, out.token_ids.tolist(), out.logprobs.tolist(), finish
+    inputs = [sequence_input(r["prompt"], r["seed"], body.max_tokens, []) for r in rows]
+    steps = engine.stream_window(inputs, body.max_tokens, _params(body))
+    try:
+        async for step in steps:
+            for i, token, logprob, reason in step:
+                row = rows[i]
+                if row["done"]:
+                    continue  # ended at a stop string while others go on
+                row["ids"].append(token)
+                finish = None
+                if reason is not None:  # WINDOW cannot happen (one window of max_tokens); as length
+                    finish = "stop" if reason is FinishReason.EOS else "length"
+                before = decode(tokenizer, row["ids"][row["prefix"]:row["read"]])
+                after = decode(tokenizer, row["ids"][row["prefix"]:])
+                new = after[len(before):] if after.startswith(before) else after
+                if new.endswith("\ufffd") and finish is None:
+                    new = ""  # an incomplete multi-byte character: wait for the rest
+                else:
+                    row["prefix"], row["read"] = row["read"], len(row["ids"])
+                text = row["text"] + new
+                # A stop string can only end inside the new text: search from where it could start.
+                start = max(0, len(row["text"]) - longest_stop + 1)
+                cuts = [text.find(s, start) for s in stops if s in text[start:]]
+                if cuts:
+                    text, finish = text[: min(cuts)], "stop"
+                delta = text[len(row["text"]):]
+                row["text"] = text
+                row["done"] = finish is not None
+                yield i, delta, [token], [logprob], finish
+            if all(r["done"] for r in rows):
+                return
+    finally:
+        await steps.aclose()
 
 
 async def generate_choices(engine, tokenizer, prompt_ids: list[list[int]], body: _Sampling) -> list[dict]:
@@ -198,12 +219,14 @@ def chat_response(request_id: str, model: str, choices: list[dict], version: int
 
 
 def stream_chunk(request_id: str, model: str, version: int, chat: bool, index: int, delta: str,
-                 finish: str | None, logprobs: dict | None = None) -> dict:
+                 finish: str | None, logprobs: dict | None = None, first: bool = False) -> dict:
+    """One server-sent chunk. In chat, a choice's first delta carries the role (and no text), as
+    OpenAI's do; later deltas carry only content."""
     created = int(time.time())
     if chat:
+        message = {"role": "assistant", "content": ""} if first else {"content": delta}
         return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
                 "weight_version": version,
-                "choices": [{"index": index, "delta": {"role": "assistant", "content": delta}, "finish_reason": finish,
-                             "logprobs": logprobs}]}
+                "choices": [{"index": index, "delta": message, "finish_reason": finish, "logprobs": logprobs}]}
     return {"id": request_id, "object": "text_completion", "created": created, "model": model, "weight_version": version,
             "choices": [{"index": index, "text": delta, "finish_reason": finish, "logprobs": logprobs}]}

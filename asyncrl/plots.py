@@ -20,34 +20,12 @@ CURVES = [
 ]
 
 
-def with_throughput(records: list[dict]) -> list[dict]:
-    """Adds `samples_per_s`: trained samples per second since the last earlier poll (records of one
-    poll share a timestamp and get the same rate); the first poll's rate is its average to date."""
-    out: list[dict] = []
-    previous_poll: tuple[float, float] | None = None  # (wall time, samples trained) of the last earlier poll
-    current_poll: tuple[float, float] | None = None
-    for r in records:
-        r = dict(r)
-        if "wall_time_s" in r and "samples_trained" in r:
-            t, n = float(r["wall_time_s"]), float(r["samples_trained"])
-            if current_poll is None or t > current_poll[0]:
-                previous_poll, current_poll = current_poll, (t, n)
-            else:
-                current_poll = (t, max(n, current_poll[1]))
-            base_t, base_n = previous_poll if previous_poll is not None else (0.0, 0.0)
-            if t > base_t:
-                r["samples_per_s"] = (n - base_n) / (t - base_t)
-        out.append(r)
-    return out
-
-
 def write_plots(records: list[dict], run_dir: str) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = with_throughput(records)
     paths = []
     for key, title in CURVES:
         points = [(r["step"], r[key]) for r in records if key in r and r[key] is not None]

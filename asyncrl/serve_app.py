@@ -41,6 +41,7 @@ from asyncrl.openai_api import (
     OpenAIError,
     chat_response,
     completion_response,
+    describe_invalid_request,
     openai_error,
 )
 from asyncrl.rewards.endpoint import RewardEndpoint
@@ -51,6 +52,7 @@ from asyncrl.supervisor import Supervisor
 from asyncrl.system import LEARNER_NAME, NAMESPACE, TrainingSystem
 
 VERSION_HEADER = "x-asyncrl-weight-version"
+INITIAL_DATA_MARKER = '<script id="initial-data" type="application/json">null</script>'
 STATUS_PAGE = open(os.path.join(os.path.dirname(__file__), "static", "status.html"), encoding="utf-8").read()
 
 
@@ -207,14 +209,20 @@ class TrainController:
 
     @train_api.get("/")
     def page(self) -> HTMLResponse:
-        """The status page: facts, curves and queues, drawn in the browser from /status and /metrics."""
-        return HTMLResponse(STATUS_PAGE)
+        """The status page: facts, curves and queues, drawn in the browser from /status and /metrics.
+        The data of the moment is in the page itself, so it is drawn at first paint (a screenshot
+        or a slow link never shows an empty page)."""
+        try:
+            initial = json.dumps({"status": self.status(), "metrics": self.metrics()}, default=str, allow_nan=False)
+        except ValueError:  # a NaN somewhere: the page fetches the data itself
+            initial = "null"
+        # Inside <script>, "</" would end the element: escape it as JSON allows.
+        element = INITIAL_DATA_MARKER.replace(">null<", ">" + initial.replace("</", "<\\/") + "<")
+        return HTMLResponse(STATUS_PAGE.replace(INITIAL_DATA_MARKER, element, 1))
 
     @train_api.get("/metrics")
     def metrics(self, last: int = 500) -> list[dict]:
-        from asyncrl.plots import with_throughput
-
-        return with_throughput(self.history[-max(1, min(last, 5000)):])
+        return self.history[-max(1, min(last, 5000)):]
 
     @train_api.post("/admin/reward_routes")
     async def set_reward_routes(self, body: RewardRoutesBody) -> dict:
@@ -267,14 +275,12 @@ policy_api = FastAPI(title="asyncrl policy")
 
 @policy_api.exception_handler(RequestValidationError)
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    first = exc.errors()[0] if exc.errors() else {}
-    param = ".".join(str(p) for p in first.get("loc", [])[1:]) or None
-    return openai_error(400, f"invalid request: {first.get('msg', 'malformed body')}", param)
+    return openai_error(400, *describe_invalid_request(exc.errors()))
 
 
 @policy_api.exception_handler(OpenAIError)
 async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
-    return openai_error(exc.status, exc.message, exc.param)
+    return openai_error(exc.status, exc.message, exc.param, exc.code)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=64)
@@ -301,8 +307,13 @@ class PolicyServer:
 
     @policy_api.get("/models")
     def models(self) -> dict:
+        t = self.config.task
+        # `task` and `max_response_tokens` let `asyncrl eval --endpoint` score the task this policy learns.
         return {"object": "list", "data": [{"id": self.config.model.name, "object": "model", "owned_by": "asyncrl",
-                                            "weight_version": self.engine.version, "started_at": self.started_at}]}
+                                            "weight_version": self.engine.version, "started_at": self.started_at,
+                                            "task": {"name": t.name, "seed": t.seed, "num_eval_prompts": t.num_eval_prompts,
+                                                     "eval_path": t.eval_path or t.path},
+                                            "max_response_tokens": self.config.engine.max_response_tokens}]}
 
     @policy_api.post("/completions")
     async def completions(self, body: CompletionRequest) -> JSONResponse:
@@ -323,8 +334,9 @@ class PolicyServer:
         return await self._respond(body, [list(ids)], chat=True)
 
     async def _respond(self, body, prompt_ids: list[list[int]], chat: bool) -> JSONResponse:
-        from asyncrl.openai_api import check_request_size, generate_choices
+        from asyncrl.openai_api import check_model_name, check_request_size, generate_choices
 
+        check_model_name(body.model, self.config.model.name)
         check_request_size(prompt_ids, body.n, body.max_tokens)
         limit = self.engine.max_positions
         for ids in prompt_ids:
@@ -347,16 +359,21 @@ class PolicyServer:
         return JSONResponse(payload, headers={VERSION_HEADER: str(version)})
 
     async def _stream(self, body, prompt_ids, chat: bool, request_id: str, version: int, want_logprobs: bool):
-        """Server-sent events: one chunk per text delta of a choice, then `data: [DONE]`."""
+        """Server-sent events: in chat, each choice's role first; then a chunk per text delta of a
+        choice as its tokens are sampled; then `data: [DONE]`."""
         from asyncrl.openai_api import logprob_entries, stream_chunk, stream_choices
 
+        name = self.config.model.name
+        if chat:
+            for index in range(len(prompt_ids) * body.n):
+                yield f"data: {json.dumps(stream_chunk(request_id, name, version, True, index, '', None, first=True))}\n\n"
         async for index, delta, tokens, logprobs, finish in stream_choices(self.engine, self.tokenizer, prompt_ids, body):
             lp = None
             if want_logprobs:
                 texts = [self.tokenizer.decode([t]) for t in tokens]
                 lp = {"content": logprob_entries(texts, logprobs)} if chat else {"tokens": texts, "token_logprobs": logprobs}
             if delta or finish or lp:
-                chunk = stream_chunk(request_id, self.config.model.name, version, chat, index, delta, finish, lp)
+                chunk = stream_chunk(request_id, name, version, chat, index, delta, finish, lp)
                 yield f"data: {json.dumps(chunk)}\n\n"
         yield "data: [DONE]\n\n"
 
@@ -386,10 +403,8 @@ class ScoreBody(BaseModel):
 
 @reward_api.exception_handler(RequestValidationError)
 async def _reward_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    first = exc.errors()[0] if exc.errors() else {}
-    return JSONResponse({"error": {"message": f"invalid request: {first.get('msg', 'malformed body')}",
-                                   "param": ".".join(str(p) for p in first.get("loc", [])[1:]) or None}},
-                        status_code=400)
+    message, param = describe_invalid_request(exc.errors())
+    return JSONResponse({"error": {"message": message, "param": param}}, status_code=400)
 
 
 # max_surge_percent=100: a rolling update starts both replacements while the old replicas serve and

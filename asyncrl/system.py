@@ -188,8 +188,10 @@ class TrainingSystem:
         status = summarize(learner, generators, assembler, mailboxes, time.time() - self.started_at)
         if "value_learner" in self.actors:
             status["value_learner"] = ray.get(self.actors["value_learner"].stats.remote())
-        status["reward_endpoints"] = {name.removeprefix("reward-"): ray.get(actor.stats.remote())
-                                      for name, actor in self.actors.items() if name.startswith("reward-")}
+        status["reward_endpoints"] = reward_endpoint_table(
+            self.config.reward, assembler.get("reward_router", {}).get("endpoints", {}),
+            {name.removeprefix("reward-"): ray.get(actor.stats.remote())
+             for name, actor in self.actors.items() if name.startswith("reward-")})
         status["prompt_source"] = ray.get(self.actors["prompt_source"].stats.remote())
         status["ledger"] = {**status["prompt_source"].pop("ledger"),
                             "problems": status["prompt_source"].pop("ledger_problems")}
@@ -224,6 +226,21 @@ class TrainingSystem:
             ray.kill(actor)
         if self.run_refs:
             ray.wait(list(self.run_refs.values()), num_returns=len(self.run_refs), timeout=15)
+
+
+def reward_endpoint_table(reward, seen: dict[str, dict], own: dict[str, dict]) -> dict[str, dict]:
+    """One row per configured reward endpoint: its kind, where it runs, and, as the run's reward
+    router saw them, the version it last answered with, its rewards (by version) and failures. The
+    same under Serve (where the endpoints are applications, not actors of the run) as with actors,
+    whose own counters (e.g. a judge's pairs) come first."""
+    table = {}
+    for name, endpoint in reward.endpoints.items():
+        mine = own.get(name, {})
+        table[name] = {**mine, "kind": endpoint.kind,
+                       "where": f"serve app reward-{name}" if reward.use_serve else "actor",
+                       "version": str(mine.get("version", "")), "rewards": 0, "failed": 0, "versions": {},
+                       "last_error": "", "last_answer_at": 0.0, **seen.get(name, {})}
+    return table
 
 
 def summarize(learner: dict, generators: list[dict], assembler: dict, mailboxes: dict, wall_s: float) -> dict:

@@ -55,11 +55,11 @@ def test_eval_command_on_the_tiny_model(tmp_path, capsys):
 
 
 def test_throughput_rates_between_polls():
-    from asyncrl.plots import with_throughput
+    from asyncrl.monitor import samples_per_s
 
-    records = [{"step": 1, "wall_time_s": 10, "samples_trained": 16}, {"step": 2, "wall_time_s": 20, "samples_trained": 48},
-               {"step": 3, "wall_time_s": 20, "samples_trained": 48}, {"step": 4}]
-    assert [r.get("samples_per_s") for r in with_throughput(records)] == [1.6, 3.2, 3.2, None]
+    assert samples_per_s(None, 10.0, 16) == 1.6  # the first poll: average since the start
+    assert samples_per_s((10.0, 16), 20.0, 48) == 3.2  # then since the previous poll
+    assert samples_per_s((20.0, 48), 25.0, 16) is None  # counters went back (a restart)
 
 
 @pytest.mark.slow
@@ -68,7 +68,7 @@ def test_train_resume_export_eval_as_a_user_runs_them(tmp_path):
     `train resume=true` to a later step, `export` and `eval --checkpoint <run>`: subprocesses."""
     run = tmp_path / "run"
     common = ["model=tiny", "task=tiny", "algorithm=grpo", "trainer.prompts_per_step=2", f"trainer.run_dir={run}",
-              "trainer.checkpoint_every=4", "trainer.eval_every=3", "trainer.eval_samples=8"]
+              "trainer.checkpoint_every=4", "trainer.checkpoint_keep=2", "trainer.eval_every=3", "trainer.eval_samples=8"]
     out = asyncrl("train", *common, "trainer.total_steps=6", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     first = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -86,7 +86,9 @@ def test_train_resume_export_eval_as_a_user_runs_them(tmp_path):
     assert resumed == list(range(resumed[0], resumed[0] + len(resumed)))
     out = asyncrl("export", str(run), str(tmp_path / "hf"), cwd=tmp_path)
     assert out.returncode == 0 and (tmp_path / "hf" / "model.safetensors").exists(), out.stderr[-2000:]
+    # No task on the command line: eval reads it from the run (the defaults are arithmetic).
     out = asyncrl("eval", "--checkpoint", str(run), "--n", "2", "--k", "1,2", "--out", str(tmp_path / "eval"),
-                  "model=tiny", "task=tiny", cwd=tmp_path)
+                  cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert json.loads((tmp_path / "eval" / "eval.json").read_text())["prompts"] == 10
+    result = json.loads((tmp_path / "eval" / "eval.json").read_text())
+    assert result["prompts"] == 10 and result["task"] == "tiny"

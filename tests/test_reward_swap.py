@@ -65,6 +65,10 @@ def test_reward_endpoint_swaps_while_training_with_no_failed_request(ray_session
         assembler = status["assembler"]
         assert assembler["reward_failures"] == 0, assembler["last_reward_failure"]
         assert set(versions(status)) >= {"verifier:verifier:1", "verifier:verifier:2", "verifier:verifier:3"}
+        # The status's endpoint table shows the swap (the endpoint is a Serve app, not an actor of the run).
+        row = status["reward_endpoints"]["verifier"]
+        assert row["where"] == "serve app reward-verifier" and row["version"] == "verifier:verifier:3"
+        assert set(row["versions"]) >= {"verifier:verifier:1", "verifier:verifier:3"} and row["failed"] == 0
         # Nothing lost: every scored sample is in a group that is open, emitted or dropped.
         assert assembler["samples_scored"] == sum(versions(status).values())
         assert assembler.get("duplicate_segments", 0) == 0

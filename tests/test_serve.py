@@ -119,7 +119,13 @@ def test_bad_requests_get_openai_style_4xx(apps):
         assert r.status_code == 400, (body, r.text)
         assert r.json()["error"]["type"] == "invalid_request_error"
     r = httpx.post(f"{apps}/v1/completions", content=b"{not json", headers={"content-type": "application/json"}, timeout=30)
-    assert r.status_code == 400
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] is None and "not valid JSON at character 1" in error["message"]
+    # An unknown model is a 404 model_not_found, as OpenAI and vLLM answer.
+    with pytest.raises(openai.NotFoundError) as caught:
+        openai.OpenAI(base_url=f"{apps}/v1", api_key="unused").chat.completions.create(
+            model="gpt-4o", messages=[{"role": "user", "content": "1:"}], max_tokens=1)
+    assert caught.value.code == "model_not_found" and "tiny" in caught.value.message
     r = httpx.post(f"{apps}/v1/completions", json={"prompt": ["1:"] * 33, "max_tokens": 1}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"].startswith("prompt")
     # The endpoint is still healthy afterwards.
@@ -175,6 +181,16 @@ def test_streaming_and_logprobs_with_the_openai_client(apps):
     assert entries and all(e.logprob <= 0.0 for e in entries)
     assert client.chat.completions.create(**kwargs).choices[0].logprobs is None  # only when asked
 
+    # Each choice's first delta carries the role and no text; then one token per chunk, as sampled.
+    streamed = list(client.chat.completions.create(stream=True, logprobs=True, n=2, **kwargs))
+    for index in (0, 1):
+        deltas = [c.choices[0] for c in streamed if c.choices[0].index == index]
+        assert deltas[0].delta.role == "assistant" and deltas[0].delta.content == ""
+        assert all(d.delta.role is None for d in deltas[1:])
+        tokens = [d.logprobs.content for d in deltas[1:] if d.logprobs is not None]
+        assert tokens and all(len(t) == 1 for t in tokens)
+        assert len(tokens) == len(deltas) - 1  # every token is its own chunk (this vocabulary has no partial characters)
+
     pieces = list(client.completions.create(model="tiny", prompt="2:", max_tokens=4, n=2, stream=True, logprobs=0))
     assert {p.choices[0].index for p in pieces} == {0, 1}
     assert all(p.choices[0].logprobs is not None for p in pieces if p.choices[0].text)
@@ -192,6 +208,22 @@ def test_status_page_and_metrics_route(apps):
         time.sleep(1.0)
     assert history[-1]["step"] > history[0]["step"] and "reward_mean_generated" in history[-1]
     assert "samples_per_s" in history[-1]
+    # The page carries the data of the moment, so it is drawn at first paint (screenshots included).
+    page = httpx.get(f"{apps}/train/", timeout=30).text
+    embedded = json.loads(page.split('<script id="initial-data" type="application/json">')[1].split("</script>")[0])
+    assert embedded["status"]["step"] >= history[-1]["step"] and embedded["metrics"]
+    verifier = embedded["status"]["reward_endpoints"]["verifier"]
+    assert verifier["kind"] == "verifier" and verifier["rewards"] > 0 and verifier["version"]
+
+
+def test_eval_learns_model_and_task_from_the_endpoint(apps, tmp_path, capsys):
+    from asyncrl.cli import main
+
+    # No overrides: the local defaults (the embedded model, arithmetic) are not what this endpoint serves.
+    assert main(["eval", "--endpoint", f"{apps}/v1", "--n", "2", "--k", "1,2", "--prompts", "3",
+                 "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "eval.json").read_text())
+    assert result["task"] == "tiny" and result["prompts"] == 3 and 0.0 <= result["pass@1"] <= 1.0
 
 
 def test_admin_route_changes_the_reward_mix_and_needs_the_token(apps):

@@ -74,5 +74,10 @@ class Engine(Protocol):
         self, sequences: list[SequenceInput], window_tokens: int, params: SamplingParams
     ) -> list[WindowOutput]: ...
 
+    def stream_window(self, sequences: list[SequenceInput], window_tokens: int, params: SamplingParams):
+        """As `generate_window`, as an async iterator over decode steps: each a list of
+        `(row, token_id, logprob, finish_reason or None)` (the policy endpoint streams tokens as they
+        are produced). Closing it early stops the decoding."""
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load new weights (all or some parameters) and set the version."""

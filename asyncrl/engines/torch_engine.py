@@ -41,6 +41,32 @@ class TorchEngine:
     ) -> list[WindowOutput]:
         return await asyncio.to_thread(self.generate_window_sync, sequences, window_tokens, params)
 
+    async def stream_window(self, sequences: list[SequenceInput], window_tokens: int, params: SamplingParams):
+        """`generate_window` that yields each decode step as it is sampled: a list of
+        `(row, token_id, logprob, finish_reason or None)` for the rows that produced a token. Closing
+        the iterator early (a client gone, every stop string found) ends the decode loop."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        cancelled = threading.Event()
+
+        def on_step(items: list) -> bool:
+            loop.call_soon_threadsafe(queue.put_nowait, items)
+            return not cancelled.is_set()
+
+        def run() -> None:
+            try:
+                self.generate_window_sync(sequences, window_tokens, params, on_step=on_step)
+            finally:
+                loop.call_soon_threadsafe(queue.put_nowait, None)
+
+        worker = asyncio.ensure_future(asyncio.to_thread(run))
+        try:
+            while (items := await queue.get()) is not None:
+                yield items
+            await worker  # an engine error reaches the caller
+        finally:
+            cancelled.set()
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         state = dict(self.model.named_parameters())
         state.update(self.model.named_buffers())
@@ -53,17 +79,17 @@ class TorchEngine:
 
     @torch.inference_mode()
     def generate_window_sync(
-        self, sequences: list[SequenceInput], window_tokens: int, params: SamplingParams
+        self, sequences: list[SequenceInput], window_tokens: int, params: SamplingParams, on_step=None
     ) -> list[WindowOutput]:
         if window_tokens < 1:
             raise ValueError(f"window_tokens must be >= 1, got {window_tokens}")
         if not sequences:
             return []
         with self._lock:
-            return self._generate(sequences, window_tokens, params)
+            return self._generate(sequences, window_tokens, params, on_step)
 
     def _generate(
-        self, sequences: list[SequenceInput], window_tokens: int, params: SamplingParams
+        self, sequences: list[SequenceInput], window_tokens: int, params: SamplingParams, on_step=None
     ) -> list[WindowOutput]:
         batch = len(sequences)
         contexts = [np.concatenate([s.prompt_ids, s.response_ids]).astype(np.int64) for s in sequences]
@@ -135,7 +161,10 @@ class TorchEngine:
             out_of_length = running & ~hit_eos & (produced >= length_left)
             reason = torch.where(hit_eos, 0, reason)
             reason = torch.where(out_of_length, 1, reason)
-            if step == window_tokens - 1 or bool((reason >= 0).all()) or bool((produced >= budget).all()):
+            last = step == window_tokens - 1 or bool((reason >= 0).all()) or bool((produced >= budget).all())
+            if on_step is not None and not on_step(_step_items(tok, tok_lp, running, reason, produced >= budget)):
+                break  # the consumer of a stream is gone
+            if last:
                 break
             attention_mask = full_mask[:, : width + step + 1]
             out = self.model(
@@ -151,8 +180,7 @@ class TorchEngine:
         results = []
         for row in range(batch):
             n = int(produced[row])
-            code = int(reason[row])
-            finish = FinishReason.EOS if code == 0 else FinishReason.MAX_LENGTH if code == 1 else FinishReason.WINDOW
+            finish = _FINISH[int(reason[row])]
             results.append(
                 WindowOutput(
                     token_ids=tokens[row, :n].to(torch.int32).numpy().copy(),
@@ -161,3 +189,18 @@ class TorchEngine:
                 )
             )
         return results
+
+
+_FINISH = {0: FinishReason.EOS, 1: FinishReason.MAX_LENGTH, -1: FinishReason.WINDOW}
+
+
+def _step_items(tok: torch.Tensor, tok_lp: torch.Tensor, running: torch.Tensor, reason: torch.Tensor,
+                window_full: torch.Tensor) -> list[tuple[int, int, float, FinishReason | None]]:
+    """One decode step as a stream sees it: each row that produced a token, and how it ended if
+    it did (WINDOW when its window is full but the response goes on)."""
+    items = []
+    for row in running.nonzero().flatten().tolist():
+        code = int(reason[row])
+        finish = _FINISH[code] if code >= 0 else FinishReason.WINDOW if bool(window_full[row]) else None
+        items.append((row, int(tok[row]), float(tok_lp[row]), finish))
+    return items

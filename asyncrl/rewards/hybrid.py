@@ -130,6 +130,9 @@ class RewardRouter:
         self.retries = retries
         self.counters: dict[str, int] = {"calls": 0, "retries": 0, "timeouts": 0, "errors": 0}
         self.latencies: list[float] = []
+        # Per endpoint, as the caller sees it (the same whether it is an actor or a Serve app): what
+        # it answered, under which version, and what failed. The status page's endpoint table.
+        self.endpoints: dict[str, dict[str, Any]] = {}
 
     def set_routes(self, routes: list[RouteConfig]) -> None:
         self.routes = routes
@@ -144,6 +147,7 @@ class RewardRouter:
                 if len(rewards) != len(requests):
                     raise ValueError(f"endpoint {name} answered {len(rewards)} rewards for {len(requests)} requests")
                 self.latencies = (self.latencies + [time.perf_counter() - start])[-1000:]
+                self._count(name, rewards)
                 return list(rewards)
             except asyncio.TimeoutError:
                 self.counters["timeouts"] += 1
@@ -154,8 +158,24 @@ class RewardRouter:
             if attempt < self.retries:
                 self.counters["retries"] += 1
                 await asyncio.sleep(min(0.5 * 2**attempt, 5.0))
-        return [Reward(prompt_id=r.prompt_id, sample_idx=r.sample_idx, score=0.0, correct=False, source=name,
-                       failed=True, details={"error": last_error}) for r in requests]
+        failed = [Reward(prompt_id=r.prompt_id, sample_idx=r.sample_idx, score=0.0, correct=False, source=name,
+                         failed=True, details={"error": last_error}) for r in requests]
+        self._count(name, failed, last_error)
+        return failed
+
+    def _count(self, name: str, rewards: list[Reward], error: str = "") -> None:
+        seen = self.endpoints.setdefault(name, {"version": "", "rewards": 0, "failed": 0, "versions": {},
+                                                "last_error": "", "last_answer_at": 0.0})
+        for reward in rewards:
+            seen["rewards"] += 1
+            seen["failed"] += int(reward.failed)
+            if not reward.failed:
+                seen["version"] = reward.source_version
+                seen["versions"][reward.source_version] = seen["versions"].get(reward.source_version, 0) + 1
+        if error:
+            seen["last_error"] = error
+        else:
+            seen["last_answer_at"] = time.time()
 
     async def score(self, requests: list[RewardRequest]) -> list[Reward]:
         routes = [route_for(r.data_source, self.routes) for r in requests]
@@ -198,4 +218,5 @@ class RewardRouter:
     def stats(self) -> dict[str, Any]:
         lat = sorted(self.latencies)
         pct = (lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] if lat else 0.0)
-        return {**self.counters, "latency_p50_s": pct(0.5), "latency_p99_s": pct(0.99)}
+        return {**self.counters, "latency_p50_s": pct(0.5), "latency_p99_s": pct(0.99),
+                "endpoints": {name: {**seen, "versions": dict(seen["versions"])} for name, seen in self.endpoints.items()}}
