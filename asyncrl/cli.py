@@ -86,7 +86,8 @@ def _bench(args: argparse.Namespace) -> int:
     return run_benchmark(args.name, quick=args.quick, run_dir=args.run_dir, overrides=args.overrides)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line as `main` reads it (the README check parses every command with it)."""
     parser = argparse.ArgumentParser(prog="asyncrl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -128,6 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.overrides = list(getattr(args, "overrides", [])) + extra
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
     from asyncrl.config import ConfigError
 
     try:

@@ -93,8 +93,11 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
             interrupted = True
             if bar is not None:
                 bar.close()
-            print(f"\ninterrupted after step {monitor.step}: the step in flight is abandoned; saving the last step "
-                  f"and evaluating (Ctrl-C again to skip)", flush=True)
+            print("\ninterrupted: finishing the step in flight, then saving and evaluating the last step "
+                  "(Ctrl-C again to skip)", flush=True)
+            monitor.system.stop_learning()
+            monitor.poll(check_health=False)  # the steps done meanwhile
+            print(f"stopped after step {monitor.step}", flush=True)
         if config.trainer.checkpoint_every and monitor.records:
             # The final step's checkpoint (waits for one the learner is writing, if any).
             last_checkpoint = monitor.system.checkpoint()
@@ -123,7 +126,7 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
     monitor.write_plots()
     if interrupted:
         last_checkpoint = last_checkpoint or checkpoint.latest_valid(run_dir)[0]
-        print(f"stopped after step {monitor.step}; last checkpoint: {last_checkpoint or 'none'}"
+        print(f"last checkpoint: {last_checkpoint or 'none'}"
               + (f" (continue with: asyncrl train trainer.run_dir={run_dir} resume=true)" if last_checkpoint else ""),
               flush=True)
     summary = {"run_dir": run_dir, "eval_before": before, "eval_after": after, "train_wall_s": wall,

@@ -69,9 +69,10 @@ class RunMonitor:
     def step(self) -> int:
         return self.records[-1]["step"] if self.records else self.system.resumed.get("step", 0)
 
-    def poll(self) -> Poll:
-        """One look at the run; raises when it cannot recover, or `StallError` when it stalled."""
-        restart = self.supervisor.check()
+    def poll(self, check_health: bool = True) -> Poll:
+        """One look at the run; raises when it cannot recover, or `StallError` when it stalled.
+        `check_health=False`: only record the steps done (after the learner was stopped on purpose)."""
+        restart = self.supervisor.check() if check_health else None
         if restart is not None:  # an actor died: the system came back from a checkpoint
             self.records = [r for r in self.records if r["step"] <= restart["step"]]  # those steps are redone
             with open(os.path.join(self.run_dir, "restarts.jsonl"), "a") as f:

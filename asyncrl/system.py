@@ -165,6 +165,12 @@ class TrainingSystem:
                         "weight_version": point.weight_version, "saved_batches": len(saved_batches)}
         return point
 
+    def stop_learning(self, timeout_s: float = 120.0) -> None:
+        """End the policy learner's loop (a step in flight finishes first), so that a checkpoint and
+        the weights read afterwards are those of the last step the run reports."""
+        ray.get(self.actors["learner"].stop.remote())
+        ray.wait([self.run_refs["learner"]], timeout=timeout_s)
+
     def checkpoint(self) -> str:
         """Write a checkpoint now (between two learner steps); returns its path."""
         return ray.get(self.actors["learner"].save_checkpoint.remote())

@@ -37,9 +37,12 @@ def main() -> None:
               name="train", route_prefix="/train")
     url = f"http://127.0.0.1:{port}/train/"
     time.sleep(args.seconds)
-    status = httpx.get(url + "status", timeout=30).json()
+    deadline = time.monotonic() + 300  # a slow machine: wait (bounded) for steps to draw
+    while (status := httpx.get(url + "status", timeout=30).json())["step"] < 2 and time.monotonic() < deadline:
+        time.sleep(2.0)
     print(f"step {status['step']}, weight version {status['weight_version']}")
-    # --virtual-time-budget lets the page's fetches and drawing finish before the capture.
+    # The page carries the data of the moment (drawn at first paint); --virtual-time-budget also
+    # lets its first refresh finish before the capture.
     subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
                     "--window-size=1400,1300", "--virtual-time-budget=5000", f"--screenshot={args.out}", url],
                    check=True, capture_output=True, timeout=120)

@@ -92,3 +92,32 @@ def test_train_resume_export_eval_as_a_user_runs_them(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads((tmp_path / "eval" / "eval.json").read_text())
     assert result["prompts"] == 10 and result["task"] == "tiny"
+    assert "eval: 100%" in out.stderr  # the progress bar
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_train_cleanly(tmp_path):
+    """Ctrl-C as a terminal sends it (SIGINT to the whole process group) after a few steps: no
+    traceback, the last step checkpointed and evaluated, the summary written, where to resume said."""
+    import os
+    import signal
+    import time
+
+    run = tmp_path / "run"
+    process = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "train", "model=tiny", "task=tiny", "algorithm=grpo",
+                                "trainer.total_steps=100000", f"trainer.run_dir={run}", "trainer.wandb_mode=disabled"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+                               start_new_session=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and process.poll() is None:
+        if (run / "metrics.jsonl").exists() and len((run / "metrics.jsonl").read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.5)
+    os.killpg(process.pid, signal.SIGINT)
+    output, _ = process.communicate(timeout=240)
+    assert process.returncode == 130, output[-3000:]
+    assert "Traceback" not in output and f"stopped after step {json.loads((run / 'summary.json').read_text())['steps']}" in output
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["interrupted"] and summary["eval_after"] is not None and summary["steps"] >= 3
+    assert summary["last_checkpoint"].endswith(f"step_{summary['steps']:08d}") and os.path.isdir(summary["last_checkpoint"])
+    assert f"last checkpoint: {summary['last_checkpoint']}" in output and "resume=true" in output

@@ -1,0 +1,68 @@
+"""Every command of the README, checked as written without running the long ones: each `asyncrl`
+line parses and its config composes, each `make` target, load-test script and flag exists, each
+Serve application of `configs/serve.yaml` composes and each URL names a route that is there.
+`load_tests/readme_commands.py` runs them (the short ones in CI time, all of them with --all)."""
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "load_tests"))
+
+from readme_commands import readme_commands  # noqa: E402
+
+
+def test_the_readme_starts_with_the_two_commands():
+    assert readme_commands()[:2] == ["make demo", "make test"]
+    makefile = open(os.path.join(ROOT, "Makefile")).read()
+    assert re.search(r"^demo: setup$", makefile, re.M) and re.search(r"^test: setup$", makefile, re.M)
+    assert "make test" in open(os.path.join(ROOT, ".ci", "run")).read()
+
+
+@pytest.mark.parametrize("line", [c for c in readme_commands() if ".venv/bin/asyncrl " in c])
+def test_every_asyncrl_command_parses_and_its_config_composes(line):
+    from asyncrl.bench import BENCHMARKS
+    from asyncrl.cli import parse
+    from asyncrl.config import compose
+
+    argv = shlex.split(line.split(".venv/bin/asyncrl ", 1)[1])
+    args = parse(argv)
+    if args.command == "bench":
+        assert args.name in BENCHMARKS
+    elif args.command != "export":
+        compose(args.overrides)
+
+
+@pytest.mark.parametrize("line", [c for c in readme_commands() if "load_tests/" in c])
+def test_every_load_test_and_flag_exists(line):
+    words = shlex.split(line)
+    script = next(w for w in words if w.startswith("load_tests/"))
+    out = subprocess.run([sys.executable, os.path.join(ROOT, script), "--help"], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for flag in (w for w in words[words.index(script) + 1:] if w.startswith("--")):
+        assert flag in out.stdout, (script, flag)
+
+
+def test_serve_yaml_applications_compose_and_the_readme_urls_exist():
+    import yaml
+
+    from asyncrl.config import compose
+
+    spec = yaml.safe_load(open(os.path.join(ROOT, "configs", "serve.yaml")))
+    assert [a["name"] for a in spec["applications"]] == ["train", "policy", "reward-verifier"]
+    for app in spec["applications"]:
+        compose(app["args"]["overrides"].split())
+    # The routes as declared on each application (Serve adds the class's routes at deploy time).
+    prefixes = {"train": "/train", "policy": "/v1", "reward": "/reward/verifier"}
+    source = open(os.path.join(ROOT, "asyncrl", "serve_app.py")).read()
+    routes = {prefixes[app] + path for app, path in re.findall(r'@(\w+)_api\.(?:get|post)\("([^"]+)"', source)}
+    text = open(os.path.join(ROOT, "README.md")).read()
+    for path in re.findall(r"127\.0\.0\.1:8000(/[\w/]*)", text):
+        if path not in ("/v1", "/train/"):  # the policy's base URL and the status page
+            assert path in routes or path.rstrip("/") in routes, path
