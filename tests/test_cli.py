@@ -1,8 +1,11 @@
 """The `asyncrl` command, run as a user runs it (a subprocess)."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -62,27 +65,50 @@ def test_throughput_rates_between_polls():
     assert samples_per_s((20.0, 48), 25.0, 16) is None  # counters went back (a restart)
 
 
+def interrupt_after(command: list[str], metrics, steps: int, cwd) -> tuple[int, str]:
+    """Run `command`, and once `metrics` has `steps` records send Ctrl-C as a terminal does
+    (SIGINT to the whole process group); its exit status and output."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd,
+                               start_new_session=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and process.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
+            break
+        time.sleep(0.3)
+    os.killpg(process.pid, signal.SIGINT)
+    output, _ = process.communicate(timeout=240)
+    return process.returncode, output
+
+
 @pytest.mark.slow
-def test_train_resume_export_eval_as_a_user_runs_them(tmp_path):
-    """`asyncrl train` (evaluating every 3 steps, checkpointing every 4 and at the end), then
-    `train resume=true` to a later step, `export` and `eval --checkpoint <run>`: subprocesses."""
+def test_train_ctrl_c_resume_export_eval_as_a_user_runs_them(tmp_path):
+    """`asyncrl train` (evaluating every 3 steps, checkpointing every 4) stopped by Ctrl-C after 6
+    steps, then `train resume=true` to a later step, `export` and `eval --checkpoint <run>`:
+    subprocesses, as a user runs them."""
     run = tmp_path / "run"
     common = ["model=tiny", "task=tiny", "algorithm=grpo", "trainer.prompts_per_step=2", f"trainer.run_dir={run}",
               "trainer.checkpoint_every=4", "trainer.checkpoint_keep=2", "trainer.eval_every=3", "trainer.eval_samples=8"]
-    out = asyncrl("train", *common, "trainer.total_steps=6", cwd=tmp_path)
-    assert out.returncode == 0, out.stderr[-3000:]
+    code, output = interrupt_after([sys.executable, "-m", "asyncrl.cli", "train", *common, "trainer.total_steps=100000"],
+                                   run / "metrics.jsonl", 6, tmp_path)
+    # Stopped cleanly: no traceback, the last step checkpointed and evaluated, the summary written,
+    # where to resume said; 130 as a shell reports Ctrl-C.
+    summary = json.loads((run / "summary.json").read_text())
+    stopped = summary["steps"]
+    assert code == 130 and "Traceback" not in output and f"stopped after step {stopped}" in output, output[-3000:]
+    assert summary["interrupted"] and summary["eval_after"] is not None and stopped >= 6
+    assert summary["last_checkpoint"].endswith(f"step_{stopped:08d}")
+    assert f"last checkpoint: {summary['last_checkpoint']}" in output and "resume=true" in output
     first = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in first][:6] == list(range(1, 7))
+    assert [r["step"] for r in first] == list(range(1, stopped + 1))
     assert [r["step"] for r in first if "eval_accuracy" in r][:2] == [3, 6]
-    # Checkpoints at step 4 and at the end (step >= 6).
     steps = sorted(int(p.name.split("_")[1]) for p in (run / "checkpoints").iterdir())
-    assert steps[0] == 4 and steps[-1] >= 6
-    out = asyncrl("train", *common, "trainer.total_steps=10", "resume=true", cwd=tmp_path)
+    assert steps[-1] == stopped and len(steps) <= 2  # checkpoint_keep=2
+    out = asyncrl("train", *common, f"trainer.total_steps={stopped + 4}", "resume=true", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert f"at step {steps[-1]}" in out.stdout
+    assert f"at step {stopped}" in out.stdout
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     resumed = [r["step"] for r in records[len(first):]]
-    assert resumed[0] == steps[-1] + 1 and resumed[-1] >= 10
+    assert resumed[0] == stopped + 1 and resumed[-1] >= stopped + 4
     assert resumed == list(range(resumed[0], resumed[0] + len(resumed)))
     out = asyncrl("export", str(run), str(tmp_path / "hf"), cwd=tmp_path)
     assert out.returncode == 0 and (tmp_path / "hf" / "model.safetensors").exists(), out.stderr[-2000:]
@@ -93,31 +119,3 @@ def test_train_resume_export_eval_as_a_user_runs_them(tmp_path):
     result = json.loads((tmp_path / "eval" / "eval.json").read_text())
     assert result["prompts"] == 10 and result["task"] == "tiny"
     assert "eval: 100%" in out.stderr  # the progress bar
-
-
-@pytest.mark.slow
-def test_ctrl_c_stops_train_cleanly(tmp_path):
-    """Ctrl-C as a terminal sends it (SIGINT to the whole process group) after a few steps: no
-    traceback, the last step checkpointed and evaluated, the summary written, where to resume said."""
-    import os
-    import signal
-    import time
-
-    run = tmp_path / "run"
-    process = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "train", "model=tiny", "task=tiny", "algorithm=grpo",
-                                "trainer.total_steps=100000", f"trainer.run_dir={run}", "trainer.wandb_mode=disabled"],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
-                               start_new_session=True)
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and process.poll() is None:
-        if (run / "metrics.jsonl").exists() and len((run / "metrics.jsonl").read_text().splitlines()) >= 3:
-            break
-        time.sleep(0.5)
-    os.killpg(process.pid, signal.SIGINT)
-    output, _ = process.communicate(timeout=240)
-    assert process.returncode == 130, output[-3000:]
-    assert "Traceback" not in output and f"stopped after step {json.loads((run / 'summary.json').read_text())['steps']}" in output
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["interrupted"] and summary["eval_after"] is not None and summary["steps"] >= 3
-    assert summary["last_checkpoint"].endswith(f"step_{summary['steps']:08d}") and os.path.isdir(summary["last_checkpoint"])
-    assert f"last checkpoint: {summary['last_checkpoint']}" in output and "resume=true" in output

@@ -223,3 +223,31 @@ def test_min_response_tokens_hold_eos_back_and_the_long_tail_workload_is_by_seed
     assert set(floors) == {0, 80} and abs(np.mean(np.array(floors) == 80) - 0.1) < 0.015
     assert floors == [long_tail_min_tokens(s, 0.1, 80) for s in range(5000)]  # a regenerated sample is the same
     assert long_tail_min_tokens(3, 0.0, 80) == 0 and long_tail_min_tokens(3, 1.0, 80) == 80
+
+
+def test_stream_window_yields_the_window_token_by_token_and_stops_when_closed(tiny):
+    model, _ = tiny
+    params = SamplingParams(temperature=1.0)
+    sequences = [seq(p, seed=40 + i, max_tokens=10) for i, p in enumerate(PROMPTS)]
+    engine = engine_for(model, eos=(1, 2, 3))  # common tokens: some rows end early
+    whole = engine.generate_window_sync(sequences, 10, params)
+
+    async def collect(stop_after=None):
+        steps = []
+        stream = engine.stream_window(sequences, 10, params)
+        async for step in stream:
+            steps.append(step)
+            if stop_after is not None and len(steps) == stop_after:
+                await stream.aclose()
+                break
+        return steps
+
+    steps = asyncio.run(collect())
+    for row, out in enumerate(whole):
+        items = [item for step in steps for item in step if item[0] == row]
+        assert [t for _, t, _, _ in items] == out.token_ids.tolist()  # the same sample, one token per step
+        np.testing.assert_allclose([lp for _, _, lp, _ in items], out.logprobs, atol=1e-6)
+        assert [f for *_, f in items[:-1]] == [None] * (len(items) - 1) and items[-1][3] is out.finish_reason
+    # Closed after two steps: the engine stops decoding and is free for the next call.
+    assert len(asyncio.run(collect(stop_after=2))) == 2
+    assert engine.generate_window_sync(sequences, 10, params)[0].token_ids.tolist() == whole[0].token_ids.tolist()
