@@ -118,4 +118,4 @@ def test_train_ctrl_c_resume_export_eval_as_a_user_runs_them(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads((tmp_path / "eval" / "eval.json").read_text())
     assert result["prompts"] == 10 and result["task"] == "tiny"
-    assert "eval: 100%" in out.stderr  # the progress bar
+    assert "eval: " in out.stderr and "sample/s" in out.stderr  # the progress bar
