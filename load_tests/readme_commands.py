@@ -41,9 +41,9 @@ def readme_commands() -> list[str]:
     commands = []
     for block in _blocks("bash"):
         for line in block.replace("\\\n", " ").splitlines():
-            words = shlex.split(line, comments=True)
-            if words:
-                commands.append(shlex.join(words))
+            command = re.sub(r"(^|\s+)#(\s.*)?$", "", line).strip()  # the README's comments: "  # ..."
+            if command:
+                commands.append(command)
     return commands
 
 
@@ -120,6 +120,8 @@ def main() -> None:
             report.append((command, *_run(command, args.limit_s * (8 if args.all else 1))))
         else:
             report.append((command, "not run (--all)", 0.0, ""))
+    if args.all and any("ray start" in r[0] and r[1] == 0 for r in report):
+        _run(".venv/bin/ray stop", 120)  # the README's cluster head, started above
     width = max(len(r[0]) for r in report)
     for command, status, seconds, tail in report:
         print(f"{command:<{width}}  {status!s:>16}  {seconds:7.1f} s")
