@@ -9,6 +9,7 @@ sub-config.
 from __future__ import annotations
 
 import os
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -471,7 +472,7 @@ def _apply_override(merged, override) -> None:
 def _strip_optional(kind):
     import typing
 
-    if typing.get_origin(kind) in (typing.Union, getattr(__import__("types"), "UnionType", typing.Union)):
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(kind) if a is not type(None)]
         if len(args) == 1:
             return args[0]

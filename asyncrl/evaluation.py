@@ -42,12 +42,10 @@ def held_out(config: Config, max_prompts: int | None = None) -> list[Example]:
 
 
 def progress_bar(total: int, desc: str, enabled: bool = True):
-    """A progress bar for a long evaluation (on stderr; gone when done), or None."""
-    if not enabled:
-        return None
+    """A progress bar for a long evaluation (on stderr; gone when done); a silent one when not enabled."""
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, unit="sample", leave=False)
+    return tqdm(total=total, desc=desc, unit="sample", leave=False, disable=not enabled)
 
 
 def sample_engine(config: Config, engine, tokenizer, examples: list[Example], n: int, temperature: float,
@@ -56,13 +54,9 @@ def sample_engine(config: Config, engine, tokenizer, examples: list[Example], n:
     params = SamplingParams(greedy=True) if temperature == 0 else SamplingParams(temperature=temperature)
     prompts = [encode_prompt(ex, tokenizer, config.model.use_chat_template) for ex in examples for _ in range(n)]
     seeds = [1_000_003 * i + j for i in range(len(examples)) for j in range(n)]
-    bar = progress_bar(len(prompts), "eval", progress)
-    try:
+    with progress_bar(len(prompts), "eval", progress) as bar:
         completions = complete(engine, tokenizer, prompts, seeds, config.engine.max_response_tokens, params,
-                               on_batch=bar.update if bar else None)
-    finally:
-        if bar is not None:
-            bar.close()
+                               on_batch=bar.update)
     texts = [c.text for c in completions]
     return [texts[i * n : (i + 1) * n] for i in range(len(examples))]
 
@@ -73,14 +67,9 @@ def greedy_accuracy(config: Config, engine, tokenizer, max_prompts: int | None =
     progress bar (empty = none)."""
     examples = held_out(config, max_prompts or config.trainer.eval_samples)
     prompts = [encode_prompt(ex, tokenizer, config.model.use_chat_template) for ex in examples]
-    bar = progress_bar(len(prompts), progress, bool(progress))
-    try:
+    with progress_bar(len(prompts), progress, bool(progress)) as bar:
         completions = complete(engine, tokenizer, prompts, list(range(len(examples))),
-                               config.engine.max_response_tokens, SamplingParams(greedy=True),
-                               on_batch=bar.update if bar else None)
-    finally:
-        if bar is not None:
-            bar.close()
+                               config.engine.max_response_tokens, SamplingParams(greedy=True), on_batch=bar.update)
     correct = score(examples, [[c.text] for c in completions])
     return {"accuracy": sum(c[0] for c in correct) / max(len(examples), 1), "n": len(examples),
             "response_length_mean": float(np.mean([len(c.token_ids) for c in completions])) if completions else 0.0}
@@ -143,16 +132,13 @@ def sample_endpoint(url: str, model: str, examples: list[Example], n: int, tempe
 
     client = OpenAI(base_url=url, api_key=os.environ.get("OPENAI_API_KEY", "unused"))
     texts, versions = [], set()
-    bar = progress_bar(len(examples) * n, "eval", progress)
-    for i, ex in enumerate(examples):
-        raw = client.chat.completions.with_raw_response.create(model=model, messages=ex.messages, n=n, seed=i,
-                                                               temperature=temperature, max_tokens=max_tokens)
-        versions.add(raw.headers.get("x-asyncrl-weight-version"))
-        texts.append([c.message.content or "" for c in raw.parse().choices])
-        if bar is not None:
+    with progress_bar(len(examples) * n, "eval", progress) as bar:
+        for i, ex in enumerate(examples):
+            raw = client.chat.completions.with_raw_response.create(model=model, messages=ex.messages, n=n, seed=i,
+                                                                   temperature=temperature, max_tokens=max_tokens)
+            versions.add(raw.headers.get("x-asyncrl-weight-version"))
+            texts.append([c.message.content or "" for c in raw.parse().choices])
             bar.update(n)
-    if bar is not None:
-        bar.close()
     return texts, versions
 
 

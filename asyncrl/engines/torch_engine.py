@@ -198,9 +198,7 @@ def _step_items(tok: torch.Tensor, tok_lp: torch.Tensor, running: torch.Tensor, 
                 window_full: torch.Tensor) -> list[tuple[int, int, float, FinishReason | None]]:
     """One decode step as a stream sees it: each row that produced a token, and how it ended if
     it did (WINDOW when its window is full but the response goes on)."""
-    items = []
-    for row in running.nonzero().flatten().tolist():
-        code = int(reason[row])
-        finish = _FINISH[code] if code >= 0 else FinishReason.WINDOW if bool(window_full[row]) else None
-        items.append((row, int(tok[row]), float(tok_lp[row]), finish))
-    return items
+    tokens, logprobs, codes, full = tok.tolist(), tok_lp.tolist(), reason.tolist(), window_full.tolist()
+    return [(row, tokens[row], logprobs[row],
+             _FINISH[codes[row]] if codes[row] >= 0 else FinishReason.WINDOW if full[row] else None)
+            for row in running.nonzero().flatten().tolist()]
