@@ -71,7 +71,10 @@ class AlgorithmConfig:
     scale_advantage_by_std: bool = True
     """GRPO: divide by the group std (False = Dr.GRPO)."""
     dynamic_sampling: bool = True
-    """DAPO: drop groups whose rewards are all equal (no gradient) and count them."""
+    """DAPO: drop groups whose filter metric is all equal (no gradient) and count them."""
+    filter_metric: str = "acc"
+    """Dynamic sampling's metric: acc (correctness; a reward without a correctness flag, such as a
+    Bradley-Terry model, falls back to its score) | score (the raw score)."""
     clip_low: float = 0.2
     clip_high: float = 0.28
     dual_clip: float | None = 10.0
@@ -79,13 +82,26 @@ class AlgorithmConfig:
     loss_agg: str = "token-mean"
     """token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm."""
     kl_coef: float = 0.0
-    """Weight of a KL-to-reference loss term (k3 estimator); 0 = no reference model."""
+    """Weight of a KL-to-reference loss term; 0 = no reference model."""
+    kl_estimator: str = "low_var_kl"
+    """k1 | k2 | low_var_kl (k3, Schulman's unbiased low-variance estimator; GRPO's)."""
+    ppo_epochs: int = 1
+    """Passes over each batch (each pass takes `mini_batches` optimizer updates)."""
+    mini_batches: int = 1
+    """Optimizer updates per pass over a batch (DAPO/VAPO recipes: 16 at 512 prompts x 16)."""
+    proximal_anchor: bool = True
+    """With more than one update per batch: clip around the weights before the batch's first update
+    (decoupled PPO) and weight tokens by the capped ratio of those to the behaviour policy."""
+    behaviour_weight_cap: float = 5.0
+    loss_norm_tokens: int = 0
+    """The constant of `seq-mean-token-sum-norm` (Dr.GRPO); 0 = engine.max_response_tokens."""
     entropy_coef: float = 0.0
     overlong_buffer_tokens: int = 0
     """DAPO soft overlong punishment buffer L_cache (0 = off); L_max = engine.max_response_tokens."""
     overlong_penalty_factor: float = 1.0
     max_staleness_versions: int = 4
-    """Samples whose oldest token is more than this many versions behind the learner are dropped."""
+    """No token more than this many versions behind the weights being trained is trained: the learner
+    masks such tokens out of the loss at its step (the assembler already does when a group closes)."""
     lr: float = 1e-6
     weight_decay: float = 0.0
     grad_clip: float = 1.0
@@ -234,9 +250,13 @@ class TaskConfig:
     policy, score it with `pre_ppo_endpoint`, z-score within each data source and keep the lowest
     fraction per source (paper: 0.1). 0 = off."""
     pre_ppo_pool_path: str = ""
-    """Candidates for Pre-PPO (a jsonl/parquet in verl's layout); the selection is added to the train
-    prompts. Empty: the train prompts themselves are the candidates and the selection replaces them."""
+    """Candidates for Pre-PPO (a jsonl/parquet in verl's layout). Empty: the train prompts themselves
+    are the candidates. Either way the selection is merged with the train prompts (the paper's
+    step 4): selected train prompts appear twice, so the hard ones are drawn twice as often."""
     pre_ppo_endpoint: str = "verifier"
+    pre_ppo_samples: int = 4
+    """Responses sampled per candidate; its score is their mean (one 0/1 response per prompt ties
+    most prompts). Failed rewards are left out of the mean; a candidate with none is not selected."""
     curriculum: list[CurriculumStage] = field(default_factory=list)
     """Stages by learner step, e.g. [{start_step: 0, data_sources: [code]}, {start_step: 50,
     data_sources: [code, math]}, {start_step: 150}]."""
@@ -512,7 +532,9 @@ RANGES = {
     "algorithm.weight_decay": ">= 0", "algorithm.grad_clip": "> 0", "algorithm.warmup_steps": ">= 0",
     "algorithm.micro_batch_tokens": ">= 1", "algorithm.gamma": "(0, 1]", "algorithm.lam": "[0, 1]",
     "algorithm.length_adaptive_alpha": ">= 0", "algorithm.edge_mask_tokens": ">= 0",
-    "algorithm.advantage_clamp": ">= 0", "algorithm.nll_coef": ">= 0",
+    "algorithm.advantage_clamp": ">= 0", "algorithm.nll_coef": ">= 0", "algorithm.ppo_epochs": ">= 1",
+    "algorithm.mini_batches": ">= 1", "algorithm.behaviour_weight_cap": ">= 1", "algorithm.loss_norm_tokens": ">= 0",
+    "task.pre_ppo_samples": ">= 1",
     "critic.lr": "> 0", "critic.weight_decay": ">= 0", "critic.grad_clip": "> 0", "critic.lam": "[0, 1]",
     "critic.clip_low": ">= 0", "critic.clip_high": ">= 0", "critic.batch_trajectories": ">= 1",
     "critic.warmup_steps": ">= 0", "critic.micro_batch_tokens": ">= 1", "critic.threads": ">= 1",
@@ -575,6 +597,12 @@ def validate(config: Config) -> None:
         (not a.window_training or a.estimator == "gae",
          "algorithm.window_training needs algorithm.estimator=gae (windows have no outcome to normalise)"),
         (a.egae_bootstrap in ("previous", "next"), "algorithm.egae_bootstrap must be previous or next"),
+        (a.filter_metric in FILTER_METRICS, f"algorithm.filter_metric must be one of {FILTER_METRICS}"),
+        (a.kl_estimator in KL_ESTIMATORS, f"algorithm.kl_estimator must be one of {KL_ESTIMATORS}"),
+        (not a.window_training or not any(route.dense for route in config.reward.routes),
+         "process rewards (reward.routes[*].dense) cannot train T-PPO's windows: a process reward model "
+         "scores a finished response, after its earlier windows were trained; use algorithm=vapo or ppo "
+         "(whole responses), or drop the dense endpoints"),
         *_reward_checks(config),
         (config.task.pre_ppo_fraction == 0 or config.task.pre_ppo_endpoint in config.reward.endpoints,
          "task.pre_ppo_endpoint must name an entry of reward.endpoints"),
@@ -617,7 +645,10 @@ def _reward_checks(config: Config) -> list[tuple[bool, str]]:
 ENDPOINT_KINDS = ("verifier", "genrm", "bt", "prm")
 ALGORITHMS = ("grpo", "dapo", "ppo", "vcppo", "vapo", "tppo", "tppo_sync", "pairwise_ppo")
 ESTIMATORS = ("group", "gae", "pairwise")
+# Names the algorithms accept, owned here so that checking a config needs no torch import.
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+FILTER_METRICS = ("acc", "score")
+KL_ESTIMATORS = ("k1", "k2", "low_var_kl")
 
 
 def to_dict(config: Config) -> dict:

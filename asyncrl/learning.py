@@ -14,7 +14,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from asyncrl.algo.losses import agg_loss, entropy_from_logits, kl_penalty, positive_example_nll, ppo_policy_loss
+from asyncrl.algo.losses import agg_loss, entropy_from_logprobs, kl_penalty, positive_example_nll, ppo_policy_loss
+from asyncrl.algo.sampling import filtered_logprobs
+from asyncrl.algo.shaping import is_positive
+from asyncrl.engines.base import long_tail_min_tokens
 from asyncrl.schema import ScoredTrajectory, TrainSample, segment_row
 
 
@@ -30,6 +33,29 @@ class PolicyLossSettings:
     grad_clip: float
     micro_batch_tokens: int
     nll_coef: float = 0.0
+    norm_constant: float | None = None
+    """Divisor of `seq-mean-token-sum-norm`: a fixed length (the run passes the response budget), so
+    the loss scale does not move with the batch's longest row."""
+    ppo_epochs: int = 1
+    mini_batches: int = 1
+    """Each batch is trained `ppo_epochs` times in `mini_batches` optimizer updates (DAPO/VAPO:
+    many updates per rollout step, so the clip acts as a trust region)."""
+    proximal_anchor: bool = True
+    """With more than one update per batch, clip around the proximal policy (the learner's weights
+    before the batch's first update; decoupled PPO, AReaL) and weight each token by the capped
+    importance ratio proximal/behaviour: tokens come from several versions."""
+    behaviour_weight_cap: float = 5.0
+    kl_estimator: str = "low_var_kl"
+    # The sampling distribution of the generators, so the learner scores the distribution the
+    # tokens were drawn from (the same `filtered_logprobs` as the sampler).
+    top_k: int = 0
+    top_p: float = 1.0
+    mask_first_token: bool = False
+    """FIRE: the first response token was drawn at the hot temperature, a distribution the learner
+    does not score: it carries no policy loss."""
+    long_tail: tuple[float, int] = (0.0, 0)
+    """The long-tail benchmark workload holds EOS back before `long_tail_min_tokens`: those
+    positions carry no policy loss (their behaviour distribution excluded EOS)."""
 
 
 @dataclass
@@ -42,8 +68,13 @@ class Collated:
     targets: torch.Tensor  # [B, L]: the next token at each position (0 where not trained)
     old_logprobs: torch.Tensor  # [B, L], behaviour log-probs aligned with targets
     advantages: torch.Tensor  # [B, L]
-    nll_mask: torch.Tensor  # [B, L]: trained tokens of finished, correct rows (positive-example NLL)
-    positive_rows: torch.Tensor  # [B]: finished and correct (VAPO's positive examples)
+    nll_mask: torch.Tensor  # [B, L]: every new token of finished, positive rows (positive-example NLL)
+
+    def select(self, rows: list[int]) -> "Collated":
+        index = torch.as_tensor(rows, dtype=torch.long)
+        return Collated(*(t.index_select(0, index) for t in (
+            self.input_ids, self.attention_mask, self.response_mask, self.targets, self.old_logprobs,
+            self.advantages, self.nll_mask)))
 
 
 @dataclass
@@ -83,21 +114,36 @@ def layout_rows(rows: list[tuple[np.ndarray, np.ndarray]], pad_token_id: int = 0
     return RowLayout(input_ids, attention_mask, slices)
 
 
-def collate(samples: list[TrainSample], pad_token_id: int = 0) -> Collated:
+def behaviour_differs(segment, settings: PolicyLossSettings | None) -> np.ndarray:
+    """Bool per new token: its behaviour distribution is one the learner does not score (FIRE's
+    hot first token; positions where the long-tail workload held EOS back)."""
+    n = len(segment.new_token_ids)
+    positions = len(segment.prior_response_ids) + np.arange(n)
+    differs = np.zeros(n, dtype=bool)
+    if settings is None:
+        return differs
+    if settings.mask_first_token:
+        differs |= positions == 0
+    held = long_tail_min_tokens(segment.seed, *settings.long_tail)
+    if held:
+        differs |= positions < held
+    return differs
+
+
+def collate(samples: list[TrainSample], pad_token_id: int = 0, settings: PolicyLossSettings | None = None) -> Collated:
     layout = layout_rows([segment_row(s.segment) for s in samples], pad_token_id)
     ones = [np.ones(len(s.segment.new_token_ids), dtype=np.float32) for s in samples]
-    loss_masks = [m if s.loss_mask is None else s.loss_mask.astype(np.float32) for s, m in zip(samples, ones)]
-    response_mask = layout.place(loss_masks)
-    positive = torch.tensor([bool(s.segment.finished and s.correct) for s in samples])
+    loss_masks = [(m if s.loss_mask is None else s.loss_mask.astype(np.float32)) * ~behaviour_differs(s.segment, settings)
+                  for s, m in zip(samples, ones)]
+    positive = [float(s.segment.finished and is_positive(s.correct, s.score)) for s in samples]
     return Collated(
         input_ids=layout.input_ids,
         attention_mask=layout.attention_mask,
-        response_mask=response_mask,
+        response_mask=layout.place(loss_masks),
         targets=layout.place([s.segment.new_token_ids for s in samples], torch.long),
         old_logprobs=layout.place([s.segment.new_logprobs for s in samples]),
         advantages=layout.place([s.advantages for s in samples]),
-        nll_mask=response_mask * positive[:, None],
-        positive_rows=positive,
+        nll_mask=layout.place([m * p for m, p in zip(ones, positive)]),
     )
 
 
@@ -110,28 +156,41 @@ def _head_only_on(model) -> bool:
             and getattr(config, "logit_scale", None) is None)
 
 
+# Log-prob given to a token outside the truncated (top-k/top-p) distribution: finite, so masks and
+# ratios stay NaN-free; the ratio clamp (±20) then makes such a token carry no gradient.
+LOGPROB_FLOOR = -1e4
+
+
+def _scored_logprobs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    if top_k or top_p < 1.0:
+        return filtered_logprobs(logits, temperature, top_k, top_p)  # the sampler's own function
+    return torch.log_softmax(logits.float() / temperature, dim=-1)
+
+
 def token_logprobs(model, input_ids, attention_mask, targets, temperature: float, with_entropy: bool = False,
-                   positions: torch.Tensor | None = None):
-    """log π(target | prefix) at every position under `softmax(logits / T)` (the sampler's
-    distribution with top-k/top-p off), and optionally the entropy.
+                   positions: torch.Tensor | None = None, top_k: int = 0, top_p: float = 1.0):
+    """log π(target | prefix) at every position under the sampler's distribution: `softmax(logits/T)`
+    restricted to `top_k`/`top_p` as `asyncrl.algo.sampling.filtered_logprobs` does (a token outside
+    it gets `LOGPROB_FLOOR`), and optionally the entropy of that distribution.
 
     With `positions` (a `[B, L]` mask of the positions that are trained), the vocabulary projection
     runs only there: prompt and earlier-window positions need hidden states but no logits, and the
     `[tokens, vocab]` logits are most of a step's memory (49k vocabulary on the embedded model).
     Other positions get log-prob 0 and entropy 0."""
     if positions is None or not _head_only_on(model):
-        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.float() / temperature
-        logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
-        entropy = entropy_from_logits(logits) if with_entropy else None
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+        all_logp = _scored_logprobs(logits, temperature, top_k, top_p)
+        logp = all_logp.gather(-1, targets[..., None]).squeeze(-1).clamp(min=LOGPROB_FLOOR)
+        entropy = entropy_from_logprobs(all_logp) if with_entropy else None
         return logp, entropy
     hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     selected = positions.bool()
-    logits = model.lm_head(hidden[selected]).float() / temperature  # [tokens, vocab]
-    logp_sel = torch.log_softmax(logits, dim=-1).gather(-1, targets[selected][:, None]).squeeze(-1)
+    all_logp = _scored_logprobs(model.lm_head(hidden[selected]), temperature, top_k, top_p)  # [tokens, vocab]
+    logp_sel = all_logp.gather(-1, targets[selected][:, None]).squeeze(-1).clamp(min=LOGPROB_FLOOR)
     logp = torch.zeros(targets.shape, dtype=logp_sel.dtype).masked_scatter(selected, logp_sel)
     entropy = None
     if with_entropy:
-        entropy = torch.zeros(targets.shape, dtype=logp_sel.dtype).masked_scatter(selected, entropy_from_logits(logits))
+        entropy = torch.zeros(targets.shape, dtype=logp_sel.dtype).masked_scatter(selected, entropy_from_logprobs(all_logp))
     return logp, entropy
 
 
@@ -148,6 +207,13 @@ def width_of(attention_mask: torch.Tensor, rows: slice) -> int:
 def micro_batches(collated: Collated, max_tokens: int) -> list[slice]:
     """Contiguous row ranges whose padded token count stays under `max_tokens` (at least one row)."""
     return micro_batches_of(RowLayout(collated.input_ids, collated.attention_mask, []), max_tokens)
+
+
+def mini_batch_rows(n_rows: int, mini_batches: int) -> list[list[int]]:
+    """Rows (sorted by length) dealt round-robin into `mini_batches` updates: each update gets a
+    spread of lengths and stays sorted, so its micro-batches pad little."""
+    k = max(1, min(mini_batches, n_rows))
+    return [list(range(i, n_rows, k)) for i in range(k)]
 
 
 def _micro_batch_weight(mode: str, mask: torch.Tensor, total_tokens: float, total_seqs: float) -> float:
@@ -170,41 +236,61 @@ def clip_and_step(model, optimizer, grad_clip: float) -> torch.Tensor:
     return grad_norm
 
 
-def policy_step(model, optimizer, samples: list[TrainSample], settings: PolicyLossSettings,
-                reference_model=None, pad_token_id: int = 0) -> dict[str, float]:
-    """Forward/backward over micro-batches, clip gradients, step. Returns metrics."""
-    # Rows sorted by length, micro-batches trimmed to their longest row: little padding with
-    # long-tailed lengths. The loss is a sum over rows, so their order does not change it.
-    samples = sorted(samples, key=lambda s: row_length(s.segment))
-    collated = collate(samples, pad_token_id)
+def _trained_positions(collated: Collated, sl) -> torch.Tensor:
+    return (collated.response_mask[sl] > 0) | (collated.nll_mask[sl] > 0)
+
+
+def proximal_logprobs(model, collated: Collated, settings: PolicyLossSettings) -> torch.Tensor:
+    """log π_prox of every trained token: the current weights, before the batch's first update."""
+    out = torch.zeros(collated.targets.shape)
+    with torch.no_grad():
+        for rows in micro_batches(collated, settings.micro_batch_tokens):
+            sl = (rows, slice(0, width_of(collated.attention_mask, rows)))
+            logp, _ = token_logprobs(model, collated.input_ids[sl], collated.attention_mask[sl], collated.targets[sl],
+                                     settings.temperature, positions=_trained_positions(collated, sl),
+                                     top_k=settings.top_k, top_p=settings.top_p)
+            out[sl] = logp.float()
+    return out
+
+
+def _policy_update(model, optimizer, collated: Collated, settings: PolicyLossSettings, reference_model,
+                   proximal: torch.Tensor | None) -> dict[str, float]:
+    """One optimizer update over `collated` (micro-batched gradient accumulation)."""
     total_tokens = max(float(collated.response_mask.sum()), 1.0)
     total_seqs = max(float((collated.response_mask.sum(-1) > 0).sum()), 1.0)
-    norm_constant = float(collated.response_mask.sum(-1).max())
+    norm_constant = settings.norm_constant or float(collated.response_mask.shape[-1])
     total_nll_tokens = float(collated.nll_mask.sum())
+    # Nothing to train (every token masked): the metrics are still computed (every record has the
+    # same fields), but no step is taken: an Adam step on zero gradients would still move the
+    # weights by its momentum.
+    nothing = not float(collated.response_mask.sum()) and not total_nll_tokens
     model.train()
     optimizer.zero_grad(set_to_none=True)
-    sums: dict[str, float] = {}
+    sums: dict[str, float] = {"skipped_updates": float(nothing)}
     for rows in micro_batches(collated, settings.micro_batch_tokens):
         sl = (rows, slice(0, width_of(collated.attention_mask, rows)))
         mask = collated.response_mask[sl]
-        trained = (mask > 0) | (collated.nll_mask[sl] > 0)
         logp, entropy = token_logprobs(model, collated.input_ids[sl], collated.attention_mask[sl],
-                                       collated.targets[sl], settings.temperature, with_entropy=True, positions=trained)
+                                       collated.targets[sl], settings.temperature, with_entropy=True,
+                                       positions=_trained_positions(collated, sl), top_k=settings.top_k,
+                                       top_p=settings.top_p)
         pg_loss, metrics = ppo_policy_loss(
             logp, collated.old_logprobs[sl], collated.advantages[sl], mask,
             settings.clip_low, settings.clip_high, settings.dual_clip, settings.loss_agg, norm_constant,
+            proximal_logp=None if proximal is None else proximal[sl], behaviour_weight_cap=settings.behaviour_weight_cap,
         )
         loss = pg_loss
         if settings.entropy_coef:
             loss = loss - settings.entropy_coef * agg_loss(entropy, mask, settings.loss_agg, norm_constant)
         # VAPO positive-example LM loss: already normalised by the batch's count of such tokens,
         # so the micro-batch parts simply add up.
-        nll = positive_example_nll(logp, mask, collated.positive_rows[rows], normalizer=total_nll_tokens)
+        nll = positive_example_nll(logp, collated.nll_mask[sl], torch.ones(len(logp)), normalizer=total_nll_tokens)
         if settings.kl_coef and reference_model is not None:
             with torch.no_grad():
                 ref_logp, _ = token_logprobs(reference_model, collated.input_ids[sl], collated.attention_mask[sl],
-                                             collated.targets[sl], settings.temperature, positions=trained)
-            kl = agg_loss(kl_penalty(logp, ref_logp), mask, settings.loss_agg, norm_constant)
+                                             collated.targets[sl], settings.temperature, positions=mask > 0,
+                                             top_k=settings.top_k, top_p=settings.top_p)
+            kl = agg_loss(kl_penalty(logp, ref_logp, settings.kl_estimator), mask, settings.loss_agg, norm_constant)
             loss = loss + settings.kl_coef * kl
             metrics["kl_ref"] = kl.item()
         weight = _micro_batch_weight(settings.loss_agg, mask, total_tokens, total_seqs)
@@ -215,9 +301,40 @@ def policy_step(model, optimizer, samples: list[TrainSample], settings: PolicyLo
         metrics["loss"] = loss.item()
         for key, value in metrics.items():
             sums[key] = sums.get(key, 0.0) + value * token_share
+    if nothing:
+        optimizer.zero_grad(set_to_none=True)
+        model.eval()
+        return {**sums, "grad_norm": 0.0}
     grad_norm = clip_and_step(model, optimizer, settings.grad_clip)
-    return {**sums, "grad_norm": float(grad_norm), "tokens_trained": total_tokens, "rows_trained": len(samples)}
+    return {**sums, "grad_norm": float(grad_norm)}
 
+
+def policy_step(model, optimizer, samples: list[TrainSample], settings: PolicyLossSettings,
+                reference_model=None, pad_token_id: int = 0) -> dict[str, float]:
+    """Train on one batch: `ppo_epochs` passes of `mini_batches` optimizer updates each (one update
+    by default). Returns metrics: the updates' mean, and the first and last update's clip fraction
+    and approximate KL (the trust region at work)."""
+    # Rows sorted by length, micro-batches trimmed to their longest row: little padding with
+    # long-tailed lengths. The loss is a sum over rows, so their order does not change it.
+    samples = sorted(samples, key=lambda s: row_length(s.segment))
+    collated = collate(samples, pad_token_id, settings)
+    if not settings.nll_coef:
+        collated.nll_mask.zero_()  # no logits wanted at NLL-only positions
+    minis = mini_batch_rows(len(samples), settings.mini_batches)
+    updates = settings.ppo_epochs * len(minis)
+    proximal = proximal_logprobs(model, collated, settings) if settings.proximal_anchor and updates > 1 else None
+    history = []
+    for _ in range(settings.ppo_epochs):
+        for rows in minis:
+            part = collated if len(minis) == 1 else collated.select(rows)
+            prox = None if proximal is None else (proximal if len(minis) == 1 else proximal.index_select(0, torch.as_tensor(rows)))
+            history.append(_policy_update(model, optimizer, part, settings, reference_model, prox))
+    metrics = {k: float(np.mean([h.get(k, 0.0) for h in history])) for k in history[0]}
+    for key in ("clip_fraction", "approx_kl"):
+        metrics[f"{key}_first_update"], metrics[f"{key}_last_update"] = history[0][key], history[-1][key]
+    metrics["skipped_updates"] = float(sum(h["skipped_updates"] for h in history))
+    return {**metrics, "policy_updates": updates, "tokens_trained": float(collated.response_mask.sum()),
+            "rows_trained": len(samples)}
 
 
 # --- the value model --------------------------------------------------------------------------
@@ -275,9 +392,12 @@ def predict_values(value_model, rows: list[tuple[np.ndarray, np.ndarray]], pad_t
 
 def value_step(value_model, optimizer, trajectories: list[ScoredTrajectory], settings: ValueLossSettings,
                pad_token_id: int = 0) -> dict[str, float]:
-    """One critic update on finished trajectories. Targets are GAE returns with the critic λ over
-    the pre-step values (λ=1: Monte-Carlo returns, independent of the values); the loss is the
-    clipped value loss around those pre-step values, token-mean over the batch."""
+    """One critic update on finished trajectories. Targets are GAE returns with the critic λ (λ=1:
+    Monte-Carlo returns, independent of the values); the loss is the clipped value loss around the
+    values recorded when each trajectory was valued for its advantages (the PPO recipe: the clip
+    bounds how far the critic moves from the values the policy was trained with). A trajectory
+    without recorded values (valued never: warm-up) is anchored at the pre-step values, where the
+    clip cannot act. Token-mean over the batch."""
     from asyncrl.algo.advantages import critic_returns
     from asyncrl.algo.losses import value_loss
 
@@ -294,6 +414,11 @@ def value_step(value_model, optimizer, trajectories: list[ScoredTrajectory], set
     with torch.no_grad():
         for sl in chunks:
             old_values[sl] = value_model(layout.input_ids[sl], layout.attention_mask[sl]).float()
+    recorded = torch.tensor([t.values is not None for t in trajectories])
+    if bool(recorded.any()):
+        placed = layout.place([t.values if t.values is not None else np.zeros(len(t.segment.new_token_ids))
+                               for t in trajectories])
+        old_values = torch.where(recorded[:, None], placed, old_values)
     old_values = old_values * mask
     # Positions run left to right through context then response; GAE walks only the masked ones.
     returns = critic_returns(rewards, old_values, mask, settings.gamma, settings.lam)
@@ -315,7 +440,8 @@ def value_step(value_model, optimizer, trajectories: list[ScoredTrajectory], set
     explained = 1.0 - float(residual.var(unbiased=False) / target_var) if float(target_var) > 1e-12 else 0.0
     return {**sums, "value_grad_norm": float(grad_norm), "value_explained_variance": explained,
             "value_mean": float(old_values[m].mean()), "return_mean": float(returns[m].mean()),
-            "value_tokens": total_tokens, "value_trajectories": len(trajectories)}
+            "value_tokens": total_tokens, "value_trajectories": len(trajectories),
+            "value_anchor_recorded_fraction": float(recorded.float().mean())}
 
 
 def micro_batches_of(layout: RowLayout, max_tokens: int) -> list[slice]:

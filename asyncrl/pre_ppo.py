@@ -1,11 +1,14 @@
 """Pre-PPO prompt selection (Data-scaling RLHF, arXiv 2503.22230; ALGORITHMS.md §8): before the
-first prompt is issued, sample a response per candidate with the initial policy, score it through
-the reward router (the run's timeout and retries), and keep the hardest fraction per data source.
+first prompt is issued, sample `pre_ppo_samples` responses per candidate with the initial policy,
+score them through the reward router (the run's timeout and retries), and keep the hardest
+fraction per data source; the selection is merged with the train prompts (the paper's step 4).
 
 `pre_ppo_selection` is the pure part (scores in, prompt set out); `select_prompts` does the I/O.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -16,24 +19,46 @@ from asyncrl.rewards.hybrid import RewardRouter
 from asyncrl.schema import Reward, RewardRequest
 from asyncrl.tasks import Example, encode_prompt, file_examples
 
+# Suffix of a selected train prompt's second copy: prompt ids stay unique in the prompt source.
+REPEAT_SUFFIX = "#hard"
+
+
+def candidate_scores(rewards: list[list[Reward]]) -> tuple[np.ndarray, np.ndarray]:
+    """Each candidate's mean score over its responses whose reward did not fail, and whether it
+    has any such response (a failed reward's 0.0 is not a score)."""
+    scores, valid = np.zeros(len(rewards)), np.zeros(len(rewards), dtype=bool)
+    for i, group in enumerate(rewards):
+        good = [r.score for r in group if not r.failed]
+        if good:
+            scores[i], valid[i] = float(np.mean(good)), True
+    return scores, valid
+
 
 def pre_ppo_selection(train: list[Example], train_tokens: list[list[int]], pool: list[Example],
-                      pool_tokens: list[list[int]], rewards: list[Reward], fraction: float,
-                      pool_joins_train: bool) -> tuple[list[Example], list[list[int]], dict]:
-    """The prompt set after selection and a report. The lowest-scoring `fraction` of each data source
-    of `pool` is kept (`select_hardest`); a separate pool's selection joins the train prompts, the
-    train prompts' own selection replaces them."""
+                      pool_tokens: list[list[int]], rewards: list[list[Reward]], fraction: float,
+                      seed: int = 0) -> tuple[list[Example], list[list[int]], dict]:
+    """The prompt set after selection and a report. `rewards[i]` holds candidate i's responses'
+    rewards. The lowest-scoring `fraction` of each data source of `pool` is selected
+    (`select_hardest`) and merged with the train prompts: a candidate that is itself a train prompt
+    is added again under the id `<id>#hard`, so it is drawn twice as often."""
     if len(rewards) != len(pool):
-        raise ValueError(f"{len(rewards)} rewards for {len(pool)} candidates")
-    scores = np.array([r.score for r in rewards], dtype=np.float64)
-    keep = select_hardest(scores, [ex.data_source for ex in pool], fraction)
-    chosen, chosen_tokens = [pool[i] for i in keep], [pool_tokens[i] for i in keep]
-    if pool_joins_train:
-        chosen, chosen_tokens = list(train) + chosen, list(train_tokens) + chosen_tokens
+        raise ValueError(f"{len(rewards)} reward lists for {len(pool)} candidates")
+    scores, valid = candidate_scores(rewards)
+    keep = select_hardest(scores, [ex.data_source for ex in pool], fraction, valid, seed)
+    train_ids = {ex.prompt_id for ex in train}
+    chosen, chosen_tokens = list(train), list(train_tokens)
+    for i in keep:
+        ex = pool[i]
+        if ex.prompt_id in train_ids:
+            ex = dataclasses.replace(ex, prompt_id=ex.prompt_id + REPEAT_SUFFIX)
+        chosen.append(ex)
+        chosen_tokens.append(pool_tokens[i])
+    failed = sum(r.failed for group in rewards for r in group)
     report = {"candidates": len(pool), "selected": len(keep), "train_prompts": len(chosen),
-              "candidate_score_mean": float(scores.mean()) if len(scores) else 0.0,
+              "responses_per_candidate": max((len(g) for g in rewards), default=0),
+              "candidate_score_mean": float(scores[valid].mean()) if valid.any() else 0.0,
               "selected_score_mean": float(scores[keep].mean()) if keep else 0.0,
-              "failed_rewards": int(sum(r.failed for r in rewards))}
+              "failed_rewards": int(failed), "candidates_without_score": int((~valid).sum())}
     return chosen, chosen_tokens, report
 
 
@@ -44,11 +69,14 @@ async def select_prompts(train: list[Example], train_tokens: list[list[int]], mo
     embedded, tokenizer = build_engine(model)
     pool = file_examples(task.pre_ppo_pool_path) if task.pre_ppo_pool_path else list(train)
     pool_tokens = [encode_prompt(ex, tokenizer, model.use_chat_template) for ex in pool]
-    completions = await complete_async(embedded, tokenizer, pool_tokens, [seed * 7919 + i for i in range(len(pool))],
+    k = task.pre_ppo_samples
+    completions = await complete_async(embedded, tokenizer, [t for t in pool_tokens for _ in range(k)],
+                                       [seed * 7919 + i for i in range(len(pool) * k)],
                                        engine.max_response_tokens, sampling_params(engine),
                                        batch_size=max(1, engine.max_inflight_sequences))
-    requests = [RewardRequest(prompt_id=ex.prompt_id, sample_idx=0, response_text=c.text, ground_truth=ex.ground_truth,
-                              data_source=ex.data_source, prompt_text=ex.text) for ex, c in zip(pool, completions)]
+    requests = [RewardRequest(prompt_id=ex.prompt_id, sample_idx=j, response_text=completions[i * k + j].text,
+                              ground_truth=ex.ground_truth, data_source=ex.data_source, prompt_text=ex.text)
+                for i, ex in enumerate(pool) for j in range(k)]
     rewards = await router.score(requests)
-    return pre_ppo_selection(train, train_tokens, pool, pool_tokens, rewards, task.pre_ppo_fraction,
-                             pool_joins_train=bool(task.pre_ppo_pool_path))
+    per_candidate = [rewards[i * k:(i + 1) * k] for i in range(len(pool))]
+    return pre_ppo_selection(train, train_tokens, pool, pool_tokens, per_candidate, task.pre_ppo_fraction, seed)

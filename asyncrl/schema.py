@@ -311,12 +311,17 @@ class ScoredTrajectory(msgspec.Struct, kw_only=True, frozen=True):
     score: float
     token_rewards: np.ndarray | None = None  # float32, aligned with segment.new_token_ids
     correct: bool | None = None
+    # float32 [len(new_token_ids)]: V(s_t) as recorded when the response's rows were valued for
+    # their advantages: the anchor of the clipped value loss (None: clip around the pre-step values).
+    values: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if not self.segment.finished:
             raise ValueError(f"ScoredTrajectory {self.segment.sample_id}: segment is not finished")
         if self.token_rewards is not None:
             _check_array("token_rewards", self.token_rewards, "float32")
+        if self.values is not None:
+            _check_array("values", self.values, "float32", len(self.segment.new_token_ids))
 
     @property
     def msg_id(self) -> str:

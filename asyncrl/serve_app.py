@@ -463,7 +463,7 @@ def reward_app_config(name: str, overrides: str, user_config: dict | None = None
     return app
 
 
-def deploy_declaratively(applications: list[dict], timeout_s: float = 120.0) -> None:
+def deploy_declaratively(applications: list[dict], timeout_s: float = 300.0) -> None:
     """Deploy applications from config-file entries, as `serve deploy` and `serve run <file>` do,
     and wait until they run. Use this, not `serve.run`, to swap a reward endpoint: an imperative
     `serve.run` gives the deployment a new code version every time, so even a `user_config`-only

@@ -6,27 +6,71 @@ The bound of a run is `algorithm.max_staleness_versions` (call it S), kept in tw
   `issued < (learner_version + S + 1) * prompts_per_step + dropped_prompts`, so generators never
   run more than S learner steps ahead of training; dropped work (a group counts 1, a sample 1/G)
   is replaced.
-* **The check** (`is_stale`): the assembler drops a group (or a value-based row) any of whose
-  trained tokens is more than S versions behind the policy version it knows, when the group
-  closes and again when a row batch leaves. Earlier windows of a T-PPO row are context, not
-  trained tokens, so they do not count.
+* **The bound** (`mask_stale_tokens`): a token more than S versions behind is never trained. The
+  learner applies it at the optimizer step, against the version it is training (its own, not a
+  copy told to it): that is where the bound holds, whatever waited in which queue. The assembler
+  applies the same function earlier (when a group closes, when a row batch leaves) so that work
+  already too old is dropped before it is sent. Stale tokens are masked out of the policy loss
+  (loss mask 0), not dropped with their whole group: dropping a group by its oldest token would
+  drop long responses (generated over more versions) more often than short ones. A group or row
+  with no trainable token left is dropped (reason `stale`). Earlier windows of a T-PPO row are
+  context, not trained tokens, so they do not count.
 
 A token's staleness is `policy_version - version_that_generated_it`; a row's is that of its oldest
-trained token (`new_versions.min()`); a row with no new tokens has staleness 0.
+trained token (loss mask 1); a row with no trained token has staleness 0.
 """
 
 from __future__ import annotations
 
 from typing import Iterable
 
+import msgspec
 import numpy as np
+
+from asyncrl.schema import TrainSample
 
 
 def row_staleness(policy_version: int, new_versions: np.ndarray) -> int:
-    """Versions between `policy_version` and the oldest trained token of a row (0 for no tokens)."""
+    """Versions between `policy_version` and the oldest token of `new_versions` (0 for no tokens)."""
     if not len(new_versions):
         return 0
     return policy_version - int(new_versions.min())
+
+
+def trained_versions(sample: TrainSample) -> np.ndarray:
+    """The versions of the tokens of `sample` that the policy loss trains (loss mask 1)."""
+    versions = sample.segment.new_versions
+    return versions if sample.loss_mask is None else versions[sample.loss_mask.astype(bool)]
+
+
+def mask_stale_tokens(samples: list[TrainSample], policy_version: int,
+                      max_staleness_versions: int) -> tuple[list[TrainSample], dict[str, float]]:
+    """Mask (loss mask 0) every token more than `max_staleness_versions` behind `policy_version`.
+    Returns the samples (those unchanged are the same objects) and the stats a batch reports:
+    `staleness_max` of the tokens left to train and `stale_tokens_masked`. A sample may end up with
+    no trained token; its caller decides whether to keep it (its positive-example NLL tokens, for
+    instance, are not policy-loss tokens)."""
+    out, masked = [], 0
+    for sample in samples:
+        versions = sample.segment.new_versions
+        stale = (policy_version - versions.astype(np.int64)) > max_staleness_versions
+        trained = np.ones(len(versions), dtype=bool) if sample.loss_mask is None else sample.loss_mask.astype(bool)
+        newly = stale & trained
+        if newly.any():
+            masked += int(newly.sum())
+            sample = msgspec.structs.replace(sample, loss_mask=(trained & ~stale).astype(np.uint8))
+        out.append(sample)
+    return out, {"staleness_max": float(max_staleness(policy_version, [trained_versions(t) for t in out])),
+                 "stale_tokens_masked": float(masked)}
+
+
+def all_stale(policy_version: int, new_versions: np.ndarray, max_staleness_versions: int) -> bool:
+    """Every token of a row is too old: nothing of it could be trained."""
+    return bool(len(new_versions)) and policy_version - int(new_versions.max()) > max_staleness_versions
+
+
+def has_trained_tokens(sample: TrainSample) -> bool:
+    return bool(len(sample.segment.new_token_ids)) and (sample.loss_mask is None or bool(sample.loss_mask.any()))
 
 
 def max_staleness(policy_version: int, rows: Iterable[np.ndarray]) -> int:
@@ -38,11 +82,6 @@ def mean_staleness(policy_version: int, rows: Iterable[np.ndarray]) -> float:
     """Mean row staleness over the rows that have trained tokens (0.0 for none)."""
     values = [row_staleness(policy_version, v) for v in rows if len(v)]
     return sum(values) / len(values) if values else 0.0
-
-
-def is_stale(policy_version: int, rows: Iterable[np.ndarray], max_staleness_versions: int) -> bool:
-    """True when any trained token of `rows` is more than `max_staleness_versions` behind."""
-    return max_staleness(policy_version, rows) > max_staleness_versions
 
 
 def admission_budget(learner_version: int, max_staleness_versions: int, prompts_per_step: int,

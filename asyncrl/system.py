@@ -103,11 +103,14 @@ class TrainingSystem:
         self.generators = [_spawn(GeneratorActor, cfg.model, cfg.engine, prompts, segments, f"gen-{i}")
                            for i in range(tr.num_generators)]
         # Policy learner: `batches` -> optimizer step -> weights broadcast to the generators; each new
-        # version told to the assembler and the prompt source (staleness, admission); trained samples
+        # version told to the assembler at once (staleness) and to the prompt source once every
+        # generator holds it (admission; synchronous mode: the assembler too); trained samples
         # to the ledger; checkpoints written with the prompt source's and value learner's parts.
         learner = _spawn(
-            PolicyLearnerActor, cfg.model, cfg.algorithm, tr, cfg.engine.temperature, batches,
-            generators=self.generators, version_listeners=[assembler, prompt_source], ledger=prompt_source,
+            PolicyLearnerActor, cfg.model, cfg.algorithm, tr, cfg.engine, batches,
+            generators=self.generators, version_listeners=[] if tr.synchronous else [assembler],
+            delivered_listeners=[assembler, prompt_source] if tr.synchronous else [prompt_source],
+            ledger=prompt_source,
             checkpoint_parts=[prompt_source] + ([value_learner] if value_learner is not None else []),
             run_dir=self.run_dir, resume_from=resume and resume.checkpoint, max_steps=self.max_steps,
             actor_name=LEARNER_NAME if self.name_actors else None)  # the policy endpoint finds it by name
@@ -256,6 +259,7 @@ def summarize(learner: dict, generators: list[dict], assembler: dict, mailboxes:
         "weight_version": learner["weight_version"],
         "samples_generated": generated,
         "samples_trained": learner["samples_trained"],
+        "stale_tokens_masked": learner.get("stale_tokens_masked", 0),
         "samples_dropped": assembler.get("samples_dropped", 0),
         "dropped_by_reason": {k.removeprefix("dropped_").removesuffix("_samples"): v for k, v in assembler.items()
                               if k.startswith("dropped_") and k.endswith("_samples")},

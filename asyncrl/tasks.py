@@ -155,6 +155,17 @@ def score_response(data_source: str, response: str, ground_truth: str, style: st
     return verdict.score, verdict.correct, str(verdict.details.get("pred", ""))
 
 
+def reference_response(data_source: str, ground_truth: str) -> str:
+    """The anchor response of Pairwise PPO's `anchor=reference`: the ground truth written as the
+    task asks a response to end (a judge compares two responses, not a response with a bare
+    number). Maths: the instruction's `\\boxed{}`; code and the tiny tasks: the answer itself."""
+    from asyncrl.rewards.verifiers import kind_for
+
+    if kind_for(data_source) == "math":
+        return f"The answer is \\boxed{{{ground_truth}}}."
+    return ground_truth
+
+
 def encode_prompt(example: Example, tokenizer, use_chat_template: bool) -> list[int]:
     """Prompt token ids: the chat template with a generation prompt, or the raw user text."""
     if use_chat_template:

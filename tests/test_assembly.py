@@ -77,15 +77,24 @@ def test_redelivered_segment_is_counted_once():
     asyncio.run(main())
 
 
-def test_dynamic_sampling_and_staleness_drops():
+def test_dynamic_sampling_drops_and_stale_tokens_are_masked_not_their_group():
     async def main():
         asm, segments, batches, dropped = make()
         await segments.put([seg("all-right", 0, 0, True, [7]), seg("all-right", 1, 0, True, [7])])
         await drain(asm, batches)
         asm.set_policy_version(5)
-        await segments.put([seg("stale", 0, 0, True, [7], version=2), seg("stale", 1, 0, True, [1], version=3)])
+        # Bound 2: sample 0 (version 2) is 3 behind, sample 1 (version 3) 2 behind. The group stays;
+        # only sample 0's tokens leave the loss (its outcome still sets sample 1's advantage).
+        await segments.put([seg("part", 0, 0, True, [7], version=2), seg("part", 1, 0, True, [1], version=3)])
         out = await drain(asm, batches)
-        assert out == []
+        assert len(out) == 1
+        by_idx = {s.segment.sample_idx: s for s in out[0].samples}
+        assert by_idx[0].loss_mask.tolist() == [0] and by_idx[1].loss_mask is None
+        assert by_idx[1].advantages[0] < 0
+        assert out[0].stats["staleness_max_assembled"] == 2 and out[0].stats["stale_tokens_masked_assembled"] == 1
+        # Every token of the group too old: nothing left to train, the group is dropped.
+        await segments.put([seg("stale", 0, 0, True, [7], version=1), seg("stale", 1, 0, True, [1], version=2)])
+        assert await drain(asm, batches) == []
         drops = [(sorted(ids), reason) for ids, state, reason in dropped if state == "dropped"]
         assert drops == [(["all-right/0", "all-right/1"], "no_signal"), (["stale/0", "stale/1"], "stale")]
         stats = asm.stats()

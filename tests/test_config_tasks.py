@@ -135,11 +135,14 @@ def test_every_algorithm_composes_with_its_paper_settings(name):
     if name in ("vcppo", "vapo", "tppo"):
         assert c.lam == 1.0 and a.lam == 0.95 and c.warmup_steps > 0  # decoupled GAE + value pretraining
     if name in ("vapo", "tppo"):
-        assert a.length_adaptive_alpha == 0.05 and a.nll_coef == 0.1 and a.clip_high == 0.28
+        assert a.length_adaptive_alpha == 1.0 and a.nll_coef == 0.1 and a.clip_high == 0.28  # α scaled to 64 tokens
+        assert a.mini_batches == (2 if name == "vapo" else 1)  # VAPO paper: 16 updates per step; T-PPO recipe: 1
         assert a.lambda_floor == (name == "tppo")  # NeMo clamp vs the T-PPO recipe's floor
     if name == "tppo":
         assert a.window_training and config.engine.window_tokens < config.engine.max_response_tokens
         assert (c.clip_low, c.clip_high) == (0.5, 0.6) and a.advantage_clamp == 10.0 and a.dual_clip == 10.0
+    if name == "dapo":
+        assert a.mini_batches == 2 and a.proximal_anchor
     if name == "tppo_sync":
         assert config.trainer.synchronous and config.engine.window_tokens == config.engine.max_response_tokens
 

@@ -22,7 +22,7 @@ def test_pairwise_ppo_with_pre_ppo_selection(ray_session, tmp_path):
     summary = train(config, progress=False)
     status = summary["final_status"]
     assert status["pre_ppo"]["candidates"] == 10 and status["pre_ppo"]["selected"] == 5
-    assert status["prompt_source"]["prompts"] == 5
+    assert status["prompt_source"]["prompts"] == 15  # merged: the 10 train prompts and 5 hard ones again
     assembler = status["assembler"]
     assert assembler["pairs_judged"] >= 6 * config.trainer.prompts_per_step * 6  # C(4,2)=6 pairs per group
     assert assembler["pairs_failed"] == 0 and assembler["reward_failures"] == 0

@@ -219,7 +219,7 @@ def test_pre_ppo_selection_is_per_domain_and_scale_invariant():
     assert np.allclose(domain_zscores(np.array([1.0, 1.0]), ["a", "a"]), 0.0)
 
 
-def test_pre_ppo_keeps_the_hardest_and_merges_or_replaces():
+def test_pre_ppo_keeps_the_hardest_and_merges_them_with_the_train_prompts():
     from asyncrl.pre_ppo import pre_ppo_selection
     from asyncrl.schema import Reward
     from asyncrl.tasks import Example
@@ -228,17 +228,47 @@ def test_pre_ppo_keeps_the_hardest_and_merges_or_replaces():
         return Example(prompt_id=f"p{i}", messages=[{"role": "user", "content": f"q{i}"}], ground_truth="1",
                        data_source=source)
 
+    def rewards_of(pool, scores, failed=()):
+        return [[Reward(prompt_id=ex.prompt_id, sample_idx=0, score=s, source="v", failed=ex.prompt_id in failed)]
+                for ex, s in zip(pool, scores)]
+
     pool = [example(i, "math" if i < 4 else "code") for i in range(6)]
     tokens = [[i] for i in range(6)]
-    rewards = [Reward(prompt_id=ex.prompt_id, sample_idx=0, score=s, source="v")
-               for ex, s in zip(pool, [0.9, 0.1, 0.5, 0.7, 1.0, 0.0])]
-    chosen, chosen_tokens, report = pre_ppo_selection(pool, tokens, pool, tokens, rewards, 0.5, pool_joins_train=False)
-    # Per domain, the lower half by score: math keeps p1 (0.1) and p2 (0.5); code keeps p5 (0.0).
-    assert [ex.prompt_id for ex in chosen] == ["p1", "p2", "p5"] and chosen_tokens == [[1], [2], [5]]
-    assert report["selected"] == 3 and report["train_prompts"] == 3 and report["selected_score_mean"] == pytest.approx(0.2)
+    rewards = rewards_of(pool, [0.9, 0.1, 0.5, 0.7, 1.0, 0.0])
+    chosen, chosen_tokens, report = pre_ppo_selection(pool, tokens, pool, tokens, rewards, 0.5)
+    # Per domain, the lower half by score: math p1 (0.1) and p2 (0.5); code p5 (0.0). The pool is
+    # the train set: the selection joins it (spec: merge), as second copies with their own ids.
+    ids = [ex.prompt_id for ex in chosen]
+    assert ids == [f"p{i}" for i in range(6)] + ["p1#hard", "p2#hard", "p5#hard"]
+    assert chosen_tokens[6:] == [[1], [2], [5]]
+    assert report["selected"] == 3 and report["train_prompts"] == 9 and report["selected_score_mean"] == pytest.approx(0.2)
     train = [example(9, "math")]
-    chosen, _, report = pre_ppo_selection(train, [[9]], pool, tokens, rewards, 0.5, pool_joins_train=True)
+    chosen, _, report = pre_ppo_selection(train, [[9]], pool, tokens, rewards, 0.5)
     assert [ex.prompt_id for ex in chosen] == ["p9", "p1", "p2", "p5"] and report["train_prompts"] == 4
+
+    # A failed reward (score 0.0, failed) has no score: it is not the hardest, it is left out.
+    rewards = rewards_of(pool, [0.9, 0.1, 0.0, 0.7, 1.0, 0.0], failed={"p2"})
+    _, _, report = pre_ppo_selection(train, [[9]], pool, tokens, rewards, 0.25)
+    chosen, _, _ = pre_ppo_selection(train, [[9]], pool, tokens, rewards, 0.25)
+    assert "p2" not in [ex.prompt_id for ex in chosen] and "p1" in [ex.prompt_id for ex in chosen]
+    assert report["failed_rewards"] == 1 and report["candidates_without_score"] == 1
+
+
+def test_pre_ppo_breaks_binary_ties_at_random_and_averages_several_responses():
+    from asyncrl.pre_ppo import candidate_scores
+    from asyncrl.schema import Reward
+
+    # Twenty prompts all scoring 0 with one 0/1 response each: file order would always pick the
+    # first two; the seeded order picks others, and differs by seed.
+    scores, domains = np.zeros(20), ["math"] * 20
+    picks = {tuple(select_hardest(scores, domains, 0.1, seed=s)) for s in range(5)}
+    assert len(picks) > 1 and (0, 1) not in picks
+    # Several responses per prompt separate what one response ties: 1/4 correct is harder than 3/4.
+    groups = [[Reward(prompt_id="a", sample_idx=j, score=float(j < k), source="v") for j in range(4)] for k in (3, 1)]
+    groups.append([Reward(prompt_id="c", sample_idx=j, score=0.0, source="v", failed=True) for j in range(4)])
+    values, valid = candidate_scores(groups)
+    assert values.tolist() == [0.75, 0.25, 0.0] and valid.tolist() == [True, True, False]
+    assert select_hardest(values, ["math"] * 3, 0.3, valid) == [1]
 
 
 def test_pre_ppo_scores_candidates_through_the_reward_router():
@@ -262,8 +292,10 @@ def test_pre_ppo_scores_candidates_through_the_reward_router():
     train = load_examples("tiny", "train", 10, 0)
     tokens = [encode_prompt(ex, build_tiny_tokenizer(), False) for ex in train]
     chosen, _, report = asyncio.run(select_prompts(train, tokens, config.model, config.engine, config.task, router, 0))
-    assert calls == ["verifier", "verifier"] and router.counters["retries"] == 1
-    assert report["candidates"] == 10 and report["failed_rewards"] == 0 and len(chosen) == report["selected"] >= 1
+    assert calls[:2] == ["verifier", "verifier"] and router.counters["retries"] == 1
+    assert report["candidates"] == 10 and report["failed_rewards"] == 0 and report["selected"] >= 1
+    assert report["responses_per_candidate"] == config.task.pre_ppo_samples
+    assert len(chosen) == len(train) + report["selected"]
 
 
 def test_curriculum_stages():

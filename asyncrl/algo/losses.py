@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+from asyncrl.config import KL_ESTIMATORS, LOSS_AGG_MODES as AGG_MODES
 
 
 def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, norm_constant: float | None = None) -> torch.Tensor:
@@ -44,6 +44,8 @@ def ppo_policy_loss(
     dual_clip: float | None = None,
     agg: str = "token-mean",
     norm_constant: float | None = None,
+    proximal_logp: torch.Tensor | None = None,
+    behaviour_weight_cap: float | None = 5.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped surrogate with decoupled clip (DAPO clip-higher) and optional dual clip.
 
@@ -51,9 +53,15 @@ def ppo_policy_loss(
     (dual clip, Ye et al. 2020; verl `compute_policy_loss_vanilla`). `norm_constant` is
     the divisor of `seq-mean-token-sum-norm` (default: padded length). `ρ = exp(clamp(logπ − logπ_old,
     ±20))`. Metrics: clip fractions and the approximate KL `mean(−log ρ)` over valid tokens.
+
+    Decoupled PPO (AReaL, arXiv 2505.24298), when `proximal_logp` is given: the clip is taken
+    around the proximal policy, `ρ = π_θ/π_prox`, and each token's loss is weighted by the
+    behaviour importance ratio `w = π_prox/π_old` (no gradient), capped at `behaviour_weight_cap`.
+    With `π_prox = π_old` it is the plain loss.
     """
     mask = mask.to(logp.dtype)
-    log_ratio = torch.clamp(logp - old_logp, -20.0, 20.0)
+    anchor = old_logp if proximal_logp is None else proximal_logp
+    log_ratio = torch.clamp(logp - anchor, -20.0, 20.0)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
@@ -66,6 +74,12 @@ def ppo_policy_loss(
         capped = torch.minimum(loss_mat, -advantages * dual_clip)
         dual_mask = ((advantages < 0) & (capped < loss_mat)).to(logp.dtype)
         loss_mat = torch.where(advantages < 0, capped, loss_mat)
+    behaviour_weight = None
+    if proximal_logp is not None:
+        behaviour_weight = torch.exp(torch.clamp(proximal_logp - old_logp, -20.0, 20.0)).detach()
+        if behaviour_weight_cap is not None:
+            behaviour_weight = behaviour_weight.clamp(max=behaviour_weight_cap)
+        loss_mat = loss_mat * behaviour_weight
     loss = agg_loss(loss_mat, mask, agg, norm_constant)
     n = mask.sum().clamp(min=1)
     with torch.no_grad():
@@ -77,23 +91,31 @@ def ppo_policy_loss(
             "approx_kl": float((-log_ratio * mask).sum() / n),
             "ratio_mean": float((ratio * mask).sum() / n),
         }
+        if behaviour_weight is not None:
+            metrics["behaviour_weight_mean"] = float((behaviour_weight * mask).sum() / n)
     return loss, metrics
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "low_var_kl") -> torch.Tensor:
-    """Per-token KL(π‖π_ref) estimators. k1: `logπ − logπ_ref`; low_var_kl (k3, Schulman):
+    """Per-token KL(π‖π_ref) estimators (Schulman, "Approximating KL divergence"; verl names).
+    k1 (`kl`): `logπ − logπ_ref`; k2 (`mse`): `½(logπ − logπ_ref)²`; k3 (`low_var_kl`):
     `π_ref/π − log(π_ref/π) − 1`, clamped to ±10 as in verl."""
     if kind in ("k1", "kl"):
         return logp - ref_logp
+    if kind in ("k2", "mse"):
+        return 0.5 * (logp - ref_logp) ** 2
     if kind in ("k3", "low_var_kl"):
         log_ratio = torch.clamp(ref_logp - logp, -20.0, 20.0)
         return torch.clamp(torch.exp(log_ratio) - log_ratio - 1.0, -10.0, 10.0)
-    raise ValueError(f"unknown KL estimator {kind!r}; expected k1 or low_var_kl")
+    raise ValueError(f"unknown KL estimator {kind!r}; expected one of {KL_ESTIMATORS}")
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)
+def entropy_from_logprobs(logp: torch.Tensor) -> torch.Tensor:
+    """Entropy of each row of log-probabilities; entries of −inf (a truncated distribution's
+    excluded tokens) contribute 0, not NaN."""
+    finite = torch.isfinite(logp)
+    safe = torch.where(finite, logp, torch.zeros_like(logp))
+    return -(safe.exp() * finite * safe).sum(-1)
 
 
 def value_loss(

@@ -10,31 +10,40 @@ import math
 import numpy as np
 
 
-def domain_zscores(scores: np.ndarray, domains: list[str]) -> np.ndarray:
-    """Scores standardised within each domain (score distributions differ by domain). A domain with
-    one prompt or zero spread gets z = 0."""
+def domain_zscores(scores: np.ndarray, domains: list[str], valid: np.ndarray | None = None) -> np.ndarray:
+    """Scores standardised within each domain (score distributions differ by domain), over the
+    `valid` entries (default all; invalid ones get z = 0). A domain with one valid prompt or zero
+    spread gets z = 0."""
     scores = np.asarray(scores, dtype=np.float64)
+    valid = np.ones(len(scores), dtype=bool) if valid is None else np.asarray(valid, dtype=bool)
     z = np.zeros_like(scores)
     for domain in set(domains):
-        idx = np.array([i for i, d in enumerate(domains) if d == domain])
+        idx = np.array([i for i, d in enumerate(domains) if d == domain and valid[i]], dtype=np.int64)
+        if len(idx) < 2:
+            continue
         values = scores[idx]
         std = values.std()
-        z[idx] = (values - values.mean()) / std if len(idx) > 1 and std > 0 else 0.0
+        z[idx] = (values - values.mean()) / std if std > 0 else 0.0
     return z
 
 
-def select_hardest(scores: np.ndarray, domains: list[str], fraction: float) -> list[int]:
-    """Indices of the lowest-scoring `fraction` of each domain (ties broken by index), by z-score
-    within the domain: hard for the current policy and less prone to reward hacking. Each domain
-    keeps `round(fraction·n)` prompts, at least one when `fraction > 0`."""
+def select_hardest(scores: np.ndarray, domains: list[str], fraction: float, valid: np.ndarray | None = None,
+                   seed: int = 0) -> list[int]:
+    """Indices of the lowest-scoring `fraction` of each domain, by z-score within the domain: hard
+    for the current policy and less prone to reward hacking. Each domain keeps `round(fraction·n)`
+    of its `valid` prompts (a prompt whose reward failed has no score and is never "hardest"), at
+    least one when `fraction > 0`. Ties (binary rewards tie often) are broken by a random order
+    drawn from `seed`, not by position in the file."""
     if not 0 <= fraction <= 1:
         raise ValueError(f"fraction must be in [0, 1], got {fraction}")
-    z = domain_zscores(scores, domains)
+    valid = np.ones(len(scores), dtype=bool) if valid is None else np.asarray(valid, dtype=bool)
+    z = domain_zscores(scores, domains, valid)
+    tie_break = np.random.default_rng(seed).permutation(len(scores))
     keep: list[int] = []
     for domain in sorted(set(domains)):
-        idx = [i for i, d in enumerate(domains) if d == domain]
+        idx = [i for i, d in enumerate(domains) if d == domain and valid[i]]
         n_keep = min(len(idx), max(1 if fraction > 0 else 0, int(math.floor(fraction * len(idx) + 0.5))))
-        keep += sorted(idx, key=lambda i: (z[i], i))[:n_keep]
+        keep += sorted(idx, key=lambda i: (z[i], tie_break[i]))[:n_keep]
     return sorted(keep)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from asyncrl.config import FILTER_METRICS
+
 
 def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer_tokens: int, factor: float = 1.0) -> torch.Tensor:
     """Soft overlong punishment, added to the correctness reward.
@@ -21,6 +23,26 @@ def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer_tokens: int,
 def group_has_signal(scores: torch.Tensor) -> bool:
     """DAPO dynamic sampling keeps a group if its rewards are not all equal (or it has one member)."""
     return scores.numel() == 1 or bool((scores != scores[0]).any())
+
+
+def filter_metric(correct: list[bool | None], scores: list[float], metric: str = "acc") -> torch.Tensor:
+    """The values DAPO's dynamic sampling compares within a group (verl's `filter_groups.metric`).
+
+    `acc`: correctness 1/0, so the overlong penalty cannot keep an all-wrong group alive; a reward
+    with no correctness flag (a Bradley-Terry model, `correct=None`) falls back to the raw score for
+    the whole group, since counting None as wrong would make every such group "no signal".
+    `score`: the raw score (before shaping)."""
+    if metric not in FILTER_METRICS:
+        raise ValueError(f"unknown filter metric {metric!r}; expected one of {FILTER_METRICS}")
+    if metric == "acc" and all(c is not None for c in correct):
+        return torch.tensor([1.0 if c else 0.0 for c in correct], dtype=torch.float64)
+    return torch.tensor(scores, dtype=torch.float64)
+
+
+def is_positive(correct: bool | None, score: float) -> bool:
+    """A positive example (VAPO's self-imitation NLL): correct, or, for a reward with no
+    correctness flag, a score above 0 (NeMo-RL's rule)."""
+    return bool(correct) if correct is not None else score > 0.0
 
 
 def symmetrized_preference(p_first_ab: torch.Tensor, p_first_ba: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,10 +22,12 @@ from typing import Awaitable, Callable, ClassVar, Protocol
 import numpy as np
 
 from asyncrl.assembly import (AssemblySettings, Outcome, RunningMoments, ValueAdvantageSettings, assemble_group,
-                              cut_row_batch, value_rows, whiten_rows)
-from asyncrl.mailbox import Mailbox
+                              cut_row_batch, recorded_values, shaped_score, value_rows, whiten_rows,
+                              widen_positive_rows)
+from asyncrl.mailbox import Mailbox, RecentIds
+from asyncrl.tasks import reference_response
 from asyncrl.schema import PairRequest, Reward, RewardRequest, ScoredTrajectory, Segment, TrainSample, segment_row
-from asyncrl.staleness import is_stale, max_staleness
+from asyncrl.staleness import all_stale, has_trained_tokens, mask_stale_tokens
 
 Scored = list[tuple[Segment, RewardRequest]]
 ValuesFn = Callable[[list[tuple[np.ndarray, np.ndarray]]], Awaitable[tuple[list[np.ndarray], int]]]
@@ -111,7 +113,8 @@ class GroupEstimator:
             await asm.emit(samples, {
                 "reward_mean": sum(s["reward_mean"] for s in stats) / len(stats),
                 "accuracy": sum(s["accuracy"] for s in stats) / len(stats),
-                "staleness_max": max(s["staleness_max"] for s in stats),
+                "staleness_max_assembled": max(s["staleness_max"] for s in stats),
+                "stale_tokens_masked_assembled": sum(s["stale_tokens_masked"] for s in stats),
             }, samples_emitted=len(samples))
 
     def stats(self) -> dict:
@@ -136,13 +139,22 @@ class PairwiseEstimator(GroupEstimator):
         prompt = asm.decode(members[0][0].prompt_token_ids.tolist())
         truth = members[0][0].ground_truth
         pairs = judged_pairs(len(members), self.anchor == "reference")
-        requests = [PairRequest(prompt_text=prompt, first=texts[i], second=truth if j is None else texts[j],
+        reference = reference_response(members[0][0].data_source, truth)
+        requests = [PairRequest(prompt_text=prompt, first=texts[i], second=reference if j is None else texts[j],
                                 ground_truth="" if j is None else truth) for i, j in pairs]
         verdicts = await self.judge(requests) if requests else []
         for v in verdicts:
             asm.counters["pairs_judged"] += 1
             asm.counters["pairs_inconsistent"] += int(not v["consistent"])
             asm.counters["pairs_failed"] += int(v["failed"])
+        if any(v["failed"] for v in verdicts):
+            # A failed judgement has no verdict: a neutral 0.5 would be trained as a real tie, and
+            # every advantage of the group depends on it (as a failed reward drops a group).
+            self._groups.pop(group_id)
+            asm.counters["groups_closed"] += 1
+            asm.counters["dropped_reward_failed_groups"] += 1
+            asm.drop_samples([m[0].sample_id for m in members], "reward_failed")
+            return
         prefs = preference_matrix(len(members), pairs, [v["p_first"] for v in verdicts])
         self._close(asm, group_id, pairwise_advantages(prefs).tolist())
 
@@ -158,10 +170,14 @@ class ValueEstimator:
     rows_per_batch: int  # finished samples per batch (with all windows that arrived before them)
     whiten: bool = False
     advantage_clamp: float = 0.0
+    nll_whole_response: bool = False  # T-PPO with positive-example NLL: last rows carry the whole response
     needs_value_learner: ClassVar[bool] = True
     ready: bool = False
     _ready_rows: list[TrainSample] = field(default_factory=list)
     _moments: RunningMoments = field(default_factory=RunningMoments)
+    # Values of each in-flight sample's valued windows, by response offset (the critic's clip anchor).
+    _recorded: dict[str, dict[int, np.ndarray]] = field(default_factory=lambda: collections.defaultdict(dict))
+    _finished: RecentIds = field(default_factory=RecentIds)  # samples whose recorded values were used
 
     @property
     def window_rows(self) -> bool:
@@ -172,20 +188,19 @@ class ValueEstimator:
         return not self.settings.window_training
 
     async def process(self, asm: Assembler, rows: list[Segment], scored: Scored) -> None:
-        """Score finished samples, feed them to the value learner, value and train rows."""
+        """Score finished samples, value and train rows, feed finished samples to the value learner."""
+        st = self.settings
         outcomes: dict[str, Outcome] = {}
-        trajectories = []
+        finished: list[tuple[Segment, Reward]] = []
         if scored:
             rewards = await asm.score([req for _, req in scored])
             for (merged, _), reward in zip(scored, rewards):
                 asm.note_scored(reward)
                 outcomes[merged.sample_id] = Outcome(reward.score, reward.correct, reward.token_rewards, reward.failed)
                 if not reward.failed:  # the critic learns from real outcomes only
-                    trajectories.append(ScoredTrajectory(segment=merged, score=reward.score,
-                                                         token_rewards=reward.token_rewards, correct=reward.correct))
+                    finished.append((merged, reward))
         if not self.ready:
             self.ready = await self.value_ready()
-        limit = self.settings.max_staleness_versions
         keep = []
         for row in rows:
             outcome = outcomes.get(row.sample_id) if row.finished else None
@@ -193,34 +208,59 @@ class ValueEstimator:
                 asm.drop_row(row, "reward_failed")
             elif not self.ready:
                 asm.drop_row(row, "value_warmup")
-            elif is_stale(asm.policy_version, [row.new_versions], limit):
-                asm.drop_row(row, "stale")
+            elif all_stale(asm.policy_version, row.new_versions, st.max_staleness_versions):
+                asm.drop_row(row, "stale")  # every token too old: nothing would be left to train
             else:
                 keep.append(row)
         if keep:
             values, value_version = await self.values([segment_row(r) for r in keep])
+            for row, v in zip(keep, values):
+                if row.sample_id not in self._finished:  # a later window's call may have ended it
+                    self._recorded[row.sample_id][len(row.prior_response_ids)] = np.asarray(
+                        v[: len(row.new_token_ids)], dtype=np.float32)
             trained = value_rows(keep, values, [outcomes.get(r.sample_id) if r.finished else None for r in keep],
-                                 self.settings, value_version)
+                                 st, value_version)
+            if st.window_training and self.nll_whole_response:
+                trained = widen_positive_rows(trained)
             self._ready_rows.extend(trained)
-            finished = [r.sample_id for r in keep if r.finished]
-            if finished:
-                asm.on_samples(finished, "awaiting_training", "")
+            done = [r.sample_id for r in keep if r.finished]
+            if done:
+                asm.on_samples(done, "awaiting_training", "")
             asm.counters["rows_ready"] += len(trained)
         await self._emit_ready_rows(asm)
+        trajectories = [self._trajectory(merged, reward) for merged, reward in finished]
+        for merged, _ in scored:
+            self._recorded.pop(merged.sample_id, None)
+            self._finished.add(merged.sample_id)
         # Last: a value learner behind the stream applies backpressure here (pending tasks then
         # throttle segment intake) without delaying the rows above.
         if trajectories:
             await self.trajectories.put(trajectories)
             asm.counters["trajectories_sent"] += len(trajectories)
+            asm.counters["trajectories_with_recorded_values"] += sum(t.values is not None for t in trajectories)
+
+    def _trajectory(self, merged: Segment, reward: Reward) -> ScoredTrajectory:
+        """What the value learner trains on: the shaped score (the reward the policy is trained
+        with) and the values recorded when its rows were valued, the anchor of the clipped value
+        loss (None when a window was never valued: warm-up, a stale window)."""
+        st = self.settings
+        n = len(merged.new_token_ids)
+        values = recorded_values(self._recorded.get(merged.sample_id, {}), n)
+        score = shaped_score(reward.score, n, st.max_response_tokens, st.overlong_buffer_tokens,
+                             st.overlong_penalty_factor)
+        return ScoredTrajectory(segment=merged, score=score, token_rewards=reward.token_rewards,
+                                correct=reward.correct, values=values)
 
     async def _emit_ready_rows(self, asm: Assembler) -> None:
         limit = self.settings.max_staleness_versions
         while (cut := cut_row_batch(self._ready_rows, self.rows_per_batch)) is not None:
             taken, self._ready_rows = self._ready_rows[:cut], self._ready_rows[cut:]
-            # The bound holds when the batch leaves (rows may have waited here for the N-th sample).
+            # The bound is applied again when the batch leaves (rows may have waited here for the
+            # N-th sample), and once more by the learner at its step.
+            masked, stale_stats = mask_stale_tokens(taken, asm.policy_version, limit)
             rows = []
-            for r in taken:
-                if is_stale(asm.policy_version, [r.segment.new_versions], limit):
+            for before, r in zip(taken, masked):
+                if has_trained_tokens(before) and not has_trained_tokens(r):
                     asm.drop_row(r.segment, "stale")
                 else:
                     rows.append(r)
@@ -231,14 +271,14 @@ class ValueEstimator:
                 rows = whiten_rows(rows, self.advantage_clamp, self._moments.mean, self._moments.var**0.5)
             elif self.advantage_clamp > 0:
                 rows = whiten_rows(rows, self.advantage_clamp, 0.0, 1.0)  # clamp only
-            finished = [r for r in rows if r.segment.finished]
+            done = [r for r in rows if r.segment.finished]
             await asm.emit(rows, {
-                "reward_mean": sum(r.score for r in finished) / max(len(finished), 1),
-                "accuracy": sum(bool(r.correct) for r in finished) / max(len(finished), 1),
-                "finished_row_fraction": len(finished) / len(rows),
-                "staleness_max": float(max_staleness(asm.policy_version, [r.segment.new_versions for r in rows])),
+                "reward_mean": sum(r.score for r in done) / max(len(done), 1),
+                "accuracy": sum(bool(r.correct) for r in done) / max(len(done), 1),
+                "finished_row_fraction": len(done) / len(rows),
+                "staleness_max_assembled": stale_stats["staleness_max"],
                 "value_version_min": float(min(r.value_version or 0 for r in rows)),
-            }, samples_emitted=len(finished))
+            }, samples_emitted=len(done))
 
     def stats(self) -> dict:
         return {"open_groups": 0, "ready_groups": 0, "ready_rows": len(self._ready_rows), "value_ready": self.ready}

@@ -48,21 +48,27 @@ def build_generator(model: ModelConfig, engine: EngineConfig, prompts: Mailbox, 
 
 
 def build_policy_learner(model: ModelConfig, algorithm: AlgorithmConfig, trainer: TrainerConfig,
-                         sampling_temperature: float, batches: Mailbox, run_dir: str = "",
+                         engine: EngineConfig, batches: Mailbox, run_dir: str = "",
                          max_steps: int = 0) -> PolicyLearner:
-    """`sampling_temperature`: the engine's, so the learner scores tokens under the distribution
-    they were sampled from."""
+    """`engine`: its sampling settings, so the learner scores tokens under the distribution they
+    were sampled from (and masks the positions whose distribution it cannot score)."""
     torch.manual_seed(trainer.seed)
     tokenizer = load_tokenizer(model)
-    a = algorithm
+    a, e = algorithm, engine
     settings = PolicyLossSettings(
         clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip, loss_agg=a.loss_agg,
-        kl_coef=a.kl_coef, entropy_coef=a.entropy_coef, temperature=sampling_temperature,
+        kl_coef=a.kl_coef, entropy_coef=a.entropy_coef, temperature=e.temperature,
         grad_clip=a.grad_clip, micro_batch_tokens=a.micro_batch_tokens, nll_coef=a.nll_coef,
+        norm_constant=float(a.loss_norm_tokens or e.max_response_tokens), ppo_epochs=a.ppo_epochs,
+        mini_batches=a.mini_batches, proximal_anchor=a.proximal_anchor, behaviour_weight_cap=a.behaviour_weight_cap,
+        kl_estimator=a.kl_estimator, top_k=e.top_k, top_p=e.top_p,
+        mask_first_token=e.first_token_temperature is not None,
+        long_tail=(e.long_tail_fraction, e.long_tail_tokens),
     )
     learner = PolicyLearner(load_model(model, tokenizer), settings, batches, a.lr, a.weight_decay, a.warmup_steps,
                             a.kl_coef, tokenizer.pad_token_id or 0, trainer.broadcast_bucket_mb << 20,
-                            notify_after_broadcast=trainer.synchronous, tokenizer=tokenizer)
+                            tokenizer=tokenizer,
+                            max_staleness_versions=a.max_staleness_versions)
     learner.run_dir = run_dir
     learner.checkpoint_every = trainer.checkpoint_every if run_dir else 0
     learner.checkpoint_keep = trainer.checkpoint_keep
@@ -104,11 +110,12 @@ def build_estimator(algorithm: AlgorithmConfig, engine: EngineConfig, prompts_pe
 
         return ValueEstimator(values=values, value_ready=value_ready, trajectories=trajectories, settings=settings,
                               rows_per_batch=prompts_per_step * a.group_size, whiten=a.whiten_advantages,
-                              advantage_clamp=a.advantage_clamp)
+                              advantage_clamp=a.advantage_clamp, nll_whole_response=a.nll_coef > 0)
     settings = AssemblySettings(
         dynamic_sampling=a.dynamic_sampling, scale_advantage_by_std=a.scale_advantage_by_std,
         max_staleness_versions=a.max_staleness_versions, overlong_buffer_tokens=a.overlong_buffer_tokens,
-        overlong_penalty_factor=a.overlong_penalty_factor, max_response_tokens=engine.max_response_tokens)
+        overlong_penalty_factor=a.overlong_penalty_factor, max_response_tokens=engine.max_response_tokens,
+        filter_metric=a.filter_metric)
     if kind is PairwiseEstimator:
         async def judge(pairs):
             return await router.compare(a.pairwise_endpoint, pairs)
@@ -280,20 +287,22 @@ class GeneratorActor(_LoopShell, _WeightGroupMember):
 
 
 class PolicyLearnerActor(_LoopShell, _WeightGroupMember):
-    """Edges: broadcasts to `generators`; tells `version_listeners` (assembler, prompt source) of
-    each version; reports trained samples to the `ledger`; asks `checkpoint_parts` (prompt source,
+    """Edges: broadcasts to `generators`; tells `version_listeners` (the assembler) of each version
+    and `delivered_listeners` (the prompt source's admission budget) of each version every generator
+    holds; reports trained samples to the `ledger`; asks `checkpoint_parts` (prompt source,
     value learner) to write their parts of each checkpoint."""
 
     def __init__(self, model: ModelConfig, algorithm: AlgorithmConfig, trainer: TrainerConfig,
-                 sampling_temperature: float, batches: Mailbox, generators: list, version_listeners: list[Any],
-                 ledger, checkpoint_parts: list[Any], run_dir: str = "", resume_from: str | None = None,
+                 engine: EngineConfig, batches: Mailbox, generators: list, version_listeners: list[Any],
+                 delivered_listeners: list[Any], ledger, checkpoint_parts: list[Any], run_dir: str = "", resume_from: str | None = None,
                  max_steps: int = 0):
         torch.set_num_threads(trainer.learner_threads)
-        self.inner = build_policy_learner(model, algorithm, trainer, sampling_temperature, batches, run_dir, max_steps)
+        self.inner = build_policy_learner(model, algorithm, trainer, engine, batches, run_dir, max_steps)
         if resume_from:
             self.inner.load_checkpoint(resume_from)
         self.inner.generators = generators
         self.inner.on_version = [_version_notice(listener) for listener in version_listeners]
+        self.inner.on_version_delivered = [_version_notice(listener) for listener in delivered_listeners]
 
         async def on_trained(ids):
             await ledger.record.remote(ids, "trained", "")

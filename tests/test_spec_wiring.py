@@ -1,0 +1,411 @@
+"""How the estimators are wired, against ALGORITHMS.md: each test here failed on the code before
+issue 19 and checks one departure (staleness at the learner, dynamic sampling without a correctness
+flag, the critic's return, NLL over every window, the learner's distribution, value clipping,
+several updates per batch, the Dr.GRPO constant, the pairwise path, the KL estimators)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from asyncrl.algo.losses import kl_penalty, ppo_policy_loss
+from asyncrl.algo.sampling import filtered_logprobs, step_logprobs
+from asyncrl.assembly import AssemblySettings, ValueAdvantageSettings, assemble_group, with_whole_response
+from asyncrl.config import ConfigError, ModelConfig, compose
+from asyncrl.learning import (PolicyLossSettings, ValueLossSettings, collate, policy_step, token_logprobs,
+                              value_step)
+from asyncrl.mailbox import InProcessMailbox
+from asyncrl.models import build_tiny_model, value_model_from_policy
+from asyncrl.roles.assembler import Assembler
+from asyncrl.roles.estimators import PairwiseEstimator, ValueEstimator
+from asyncrl.roles.policy_learner import PolicyLearner
+from asyncrl.schema import (FinishReason, Reward, ScoredTrajectory, Segment, TrainBatch, TrainSample, float32_array,
+                            int32_array)
+
+
+def segment(new, prior=(), finished=True, pid="p", idx=0, version=0, prior_version=None, group_size=1, seed=0,
+            logprobs=None):
+    n = len(new)
+    pv = version if prior_version is None else prior_version
+    return Segment(prompt_id=pid, sample_idx=idx, turn=1 if len(prior) else 0, group_id=pid, group_size=group_size,
+                   prompt_token_ids=int32_array([5, 6, 7]), prior_response_ids=int32_array(list(prior)),
+                   prior_versions=int32_array([pv] * len(prior)), new_token_ids=int32_array(new),
+                   new_logprobs=float32_array(logprobs if logprobs is not None else [-2.0] * n),
+                   new_versions=int32_array([version] * n), finished=finished, seed=seed,
+                   finish_reason=FinishReason.EOS if finished else FinishReason.WINDOW, ground_truth="7",
+                   data_source="tiny")
+
+
+def loss_settings(**overrides) -> PolicyLossSettings:
+    base = dict(clip_low=0.2, clip_high=0.28, dual_clip=None, loss_agg="token-mean", kl_coef=0.0, entropy_coef=0.0,
+                temperature=1.0, grad_clip=1e9, micro_batch_tokens=4096)
+    return PolicyLossSettings(**{**base, **overrides})
+
+
+def tiny_policy(seed=3):
+    return build_tiny_model(ModelConfig(source="tiny", seed=seed), 30)
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def same_grads(a, b) -> bool:
+    return a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-7) for k in a)
+
+
+GROUP = AssemblySettings(dynamic_sampling=True, scale_advantage_by_std=True, max_staleness_versions=4,
+                         overlong_buffer_tokens=0, overlong_penalty_factor=1.0, max_response_tokens=8)
+
+
+# --- 1. staleness is bounded where the batch is trained --------------------------------------------
+
+
+def test_the_learner_masks_tokens_too_stale_for_the_weights_it_trains():
+    """A batch assembled when it was fresh, trained after the learner moved on: the learner's own
+    check masks what is now too old, reports the staleness of what it trained, and a batch with
+    nothing left moves no weight (an Adam step on zero gradients would)."""
+    async def main():
+        model = tiny_policy()
+        learner = PolicyLearner(model, loss_settings(), InProcessMailbox(10), lr=1e-2, weight_decay=0.0,
+                                max_staleness_versions=2)
+        learner.version = learner.step = 10
+        old = TrainSample(segment=segment([20, 21, 22], version=7), score=1.0, advantages=float32_array([1.0] * 3))
+        fresh = TrainSample(segment=segment([23, 24], pid="q", version=9), score=1.0, advantages=float32_array([1.0] * 2))
+        record = await learner.train_on(TrainBatch(batch_id="b0", samples=[old, fresh], stats={"staleness_max_assembled": 1.0}))
+        assert record["staleness_max"] == 1 and record["stale_tokens_masked"] == 3 and record["tokens_trained"] == 2
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        record = await learner.train_on(TrainBatch(batch_id="b1", samples=[old], stats={}))
+        assert record["stale_tokens_masked"] == 3 and record["skipped_updates"] == 1
+        assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+        assert learner.counters["stale_tokens_masked"] == 6
+
+    asyncio.run(main())
+
+
+def test_a_long_response_loses_only_its_stale_windows_not_its_group():
+    """Dropping a group by its oldest token dropped long responses (made over more versions) more
+    often than short ones; now only the stale window of the long response leaves the loss."""
+    long = segment([1, 2, 3, 4], pid="g", idx=0, group_size=2)
+    long = Segment(**{**{f: getattr(long, f) for f in long.__struct_fields__},
+                      "new_versions": int32_array([1, 1, 6, 6])})
+    short = segment([7], pid="g", idx=1, group_size=2, version=6)
+    rewards = [Reward(prompt_id="g", sample_idx=i, score=float(i), correct=bool(i), source="t") for i in range(2)]
+    train, reason, stats = assemble_group([long, short], rewards, 6, GROUP)
+    assert reason is None and train[0].loss_mask.tolist() == [0, 0, 1, 1] and train[1].loss_mask is None
+    assert stats == {"staleness_max": 0.0, "stale_tokens_masked": 2.0}
+
+
+# --- 2. dynamic sampling and positives without a correctness flag -----------------------------------
+
+
+def test_dynamic_sampling_falls_back_to_the_score_without_a_correctness_flag():
+    """A Bradley-Terry model gives scores and no `correct`: None counted as wrong made every group
+    "no signal"."""
+    group = [segment([1], pid="bt", idx=i, group_size=3) for i in range(3)]
+    varied = [Reward(prompt_id="bt", sample_idx=i, score=s, source="bt") for i, s in enumerate([0.3, 1.2, -0.4])]
+    train, reason, _ = assemble_group(group, varied, 0, GROUP)
+    assert reason is None and len(train) == 3
+    flat = [Reward(prompt_id="bt", sample_idx=i, score=0.5, source="bt") for i in range(3)]
+    assert assemble_group(group, flat, 0, GROUP)[1] == "no_signal"
+    # metric=score: correctness all equal but the scores differ (partial credit): kept.
+    partial = [Reward(prompt_id="bt", sample_idx=i, score=s, correct=False, source="v") for i, s in enumerate([0, .5, 0])]
+    assert assemble_group(group, partial, 0, GROUP)[1] == "no_signal"
+    from dataclasses import replace
+    assert assemble_group(group, partial, 0, replace(GROUP, filter_metric="score"))[1] is None
+
+
+def test_positive_example_nll_counts_a_positive_score_when_correctness_is_unknown():
+    rows = [TrainSample(segment=segment([20, 21]), score=s, advantages=float32_array([0.0, 0.0]), correct=None)
+            for s in (0.8, -0.3)]
+    collated = collate(rows)
+    assert collated.nll_mask.sum(-1).tolist() == [2.0, 0.0]
+
+
+# --- 3. the critic learns the reward the policy is trained with ------------------------------------
+
+
+def value_estimator(settings: ValueAdvantageSettings, value_of=lambda row: 0.25, nll=False):
+    async def values(rows):
+        return [np.full(len(new) + 1, value_of(new), dtype=np.float32) for _, new in rows], 3
+
+    async def ready():
+        return True
+
+    return ValueEstimator(values=values, value_ready=ready, trajectories=InProcessMailbox(100), settings=settings,
+                          rows_per_batch=1, nll_whole_response=nll)
+
+
+def run_assembler(estimator, batches_of_segments, score=1.0, correct=True):
+    segments, batches = InProcessMailbox(100), InProcessMailbox(100)
+
+    async def scorer(requests):
+        return [Reward(prompt_id=r.prompt_id, sample_idx=r.sample_idx, score=score, correct=correct, source="t")
+                for r in requests]
+
+    async def main():
+        asm = Assembler(segments, batches, scorer, lambda ids: " ".join(map(str, ids)), estimator)
+        for group in batches_of_segments:
+            await segments.put(group)
+            for _ in range(3):
+                await asm.step(timeout=0.01)
+                await asyncio.sleep(0.01)
+        out = await batches.get(100, timeout=0.05)
+        trajectories = await estimator.trajectories.get(100, timeout=0.05)
+        return out, trajectories
+
+    return asyncio.run(main())
+
+
+TPPO = ValueAdvantageSettings(gamma=1.0, lam=1.0, length_adaptive_alpha=0.0, lambda_floor=False, edge_mask_tokens=0,
+                              window_training=True, window_tokens=2, max_staleness_versions=4,
+                              overlong_buffer_tokens=2, overlong_penalty_factor=1.0, max_response_tokens=4)
+
+
+def test_the_critic_learns_the_overlong_shaped_return():
+    """A 4-token response at L_max=4 with a 2-token buffer earns 1 - 1 = 0: the policy's row says so,
+    and so must the critic's target (T-PPO's early windows learn only through V)."""
+    first, last = segment([1, 2], finished=False), segment([3, 4], prior=[1, 2])
+    out, trajectories = run_assembler(value_estimator(TPPO), [[first], [last]])
+    finished_rows = [s for b in out for s in b.samples if s.segment.finished]
+    assert [r.score for r in finished_rows] == [0.0]
+    assert [t.score for t in trajectories] == [0.0]
+
+
+# --- 4. positive-example NLL over every window -------------------------------------------------------
+
+
+def test_a_correct_response_imitates_every_window_and_the_policy_loss_only_its_last():
+    first, last = segment([1, 2], finished=False), segment([3, 4], prior=[1, 2])
+    out, _ = run_assembler(value_estimator(TPPO, nll=True), [[first], [last]])
+    rows = {s.segment.finished: s for b in out for s in b.samples}
+    whole = rows[True]
+    assert whole.segment.new_token_ids.tolist() == [1, 2, 3, 4] and len(whole.segment.prior_response_ids) == 0
+    assert whole.loss_mask.tolist() == [0, 0, 1, 1] and whole.advantages[:2].tolist() == [0.0, 0.0]
+    collated = collate([whole])
+    assert collated.nll_mask.sum().item() == 4 and collated.response_mask.sum().item() == 2
+    # The learner's NLL moves with the first window's tokens (context before: no gradient there).
+    model = tiny_policy()
+    policy_step(model, torch.optim.SGD(model.parameters(), lr=0.0), [whole],
+                loss_settings(nll_coef=0.1))
+    with_all = model.lm_head.weight.grad[1].abs().sum().item()  # token 1 is in the first window only
+    model = tiny_policy()
+    last_window_only = TrainSample(segment=last, score=1.0, advantages=float32_array([0.0, 0.0]), correct=True)
+    policy_step(model, torch.optim.SGD(model.parameters(), lr=0.0), [last_window_only], loss_settings(nll_coef=0.1))
+    last_only = model.lm_head.weight.grad[1].abs().sum().item()
+    assert with_all > last_only
+    assert with_whole_response(TrainSample(segment=first, score=0.0, advantages=float32_array([0, 0]))).segment is first
+
+
+# --- 5. the learner scores the distribution the tokens were sampled from --------------------------
+
+
+def test_the_learner_scores_under_top_p_and_masks_fires_first_token():
+    torch.manual_seed(0)
+    model = tiny_policy()
+    ids = torch.tensor([[5, 6, 7, 20, 21, 22]])
+    logits = model(input_ids=ids).logits[0].detach()
+    positions = torch.arange(6)
+    behaviour = step_logprobs(logits, positions, temperature=1.0, top_p=0.7)
+    targets = torch.tensor([[6, 7, 20, 21, 22, 0]])
+    sampled = behaviour.gather(-1, targets[0][:, None]).squeeze(-1)
+    keep = torch.isfinite(sampled)
+    learner, _ = token_logprobs(model, ids, torch.ones_like(ids), targets, 1.0, top_p=0.7)
+    np.testing.assert_allclose(learner[0][keep].detach().numpy(), sampled[keep].numpy(), atol=1e-5)
+    full, _ = token_logprobs(model, ids, torch.ones_like(ids), targets, 1.0)
+    assert bool((full[0][keep] < sampled[keep] - 1e-3).any())  # what the learner scored before: ratio != 1
+    assert bool((learner[0][~keep] == -1e4).all()) if bool((~keep).any()) else True
+    # FIRE: the hot first token is left out of the policy loss, later ones are not.
+    row = TrainSample(segment=segment([20, 21, 22]), score=1.0, advantages=float32_array([1.0] * 3))
+    assert collate([row], settings=loss_settings(mask_first_token=True)).response_mask.sum().item() == 2
+    window2 = TrainSample(segment=segment([23], prior=[20, 21, 22]), score=1.0, advantages=float32_array([1.0]))
+    assert collate([window2], settings=loss_settings(mask_first_token=True)).response_mask.sum().item() == 1
+    assert filtered_logprobs(logits, 1.0, 0, 0.7).shape == logits.shape
+    # The long-tail workload held EOS back before 3 tokens for every sample (fraction 1): the first
+    # three positions were sampled without EOS, the learner scores with it, so they are left out.
+    held = collate([row, window2], settings=loss_settings(long_tail=(1.0, 3)))
+    assert held.response_mask.sum(-1).tolist() == [0.0, 1.0]
+
+
+def test_at_step_zero_every_ratio_is_one_under_the_engines_own_sampling():
+    """Tokens generated by the real engine with top-p 0.8 and trained at once: no ratio may move off
+    1 (before, every negative-advantage token fell outside the clip)."""
+    from asyncrl.engines.base import SamplingParams, SequenceInput
+    from asyncrl.engines.torch_engine import TorchEngine
+
+    model = tiny_policy()
+    engine = TorchEngine(model, eos_token_ids=[2], pad_token_id=0)
+    params = SamplingParams(temperature=1.0, top_p=0.8)
+    out = engine.generate_window_sync([SequenceInput(prompt_ids=int32_array([5, 6, 7]), response_ids=int32_array([]),
+                                                     seed=11, max_response_tokens=12)], 12, params)[0]
+    row = TrainSample(segment=segment(out.token_ids.tolist(), logprobs=out.logprobs.tolist(), finished=True),
+                      score=-1.0, advantages=float32_array([-1.0] * len(out.token_ids)))
+    metrics = policy_step(model, torch.optim.SGD(model.parameters(), lr=0.0), [row], loss_settings(top_p=0.8))
+    assert metrics["clip_fraction"] == 0.0 and metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+
+
+# --- 6. value clipping around the recorded values ---------------------------------------------------
+
+
+def test_value_clipping_acts_around_the_values_recorded_at_scoring():
+    windows = segment([20, 21, 22, 23])
+    settings = ValueLossSettings(gamma=1.0, lam=1.0, clip_low=0.5, clip_high=0.6, grad_clip=1e9, micro_batch_tokens=4096)
+
+    def value_grads(trajectory, clip=True):
+        torch.manual_seed(0)
+        value_model = value_model_from_policy(tiny_policy())
+        s = settings if clip else ValueLossSettings(**{**settings.__dict__, "clip_low": None, "clip_high": None})
+        metrics = value_step(value_model, torch.optim.SGD(value_model.parameters(), lr=0.0), [trajectory], s)
+        return grads(value_model), metrics
+
+    plain, _ = value_grads(ScoredTrajectory(segment=windows, score=1.0), clip=False)
+    unrecorded, _ = value_grads(ScoredTrajectory(segment=windows, score=1.0))
+    assert same_grads(plain, unrecorded)  # clip around the pre-step values: the plain squared error
+    # Recorded 2.0 above the current values (0, zero head): the clipped branch is larger, and wins.
+    recorded = ScoredTrajectory(segment=windows, score=1.0, values=float32_array([-2.0] * 4))
+    clipped, metrics = value_grads(recorded)
+    assert not same_grads(plain, clipped)
+    assert metrics["value_clip_fraction"] == 1.0 and metrics["value_anchor_recorded_fraction"] == 1.0
+
+
+def test_trajectories_carry_the_values_their_windows_were_valued_with():
+    first, last = segment([1, 2], finished=False), segment([3, 4], prior=[1, 2])
+    estimator = value_estimator(TPPO, value_of=lambda new: float(new[0]))
+    _, trajectories = run_assembler(estimator, [[first], [last]])
+    assert trajectories[0].values.tolist() == [1.0, 1.0, 3.0, 3.0]
+    assert not estimator._recorded  # nothing kept after the response finished
+
+
+# --- 7. several updates per batch, clipped around the proximal policy -------------------------------
+
+
+def test_decoupled_loss_hand_values():
+    """ρ = π_θ/π_prox is clipped; the token is weighted by π_prox/π_behav (capped)."""
+    logp = torch.log(torch.tensor([[1.5, 0.5, 1.0]]))
+    prox = torch.zeros(1, 3)
+    old = torch.log(torch.tensor([[0.5, 2.0, 0.01]]))  # weights 2, 0.5, 100 -> capped at 5
+    adv = torch.tensor([[1.0, -1.0, 1.0]])
+    loss, metrics = ppo_policy_loss(logp, old, adv, torch.ones(1, 3), 0.2, 0.28, proximal_logp=prox,
+                                    behaviour_weight_cap=5.0)
+    # per token: -1·min(1.5, 1.28)·2 = -2.56; max(0.5, 0.8)·0.5 = 0.4; -1·1·5 = -5
+    assert loss.item() == pytest.approx((-2.56 + 0.4 - 5.0) / 3, abs=1e-5)
+    assert metrics["behaviour_weight_mean"] == pytest.approx((2 + 0.5 + 5) / 3, rel=1e-5)
+    plain, _ = ppo_policy_loss(logp, prox, adv, torch.ones(1, 3), 0.2, 0.28)
+    same, _ = ppo_policy_loss(logp, prox, adv, torch.ones(1, 3), 0.2, 0.28, proximal_logp=prox)
+    assert same.item() == pytest.approx(plain.item())  # π_prox = π_behav: the plain loss
+
+
+def test_epochs_and_mini_batches_take_several_updates_and_the_clip_engages():
+    rng = np.random.default_rng(0)
+    rows = [TrainSample(segment=segment(rng.integers(3, 30, 6).tolist(), pid=f"p{i}"), score=1.0,
+                        advantages=float32_array([1.0 if i % 2 else -1.0] * 6)) for i in range(8)]
+    model = tiny_policy()
+    # Behaviour log-probs = the current policy's, so the first update starts at ratio 1.
+    collated = collate(rows)
+    with torch.no_grad():
+        logp, _ = token_logprobs(model, collated.input_ids, collated.attention_mask, collated.targets, 1.0)
+    rows = [TrainSample(segment=segment(r.segment.new_token_ids.tolist(), pid=r.segment.prompt_id,
+                                        logprobs=logp[i, 2:8].tolist()), score=1.0, advantages=r.advantages)
+            for i, r in enumerate(rows)]
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-2)
+    metrics = policy_step(model, optimizer, rows, loss_settings(ppo_epochs=2, mini_batches=2))
+    assert metrics["policy_updates"] == 4
+    assert next(iter(optimizer.state.values()))["step"] == 4
+    assert metrics["approx_kl_first_update"] == pytest.approx(0.0, abs=1e-5)
+    assert metrics["clip_fraction_last_update"] > 0  # the trust region at work within the batch
+
+
+# --- 9. the Dr.GRPO constant ----------------------------------------------------------------------
+
+
+def test_seq_mean_token_sum_norm_divides_by_a_fixed_length():
+    """A longer row with zero advantage in the batch must not rescale the others' gradient."""
+    short = TrainSample(segment=segment([20, 21]), score=1.0, advantages=float32_array([1.0, 1.0]))
+    longer = TrainSample(segment=segment(list(range(8, 20)), pid="q"), score=0.0, advantages=float32_array([0.0] * 12))
+
+    def step(rows):
+        model = tiny_policy()
+        policy_step(model, torch.optim.SGD(model.parameters(), lr=0.0), rows,
+                    loss_settings(loss_agg="seq-mean-token-sum-norm", norm_constant=16.0))
+        return grads(model)
+
+    assert same_grads(step([short]), step([short, longer]))
+
+
+# --- 10. smaller departures ------------------------------------------------------------------------
+
+
+def test_pairwise_advantages_carry_the_overlong_penalty():
+    from dataclasses import replace
+
+    settings = replace(GROUP, overlong_buffer_tokens=4, dynamic_sampling=False)
+    group = [segment([1] * 8, pid="pw", idx=0, group_size=2), segment([1] * 2, pid="pw", idx=1, group_size=2)]
+    rewards = [Reward(prompt_id="pw", sample_idx=i, score=0.0, correct=False, source="t") for i in range(2)]
+    train, _, _ = assemble_group(group, rewards, 0, settings, advantages_override=[0.0, 0.0])
+    assert train[0].advantages[0] == pytest.approx(-1.0) and train[1].advantages[0] == 0.0
+
+
+def test_a_failed_judgement_drops_the_group_instead_of_a_neutral_tie():
+    async def judge(pairs):
+        return [{"p_first": 0.5, "consistent": True, "failed": i == 0} for i, _ in enumerate(pairs)]
+
+    estimator = PairwiseEstimator(GROUP, 1, judge=judge)
+    group = [segment([1], pid="j", idx=i, group_size=2) for i in range(2)]
+    out, _ = run_assembler_group(estimator, group)
+    assert out == [] and estimator._groups == {}
+
+
+def run_assembler_group(estimator, group):
+    segments, batches, events = InProcessMailbox(100), InProcessMailbox(100), []
+
+    async def scorer(requests):
+        return [Reward(prompt_id=r.prompt_id, sample_idx=r.sample_idx, score=float(r.sample_idx), correct=bool(r.sample_idx),
+                       source="t") for r in requests]
+
+    async def main():
+        asm = Assembler(segments, batches, scorer, lambda ids: " ".join(map(str, ids)), estimator,
+                        on_samples=lambda ids, state, reason: events.append((state, reason)))
+        await segments.put(group)
+        for _ in range(3):
+            await asm.step(timeout=0.01)
+            await asyncio.sleep(0.01)
+        assert ("dropped", "reward_failed") in events
+        return await batches.get(100, timeout=0.05), events
+
+    return asyncio.run(main())
+
+
+def test_the_reference_anchor_is_a_response_not_a_bare_answer():
+    from asyncrl.tasks import reference_response
+
+    assert reference_response("arithmetic", "42") == "The answer is \\boxed{42}."
+    assert reference_response("tiny", "7") == "7"
+
+
+def test_kl_estimators_are_selectable():
+    logp, ref = torch.tensor([-1.0]), torch.tensor([-1.5])
+    assert kl_penalty(logp, ref, "k1").item() == pytest.approx(0.5)
+    assert kl_penalty(logp, ref, "k2").item() == pytest.approx(0.125)
+    assert kl_penalty(logp, ref, "low_var_kl").item() == pytest.approx(np.exp(-0.5) + 0.5 - 1)
+    assert compose(["algorithm.kl_estimator=k2"]).algorithm.kl_estimator == "k2"
+    with pytest.raises(ConfigError, match="kl_estimator"):
+        compose(["algorithm.kl_estimator=k4"])
+
+
+def test_tppo_refuses_process_rewards_it_cannot_credit():
+    with pytest.raises(ConfigError, match="process rewards"):
+        compose(["algorithm=tppo", "+reward.endpoints.prm={kind: prm}",
+                 "reward.routes=[{match: '*', endpoints: [verifier], dense: [prm]}]"])
+
+
+def test_vapo_lambda_is_scaled_to_the_embedded_response_length():
+    """α=0.05 was the paper's for responses of thousands of tokens; at 64 it gave λ = 0 up to 20
+    tokens. The config keeps λ ≥ 0.95 from 20 tokens on, as the paper's λ is from 400."""
+    from asyncrl.algo.advantages import length_adaptive_lambda
+
+    config = compose(["algorithm=vapo"])
+    lam = length_adaptive_lambda(torch.tensor([20.0, 64.0]), config.algorithm.length_adaptive_alpha)
+    assert lam[0].item() >= 0.95 - 1e-9 and lam[1].item() > lam[0].item()
