@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from asyncrl.algo.advantages import grpo_advantages, masked_whiten
-from asyncrl.algo.shaping import filter_metric, group_has_signal, is_positive, overlong_penalty
+from asyncrl.algo.shaping import filter_metric, group_has_signal, is_positive, kl_reward, overlong_penalty
 from asyncrl.schema import Reward, Segment, TrainSample
 from asyncrl.staleness import has_trained_tokens, mask_stale_tokens
 
@@ -144,6 +144,25 @@ class ValueAdvantageSettings:
 
 
 @dataclass(frozen=True)
+class KLRewardSettings:
+    """The PPO baseline's KL penalty in the token rewards (`asyncrl.algo.shaping.kl_reward`)."""
+
+    coef: float
+    estimator: str
+    skip_first_token: bool = False  # FIRE: the first token was drawn at the hot temperature, not π_old
+
+
+def kl_rewards(segment: Segment, reference_logp: np.ndarray, settings: KLRewardSettings) -> np.ndarray:
+    """`−β·KL_t` for each new token of a row, from its behaviour log-probs and the reference's
+    (0 where the behaviour distribution was not the policy's: FIRE's first token)."""
+    out = kl_reward(torch.from_numpy(segment.new_logprobs.astype(np.float64)),
+                    torch.from_numpy(np.asarray(reference_logp, dtype=np.float64)), settings.coef, settings.estimator)
+    if settings.skip_first_token and len(segment.prior_response_ids) == 0 and len(out):
+        out[0] = 0.0
+    return out.numpy().astype(np.float32)
+
+
+@dataclass(frozen=True)
 class Outcome:
     """The reward of a finished response, for its last row."""
 
@@ -166,9 +185,11 @@ def cut_row_batch(rows: list[TrainSample], finished_per_batch: int) -> int | Non
 
 
 def value_rows(rows: list[Segment], values: list[np.ndarray], outcomes: list[Outcome | None],
-               settings: ValueAdvantageSettings, value_version: int | None = None) -> list[TrainSample]:
+               settings: ValueAdvantageSettings, value_version: int | None = None,
+               token_rewards_extra: list[np.ndarray] | None = None) -> list[TrainSample]:
     """Policy rows with (E)GAE advantages. `values[i]` holds `V(s_t)` for each of row i's n new
     tokens plus `V(s_n)`, the state after its last token (`predict_values(..., with_next=True)`).
+    `token_rewards_extra[i]` (n per row) are added to every row's token rewards (the KL penalty).
 
     A finished row (the last window, or a whole response) carries its outcome on the last token and
     is plain GAE; an unfinished window (T-PPO) bootstraps with its last value, and its last
@@ -195,6 +216,8 @@ def value_rows(rows: list[Segment], values: list[np.ndarray], outcomes: list[Out
         mask[i, :n] = 1.0
         value_t[i, :n] = torch.from_numpy(np.asarray(v[:n], dtype=np.float64))
         next_values[i] = float(v[n])
+        if token_rewards_extra is not None:
+            token_rewards[i, :n] += torch.from_numpy(np.asarray(token_rewards_extra[i], dtype=np.float64))
         score = 0.0
         if row.finished:
             if outcome is None:

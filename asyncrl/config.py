@@ -82,9 +82,14 @@ class AlgorithmConfig:
     loss_agg: str = "token-mean"
     """token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm."""
     kl_coef: float = 0.0
-    """Weight of a KL-to-reference loss term; 0 = no reference model."""
+    """Weight β of the KL to the reference (initial) policy: a loss term, or with `kl_in_reward` a
+    per-token reward penalty; 0 = no reference model."""
     kl_estimator: str = "low_var_kl"
     """k1 | k2 | low_var_kl (k3, Schulman's unbiased low-variance estimator; GRPO's)."""
+    kl_in_reward: bool = False
+    """PPO baseline (ALGORITHMS.md §1, verl `use_kl_in_reward`): put `−kl_coef·KL_t` into each
+    token's reward before GAE (and into the critic's return) instead of a KL loss term. The value
+    learner holds the reference policy and scores each row's tokens. Needs estimator=gae."""
     ppo_epochs: int = 1
     """Passes over each batch (each pass takes `mini_batches` optimizer updates)."""
     mini_batches: int = 1
@@ -599,6 +604,8 @@ def validate(config: Config) -> None:
         (a.egae_bootstrap in ("previous", "next"), "algorithm.egae_bootstrap must be previous or next"),
         (a.filter_metric in FILTER_METRICS, f"algorithm.filter_metric must be one of {FILTER_METRICS}"),
         (a.kl_estimator in KL_ESTIMATORS, f"algorithm.kl_estimator must be one of {KL_ESTIMATORS}"),
+        (not a.kl_in_reward or (a.estimator == "gae" and a.kl_coef > 0),
+         "algorithm.kl_in_reward needs algorithm.estimator=gae (token rewards feed GAE) and algorithm.kl_coef > 0"),
         (not a.window_training or not any(route.dense for route in config.reward.routes),
          "process rewards (reward.routes[*].dense) cannot train T-PPO's windows: a process reward model "
          "scores a finished response, after its earlier windows were trained; use algorithm=vapo or ppo "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -362,31 +363,54 @@ def trajectory_rewards(trajectory: ScoredTrajectory) -> np.ndarray:
     return rewards
 
 
+def length_sorted_chunks(rows: list[tuple[np.ndarray, np.ndarray]], max_tokens: int) -> Iterator[list[int]]:
+    """Indices of `rows` (context, new) in length order, in chunks whose padded token count stays
+    under `max_tokens` (at least one row each): inference over many rows with little padding."""
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]) + len(rows[i][1]))
+    start = 0
+    while start < len(order):
+        end, longest = start, 0
+        while end < len(order):
+            length = len(rows[order[end]][0]) + len(rows[order[end]][1])
+            if end > start and max(longest, length) * (end - start + 1) > max_tokens:
+                break
+            longest = max(longest, length)
+            end += 1
+        yield order[start:end]
+        start = end
+
+
 def predict_values(value_model, rows: list[tuple[np.ndarray, np.ndarray]], pad_token_id: int = 0,
                    max_tokens: int = 4096, with_next: bool = False) -> list[np.ndarray]:
     """`V(s_t)` for each new token of each (context, new) row: the state before the token. With
     `with_next`, one more value per row: the state after its last token."""
-    order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]) + len(rows[i][1]))
     by_index: dict[int, np.ndarray] = {}
     with torch.no_grad():
-        start = 0
-        while start < len(order):
-            # Length-sorted chunks bounded by padded tokens.
-            end, longest = start, 0
-            while end < len(order):
-                length = len(rows[order[end]][0]) + len(rows[order[end]][1])
-                if end > start and max(longest, length) * (end - start + 1) > max_tokens:
-                    break
-                longest = max(longest, length)
-                end += 1
-            chunk = order[start:end]
+        for chunk in length_sorted_chunks(rows, max_tokens):
             layout = layout_rows([rows[i] for i in chunk], pad_token_id)
             values = value_model(layout.input_ids, layout.attention_mask)
             for j, i in enumerate(chunk):
                 sl = layout.slices[j]
                 stop = sl.stop + 1 if with_next else sl.stop
                 by_index[i] = values[j, sl.start : stop].float().numpy().copy()
-            start = end
+    return [by_index[i] for i in range(len(rows))]
+
+
+def response_logprobs(model, rows: list[tuple[np.ndarray, np.ndarray]], temperature: float, top_k: int = 0,
+                      top_p: float = 1.0, pad_token_id: int = 0, max_tokens: int = 4096) -> list[np.ndarray]:
+    """log π(new token | context) for each new token of each (context, new) row, under the sampling
+    distribution (`token_logprobs`): e.g. the reference policy's for a KL penalty."""
+    by_index: dict[int, np.ndarray] = {}
+    with torch.no_grad():
+        for chunk in length_sorted_chunks(rows, max_tokens):
+            layout = layout_rows([rows[i] for i in chunk], pad_token_id)
+            new = [rows[i][1] for i in chunk]
+            targets = layout.place(new, torch.long)
+            positions = layout.place([np.ones(len(n), dtype=np.float32) for n in new]) > 0
+            logp, _ = token_logprobs(model, layout.input_ids, layout.attention_mask, targets, temperature,
+                                     positions=positions, top_k=top_k, top_p=top_p)
+            for j, i in enumerate(chunk):
+                by_index[i] = logp[j, layout.slices[j]].float().numpy().copy()
     return [by_index[i] for i in range(len(rows))]
 
 

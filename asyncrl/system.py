@@ -92,8 +92,8 @@ class TrainingSystem:
         # 3. Roles. Prompt source: dataset cursor, admission budget, ledger of every sample.
         prompt_source = _spawn(PromptSourceActor, cfg.model, cfg.task, cfg.algorithm, tr, prompts)
         # Value learner (value-based estimators): trains on `trajectories`, answers value requests.
-        value_learner = (_spawn(ValueLearnerActor, cfg.model, cfg.critic, cfg.algorithm.gamma, tr.seed, trajectories,
-                                resume and resume.checkpoint) if value_based else None)
+        value_learner = (_spawn(ValueLearnerActor, cfg.model, cfg.critic, cfg.algorithm, cfg.engine, tr.seed,
+                                trajectories, resume and resume.checkpoint) if value_based else None)
         # Assembler: `segments` -> rewards (router) -> estimator -> `batches` (and `trajectories`);
         # reports every sample's fate to the ledger (prompt source); asks the value learner for values.
         assembler = _spawn(AssemblerActor, cfg.model, cfg.algorithm, cfg.engine, cfg.reward, tr.prompts_per_step,

@@ -25,8 +25,9 @@ from asyncrl.serve_app import deploy_declaratively, reward_app_config
 from asyncrl.weight_sync import free_port
 
 # critic.warmup_steps=1: the policy trains only after a value step, so every record carries value metrics.
+# The KL to the reference is in the reward (the PPO baseline): the value learner scores the reference.
 OVERRIDES = ("model=tiny task=tiny algorithm=ppo critic.warmup_steps=1 trainer.wandb_mode=disabled "
-             "trainer.checkpoint_every=0")
+             "trainer.checkpoint_every=0 algorithm.kl_in_reward=true algorithm.kl_coef=0.05")
 ADMIN_TOKEN = "test-admin-token"
 APPS = {"train": "/train", "policy": "/v1", "reward-verifier": "/reward/verifier"}
 EXAMPLES = 8  # fuzzed examples per operation and generation mode (CI time); raise it for a deeper run
@@ -143,6 +144,9 @@ def test_serve_train_app_and_asyncrl_train_write_the_same_records(apps, cli_run)
     assert set(served[-1]) == set(cli[-1]), set(served[-1]) ^ set(cli[-1])
     assert set(RUN_FIELDS) <= set(served[-1])
     assert {"value_loss", "value_explained_variance", "value_step"} <= set(served[-1])
+    # The KL to the reference entered the token rewards (k3 >= 0, so the reward is <= 0), both ways.
+    assert all(r["kl_reward_token_mean"] <= 0.0 for r in cli + served)
+    assert summary["final_status"]["value_learner"]["rows_referenced"] > 0
     # The status page shows what `asyncrl train`'s summary holds (less the per-generator list).
     status = httpx.get(f"{apps}/train/status", timeout=30).json()
     final = {k for k in summary["final_status"] if k != "generators"}

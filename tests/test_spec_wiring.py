@@ -409,3 +409,62 @@ def test_vapo_lambda_is_scaled_to_the_embedded_response_length():
     config = compose(["algorithm=vapo"])
     lam = length_adaptive_lambda(torch.tensor([20.0, 64.0]), config.algorithm.length_adaptive_alpha)
     assert lam[0].item() >= 0.95 - 1e-9 and lam[1].item() > lam[0].item()
+
+
+# --- 10. the PPO baseline's KL in the reward ---------------------------------------------------------
+
+
+def test_kl_reward_hand_values_and_it_enters_gae_and_the_critics_return():
+    from asyncrl.algo.shaping import kl_reward
+    from asyncrl.assembly import KLRewardSettings, kl_rewards, value_rows
+
+    # k1: KL_t = log π_old − log π_ref = [0.5, −1.0]; r_t = −0.1·KL_t = [−0.05, 0.1].
+    out = kl_reward(torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -1.0]), 0.1, "k1")
+    assert out.tolist() == pytest.approx([-0.05, 0.1])
+    # FIRE's hot first token is not π_old's: no KL reward there.
+    row = segment([4, 5], logprobs=[-1.0, -2.0])
+    fire = kl_rewards(row, np.array([-1.5, -1.0]), KLRewardSettings(0.1, "k1", skip_first_token=True))
+    assert fire.tolist() == pytest.approx([0.0, 0.1])
+    # GAE with γ = λ = 1 and V ≡ 0: each advantage is the sum of the rewards to come, R = 1 included.
+    settings = ValueAdvantageSettings(gamma=1.0, lam=1.0, length_adaptive_alpha=0.0, lambda_floor=False,
+                                      edge_mask_tokens=0, window_training=False, window_tokens=8,
+                                      max_staleness_versions=4)
+    kl = kl_rewards(row, np.array([-1.5, -1.0]), KLRewardSettings(0.1, "k1"))
+    from asyncrl.assembly import Outcome
+    trained = value_rows([row], [np.zeros(3, dtype=np.float32)], [Outcome(1.0, True)], settings, 0, [kl])
+    assert trained[0].advantages.tolist() == pytest.approx([-0.05 + 0.1 + 1.0, 0.1 + 1.0])
+
+    # Through the estimator: rows and the critic's trajectory carry the same KL rewards.
+    async def reference(rows):
+        return [np.full(len(new), -1.5, dtype=np.float32) for _, new in rows]
+
+    estimator = value_estimator(settings)
+    estimator.reference_logprobs, estimator.kl = reference, KLRewardSettings(0.1, "k1")
+    out, trajectories = run_assembler(estimator, [[segment([4, 5], logprobs=[-1.0, -2.0])]])
+    expected = [-0.05, 0.05]  # KL = [0.5, −0.5]
+    assert trajectories[0].token_rewards.tolist() == pytest.approx(expected)
+    v = 0.25  # value_estimator's constant V: the advantages are rewards-to-go minus V
+    assert out[0].samples[0].advantages.tolist() == pytest.approx([-0.05 + 0.05 + 1.0 - v, 0.05 + 1.0 - v])
+
+
+def test_the_value_learner_scores_the_reference_under_the_samplers_distribution():
+    """A reference equal to the behaviour policy: KL 0 on tokens the real engine sampled under top-p."""
+    from asyncrl.engines.base import SamplingParams, SequenceInput
+    from asyncrl.engines.torch_engine import TorchEngine
+    from asyncrl.roles.value_learner import ValueLearner
+    from asyncrl.assembly import KLRewardSettings, kl_rewards
+
+    params = SamplingParams(temperature=0.7, top_p=0.8)
+    engine = TorchEngine(tiny_policy(), eos_token_ids=[2], pad_token_id=0)
+    out = engine.generate_window_sync([SequenceInput(prompt_ids=int32_array([5, 6, 7]), response_ids=int32_array([]),
+                                                     seed=3, max_response_tokens=10)], 10, params)[0]
+    settings = ValueLossSettings(gamma=1.0, lam=1.0, clip_low=None, clip_high=None, grad_clip=1.0, micro_batch_tokens=64)
+    learner = ValueLearner(value_model_from_policy(tiny_policy()), InProcessMailbox(4), settings, 1e-3, 0.0, 1,
+                           reference=tiny_policy(), sampling=params)
+    row = segment(out.token_ids.tolist(), logprobs=out.logprobs.tolist())
+    (reference,) = asyncio.run(learner.reference_logprobs([(row.prompt_token_ids, row.new_token_ids)]))
+    np.testing.assert_allclose(reference, out.logprobs, atol=1e-4)
+    assert np.abs(kl_rewards(row, reference, KLRewardSettings(0.5, "k1"))).max() < 1e-4
+    with pytest.raises(ConfigError, match="kl_in_reward"):
+        compose(["algorithm=grpo", "algorithm.kl_in_reward=true", "algorithm.kl_coef=0.01"])
+    assert compose(["algorithm=ppo", "algorithm.kl_in_reward=true", "algorithm.kl_coef=0.05"]).algorithm.kl_in_reward

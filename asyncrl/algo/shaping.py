@@ -20,6 +20,17 @@ def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer_tokens: int,
     return torch.clamp(penalty, min=-1.0, max=0.0) * factor
 
 
+def kl_reward(behaviour_logp: torch.Tensor, reference_logp: torch.Tensor, coef: float,
+              estimator: str = "k1") -> torch.Tensor:
+    """The PPO baseline's per-token KL penalty as a reward (ALGORITHMS.md §1; verl `compute_rewards`
+    with `use_kl_in_reward`): `r_t = −β·KL_t` with `KL_t` estimated from the behaviour log-prob
+    `log π_old(a_t|s_t)` and the reference's (`k1`: `log π_old − log π_ref`). Added to the outcome
+    and process rewards before (E)GAE, and to the return the critic learns."""
+    from asyncrl.algo.losses import kl_penalty
+
+    return -coef * kl_penalty(behaviour_logp, reference_logp, estimator)
+
+
 def group_has_signal(scores: torch.Tensor) -> bool:
     """DAPO dynamic sampling keeps a group if its rewards are not all equal (or it has one member)."""
     return scores.numel() == 1 or bool((scores != scores[0]).any())

@@ -15,15 +15,16 @@ back into it to count, drop and emit; the maths are the pure functions of `async
 
 from __future__ import annotations
 
+import asyncio
 import collections
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, ClassVar, Protocol
 
 import numpy as np
 
-from asyncrl.assembly import (AssemblySettings, Outcome, RunningMoments, ValueAdvantageSettings, assemble_group,
-                              cut_row_batch, recorded_values, shaped_score, value_rows, whiten_rows,
-                              widen_positive_rows)
+from asyncrl.assembly import (AssemblySettings, KLRewardSettings, Outcome, RunningMoments, ValueAdvantageSettings,
+                              assemble_group, cut_row_batch, kl_rewards, recorded_values, shaped_score, value_rows,
+                              whiten_rows, widen_positive_rows)
 from asyncrl.mailbox import Mailbox, RecentIds
 from asyncrl.tasks import reference_response
 from asyncrl.schema import PairRequest, Reward, RewardRequest, ScoredTrajectory, Segment, TrainSample, segment_row
@@ -31,6 +32,7 @@ from asyncrl.staleness import all_stale, has_trained_tokens, mask_stale_tokens
 
 Scored = list[tuple[Segment, RewardRequest]]
 ValuesFn = Callable[[list[tuple[np.ndarray, np.ndarray]]], Awaitable[tuple[list[np.ndarray], int]]]
+LogprobsFn = Callable[[list[tuple[np.ndarray, np.ndarray]]], Awaitable[list[np.ndarray]]]
 JudgeFn = Callable[[list[PairRequest]], Awaitable[list[dict]]]
 
 
@@ -171,6 +173,9 @@ class ValueEstimator:
     whiten: bool = False
     advantage_clamp: float = 0.0
     nll_whole_response: bool = False  # T-PPO with positive-example NLL: last rows carry the whole response
+    # KL in the reward (the PPO baseline): the reference's log-probs of rows' tokens, and β.
+    reference_logprobs: LogprobsFn | None = None
+    kl: KLRewardSettings | None = None
     needs_value_learner: ClassVar[bool] = True
     ready: bool = False
     _ready_rows: list[TrainSample] = field(default_factory=list)
@@ -178,6 +183,9 @@ class ValueEstimator:
     # Values of each in-flight sample's valued windows, by response offset (the critic's clip anchor).
     _recorded: dict[str, dict[int, np.ndarray]] = field(default_factory=lambda: collections.defaultdict(dict))
     _finished: RecentIds = field(default_factory=RecentIds)  # samples whose recorded values were used
+    # The KL rewards of each in-flight sample's valued windows, by response offset (the critic's return).
+    _recorded_kl: dict[str, dict[int, np.ndarray]] = field(default_factory=lambda: collections.defaultdict(dict))
+    _kl_since_batch: list[float] = field(default_factory=lambda: [0.0, 0])  # KL reward sum, tokens
 
     @property
     def window_rows(self) -> bool:
@@ -213,13 +221,16 @@ class ValueEstimator:
             else:
                 keep.append(row)
         if keep:
-            values, value_version = await self.values([segment_row(r) for r in keep])
-            for row, v in zip(keep, values):
+            (values, value_version), kl = await asyncio.gather(self.values([segment_row(r) for r in keep]),
+                                                                self._kl_rewards(keep))
+            for i, (row, v) in enumerate(zip(keep, values)):
                 if row.sample_id not in self._finished:  # a later window's call may have ended it
-                    self._recorded[row.sample_id][len(row.prior_response_ids)] = np.asarray(
-                        v[: len(row.new_token_ids)], dtype=np.float32)
+                    offset = len(row.prior_response_ids)
+                    self._recorded[row.sample_id][offset] = np.asarray(v[: len(row.new_token_ids)], dtype=np.float32)
+                    if kl is not None:
+                        self._recorded_kl[row.sample_id][offset] = kl[i]
             trained = value_rows(keep, values, [outcomes.get(r.sample_id) if r.finished else None for r in keep],
-                                 st, value_version)
+                                 st, value_version, kl)
             if st.window_training and self.nll_whole_response:
                 trained = widen_positive_rows(trained)
             self._ready_rows.extend(trained)
@@ -228,9 +239,10 @@ class ValueEstimator:
                 asm.on_samples(done, "awaiting_training", "")
             asm.counters["rows_ready"] += len(trained)
         await self._emit_ready_rows(asm)
-        trajectories = [self._trajectory(merged, reward) for merged, reward in finished]
+        trajectories = [await self._trajectory(merged, reward) for merged, reward in finished]
         for merged, _ in scored:
             self._recorded.pop(merged.sample_id, None)
+            self._recorded_kl.pop(merged.sample_id, None)
             self._finished.add(merged.sample_id)
         # Last: a value learner behind the stream applies backpressure here (pending tasks then
         # throttle segment intake) without delaying the rows above.
@@ -239,16 +251,36 @@ class ValueEstimator:
             asm.counters["trajectories_sent"] += len(trajectories)
             asm.counters["trajectories_with_recorded_values"] += sum(t.values is not None for t in trajectories)
 
-    def _trajectory(self, merged: Segment, reward: Reward) -> ScoredTrajectory:
-        """What the value learner trains on: the shaped score (the reward the policy is trained
-        with) and the values recorded when its rows were valued, the anchor of the clipped value
-        loss (None when a window was never valued: warm-up, a stale window)."""
+    async def _kl_rewards(self, rows: list[Segment]) -> list[np.ndarray] | None:
+        """`−β·KL_t` per token of each row (None when the KL is not in the reward)."""
+        if self.kl is None:
+            return None
+        reference = await self.reference_logprobs([segment_row(r) for r in rows])
+        out = [kl_rewards(row, ref, self.kl) for row, ref in zip(rows, reference)]
+        self._kl_since_batch[0] += float(sum(r.sum() for r in out))
+        self._kl_since_batch[1] += sum(len(r) for r in out)
+        return out
+
+    async def _trajectory(self, merged: Segment, reward: Reward) -> ScoredTrajectory:
+        """What the value learner trains on: the reward the policy is trained with (the shaped
+        score, the process rewards and the KL penalty of every token), and the values recorded when
+        its rows were valued, the anchor of the clipped value loss (None when a window was never
+        valued: warm-up, a stale window)."""
         st = self.settings
         n = len(merged.new_token_ids)
         values = recorded_values(self._recorded.get(merged.sample_id, {}), n)
         score = shaped_score(reward.score, n, st.max_response_tokens, st.overlong_buffer_tokens,
                              st.overlong_penalty_factor)
-        return ScoredTrajectory(segment=merged, score=score, token_rewards=reward.token_rewards,
+        token_rewards = reward.token_rewards
+        if self.kl is not None:
+            kl = recorded_values(self._recorded_kl.get(merged.sample_id, {}), n)
+            if kl is None:  # a window never valued (warm-up, stale): score the whole response now
+                kl = (await self._kl_rewards([merged]))[0]
+            dense = np.zeros(n, dtype=np.float32)
+            if token_rewards is not None:
+                dense[: min(n, len(token_rewards))] = token_rewards[:n]
+            token_rewards = dense + kl
+        return ScoredTrajectory(segment=merged, score=score, token_rewards=token_rewards,
                                 correct=reward.correct, values=values)
 
     async def _emit_ready_rows(self, asm: Assembler) -> None:
@@ -278,7 +310,16 @@ class ValueEstimator:
                 "finished_row_fraction": len(done) / len(rows),
                 "staleness_max_assembled": stale_stats["staleness_max"],
                 "value_version_min": float(min(r.value_version or 0 for r in rows)),
+                **self._kl_stats(),
             }, samples_emitted=len(done))
+
+    def _kl_stats(self) -> dict[str, float]:
+        """Mean KL reward per token valued since the previous batch (KL in the reward only)."""
+        if self.kl is None:
+            return {}
+        total, tokens = self._kl_since_batch
+        self._kl_since_batch = [0.0, 0]
+        return {"kl_reward_token_mean": total / tokens if tokens else 0.0}
 
     def stats(self) -> dict:
         return {"open_groups": 0, "ready_groups": 0, "ready_rows": len(self._ready_rows), "value_ready": self.ready}

@@ -17,7 +17,7 @@ from typing import Any
 import ray
 import torch
 
-from asyncrl.assembly import AssemblySettings, ValueAdvantageSettings
+from asyncrl.assembly import AssemblySettings, KLRewardSettings, ValueAdvantageSettings
 from asyncrl.config import (AlgorithmConfig, CriticConfig, EngineConfig, ModelConfig, RewardConfig, RouteConfig,
                             TaskConfig, TrainerConfig, route_checks)
 from asyncrl.generation import build_engine, decode, sampling_params
@@ -55,9 +55,10 @@ def build_policy_learner(model: ModelConfig, algorithm: AlgorithmConfig, trainer
     torch.manual_seed(trainer.seed)
     tokenizer = load_tokenizer(model)
     a, e = algorithm, engine
+    kl_loss_coef = 0.0 if a.kl_in_reward else a.kl_coef  # in the reward instead (the value learner scores it)
     settings = PolicyLossSettings(
         clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip, loss_agg=a.loss_agg,
-        kl_coef=a.kl_coef, entropy_coef=a.entropy_coef, temperature=e.temperature,
+        kl_coef=kl_loss_coef, entropy_coef=a.entropy_coef, temperature=e.temperature,
         grad_clip=a.grad_clip, micro_batch_tokens=a.micro_batch_tokens, nll_coef=a.nll_coef,
         norm_constant=float(a.loss_norm_tokens or e.max_response_tokens), ppo_epochs=a.ppo_epochs,
         mini_batches=a.mini_batches, proximal_anchor=a.proximal_anchor, behaviour_weight_cap=a.behaviour_weight_cap,
@@ -66,7 +67,7 @@ def build_policy_learner(model: ModelConfig, algorithm: AlgorithmConfig, trainer
         long_tail=(e.long_tail_fraction, e.long_tail_tokens),
     )
     learner = PolicyLearner(load_model(model, tokenizer), settings, batches, a.lr, a.weight_decay, a.warmup_steps,
-                            a.kl_coef, tokenizer.pad_token_id or 0, trainer.broadcast_bucket_mb << 20,
+                            kl_loss_coef, tokenizer.pad_token_id or 0, trainer.broadcast_bucket_mb << 20,
                             tokenizer=tokenizer,
                             max_staleness_versions=a.max_staleness_versions)
     learner.run_dir = run_dir
@@ -76,18 +77,23 @@ def build_policy_learner(model: ModelConfig, algorithm: AlgorithmConfig, trainer
     return learner
 
 
-def build_value_learner(model: ModelConfig, critic: CriticConfig, gamma: float, seed: int,
-                        trajectories: Mailbox) -> ValueLearner:
+def build_value_learner(model: ModelConfig, critic: CriticConfig, algorithm: AlgorithmConfig, engine: EngineConfig,
+                        seed: int, trajectories: Mailbox) -> ValueLearner:
+    """`algorithm`: γ, and whether the KL to the reference is a reward (then this learner holds the
+    reference policy and scores tokens under `engine`'s sampling settings)."""
     torch.manual_seed(seed + 1)
     tokenizer = load_tokenizer(model)
     if critic.init_path:
         value_model = value_model_from_reward_model(critic.init_path, model.dtype)
     else:
         value_model = value_model_from_policy(load_model(model, tokenizer))
-    settings = ValueLossSettings(gamma=gamma, lam=critic.lam, clip_low=critic.clip_low, clip_high=critic.clip_high,
-                                 grad_clip=critic.grad_clip, micro_batch_tokens=critic.micro_batch_tokens)
+    settings = ValueLossSettings(gamma=algorithm.gamma, lam=critic.lam, clip_low=critic.clip_low,
+                                 clip_high=critic.clip_high, grad_clip=critic.grad_clip,
+                                 micro_batch_tokens=critic.micro_batch_tokens)
+    reference = load_model(model, tokenizer) if algorithm.kl_in_reward else None
     return ValueLearner(value_model, trajectories, settings, critic.lr, critic.weight_decay,
-                        critic.batch_trajectories, critic.warmup_steps, tokenizer.pad_token_id or 0)
+                        critic.batch_trajectories, critic.warmup_steps, tokenizer.pad_token_id or 0,
+                        reference=reference, sampling=sampling_params(engine))
 
 
 def build_estimator(algorithm: AlgorithmConfig, engine: EngineConfig, prompts_per_step: int, router: RewardRouter,
@@ -108,9 +114,15 @@ def build_estimator(algorithm: AlgorithmConfig, engine: EngineConfig, prompts_pe
         async def value_ready() -> bool:
             return await value_learner.ready.remote()
 
+        async def reference_logprobs(rows):
+            return await value_learner.reference_logprobs.remote(rows)
+
+        kl = (KLRewardSettings(a.kl_coef, a.kl_estimator, engine.first_token_temperature is not None)
+              if a.kl_in_reward else None)
         return ValueEstimator(values=values, value_ready=value_ready, trajectories=trajectories, settings=settings,
                               rows_per_batch=prompts_per_step * a.group_size, whiten=a.whiten_advantages,
-                              advantage_clamp=a.advantage_clamp, nll_whole_response=a.nll_coef > 0)
+                              advantage_clamp=a.advantage_clamp, nll_whole_response=a.nll_coef > 0,
+                              reference_logprobs=reference_logprobs if kl else None, kl=kl)
     settings = AssemblySettings(
         dynamic_sampling=a.dynamic_sampling, scale_advantage_by_std=a.scale_advantage_by_std,
         max_staleness_versions=a.max_staleness_versions, overlong_buffer_tokens=a.overlong_buffer_tokens,
@@ -226,10 +238,10 @@ class PromptSourceActor(_LoopShell):
 
 
 class ValueLearnerActor(_LoopShell):
-    def __init__(self, model: ModelConfig, critic: CriticConfig, gamma: float, seed: int, trajectories: Mailbox,
-                 resume_from: str | None = None):
+    def __init__(self, model: ModelConfig, critic: CriticConfig, algorithm: AlgorithmConfig, engine: EngineConfig,
+                 seed: int, trajectories: Mailbox, resume_from: str | None = None):
         torch.set_num_threads(critic.threads)
-        self.inner = build_value_learner(model, critic, gamma, seed, trajectories)
+        self.inner = build_value_learner(model, critic, algorithm, engine, seed, trajectories)
         if resume_from:
             self.inner.load_checkpoint(resume_from)
 
@@ -238,6 +250,9 @@ class ValueLearnerActor(_LoopShell):
 
     async def values(self, rows):
         return await self.inner.values(rows)
+
+    async def reference_logprobs(self, rows):
+        return await self.inner.reference_logprobs(rows)
 
     def ready(self) -> bool:
         """The warm-up (value pretraining) is over: the assembler may train policy rows."""

@@ -7,6 +7,8 @@ and answers value requests for (E)GAE.
   training step and never sees half-updated weights; each answer carries the value version.
 * Warm-up (VC-PPO value pretraining): until `warmup_steps` value steps are done, `ready` is false
   and the assembler (which asks) trains no policy rows, so the policy stays the frozen initial one.
+* With a reference policy (the PPO baseline's KL in the reward), also scores rows' tokens under
+  it (`reference_logprobs`): the reward of every token then needs it, as the value does.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import numpy as np
 import torch
 
 from asyncrl import checkpoint
-from asyncrl.learning import ValueLossSettings, predict_values, value_step
+from asyncrl.engines.base import SamplingParams
+from asyncrl.learning import ValueLossSettings, predict_values, response_logprobs, value_step
 from asyncrl.mailbox import Mailbox, RecentIds
 from asyncrl.schema import ScoredTrajectory
 
@@ -29,8 +32,12 @@ from asyncrl.roles.loop import TrainingLoop
 
 class ValueLearner(TrainingLoop):
     def __init__(self, value_model, trajectories: Mailbox, settings: ValueLossSettings, lr: float,
-                 weight_decay: float, batch_trajectories: int, warmup_steps: int = 0, pad_token_id: int = 0):
+                 weight_decay: float, batch_trajectories: int, warmup_steps: int = 0, pad_token_id: int = 0,
+                 reference=None, sampling: SamplingParams | None = None):
         self.model = value_model.eval()
+        # The frozen initial policy and the distribution the generators sample from (KL in the reward).
+        self.reference = None if reference is None else reference.eval().requires_grad_(False)
+        self.sampling = sampling or SamplingParams()
         self.serving = copy.deepcopy(value_model).eval().requires_grad_(False)
         self.trajectories = trajectories
         self.settings = settings
@@ -48,7 +55,7 @@ class ValueLearner(TrainingLoop):
         self._started = time.monotonic()
         self.timing = {"train_s": 0.0, "serve_s": 0.0}
         self.counters = {"value_steps": 0, "trajectories_trained": 0, "duplicate_trajectories": 0,
-                         "value_requests": 0, "rows_valued": 0}
+                         "value_requests": 0, "rows_valued": 0, "rows_referenced": 0}
         self.last: dict[str, float] = {}
 
     @property
@@ -67,6 +74,18 @@ class ValueLearner(TrainingLoop):
         self.counters["value_requests"] += 1
         self.counters["rows_valued"] += len(rows)
         return out, version
+
+    async def reference_logprobs(self, rows: list[tuple[np.ndarray, np.ndarray]]) -> list[np.ndarray]:
+        """log π_ref of each (context, new) row's new tokens, under the generators' sampling settings."""
+        if self.reference is None:
+            raise RuntimeError("this value learner holds no reference policy (algorithm.kl_in_reward is off)")
+        p = self.sampling
+        start = time.perf_counter()
+        out = await asyncio.to_thread(response_logprobs, self.reference, rows, p.temperature, p.top_k, p.top_p,
+                                      self.pad_token_id, self.settings.micro_batch_tokens)
+        self.timing["serve_s"] += time.perf_counter() - start
+        self.counters["rows_referenced"] += len(rows)
+        return out
 
     async def _train(self, batch: list[ScoredTrajectory]) -> dict:
         start = time.perf_counter()
