@@ -195,6 +195,25 @@ def load_policy_weights(model, directory: str) -> None:
                                 f"unexpected {result.unexpected_keys[:5]})")
 
 
+VALUE_PART = "value"
+
+
+def save_value_part(directory: str, value_model, optimizer, version: int, counters: dict) -> None:
+    """The value model's part of a checkpoint: `value/model.safetensors` (trunk and head), its
+    optimizer and version. `critic.init_path=<checkpoint>/value` starts a critic from it."""
+    from safetensors.torch import save_file
+
+    part = os.path.join(directory, VALUE_PART)
+    os.makedirs(part, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in value_model.state_dict().items()}, os.path.join(part, "model.safetensors"))
+    save_tensors({"optimizer": optimizer.state_dict()}, os.path.join(part, "optimizer.pt"))
+    save_json({"version": version, "counters": counters}, os.path.join(part, "state.json"))
+
+
+def is_value_part(path: str) -> bool:
+    return os.path.exists(os.path.join(path, "model.safetensors")) and os.path.exists(os.path.join(path, "state.json"))
+
+
 def save_tensors(obj: dict[str, Any], path: str) -> None:
     torch.save(obj, path)
 

@@ -141,6 +141,8 @@ class AlgorithmConfig:
     """0 = no clamp."""
     nll_coef: float = 0.0
     """VAPO positive-example LM loss weight μ on the tokens of correct finished responses (paper: 0.1)."""
+    importance_clip: float = 0.2
+    """DQO: importance weights π_θ/π_behaviour of offline tokens are clipped to [1 − c, 1 + c]."""
 
 
 @dataclass
@@ -308,6 +310,34 @@ class TrainerConfig:
     wandb_project: str = "asyncrl"
     wandb_mode: str = "offline"
     """offline | online | disabled (WANDB_MODE in the environment wins)."""
+    record: bool = False
+    """Keep every finished trajectory (kept or dropped, with its reward, versions and values) and
+    every trained batch in `<run_dir>/trajectories/` as Parquet files (`asyncrl.store`)."""
+    record_file_mb: int = 64
+    """A store file is closed and a new one begun past this size..."""
+    record_file_age_s: float = 600.0
+    """...or this age, so a long run's store is readable while it runs."""
+
+
+@dataclass
+class OfflineConfig:
+    """`mode=learn`: training from recorded data, no generator."""
+
+    data: str = ""
+    """A trajectory store (a run directory recorded with trainer.record=true, or its trajectories/),
+    or a jsonl/parquet file of labelled responses in verl's layout (`prompt` messages,
+    `reward_model.ground_truth`, `data_source`, plus `response` and an optional `score`; without a
+    score the task's verifier scores it)."""
+    train: str = "policy"
+    """policy (the algorithm's policy learner, and its critic if it has one) | value (value
+    pretraining only: the critic learns Monte-Carlo returns of the recorded responses)."""
+    epochs: int = 1
+    """Passes over the data (the run also ends at trainer.total_steps)."""
+    batch_trajectories: int = 16
+    """DQO and value pretraining: trajectories per update."""
+    statuses: list[str] = field(default_factory=lambda: ["kept", "dropped", "recorded"])
+    """Which recorded samples to learn from (kept: trained by the recording run; dropped: e.g. no
+    signal under dynamic sampling; recorded: mode=generate)."""
 
 
 @dataclass
@@ -331,6 +361,10 @@ class Config:
     task: TaskConfig = field(default_factory=TaskConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
+    offline: OfflineConfig = field(default_factory=OfflineConfig)
+    mode: str = "train"
+    """train (generate and learn, streaming) | generate (generate, score and record; no learner:
+    needs trainer.record=true) | learn (learn from offline.data; no generator)."""
     resume: bool = False
     """Continue from the newest valid checkpoint of `trainer.run_dir` (default: the newest run
     under outputs/ with one): step, weight version, optimizer, prompt cursor, unsent batches."""
@@ -385,6 +419,16 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
         # A synchronous batch is whole responses (cut windows would wait for a batch that never
         # fills); set here so that a task's window size cannot undo it.
         config.engine.window_tokens = config.engine.max_response_tokens
+    validate(config)
+    return config
+
+
+def config_from_dict(data: dict) -> Config:
+    """A config written by `to_dict` (a run's `config.json`) back as a validated `Config`."""
+    try:
+        config: Config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), data))
+    except Exception as exc:
+        raise ConfigError(f"invalid config: {_first_line(exc)}") from exc
     validate(config)
     return config
 
@@ -448,8 +492,11 @@ def _apply_override(merged, override) -> None:
             hints = typing.get_type_hints(kind)
             if part not in hints:
                 section = ".".join(parts[:i]) or "the config"
+                # `modle=tiny`: a group's name mistyped, and its value one of the group's options.
+                groups = {g for g, options in config_groups().items() if str(override.value()) in options} if i == 0 else set()
+                hint = _nearest(part, groups) or _nearest(part, hints)
                 raise ConfigError(f"{line}: {section} has no field {part!r}"
-                                  f"{_nearest(part, hints) or ' (fields: ' + ', '.join(hints) + ')'}")
+                                  f"{hint or ' (fields: ' + ', '.join(hints) + ')'}")
             if last and override.is_delete():
                 raise ConfigError(f"{line}: {at} is a field of the schema and cannot be removed; set it instead")
             kind = hints[part]
@@ -553,6 +600,8 @@ RANGES = {
     "trainer.eval_every": ">= 0", "trainer.checkpoint_every": ">= 0", "trainer.checkpoint_keep": ">= 1",
     "trainer.max_restarts": ">= 0", "trainer.eval_samples": ">= 1", "trainer.mailbox_capacity": ">= 1",
     "trainer.lease_s": "> 0", "trainer.target_window": ">= 1", "trainer.stall_timeout_s": "> 0",
+    "trainer.record_file_mb": ">= 1", "trainer.record_file_age_s": "> 0", "offline.epochs": ">= 1",
+    "offline.batch_trajectories": ">= 1", "algorithm.importance_clip": "> 0",
 }
 
 
@@ -615,6 +664,16 @@ def validate(config: Config) -> None:
          "task.pre_ppo_endpoint must name an entry of reward.endpoints"),
         (not config.trainer.synchronous or a.max_staleness_versions == 0,
          "trainer.synchronous needs algorithm.max_staleness_versions=0"),
+        (config.mode in MODES, f"mode must be one of {MODES}"),
+        (config.mode != "generate" or config.trainer.record,
+         "mode=generate keeps nothing but the store: set trainer.record=true"),
+        (config.mode != "learn" or bool(config.offline.data), "mode=learn needs offline.data (a store or a file)"),
+        (a.name != "dqo" or config.mode == "learn", "algorithm=dqo learns offline: run it with mode=learn"),
+        (config.offline.train in ("policy", "value"), "offline.train must be policy or value"),
+        (config.offline.train != "value" or a.estimator == "gae",
+         "offline.train=value pretrains a critic: use a value-based algorithm (ppo, vcppo, vapo, tppo)"),
+        (set(config.offline.statuses) <= {"kept", "dropped", "recorded"},
+         "offline.statuses must be among kept, dropped, recorded"),
     ]
     for ok, message in checks:
         if not ok:
@@ -650,7 +709,8 @@ def _reward_checks(config: Config) -> list[tuple[bool, str]]:
 
 
 ENDPOINT_KINDS = ("verifier", "genrm", "bt", "prm")
-ALGORITHMS = ("grpo", "dapo", "ppo", "vcppo", "vapo", "tppo", "tppo_sync", "pairwise_ppo")
+ALGORITHMS = ("grpo", "dapo", "ppo", "vcppo", "vapo", "tppo", "tppo_sync", "pairwise_ppo", "dqo")
+MODES = ("train", "generate", "learn")
 ESTIMATORS = ("group", "gae", "pairwise")
 # Names the algorithms accept, owned here so that checking a config needs no torch import.
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")

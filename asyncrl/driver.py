@@ -25,15 +25,7 @@ from asyncrl.evaluation import greedy_accuracy
 from asyncrl.generation import build_engine
 from asyncrl.monitor import REWARD_KEY, RunMonitor
 from asyncrl.supervisor import Supervisor
-
-
-def init_ray(config: Config) -> None:
-    if not ray.is_initialized():
-        ray.init(num_cpus=16, include_dashboard=False, object_store_memory=512 * 2**20, log_to_driver=False,
-                 namespace="asyncrl",
-                 # Few malloc arenas: torch's threads otherwise keep freed activation memory per arena.
-                 runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
-                                           "MALLOC_ARENA_MAX": "2"}})
+from asyncrl.system import init_ray
 
 
 def train(config: Config, progress: bool = True, eval_prompts: int | None = None) -> dict:
@@ -186,6 +178,13 @@ def _progress(total: int, enabled: bool):
 
 def train_cli(overrides: list[str]) -> int:
     config = compose(overrides)
+    if config.mode != "train":  # the recording and offline modes have drivers of their own
+        from asyncrl import offline
+
+        summary = offline.record_only(config) if config.mode == "generate" else offline.learn(config)
+        print(json.dumps({k: v for k, v in summary.items() if k in ("run_dir", "eval_before", "eval_after", "steps",
+                                                                    "samples_recorded", "last_checkpoint")}, indent=2))
+        return 0
     summary = train(config)
     print(json.dumps({k: summary[k] for k in ("run_dir", "eval_before", "eval_after", "train_wall_s", "steps",
                                               "last_checkpoint")}, indent=2))

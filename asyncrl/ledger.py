@@ -4,12 +4,13 @@ A sample is admitted when its prompt is issued and is then in exactly one state:
 
     in_flight -> awaiting_reward -> awaiting_training -> trained
                                                       \-> dropped (with a reason)
+                                 \-> recorded (`mode=generate`: scored and stored, never trained)
 
 Events come from different actors (generation ends in the assembler, training in the learner) and
 may arrive out of order, so a state only moves forward: an event for an earlier state than the
 one recorded is ignored, and a second `trained` for the same id is counted as a duplicate (the
 exactly-once check). The invariant `admitted == in_flight + awaiting_reward + awaiting_training +
-trained + dropped` holds after every call; `check()` says why when it does not.
+trained + dropped + recorded` holds after every call; `check()` says why when it does not.
 
 Memory stays bounded on a run of days: a prompt's request is kept only while one of its samples
 is open (it is what a resume re-issues), and the ids of ended samples are remembered for the
@@ -26,9 +27,9 @@ import msgspec
 
 from asyncrl.schema import PromptRequest, sample_id
 
-STATES = ("in_flight", "awaiting_reward", "awaiting_training", "trained", "dropped")
+STATES = ("in_flight", "awaiting_reward", "awaiting_training", "trained", "dropped", "recorded")
 _RANK = {state: i for i, state in enumerate(STATES)}
-FINAL = ("trained", "dropped")
+FINAL = ("trained", "dropped", "recorded")
 
 
 class LedgerSnapshot(msgspec.Struct, kw_only=True):
@@ -48,8 +49,8 @@ class SampleLedger:
         self._requests: dict[str, PromptRequest] = {}  # prompt id -> request, while any sample is open
         self._open_per_prompt: collections.Counter[str] = collections.Counter()
         self._ended: collections.OrderedDict[str, str] = collections.OrderedDict()
-        self.counts = collections.Counter({"admitted": 0, "trained": 0, "dropped": 0, "duplicates": 0,
-                                           "unknown_ids": 0, "readmitted": 0})
+        self.counts = collections.Counter({"admitted": 0, "trained": 0, "dropped": 0, "recorded": 0,
+                                           "duplicates": 0, "unknown_ids": 0, "readmitted": 0})
         self.dropped_by_reason: collections.Counter[str] = collections.Counter()
 
     # --- events --------------------------------------------------------------------------------
@@ -88,7 +89,7 @@ class SampleLedger:
                 continue
             moved += 1
             if state in FINAL:
-                self._end(sid, state if state == "trained" else f"dropped:{reason}")
+                self._end(sid, f"dropped:{reason}" if state == "dropped" else state)
                 self.counts[state] += 1
                 if state == "dropped":
                     self.dropped_by_reason[reason] += 1
@@ -120,6 +121,7 @@ class SampleLedger:
         return {"admitted": self.counts["admitted"],
                 **{state: open_counts.get(state, 0) for state in STATES[:3]},
                 "trained": self.counts["trained"], "dropped": self.counts["dropped"],
+                "recorded": self.counts["recorded"],
                 "dropped_by_reason": dict(self.dropped_by_reason),
                 "duplicates": self.counts["duplicates"], "unknown_ids": self.counts["unknown_ids"],
                 "readmitted": self.counts["readmitted"]}
@@ -130,7 +132,7 @@ class SampleLedger:
         problems = []
         total = sum(c[s] for s in STATES)
         if total != c["admitted"]:
-            problems.append(f"admitted {c['admitted']} != in_flight + awaiting + trained + dropped = {total}")
+            problems.append(f"admitted {c['admitted']} != in_flight + awaiting + trained + dropped + recorded = {total}")
         if c["duplicates"]:
             problems.append(f"{c['duplicates']} sample(s) trained twice")
         if c["unknown_ids"]:

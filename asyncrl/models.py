@@ -174,3 +174,16 @@ def value_model_from_reward_model(path: str, dtype: str = "float32") -> ValueMod
     if not isinstance(head, torch.nn.Linear):
         raise ValueError(f"value init checkpoint {path}: no linear `score`/`classifier` head found")
     return ValueModel(model.base_model, head)
+
+
+def value_model_from_checkpoint(path: str, model_config: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> ValueModel:
+    """`critic.init_path`: an asyncrl value part (`<checkpoint>/value`, written by the value learner,
+    value pretraining or DQO: the policy's architecture with a scalar head), or else a one-label
+    reward / process-reward model directory."""
+    from safetensors.torch import load_file
+
+    if os.path.exists(os.path.join(path, "model.safetensors")) and os.path.exists(os.path.join(path, "state.json")):
+        value_model = value_model_from_policy(load_model(model_config, tokenizer))
+        value_model.load_state_dict(load_file(os.path.join(path, "model.safetensors")))
+        return value_model
+    return value_model_from_reward_model(path, model_config.dtype)

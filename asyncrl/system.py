@@ -20,10 +20,11 @@ import torch
 from asyncrl.config import Config
 from asyncrl.mailbox import RayMailbox
 from asyncrl.roles.estimators import ESTIMATORS
-from asyncrl.roles.shells import (AssemblerActor, GeneratorActor, PolicyLearnerActor, PromptSourceActor,
+from asyncrl.roles.shells import (AssemblerActor, GeneratorActor, PolicyLearnerActor, PromptSourceActor, RecorderActor,
                                   ValueLearnerActor, reward_endpoint_actors)
 from asyncrl.schema import PromptRequest, ScoredTrajectory, Segment, TrainBatch
 from asyncrl.staleness import open_prompts_bound
+from asyncrl.store import STORE_DIRNAME
 from asyncrl.weight_sync import free_port
 
 NAMESPACE = "asyncrl"
@@ -37,6 +38,15 @@ class ResumePoint:
     incarnation: int  # how many times the run was resumed (batch ids stay unique across them)
     saved_batches: list = field(default_factory=list)  # assembled, not yet trained
     held_sample_ids: set = field(default_factory=set)  # samples inside those batches
+
+
+def init_ray(config: Config) -> None:
+    if not ray.is_initialized():
+        ray.init(num_cpus=16, include_dashboard=False, object_store_memory=512 * 2**20, log_to_driver=False,
+                 namespace="asyncrl",
+                 # Few malloc arenas: torch's threads otherwise keep freed activation memory per arena.
+                 runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
+                                           "MALLOC_ARENA_MAX": "2"}})
 
 
 def _spawn(role_shell: type, *args, actor_name: str | None = None, **kwargs):
@@ -71,7 +81,11 @@ class TrainingSystem:
         between them, in the order they start."""
         cfg, tr = self.config, self.config.trainer
         resume = self._resume_point()  # None for a fresh run
-        value_based = ESTIMATORS[cfg.algorithm.estimator].needs_value_learner
+        # mode=generate: generators, rewards and the store only; no learner, so no staleness budget.
+        learning = cfg.mode == "train"
+        value_based = learning and ESTIMATORS[cfg.algorithm.estimator].needs_value_learner
+        if tr.record and not self.run_dir:
+            raise ValueError("trainer.record=true needs a run directory (trainer.run_dir)")
 
         # 1. Mailboxes (each owned by its consumer). Prompts: room for every prompt the staleness
         #    budget allows to be open (stragglers hold leases), plus a queue ahead of the generators.
@@ -88,24 +102,30 @@ class TrainingSystem:
 
         # 2. Reward endpoints: actors here, or the Serve applications `reward-<name>` (reward.use_serve).
         endpoints = {} if cfg.reward.use_serve else reward_endpoint_actors(cfg.reward, cfg.model, cfg.task.reward)
+        # The trajectory store (trainer.record): written by its own process, fed without waiting.
+        recorder = _spawn(RecorderActor, os.path.join(self.run_dir, STORE_DIRNAME), tr) if tr.record else None
 
-        # 3. Roles. Prompt source: dataset cursor, admission budget, ledger of every sample.
-        prompt_source = _spawn(PromptSourceActor, cfg.model, cfg.task, cfg.algorithm, tr, prompts)
+        # 3. Roles. Prompt source: dataset cursor, admission budget, ledger of every sample
+        #    (mode=generate: trainer.total_steps batches of prompts, then none).
+        prompt_source = _spawn(PromptSourceActor, cfg.model, cfg.task, cfg.algorithm, tr, prompts,
+                               0 if learning else tr.total_steps * tr.prompts_per_step)
         # Value learner (value-based estimators): trains on `trajectories`, answers value requests.
         value_learner = (_spawn(ValueLearnerActor, cfg.model, cfg.critic, cfg.algorithm, cfg.engine, tr.seed,
                                 trajectories, resume and resume.checkpoint) if value_based else None)
         # Assembler: `segments` -> rewards (router) -> estimator -> `batches` (and `trajectories`);
-        # reports every sample's fate to the ledger (prompt source); asks the value learner for values.
+        # reports every sample's fate to the ledger (prompt source) and its record to the store;
+        # asks the value learner for values.
         assembler = _spawn(AssemblerActor, cfg.model, cfg.algorithm, cfg.engine, cfg.reward, tr.prompts_per_step,
                            segments, batches, endpoints, prompt_source, value_learner, trajectories,
-                           f"batch-r{resume.incarnation if resume else 0}")
+                           f"batch-r{resume.incarnation if resume else 0}", recorder, cfg.mode)
         # Generators: `prompts` -> engine windows -> `segments`.
         self.generators = [_spawn(GeneratorActor, cfg.model, cfg.engine, prompts, segments, f"gen-{i}")
                            for i in range(tr.num_generators)]
         # Policy learner: `batches` -> optimizer step -> weights broadcast to the generators; each new
         # version told to the assembler at once (staleness) and to the prompt source once every
         # generator holds it (admission; synchronous mode: the assembler too); trained samples
-        # to the ledger; checkpoints written with the prompt source's and value learner's parts.
+        # to the ledger; checkpoints written with the prompt source's and value learner's parts;
+        # trained batches to the store.
         learner = _spawn(
             PolicyLearnerActor, cfg.model, cfg.algorithm, tr, cfg.engine, batches,
             generators=self.generators, version_listeners=[] if tr.synchronous else [assembler],
@@ -113,15 +133,19 @@ class TrainingSystem:
             ledger=prompt_source,
             checkpoint_parts=[prompt_source] + ([value_learner] if value_learner is not None else []),
             run_dir=self.run_dir, resume_from=resume and resume.checkpoint, max_steps=self.max_steps,
-            actor_name=LEARNER_NAME if self.name_actors else None)  # the policy endpoint finds it by name
-        self.actors = {"learner": learner, "assembler": assembler, "prompt_source": prompt_source,
+            recorder=recorder,
+            actor_name=LEARNER_NAME if self.name_actors else None) if learning else None  # found by name
+        self.actors = {**({"learner": learner} if learner is not None else {}), "assembler": assembler,
+                       "prompt_source": prompt_source,
                        **({"value_learner": value_learner} if value_learner is not None else {}),
+                       **({"recorder": recorder} if recorder is not None else {}),
                        **{f"reward-{name}": endpoint for name, endpoint in endpoints.items()}}
 
         # 4. Weight group (learner rank 0, generators 1..N): receivers join first, then the sender.
-        port, world = free_port(), tr.num_generators + 1
-        joins = [g.init_weight_group.remote("127.0.0.1", port, world, i + 1) for i, g in enumerate(self.generators)]
-        ray.get(joins + [learner.init_weight_group.remote("127.0.0.1", port, world, 0)])
+        if learner is not None:
+            port, world = free_port(), tr.num_generators + 1
+            joins = [g.init_weight_group.remote("127.0.0.1", port, world, i + 1) for i, g in enumerate(self.generators)]
+            ray.get(joins + [learner.init_weight_group.remote("127.0.0.1", port, world, 0)])
 
         # 5. Resume: the ledger says which prompts to issue again; unsent batches go back in the mailbox.
         if resume is not None:
@@ -135,14 +159,17 @@ class TrainingSystem:
 
         # 7. Loops, consumers first. A resumed run's generators get the checkpoint's weights before
         #    any prompt (their loops apply a broadcast between windows, so they run already).
+        if recorder is not None:
+            self.run_refs["recorder"] = recorder.run.remote()
         self.run_refs["assembler"] = assembler.run.remote()
         if value_learner is not None:
             self.run_refs["value_learner"] = value_learner.run.remote()
         for i, g in enumerate(self.generators):
             self.run_refs[f"generator-{i}"] = g.run.remote()
-        if resume is not None:
-            ray.get(learner.publish.remote())
-        self.run_refs["learner"] = learner.run.remote()
+        if learner is not None:
+            if resume is not None:
+                ray.get(learner.publish.remote())
+            self.run_refs["learner"] = learner.run.remote()
         self.run_refs["prompt_source"] = prompt_source.run.remote()
         self.started_at = time.time()
         return self
@@ -231,6 +258,11 @@ class TrainingSystem:
         # writing is committed or never started, never committed after a kill that landed late.
         if "learner" in self.run_refs:
             ray.wait([self.run_refs["learner"]], timeout=learner_grace_s)
+        # The store: the assembler sends its last records as its loop ends, then the recorder
+        # closes its files, so every record sent is in a whole file.
+        if "recorder" in self.actors:
+            ray.wait([self.run_refs["assembler"]], timeout=15)
+            ray.wait([self.actors["recorder"].close.remote()], timeout=60)
         for actor in [*self.actors.values(), *self.generators, *(b.actor for b in self.mailboxes.values())]:
             ray.kill(actor)
         if self.run_refs:

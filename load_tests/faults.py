@@ -36,7 +36,7 @@ import ray
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from asyncrl.config import compose  # noqa: E402
-from asyncrl.driver import init_ray  # noqa: E402
+from asyncrl.system import init_ray  # noqa: E402
 from asyncrl.supervisor import Supervisor  # noqa: E402
 
 BASE = ["model=tiny", "task=tiny", "algorithm=grpo", "trainer.prompts_per_step=2", "trainer.checkpoint_every=3",

@@ -26,7 +26,7 @@ import ray
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from asyncrl.config import compose  # noqa: E402
-from asyncrl.driver import init_ray  # noqa: E402
+from asyncrl.system import init_ray  # noqa: E402
 from asyncrl.supervisor import Supervisor  # noqa: E402
 from load_tests.faults import ledger_report  # noqa: E402
 

@@ -18,6 +18,8 @@ def _group_options(group):
 def test_every_shipped_config_composes(algorithm, model):
     for task in _group_options("task"):
         extra = ["task.path=/tmp/x.jsonl"] if task == "file" else []
+        if algorithm == "dqo":  # offline: it learns from a store or a file
+            extra += ["mode=learn", "offline.data=/tmp/store"]
         config = compose([f"algorithm={algorithm}", f"model={model}", f"task={task}", *extra])
         assert config.algorithm.name == algorithm
 

@@ -11,6 +11,7 @@ import os
 MODULES = {
     "async": "async_sync", "trl": "trl", "utilisation": "utilisation", "broadcast": "broadcast",
     "messages": "messages", "endpoint": "endpoint", "engine": "engine", "verifier": "verifier",
+    "record": "record",
 }
 BENCHMARKS = tuple(MODULES)
 

@@ -59,7 +59,7 @@ def run(quick: bool, overrides: list[str]) -> dict:
     import ray
     from ray import serve
 
-    from asyncrl.driver import init_ray
+    from asyncrl.system import init_ray
     from asyncrl.config import compose
     from asyncrl.serve_app import build_policy, build_train
     from asyncrl.weight_sync import free_port

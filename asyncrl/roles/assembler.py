@@ -8,6 +8,10 @@ ledger events of drops, and batch emission. The arithmetic is in `asyncrl.assemb
 
 Segments are deduplicated by id (`prompt/sample/turn`), so a redelivered or regenerated segment is
 counted once; a sample is scored once; a group or row is emitted or dropped once.
+
+With a recorder (`trainer.record=true`), every finished sample's record (`asyncrl.store`) is sent
+when its fate here is known: kept (sent to the learner), dropped (with the reason) or recorded
+(`mode=generate`), with its reward and the values its advantages used.
 """
 
 from __future__ import annotations
@@ -17,26 +21,48 @@ import collections
 import time
 from typing import Awaitable, Callable
 
+import numpy as np
+
 from asyncrl.assembly import merge_segments
 from asyncrl.mailbox import Mailbox, RecentIds
 from asyncrl.roles.estimators import Estimator
-from asyncrl.schema import Reward, RewardRequest, Segment, TrainBatch, TrainSample
+from asyncrl.schema import Reward, RewardRequest, Segment, TrainBatch, TrainSample, sample_id
+from asyncrl.store import TrajectoryRecord, record_of
 
 ScoreFn = Callable[[list[RewardRequest]], Awaitable[list[Reward]]]
 # Ledger events: (sample ids, new state, reason of a drop).
 SamplesFn = Callable[[list[str], str, str], None]
+# The recorder: a list of `TrajectoryRecord`s, msgspec-encoded (nobody waits for it).
+RecordFn = Callable[[list[TrajectoryRecord]], None]
+# A sample's fate here, as the store names it.
+RECORD_STATUS = {"awaiting_training": "kept", "dropped": "dropped", "recorded": "recorded"}
+
+
+class _Unrecorded:
+    """What a finished sample's record needs, gathered until its fate is known."""
+
+    __slots__ = ("merged", "window_ends", "prompt_text", "response_text", "reward", "values")
+
+    def __init__(self, merged: Segment, window_ends: list[int], prompt_text: str, response_text: str):
+        self.merged, self.window_ends = merged, window_ends
+        self.prompt_text, self.response_text = prompt_text, response_text
+        self.reward: Reward | None = None
+        self.values: np.ndarray | None = None
 
 
 class Assembler:
     def __init__(self, segments: Mailbox, batches: Mailbox, score: ScoreFn, decode: Callable[[list[int]], str],
                  estimator: Estimator, on_samples: SamplesFn = lambda ids, state, reason: None,
-                 max_pending_tasks: int = 64, batch_prefix: str = "batch"):
+                 max_pending_tasks: int = 64, batch_prefix: str = "batch", record: RecordFn | None = None):
         self.segments = segments
         self.batches = batches
         self.score = score
         self.decode = decode
         self.estimator = estimator
-        self.on_samples = on_samples  # the ledger: where each sample went
+        self.ledger = on_samples  # where each sample went
+        self.record = record  # the trajectory store (None: not recording)
+        self._unrecorded: dict[str, _Unrecorded] = {}
+        self._records: list[TrajectoryRecord] = []
         self.batch_prefix = batch_prefix  # unique per incarnation of a resumed run
         self.max_pending_tasks = max_pending_tasks
         self.policy_version = 0
@@ -60,7 +86,34 @@ class Assembler:
 
     # --- shared by the estimators -------------------------------------------------------------------
 
+    def on_samples(self, sample_ids: list[str], state: str, reason: str = "") -> None:
+        """A ledger event; a final one here also completes the samples' records."""
+        self.ledger(sample_ids, state, reason)
+        status = RECORD_STATUS.get(state)
+        if self.record is None or status is None:
+            return
+        for sid in sample_ids:
+            pending = self._unrecorded.pop(sid, None)
+            if pending is not None:
+                self._records.append(record_of(pending.merged, pending.window_ends, pending.reward,
+                                               pending.prompt_text, pending.response_text, status, reason,
+                                               pending.values, self.policy_version))
+
+    def note_values(self, sid: str, values: np.ndarray | None) -> None:
+        """The values a sample's advantages were computed with (value-based estimators), for its record."""
+        pending = self._unrecorded.get(sid)
+        if pending is not None:
+            pending.values = values
+
+    def _send_records(self) -> None:
+        if self._records:
+            records, self._records = self._records, []
+            self.record(records)
+            self.counters["trajectories_recorded"] += len(records)
+
     def note_scored(self, reward: Reward) -> None:
+        if self.record is not None and (pending := self._unrecorded.get(sample_id(reward.prompt_id, reward.sample_idx))):
+            pending.reward = reward
         self.counters["samples_scored"] += 1
         self.counters["reward_failures"] += int(reward.failed)
         if reward.failed:  # the counter says how many, this says why
@@ -123,22 +176,30 @@ class Assembler:
             if self.estimator.window_rows:
                 rows.append(seg)
             if seg.finished:
-                merged = merge_segments(self._parts.pop(seg.sample_id))
+                parts = self._parts.pop(seg.sample_id)
+                merged = merge_segments(parts)
                 self.on_samples([merged.sample_id], "awaiting_reward", "")
                 if self.estimator.response_rows:
                     rows.append(merged)
-                to_score.append((merged, RewardRequest(
+                request = RewardRequest(
                     prompt_id=merged.prompt_id, sample_idx=merged.sample_idx,
                     response_text=self.decode(merged.new_token_ids.tolist()),
                     ground_truth=merged.ground_truth, data_source=merged.data_source,
                     prompt_text=self.decode(merged.prompt_token_ids.tolist()),
-                    response_token_ids=merged.new_token_ids)))
+                    response_token_ids=merged.new_token_ids)
+                to_score.append((merged, request))
+                if self.record is not None:
+                    ends = np.cumsum([len(p.new_token_ids) for p in parts]).tolist()
+                    self._unrecorded[merged.sample_id] = _Unrecorded(merged, ends, request.prompt_text,
+                                                                     request.response_text)
         return rows, to_score
 
     async def step(self, timeout: float = 0.5) -> None:
         # Backpressure: while many scoring/valuing tasks are pending, stop taking segments.
         while len(self._scoring) >= self.max_pending_tasks and self._failure is None:
             await asyncio.sleep(0.01)
+        if self.record is not None:
+            self._send_records()  # what the estimators' tasks completed since the last step
         segments = await self.segments.get(256, timeout=timeout)
         if not segments:
             return
@@ -157,10 +218,14 @@ class Assembler:
 
     async def run(self) -> None:
         self._running = True
-        while self._running:
-            if self._failure is not None:
-                raise self._failure  # surfaces in the supervisor's check
-            await self.step()
+        try:
+            while self._running:
+                if self._failure is not None:
+                    raise self._failure  # surfaces in the supervisor's check
+                await self.step()
+        finally:
+            if self.record is not None:
+                self._send_records()
 
     def stop(self) -> None:
         self._running = False
@@ -173,6 +238,7 @@ class Assembler:
             "policy_version": self.policy_version,
             "partial_samples": len(self._parts),
             "scoring_tasks": len(self._scoring),
+            "unrecorded_samples": len(self._unrecorded),
             "last_reward_failure": self.last_reward_failure,
             **self.estimator.stats(),
         }

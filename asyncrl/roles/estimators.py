@@ -43,9 +43,12 @@ class Assembler(Protocol):
     counters: collections.Counter
     score: Callable[[list[RewardRequest]], Awaitable[list[Reward]]]
     decode: Callable[[list[int]], str]
-    on_samples: Callable[[list[str], str, str], None]
+
+    def on_samples(self, sample_ids: list[str], state: str, reason: str = "") -> None: ...
 
     def note_scored(self, reward: Reward) -> None: ...
+
+    def note_values(self, sid: str, values: np.ndarray | None) -> None: ...
 
     def drop_samples(self, sample_ids: list[str], reason: str) -> None: ...
 
@@ -161,6 +164,24 @@ class PairwiseEstimator(GroupEstimator):
         self._close(asm, group_id, pairwise_advantages(prefs).tolist())
 
 
+@dataclass(frozen=True)
+class ValueEdges:
+    """What a value-based estimator asks of the value learner (a Ray actor's methods, or an
+    in-process learner's for `mode=learn`)."""
+
+    values: ValuesFn
+    ready: Callable[[], Awaitable[bool]]
+    reference_logprobs: LogprobsFn
+
+    @classmethod
+    def of(cls, learner) -> "ValueEdges":
+        """Edges to an in-process `ValueLearner`."""
+        async def ready() -> bool:
+            return learner.ready
+
+        return cls(values=learner.values, ready=ready, reference_logprobs=learner.reference_logprobs)
+
+
 @dataclass
 class ValueEstimator:
     """PPO family: values from the value learner, (E)GAE per row, batches of N finished samples."""
@@ -234,9 +255,12 @@ class ValueEstimator:
             if st.window_training and self.nll_whole_response:
                 trained = widen_positive_rows(trained)
             self._ready_rows.extend(trained)
-            done = [r.sample_id for r in keep if r.finished]
+            done = [r for r in keep if r.finished]
+            for row in done:  # for the trajectory store: the values the response was trained with
+                asm.note_values(row.sample_id, recorded_values(self._recorded.get(row.sample_id, {}),
+                                                               len(row.prior_response_ids) + len(row.new_token_ids)))
             if done:
-                asm.on_samples(done, "awaiting_training", "")
+                asm.on_samples([r.sample_id for r in done], "awaiting_training", "")
             asm.counters["rows_ready"] += len(trained)
         await self._emit_ready_rows(asm)
         trajectories = [await self._trajectory(merged, reward) for merged, reward in finished]
@@ -323,6 +347,27 @@ class ValueEstimator:
 
     def stats(self) -> dict:
         return {"open_groups": 0, "ready_groups": 0, "ready_rows": len(self._ready_rows), "value_ready": self.ready}
+
+
+@dataclass
+class RecordOnlyEstimator:
+    """`mode=generate`: no learner. Every finished sample is scored and ends as `recorded` (in the
+    trajectory store, with its reward); nothing is trained, so nothing is filtered or batched."""
+
+    needs_value_learner: ClassVar[bool] = False
+    window_rows: bool = False
+    response_rows: bool = False
+
+    async def process(self, asm: Assembler, rows: list[Segment], scored: Scored) -> None:
+        if not scored:
+            return
+        rewards = await asm.score([req for _, req in scored])
+        for reward in rewards:
+            asm.note_scored(reward)
+        asm.on_samples([merged.sample_id for merged, _ in scored], "recorded", "")
+
+    def stats(self) -> dict:
+        return {"open_groups": 0, "ready_groups": 0, "ready_rows": 0, "value_ready": None}
 
 
 # The one mapping from `algorithm.estimator` to its strategy (`asyncrl.config.ESTIMATORS` names them).

@@ -21,6 +21,7 @@ import os
 import time
 from typing import Any, Awaitable, Callable
 
+import msgspec
 import torch
 
 from asyncrl import checkpoint
@@ -28,6 +29,7 @@ from asyncrl.learning import PolicyLossSettings, policy_step
 from asyncrl.mailbox import Mailbox, RecentIds
 from asyncrl.schema import TrainBatch
 from asyncrl.staleness import mask_stale_tokens, mean_staleness, trained_versions
+from asyncrl.store import BATCH_CODEC, BatchRecord
 from asyncrl.weight_sync import BucketPlan, broadcast_weights, plan_buckets
 
 from asyncrl.roles.loop import TrainingLoop
@@ -86,6 +88,9 @@ class PolicyLearner(TrainingLoop):
         self.counters = {"broadcasts": 0, "duplicate_batches": 0, "samples_trained": 0, "rows_trained": 0,
                          "checkpoints": 0, "stale_tokens_masked": 0, "optimizer_updates": 0}
         self.last_broadcast: dict[str, float] = {}
+        # The trajectory store (trainer.record): each batch as trained, with its loss and gradient
+        # norm and the version it was trained from (the golden-batch seam). Nobody waits for it.
+        self.record_batch: Callable[[BatchRecord], Any] | None = None
 
     # --- weights ----------------------------------------------------------------------------------
 
@@ -137,6 +142,11 @@ class PolicyLearner(TrainingLoop):
             policy_step, self.model, self.optimizer, samples, self.settings, self.reference, self.pad_token_id
         )
         self.scheduler.step()
+        if self.record_batch is not None:
+            trained = msgspec.structs.replace(batch, samples=samples)
+            self.record_batch(BatchRecord(batch_id=batch.batch_id, step=self.step + 1, trained_from_version=self.version,
+                                          loss=metrics["loss"], grad_norm=metrics["grad_norm"], rows=len(samples),
+                                          batch=BATCH_CODEC.encode(trained), recorded_at=time.time()))
         self.counters["optimizer_updates"] += int(metrics["policy_updates"] - metrics["skipped_updates"])
         # Read here, on the loop, with the counter above: `stats()` may run while the next step's
         # thread is between an Adam step and its count.

@@ -49,7 +49,7 @@ SNAPSHOT_CODEC = Codec(CursorSnapshot)
 class PromptSource:
     def __init__(self, examples: list[Example], prompt_token_ids: list[list[int]], group_size: int,
                  out: Mailbox, seed: int = 0, prompts_per_step: int = 1, max_staleness_versions: int = 1 << 30,
-                 curriculum: list[tuple[int, list[str]]] | None = None):
+                 curriculum: list[tuple[int, list[str]]] | None = None, max_prompts: int = 0):
         if not examples:
             raise ValueError("the prompt source needs at least one example")
         self.curriculum = curriculum or []
@@ -77,6 +77,7 @@ class PromptSource:
         self.ledger = SampleLedger()
         self.reissue: collections.deque[PromptRequest] = collections.deque()
         self.examples_replaced = False
+        self.max_prompts = max_prompts  # 0 = unbounded (mode=generate issues a fixed number)
 
     @property
     def budget(self) -> int:
@@ -146,7 +147,7 @@ class PromptSource:
                 await self.out.put([self.reissue[0]])
                 self.reissue.popleft()
                 continue
-            if self.issued >= self.budget:
+            if self.issued >= self.budget or (self.max_prompts and self.issued >= self.max_prompts):
                 self._budget_changed.clear()
                 try:
                     await asyncio.wait_for(self._budget_changed.wait(), timeout=1.0)
@@ -162,7 +163,8 @@ class PromptSource:
         return {"epoch": self.epoch, "index": self.index, "issued": self.issued, "budget": self.budget,
                 "learner_version": self.learner_version, "dropped_prompts": self.dropped_prompts,
                 "skipped_by_curriculum": self.skipped_by_curriculum, "prompts": len(self.examples),
-                "reissue_pending": len(self.reissue), "ledger": self.ledger.state_counts(),
+                "reissue_pending": len(self.reissue), "max_prompts": self.max_prompts,
+                "ledger": self.ledger.state_counts(),
                 "ledger_problems": self.ledger.check()}
 
     # --- checkpoint and resume -------------------------------------------------------------------

@@ -23,14 +23,17 @@ from asyncrl.config import (AlgorithmConfig, CriticConfig, EngineConfig, ModelCo
 from asyncrl.generation import build_engine, decode, sampling_params
 from asyncrl.learning import PolicyLossSettings, ValueLossSettings
 from asyncrl.mailbox import Mailbox
-from asyncrl.models import load_model, load_tokenizer, value_model_from_policy, value_model_from_reward_model
+from asyncrl.models import load_model, load_tokenizer, value_model_from_checkpoint, value_model_from_policy
 from asyncrl.rewards.hybrid import RewardRouter, ServeRewardEndpoints
 from asyncrl.roles.assembler import Assembler
-from asyncrl.roles.estimators import ESTIMATORS, GroupEstimator, PairwiseEstimator, ValueEstimator
+from asyncrl.roles.estimators import (ESTIMATORS, GroupEstimator, PairwiseEstimator, RecordOnlyEstimator, ValueEdges,
+                                     ValueEstimator)
 from asyncrl.roles.generator import Generator
 from asyncrl.roles.policy_learner import PolicyLearner
 from asyncrl.roles.prompt_source import SNAPSHOT_CODEC, PromptSource
+from asyncrl.roles.recorder import TrajectoryRecorder
 from asyncrl.roles.value_learner import ValueLearner
+from asyncrl.store import BATCH_RECORD_ENCODER, RECORDS_ENCODER
 from asyncrl.tasks import encode_prompt, load_examples
 from asyncrl.weight_sync import init_weight_group
 
@@ -84,7 +87,7 @@ def build_value_learner(model: ModelConfig, critic: CriticConfig, algorithm: Alg
     torch.manual_seed(seed + 1)
     tokenizer = load_tokenizer(model)
     if critic.init_path:
-        value_model = value_model_from_reward_model(critic.init_path, model.dtype)
+        value_model = value_model_from_checkpoint(critic.init_path, model, tokenizer)
     else:
         value_model = value_model_from_policy(load_model(model, tokenizer))
     settings = ValueLossSettings(gamma=algorithm.gamma, lam=critic.lam, clip_low=critic.clip_low,
@@ -97,9 +100,13 @@ def build_value_learner(model: ModelConfig, critic: CriticConfig, algorithm: Alg
 
 
 def build_estimator(algorithm: AlgorithmConfig, engine: EngineConfig, prompts_per_step: int, router: RewardRouter,
-                    value_learner: Any = None, trajectories: Mailbox | None = None):
-    """The strategy `ESTIMATORS[algorithm.estimator]`, given what it talks to."""
+                    value_edges: ValueEdges | None = None, trajectories: Mailbox | None = None,
+                    mode: str = "train"):
+    """The strategy `ESTIMATORS[algorithm.estimator]`, given what it talks to; `mode=generate`
+    records only (no learner)."""
     a, kind = algorithm, ESTIMATORS[algorithm.estimator]
+    if mode == "generate":
+        return RecordOnlyEstimator()
     if kind is ValueEstimator:
         settings = ValueAdvantageSettings(
             gamma=a.gamma, lam=a.lam, length_adaptive_alpha=a.length_adaptive_alpha, lambda_floor=a.lambda_floor,
@@ -108,21 +115,13 @@ def build_estimator(algorithm: AlgorithmConfig, engine: EngineConfig, prompts_pe
             max_staleness_versions=a.max_staleness_versions, overlong_buffer_tokens=a.overlong_buffer_tokens,
             overlong_penalty_factor=a.overlong_penalty_factor, max_response_tokens=engine.max_response_tokens)
 
-        async def values(rows):
-            return await value_learner.values.remote(rows)
-
-        async def value_ready() -> bool:
-            return await value_learner.ready.remote()
-
-        async def reference_logprobs(rows):
-            return await value_learner.reference_logprobs.remote(rows)
-
         kl = (KLRewardSettings(a.kl_coef, a.kl_estimator, engine.first_token_temperature is not None)
               if a.kl_in_reward else None)
-        return ValueEstimator(values=values, value_ready=value_ready, trajectories=trajectories, settings=settings,
-                              rows_per_batch=prompts_per_step * a.group_size, whiten=a.whiten_advantages,
-                              advantage_clamp=a.advantage_clamp, nll_whole_response=a.nll_coef > 0,
-                              reference_logprobs=reference_logprobs if kl else None, kl=kl)
+        return ValueEstimator(values=value_edges.values, value_ready=value_edges.ready, trajectories=trajectories,
+                              settings=settings, rows_per_batch=prompts_per_step * a.group_size,
+                              whiten=a.whiten_advantages, advantage_clamp=a.advantage_clamp,
+                              nll_whole_response=a.nll_coef > 0,
+                              reference_logprobs=value_edges.reference_logprobs if kl else None, kl=kl)
     settings = AssemblySettings(
         dynamic_sampling=a.dynamic_sampling, scale_advantage_by_std=a.scale_advantage_by_std,
         max_staleness_versions=a.max_staleness_versions, overlong_buffer_tokens=a.overlong_buffer_tokens,
@@ -155,13 +154,16 @@ def build_reward_router(reward: RewardConfig, endpoints: dict[str, Any],
 
 
 def build_prompt_source(model: ModelConfig, task: TaskConfig, algorithm: AlgorithmConfig, trainer: TrainerConfig,
-                        prompts: Mailbox) -> PromptSource:
+                        prompts: Mailbox, max_prompts: int = 0) -> PromptSource:
+    """`max_prompts` > 0: issue that many prompts and no more, with no staleness budget (there is no
+    learner: `mode=generate`)."""
     tokenizer = load_tokenizer(model)
     examples = load_examples(task.name, "train", task.num_train_prompts, task.seed, task.path)
     tokens = [encode_prompt(ex, tokenizer, model.use_chat_template) for ex in examples]
     curriculum = [(stage.start_step, list(stage.data_sources)) for stage in task.curriculum]
+    staleness = 1 << 30 if max_prompts else algorithm.max_staleness_versions
     return PromptSource(examples, tokens, algorithm.group_size, prompts, trainer.seed, trainer.prompts_per_step,
-                        algorithm.max_staleness_versions, curriculum)
+                        staleness, curriculum, max_prompts=max_prompts)
 
 
 # --- shells --------------------------------------------------------------------------------------
@@ -192,9 +194,9 @@ class _WeightGroupMember:
 
 class PromptSourceActor(_LoopShell):
     def __init__(self, model: ModelConfig, task: TaskConfig, algorithm: AlgorithmConfig, trainer: TrainerConfig,
-                 prompts: Mailbox):
+                 prompts: Mailbox, max_prompts: int = 0):
         torch.set_num_threads(1)
-        self.inner = build_prompt_source(model, task, algorithm, trainer, prompts)
+        self.inner = build_prompt_source(model, task, algorithm, trainer, prompts, max_prompts)
         self.restored = False
         self.pre_ppo: dict = {}
 
@@ -263,17 +265,37 @@ class ValueLearnerActor(_LoopShell):
 
 
 class AssemblerActor(_LoopShell):
+    """Edges: `value_learner` (values, readiness, reference log-probs), the `ledger` (prompt
+    source), the `recorder` (the trajectory store, when recording)."""
+
     def __init__(self, model: ModelConfig, algorithm: AlgorithmConfig, engine: EngineConfig, reward: RewardConfig,
                  prompts_per_step: int, segments: Mailbox, batches: Mailbox, endpoints: dict[str, Any],
-                 ledger, value_learner=None, trajectories: Mailbox | None = None, batch_prefix: str = "batch"):
+                 ledger, value_learner=None, trajectories: Mailbox | None = None, batch_prefix: str = "batch",
+                 recorder=None, mode: str = "train"):
         torch.set_num_threads(1)
         tokenizer = load_tokenizer(model)
         self.router = build_reward_router(reward, endpoints)
         self.endpoint_names = set(reward.endpoints)
-        estimator = build_estimator(algorithm, engine, prompts_per_step, self.router, value_learner, trajectories)
+        edges = None
+        if value_learner is not None:
+            async def values(rows):
+                return await value_learner.values.remote(rows)
+
+            async def ready() -> bool:
+                return await value_learner.ready.remote()
+
+            async def reference_logprobs(rows):
+                return await value_learner.reference_logprobs.remote(rows)
+
+            edges = ValueEdges(values=values, ready=ready, reference_logprobs=reference_logprobs)
+        estimator = build_estimator(algorithm, engine, prompts_per_step, self.router, edges, trajectories, mode)
+        record = None
+        if recorder is not None:
+            def record(records):  # nobody waits: the recorder writes at its own pace
+                recorder.add_trajectories.remote(RECORDS_ENCODER.encode(records))
         self.inner = Assembler(segments, batches, self.router.score, lambda ids: decode(tokenizer, ids), estimator,
                                on_samples=lambda ids, state, reason: ledger.record.remote(ids, state, reason),
-                               batch_prefix=batch_prefix)
+                               batch_prefix=batch_prefix, record=record)
 
     def set_policy_version(self, version: int) -> None:
         self.inner.set_policy_version(version)
@@ -301,6 +323,20 @@ class GeneratorActor(_LoopShell, _WeightGroupMember):
         return await self.inner.receive_weights(plan, version)
 
 
+class RecorderActor(_LoopShell):
+    def __init__(self, directory: str, trainer: TrainerConfig):
+        self.inner = TrajectoryRecorder(directory, trainer.record_file_mb << 20, trainer.record_file_age_s)
+
+    def add_trajectories(self, encoded: bytes) -> int:
+        return self.inner.add_trajectories(encoded)
+
+    def add_batch(self, encoded: bytes) -> None:
+        self.inner.add_batch(encoded)
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
 class PolicyLearnerActor(_LoopShell, _WeightGroupMember):
     """Edges: broadcasts to `generators`; tells `version_listeners` (the assembler) of each version
     and `delivered_listeners` (the prompt source's admission budget) of each version every generator
@@ -310,7 +346,7 @@ class PolicyLearnerActor(_LoopShell, _WeightGroupMember):
     def __init__(self, model: ModelConfig, algorithm: AlgorithmConfig, trainer: TrainerConfig,
                  engine: EngineConfig, batches: Mailbox, generators: list, version_listeners: list[Any],
                  delivered_listeners: list[Any], ledger, checkpoint_parts: list[Any], run_dir: str = "", resume_from: str | None = None,
-                 max_steps: int = 0):
+                 max_steps: int = 0, recorder=None):
         torch.set_num_threads(trainer.learner_threads)
         self.inner = build_policy_learner(model, algorithm, trainer, engine, batches, run_dir, max_steps)
         if resume_from:
@@ -324,6 +360,8 @@ class PolicyLearnerActor(_LoopShell, _WeightGroupMember):
 
         self.inner.on_trained = on_trained
         self.inner.checkpoint_parts = [_part_writer(actor) for actor in checkpoint_parts]
+        if recorder is not None:
+            self.inner.record_batch = lambda record: recorder.add_batch.remote(BATCH_RECORD_ENCODER.encode(record))
 
     async def publish(self) -> None:
         await self.inner.publish()

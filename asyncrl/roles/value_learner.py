@@ -132,17 +132,9 @@ class ValueLearner(TrainingLoop):
         """Write the value model, optimizer and version into a checkpoint directory. The partial
         batch held here is not saved: its trajectories were regenerated-or-trained policy samples
         already, and the critic simply sees other ones."""
-        from safetensors.torch import save_file
-
         async with self._train_lock:  # between steps, the serving copy equals the model
-            part = os.path.join(directory, "value")
-            os.makedirs(part, exist_ok=True)
-            state = {k: v.contiguous() for k, v in self.model.state_dict().items()}
-            await asyncio.to_thread(save_file, state, os.path.join(part, "model.safetensors"))
-            await asyncio.to_thread(checkpoint.save_tensors, {"optimizer": self.optimizer.state_dict()},
-                                    os.path.join(part, "optimizer.pt"))
-            checkpoint.save_json({"version": self.version, "counters": self.counters},
-                                 os.path.join(part, "state.json"))
+            await asyncio.to_thread(checkpoint.save_value_part, directory, self.model, self.optimizer, self.version,
+                                    dict(self.counters))
 
     def load_checkpoint(self, directory: str) -> None:
         from safetensors.torch import load_file

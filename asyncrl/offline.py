@@ -1,0 +1,412 @@
+"""The modes beside streaming training, each a short driver (`asyncrl train mode=...`):
+
+* `generate` (`record_only`): generators, reward endpoints and the trajectory store, no learner:
+  `trainer.total_steps × trainer.prompts_per_step` prompts are generated, scored and recorded.
+* `learn` (`learn`): training from recorded data, no generator and no reward endpoint:
+  - `algorithm=dqo`: DQO on the recorded (or labelled) responses (`asyncrl.learning_dqo`);
+  - `offline.train=value`: value pretraining (VC-PPO's, without a generator): the critic learns the
+    recorded responses' Monte-Carlo returns; its checkpoint initialises an online critic;
+  - otherwise the algorithm's own learners, fed the recorded windows through the real assembler
+    and estimator (in this process, with in-process mailboxes) with the recorded rewards.
+
+Each writes `metrics.jsonl`, `summary.json` and a checkpoint in the usual layout, so `asyncrl eval
+--checkpoint` and an online run (`model.source=hf model.path=<ckpt>/policy`, `critic.init_path=
+<ckpt>/value`) start from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import random
+import time
+
+import msgspec
+import numpy as np
+import torch
+
+from asyncrl import checkpoint
+from asyncrl.assembly import merge_segments, shaped_score
+from asyncrl.config import Config, to_dict
+from asyncrl.evaluation import greedy_accuracy, progress_bar
+from asyncrl.generation import sampling_params
+from asyncrl.learning import response_logprobs
+from asyncrl.learning_dqo import DQOSettings, dqo_step
+from asyncrl.mailbox import InProcessMailbox
+from asyncrl.models import load_model, load_tokenizer
+from asyncrl.roles.assembler import Assembler
+from asyncrl.roles.estimators import ValueEdges
+from asyncrl.roles.shells import build_estimator, build_policy_learner, build_value_learner
+from asyncrl.schema import Reward, RewardRequest, ScoredTrajectory, Segment, float32_array, int32_array
+from asyncrl.store import BatchRecord, TrajectoryRecord, read_trajectories, reward_of, segments_of
+from asyncrl.tasks import encode_prompt, file_examples, score_response
+
+
+# --- mode=generate -----------------------------------------------------------------------------------
+
+
+def record_only(config: Config, progress: bool = True) -> dict:
+    """Generate, score and record `total_steps × prompts_per_step` prompts; no learner."""
+    from asyncrl.system import init_ray
+    from asyncrl.system import TrainingSystem
+
+    run_dir = _start_run(config)
+    init_ray(config)
+    tr = config.trainer
+    expected = tr.total_steps * tr.prompts_per_step * config.algorithm.group_size
+    system = TrainingSystem(config, name_actors=False, run_dir=run_dir).start()
+    started, ended = time.time(), 0
+    try:
+        with progress_bar(expected, "generate", progress) as bar:
+            while ended < expected:
+                time.sleep(0.5)
+                system.check_alive()
+                counts = system.ledger()["counts"]
+                now = counts["recorded"] + counts["dropped"]
+                bar.update(now - ended)
+                ended = now
+        wall = time.time() - started
+        import ray
+
+        generators = ray.get([g.stats.remote() for g in system.generators])
+        assembler = ray.get(system.actors["assembler"].stats.remote())
+        ledger = system.ledger()
+    finally:
+        system.stop()  # closes the store's files
+    summary = {"run_dir": run_dir, "mode": "generate", "samples_recorded": ledger["counts"]["recorded"],
+               "samples_dropped": ledger["counts"]["dropped"], "ledger_problems": ledger["problems"],
+               "wall_s": wall, "samples_per_s": ledger["counts"]["recorded"] / wall,
+               "tokens_generated": sum(g["tokens"] for g in generators),
+               "reward_mean": assembler.get("reward_mean_all", 0.0),
+               "store": os.path.join(run_dir, "trajectories")}
+    _write_summary(run_dir, summary)
+    print(f"recorded {summary['samples_recorded']} samples in {wall:.1f}s ({summary['samples_per_s']:.1f} samples/s), "
+          f"reward mean {summary['reward_mean']:.3f}; store: {summary['store']}", flush=True)
+    return summary
+
+
+# --- mode=learn: the data --------------------------------------------------------------------------
+
+
+def offline_records(config: Config) -> list[TrajectoryRecord]:
+    """The records to learn from: a trajectory store, or a file of labelled responses in verl's layout
+    (scored by the task's verifier when it has no `score`; sampled from the reference policy, so the
+    behaviour log-probs are the reference's: filled in by `with_behaviour`)."""
+    data = config.offline.data
+    if os.path.isdir(data):
+        records = read_trajectories(data, tuple(config.offline.statuses))
+    else:
+        records = labelled_records(data, config)
+    records = [r for r in records if not r.reward_failed and r.score is not None]
+    if not records:
+        raise ValueError(f"offline.data={data}: no scored trajectory to learn from")
+    return records
+
+
+def labelled_records(path: str, config: Config) -> list[TrajectoryRecord]:
+    """Rows of a jsonl/parquet file: verl's prompt layout plus `response` (text) and an optional
+    `score` (else the task's verifier scores the response against the ground truth)."""
+    rows = _rows(path)
+    examples = file_examples(path)
+    tokenizer = load_tokenizer(config.model)
+    out = []
+    for i, (row, example) in enumerate(zip(rows, examples)):
+        if "response" not in row:
+            raise ValueError(f"{path}: row {i} has no `response` field (a labelled response)")
+        prompt_ids = encode_prompt(example, tokenizer, config.model.use_chat_template)
+        response_ids = tokenizer.encode(row["response"], add_special_tokens=False) + [tokenizer.eos_token_id]
+        if "score" in row:
+            score, correct = float(row["score"]), row.get("correct")
+        else:
+            score, correct, _ = score_response(example.data_source, row["response"], example.ground_truth,
+                                               config.task.reward)
+        out.append(TrajectoryRecord(
+            sample_id=f"{example.prompt_id}/{i}", prompt_id=example.prompt_id, sample_idx=0,
+            group_id=f"{example.prompt_id}/{i}", group_size=1, data_source=example.data_source,
+            ground_truth=example.ground_truth, prompt_text=example.text, response_text=row["response"],
+            prompt_token_ids=prompt_ids, response_token_ids=response_ids,
+            behaviour_logprobs=[], token_versions=[0] * len(response_ids), window_ends=[len(response_ids)],
+            finish_reason="eos", seed=0, generator_id="file", score=score, correct=correct,
+            reward_source="file" if "score" in row else "verifier", status="recorded"))
+    return out
+
+
+def _rows(path: str) -> list[dict]:
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def reference_logprobs(records: list[TrajectoryRecord], config: Config, reference=None) -> list[np.ndarray]:
+    """log π_ref of every record's response tokens under the data's sampling settings (the initial
+    policy of `config.model` unless `reference` is given)."""
+    tokenizer = load_tokenizer(config.model)
+    if reference is None:
+        reference = load_model(config.model, tokenizer).requires_grad_(False)
+    params = sampling_params(config.engine)
+    rows = [(int32_array(r.prompt_token_ids), int32_array(r.response_token_ids)) for r in records]
+    return response_logprobs(reference, rows, params.temperature, params.top_k, params.top_p,
+                             tokenizer.pad_token_id or 0, config.algorithm.micro_batch_tokens)
+
+
+def with_behaviour(records: list[TrajectoryRecord], reference: list[np.ndarray] | None,
+                   config: Config) -> list[TrajectoryRecord]:
+    """Records of labelled responses carry no behaviour log-probs: they were sampled from the
+    reference policy, so its log-probs stand in (computed when not given)."""
+    missing = [i for i, r in enumerate(records) if not r.behaviour_logprobs]
+    if not missing:
+        return records
+    if reference is None:
+        reference = reference_logprobs([records[i] for i in missing], config)
+        reference = dict(zip(missing, reference))
+    out = list(records)
+    for i in missing:
+        out[i] = msgspec.structs.replace(records[i], behaviour_logprobs=np.asarray(reference[i], dtype=np.float32).tolist())
+    return out
+
+
+def scored_trajectory(record: TrajectoryRecord, config: Config) -> ScoredTrajectory:
+    """A record as the critic and DQO see it: the whole response, its shaped score (the reward the
+    online run trained with) and process rewards."""
+    merged = merge_segments(segments_of(record))
+    n = len(record.response_token_ids)
+    a = config.algorithm
+    score = shaped_score(record.score, n, config.engine.max_response_tokens, a.overlong_buffer_tokens,
+                         a.overlong_penalty_factor)
+    token_rewards = None if record.token_rewards is None else float32_array(record.token_rewards)
+    return ScoredTrajectory(segment=merged, score=score, token_rewards=token_rewards, correct=record.correct)
+
+
+# --- mode=learn ------------------------------------------------------------------------------------------
+
+
+def learn(config: Config, progress: bool = True) -> dict:
+    run_dir = _start_run(config)
+    torch.manual_seed(config.trainer.seed)
+    torch.set_num_threads(max(1, config.trainer.learner_threads))
+    records = offline_records(config)
+    if config.algorithm.name == "dqo":
+        summary = learn_dqo(config, records, run_dir, progress)
+    elif config.offline.train == "value":
+        summary = asyncio.run(pretrain_value(config, with_behaviour(records, None, config), run_dir))
+    else:
+        summary = asyncio.run(replay(config, with_behaviour(records, None, config), run_dir, progress))
+    _write_summary(run_dir, summary)
+    return summary
+
+
+def learn_dqo(config: Config, records: list[TrajectoryRecord], run_dir: str, progress: bool) -> dict:
+    """DQO from recorded responses: evaluate, train `trainer.total_steps` updates (or the epochs),
+    evaluate, checkpoint."""
+    from asyncrl.engines.torch_engine import TorchEngine
+    from asyncrl.models import eos_token_ids
+
+    a, tr, params = config.algorithm, config.trainer, sampling_params(config.engine)
+    tokenizer = load_tokenizer(config.model)
+    policy, reference = load_model(config.model, tokenizer), load_model(config.model, tokenizer).requires_grad_(False)
+    value_model = _value_model(config, tokenizer)
+    engine = TorchEngine(policy, eos_token_ids(policy, tokenizer), tokenizer.pad_token_id or 0)
+    before = greedy_accuracy(config, engine, tokenizer, progress="eval before" if progress else "")
+    print(f"held-out accuracy before (the behaviour policy's start): {before['accuracy']:.3f}", flush=True)
+    reference_logp = reference_logprobs(records, config, reference)
+    records = with_behaviour(records, reference_logp, config)
+    trajectories = [scored_trajectory(r, config) for r in records]
+    settings = DQOSettings(beta=a.kl_coef, gamma=a.gamma, lam=a.lam, importance_clip=a.importance_clip,
+                           temperature=params.temperature, grad_clip=a.grad_clip, value_grad_clip=config.critic.grad_clip,
+                           micro_batch_tokens=a.micro_batch_tokens)
+    policy_opt = torch.optim.AdamW(policy.parameters(), lr=a.lr, weight_decay=a.weight_decay)
+    value_opt = torch.optim.AdamW(value_model.parameters(), lr=config.critic.lr, weight_decay=config.critic.weight_decay)
+    batch, order, step = config.offline.batch_trajectories, list(range(len(trajectories))), 0
+    rng = random.Random(tr.seed)
+    started = time.time()
+    with open(os.path.join(run_dir, "metrics.jsonl"), "a") as metrics_file, \
+            progress_bar(tr.total_steps, "dqo", progress) as bar:
+        for _ in range(config.offline.epochs):
+            rng.shuffle(order)
+            for start in range(0, len(order), batch):
+                if step >= tr.total_steps:
+                    break
+                chosen = order[start:start + batch]
+                metrics = dqo_step(policy, value_model, policy_opt, value_opt, [trajectories[i] for i in chosen],
+                                   [reference_logp[i] for i in chosen], settings, tokenizer.pad_token_id or 0)
+                step += 1
+                metrics_file.write(json.dumps({"step": step, **metrics, "wall_time_s": time.time() - started}) + "\n")
+                bar.update(1)
+    after = greedy_accuracy(config, engine, tokenizer, progress="eval after" if progress else "")
+    print(f"held-out accuracy after {step} DQO updates: {after['accuracy']:.3f}", flush=True)
+    path = _save(run_dir, step, policy, tokenizer, value_model, value_opt, {"algorithm": "dqo"})
+    return {"run_dir": run_dir, "mode": "learn", "algorithm": "dqo", "trajectories": len(trajectories),
+            "steps": step, "eval_before": before, "eval_after": after, "train_wall_s": time.time() - started,
+            "last_checkpoint": path}
+
+
+async def pretrain_value(config: Config, records: list[TrajectoryRecord], run_dir: str) -> dict:
+    """The critic alone on the recorded responses (Monte-Carlo returns with critic.lam = 1)."""
+    trajectories_box = InProcessMailbox(max(4 * config.offline.batch_trajectories, 64))
+    critic = dataclasses.replace(config.critic, batch_trajectories=config.offline.batch_trajectories, warmup_steps=0)
+    learner = build_value_learner(config.model, critic, config.algorithm, config.engine, config.trainer.seed,
+                                  trajectories_box)
+    trajectories = [scored_trajectory(r, config) for r in records]
+    started, metrics = time.time(), []
+    with open(os.path.join(run_dir, "metrics.jsonl"), "a") as metrics_file:
+        for epoch in range(config.offline.epochs):
+            for i in range(0, len(trajectories), critic.batch_trajectories):
+                if learner.version >= config.trainer.total_steps:
+                    break
+                part = [_renamed(t, epoch) for t in trajectories[i:i + critic.batch_trajectories]]
+                await trajectories_box.put(part)
+                record = await learner.step_once(timeout=0.0)
+                if record is not None:
+                    metrics.append(record)
+                    metrics_file.write(json.dumps({"step": learner.version, **record}) + "\n")
+    tmp = checkpoint.begin(run_dir, learner.version)
+    await learner.save_checkpoint_part(tmp)
+    checkpoint.save_json({"step": learner.version, "mode": "learn", "offline_train": "value"},
+                         os.path.join(tmp, "learner.json"))
+    path = checkpoint.commit(tmp, learner.version, config.trainer.checkpoint_keep)
+    print(f"value model pretrained for {learner.version} steps; critic.init_path={path}/value", flush=True)
+    return {"run_dir": run_dir, "mode": "learn", "offline_train": "value", "trajectories": len(trajectories),
+            "steps": learner.version, "train_wall_s": time.time() - started, "last_checkpoint": path,
+            "value_init_path": os.path.join(path, "value"),
+            "value_explained_variance_last": metrics[-1]["value_explained_variance"] if metrics else None}
+
+
+async def replay(config: Config, records: list[TrajectoryRecord], run_dir: str, progress: bool) -> dict:
+    """The algorithm's learners on recorded windows, through the real assembler and estimator with
+    the recorded rewards. Offline data is off-policy by construction: there is no staleness bound
+    (the recorded behaviour log-probs importance-correct the loss, as online)."""
+    algorithm = dataclasses.replace(config.algorithm, max_staleness_versions=1 << 30)
+    if algorithm.estimator == "pairwise":
+        raise ValueError("algorithm=pairwise_ppo needs its judge online; mode=learn replays recorded rewards only")
+    tr, engine = config.trainer, config.engine
+    segments, batches = InProcessMailbox(1 << 16), InProcessMailbox(2)
+    value_learner = trajectories = None
+    if algorithm.estimator == "gae":
+        trajectories = InProcessMailbox(max(4 * config.critic.batch_trajectories, 64))
+        value_learner = build_value_learner(config.model, config.critic, algorithm, engine, tr.seed, trajectories)
+    recorded = RecordedRewards(records, config.offline.epochs)
+    estimator = build_estimator(algorithm, engine, tr.prompts_per_step, None,
+                                ValueEdges.of(value_learner) if value_learner else None, trajectories)
+    tokenizer = load_tokenizer(config.model)
+    assembler = Assembler(segments, batches, recorded.score, lambda ids: tokenizer.decode(ids), estimator)
+    learner = build_policy_learner(config.model, algorithm, tr, engine, batches, run_dir, tr.total_steps)
+    learner.on_version = [assembler.set_policy_version]
+    learner.checkpoint_parts = [value_learner.save_checkpoint_part] if value_learner else []
+    from asyncrl.engines.torch_engine import TorchEngine
+    from asyncrl.models import eos_token_ids
+
+    engine_eval = TorchEngine(learner.model, eos_token_ids(learner.model, tokenizer), tokenizer.pad_token_id or 0)
+    before = greedy_accuracy(config, engine_eval, tokenizer, progress="eval before" if progress else "")
+    loops = [asyncio.create_task(role.run()) for role in (assembler, learner, value_learner) if role is not None]
+    started = time.time()
+    try:
+        for epoch in range(config.offline.epochs):
+            for record in records:
+                await segments.put([_epoch_segment(s, epoch) for s in segments_of(record)])
+                if learner.step >= tr.total_steps:
+                    break
+                await asyncio.sleep(0)
+        while learner.step < tr.total_steps and not await _drained(segments, batches, assembler, learner):
+            await asyncio.sleep(0.2)
+    finally:
+        for role in (assembler, learner, value_learner):
+            if role is not None:
+                role.stop()
+        await asyncio.gather(*loops, return_exceptions=True)
+    with open(os.path.join(run_dir, "metrics.jsonl"), "a") as metrics_file:
+        for record in learner.pop_metrics():
+            metrics_file.write(json.dumps(record) + "\n")
+    path = await learner.save_checkpoint() if learner.step else None
+    after = greedy_accuracy(config, engine_eval, tokenizer, progress="eval after" if progress else "")
+    print(f"replayed {len(records)} recorded samples: {learner.step} steps, held-out accuracy "
+          f"{before['accuracy']:.3f} -> {after['accuracy']:.3f}", flush=True)
+    return {"run_dir": run_dir, "mode": "learn", "algorithm": algorithm.name, "trajectories": len(records),
+            "steps": learner.step, "eval_before": before, "eval_after": after, "train_wall_s": time.time() - started,
+            "last_checkpoint": path, "assembler": assembler.stats()}
+
+
+def replay_batch(config: Config, record: BatchRecord, checkpoint_dir: str | None = None) -> dict[str, float]:
+    """Learner-only replay of one recorded batch: the run's learner, built from its config at the
+    weights and optimizer state the batch was trained from (the initial ones for the run's first
+    batch, else the checkpoint of that step), trains it once; returns the step's metrics, to set
+    against the recorded loss and gradient norm (the golden-batch test)."""
+    from asyncrl.learning import policy_step
+    from asyncrl.store import BATCH_CODEC
+
+    learner = build_policy_learner(config.model, config.algorithm, config.trainer, config.engine, InProcessMailbox(2))
+    if checkpoint_dir is not None:
+        learner.load_checkpoint(checkpoint_dir)
+    if learner.version != record.trained_from_version:
+        raise ValueError(f"batch {record.batch_id} was trained from version {record.trained_from_version}; the "
+                         f"learner is at {learner.version} (pass the checkpoint of step {record.trained_from_version})")
+    batch = BATCH_CODEC.decode(record.batch)
+    return policy_step(learner.model, learner.optimizer, batch.samples, learner.settings, learner.reference,
+                       learner.pad_token_id)
+
+
+class RecordedRewards:
+    """The reward endpoints of `mode=learn`: each sample's recorded reward (a replay scores nothing)."""
+
+    def __init__(self, records: list[TrajectoryRecord], epochs: int):
+        self._by_id = {(f"{r.prompt_id}~e{e}", r.sample_idx): r for r in records for e in range(epochs)}
+
+    async def score(self, requests: list[RewardRequest]) -> list[Reward]:
+        out = []
+        for request in requests:
+            record = self._by_id[(request.prompt_id, request.sample_idx)]
+            out.append(msgspec.structs.replace(reward_of(record), prompt_id=request.prompt_id))
+        return out
+
+
+def _epoch_segment(segment: Segment, epoch: int) -> Segment:
+    """A recorded window under a per-epoch prompt id (the assembler counts each id once)."""
+    return msgspec.structs.replace(segment, prompt_id=f"{segment.prompt_id}~e{epoch}",
+                                   group_id=f"{segment.group_id}~e{epoch}")
+
+
+def _renamed(trajectory: ScoredTrajectory, epoch: int) -> ScoredTrajectory:
+    return msgspec.structs.replace(trajectory, segment=_epoch_segment(trajectory.segment, epoch))
+
+
+async def _drained(segments, batches, assembler, learner) -> bool:
+    """Nothing left to assemble or train (the estimators' partial batches stay unbatched)."""
+    seg, bat = await segments.stats(), await batches.stats()
+    return not (seg.queued or seg.leased or bat.queued or bat.leased or assembler.stats()["scoring_tasks"])
+
+
+# --- helpers -------------------------------------------------------------------------------------------
+
+
+def _start_run(config: Config) -> str:
+    run_dir = checkpoint.resolve_run_dir(config.trainer.run_dir, False)
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "config.json"), "w") as f:
+        json.dump(to_dict(config), f, indent=2)
+    return run_dir
+
+
+def _value_model(config: Config, tokenizer):
+    from asyncrl.models import value_model_from_checkpoint, value_model_from_policy
+
+    if config.critic.init_path:
+        return value_model_from_checkpoint(config.critic.init_path, config.model, tokenizer)
+    return value_model_from_policy(load_model(config.model, tokenizer))
+
+
+def _save(run_dir: str, step: int, policy, tokenizer, value_model, value_optimizer, meta: dict) -> str:
+    """A checkpoint in the online layout: `policy/` (Hugging Face) and `value/` (the value model)."""
+    tmp = checkpoint.begin(run_dir, step)
+    checkpoint.save_policy(policy, tokenizer, os.path.join(tmp, "policy"))
+    checkpoint.save_value_part(tmp, value_model, value_optimizer, step, {})
+    checkpoint.save_json({"step": step, "weight_version": step, "mode": "learn", **meta}, os.path.join(tmp, "learner.json"))
+    return checkpoint.commit(tmp, step, 1)
+
+
+def _write_summary(run_dir: str, summary: dict) -> None:
+    with open(os.path.join(run_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2, default=str)

@@ -1,0 +1,259 @@
+"""The trajectory store: every finished trajectory of a run, and every batch its learner trained, as
+Parquet files that `pyarrow`, `pandas` and Hugging Face `datasets` read without asyncrl.
+
+Layout under `<run_dir>/trajectories/` (`trainer.record=true`):
+
+    trajectories-00000.parquet ...   one row per finished sample (`TrajectoryRecord`), kept or dropped
+    batches-00000.parquet ...        one row per trained batch: the `TrainBatch` as msgspec bytes,
+                                     the weight version it was trained from, loss and gradient norm
+
+Append-only: a file is written under a `.inprogress` name and renamed when it is rolled (by size or
+age) or the run stops, so every `*.parquet` a reader sees is whole and never changes again. The
+schemas are explicit Arrow types (lists of int32/float32, strings), so a reader needs nothing of
+asyncrl: `datasets.load_dataset("parquet", data_files="<run>/trajectories/trajectories-*.parquet")`.
+
+`record_of` (pure) builds a record from what the assembler holds; `StoreWriter` writes files; the
+`readers` turn files back into records and batches for `mode=learn` and the golden-batch test.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import time
+
+import msgspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from asyncrl.schema import Codec, Reward, Segment, TrainBatch
+
+STORE_DIRNAME = "trajectories"
+INPROGRESS = ".inprogress"
+SCHEMA_VERSION = 1
+
+
+class TrajectoryRecord(msgspec.Struct, kw_only=True, frozen=True):
+    """One finished sample as the run saw it. Token-aligned lists have one entry per response token."""
+
+    schema_version: int = SCHEMA_VERSION
+    sample_id: str
+    prompt_id: str
+    sample_idx: int
+    group_id: str
+    group_size: int
+    data_source: str
+    ground_truth: str
+    prompt_text: str
+    response_text: str
+    prompt_token_ids: list[int]
+    response_token_ids: list[int]
+    behaviour_logprobs: list[float]  # log π_behaviour of each response token, as sampled
+    token_versions: list[int]  # the weight version that generated each response token
+    window_ends: list[int]  # response offset where each generator window ended (T-PPO windows)
+    finish_reason: str  # eos | max_length
+    seed: int
+    generator_id: str
+    score: float | None = None  # the reward endpoint's score (None: the reward failed)
+    correct: bool | None = None
+    reward_source: str = ""  # the endpoint (or route) that gave the reward
+    reward_version: str = ""  # its version (bumped on a hot swap)
+    reward_failed: bool = False
+    token_rewards: list[float] | None = None  # process rewards, one per response token
+    suspicious: list[str] = []
+    values: list[float] | None = None  # V(s_t) used for the advantages (value-based algorithms)
+    status: str = "kept"  # kept (sent to the learner) | dropped | recorded (mode=generate)
+    drop_reason: str = ""
+    policy_version: int = 0  # the learner's version the assembler knew when the sample ended
+    recorded_at: float = 0.0
+
+
+TRAJECTORY_SCHEMA = pa.schema([
+    ("schema_version", pa.int16()), ("sample_id", pa.string()), ("prompt_id", pa.string()),
+    ("sample_idx", pa.int32()), ("group_id", pa.string()), ("group_size", pa.int32()),
+    ("data_source", pa.string()), ("ground_truth", pa.string()), ("prompt_text", pa.string()),
+    ("response_text", pa.string()), ("prompt_token_ids", pa.list_(pa.int32())),
+    ("response_token_ids", pa.list_(pa.int32())), ("behaviour_logprobs", pa.list_(pa.float32())),
+    ("token_versions", pa.list_(pa.int32())), ("window_ends", pa.list_(pa.int32())),
+    ("finish_reason", pa.string()), ("seed", pa.int64()), ("generator_id", pa.string()),
+    ("score", pa.float64()), ("correct", pa.bool_()), ("reward_source", pa.string()),
+    ("reward_version", pa.string()), ("reward_failed", pa.bool_()), ("token_rewards", pa.list_(pa.float32())),
+    ("suspicious", pa.list_(pa.string())), ("values", pa.list_(pa.float32())), ("status", pa.string()),
+    ("drop_reason", pa.string()), ("policy_version", pa.int64()), ("recorded_at", pa.float64()),
+])
+
+BATCH_SCHEMA = pa.schema([
+    ("batch_id", pa.string()), ("step", pa.int64()), ("trained_from_version", pa.int64()),
+    ("loss", pa.float64()), ("grad_norm", pa.float64()), ("rows", pa.int32()), ("batch", pa.binary()),
+    ("recorded_at", pa.float64()),
+])
+
+
+class BatchRecord(msgspec.Struct, kw_only=True, frozen=True):
+    """A batch the learner trained, and what training it gave (the golden-batch seam)."""
+
+    batch_id: str
+    step: int
+    trained_from_version: int  # the policy weights the batch was trained from
+    loss: float
+    grad_norm: float
+    rows: int
+    batch: bytes  # the TrainBatch, msgspec-encoded (asyncrl.schema)
+    recorded_at: float = 0.0
+
+
+BATCH_CODEC = Codec(TrainBatch)
+# Records cross to the recorder actor as msgspec bytes.
+RECORDS_ENCODER = msgspec.msgpack.Encoder()
+RECORDS_DECODER = msgspec.msgpack.Decoder(list[TrajectoryRecord])
+BATCH_RECORD_ENCODER = msgspec.msgpack.Encoder()
+BATCH_RECORD_DECODER = msgspec.msgpack.Decoder(BatchRecord)
+
+
+def record_of(merged: Segment, window_ends: list[int], reward: Reward | None, prompt_text: str, response_text: str,
+              status: str, drop_reason: str = "", values: np.ndarray | None = None,
+              policy_version: int = 0) -> TrajectoryRecord:
+    """The record of a finished sample (all windows merged) and its reward."""
+    return TrajectoryRecord(
+        sample_id=merged.sample_id, prompt_id=merged.prompt_id, sample_idx=merged.sample_idx,
+        group_id=merged.group_id, group_size=merged.group_size, data_source=merged.data_source,
+        ground_truth=merged.ground_truth, prompt_text=prompt_text, response_text=response_text,
+        prompt_token_ids=merged.prompt_token_ids.tolist(), response_token_ids=merged.new_token_ids.tolist(),
+        behaviour_logprobs=merged.new_logprobs.tolist(), token_versions=merged.new_versions.tolist(),
+        window_ends=list(window_ends), finish_reason=merged.finish_reason.value, seed=merged.seed,
+        generator_id=merged.generator_id,
+        score=None if reward is None or reward.failed else float(reward.score),
+        correct=None if reward is None else reward.correct,
+        reward_source=reward.source if reward is not None else "",
+        reward_version=reward.source_version if reward is not None else "",
+        reward_failed=bool(reward is not None and reward.failed),
+        token_rewards=None if reward is None or reward.token_rewards is None else reward.token_rewards.tolist(),
+        suspicious=list(reward.suspicious) if reward is not None else [],
+        values=None if values is None else np.asarray(values, dtype=np.float32).tolist(),
+        status=status, drop_reason=drop_reason, policy_version=policy_version, recorded_at=time.time())
+
+
+def segments_of(record: TrajectoryRecord) -> list[Segment]:
+    """The record as the generator's windows were (one `Segment` per window), for replay."""
+    from asyncrl.schema import FinishReason
+
+    ids = np.asarray(record.response_token_ids, dtype=np.int32)
+    logp = np.asarray(record.behaviour_logprobs, dtype=np.float32)
+    versions = np.asarray(record.token_versions, dtype=np.int32)
+    ends = list(record.window_ends) or [len(ids)]
+    out, start = [], 0
+    for turn, end in enumerate(ends):
+        last = turn == len(ends) - 1
+        out.append(Segment(
+            prompt_id=record.prompt_id, sample_idx=record.sample_idx, turn=turn, group_id=record.group_id,
+            group_size=record.group_size, prompt_token_ids=np.asarray(record.prompt_token_ids, dtype=np.int32),
+            prior_response_ids=ids[:start], prior_versions=versions[:start], new_token_ids=ids[start:end],
+            new_logprobs=logp[start:end], new_versions=versions[start:end], finished=last,
+            finish_reason=FinishReason(record.finish_reason) if last else FinishReason.WINDOW,
+            data_source=record.data_source, ground_truth=record.ground_truth, seed=record.seed,
+            generator_id=record.generator_id))
+        start = end
+    return out
+
+
+def reward_of(record: TrajectoryRecord) -> Reward:
+    """The recorded reward of a sample, as its endpoint gave it."""
+    return Reward(prompt_id=record.prompt_id, sample_idx=record.sample_idx,
+                  score=0.0 if record.score is None else record.score, source=record.reward_source,
+                  source_version=record.reward_version, correct=record.correct, failed=record.reward_failed,
+                  token_rewards=None if record.token_rewards is None else np.asarray(record.token_rewards, dtype=np.float32),
+                  suspicious=list(record.suspicious))
+
+
+# --- writing -----------------------------------------------------------------------------------------
+
+
+class StoreWriter:
+    """Append-only Parquet files of one kind (`trajectories` or `batches`) in a directory.
+
+    Rows are buffered and written as a row group per `flush()`; the file is closed and renamed
+    into place when it passes `max_file_bytes` or `max_file_age_s`, and by `close()`.
+    """
+
+    def __init__(self, directory: str, kind: str, schema: pa.Schema, max_file_bytes: int = 64 << 20,
+                 max_file_age_s: float = 600.0):
+        self.directory, self.kind, self.schema = directory, kind, schema
+        self.max_file_bytes, self.max_file_age_s = max_file_bytes, max_file_age_s
+        os.makedirs(directory, exist_ok=True)
+        self._rows: list[dict] = []
+        self._writer: pq.ParquetWriter | None = None
+        self._path = ""
+        self._opened_at = 0.0
+        # Continue numbering after files of an earlier incarnation (a resumed run appends).
+        self._index = len(glob.glob(os.path.join(directory, f"{kind}-*.parquet")))
+        self.files_closed = 0
+        self.rows_written = 0
+
+    def append(self, rows: list[dict]) -> None:
+        self._rows.extend(rows)
+
+    def flush(self) -> None:
+        """Write the buffered rows as one row group; roll the file if it is big or old enough."""
+        if self._rows:
+            if self._writer is None:
+                self._open()
+            table = pa.Table.from_pylist(self._rows, schema=self.schema)
+            self._writer.write_table(table)
+            self.rows_written += len(self._rows)
+            self._rows = []
+        if self._writer is not None and (os.path.getsize(self._path) >= self.max_file_bytes
+                                         or time.monotonic() - self._opened_at >= self.max_file_age_s):
+            self._roll()
+
+    def close(self) -> None:
+        self.flush()
+        if self._writer is not None:
+            self._roll()
+
+    def _open(self) -> None:
+        self._path = os.path.join(self.directory, f"{self.kind}-{self._index:05d}.parquet{INPROGRESS}")
+        self._writer = pq.ParquetWriter(self._path, self.schema, compression="zstd")
+        self._opened_at = time.monotonic()
+
+    def _roll(self) -> None:
+        self._writer.close()
+        os.replace(self._path, self._path.removesuffix(INPROGRESS))
+        self._writer, self._index = None, self._index + 1
+        self.files_closed += 1
+
+
+# --- reading -----------------------------------------------------------------------------------------
+
+
+def store_dir(path: str) -> str:
+    """A run directory's store, or the store directory itself."""
+    inner = os.path.join(path, STORE_DIRNAME)
+    return inner if os.path.isdir(inner) else path
+
+
+def store_files(path: str, kind: str = "trajectories") -> list[str]:
+    """The closed files of one kind, in write order (files still being written are not read)."""
+    return sorted(glob.glob(os.path.join(store_dir(path), f"{kind}-*.parquet")))
+
+
+def read_trajectories(path: str, statuses: tuple[str, ...] = ("kept", "dropped", "recorded")) -> list[TrajectoryRecord]:
+    """Every record of a store (a run directory or its `trajectories/`) with one of `statuses`."""
+    files = store_files(path)
+    if not files:
+        raise FileNotFoundError(f"no trajectory files (trajectories-*.parquet) in {store_dir(path)}")
+    records = []
+    for file in files:
+        for row in pq.read_table(file).to_pylist():
+            if row["status"] in statuses:
+                records.append(msgspec.convert(row, TrajectoryRecord))
+    return records
+
+
+def read_batches(path: str) -> list[BatchRecord]:
+    """Every recorded batch, in training order."""
+    files = store_files(path, "batches")
+    if not files:
+        raise FileNotFoundError(f"no batch files (batches-*.parquet) in {store_dir(path)}")
+    rows = [row for file in files for row in pq.read_table(file).to_pylist()]
+    return [msgspec.convert(row, BatchRecord) for row in sorted(rows, key=lambda r: r["step"])]
