@@ -37,6 +37,7 @@ class AssemblySettings:
     overlong_penalty_factor: float
     max_response_tokens: int
     filter_metric: str = "acc"
+    max_refill_rounds: int = 0  # 0: a batch waits for full groups with signal however long it takes
 
 
 def shaped_score(score: float, response_tokens: int, max_response_tokens: int, buffer_tokens: int,

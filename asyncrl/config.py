@@ -75,6 +75,16 @@ class AlgorithmConfig:
     filter_metric: str = "acc"
     """Dynamic sampling's metric: acc (correctness; a reward without a correctness flag, such as a
     Bradley-Terry model, falls back to its score) | score (the raw score)."""
+    max_refill_rounds: int = 0
+    """Bounded refill (verl's max_num_gen_batches): after this many generation rounds
+    (prompts_per_step groups each) without a full batch of groups with signal, the learner trains on
+    the groups that have signal, or, with none, skips the step with the reason. 0 = no bound."""
+    retire_after_groups: int = 0
+    """Prompt retirement: a prompt whose last N groups all had no signal (all correct; with
+    `retire_unsolved` also all wrong) is skipped for `retire_epochs` epochs, then tried again
+    (counted and shown; `asyncrl train` stops once every prompt is retired). 0 = off."""
+    retire_epochs: int = 1
+    retire_unsolved: bool = True
     clip_low: float = 0.2
     clip_high: float = 0.28
     dual_clip: float | None = 10.0
@@ -586,6 +596,7 @@ RANGES = {
     "algorithm.length_adaptive_alpha": ">= 0", "algorithm.edge_mask_tokens": ">= 0",
     "algorithm.advantage_clamp": ">= 0", "algorithm.nll_coef": ">= 0", "algorithm.ppo_epochs": ">= 1",
     "algorithm.mini_batches": ">= 1", "algorithm.behaviour_weight_cap": ">= 1", "algorithm.loss_norm_tokens": ">= 0",
+    "algorithm.max_refill_rounds": ">= 0", "algorithm.retire_after_groups": ">= 0", "algorithm.retire_epochs": ">= 1",
     "task.pre_ppo_samples": ">= 1",
     "critic.lr": "> 0", "critic.weight_decay": ">= 0", "critic.grad_clip": "> 0", "critic.lam": "[0, 1]",
     "critic.clip_low": ">= 0", "critic.clip_high": ">= 0", "critic.batch_trajectories": ">= 1",

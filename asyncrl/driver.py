@@ -66,12 +66,17 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
     monitor = RunMonitor(supervisor, run_dir, config.trainer.stall_timeout_s, annotate=evaluate_every,
                          wandb_run=wandb_run)
     bar = _progress(config.trainer.total_steps, progress)
-    interrupted, last_checkpoint, weights = False, None, None
+    interrupted, last_checkpoint, weights, stop_reason = False, None, None, ""
     try:
         try:
             while monitor.step < config.trainer.total_steps and not _reached_target(monitor.records, config):
                 time.sleep(0.5)
                 polled = monitor.poll()
+                _print_retirements(polled.retirements)
+                if monitor.all_prompts_retired:
+                    stop_reason = "every prompt is retired (its last groups had no learning signal)"
+                    print(f"stopping at step {monitor.step}: {stop_reason}; see retirements.jsonl", flush=True)
+                    break
                 if polled.restart is not None:
                     restart = polled.restart
                     print(f"restarted in {restart['restart_s']:.1f}s from step {restart['step']} after "
@@ -125,6 +130,7 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
                "reached_target": _reached_target(records, config), "evals": evals,
                "resumed": monitor.system.resumed, "restarts": supervisor.restarts,
                "steps": len(records), "final_status": final_status, "interrupted": interrupted,
+               "stop_reason": stop_reason,
                "last_checkpoint": last_checkpoint, "records": records}
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump({k: v for k, v in summary.items() if k != "records"}, f, indent=2, default=str)
@@ -133,6 +139,17 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
                                   "eval_accuracy_after": after["accuracy"] if after else None})
         wandb_run.finish()
     return summary
+
+
+def _print_retirements(events: list[dict]) -> None:
+    """One line per poll: which prompts were retired (or came back) and why."""
+    if not events:
+        return
+    parts = [f"{e['prompt']} ({e['reason']}, last {e['last_groups']} groups; until epoch {e['until_epoch']})"
+             if e["event"] == "retired" else f"{e['prompt']} back (a group with signal)" for e in events]
+    from tqdm import tqdm
+
+    tqdm.write("prompts retired: " + "; ".join(parts))  # above the progress bar, not through it
 
 
 @contextlib.contextmanager

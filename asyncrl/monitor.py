@@ -19,7 +19,8 @@ from asyncrl.supervisor import Supervisor
 
 # Fields every record gets from the system's status at the poll that drained it.
 RUN_FIELDS = ("samples_trained", "samples_dropped", "samples_generated", "generator_busy_fraction",
-              "generator_paused_for_weights_fraction", "broadcast_s", "wall_time_s", "samples_per_s")
+              "generator_paused_for_weights_fraction", "broadcast_s", "wall_time_s", "samples_per_s",
+              "prompts_retired_share")
 # The curve a run is watched by: the reward of everything generated (before dynamic sampling).
 REWARD_KEY = "reward_mean_generated"
 
@@ -42,6 +43,7 @@ class StallError(RuntimeError):
 class Poll:
     records: list[dict] = field(default_factory=list)  # new step records, as written
     restart: dict | None = None  # set when the system was restarted from a checkpoint
+    retirements: list[dict] = field(default_factory=list)  # prompts retired (or back) since the last poll
 
 
 class RunMonitor:
@@ -60,6 +62,10 @@ class RunMonitor:
         self._wandb_step = 0
         self._previous_poll: tuple[float, int] | None = None
         self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
+        # Prompt retirement: events already written to retirements.jsonl, and whether every prompt
+        # is retired (nothing left to learn from: `asyncrl train` stops, Serve reports it).
+        self._retirement_seq = -1
+        self.all_prompts_retired = False
 
     @property
     def system(self):
@@ -99,6 +105,10 @@ class RunMonitor:
         if self._previous_poll is None and self.system.resumed:  # counters restored: no rate until the next poll
             self._previous_poll = (0.0, 1 << 62)
         stamp["samples_per_s"] = samples_per_s(self._previous_poll, stamp["wall_time_s"], stamp["samples_trained"])
+        prompts = status.get("prompt_source", {})
+        stamp["prompts_retired_share"] = prompts.get("prompts_retired_share", 0.0)
+        self.all_prompts_retired = bool(prompts.get("all_prompts_retired"))
+        retirements = self._new_retirements(prompts.get("retirement_log", []))
         self._previous_poll = (stamp["wall_time_s"], stamp["samples_trained"])
         with open(self.metrics_path, "a") as metrics_file:
             for record in new:
@@ -112,7 +122,17 @@ class RunMonitor:
         self.records += new
         if self.history_limit and len(self.records) > self.history_limit:
             self.records = self.records[-self.history_limit:]
-        return Poll(records=new)
+        return Poll(records=new, retirements=retirements)
+
+    def _new_retirements(self, log: list[dict]) -> list[dict]:
+        """Retirement events not seen before, appended to `retirements.jsonl` (which prompt, why)."""
+        new = [event for event in log if event["seq"] > self._retirement_seq]
+        if new:
+            self._retirement_seq = new[-1]["seq"]
+            with open(os.path.join(self.run_dir, "retirements.jsonl"), "a") as f:
+                for event in new:
+                    f.write(json.dumps(event) + "\n")
+        return new
 
     def write_plots(self) -> None:
         """The run's PNGs in its directory (the same for both entry points)."""

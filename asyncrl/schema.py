@@ -335,6 +335,8 @@ class TrainBatch(msgspec.Struct, kw_only=True, frozen=True):
     samples: list[TrainSample]
     # Metrics of the assembly that produced this batch (dropped groups, staleness, ...).
     stats: dict[str, float] = {}
+    # Why a batch has no rows: the learner skips the step and records this (bounded refill).
+    skip_reason: str = ""
 
     @property
     def msg_id(self) -> str:

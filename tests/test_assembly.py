@@ -33,7 +33,7 @@ def make(settings=SETTINGS, prompts_per_batch=1):
                        correct=r.response_text.startswith("7"), source="test") for r in requests]
 
     asm = Assembler(segments, batches, score, lambda ids: "".join(str(i) for i in ids),
-                    GroupEstimator(settings, prompts_per_batch), on_samples=lambda ids, state, reason: events.append((ids, state, reason)))
+                    GroupEstimator(settings, prompts_per_batch), events=lambda evs, outcomes: events.extend(evs))
     return asm, segments, batches, events
 
 

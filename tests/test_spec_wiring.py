@@ -367,7 +367,7 @@ def run_assembler_group(estimator, group):
 
     async def main():
         asm = Assembler(segments, batches, scorer, lambda ids: " ".join(map(str, ids)), estimator,
-                        on_samples=lambda ids, state, reason: events.append((state, reason)))
+                        events=lambda evs, outcomes: events.extend((state, reason) for _, state, reason in evs))
         await segments.put(group)
         for _ in range(3):
             await asm.step(timeout=0.01)

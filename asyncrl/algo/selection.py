@@ -9,6 +9,8 @@ import math
 
 import numpy as np
 
+from asyncrl.algo.shaping import filter_metric, group_has_signal
+
 
 def domain_zscores(scores: np.ndarray, domains: list[str], valid: np.ndarray | None = None) -> np.ndarray:
     """Scores standardised within each domain (score distributions differ by domain), over the
@@ -55,3 +57,31 @@ def curriculum_sources(step: int, stages: list[tuple[int, list[str]]]) -> set[st
         if step >= start:
             allowed = set(sources) if sources else None
     return allowed
+
+
+# --- prompt retirement (saturated prompts) ------------------------------------------------------------
+
+
+def group_verdict(correct: list[bool | None], scores: list[float], failed: list[bool], metric: str = "acc") -> str | None:
+    """What a finished group says about its prompt, by DAPO's filter metric: `solved` (every sample
+    correct), `unsolved` (every sample wrong), `no_signal` (all equal otherwise: equal scores of a
+    reward without a correctness flag), or None (a learning signal; a failed reward: no verdict)."""
+    if any(failed) or not correct:
+        return None
+    if group_has_signal(filter_metric(correct, scores, metric)):
+        return None
+    if all(c is not None for c in correct) and metric == "acc":
+        return "solved" if correct[0] else "unsolved"
+    return "no_signal"
+
+
+def retirement_reason(verdicts: list[str | None], after_groups: int, retire_unsolved: bool = True) -> str | None:
+    """Why a prompt is retired from sampling, or None: its last `after_groups` groups all gave the
+    same verdict of no signal (`solved`; `unsolved` and `no_signal` only with `retire_unsolved`).
+    Such groups carry no gradient under group-relative advantages, so sampling them again is waste."""
+    if after_groups <= 0 or len(verdicts) < after_groups:
+        return None
+    last = verdicts[-after_groups:]
+    if last[0] is None or any(v != last[0] for v in last):
+        return None
+    return last[0] if last[0] == "solved" or retire_unsolved else None

@@ -30,8 +30,9 @@ from asyncrl.schema import Reward, RewardRequest, Segment, TrainBatch, TrainSamp
 from asyncrl.store import TrajectoryRecord, record_of
 
 ScoreFn = Callable[[list[RewardRequest]], Awaitable[list[Reward]]]
-# Ledger events: (sample ids, new state, reason of a drop).
-SamplesFn = Callable[[list[str], str, str], None]
+# The prompt source, told once per step: ledger events (sample ids, new state, reason of a drop) and
+# samples' outcomes (prompt id, sample index, correct, score, failed) for its solve rates.
+EventsFn = Callable[[list[tuple[list[str], str, str]], list[tuple[str, int, "bool | None", float, bool]]], None]
 # The recorder: a list of `TrajectoryRecord`s, msgspec-encoded (nobody waits for it).
 RecordFn = Callable[[list[TrajectoryRecord]], None]
 # A sample's fate here, as the store names it.
@@ -52,14 +53,16 @@ class _Unrecorded:
 
 class Assembler:
     def __init__(self, segments: Mailbox, batches: Mailbox, score: ScoreFn, decode: Callable[[list[int]], str],
-                 estimator: Estimator, on_samples: SamplesFn = lambda ids, state, reason: None,
+                 estimator: Estimator, events: EventsFn = lambda events, outcomes: None,
                  max_pending_tasks: int = 64, batch_prefix: str = "batch", record: RecordFn | None = None):
         self.segments = segments
         self.batches = batches
         self.score = score
         self.decode = decode
         self.estimator = estimator
-        self.ledger = on_samples  # where each sample went
+        self.events = events  # the prompt source: where each sample went, and how it scored
+        self._events: list[tuple[list[str], str, str]] = []
+        self._outcomes: list[tuple[str, int, bool | None, float, bool]] = []
         self.record = record  # the trajectory store (None: not recording)
         self._unrecorded: dict[str, _Unrecorded] = {}
         self._records: list[TrajectoryRecord] = []
@@ -87,8 +90,9 @@ class Assembler:
     # --- shared by the estimators -------------------------------------------------------------------
 
     def on_samples(self, sample_ids: list[str], state: str, reason: str = "") -> None:
-        """A ledger event; a final one here also completes the samples' records."""
-        self.ledger(sample_ids, state, reason)
+        """A ledger event (sent with the step's others); a final one here also completes the
+        samples' records."""
+        self._events.append((list(sample_ids), state, reason))
         status = RECORD_STATUS.get(state)
         if self.record is None or status is None:
             return
@@ -105,6 +109,14 @@ class Assembler:
         if pending is not None:
             pending.values = values
 
+    def flush_events(self) -> None:
+        """Send the ledger events and outcomes gathered since the last call, in one call."""
+        if self._events or self._outcomes:
+            events, self._events = self._events, []
+            outcomes, self._outcomes = self._outcomes, []
+            self.events(events, outcomes)
+            self.counters["event_calls"] += 1
+
     def _send_records(self) -> None:
         if self._records:
             records, self._records = self._records, []
@@ -112,6 +124,7 @@ class Assembler:
             self.counters["trajectories_recorded"] += len(records)
 
     def note_scored(self, reward: Reward) -> None:
+        self._outcomes.append((reward.prompt_id, reward.sample_idx, reward.correct, reward.score, reward.failed))
         if self.record is not None and (pending := self._unrecorded.get(sample_id(reward.prompt_id, reward.sample_idx))):
             pending.reward = reward
         self.counters["samples_scored"] += 1
@@ -139,10 +152,13 @@ class Assembler:
         if row.finished:
             self.drop_samples([row.sample_id], reason)
 
-    async def emit(self, samples: list[TrainSample], stats: dict[str, float], samples_emitted: int) -> None:
-        """One `TrainBatch` to the learner, with the reward of everything generated since the last one."""
+    async def emit(self, samples: list[TrainSample], stats: dict[str, float], samples_emitted: int,
+                   skip_reason: str = "") -> None:
+        """One `TrainBatch` to the learner, with the reward of everything generated since the last
+        one (no rows and a `skip_reason`: the learner skips the step, saying why)."""
         batch = TrainBatch(batch_id=f"{self.batch_prefix}-{self._batch_index}", samples=samples,
-                           stats={**stats, **self._generated_stats(), "assembled_at": time.time()})
+                           stats={**stats, **self._generated_stats(), "assembled_at": time.time()},
+                           skip_reason=skip_reason)
         self._batch_index += 1
         self._since_batch = [0.0, 0, 0, 0]
         await self.batches.put([batch])
@@ -198,8 +214,9 @@ class Assembler:
         # Backpressure: while many scoring/valuing tasks are pending, stop taking segments.
         while len(self._scoring) >= self.max_pending_tasks and self._failure is None:
             await asyncio.sleep(0.01)
+        self.flush_events()  # what the estimators' tasks did since the last step, in one call
         if self.record is not None:
-            self._send_records()  # what the estimators' tasks completed since the last step
+            self._send_records()
         segments = await self.segments.get(256, timeout=timeout)
         if not segments:
             return
@@ -224,6 +241,7 @@ class Assembler:
                     raise self._failure  # surfaces in the supervisor's check
                 await self.step()
         finally:
+            self.flush_events()
             if self.record is not None:
                 self._send_records()
 

@@ -54,7 +54,8 @@ class Assembler(Protocol):
 
     def drop_row(self, row: Segment, reason: str) -> None: ...
 
-    async def emit(self, samples: list[TrainSample], stats: dict[str, float], samples_emitted: int) -> None: ...
+    async def emit(self, samples: list[TrainSample], stats: dict[str, float], samples_emitted: int,
+                   skip_reason: str = "") -> None: ...
 
 
 class Estimator(Protocol):
@@ -79,6 +80,7 @@ class GroupEstimator:
     _groups: dict[str, dict[int, tuple[Segment, Reward]]] = field(default_factory=lambda: collections.defaultdict(dict))
     _ready: list[list[TrainSample]] = field(default_factory=list)
     _ready_stats: list[dict[str, float]] = field(default_factory=list)
+    _closed_since_batch: int = 0  # groups closed (kept or dropped) since the last batch left
 
     async def process(self, asm: Assembler, rows: list[Segment], scored: Scored) -> None:
         if scored:
@@ -89,6 +91,7 @@ class GroupEstimator:
                 group[merged.sample_idx] = (merged, reward)
                 if len(group) == merged.group_size:
                     await self.close_group(asm, merged.group_id)
+                    await self._emit_ready(asm)  # after each group: the refill bound is exact
         await self._emit_ready(asm)
 
     async def close_group(self, asm: Assembler, group_id: str) -> None:
@@ -100,6 +103,7 @@ class GroupEstimator:
         samples, rewards = [m[0] for m in members], [m[1] for m in members]
         train, reason, stats = assemble_group(samples, rewards, asm.policy_version, self.settings, advantages)
         asm.counters["groups_closed"] += 1
+        self._closed_since_batch += 1
         if reason is not None:
             asm.counters[f"dropped_{reason}_groups"] += 1
             asm.drop_samples([m.sample_id for m in samples], reason)
@@ -109,17 +113,35 @@ class GroupEstimator:
         self._ready_stats.append({**stats, "reward_mean": sum(r.score for r in rewards) / len(rewards),
                                   "accuracy": sum(bool(r.correct) for r in rewards) / len(rewards)})
 
+    def _refill_exhausted(self) -> bool:
+        """Bounded refill: `max_refill_rounds` generation rounds closed since the last batch."""
+        rounds = self.settings.max_refill_rounds
+        return rounds > 0 and self._closed_since_batch >= rounds * self.prompts_per_batch
+
     async def _emit_ready(self, asm: Assembler) -> None:
         n = self.prompts_per_batch
-        while len(self._ready) >= n:
+        while len(self._ready) >= n or (self._refill_exhausted() and len(self._ready) < n):
+            rounds = self._closed_since_batch / n
             groups, self._ready = self._ready[:n], self._ready[n:]
             stats, self._ready_stats = self._ready_stats[:n], self._ready_stats[n:]
+            self._closed_since_batch = 0
             samples = [s for g in groups for s in g]
+            if not groups:
+                # Nothing with a learning signal in `max_refill_rounds` rounds: the learner skips the
+                # step and says why (never a silent spin; prompt retirement removes the cause).
+                asm.counters["steps_skipped_no_signal"] += 1
+                await asm.emit([], {"refill_rounds": rounds}, samples_emitted=0,
+                               skip_reason=f"no group with a learning signal in {rounds:.0f} generation rounds "
+                                           f"(algorithm.max_refill_rounds)")
+                continue
+            if len(groups) < n:
+                asm.counters["batches_partial"] += 1
             await asm.emit(samples, {
                 "reward_mean": sum(s["reward_mean"] for s in stats) / len(stats),
                 "accuracy": sum(s["accuracy"] for s in stats) / len(stats),
                 "staleness_max_assembled": max(s["staleness_max"] for s in stats),
                 "stale_tokens_masked_assembled": sum(s["stale_tokens_masked"] for s in stats),
+                "refill_rounds": rounds, "groups_in_batch": float(len(groups)),
             }, samples_emitted=len(samples))
 
     def stats(self) -> dict:

@@ -86,7 +86,7 @@ class PolicyLearner(TrainingLoop):
         self.timing = {"train_s": 0.0, "wait_batch_s": 0.0, "broadcast_s": 0.0, "checkpoint_s": 0.0}
         # A row is a whole response, or one window of it (T-PPO); a sample counts when its last row trains.
         self.counters = {"broadcasts": 0, "duplicate_batches": 0, "samples_trained": 0, "rows_trained": 0,
-                         "checkpoints": 0, "stale_tokens_masked": 0, "optimizer_updates": 0}
+                         "checkpoints": 0, "stale_tokens_masked": 0, "optimizer_updates": 0, "steps_skipped": 0}
         self.last_broadcast: dict[str, float] = {}
         # The trajectory store (trainer.record): each batch as trained, with its loss and gradient
         # norm and the version it was trained from (the golden-batch seam). Nobody waits for it.
@@ -133,6 +133,8 @@ class PolicyLearner(TrainingLoop):
         if batch.batch_id in self._trained_ids:
             self.counters["duplicate_batches"] += 1
             return None
+        if not batch.samples:
+            return self._skip(batch)
         start = time.perf_counter()
         # Tokens too old for the weights about to be trained are masked out of the loss, whatever
         # the assembler knew when it built the batch (versions it is told arrive late, batches queue).
@@ -178,6 +180,18 @@ class PolicyLearner(TrainingLoop):
         if not self.generators:
             self._notify_delivered(self.version)
         self._request_broadcast()
+        return record
+
+    def _skip(self, batch: TrainBatch) -> dict:
+        """A batch with no rows (bounded refill found no group with signal): the step is counted and
+        recorded with its reason; no update, so the weights and their version stay."""
+        self._trained_ids.add(batch.batch_id)
+        self.step += 1
+        self.counters["steps_skipped"] += 1
+        record = {"step": self.step, "weight_version": self.version, "skipped": 1.0, "skip_reason": batch.skip_reason,
+                  **{k: v for k, v in batch.stats.items() if k != "assembled_at"},
+                  "samples_in_batch": 0, "train_s": 0.0}
+        self._metrics.append(record)
         return record
 
     async def step_once(self, timeout: float = 1.0) -> dict | None:

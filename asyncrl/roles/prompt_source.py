@@ -7,7 +7,13 @@ prompt is issued only while the budget allows, so generators never run more than
 rows, value warm-up) is replaced. The assembler's staleness check is the other side.
 
 It keeps the ledger of samples (`asyncrl.ledger`): it admits every sample it issues, and the
-assembler and the learner report how each one moves on and ends. On resume, the prompts whose
+assembler and the learner report how each one moves on and ends (the assembler in one call per
+step for all its events).
+
+It tracks each prompt's groups (the rewards the assembler saw): a prompt whose last
+`retire_after_groups` groups had no signal (all correct, or all wrong) is retired, skipped for
+`retire_epochs` epochs, then tried again; one group with signal brings it back. Retirements are
+counted and logged, and when every prompt of a data source is retired the status says so. On resume, the prompts whose
 samples were open at the checkpoint (and not in a saved batch) are issued again first, with
 their ids and seeds, outside the budget they were already counted in.
 """
@@ -17,11 +23,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import random
+from dataclasses import dataclass
 
 import msgspec
 import numpy as np
 
-from asyncrl.algo.selection import curriculum_sources
+from asyncrl.algo.selection import curriculum_sources, group_verdict, retirement_reason
 from asyncrl.ledger import LedgerSnapshot, SampleLedger
 from asyncrl.mailbox import Mailbox
 from asyncrl.schema import Codec, PromptRequest
@@ -41,15 +48,34 @@ class CursorSnapshot(msgspec.Struct, kw_only=True):
     # The prompt set when it differs from the task's (Pre-PPO selection), so a resume keeps it.
     examples: list[dict] | None = None
     prompt_token_ids: list[list[int]] | None = None
+    # Retired prompts (example id -> reason, until epoch, since, times, issued epoch) and recent verdicts.
+    retired: dict[str, tuple[str, int, int, int, int]] = {}
+    verdicts: dict[str, list[str | None]] = {}
 
 
 SNAPSHOT_CODEC = Codec(CursorSnapshot)
+
+# A sample's outcome as the assembler saw it: (issued prompt id, sample index, correct, score, failed).
+Outcome = tuple[str, int, "bool | None", float, bool]
+# The assembler's ledger events: (sample ids, new state, reason of a drop).
+LedgerEvent = tuple[list[str], str, str]
+
+
+@dataclass
+class Retirement:
+    reason: str  # solved | unsolved | no_signal
+    until_epoch: int  # skipped when the cursor reaches it before this epoch
+    since_step: int  # the learner step when it was retired
+    times: int = 1  # retired again after a re-test without signal
+    issued_epoch: int = 0  # the epoch of the group that retired it: older groups cannot bring it back
 
 
 class PromptSource:
     def __init__(self, examples: list[Example], prompt_token_ids: list[list[int]], group_size: int,
                  out: Mailbox, seed: int = 0, prompts_per_step: int = 1, max_staleness_versions: int = 1 << 30,
-                 curriculum: list[tuple[int, list[str]]] | None = None, max_prompts: int = 0):
+                 curriculum: list[tuple[int, list[str]]] | None = None, max_prompts: int = 0,
+                 retire_after_groups: int = 0, retire_epochs: int = 1, retire_unsolved: bool = True,
+                 filter_metric: str = "acc"):
         if not examples:
             raise ValueError("the prompt source needs at least one example")
         self.curriculum = curriculum or []
@@ -78,6 +104,13 @@ class PromptSource:
         self.reissue: collections.deque[PromptRequest] = collections.deque()
         self.examples_replaced = False
         self.max_prompts = max_prompts  # 0 = unbounded (mode=generate issues a fixed number)
+        self.retire_after_groups, self.retire_epochs = retire_after_groups, retire_epochs
+        self.retire_unsolved, self.filter_metric = retire_unsolved, filter_metric
+        self._groups: collections.OrderedDict[str, dict[int, Outcome]] = collections.OrderedDict()
+        self._verdicts: dict[str, collections.deque] = {}  # example id -> its recent groups' verdicts
+        self.retired: dict[str, Retirement] = {}  # example id -> why and until when
+        self.retirement_log: collections.deque[dict] = collections.deque(maxlen=100)
+        self.retirement_counts = collections.Counter()  # retired / back / skipped / by reason
 
     @property
     def budget(self) -> int:
@@ -95,6 +128,70 @@ class PromptSource:
         if state == "dropped" and moved:
             self.dropped_prompts += moved / self.group_size
             self._budget_changed.set()
+
+    def record_events(self, events: list[LedgerEvent], outcomes: list[Outcome]) -> None:
+        """The assembler's events since its last call, in one call: ledger moves and samples' rewards."""
+        for sample_ids, state, reason in events:
+            self.record(sample_ids, state, reason)
+        for outcome in outcomes:
+            self._note_outcome(outcome)
+
+    # --- retirement of saturated prompts -----------------------------------------------------------
+
+    def _note_outcome(self, outcome: Outcome) -> None:
+        prompt_id, idx = outcome[0], outcome[1]
+        group = self._groups.setdefault(prompt_id, {})
+        group[idx] = outcome
+        while len(self._groups) > 4096:  # groups that never complete (work lost in a restart)
+            self._groups.popitem(last=False)
+        if len(group) < self.group_size:
+            return
+        del self._groups[prompt_id]
+        members = [group[i] for i in sorted(group)]
+        verdict = group_verdict([m[2] for m in members], [m[3] for m in members], [m[4] for m in members],
+                                self.filter_metric)
+        example_id, _, issued_epoch = prompt_id.rpartition("@")
+        self._judge(example_id, verdict, int(issued_epoch) if issued_epoch.isdigit() else self.epoch)
+
+    def _judge(self, example_id: str, verdict: str | None, issued_epoch: int) -> None:
+        if not self.retire_after_groups:
+            return
+        recent = self._verdicts.setdefault(example_id, collections.deque(maxlen=self.retire_after_groups))
+        recent.append(verdict)
+        reason = retirement_reason(list(recent), self.retire_after_groups, self.retire_unsolved)
+        previous = self.retired.get(example_id)
+        if reason is None:
+            # A group with signal issued no earlier than the retiring one: back in the rotation (a
+            # group issued before it and scored late says nothing newer).
+            if previous is not None and verdict is None and issued_epoch >= previous.issued_epoch:
+                del self.retired[example_id]
+                self.retirement_counts["back"] += 1
+                self._log(example_id, "back", previous.reason)
+            return
+        until = issued_epoch + self.retire_epochs + 1
+        if previous is None:
+            self.retired[example_id] = Retirement(reason, until, self.learner_version, issued_epoch=issued_epoch)
+            self.retirement_counts["retired"] += 1
+            self.retirement_counts[f"retired_{reason}"] += 1
+            self._log(example_id, "retired", reason, until)
+        else:
+            previous.reason, previous.until_epoch, previous.times = reason, max(previous.until_epoch, until), previous.times + 1
+            previous.issued_epoch = max(previous.issued_epoch, issued_epoch)
+
+    def _log(self, example_id: str, event: str, reason: str, until_epoch: int | None = None) -> None:
+        self.retirement_log.append({"seq": self.retirement_counts["retired"] + self.retirement_counts["back"],
+                                    "prompt": example_id, "event": event, "reason": reason,
+                                    "until_epoch": until_epoch, "learner_version": self.learner_version,
+                                    "last_groups": self.retire_after_groups})
+
+    def retired_sources(self) -> list[str]:
+        """Data sources every prompt of which is retired: nothing of them is left to learn from now."""
+        by_source = collections.defaultdict(lambda: [0, 0])
+        for example in self.examples:
+            counts = by_source[example.data_source]
+            counts[0] += 1
+            counts[1] += example.prompt_id in self.retired
+        return sorted(source for source, (total, retired) in by_source.items() if total and retired == total)
 
     def set_examples(self, examples: list[Example], prompt_token_ids: list[list[int]]) -> None:
         """Replace the prompt set before the first issue (Pre-PPO selection)."""
@@ -119,6 +216,12 @@ class PromptSource:
                 self.epoch, self.index = self.epoch + 1, 0
                 self._order = self._shuffle(self.epoch)
             example = self.examples[self._order[self.index]]
+            retired = self.retired.get(example.prompt_id)
+            if retired is not None and self.epoch < retired.until_epoch:
+                # Retired (no signal in its last groups): it is tried again from `until_epoch` on.
+                self.index += 1
+                self.retirement_counts["skipped"] += 1
+                continue
             if allowed is None or example.data_source in allowed:
                 break
             # Not in this curriculum stage: it comes back next epoch (stages are validated non-empty).
@@ -164,6 +267,11 @@ class PromptSource:
                 "learner_version": self.learner_version, "dropped_prompts": self.dropped_prompts,
                 "skipped_by_curriculum": self.skipped_by_curriculum, "prompts": len(self.examples),
                 "reissue_pending": len(self.reissue), "max_prompts": self.max_prompts,
+                "prompts_retired": len(self.retired), "prompts_retired_share": len(self.retired) / len(self.examples),
+                "retired_by_reason": dict(collections.Counter(r.reason for r in self.retired.values())),
+                "retirements": dict(self.retirement_counts), "retired_sources": self.retired_sources(),
+                "retirement_log": list(self.retirement_log),
+                "all_prompts_retired": len(self.retired) == len(self.examples),
                 "ledger": self.ledger.state_counts(),
                 "ledger_problems": self.ledger.check()}
 
@@ -177,6 +285,8 @@ class PromptSource:
             examples=[{"prompt_id": e.prompt_id, "messages": e.messages, "ground_truth": e.ground_truth,
                        "data_source": e.data_source} for e in self.examples] if replaced else None,
             prompt_token_ids=[list(map(int, t)) for t in self.prompt_token_ids] if replaced else None,
+            retired={k: (r.reason, r.until_epoch, r.since_step, r.times, r.issued_epoch) for k, r in self.retired.items()},
+            verdicts={k: list(v) for k, v in self._verdicts.items()},
         )
 
     def restore(self, snap: CursorSnapshot, held_sample_ids: set[str], learner_version: int) -> None:
@@ -189,5 +299,7 @@ class PromptSource:
         self._order = self._shuffle(self.epoch)
         self.dropped_prompts, self.skipped_by_curriculum = snap.dropped_prompts, snap.skipped_by_curriculum
         self.learner_version = learner_version
+        self.retired = {k: Retirement(*v) for k, v in snap.retired.items()}
+        self._verdicts = {k: collections.deque(v, maxlen=max(1, self.retire_after_groups)) for k, v in snap.verdicts.items()}
         self.ledger, reissue = SampleLedger.restore(snap.ledger, held_sample_ids)
         self.reissue = collections.deque(reissue)

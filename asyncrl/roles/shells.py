@@ -126,7 +126,7 @@ def build_estimator(algorithm: AlgorithmConfig, engine: EngineConfig, prompts_pe
         dynamic_sampling=a.dynamic_sampling, scale_advantage_by_std=a.scale_advantage_by_std,
         max_staleness_versions=a.max_staleness_versions, overlong_buffer_tokens=a.overlong_buffer_tokens,
         overlong_penalty_factor=a.overlong_penalty_factor, max_response_tokens=engine.max_response_tokens,
-        filter_metric=a.filter_metric)
+        filter_metric=a.filter_metric, max_refill_rounds=a.max_refill_rounds)
     if kind is PairwiseEstimator:
         async def judge(pairs):
             return await router.compare(a.pairwise_endpoint, pairs)
@@ -162,8 +162,11 @@ def build_prompt_source(model: ModelConfig, task: TaskConfig, algorithm: Algorit
     tokens = [encode_prompt(ex, tokenizer, model.use_chat_template) for ex in examples]
     curriculum = [(stage.start_step, list(stage.data_sources)) for stage in task.curriculum]
     staleness = 1 << 30 if max_prompts else algorithm.max_staleness_versions
-    return PromptSource(examples, tokens, algorithm.group_size, prompts, trainer.seed, trainer.prompts_per_step,
-                        staleness, curriculum, max_prompts=max_prompts)
+    a = algorithm
+    return PromptSource(examples, tokens, a.group_size, prompts, trainer.seed, trainer.prompts_per_step,
+                        staleness, curriculum, max_prompts=max_prompts, retire_after_groups=a.retire_after_groups,
+                        retire_epochs=a.retire_epochs, retire_unsolved=a.retire_unsolved,
+                        filter_metric=a.filter_metric)
 
 
 # --- shells --------------------------------------------------------------------------------------
@@ -219,6 +222,9 @@ class PromptSourceActor(_LoopShell):
 
     def record(self, sample_ids: list[str], state: str, reason: str = "") -> None:
         self.inner.record(sample_ids, state, reason)
+
+    def record_events(self, events, outcomes) -> None:
+        self.inner.record_events(events, outcomes)
 
     def save_checkpoint_part(self, directory: str) -> None:
         with open(os.path.join(directory, "prompt_source.msgpack"), "wb") as f:
@@ -294,7 +300,7 @@ class AssemblerActor(_LoopShell):
             def record(records):  # nobody waits: the recorder writes at its own pace
                 recorder.add_trajectories.remote(RECORDS_ENCODER.encode(records))
         self.inner = Assembler(segments, batches, self.router.score, lambda ids: decode(tokenizer, ids), estimator,
-                               on_samples=lambda ids, state, reason: ledger.record.remote(ids, state, reason),
+                               events=lambda events, outcomes: ledger.record_events.remote(events, outcomes),
                                batch_prefix=batch_prefix, record=record)
 
     def set_policy_version(self, version: int) -> None:
