@@ -84,7 +84,11 @@ class AlgorithmConfig:
     `retire_unsolved` also all wrong) is skipped for `retire_epochs` epochs, then tried again
     (counted and shown; `asyncrl train` stops once every prompt is retired). 0 = off."""
     retire_epochs: int = 1
+    """How long a retired prompt sits out: until this many datasets' worth of other prompts were issued."""
     retire_unsolved: bool = True
+    retest_every_s: float = 30.0
+    """When every prompt is retired (a service that keeps running), the prompt retired longest is
+    tried again this often: a swapped reward or a changed policy can bring prompts back."""
     clip_low: float = 0.2
     clip_high: float = 0.28
     dual_clip: float | None = 10.0
@@ -597,6 +601,7 @@ RANGES = {
     "algorithm.advantage_clamp": ">= 0", "algorithm.nll_coef": ">= 0", "algorithm.ppo_epochs": ">= 1",
     "algorithm.mini_batches": ">= 1", "algorithm.behaviour_weight_cap": ">= 1", "algorithm.loss_norm_tokens": ">= 0",
     "algorithm.max_refill_rounds": ">= 0", "algorithm.retire_after_groups": ">= 0", "algorithm.retire_epochs": ">= 1",
+    "algorithm.retest_every_s": "> 0",
     "task.pre_ppo_samples": ">= 1",
     "critic.lr": "> 0", "critic.weight_decay": ">= 0", "critic.grad_clip": "> 0", "critic.lam": "[0, 1]",
     "critic.clip_low": ">= 0", "critic.clip_high": ">= 0", "critic.batch_trajectories": ">= 1",

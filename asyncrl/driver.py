@@ -145,7 +145,7 @@ def _print_retirements(events: list[dict]) -> None:
     """One line per poll: which prompts were retired (or came back) and why."""
     if not events:
         return
-    parts = [f"{e['prompt']} ({e['reason']}, last {e['last_groups']} groups; until epoch {e['until_epoch']})"
+    parts = [f"{e['prompt']} ({e['reason']} in its last {e['last_groups']} groups; back after prompt {e['until_issued']})"
              if e["event"] == "retired" else f"{e['prompt']} back (a group with signal)" for e in events]
     from tqdm import tqdm
 

@@ -17,6 +17,7 @@ CURVES = [
     ("samples_per_s", "throughput (trained samples/s)"),
     ("value_loss", "value loss"),
     ("reward_suspicious_share_generated", "share of rewards with signs of reward hacking"),
+    ("prompts_retired_share", "share of prompts retired (no signal in their last groups)"),
 ]
 
 

@@ -292,6 +292,7 @@ def summarize(learner: dict, generators: list[dict], assembler: dict, mailboxes:
         "samples_generated": generated,
         "samples_trained": learner["samples_trained"],
         "stale_tokens_masked": learner.get("stale_tokens_masked", 0),
+        "steps_skipped": learner.get("steps_skipped", 0),
         "samples_dropped": assembler.get("samples_dropped", 0),
         "dropped_by_reason": {k.removeprefix("dropped_").removesuffix("_samples"): v for k, v in assembler.items()
                               if k.startswith("dropped_") and k.endswith("_samples")},

@@ -41,32 +41,34 @@ def group(source, request, correct):
     source.record_events([], [(request.prompt_id, i, c, float(c), False) for i, c in enumerate(correct)])
 
 
-def test_a_solved_prompt_sits_out_an_epoch_comes_back_and_all_retired_is_reported():
-    src = source()
-    issued = [src.next_request() for _ in range(6)]  # two epochs of three prompts
-    by_prompt = {}
-    for request in issued:
-        by_prompt.setdefault(request.prompt_id.split("@")[0], []).append(request)
-    for request in by_prompt["q0"]:
-        group(src, request, [True, True])  # solved twice: retired
+def test_a_solved_prompt_sits_out_a_dataset_of_issues_comes_back_and_all_retired_is_reported():
+    src = source()  # 3 prompts, G = 2, retired after 2 groups without signal, for 1 dataset (3 issues)
+    issued = [src.next_request() for _ in range(9)]
+    q0 = [r for r in issued if r.prompt_id.startswith("q0@")]
+    assert len(q0) == 3
+    group(src, q0[1], [True, True])
+    group(src, q0[2], [True, True])  # solved twice: retired at issue 9, back after 3 more issues
     assert set(src.retired) == {"q0"} and src.retired["q0"].reason == "solved"
     assert src.stats()["retirement_log"][-1]["event"] == "retired"
-    # Epoch 2 (and only it) skips q0; epoch 3 tries it again.
-    third = [src.next_request().prompt_id for _ in range(2)]
-    assert all(not p.startswith("q0@") for p in third) and src.retirement_counts["skipped"] == 1
-    retest = [src.next_request() for _ in range(3)]
-    assert any(r.prompt_id.startswith("q0@3") for r in retest)
-    # A late group of an older issue with signal does not bring it back; the re-test does.
-    group(src, retest[0] if retest[0].prompt_id.startswith("q0") else next(r for r in retest if r.prompt_id.startswith("q0")),
-          [True, False])
+    group(src, q0[0], [True, False])  # an older issue with signal, scored late: says nothing newer
+    assert "q0" in src.retired
+    later = [src.next_request() for _ in range(6)]
+    is_q0 = [r.prompt_id.startswith("q0@") for r in later]
+    assert not any(is_q0[:3]) and any(is_q0[3:])  # issues 10-12 skip it, the next pass tries it again
+    assert src.retirement_counts["skipped"] >= 1
+    group(src, later[is_q0.index(True)], [True, False])  # the re-test has signal: back in the rotation
     assert "q0" not in src.retired and src.stats()["retirement_log"][-1]["event"] == "back"
-    # Every prompt retired: the status says so.
-    for request in issued:
+    # Every prompt retired: nothing is issued (nothing generated for nothing) and the status says so.
+    for request in issued + later:
         group(src, request, [False, False])
-    for name in ("q0",):
-        for request in by_prompt[name]:
-            group(src, request, [True, True])
+    position = (src.epoch, src.index)
+    assert src.next_request() is None and (src.epoch, src.index) == position
+    src.retest_every_s = 0.0  # a service keeps trying the prompt retired longest (here at once)
+    retest = src.next_request()
+    assert retest.prompt_id.split("@")[0] == min(src.retired, key=lambda k: src.retired[k].until_issued)
+    assert (src.epoch, src.index) == position and src.retirement_counts["retests"] == 1
     assert src.stats()["retired_sources"] == ["d"] and src.stats()["all_prompts_retired"]
+    assert src.stats()["retired_by_reason"] == {"unsolved": 3}
 
 
 def seg(prompt, idx, first_token):

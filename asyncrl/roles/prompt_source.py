@@ -11,9 +11,12 @@ assembler and the learner report how each one moves on and ends (the assembler i
 step for all its events).
 
 It tracks each prompt's groups (the rewards the assembler saw): a prompt whose last
-`retire_after_groups` groups had no signal (all correct, or all wrong) is retired, skipped for
-`retire_epochs` epochs, then tried again; one group with signal brings it back. Retirements are
-counted and logged, and when every prompt of a data source is retired the status says so. On resume, the prompts whose
+`retire_after_groups` groups had no signal (all correct, or all wrong) is retired: skipped until
+`retire_epochs` datasets' worth of other prompts have been issued, then tried again; one group with
+signal brings it back. The wait is counted in prompts issued, not cursor passes: when every prompt
+is retired nothing is issued, nothing is generated for nothing, and the status says so
+(`asyncrl train` stops there; a Serve run keeps serving the policy and tries the prompt retired
+longest again every `retest_every_s`, so a swapped reward or a changed policy brings prompts back). On resume, the prompts whose
 samples were open at the checkpoint (and not in a saved batch) are issued again first, with
 their ids and seeds, outside the budget they were already counted in.
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import random
+import time
 from dataclasses import dataclass
 
 import msgspec
@@ -48,7 +52,7 @@ class CursorSnapshot(msgspec.Struct, kw_only=True):
     # The prompt set when it differs from the task's (Pre-PPO selection), so a resume keeps it.
     examples: list[dict] | None = None
     prompt_token_ids: list[list[int]] | None = None
-    # Retired prompts (example id -> reason, until epoch, since, times, issued epoch) and recent verdicts.
+    # Retired prompts (example id -> reason, until issued, since, times, issue number) and recent verdicts.
     retired: dict[str, tuple[str, int, int, int, int]] = {}
     verdicts: dict[str, list[str | None]] = {}
 
@@ -64,10 +68,10 @@ LedgerEvent = tuple[list[str], str, str]
 @dataclass
 class Retirement:
     reason: str  # solved | unsolved | no_signal
-    until_epoch: int  # skipped when the cursor reaches it before this epoch
-    since_step: int  # the learner step when it was retired
+    until_issued: int  # skipped until the prompt source has issued this many prompts
+    since_step: int  # the learner version when it was retired
     times: int = 1  # retired again after a re-test without signal
-    issued_epoch: int = 0  # the epoch of the group that retired it: older groups cannot bring it back
+    issue_no: int = 0  # the issue of the group that retired it: older groups cannot bring it back
 
 
 class PromptSource:
@@ -75,7 +79,7 @@ class PromptSource:
                  out: Mailbox, seed: int = 0, prompts_per_step: int = 1, max_staleness_versions: int = 1 << 30,
                  curriculum: list[tuple[int, list[str]]] | None = None, max_prompts: int = 0,
                  retire_after_groups: int = 0, retire_epochs: int = 1, retire_unsolved: bool = True,
-                 filter_metric: str = "acc"):
+                 filter_metric: str = "acc", retest_every_s: float = 30.0):
         if not examples:
             raise ValueError("the prompt source needs at least one example")
         self.curriculum = curriculum or []
@@ -106,9 +110,11 @@ class PromptSource:
         self.max_prompts = max_prompts  # 0 = unbounded (mode=generate issues a fixed number)
         self.retire_after_groups, self.retire_epochs = retire_after_groups, retire_epochs
         self.retire_unsolved, self.filter_metric = retire_unsolved, filter_metric
+        self.retest_every_s, self._last_retest = retest_every_s, time.monotonic()
         self._groups: collections.OrderedDict[str, dict[int, Outcome]] = collections.OrderedDict()
         self._verdicts: dict[str, collections.deque] = {}  # example id -> its recent groups' verdicts
         self.retired: dict[str, Retirement] = {}  # example id -> why and until when
+        self._issue_no: dict[str, int] = {}  # open prompt id -> its issue number (ordering verdicts)
         self.retirement_log: collections.deque[dict] = collections.deque(maxlen=100)
         self.retirement_counts = collections.Counter()  # retired / back / skipped / by reason
 
@@ -150,10 +156,10 @@ class PromptSource:
         members = [group[i] for i in sorted(group)]
         verdict = group_verdict([m[2] for m in members], [m[3] for m in members], [m[4] for m in members],
                                 self.filter_metric)
-        example_id, _, issued_epoch = prompt_id.rpartition("@")
-        self._judge(example_id, verdict, int(issued_epoch) if issued_epoch.isdigit() else self.epoch)
+        issue_no = self._issue_no.pop(prompt_id, self.issued)
+        self._judge(prompt_id.rpartition("@")[0], verdict, issue_no)
 
-    def _judge(self, example_id: str, verdict: str | None, issued_epoch: int) -> None:
+    def _judge(self, example_id: str, verdict: str | None, issue_no: int) -> None:
         if not self.retire_after_groups:
             return
         recent = self._verdicts.setdefault(example_id, collections.deque(maxlen=self.retire_after_groups))
@@ -163,25 +169,25 @@ class PromptSource:
         if reason is None:
             # A group with signal issued no earlier than the retiring one: back in the rotation (a
             # group issued before it and scored late says nothing newer).
-            if previous is not None and verdict is None and issued_epoch >= previous.issued_epoch:
+            if previous is not None and verdict is None and issue_no >= previous.issue_no:
                 del self.retired[example_id]
                 self.retirement_counts["back"] += 1
                 self._log(example_id, "back", previous.reason)
             return
-        until = issued_epoch + self.retire_epochs + 1
+        until = self.issued + self.retire_epochs * len(self.examples)
         if previous is None:
-            self.retired[example_id] = Retirement(reason, until, self.learner_version, issued_epoch=issued_epoch)
+            self.retired[example_id] = Retirement(reason, until, self.learner_version, issue_no=issue_no)
             self.retirement_counts["retired"] += 1
             self.retirement_counts[f"retired_{reason}"] += 1
             self._log(example_id, "retired", reason, until)
-        else:
-            previous.reason, previous.until_epoch, previous.times = reason, max(previous.until_epoch, until), previous.times + 1
-            previous.issued_epoch = max(previous.issued_epoch, issued_epoch)
+        elif issue_no >= previous.issue_no:  # a re-test without signal: another wait
+            previous.reason, previous.until_issued, previous.times = reason, until, previous.times + 1
+            previous.issue_no = issue_no
 
-    def _log(self, example_id: str, event: str, reason: str, until_epoch: int | None = None) -> None:
+    def _log(self, example_id: str, event: str, reason: str, until_issued: int | None = None) -> None:
         self.retirement_log.append({"seq": self.retirement_counts["retired"] + self.retirement_counts["back"],
                                     "prompt": example_id, "event": event, "reason": reason,
-                                    "until_epoch": until_epoch, "learner_version": self.learner_version,
+                                    "until_issued": until_issued, "learner_version": self.learner_version,
                                     "last_groups": self.retire_after_groups})
 
     def retired_sources(self) -> list[str]:
@@ -209,31 +215,54 @@ class PromptSource:
         random.Random(f"{self.seed}-{epoch}").shuffle(order)
         return order
 
-    def next_request(self) -> PromptRequest:
+    def next_request(self) -> PromptRequest | None:
+        """The next prompt in the cursor's order. When every prompt allowed now is retired, the
+        cursor stays where it was and the answer is None, or every `retest_every_s` the prompt
+        retired longest is tried again (a swapped reward or the policy may have changed)."""
         allowed = curriculum_sources(self.learner_version, self.curriculum)
+        start, retired_skips = (self.epoch, self.index, self._order), 0
         while True:
             if self.index >= len(self._order):
                 self.epoch, self.index = self.epoch + 1, 0
                 self._order = self._shuffle(self.epoch)
             example = self.examples[self._order[self.index]]
             retired = self.retired.get(example.prompt_id)
-            if retired is not None and self.epoch < retired.until_epoch:
-                # Retired (no signal in its last groups): it is tried again from `until_epoch` on.
+            if retired is not None and self.issued < retired.until_issued:
+                # Retired (no signal in its last groups): tried again once enough others were issued.
                 self.index += 1
-                self.retirement_counts["skipped"] += 1
+                retired_skips += 1
+                if retired_skips > len(self.examples):  # a whole pass: nothing to issue now
+                    self.epoch, self.index, self._order = start
+                    return self._retest()
                 continue
             if allowed is None or example.data_source in allowed:
                 break
             # Not in this curriculum stage: it comes back next epoch (stages are validated non-empty).
             self.index += 1
             self.skipped_by_curriculum += 1
-        tokens = self.prompt_token_ids[self._order[self.index]]
+        self.retirement_counts["skipped"] += retired_skips
+        position = self._order[self.index]
         self.index += 1
-        self.issued += 1
         # The prompt id is unique per issue (a prompt recurs every epoch); seeds follow it.
+        return self._issue(position, f"{example.prompt_id}@{self.epoch}")
+
+    def _retest(self) -> PromptRequest | None:
+        """Every prompt is retired: the one retired longest, once per `retest_every_s`."""
+        now = time.monotonic()
+        if not self.retired or now - self._last_retest < self.retest_every_s:
+            return None
+        self._last_retest = now
+        example_id = min(self.retired, key=lambda k: self.retired[k].until_issued)
+        position = next(i for i, ex in enumerate(self.examples) if ex.prompt_id == example_id)
+        self.retirement_counts["retests"] += 1
+        return self._issue(position, f"{example_id}@{self.epoch}r{self.issued + 1}")
+
+    def _issue(self, position: int, prompt_id: str) -> PromptRequest:
+        example = self.examples[position]
+        self.issued += 1
         request = PromptRequest(
-            prompt_id=f"{example.prompt_id}@{self.epoch}",
-            prompt_token_ids=np.asarray(tokens, dtype=np.int32),
+            prompt_id=prompt_id,
+            prompt_token_ids=np.asarray(self.prompt_token_ids[position], dtype=np.int32),
             group_size=self.group_size,
             data_source=example.data_source,
             ground_truth=example.ground_truth,
@@ -241,6 +270,10 @@ class PromptSource:
             seed=(self.seed * 1_000_003 + self.issued) * 1024,
         )
         self.ledger.admit(request)
+        if self.retire_after_groups:
+            self._issue_no[request.prompt_id] = self.issued
+            while len(self._issue_no) > 4096:  # prompts whose groups never complete (work lost in a restart)
+                self._issue_no.pop(next(iter(self._issue_no)))
         return request
 
     async def run(self) -> None:
@@ -257,7 +290,15 @@ class PromptSource:
                 except asyncio.TimeoutError:
                     pass
                 continue
-            await self.out.put([self.next_request()])
+            request = self.next_request()
+            if request is None:  # every prompt is retired: wait for a verdict, or a new version
+                self._budget_changed.clear()
+                try:
+                    await asyncio.wait_for(self._budget_changed.wait(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            await self.out.put([request])
 
     def stop(self) -> None:
         self._running = False
@@ -285,7 +326,7 @@ class PromptSource:
             examples=[{"prompt_id": e.prompt_id, "messages": e.messages, "ground_truth": e.ground_truth,
                        "data_source": e.data_source} for e in self.examples] if replaced else None,
             prompt_token_ids=[list(map(int, t)) for t in self.prompt_token_ids] if replaced else None,
-            retired={k: (r.reason, r.until_epoch, r.since_step, r.times, r.issued_epoch) for k, r in self.retired.items()},
+            retired={k: (r.reason, r.until_issued, r.since_step, r.times, r.issue_no) for k, r in self.retired.items()},
             verdicts={k: list(v) for k, v in self._verdicts.items()},
         )
 

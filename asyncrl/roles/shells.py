@@ -166,7 +166,7 @@ def build_prompt_source(model: ModelConfig, task: TaskConfig, algorithm: Algorit
     return PromptSource(examples, tokens, a.group_size, prompts, trainer.seed, trainer.prompts_per_step,
                         staleness, curriculum, max_prompts=max_prompts, retire_after_groups=a.retire_after_groups,
                         retire_epochs=a.retire_epochs, retire_unsolved=a.retire_unsolved,
-                        filter_metric=a.filter_metric)
+                        filter_metric=a.filter_metric, retest_every_s=a.retest_every_s)
 
 
 # --- shells --------------------------------------------------------------------------------------
