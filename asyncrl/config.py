@@ -293,6 +293,13 @@ class TrainerConfig:
     generator_threads: int = 1
     learner_threads: int = 1
     broadcast_bucket_mb: int = 64
+    """Bucket size of the distributed weight path."""
+    weight_transport: str = "auto"
+    """How weights reach each generator: auto (shared memory on the learner's node, CUDA IPC on its
+    GPU, a torch.distributed group for other nodes) | shm | cuda_ipc | group (forced)."""
+    object_store_mb: int = 2048
+    """Ray's object store when asyncrl starts Ray: the shared memory same-node generators read the
+    weights from needs room for about three versions (the embedded model: 0.5 GB each)."""
     seed: int = 0
     run_dir: str = ""
     """Where metrics.jsonl, plots and checkpoints go (default outputs/<time>)."""
@@ -613,6 +620,7 @@ RANGES = {
     "task.num_train_prompts": ">= 1", "task.num_eval_prompts": ">= 1", "task.pre_ppo_fraction": "[0, 1]",
     "trainer.total_steps": ">= 1", "trainer.prompts_per_step": ">= 1", "trainer.num_generators": ">= 1",
     "trainer.generator_threads": ">= 1", "trainer.learner_threads": ">= 1", "trainer.broadcast_bucket_mb": ">= 1",
+    "trainer.object_store_mb": ">= 64",
     "trainer.eval_every": ">= 0", "trainer.checkpoint_every": ">= 0", "trainer.checkpoint_keep": ">= 1",
     "trainer.max_restarts": ">= 0", "trainer.eval_samples": ">= 1", "trainer.mailbox_capacity": ">= 1",
     "trainer.lease_s": "> 0", "trainer.target_window": ">= 1", "trainer.stall_timeout_s": "> 0",
@@ -681,6 +689,8 @@ def validate(config: Config) -> None:
         (not config.trainer.synchronous or a.max_staleness_versions == 0,
          "trainer.synchronous needs algorithm.max_staleness_versions=0"),
         (config.mode in MODES, f"mode must be one of {MODES}"),
+        (config.trainer.weight_transport in ("auto", "shm", "cuda_ipc", "group"),
+         "trainer.weight_transport must be auto, shm, cuda_ipc or group"),
         (config.mode != "generate" or config.trainer.record,
          "mode=generate keeps nothing but the store: set trainer.record=true"),
         (config.mode != "learn" or bool(config.offline.data), "mode=learn needs offline.data (a store or a file)"),

@@ -25,7 +25,7 @@ from asyncrl.roles.shells import (AssemblerActor, GeneratorActor, PolicyLearnerA
 from asyncrl.schema import PromptRequest, ScoredTrajectory, Segment, TrainBatch
 from asyncrl.staleness import open_prompts_bound
 from asyncrl.store import STORE_DIRNAME
-from asyncrl.weight_sync import free_port
+from asyncrl.weight_sync import choose_paths
 
 NAMESPACE = "asyncrl"
 LEARNER_NAME = "asyncrl-policy-learner"
@@ -42,7 +42,10 @@ class ResumePoint:
 
 def init_ray(config: Config) -> None:
     if not ray.is_initialized():
-        ray.init(num_cpus=16, include_dashboard=False, object_store_memory=512 * 2**20, log_to_driver=False,
+        # The object store is the shared memory the weights reach same-node generators through
+        # (trainer.object_store_mb: room for a few versions of the policy).
+        ray.init(num_cpus=16, include_dashboard=False, object_store_memory=config.trainer.object_store_mb * 2**20,
+                 log_to_driver=False,
                  namespace="asyncrl",
                  # Few malloc arenas: torch's threads otherwise keep freed activation memory per arena.
                  runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
@@ -75,6 +78,7 @@ class TrainingSystem:
         self.started_at = 0.0
         self._last_value: dict = {}
         self.pre_ppo: dict = {}
+        self.weight_paths: list[str] = []  # each generator's weight path (shm / cuda_ipc / group)
 
     def start(self) -> "TrainingSystem":
         """Bring the run up. Reading top to bottom: every mailbox, every role process and every edge
@@ -141,11 +145,20 @@ class TrainingSystem:
                        **({"recorder": recorder} if recorder is not None else {}),
                        **{f"reward-{name}": endpoint for name, endpoint in endpoints.items()}}
 
-        # 4. Weight group (learner rank 0, generators 1..N): receivers join first, then the sender.
+        # 4. Weights from the learner to each generator, by a path chosen from where they landed:
+        #    shared memory on the learner's node, a distributed group of its own for other nodes
+        #    (rendezvous at the learner's node IP; receivers join first, then the sender).
         if learner is not None:
-            port, world = free_port(), tr.num_generators + 1
-            joins = [g.init_weight_group.remote("127.0.0.1", port, world, i + 1) for i, g in enumerate(self.generators)]
-            ray.get(joins + [learner.init_weight_group.remote("127.0.0.1", port, world, 0)])
+            learner_node = ray.get(learner.node_id.remote())
+            paths = choose_paths(learner_node, ray.get([g.node_id.remote() for g in self.generators]), "cpu",
+                                 tr.weight_transport)
+            remote = [g for g, path in zip(self.generators, paths) if path == "group"]
+            if remote:
+                host, port = ray.get(learner.weight_group_address.remote())
+                joins = [g.init_weight_group.remote(host, port, len(remote) + 1, rank) for rank, g in enumerate(remote, 1)]
+                ray.get(joins + [learner.init_weight_group.remote(host, port, len(remote) + 1, 0)])
+            ray.get(learner.set_weight_paths.remote(paths))
+            self.weight_paths = paths
 
         # 5. Resume: the ledger says which prompts to issue again; unsent batches go back in the mailbox.
         if resume is not None:

@@ -1,15 +1,22 @@
-"""Weight broadcast from the policy learner (rank 0) to generators over `torch.distributed`.
+"""Moving the policy's weights from the learner to the generators: one interface, three paths.
 
-The same code runs gloo on CPU and NCCL on GPU. Parameters are packed into fixed-size `uint8`
-buckets (dtype-agnostic: gloo lacks bf16 collectives) and broadcast bucket by bucket; the bucket
-plan (names, dtypes, shapes, offsets) travels out of band as a msgspec struct over a Ray call.
+The learner publishes each new version once and tells every generator how to fetch it (a
+`Delivery`); the path of a generator is chosen from where it landed (`choose_paths`):
 
-Rendezvous order matters (a wrong order deadlocks): receivers' `init_weight_group` calls are
-issued first, then the sender joins, then the caller waits on the receivers.
+* `shm` (same host, CPU): the learner puts the version's tensors into the node's shared memory
+  (Ray's object store: one copy); a generator on that node maps them without copying and its engine
+  adopts the views as its parameters between windows. No TCP, no second copy.
+* `cuda_ipc` (same host, CUDA): tensors passed by CUDA IPC handle (`torch.multiprocessing`'s
+  reductions; SGLang's `update_weights_from_tensor` takes the same handles).
+* `group` (another host): a `torch.distributed` group of the learner (rank 0) and those generators,
+  NCCL on GPU, gloo on CPU, made as its own process group (not the default one, so a sharded
+  learner keeps its own collectives). Its rendezvous is the learner's node IP and a port free
+  there. Tensors travel in fixed-size `uint8` buckets (dtype-agnostic: gloo lacks bf16 collectives)
+  after a header that names the version, so a receiver expecting another version fails clearly.
+  Every collective has a timeout.
 
-Each process of a run joins exactly one weight group, so the group is the default process group
-of that process (generators and a CPU learner have no other collective). A learner sharded with
-FSDP would need a separate group; that is future work and would change only `init_weight_group`.
+Rendezvous order matters for the group (a wrong order deadlocks): receivers' joins are issued
+first, then the sender joins, then the caller waits on the receivers.
 """
 
 from __future__ import annotations
@@ -17,11 +24,15 @@ from __future__ import annotations
 import datetime
 import socket
 import time
+import warnings
 from typing import Iterable, Iterator
 
 import msgspec
+import numpy as np
 import torch
 import torch.distributed as dist
+
+PATHS = ("shm", "cuda_ipc", "group")
 
 
 class TensorSlot(msgspec.Struct, frozen=True, array_like=True):
@@ -45,6 +56,18 @@ class BucketPlan(msgspec.Struct, frozen=True):
         return sum(b.nbytes for b in self.buckets)
 
 
+class Delivery(msgspec.Struct, frozen=True):
+    """How one version reaches one generator: its path, and for `group` the bucket plan."""
+
+    version: int
+    path: str
+    plan: BucketPlan | None = None
+
+
+class WeightTransferError(RuntimeError):
+    """A weight update that cannot complete: a timeout, a peer gone, another version than expected."""
+
+
 def plan_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> BucketPlan:
     """Group tensors, in order, into buckets of at most `bucket_bytes` (a larger tensor gets its own)."""
     buckets: list[Bucket] = []
@@ -62,57 +85,155 @@ def plan_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes
     return BucketPlan(buckets)
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on this host (call it on the host that will listen)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
-def init_weight_group(master_addr: str, master_port: int, world_size: int, rank: int, backend: str = "gloo",
-                      timeout_s: float = 600.0) -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group(
-        backend=backend,
-        init_method=f"tcp://{master_addr}:{master_port}",
-        world_size=world_size,
-        rank=rank,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+def node_address() -> str:
+    """This process's node IP as Ray sees it (the address other nodes reach it at)."""
+    import ray
+
+    return ray.util.get_node_ip_address()
 
 
-def destroy_weight_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def choose_paths(learner_node: str, generator_nodes: list[str], device: str, setting: str = "auto") -> list[str]:
+    """Each generator's path: on the learner's node, shared memory (CPU) or CUDA IPC (CUDA); on
+    another node, the distributed group. `setting` other than auto forces one path where it can
+    work (`group` works everywhere; `shm`/`cuda_ipc` only on the learner's node)."""
+    if setting not in ("auto", *PATHS):
+        raise ValueError(f"trainer.weight_transport must be auto or one of {PATHS}, got {setting!r}")
+    local = "cuda_ipc" if device == "cuda" else "shm"
+    paths = []
+    for node in generator_nodes:
+        if setting == "group" or node != learner_node:
+            paths.append("group")
+        elif setting in ("auto", local):
+            paths.append(local)
+        else:
+            raise ValueError(f"trainer.weight_transport={setting} does not fit a {device} learner")
+    return paths
 
 
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+# --- shared memory (same host, CPU) ---------------------------------------------------------------
 
 
-def broadcast_weights(plan: BucketPlan, named_tensors: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Sender side (rank 0). Returns timing: pack and broadcast seconds, bytes."""
-    device = _device()
-    pack_s = comm_s = 0.0
-    for bucket in plan.buckets:
-        start = time.perf_counter()
-        buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
-        for slot in bucket.slots:
-            flat = named_tensors[slot.name].detach().contiguous().reshape(-1).view(torch.uint8)
-            buffer[slot.offset : slot.offset + slot.nbytes].copy_(flat)
-        pack_s += time.perf_counter() - start
-        start = time.perf_counter()
-        dist.broadcast(buffer, src=0)
-        comm_s += time.perf_counter() - start
-    return {"pack_s": pack_s, "broadcast_s": comm_s, "bytes": float(plan.total_bytes)}
+def to_shared(named_tensors: Iterable[tuple[str, torch.Tensor]]):
+    """Put a version's tensors into the node's shared memory (Ray's object store): one copy. The
+    returned reference is what the generators on this node receive (as arrays that map it)."""
+    import ray
+
+    # Each tensor as raw bytes (bf16 has no numpy dtype), with what rebuilds it.
+    return ray.put({name: (str(t.dtype).removeprefix("torch."), list(t.shape),
+                           t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+                    for name, t in named_tensors})
 
 
-def receive_weights(plan: BucketPlan) -> Iterator[tuple[str, torch.Tensor]]:
-    """Receiver side: yields `(name, tensor)` views into each received bucket, bucket by bucket."""
-    device = _device()
-    for bucket in plan.buckets:
-        buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
-        dist.broadcast(buffer, src=0)
-        for slot in bucket.slots:
-            dtype = getattr(torch, slot.dtype)
-            yield slot.name, buffer[slot.offset : slot.offset + slot.nbytes].view(dtype).view(slot.shape)
+def shared_views(arrays: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensors viewing a version in shared memory (no copy). They are read-only: an engine adopts
+    them as its parameters (it never writes its weights) and keeps `arrays` alive meanwhile."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "the given NumPy array is not writable"
+        for name, (dtype, shape, raw) in arrays.items():
+            yield name, torch.from_numpy(raw).view(getattr(torch, dtype)).view(shape)
+
+
+# --- CUDA IPC (same host, CUDA) --------------------------------------------------------------------
+
+
+def to_cuda_ipc(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict:
+    """CUDA IPC handles of a version's tensors (`torch.multiprocessing.reductions.reduce_tensor`):
+    a process on the same host rebuilds them without a copy. The sender must keep the tensors alive
+    until every receiver has loaded them."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    return {name: reduce_tensor(t.detach().contiguous()) for name, t in named_tensors}
+
+
+def from_cuda_ipc(handles: dict, device: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of `to_cuda_ipc` in this process (on `device`, default the sender's index)."""
+    for name, (rebuild, args) in handles.items():
+        args = list(args)
+        if device is not None:
+            args[6] = device  # rebuild_cuda_tensor's storage_device
+        yield name, rebuild(*args)
+
+
+# --- the distributed group (other hosts) -----------------------------------------------------------
+
+
+class WeightGroup:
+    """A `torch.distributed` process group of its own (not the default group): the learner is
+    rank 0, the generators on other hosts ranks 1..N. gloo on CPU, NCCL on GPU."""
+
+    HEADER_BYTES = 16  # int64 version, int64 total bytes
+
+    def __init__(self, host: str, port: int, world_size: int, rank: int, backend: str = "gloo",
+                 timeout_s: float = 300.0, join_timeout_s: float = 600.0, name: str = "asyncrl-weights"):
+        """`timeout_s` bounds every collective; `join_timeout_s` the rendezvous (all ranks connected)."""
+        self.rank, self.world_size, self.backend, self.timeout_s = rank, world_size, backend, timeout_s
+        join = datetime.timedelta(seconds=join_timeout_s)
+        try:
+            store = dist.PrefixStore(name, dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=join,
+                                                         wait_for_workers=False))
+            if backend == "nccl":
+                options = dist.ProcessGroupNCCL.Options()
+                options._timeout = datetime.timedelta(seconds=timeout_s)
+                self.pg = dist.ProcessGroupNCCL(store, rank, world_size, options)
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            elif backend == "gloo":
+                self.pg = dist.ProcessGroupGloo(store, rank, world_size, join)  # connects the full mesh
+                self.device = torch.device("cpu")
+            else:
+                raise ValueError(f"weight group backend must be gloo or nccl, got {backend!r}")
+        except (RuntimeError, dist.DistNetworkError, dist.DistStoreError) as exc:
+            raise WeightTransferError(f"weight group rendezvous at {host}:{port} (rank {rank} of {world_size}) "
+                                      f"failed within {join_timeout_s:.0f}s: {str(exc).splitlines()[0]}") from exc
+        self._store = store  # kept alive with the group
+
+    def _broadcast(self, tensor: torch.Tensor, what: str) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        opts.timeout = datetime.timedelta(seconds=self.timeout_s)
+        try:
+            self.pg.broadcast([tensor], opts).wait()
+        except RuntimeError as exc:
+            raise WeightTransferError(f"weight group rank {self.rank}: broadcast of {what} failed or timed out "
+                                      f"after {self.timeout_s:.0f}s (a peer gone?): {str(exc).splitlines()[0]}") from exc
+
+    def send(self, plan: BucketPlan, named_tensors: dict[str, torch.Tensor], version: int) -> dict[str, float]:
+        """Rank 0: the header, then each bucket. Returns pack and broadcast seconds and bytes."""
+        self._broadcast(torch.tensor([version, plan.total_bytes], dtype=torch.int64, device=self.device), "the header")
+        pack_s = comm_s = 0.0
+        for i, bucket in enumerate(plan.buckets):
+            start = time.perf_counter()
+            buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.device)
+            for slot in bucket.slots:
+                flat = named_tensors[slot.name].detach().contiguous().reshape(-1).view(torch.uint8)
+                buffer[slot.offset: slot.offset + slot.nbytes].copy_(flat)
+            pack_s += time.perf_counter() - start
+            start = time.perf_counter()
+            self._broadcast(buffer, f"bucket {i} of version {version}")
+            comm_s += time.perf_counter() - start
+        return {"pack_s": pack_s, "broadcast_s": comm_s, "bytes": float(plan.total_bytes)}
+
+    def receive(self, plan: BucketPlan, version: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """Ranks 1..N: `(name, tensor)` views into each received bucket, after checking the header."""
+        header = torch.zeros(2, dtype=torch.int64, device=self.device)
+        self._broadcast(header, "the header")
+        sent_version, sent_bytes = (int(x) for x in header.tolist())
+        if (sent_version, sent_bytes) != (version, plan.total_bytes):
+            raise WeightTransferError(f"weight group rank {self.rank}: expected version {version} "
+                                      f"({plan.total_bytes} bytes), the learner sent version {sent_version} "
+                                      f"({sent_bytes} bytes)")
+        for i, bucket in enumerate(plan.buckets):
+            buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.device)
+            self._broadcast(buffer, f"bucket {i} of version {version}")
+            for slot in bucket.slots:
+                dtype = getattr(torch, slot.dtype)
+                yield slot.name, buffer[slot.offset: slot.offset + slot.nbytes].view(dtype).view(slot.shape)
+
+    def close(self) -> None:
+        self.pg = None

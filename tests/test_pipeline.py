@@ -42,7 +42,8 @@ def test_tiny_model_learns_tiny_task(ray_session, tmp_path):
     assert max(r["staleness_mean"] for r in lines) <= config.algorithm.max_staleness_versions + 3
     status = summary["final_status"]
     assert status["weight_version"] >= 20
-    assert status["last_broadcast"]["bytes"] > 0  # weights went over the gloo group
+    # One node: the weights reached the generator through shared memory (no TCP, no second copy).
+    assert status["last_broadcast"]["bytes"] > 0 and status["last_broadcast"]["paths"] == ["shm"]
     # Every generated sample is trained, dropped or still in flight; nothing is counted twice.
     assert status["assembler"].get("duplicate_segments", 0) == 0
     # The ledger balances: every admitted sample is in exactly one state, none trained twice.
@@ -61,9 +62,14 @@ def test_the_learner_never_trains_a_token_beyond_the_staleness_bound(ray_session
     the version it is about to train, and the admission budget counts the versions the generators
     hold, so with the bound this tight its own maximum is <= 1 and (measured: 0) little has to be
     masked. `test_spec_wiring.py` feeds a real learner a batch that is too old on purpose."""
+    # The weights take the distributed path here (a torch.distributed group of its own, met at the
+    # learner's node IP), as they would to a generator on another node.
     config = compose(["model=tiny", "task=tiny", "algorithm=grpo", "algorithm.max_staleness_versions=1",
-                      "trainer.total_steps=60", f"trainer.run_dir={tmp_path}", "trainer.wandb_mode=disabled"])
+                      "trainer.total_steps=60", f"trainer.run_dir={tmp_path}", "trainer.wandb_mode=disabled",
+                      "trainer.weight_transport=group"])
     summary = train(config, progress=False)
+    assert summary["final_status"]["last_broadcast"]["paths"] == ["group"]
+    assert summary["final_status"]["last_broadcast"]["broadcast_s"] > 0
     lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
     assert len(lines) == 60
     assert max(r["staleness_max"] for r in lines) <= 1

@@ -1,6 +1,10 @@
-"""Weight broadcast cost: the learner's bucketed gloo broadcast (`asyncrl.weight_sync`) to a
-generator process that loads every tensor into its model copy, against a plain memory copy of the
-same bytes (the ceiling: a broadcast moves each byte at least once). Paired rounds.
+"""Weight update cost, by path (`asyncrl.weight_sync`), against a plain memory copy of the same
+bytes (the ceiling: an update moves each byte at least once). Paired rounds.
+
+* `shm` (a generator on the learner's node): the learner puts the weights into shared memory (Ray's
+  object store) and a generator process's engine adopts views of them (`TorchEngine.adopt_weights`).
+* `group` (a generator on another node): the bucketed gloo broadcast of the learner's own process
+  group to a generator process that copies every tensor into its model.
 
 Models: the embedded SmolLM2-135M (its real weights) and a 0.5B-parameter model with random
 weights (Qwen2.5-0.5B's shapes). The share of training wall time spent on updates is measured in
@@ -16,7 +20,7 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-from asyncrl.weight_sync import broadcast_weights, destroy_weight_group, free_port, init_weight_group, plan_buckets, receive_weights
+from asyncrl.weight_sync import Delivery, WeightGroup, free_port, plan_buckets, shared_views, to_shared
 
 # Qwen2.5-0.5B's architecture (494M parameters, tied embeddings), random weights.
 HALF_B = dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -56,21 +60,30 @@ def random_tensors(shapes: dict, seed: int = 0) -> dict[str, torch.Tensor]:
 def _receiver(port: int, plan, shapes: dict, rounds: int, results) -> None:
     torch.set_num_threads(1)
     model = {n: torch.zeros(shape, dtype=dtype) for n, (shape, dtype) in shapes.items()}
-    init_weight_group("127.0.0.1", port, 2, 1)
+    group = WeightGroup("127.0.0.1", port, 2, 1)
     times = []
-    for _ in range(rounds):
-        torch.distributed.barrier()
+    for version in range(rounds):
         start = time.perf_counter()
         with torch.no_grad():
-            for name, tensor in receive_weights(plan):  # what the engine's update_weights does
+            for name, tensor in group.receive(plan, version):  # what the engine's update_weights does
                 model[name].copy_(tensor)
         times.append(time.perf_counter() - start)
     checksum = float(sum(t.double().sum() for t in model.values()))
-    destroy_weight_group()
     results.put({"receive_and_load_s": times, "checksum": checksum})
 
 
-def measure(model_name: str, rounds: int, bucket_mb: int = 64) -> dict:
+def memcpy_seconds(total: int, rounds: int) -> list[float]:
+    source, target = torch.empty(total, dtype=torch.uint8), torch.empty(total, dtype=torch.uint8)
+    target.copy_(source)  # touch the pages once
+    out = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        target.copy_(source)
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def measure_group(model_name: str, rounds: int, bucket_mb: int = 64) -> dict:
     torch.set_num_threads(1)
     shapes = shapes_of(model_name)
     weights = random_tensors(shapes)
@@ -81,37 +94,102 @@ def measure(model_name: str, rounds: int, bucket_mb: int = 64) -> dict:
     port = free_port()
     proc = ctx.Process(target=_receiver, args=(port, plan, shapes, rounds, results))
     proc.start()
-    init_weight_group("127.0.0.1", port, 2, 0)
-    source = torch.empty(total, dtype=torch.uint8)
-    target = torch.empty(total, dtype=torch.uint8)
-    target.copy_(source)  # touch the pages once
-    send, memcpy = [], []
-    for _ in range(rounds):  # paired: broadcast, then the memory copy of the same bytes
-        torch.distributed.barrier()
+    group = WeightGroup("127.0.0.1", port, 2, 0)
+    send = []
+    for version in range(rounds):
         start = time.perf_counter()
-        broadcast_weights(plan, weights)
+        group.send(plan, weights, version)
         send.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        target.copy_(source)
-        memcpy.append(time.perf_counter() - start)
     received = results.get(timeout=600)
     proc.join(timeout=60)
-    destroy_weight_group()
     expected = float(sum(t.double().sum() for t in weights.values()))
     if abs(received["checksum"] - expected) > 1e-6 * max(1.0, abs(expected)):
         raise RuntimeError(f"received weights differ: checksum {received['checksum']} != {expected}")
     update = [max(s, r) for s, r in zip(send, received["receive_and_load_s"])]
+    return _figures(weights, total, update, memcpy_seconds(total, rounds),
+                    {"buckets": len(plan.buckets), "bucket_mb": bucket_mb,
+                     "sender_s_median": statistics.median(send),
+                     "receiver_s_median": statistics.median(received["receive_and_load_s"])})
+
+
+def measure_shm(model_name: str, rounds: int) -> dict:
+    """The learner (this process) puts each version into the object store; a Ray actor on this node,
+    holding a real engine of the model, adopts it. Update time: the put and the adoption."""
+    import ray
+
+    shapes = shapes_of(model_name)
+    weights = random_tensors(shapes)
+    total = sum(t.numel() * t.element_size() for t in weights.values())
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+                 object_store_memory=max(512 << 20, 3 * total + (256 << 20)))
+    holder = ray.remote(num_cpus=0)(_EngineHolder).remote(model_name)
+    ray.get(holder.ready.remote())
+    put, adopt = [], []
+    for version in range(rounds):
+        start = time.perf_counter()
+        ref = to_shared(weights.items())
+        put.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        adopt.append(ray.get(holder.adopt.remote(Delivery(version, "shm"), ref)))
+        call = time.perf_counter() - start
+        del ref
+    checksum = ray.get(holder.checksum.remote())
+    expected = float(sum(t.double().sum() for t in weights.values()))
+    if abs(checksum - expected) > 1e-6 * max(1.0, abs(expected)):
+        raise RuntimeError(f"adopted weights differ: checksum {checksum} != {expected}")
+    ray.kill(holder)
+    update = [p + a for p, a in zip(put, adopt)]
+    return _figures(weights, total, update, memcpy_seconds(total, rounds),
+                    {"put_s_median": statistics.median(put), "adopt_s_median": statistics.median(adopt),
+                     "last_call_s": call})
+
+
+class _EngineHolder:
+    """A generator's engine in its own process: the model of `model_name`, adopting shared views."""
+
+    def __init__(self, model_name: str):
+        from asyncrl.engines.torch_engine import TorchEngine
+
+        torch.set_num_threads(1)
+        shapes = shapes_of(model_name)
+        self.model = torch.nn.Module()
+        self.params = {n: torch.nn.Parameter(torch.zeros(s, dtype=d), requires_grad=False) for n, (s, d) in shapes.items()}
+        for i, (name, param) in enumerate(self.params.items()):
+            self.model.register_parameter(f"p{i}", param)
+        self.model.config = type("Config", (), {"max_position_embeddings": 1})()
+        self.names = {name: f"p{i}" for i, name in enumerate(self.params)}
+        self.engine = TorchEngine(self.model, eos_token_ids=[0])
+
+    def ready(self) -> bool:
+        return True
+
+    def adopt(self, delivery: Delivery, arrays) -> float:
+        start = time.perf_counter()
+        self.engine.adopt_weights(((self.names[n], v) for n, v in shared_views(arrays)), delivery.version,
+                                  keepalive=arrays)
+        return time.perf_counter() - start
+
+    def checksum(self) -> float:
+        return float(sum(p.double().sum() for p in self.model.parameters()))
+
+
+def _figures(weights: dict, total: int, update: list[float], memcpy: list[float], extra: dict) -> dict:
     return {
-        "parameters": sum(t.numel() for t in weights.values()), "bytes": total, "buckets": len(plan.buckets),
-        "bucket_mb": bucket_mb, "rounds": rounds,
+        "parameters": sum(t.numel() for t in weights.values()), "bytes": total, "rounds": len(update),
         "seconds_per_update_median": statistics.median(update),
-        "sender_s_median": statistics.median(send),
-        "receiver_s_median": statistics.median(received["receive_and_load_s"]),
         "bytes_per_s_median": total / statistics.median(update),
         "memcpy_s_median": statistics.median(memcpy),
         "memcpy_bytes_per_s_median": total / statistics.median(memcpy),
         "ratio_update_over_memcpy_median": statistics.median(u / m for u, m in zip(update, memcpy)),
+        "memcpy_bandwidth_share": statistics.median(memcpy) / statistics.median(update),
+        **extra,
     }
+
+
+def measure(model_name: str, rounds: int, bucket_mb: int = 64) -> dict:
+    """Both paths for one model."""
+    return {"shm": measure_shm(model_name, rounds), "group": measure_group(model_name, rounds, bucket_mb)}
 
 
 def run(quick: bool = False, overrides: list[str] | None = None, step_seconds: dict[str, float] | None = None) -> dict:
@@ -123,18 +201,22 @@ def run(quick: bool = False, overrides: list[str] | None = None, step_seconds: d
         out[name] = measure(name, rounds)
         step = (step_seconds or {}).get(name)
         if step:
-            out[name]["learner_step_s"] = step
-            out[name]["fraction_of_step"] = out[name]["seconds_per_update_median"] / step
+            for path in out[name].values():
+                path["learner_step_s"] = step
+                path["fraction_of_step"] = path["seconds_per_update_median"] / step
         print(name, out[name], flush=True)
     return out
 
 
 def report(result: dict) -> str:
-    lines = ["| model | parameters | bytes | s / update | GB/s | memcpy s | memcpy GB/s | update / memcpy |",
-             "|---|---|---|---|---|---|---|---|"]
-    for name, r in result.items():
-        lines.append(f"| {name} | {r['parameters'] / 1e6:.1f}M | {r['bytes'] / 1e6:.0f} MB | "
-                     f"{r['seconds_per_update_median']:.3f} | {r['bytes_per_s_median'] / 1e9:.2f} | "
-                     f"{r['memcpy_s_median']:.3f} | {r['memcpy_bytes_per_s_median'] / 1e9:.2f} | "
-                     f"{r['ratio_update_over_memcpy_median']:.1f}x |")
+    lines = ["| model | path | parameters | bytes | s / update | GB/s | memcpy s | memcpy GB/s | share of memcpy bandwidth |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, paths in result.items():
+        for path, r in paths.items():
+            if not isinstance(r, dict):
+                continue
+            lines.append(f"| {name} | {path} | {r['parameters'] / 1e6:.1f}M | {r['bytes'] / 1e6:.0f} MB | "
+                         f"{r['seconds_per_update_median']:.3f} | {r['bytes_per_s_median'] / 1e9:.2f} | "
+                         f"{r['memcpy_s_median']:.3f} | {r['memcpy_bytes_per_s_median'] / 1e9:.2f} | "
+                         f"{100 * r['memcpy_bandwidth_share']:.0f}% |")
     return "\n".join(lines)

@@ -29,6 +29,7 @@ class TorchEngine:
         self.pad_token_id = pad_token_id
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 1 << 30))
         self._version = 0
+        self._shared = None  # what adopted shared-memory weights view (kept alive while in use)
         # Weight updates and generation never overlap: updates land between windows.
         self._lock = threading.Lock()
 
@@ -68,13 +69,34 @@ class TorchEngine:
             cancelled.set()
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Copy new weights into the model (between windows)."""
         state = dict(self.model.named_parameters())
         state.update(self.model.named_buffers())
         with self._lock, torch.no_grad():
             for name, tensor in named_tensors:
                 if name not in state:
                     raise KeyError(f"weight update names unknown parameter {name!r}")
-                state[name].copy_(tensor)
+                if self._shared is not None:  # the weights are read-only shared views: replace them
+                    state[name].data = tensor.to(state[name].dtype).clone()
+                else:
+                    state[name].copy_(tensor)
+            self._shared = None
+            self._version = version
+
+    def adopt_weights(self, named_views: Iterable[tuple[str, torch.Tensor]], version: int, keepalive) -> None:
+        """Take views of weights in shared memory as the model's parameters, without a copy (the
+        `shm` path). `keepalive` holds the memory they view until the next update replaces them;
+        a view whose dtype differs from the model's is copied."""
+        state = dict(self.model.named_parameters())
+        with self._lock, torch.no_grad():
+            for name, view in named_views:
+                if name not in state:
+                    raise KeyError(f"weight update names unknown parameter {name!r}")
+                param = state[name]
+                if view.shape != param.shape:
+                    raise ValueError(f"weight update: {name} has shape {tuple(view.shape)}, the model {tuple(param.shape)}")
+                param.data = view if view.dtype == param.dtype else view.to(param.dtype)
+            self._shared = keepalive
             self._version = version
 
     @torch.inference_mode()

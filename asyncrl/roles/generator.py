@@ -22,7 +22,7 @@ from asyncrl.engines.base import Engine, SamplingParams, long_tail_min_tokens
 from asyncrl.generation import sequence_input
 from asyncrl.mailbox import Mailbox
 from asyncrl.schema import FinishReason, PromptRequest, Segment
-from asyncrl.weight_sync import BucketPlan, receive_weights
+from asyncrl.weight_sync import Delivery, WeightGroup, from_cuda_ipc, shared_views
 
 
 @dataclass
@@ -51,7 +51,8 @@ class Generator:
         self.long_tail = long_tail  # (fraction, tokens): the long-tail benchmark workload
         self.inflight: list[_Sequence] = []
         self.samples_left: dict[str, int] = {}  # prompt id -> samples not yet finished
-        self._pending_update: tuple[BucketPlan, int, asyncio.Future] | None = None
+        self._pending_update: tuple[Delivery, object, asyncio.Future] | None = None
+        self.weight_group: WeightGroup | None = None  # the distributed path, when this generator is on another host
         self._emitting: asyncio.Future | None = None  # the previous window's segments being sent
         self._last_group_size = 1  # samples of the last prompt taken (admission asks when it fits)
         self._running = False
@@ -65,20 +66,34 @@ class Generator:
 
     # --- weight updates (called by the learner) -------------------------------------------------
 
-    async def receive_weights(self, plan: BucketPlan, version: int) -> float:
-        """Join the broadcast of `version` between windows; returns seconds paused for it."""
+    async def receive_weights(self, delivery: Delivery, payload=None) -> float:
+        """Take version `delivery.version` between windows, by its path (`asyncrl.weight_sync`):
+        `payload` is the shared-memory arrays (shm) or the CUDA IPC handles; the group path receives
+        by broadcast. Returns the seconds generation paused for it."""
         future = asyncio.get_running_loop().create_future()
-        self._pending_update = (plan, version, future)
+        self._pending_update = (delivery, payload, future)
         return await future
+
+    def _load(self, delivery: Delivery, payload) -> None:
+        if delivery.path == "shm":
+            self.engine.adopt_weights(shared_views(payload), delivery.version, keepalive=payload)
+        elif delivery.path == "cuda_ipc":
+            self.engine.update_weights(from_cuda_ipc(payload), delivery.version)
+        elif delivery.path == "group":
+            if self.weight_group is None:
+                raise RuntimeError(f"{self.generator_id}: a group delivery, but this generator joined no weight group")
+            self.engine.update_weights(self.weight_group.receive(delivery.plan, delivery.version), delivery.version)
+        else:
+            raise ValueError(f"unknown weight path {delivery.path!r}")
 
     async def _apply_pending_update(self) -> None:
         if self._pending_update is None:
             return
-        plan, version, future = self._pending_update
+        delivery, payload, future = self._pending_update
         self._pending_update = None
         start = time.perf_counter()
         try:
-            await asyncio.to_thread(lambda: self.engine.update_weights(receive_weights(plan), version))
+            await asyncio.to_thread(self._load, delivery, payload)
         except Exception as exc:
             future.set_exception(exc)
             raise

@@ -35,7 +35,7 @@ from asyncrl.roles.recorder import TrajectoryRecorder
 from asyncrl.roles.value_learner import ValueLearner
 from asyncrl.store import BATCH_RECORD_ENCODER, RECORDS_ENCODER
 from asyncrl.tasks import encode_prompt, load_examples
-from asyncrl.weight_sync import init_weight_group
+from asyncrl.weight_sync import WeightGroup
 
 
 # --- builders ------------------------------------------------------------------------------------
@@ -191,8 +191,13 @@ class _LoopShell:
 
 
 class _WeightGroupMember:
-    def init_weight_group(self, addr: str, port: int, world_size: int, rank: int) -> None:
-        init_weight_group(addr, port, world_size, rank, "gloo")
+    """The learner (rank 0) and the generators on other hosts join the weight group."""
+
+    def init_weight_group(self, host: str, port: int, world_size: int, rank: int, backend: str = "gloo") -> None:
+        self.inner.weight_group = WeightGroup(host, port, world_size, rank, backend)
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
 
 
 class PromptSourceActor(_LoopShell):
@@ -325,8 +330,8 @@ class GeneratorActor(_LoopShell, _WeightGroupMember):
         torch.set_num_threads(engine.threads)
         self.inner = build_generator(model, engine, prompts, segments, generator_id)
 
-    async def receive_weights(self, plan, version: int) -> float:
-        return await self.inner.receive_weights(plan, version)
+    async def receive_weights(self, delivery, payload=None) -> float:
+        return await self.inner.receive_weights(delivery, payload)
 
 
 class RecorderActor(_LoopShell):
@@ -384,6 +389,12 @@ class PolicyLearnerActor(_LoopShell, _WeightGroupMember):
 
     def version(self) -> int:
         return self.inner.version
+
+    def weight_group_address(self) -> tuple[str, int]:
+        return self.inner.weight_group_address()
+
+    def set_weight_paths(self, paths: list[str]) -> None:
+        self.inner.weight_paths = list(paths)
 
 
 def _version_notice(listener):
