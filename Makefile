@@ -3,6 +3,9 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.asyncrl-installed
+# SGLang's wheel, read as source by the contract test (never installed here: it needs CUDA).
+SGLANG_VERSION := 0.5.23
+SGLANG_WHEEL := .cache/sglang/.sglang-$(SGLANG_VERSION)
 
 .PHONY: setup demo generate test clean bench-venv
 
@@ -24,7 +27,11 @@ demo: setup
 generate: setup
 	$(VENV)/bin/asyncrl generate
 
-test: setup
+$(SGLANG_WHEEL): $(STAMP)
+	$(PY) -m pip download -q --no-deps sglang==$(SGLANG_VERSION) -d .cache/sglang
+	touch $(SGLANG_WHEEL)
+
+test: setup $(SGLANG_WHEEL)
 	$(VENV)/bin/python -m pytest -q --durations=15
 
 clean:

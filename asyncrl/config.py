@@ -39,6 +39,15 @@ class ModelConfig:
 
 @dataclass
 class EngineConfig:
+    name: str = "torch"
+    """The generators' inference engine: torch (the embedded one, CPU or CUDA) | sglang (SGLang's
+    offline engine, GPU only: `pip install asyncrl[sglang]` or the Docker image; model.source=hf)."""
+    device: str = "cpu"
+    """cpu | cuda: where the embedded engine runs (SGLang always runs on CUDA)."""
+    sglang_mem_fraction: float = 0.5
+    """sglang: the share of the GPU's memory for weights and KV cache (mem_fraction_static); leave
+    room for a learner on the same GPU."""
+    sglang_tp_size: int = 1
     window_tokens: int = 64
     """W: new tokens per sequence per generator turn. A sequence cut at W continues next turn."""
     max_response_tokens: int = 128
@@ -112,6 +121,15 @@ class AlgorithmConfig:
     """With more than one update per batch: clip around the weights before the batch's first update
     (decoupled PPO) and weight tokens by the capped ratio of those to the behaviour policy."""
     behaviour_weight_cap: float = 5.0
+    """The cap of the decoupled loss's token weights π_prox/π_behaviour (several updates per batch)."""
+    rollout_correction: str = "none"
+    """Rollout-training mismatch (the engine's log-probs are not the learner's: other kernels,
+    batch shapes, precision): none | token_tis | sequence_tis | token_mis | sequence_mis. When set,
+    the learner recomputes the proximal log-probs every batch, clips around them and weights each
+    token (or row) by the truncated (tis) or bounds-masked (mis) ratio to the behaviour log-probs,
+    capped at `rollout_is_cap`. The mismatch itself is reported every step either way
+    (`rollout_kl_k3`, `rollout_ratio_max`). engine=sglang sets token_tis."""
+    rollout_is_cap: float = 2.0
     loss_norm_tokens: int = 0
     """The constant of `seq-mean-token-sum-norm` (Dr.GRPO); 0 = engine.max_response_tokens."""
     entropy_coef: float = 0.0
@@ -292,6 +310,24 @@ class TrainerConfig:
     num_generators: int = 1
     generator_threads: int = 1
     learner_threads: int = 1
+    learner_device: str = "cpu"
+    """cpu | cuda: where the policy and value learners train."""
+    learner_precision: str = "fp32"
+    """fp32 | bf16 (autocast: fp32 master weights and optimizer state, bf16 matmuls)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (less memory for long responses, ~30% more compute)."""
+    generator_gpus: float = 0.0
+    """GPUs each generator asks Ray for (e.g. 1, or 0.5 to share one GPU with the learner)."""
+    learner_gpus: float = 0.0
+    """GPUs the policy learner asks Ray for (the value learner asks the same)."""
+    generator_resources: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources each generator asks for: pins generators to nodes that offer them,
+    e.g. {node_generator: 1} on a cluster whose worker nodes were started with that resource."""
+    learner_resources: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources the learners (policy and value) ask for, e.g. {node_learner: 1}."""
+    placement: str = "any"
+    """any (Ray decides) | colocated (every role on one node: a STRICT_PACK placement group) |
+    spread (generators over as many nodes as there are: a SPREAD placement group)."""
     broadcast_bucket_mb: int = 64
     """Bucket size of the distributed weight path."""
     weight_transport: str = "auto"
@@ -599,6 +635,7 @@ RANGES = {
     "engine.max_inflight_sequences": ">= 1", "engine.temperature": "> 0", "engine.top_p": "(0, 1]",
     "engine.top_k": ">= 0", "engine.first_token_temperature": "> 0", "engine.first_token_top_k": ">= 0",
     "engine.threads": ">= 1", "engine.long_tail_fraction": "[0, 1]", "engine.long_tail_tokens": ">= 0",
+    "engine.sglang_mem_fraction": "(0, 1)", "engine.sglang_tp_size": ">= 1",
     "algorithm.group_size": ">= 1", "algorithm.clip_low": "[0, 1)", "algorithm.clip_high": ">= 0",
     "algorithm.kl_coef": ">= 0", "algorithm.entropy_coef": ">= 0", "algorithm.overlong_buffer_tokens": ">= 0",
     "algorithm.overlong_penalty_factor": ">= 0", "algorithm.max_staleness_versions": ">= 0", "algorithm.lr": "> 0",
@@ -608,7 +645,7 @@ RANGES = {
     "algorithm.advantage_clamp": ">= 0", "algorithm.nll_coef": ">= 0", "algorithm.ppo_epochs": ">= 1",
     "algorithm.mini_batches": ">= 1", "algorithm.behaviour_weight_cap": ">= 1", "algorithm.loss_norm_tokens": ">= 0",
     "algorithm.max_refill_rounds": ">= 0", "algorithm.retire_after_groups": ">= 0", "algorithm.retire_epochs": ">= 1",
-    "algorithm.retest_every_s": "> 0",
+    "algorithm.retest_every_s": "> 0", "algorithm.rollout_is_cap": ">= 1",
     "task.pre_ppo_samples": ">= 1",
     "critic.lr": "> 0", "critic.weight_decay": ">= 0", "critic.grad_clip": "> 0", "critic.lam": "[0, 1]",
     "critic.clip_low": ">= 0", "critic.clip_high": ">= 0", "critic.batch_trajectories": ">= 1",
@@ -620,7 +657,7 @@ RANGES = {
     "task.num_train_prompts": ">= 1", "task.num_eval_prompts": ">= 1", "task.pre_ppo_fraction": "[0, 1]",
     "trainer.total_steps": ">= 1", "trainer.prompts_per_step": ">= 1", "trainer.num_generators": ">= 1",
     "trainer.generator_threads": ">= 1", "trainer.learner_threads": ">= 1", "trainer.broadcast_bucket_mb": ">= 1",
-    "trainer.object_store_mb": ">= 64",
+    "trainer.object_store_mb": ">= 64", "trainer.generator_gpus": ">= 0", "trainer.learner_gpus": ">= 0",
     "trainer.eval_every": ">= 0", "trainer.checkpoint_every": ">= 0", "trainer.checkpoint_keep": ">= 1",
     "trainer.max_restarts": ">= 0", "trainer.eval_samples": ">= 1", "trainer.mailbox_capacity": ">= 1",
     "trainer.lease_s": "> 0", "trainer.target_window": ">= 1", "trainer.stall_timeout_s": "> 0",
@@ -677,6 +714,8 @@ def validate(config: Config) -> None:
         (a.egae_bootstrap in ("previous", "next"), "algorithm.egae_bootstrap must be previous or next"),
         (a.filter_metric in FILTER_METRICS, f"algorithm.filter_metric must be one of {FILTER_METRICS}"),
         (a.kl_estimator in KL_ESTIMATORS, f"algorithm.kl_estimator must be one of {KL_ESTIMATORS}"),
+        (a.rollout_correction in ("none", *BEHAVIOUR_CORRECTIONS),
+         f"algorithm.rollout_correction must be none or one of {BEHAVIOUR_CORRECTIONS}"),
         (not a.kl_in_reward or (a.estimator == "gae" and a.kl_coef > 0),
          "algorithm.kl_in_reward needs algorithm.estimator=gae (token rewards feed GAE) and algorithm.kl_coef > 0"),
         (not a.window_training or not any(route.dense for route in config.reward.routes),
@@ -689,6 +728,17 @@ def validate(config: Config) -> None:
         (not config.trainer.synchronous or a.max_staleness_versions == 0,
          "trainer.synchronous needs algorithm.max_staleness_versions=0"),
         (config.mode in MODES, f"mode must be one of {MODES}"),
+        (e.name in ("torch", "sglang"), "engine.name must be torch or sglang"),
+        (e.device in ("cpu", "cuda"), "engine.device must be cpu or cuda"),
+        (config.trainer.learner_device in ("cpu", "cuda"), "trainer.learner_device must be cpu or cuda"),
+        (config.trainer.learner_precision in ("fp32", "bf16"), "trainer.learner_precision must be fp32 or bf16"),
+        (config.trainer.placement in ("any", "colocated", "spread"), "trainer.placement must be any, colocated or spread"),
+        (e.device != "cuda" and e.name != "sglang" or config.trainer.generator_gpus > 0,
+         "a generator on CUDA (engine.device=cuda or engine=sglang) needs trainer.generator_gpus > 0"),
+        (config.trainer.learner_device != "cuda" or config.trainer.learner_gpus > 0,
+         "trainer.learner_device=cuda needs trainer.learner_gpus > 0"),
+        (e.name != "sglang" or config.model.source == "hf",
+         "engine=sglang loads a Hugging Face directory: set model.source=hf model.path=<dir>"),
         (config.trainer.weight_transport in ("auto", "shm", "cuda_ipc", "group"),
          "trainer.weight_transport must be auto, shm, cuda_ipc or group"),
         (config.mode != "generate" or config.trainer.record,
@@ -741,6 +791,7 @@ ESTIMATORS = ("group", "gae", "pairwise")
 # Names the algorithms accept, owned here so that checking a config needs no torch import.
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 FILTER_METRICS = ("acc", "score")
+BEHAVIOUR_CORRECTIONS = ("token_tis", "sequence_tis", "token_mis", "sequence_mis")
 KL_ESTIMATORS = ("k1", "k2", "low_var_kl")
 
 

@@ -23,10 +23,23 @@ from asyncrl.schema import FinishReason
 EMPTY = np.zeros(0, dtype=np.int32)
 
 
-def build_engine(model: ModelConfig, policy: tuple | None = None) -> tuple[TorchEngine, object]:
-    """The embedded engine and tokenizer of `model`; `policy` = an already loaded `(model, tokenizer)`."""
+def build_engine(model: ModelConfig, policy: tuple | None = None, device: str = "cpu") -> tuple[TorchEngine, object]:
+    """The embedded engine and tokenizer of `model` (on `device`); `policy` = an already loaded
+    `(model, tokenizer)`."""
     lm, tokenizer = policy if policy is not None else load_policy(model)
-    return TorchEngine(lm, eos_token_ids(lm, tokenizer), tokenizer.pad_token_id or 0), tokenizer
+    return TorchEngine(lm.to(device), eos_token_ids(lm, tokenizer), tokenizer.pad_token_id or 0), tokenizer
+
+
+def build_generator_engine(model: ModelConfig, engine: EngineConfig, seed: int = 0):
+    """The engine a generator runs: the embedded one, or SGLang's (`engine.name=sglang`)."""
+    if engine.name == "sglang":
+        from asyncrl.engines.sglang_engine import SGLangEngine
+        from asyncrl.models import load_tokenizer
+
+        tokenizer = load_tokenizer(model)
+        eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+        return SGLangEngine(model.path, eos, engine.sglang_mem_fraction, engine.sglang_tp_size, seed)
+    return build_engine(model, device=engine.device)[0]
 
 
 def sequence_input(prompt_ids: Sequence[int] | np.ndarray, seed: int, max_response_tokens: int,

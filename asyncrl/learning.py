@@ -15,7 +15,8 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from asyncrl.algo.losses import agg_loss, entropy_from_logprobs, kl_penalty, positive_example_nll, ppo_policy_loss
+from asyncrl.algo.losses import (agg_loss, behaviour_weights, entropy_from_logprobs, kl_penalty, positive_example_nll,
+                                 ppo_policy_loss, rollout_mismatch)
 from asyncrl.algo.sampling import filtered_logprobs
 from asyncrl.algo.shaping import is_positive
 from asyncrl.engines.base import long_tail_min_tokens
@@ -46,6 +47,12 @@ class PolicyLossSettings:
     before the batch's first update; decoupled PPO, AReaL) and weight each token by the capped
     importance ratio proximal/behaviour: tokens come from several versions."""
     behaviour_weight_cap: float = 5.0
+    rollout_correction: str = "none"
+    """Rollout-training mismatch correction (`asyncrl.algo.losses.behaviour_weights`): when set, the
+    proximal log-probs are recomputed every batch and weight the loss with cap `rollout_is_cap`."""
+    rollout_is_cap: float = 2.0
+    precision: str = "fp32"
+    """bf16: forward and backward under bf16 autocast (the weights and Adam's state stay fp32)."""
     kl_estimator: str = "low_var_kl"
     # The sampling distribution of the generators, so the learner scores the distribution the
     # tokens were drawn from (the same `filtered_logprobs` as the sampler).
@@ -71,11 +78,16 @@ class Collated:
     advantages: torch.Tensor  # [B, L]
     nll_mask: torch.Tensor  # [B, L]: every new token of finished, positive rows (positive-example NLL)
 
+    def _tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.input_ids, self.attention_mask, self.response_mask, self.targets, self.old_logprobs,
+                self.advantages, self.nll_mask)
+
     def select(self, rows: list[int]) -> "Collated":
-        index = torch.as_tensor(rows, dtype=torch.long)
-        return Collated(*(t.index_select(0, index) for t in (
-            self.input_ids, self.attention_mask, self.response_mask, self.targets, self.old_logprobs,
-            self.advantages, self.nll_mask)))
+        index = torch.as_tensor(rows, dtype=torch.long, device=self.input_ids.device)
+        return Collated(*(t.index_select(0, index) for t in self._tensors()))
+
+    def to(self, device: torch.device | str) -> "Collated":
+        return Collated(*(t.to(device) for t in self._tensors()))
 
 
 @dataclass
@@ -88,18 +100,24 @@ class RowLayout:
     slices: list[slice]
 
     def place(self, per_row: list[np.ndarray], dtype=torch.float32) -> torch.Tensor:
-        """Scatter one array per row (aligned with its new tokens) into a `[B, L]` tensor."""
+        """Scatter one array per row (aligned with its new tokens) into a `[B, L]` tensor (on the
+        layout's device)."""
         out = torch.zeros(self.input_ids.shape, dtype=dtype)
         for i, (sl, values) in enumerate(zip(self.slices, per_row)):
             out[i, sl] = torch.as_tensor(np.asarray(values), dtype=dtype)
-        return out
+        return out.to(self.input_ids.device)
 
     def gather(self, full: torch.Tensor) -> list[np.ndarray]:
-        return [full[i, sl].detach().float().numpy().copy() for i, sl in enumerate(self.slices)]
+        return [full[i, sl].detach().float().cpu().numpy().copy() for i, sl in enumerate(self.slices)]
 
 
-def layout_rows(rows: list[tuple[np.ndarray, np.ndarray]], pad_token_id: int = 0) -> RowLayout:
-    """`rows` = (context ids, new ids) pairs. A row needs at least one context token."""
+def device_of(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def layout_rows(rows: list[tuple[np.ndarray, np.ndarray]], pad_token_id: int = 0, device="cpu") -> RowLayout:
+    """`rows` = (context ids, new ids) pairs, as tensors on `device`. A row needs at least one
+    context token."""
     width = max(len(c) + len(n) for c, n in rows)
     input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -112,7 +130,7 @@ def layout_rows(rows: list[tuple[np.ndarray, np.ndarray]], pad_token_id: int = 0
         input_ids[i, c : c + n] = torch.from_numpy(np.asarray(new, dtype=np.int64))
         attention_mask[i, : c + n] = 1
         slices.append(slice(c - 1, c - 1 + n))
-    return RowLayout(input_ids, attention_mask, slices)
+    return RowLayout(input_ids.to(device), attention_mask.to(device), slices)
 
 
 def behaviour_differs(segment, settings: PolicyLossSettings | None) -> np.ndarray:
@@ -188,10 +206,11 @@ def token_logprobs(model, input_ids, attention_mask, targets, temperature: float
     selected = positions.bool()
     all_logp = _scored_logprobs(model.lm_head(hidden[selected]), temperature, top_k, top_p)  # [tokens, vocab]
     logp_sel = all_logp.gather(-1, targets[selected][:, None]).squeeze(-1).clamp(min=LOGPROB_FLOOR)
-    logp = torch.zeros(targets.shape, dtype=logp_sel.dtype).masked_scatter(selected, logp_sel)
+    logp = torch.zeros(targets.shape, dtype=logp_sel.dtype, device=targets.device).masked_scatter(selected, logp_sel)
     entropy = None
     if with_entropy:
-        entropy = torch.zeros(targets.shape, dtype=logp_sel.dtype).masked_scatter(selected, entropy_from_logprobs(all_logp))
+        entropy = torch.zeros(targets.shape, dtype=logp_sel.dtype, device=targets.device).masked_scatter(
+            selected, entropy_from_logprobs(all_logp))
     return logp, entropy
 
 
@@ -241,10 +260,15 @@ def _trained_positions(collated: Collated, sl) -> torch.Tensor:
     return (collated.response_mask[sl] > 0) | (collated.nll_mask[sl] > 0)
 
 
+def autocast(model, precision: str):
+    """bf16 autocast on the model's device (fp32 master weights: only the matmuls run in bf16)."""
+    return torch.autocast(device_type=device_of(model).type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+
 def proximal_logprobs(model, collated: Collated, settings: PolicyLossSettings) -> torch.Tensor:
     """log π_prox of every trained token: the current weights, before the batch's first update."""
-    out = torch.zeros(collated.targets.shape)
-    with torch.no_grad():
+    out = torch.zeros(collated.targets.shape, device=collated.targets.device)
+    with torch.no_grad(), autocast(model, settings.precision):
         for rows in micro_batches(collated, settings.micro_batch_tokens):
             sl = (rows, slice(0, width_of(collated.attention_mask, rows)))
             logp, _ = token_logprobs(model, collated.input_ids[sl], collated.attention_mask[sl], collated.targets[sl],
@@ -255,8 +279,11 @@ def proximal_logprobs(model, collated: Collated, settings: PolicyLossSettings) -
 
 
 def _policy_update(model, optimizer, collated: Collated, settings: PolicyLossSettings, reference_model,
-                   proximal: torch.Tensor | None) -> dict[str, float]:
-    """One optimizer update over `collated` (micro-batched gradient accumulation)."""
+                   proximal: torch.Tensor | None, weights: torch.Tensor | None = None,
+                   mismatch: list | None = None) -> dict[str, float]:
+    """One optimizer update over `collated` (micro-batched gradient accumulation). `weights`: the
+    behaviour correction per token; `mismatch`: where each micro-batch's rollout mismatch goes (the
+    first update, whose forward is at the weights the behaviour log-probs are compared with)."""
     total_tokens = max(float(collated.response_mask.sum()), 1.0)
     total_seqs = max(float((collated.response_mask.sum(-1) > 0).sum()), 1.0)
     norm_constant = settings.norm_constant or float(collated.response_mask.shape[-1])
@@ -271,21 +298,25 @@ def _policy_update(model, optimizer, collated: Collated, settings: PolicyLossSet
     for rows in micro_batches(collated, settings.micro_batch_tokens):
         sl = (rows, slice(0, width_of(collated.attention_mask, rows)))
         mask = collated.response_mask[sl]
-        logp, entropy = token_logprobs(model, collated.input_ids[sl], collated.attention_mask[sl],
-                                       collated.targets[sl], settings.temperature, with_entropy=True,
-                                       positions=_trained_positions(collated, sl), top_k=settings.top_k,
-                                       top_p=settings.top_p)
+        with autocast(model, settings.precision):
+            logp, entropy = token_logprobs(model, collated.input_ids[sl], collated.attention_mask[sl],
+                                           collated.targets[sl], settings.temperature, with_entropy=True,
+                                           positions=_trained_positions(collated, sl), top_k=settings.top_k,
+                                           top_p=settings.top_p)
         pg_loss, metrics = ppo_policy_loss(
             logp, collated.old_logprobs[sl], collated.advantages[sl], mask,
             settings.clip_low, settings.clip_high, settings.dual_clip, settings.loss_agg, norm_constant,
-            proximal_logp=None if proximal is None else proximal[sl], behaviour_weight_cap=settings.behaviour_weight_cap,
+            proximal_logp=None if proximal is None else proximal[sl], behaviour_weight=None if weights is None else weights[sl],
         )
+        if mismatch is not None:
+            mismatch.append((rollout_mismatch(logp.detach(), collated.old_logprobs[sl], mask), float(mask.sum())))
         loss = pg_loss
         if settings.entropy_coef:
             loss = loss - settings.entropy_coef * agg_loss(entropy, mask, settings.loss_agg, norm_constant)
         # VAPO positive-example LM loss: already normalised by the batch's count of such tokens,
         # so the micro-batch parts simply add up.
-        nll = positive_example_nll(logp, collated.nll_mask[sl], torch.ones(len(logp)), normalizer=total_nll_tokens)
+        nll = positive_example_nll(logp, collated.nll_mask[sl], torch.ones(len(logp), device=logp.device),
+                                   normalizer=total_nll_tokens)
         if settings.kl_coef and reference_model is not None:
             with torch.no_grad():
                 ref_logp, _ = token_logprobs(reference_model, collated.input_ids[sl], collated.attention_mask[sl],
@@ -313,29 +344,50 @@ def _policy_update(model, optimizer, collated: Collated, settings: PolicyLossSet
 def policy_step(model, optimizer, samples: list[TrainSample], settings: PolicyLossSettings,
                 reference_model=None, pad_token_id: int = 0) -> dict[str, float]:
     """Train on one batch: `ppo_epochs` passes of `mini_batches` optimizer updates each (one update
-    by default). Returns metrics: the updates' mean, and the first and last update's clip fraction
-    and approximate KL (the trust region at work)."""
+    by default). Returns metrics: the updates' mean, the first and last update's clip fraction and
+    approximate KL (the trust region at work), and the rollout-training mismatch."""
     # Rows sorted by length, micro-batches trimmed to their longest row: little padding with
     # long-tailed lengths. The loss is a sum over rows, so their order does not change it.
     samples = sorted(samples, key=lambda s: row_length(s.segment))
-    collated = collate(samples, pad_token_id, settings)
+    collated = collate(samples, pad_token_id, settings).to(device_of(model))
     if not settings.nll_coef:
         collated.nll_mask.zero_()  # no logits wanted at NLL-only positions
     minis = mini_batch_rows(len(samples), settings.mini_batches)
     updates = settings.ppo_epochs * len(minis)
-    proximal = proximal_logprobs(model, collated, settings) if settings.proximal_anchor and updates > 1 else None
+    correcting = settings.rollout_correction != "none"
+    proximal = weights = None
+    if correcting or (settings.proximal_anchor and updates > 1):
+        proximal = proximal_logprobs(model, collated, settings)
+        mode, cap = ((settings.rollout_correction, settings.rollout_is_cap) if correcting
+                     else ("token_tis", settings.behaviour_weight_cap))
+        weights = behaviour_weights(proximal, collated.old_logprobs, collated.response_mask, mode, cap)
+        mismatch = rollout_mismatch(proximal, collated.old_logprobs, collated.response_mask)
+    parts: list = []
     history = []
     for _ in range(settings.ppo_epochs):
         for rows in minis:
+            index = torch.as_tensor(rows, device=collated.input_ids.device)
             part = collated if len(minis) == 1 else collated.select(rows)
-            prox = None if proximal is None else (proximal if len(minis) == 1 else proximal.index_select(0, torch.as_tensor(rows)))
-            history.append(_policy_update(model, optimizer, part, settings, reference_model, prox))
+            prox = None if proximal is None else (proximal if len(minis) == 1 else proximal.index_select(0, index))
+            w = None if weights is None else (weights if len(minis) == 1 else weights.index_select(0, index))
+            history.append(_policy_update(model, optimizer, part, settings, reference_model, prox, w,
+                                          parts if proximal is None and not history else None))
+    if proximal is None:  # measured in the first update's forward, at the same weights
+        mismatch = _combine_mismatch(parts)
     metrics = {k: float(np.mean([h.get(k, 0.0) for h in history])) for k in history[0]}
     for key in ("clip_fraction", "approx_kl"):
         metrics[f"{key}_first_update"], metrics[f"{key}_last_update"] = history[0][key], history[-1][key]
     metrics["skipped_updates"] = float(sum(h["skipped_updates"] for h in history))
-    return {**metrics, "policy_updates": updates, "tokens_trained": float(collated.response_mask.sum()),
+    return {**metrics, **mismatch, "policy_updates": updates, "tokens_trained": float(collated.response_mask.sum()),
             "rows_trained": len(samples)}
+
+
+def _combine_mismatch(parts: list[tuple[dict[str, float], float]]) -> dict[str, float]:
+    tokens = sum(n for _, n in parts) or 1.0
+    return {"rollout_kl_k1": sum(m["rollout_kl_k1"] * n for m, n in parts) / tokens,
+            "rollout_kl_k3": sum(m["rollout_kl_k3"] * n for m, n in parts) / tokens,
+            "rollout_ratio_max": max((m["rollout_ratio_max"] for m, n in parts if n), default=1.0),
+            "rollout_ratio_min": min((m["rollout_ratio_min"] for m, n in parts if n), default=1.0)}
 
 
 # --- the value model --------------------------------------------------------------------------
@@ -387,12 +439,12 @@ def predict_values(value_model, rows: list[tuple[np.ndarray, np.ndarray]], pad_t
     by_index: dict[int, np.ndarray] = {}
     with torch.no_grad():
         for chunk in length_sorted_chunks(rows, max_tokens):
-            layout = layout_rows([rows[i] for i in chunk], pad_token_id)
-            values = value_model(layout.input_ids, layout.attention_mask)
+            layout = layout_rows([rows[i] for i in chunk], pad_token_id, device_of(value_model))
+            values = value_model(layout.input_ids, layout.attention_mask).float().cpu()
             for j, i in enumerate(chunk):
                 sl = layout.slices[j]
                 stop = sl.stop + 1 if with_next else sl.stop
-                by_index[i] = values[j, sl.start : stop].float().numpy().copy()
+                by_index[i] = values[j, sl.start : stop].numpy().copy()
     return [by_index[i] for i in range(len(rows))]
 
 
@@ -403,14 +455,14 @@ def response_logprobs(model, rows: list[tuple[np.ndarray, np.ndarray]], temperat
     by_index: dict[int, np.ndarray] = {}
     with torch.no_grad():
         for chunk in length_sorted_chunks(rows, max_tokens):
-            layout = layout_rows([rows[i] for i in chunk], pad_token_id)
+            layout = layout_rows([rows[i] for i in chunk], pad_token_id, device_of(model))
             new = [rows[i][1] for i in chunk]
             targets = layout.place(new, torch.long)
             positions = layout.place([np.ones(len(n), dtype=np.float32) for n in new]) > 0
             logp, _ = token_logprobs(model, layout.input_ids, layout.attention_mask, targets, temperature,
                                      positions=positions, top_k=top_k, top_p=top_p)
             for j, i in enumerate(chunk):
-                by_index[i] = logp[j, layout.slices[j]].float().numpy().copy()
+                by_index[i] = logp[j, layout.slices[j]].float().cpu().numpy().copy()
     return [by_index[i] for i in range(len(rows))]
 
 
@@ -428,17 +480,17 @@ def value_step(value_model, optimizer, trajectories: list[ScoredTrajectory], set
     if not all(t.segment.finished for t in trajectories):
         raise ValueError("the value model trains on finished trajectories only")
     trajectories = sorted(trajectories, key=lambda t: row_length(t.segment))  # see policy_step
-    layout = layout_rows([segment_row(t.segment) for t in trajectories], pad_token_id)
+    layout = layout_rows([segment_row(t.segment) for t in trajectories], pad_token_id, device_of(value_model))
     chunks = [(rows, slice(0, width_of(layout.attention_mask, rows)))
               for rows in micro_batches_of(layout, settings.micro_batch_tokens)]
     mask = layout.place([np.ones(len(t.segment.new_token_ids), dtype=np.float32) for t in trajectories])
     rewards = layout.place([trajectory_rewards(t) for t in trajectories])
     value_model.eval()
-    old_values = torch.zeros(mask.shape)
+    old_values = torch.zeros(mask.shape, device=mask.device)
     with torch.no_grad():
         for sl in chunks:
             old_values[sl] = value_model(layout.input_ids[sl], layout.attention_mask[sl]).float()
-    recorded = torch.tensor([t.values is not None for t in trajectories])
+    recorded = torch.tensor([t.values is not None for t in trajectories], device=mask.device)
     if bool(recorded.any()):
         placed = layout.place([t.values if t.values is not None else np.zeros(len(t.segment.new_token_ids))
                                for t in trajectories])

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from asyncrl.algo.dqo import dqo_losses
-from asyncrl.learning import (clip_and_step, layout_rows, micro_batches_of, row_length, token_logprobs,
+from asyncrl.learning import (clip_and_step, device_of, layout_rows, micro_batches_of, row_length, token_logprobs,
                               trajectory_rewards, width_of)
 from asyncrl.schema import ScoredTrajectory, segment_row
 
@@ -35,7 +35,7 @@ def dqo_step(policy, value_model, policy_optimizer, value_optimizer, trajectorie
     order = sorted(range(len(trajectories)), key=lambda i: row_length(trajectories[i].segment))
     trajectories = [trajectories[i] for i in order]
     reference_logprobs = [reference_logprobs[i] for i in order]
-    layout = layout_rows([segment_row(t.segment) for t in trajectories], pad_token_id)
+    layout = layout_rows([segment_row(t.segment) for t in trajectories], pad_token_id, device_of(policy))
     ones = [np.ones(len(t.segment.new_token_ids), dtype=np.float32) for t in trajectories]
     mask = layout.place(ones)
     targets = layout.place([t.segment.new_token_ids for t in trajectories], torch.long)

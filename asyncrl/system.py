@@ -52,13 +52,50 @@ def init_ray(config: Config) -> None:
                                            "MALLOC_ARENA_MAX": "2"}})
 
 
-def _spawn(role_shell: type, *args, actor_name: str | None = None, **kwargs):
+def _spawn(role_shell: type, *args, actor_name: str | None = None, placement: dict | None = None, **kwargs):
     """A role's Ray actor. No CPU reserved (each role budgets its torch threads itself), and async
-    methods run concurrently (a learner answers `weights` while it trains)."""
-    options: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 64}
+    methods run concurrently (a learner answers `weights` while it trains). `placement`: what the
+    role asks Ray for (`num_gpus`, custom `resources`, a `scheduling_strategy`)."""
+    options: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 64, **(placement or {})}
     if actor_name:
         options.update(name=actor_name, namespace=NAMESPACE)
     return ray.remote(role_shell).options(**options).remote(*args, **kwargs)
+
+
+def role_placement(trainer, num_generators: int, num_learners: int = 1) -> tuple[list[dict], list[dict], Any]:
+    """What each generator and the learners ask Ray for: GPUs, custom resources (pinning roles to
+    nodes that offer them), and for `trainer.placement` colocated/spread a placement group whose
+    bundles hold them (STRICT_PACK: one node; SPREAD: generators over the nodes). Returns the
+    generators' options, the learners' options (policy, then value) and the placement group (or None)."""
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    def ask(gpus: float, resources: dict) -> dict:
+        return {**({"num_gpus": gpus} if gpus else {}), **({"resources": dict(resources)} if resources else {})}
+
+    generator, learner = ask(trainer.generator_gpus, trainer.generator_resources), ask(trainer.learner_gpus,
+                                                                                      trainer.learner_resources)
+    if trainer.placement == "any":
+        return [dict(generator) for _ in range(num_generators)], [dict(learner) for _ in range(num_learners)], None
+
+    def bundle(options: dict) -> dict:
+        # A bundle reserves something: a sliver of CPU when the role asks for nothing else.
+        return {"CPU": 0.01, **({"GPU": options["num_gpus"]} if "num_gpus" in options else {}),
+                **options.get("resources", {})}
+
+    bundles = [bundle(generator) for _ in range(num_generators)]
+    if trainer.placement == "colocated":
+        bundles += [bundle(learner) for _ in range(num_learners)]
+    group = placement_group(bundles, strategy="STRICT_PACK" if trainer.placement == "colocated" else "SPREAD")
+    ray.get(group.ready(), timeout=300)
+
+    def in_bundle(options: dict, index: int) -> dict:
+        return {**options, "scheduling_strategy": PlacementGroupSchedulingStrategy(group, index)}
+
+    generators = [in_bundle(generator, i) for i in range(num_generators)]
+    learners = ([in_bundle(learner, num_generators + i) for i in range(num_learners)] if trainer.placement == "colocated"
+                else [dict(learner) for _ in range(num_learners)])
+    return generators, learners, group
 
 
 class TrainingSystem:
@@ -79,6 +116,7 @@ class TrainingSystem:
         self._last_value: dict = {}
         self.pre_ppo: dict = {}
         self.weight_paths: list[str] = []  # each generator's weight path (shm / cuda_ipc / group)
+        self.placement_group = None  # trainer.placement colocated/spread: removed at stop
 
     def start(self) -> "TrainingSystem":
         """Bring the run up. Reading top to bottom: every mailbox, every role process and every edge
@@ -114,8 +152,12 @@ class TrainingSystem:
         prompt_source = _spawn(PromptSourceActor, cfg.model, cfg.task, cfg.algorithm, tr, prompts,
                                0 if learning else tr.total_steps * tr.prompts_per_step)
         # Value learner (value-based estimators): trains on `trajectories`, answers value requests.
+        # Placement: what each role asks Ray for (GPUs, node resources, a placement group).
+        generator_options, learner_options, self.placement_group = role_placement(tr, tr.num_generators,
+                                                                                  2 if value_based else 1)
         value_learner = (_spawn(ValueLearnerActor, cfg.model, cfg.critic, cfg.algorithm, cfg.engine, tr.seed,
-                                trajectories, resume and resume.checkpoint) if value_based else None)
+                                trajectories, resume and resume.checkpoint, tr.learner_device,
+                                placement=learner_options[1]) if value_based else None)
         # Assembler: `segments` -> rewards (router) -> estimator -> `batches` (and `trajectories`);
         # reports every sample's fate to the ledger (prompt source) and its record to the store;
         # asks the value learner for values.
@@ -123,8 +165,8 @@ class TrainingSystem:
                            segments, batches, endpoints, prompt_source, value_learner, trajectories,
                            f"batch-r{resume.incarnation if resume else 0}", recorder, cfg.mode)
         # Generators: `prompts` -> engine windows -> `segments`.
-        self.generators = [_spawn(GeneratorActor, cfg.model, cfg.engine, prompts, segments, f"gen-{i}")
-                           for i in range(tr.num_generators)]
+        self.generators = [_spawn(GeneratorActor, cfg.model, cfg.engine, prompts, segments, f"gen-{i}",
+                                  placement=generator_options[i]) for i in range(tr.num_generators)]
         # Policy learner: `batches` -> optimizer step -> weights broadcast to the generators; each new
         # version told to the assembler at once (staleness) and to the prompt source once every
         # generator holds it (admission; synchronous mode: the assembler too); trained samples
@@ -137,7 +179,7 @@ class TrainingSystem:
             ledger=prompt_source,
             checkpoint_parts=[prompt_source] + ([value_learner] if value_learner is not None else []),
             run_dir=self.run_dir, resume_from=resume and resume.checkpoint, max_steps=self.max_steps,
-            recorder=recorder,
+            recorder=recorder, placement=learner_options[0],
             actor_name=LEARNER_NAME if self.name_actors else None) if learning else None  # found by name
         self.actors = {**({"learner": learner} if learner is not None else {}), "assembler": assembler,
                        "prompt_source": prompt_source,
@@ -150,13 +192,15 @@ class TrainingSystem:
         #    (rendezvous at the learner's node IP; receivers join first, then the sender).
         if learner is not None:
             learner_node = ray.get(learner.node_id.remote())
-            paths = choose_paths(learner_node, ray.get([g.node_id.remote() for g in self.generators]), "cpu",
+            paths = choose_paths(learner_node, ray.get([g.node_id.remote() for g in self.generators]), tr.learner_device,
                                  tr.weight_transport)
             remote = [g for g, path in zip(self.generators, paths) if path == "group"]
             if remote:
                 host, port = ray.get(learner.weight_group_address.remote())
-                joins = [g.init_weight_group.remote(host, port, len(remote) + 1, rank) for rank, g in enumerate(remote, 1)]
-                ray.get(joins + [learner.init_weight_group.remote(host, port, len(remote) + 1, 0)])
+                backend = "nccl" if tr.learner_device == "cuda" else "gloo"
+                joins = [g.init_weight_group.remote(host, port, len(remote) + 1, rank, backend)
+                         for rank, g in enumerate(remote, 1)]
+                ray.get(joins + [learner.init_weight_group.remote(host, port, len(remote) + 1, 0, backend)])
             ray.get(learner.set_weight_paths.remote(paths))
             self.weight_paths = paths
 
@@ -278,6 +322,11 @@ class TrainingSystem:
             ray.wait([self.actors["recorder"].close.remote()], timeout=60)
         for actor in [*self.actors.values(), *self.generators, *(b.actor for b in self.mailboxes.values())]:
             ray.kill(actor)
+        if self.placement_group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.placement_group)
+            self.placement_group = None
         if self.run_refs:
             ray.wait(list(self.run_refs.values()), num_returns=len(self.run_refs), timeout=15)
 

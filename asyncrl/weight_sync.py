@@ -127,7 +127,7 @@ def to_shared(named_tensors: Iterable[tuple[str, torch.Tensor]]):
 
     # Each tensor as raw bytes (bf16 has no numpy dtype), with what rebuilds it.
     return ray.put({name: (str(t.dtype).removeprefix("torch."), list(t.shape),
-                           t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+                           t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
                     for name, t in named_tensors})
 
 

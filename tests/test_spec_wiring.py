@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from asyncrl.algo.losses import kl_penalty, ppo_policy_loss
+from asyncrl.algo.losses import behaviour_weights, kl_penalty, ppo_policy_loss
 from asyncrl.algo.sampling import filtered_logprobs, step_logprobs
 from asyncrl.assembly import AssemblySettings, ValueAdvantageSettings, assemble_group, with_whole_response
 from asyncrl.config import ConfigError, ModelConfig, compose
@@ -288,8 +288,9 @@ def test_decoupled_loss_hand_values():
     prox = torch.zeros(1, 3)
     old = torch.log(torch.tensor([[0.5, 2.0, 0.01]]))  # weights 2, 0.5, 100 -> capped at 5
     adv = torch.tensor([[1.0, -1.0, 1.0]])
+    weights = behaviour_weights(prox, old, torch.ones(1, 3), "token_tis", 5.0)
     loss, metrics = ppo_policy_loss(logp, old, adv, torch.ones(1, 3), 0.2, 0.28, proximal_logp=prox,
-                                    behaviour_weight_cap=5.0)
+                                    behaviour_weight=weights)
     # per token: -1·min(1.5, 1.28)·2 = -2.56; max(0.5, 0.8)·0.5 = 0.4; -1·1·5 = -5
     assert loss.item() == pytest.approx((-2.56 + 0.4 - 5.0) / 3, abs=1e-5)
     assert metrics["behaviour_weight_mean"] == pytest.approx((2 + 0.5 + 5) / 3, rel=1e-5)
@@ -468,3 +469,107 @@ def test_the_value_learner_scores_the_reference_under_the_samplers_distribution(
     with pytest.raises(ConfigError, match="kl_in_reward"):
         compose(["algorithm=grpo", "algorithm.kl_in_reward=true", "algorithm.kl_coef=0.01"])
     assert compose(["algorithm=ppo", "algorithm.kl_in_reward=true", "algorithm.kl_coef=0.05"]).algorithm.kl_in_reward
+
+
+# --- issue 18: rollout-training mismatch, measured and corrected --------------------------------------
+
+
+def test_behaviour_weights_truncate_or_mask_per_token_or_per_sequence():
+    prox = torch.zeros(2, 3)
+    behav = torch.log(torch.tensor([[0.25, 1.0, 4.0], [0.5, 0.5, 1.0]]))  # r = [4, 1, .25], [2, 2, 1]
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    w = lambda mode: behaviour_weights(prox, behav, mask, mode, 2.0).flatten().tolist()  # noqa: E731
+    assert w("token_tis") == pytest.approx([2.0, 1.0, 0.25, 2.0, 2.0, 0.0])
+    assert w("token_mis") == pytest.approx([0.0, 1.0, 0.0, 2.0, 2.0, 0.0])
+    # Row ratios: 4·1·0.25 = 1 and 2·2 = 4 (the masked token does not count).
+    assert w("sequence_tis") == pytest.approx([1.0, 1.0, 1.0, 2.0, 2.0, 0.0])
+    assert w("sequence_mis") == pytest.approx([1.0, 1.0, 1.0, 0.0, 0.0, 0.0])
+    with pytest.raises(ValueError, match="unknown behaviour correction"):
+        behaviour_weights(prox, behav, mask, "tis", 2.0)
+
+
+def test_rollout_mismatch_hand_values():
+    from asyncrl.algo.losses import rollout_mismatch
+
+    # r = π_learner/π_behaviour = [2, 0.5]: k1 = mean(−log r) = 0; k3 = mean(r − log r − 1) =
+    # ((2 − 0.6931 − 1) + (0.5 + 0.6931 − 1)) / 2 = 0.25.
+    m = rollout_mismatch(torch.zeros(1, 2), torch.log(torch.tensor([[0.5, 2.0]])), torch.ones(1, 2))
+    assert m["rollout_kl_k1"] == pytest.approx(0.0, abs=1e-7) and m["rollout_kl_k3"] == pytest.approx(0.25, abs=1e-6)
+    assert m["rollout_ratio_max"] == pytest.approx(2.0) and m["rollout_ratio_min"] == pytest.approx(0.5)
+
+
+def test_the_learner_reports_the_mismatch_every_step_and_corrects_it_when_asked():
+    from asyncrl.engines.base import SamplingParams, SequenceInput
+    from asyncrl.engines.torch_engine import TorchEngine
+
+    engine = TorchEngine(tiny_policy(), eos_token_ids=[2], pad_token_id=0)
+    out = engine.generate_window_sync([SequenceInput(prompt_ids=int32_array([5, 6, 7]), response_ids=int32_array([]),
+                                                     seed=4, max_response_tokens=8)], 8, SamplingParams())[0]
+    n = len(out.token_ids)
+    row = lambda logprobs: TrainSample(segment=segment(out.token_ids.tolist(), logprobs=logprobs),  # noqa: E731
+                                       score=1.0, advantages=float32_array([1.0] * n))
+    step = lambda logprobs, **kw: policy_step(tiny_policy(), torch.optim.SGD(tiny_policy().parameters(), lr=0.0),  # noqa: E731
+                                              [row(logprobs)], loss_settings(**kw))
+    same = step(out.logprobs.tolist())  # the engine's own model and distribution: no mismatch
+    assert same["rollout_kl_k3"] < 1e-6 and same["rollout_ratio_max"] == pytest.approx(1.0, abs=1e-4)
+    # An engine whose log-probs are log 3 below the learner's on every token (another kernel, say):
+    # reported; with token-TIS each token's weight is r = π_learner/π_engine = 3, capped at 2.
+    off = (out.logprobs - np.log(3.0)).tolist()
+    plain = step(off)
+    assert plain["rollout_ratio_max"] == pytest.approx(3.0, rel=1e-4) and plain["rollout_kl_k3"] > 0.5
+    corrected = step(off, rollout_correction="token_tis", rollout_is_cap=2.0)
+    assert corrected["behaviour_weight_mean"] == pytest.approx(2.0, rel=1e-4)
+    # The clip is taken around the recomputed (proximal) log-probs: every ratio is 1 at the first update.
+    assert corrected["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and plain["ratio_mean"] == pytest.approx(3.0, rel=1e-3)
+
+
+def test_the_gpu_learners_settings_run_on_cpu_bf16_autocast_and_checkpointing():
+    """bf16 autocast (fp32 master weights) and gradient checkpointing through the learner's own
+    builder; on a CPU box they run on the CPU (the same code takes the GPU with learner_device=cuda)."""
+    from asyncrl.roles.shells import build_policy_learner
+
+    def step(*overrides):
+        config = compose(["model=tiny", "task=tiny", "algorithm=grpo", *overrides])
+        learner = build_policy_learner(config.model, config.algorithm, config.trainer, config.engine, InProcessMailbox(2))
+        rows = [TrainSample(segment=segment([20, 21, 22], logprobs=[-3.0] * 3), score=1.0,
+                            advantages=float32_array([1.0, 1.0, 1.0]))]
+        return learner, policy_step(learner.model, learner.optimizer, rows, learner.settings)
+
+    _, fp32 = step()
+    learner, bf16 = step("trainer.learner_precision=bf16", "trainer.gradient_checkpointing=true")
+    assert learner.settings.precision == "bf16" and learner.model.is_gradient_checkpointing
+    assert all(p.dtype == torch.float32 for p in learner.model.parameters())  # master weights stay fp32
+    assert bf16["loss"] == pytest.approx(fp32["loss"], rel=0.05) and np.isfinite(bf16["grad_norm"])
+    with pytest.raises(ConfigError, match="learner_gpus"):
+        compose(["trainer.learner_device=cuda"])
+
+
+def test_roles_ask_ray_for_what_they_use(ray_session):
+    from ray.util.placement_group import remove_placement_group
+
+    from asyncrl.system import role_placement
+
+    tr = compose(["model=tiny", "trainer.generator_resources={node_generator: 1}", "trainer.learner_gpus=0.5"]).trainer
+    generators, learners, group = role_placement(tr, 2, 2)
+    assert group is None and generators == [{"resources": {"node_generator": 1.0}}] * 2
+    assert learners == [{"num_gpus": 0.5}] * 2
+    tr = compose(["model=tiny", "trainer.placement=spread"]).trainer
+    generators, learners, group = role_placement(tr, 2, 1)
+    try:
+        assert group.bundle_count == 2 and [g["scheduling_strategy"].placement_group_bundle_index for g in generators] == [0, 1]
+        assert "scheduling_strategy" not in learners[0]  # spread: the learner is placed on its own
+    finally:
+        remove_placement_group(group)
+    tr = compose(["model=tiny", "trainer.placement=colocated"]).trainer
+    generators, learners, group = role_placement(tr, 1, 2)
+    try:
+        assert group.bundle_count == 3 and learners[1]["scheduling_strategy"].placement_group_bundle_index == 2
+    finally:
+        remove_placement_group(group)
+
+
+def test_the_sglang_engine_group_composes_and_sets_the_mismatch_correction():
+    config = compose(["engine=sglang", "model.source=hf", "model.path=/models/qwen"])
+    assert config.engine.name == "sglang" and config.algorithm.rollout_correction == "token_tis"
+    assert config.trainer.learner_precision == "bf16" and config.trainer.generator_gpus > 0
+    assert compose([]).engine.name == "torch" and compose([]).algorithm.rollout_correction == "none"

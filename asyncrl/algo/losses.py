@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from asyncrl.config import KL_ESTIMATORS, LOSS_AGG_MODES as AGG_MODES
+from asyncrl.config import BEHAVIOUR_CORRECTIONS, KL_ESTIMATORS, LOSS_AGG_MODES as AGG_MODES
 
 
 def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, norm_constant: float | None = None) -> torch.Tensor:
@@ -45,7 +45,7 @@ def ppo_policy_loss(
     agg: str = "token-mean",
     norm_constant: float | None = None,
     proximal_logp: torch.Tensor | None = None,
-    behaviour_weight_cap: float | None = 5.0,
+    behaviour_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped surrogate with decoupled clip (DAPO clip-higher) and optional dual clip.
 
@@ -55,9 +55,9 @@ def ppo_policy_loss(
     ±20))`. Metrics: clip fractions and the approximate KL `mean(−log ρ)` over valid tokens.
 
     Decoupled PPO (AReaL, arXiv 2505.24298), when `proximal_logp` is given: the clip is taken
-    around the proximal policy, `ρ = π_θ/π_prox`, and each token's loss is weighted by the
-    behaviour importance ratio `w = π_prox/π_old` (no gradient), capped at `behaviour_weight_cap`.
-    With `π_prox = π_old` it is the plain loss.
+    around the proximal policy, `ρ = π_θ/π_prox`, and each token's loss is multiplied by
+    `behaviour_weight` (no gradient; `behaviour_weights`: the truncated or masked ratio π_prox/π_old).
+    With `π_prox = π_old` and weight 1 it is the plain loss.
     """
     mask = mask.to(logp.dtype)
     anchor = old_logp if proximal_logp is None else proximal_logp
@@ -74,12 +74,8 @@ def ppo_policy_loss(
         capped = torch.minimum(loss_mat, -advantages * dual_clip)
         dual_mask = ((advantages < 0) & (capped < loss_mat)).to(logp.dtype)
         loss_mat = torch.where(advantages < 0, capped, loss_mat)
-    behaviour_weight = None
-    if proximal_logp is not None:
-        behaviour_weight = torch.exp(torch.clamp(proximal_logp - old_logp, -20.0, 20.0)).detach()
-        if behaviour_weight_cap is not None:
-            behaviour_weight = behaviour_weight.clamp(max=behaviour_weight_cap)
-        loss_mat = loss_mat * behaviour_weight
+    if behaviour_weight is not None:
+        loss_mat = loss_mat * behaviour_weight.detach()
     loss = agg_loss(loss_mat, mask, agg, norm_constant)
     n = mask.sum().clamp(min=1)
     with torch.no_grad():
@@ -94,6 +90,47 @@ def ppo_policy_loss(
         if behaviour_weight is not None:
             metrics["behaviour_weight_mean"] = float((behaviour_weight * mask).sum() / n)
     return loss, metrics
+
+
+def behaviour_weights(proximal_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor,
+                      mode: str = "token_tis", cap: float = 2.0) -> torch.Tensor:
+    """Importance weights `[B, T]` (no gradient) correcting for tokens sampled by a behaviour policy
+    other than the learner's proximal one: staleness, or the rollout engine's other kernels and
+    precision (rollout-training mismatch). `r = π_prox/π_behaviour` per token; a row's `R = Π_t r_t`.
+
+    * `token_tis`: `min(r_t, C)` (truncated importance sampling, per token);
+    * `sequence_tis`: `min(R, C)` for every token of the row;
+    * `token_mis`: `r_t` where `1/C <= r_t <= C`, else 0 (masked: the token carries no loss);
+    * `sequence_mis`: `R` for a row with `1/C <= R <= C`, else 0 for the whole row.
+    """
+    if mode not in BEHAVIOUR_CORRECTIONS:
+        raise ValueError(f"unknown behaviour correction {mode!r}; expected one of {BEHAVIOUR_CORRECTIONS}")
+    if cap < 1.0:
+        raise ValueError(f"the importance-weight cap must be >= 1, got {cap}")
+    mask = mask.to(proximal_logp.dtype)
+    log_r = torch.clamp(proximal_logp - behaviour_logp, -20.0, 20.0).detach() * mask
+    if mode.startswith("sequence"):
+        log_r = torch.clamp(log_r.sum(-1, keepdim=True), -20.0, 20.0).expand_as(log_r)
+    r = torch.exp(log_r)
+    if mode.endswith("tis"):
+        return r.clamp(max=cap) * mask
+    inside = (r >= 1.0 / cap) & (r <= cap)
+    return torch.where(inside, r, torch.zeros_like(r)) * mask
+
+
+def rollout_mismatch(learner_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """How far the behaviour log-probs (the engine's) are from the learner's for the same weights:
+    KL(π_behaviour ‖ π_learner) estimated on the sampled tokens (k1 `log b − log θ`, and k3
+    `θ/b − log(θ/b) − 1`, always >= 0), and the extremes of the ratio `π_learner/π_behaviour`."""
+    mask = mask.to(learner_logp.dtype)
+    n = mask.sum().clamp(min=1)
+    log_r = torch.clamp(learner_logp - behaviour_logp, -20.0, 20.0).detach()
+    ratio = torch.exp(log_r)
+    valid = mask > 0
+    return {"rollout_kl_k1": float((-log_r * mask).sum() / n),
+            "rollout_kl_k3": float(((ratio - log_r - 1.0) * mask).sum() / n),
+            "rollout_ratio_max": float(ratio[valid].max()) if bool(valid.any()) else 1.0,
+            "rollout_ratio_min": float(ratio[valid].min()) if bool(valid.any()) else 1.0}
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "low_var_kl") -> torch.Tensor:

@@ -57,6 +57,9 @@ class WindowOutput(msgspec.Struct, kw_only=True, frozen=True):
     token_ids: np.ndarray  # int32 [N], N <= window_tokens
     logprobs: np.ndarray  # float32 [N], under the distribution actually sampled from
     finish_reason: FinishReason  # WINDOW means not finished
+    # int32 [N]: the weight version of each token, when the engine reports it (SGLang's spans);
+    # None: every token is of the engine's version at the window's start (updates land between windows).
+    versions: np.ndarray | None = None
 
     @property
     def finished(self) -> bool:

@@ -23,7 +23,9 @@ from asyncrl.schema import FinishReason
 class TorchEngine:
     def __init__(self, model: PreTrainedModel, eos_token_ids: Iterable[int], pad_token_id: int = 0):
         self.model = model.eval()
-        self.eos_token_ids = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long)
+        # The model's device (engine.device=cuda puts it on the GPU): every tensor of a window is made there.
+        self.device = next(model.parameters()).device
+        self.eos_token_ids = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device=self.device)
         if self.eos_token_ids.numel() == 0:
             raise ValueError("an engine needs at least one EOS token id")
         self.pad_token_id = pad_token_id
@@ -113,30 +115,30 @@ class TorchEngine:
     def _generate(
         self, sequences: list[SequenceInput], window_tokens: int, params: SamplingParams, on_step=None
     ) -> list[WindowOutput]:
-        batch = len(sequences)
+        batch, dev = len(sequences), self.device
         contexts = [np.concatenate([s.prompt_ids, s.response_ids]).astype(np.int64) for s in sequences]
-        context_lens = torch.tensor([len(c) for c in contexts])
-        prior = torch.tensor([len(s.response_ids) for s in sequences])
+        context_lens = torch.tensor([len(c) for c in contexts], device=dev)
+        prior = torch.tensor([len(s.response_ids) for s in sequences], device=dev)
         # Tokens each row may still generate in this window (response budget and context limit).
         length_left = torch.minimum(
-            torch.tensor([s.max_response_tokens for s in sequences]) - prior,
+            torch.tensor([s.max_response_tokens for s in sequences], device=dev) - prior,
             self.max_positions - context_lens,
         )
         budget = length_left.clamp(max=window_tokens)
         if bool((budget <= 0).any()):
             raise ValueError("a sequence passed to generate_window has no response budget left")
-        seeds = torch.tensor([s.seed for s in sequences], dtype=torch.int64)
-        min_tokens = torch.tensor([s.min_response_tokens for s in sequences])
+        seeds = torch.tensor([s.seed for s in sequences], dtype=torch.int64, device=dev)
+        min_tokens = torch.tensor([s.min_response_tokens for s in sequences], device=dev)
         hold_eos = bool((min_tokens > prior).any())
 
         width = int(context_lens.max())
-        input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
+        input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long, device=dev)
         # Allocated once for the whole window; decode steps take a growing prefix view.
-        full_mask = torch.ones((batch, width + window_tokens), dtype=torch.long)
+        full_mask = torch.ones((batch, width + window_tokens), dtype=torch.long, device=dev)
         full_mask[:, :width] = 0
         attention_mask = full_mask[:, :width]
         for row, ctx in enumerate(contexts):
-            input_ids[row, width - len(ctx):] = torch.from_numpy(ctx)
+            input_ids[row, width - len(ctx):] = torch.from_numpy(ctx).to(dev)
             attention_mask[row, width - len(ctx):] = 1
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
@@ -152,10 +154,10 @@ class TorchEngine:
         logits = out.logits[:, -1, :]
         next_position = context_lens.clone()
 
-        tokens = torch.zeros((batch, window_tokens), dtype=torch.long)
-        logprobs = torch.zeros((batch, window_tokens), dtype=torch.float32)
-        produced = torch.zeros(batch, dtype=torch.long)
-        reason = torch.full((batch,), -1, dtype=torch.long)  # -1 running, 0 eos, 1 max length
+        tokens = torch.zeros((batch, window_tokens), dtype=torch.long, device=dev)
+        logprobs = torch.zeros((batch, window_tokens), dtype=torch.float32, device=dev)
+        produced = torch.zeros(batch, dtype=torch.long, device=dev)
+        reason = torch.full((batch,), -1, dtype=torch.long, device=dev)  # -1 running, 0 eos, 1 max length
         for step in range(window_tokens):
             running = reason < 0
             if hold_eos:  # rows below their minimum length cannot sample EOS
@@ -200,6 +202,7 @@ class TorchEngine:
             next_position += 1
 
         results = []
+        tokens, logprobs, produced, reason = tokens.cpu(), logprobs.cpu(), produced.cpu(), reason.cpu()
         for row in range(batch):
             n = int(produced[row])
             finish = _FINISH[int(reason[row])]

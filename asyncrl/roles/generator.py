@@ -172,7 +172,8 @@ class Generator:
                     prior_versions=np.asarray(seq.versions, dtype=np.int32),
                     new_token_ids=out.token_ids,
                     new_logprobs=out.logprobs,
-                    new_versions=np.full(len(out.token_ids), version, dtype=np.int32),
+                    new_versions=(out.versions if out.versions is not None
+                                  else np.full(len(out.token_ids), version, dtype=np.int32)),
                     finished=finished,
                     finish_reason=reason,
                     data_source=seq.request.data_source,
@@ -191,7 +192,7 @@ class Generator:
                     finished_prompts.append(seq.request.prompt_id)
             else:
                 seq.response_ids += out.token_ids.tolist()
-                seq.versions += [version] * len(out.token_ids)
+                seq.versions += segments[-1].new_versions.tolist()
                 seq.turn += 1
                 still_running.append(seq)
         # Continuations first, in their original order; sequences outside this batch keep theirs.

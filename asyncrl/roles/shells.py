@@ -20,7 +20,7 @@ import torch
 from asyncrl.assembly import AssemblySettings, KLRewardSettings, ValueAdvantageSettings
 from asyncrl.config import (AlgorithmConfig, CriticConfig, EngineConfig, ModelConfig, RewardConfig, RouteConfig,
                             TaskConfig, TrainerConfig, route_checks)
-from asyncrl.generation import build_engine, decode, sampling_params
+from asyncrl.generation import build_generator_engine, decode, sampling_params
 from asyncrl.learning import PolicyLossSettings, ValueLossSettings
 from asyncrl.mailbox import Mailbox
 from asyncrl.models import load_model, load_tokenizer, value_model_from_checkpoint, value_model_from_policy
@@ -43,7 +43,7 @@ from asyncrl.weight_sync import WeightGroup
 
 def build_generator(model: ModelConfig, engine: EngineConfig, prompts: Mailbox, segments: Mailbox,
                     generator_id: str) -> Generator:
-    embedded, _ = build_engine(model)
+    embedded = build_generator_engine(model, engine)
     max_windows = engine.max_windows or math.ceil(engine.max_response_tokens / engine.window_tokens)
     return Generator(embedded, prompts, segments, sampling_params(engine), engine.window_tokens,
                      engine.max_response_tokens, max_windows, engine.max_inflight_sequences, generator_id,
@@ -65,11 +65,15 @@ def build_policy_learner(model: ModelConfig, algorithm: AlgorithmConfig, trainer
         grad_clip=a.grad_clip, micro_batch_tokens=a.micro_batch_tokens, nll_coef=a.nll_coef,
         norm_constant=float(a.loss_norm_tokens or e.max_response_tokens), ppo_epochs=a.ppo_epochs,
         mini_batches=a.mini_batches, proximal_anchor=a.proximal_anchor, behaviour_weight_cap=a.behaviour_weight_cap,
+        rollout_correction=a.rollout_correction, rollout_is_cap=a.rollout_is_cap, precision=trainer.learner_precision,
         kl_estimator=a.kl_estimator, top_k=e.top_k, top_p=e.top_p,
         mask_first_token=e.first_token_temperature is not None,
         long_tail=(e.long_tail_fraction, e.long_tail_tokens),
     )
-    learner = PolicyLearner(load_model(model, tokenizer), settings, batches, a.lr, a.weight_decay, a.warmup_steps,
+    policy = load_model(model, tokenizer)
+    if trainer.gradient_checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    learner = PolicyLearner(policy.to(trainer.learner_device), settings, batches, a.lr, a.weight_decay, a.warmup_steps,
                             kl_loss_coef, tokenizer.pad_token_id or 0, trainer.broadcast_bucket_mb << 20,
                             tokenizer=tokenizer,
                             max_staleness_versions=a.max_staleness_versions)
@@ -81,7 +85,7 @@ def build_policy_learner(model: ModelConfig, algorithm: AlgorithmConfig, trainer
 
 
 def build_value_learner(model: ModelConfig, critic: CriticConfig, algorithm: AlgorithmConfig, engine: EngineConfig,
-                        seed: int, trajectories: Mailbox) -> ValueLearner:
+                        seed: int, trajectories: Mailbox, device: str = "cpu") -> ValueLearner:
     """`algorithm`: γ, and whether the KL to the reference is a reward (then this learner holds the
     reference policy and scores tokens under `engine`'s sampling settings)."""
     torch.manual_seed(seed + 1)
@@ -93,8 +97,8 @@ def build_value_learner(model: ModelConfig, critic: CriticConfig, algorithm: Alg
     settings = ValueLossSettings(gamma=algorithm.gamma, lam=critic.lam, clip_low=critic.clip_low,
                                  clip_high=critic.clip_high, grad_clip=critic.grad_clip,
                                  micro_batch_tokens=critic.micro_batch_tokens)
-    reference = load_model(model, tokenizer) if algorithm.kl_in_reward else None
-    return ValueLearner(value_model, trajectories, settings, critic.lr, critic.weight_decay,
+    reference = load_model(model, tokenizer).to(device) if algorithm.kl_in_reward else None
+    return ValueLearner(value_model.to(device), trajectories, settings, critic.lr, critic.weight_decay,
                         critic.batch_trajectories, critic.warmup_steps, tokenizer.pad_token_id or 0,
                         reference=reference, sampling=sampling_params(engine))
 
@@ -252,9 +256,9 @@ class PromptSourceActor(_LoopShell):
 
 class ValueLearnerActor(_LoopShell):
     def __init__(self, model: ModelConfig, critic: CriticConfig, algorithm: AlgorithmConfig, engine: EngineConfig,
-                 seed: int, trajectories: Mailbox, resume_from: str | None = None):
+                 seed: int, trajectories: Mailbox, resume_from: str | None = None, device: str = "cpu"):
         torch.set_num_threads(critic.threads)
-        self.inner = build_value_learner(model, critic, algorithm, engine, seed, trajectories)
+        self.inner = build_value_learner(model, critic, algorithm, engine, seed, trajectories, device)
         if resume_from:
             self.inner.load_checkpoint(resume_from)
 
