@@ -333,6 +333,9 @@ class TrainerConfig:
     weight_transport: str = "auto"
     """How weights reach each generator: auto (shared memory on the learner's node, CUDA IPC on its
     GPU, a torch.distributed group for other nodes) | shm | cuda_ipc | group (forced)."""
+    ray_address: str = ""
+    """A running Ray cluster to join (auto, or <head-ip>:6379); empty = start Ray in this process
+    (RAY_ADDRESS in the environment also joins one)."""
     object_store_mb: int = 2048
     """Ray's object store when asyncrl starts Ray: the shared memory same-node generators read the
     weights from needs room for about three versions (the embedded model: 0.5 GB each)."""
@@ -352,6 +355,9 @@ class TrainerConfig:
     (`asyncrl train` and the Serve `train` app); 0 = fail at the first death."""
     eval_samples: int = 64
     mailbox_capacity: int = 256
+    segment_shards: int = 1
+    """Mailbox actors behind the generators' segments (a sample's windows stay in one): one actor
+    moves a few thousand segments a second; give many generators several."""
     lease_s: float = 600.0
     target_reward: float | None = None
     """Stop early once the mean `reward_mean_generated` of the last `target_window` steps reaches
@@ -657,7 +663,7 @@ RANGES = {
     "task.num_train_prompts": ">= 1", "task.num_eval_prompts": ">= 1", "task.pre_ppo_fraction": "[0, 1]",
     "trainer.total_steps": ">= 1", "trainer.prompts_per_step": ">= 1", "trainer.num_generators": ">= 1",
     "trainer.generator_threads": ">= 1", "trainer.learner_threads": ">= 1", "trainer.broadcast_bucket_mb": ">= 1",
-    "trainer.object_store_mb": ">= 64", "trainer.generator_gpus": ">= 0", "trainer.learner_gpus": ">= 0",
+    "trainer.object_store_mb": ">= 64", "trainer.segment_shards": ">= 1", "trainer.generator_gpus": ">= 0", "trainer.learner_gpus": ">= 0",
     "trainer.eval_every": ">= 0", "trainer.checkpoint_every": ">= 0", "trainer.checkpoint_keep": ">= 1",
     "trainer.max_restarts": ">= 0", "trainer.eval_samples": ">= 1", "trainer.mailbox_capacity": ">= 1",
     "trainer.lease_s": "> 0", "trainer.target_window": ">= 1", "trainer.stall_timeout_s": "> 0",

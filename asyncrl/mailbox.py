@@ -14,9 +14,10 @@ A mailbox is owned by its consumer. The guarantees, stated once here and enforce
   (the assembler, the learner) turns a redelivery after a slow consumer into exactly-once.
 * **Order.** FIFO among first deliveries; redelivered messages jump to the front.
 
-Two implementations behind one interface (`Mailbox`): `InProcessMailbox` (asyncio, one process)
-and `RayMailbox` (a client of a `MailboxActor`; messages cross the process boundary as msgspec
-bytes, never pickled user objects).
+Implementations behind one interface (`Mailbox`): `InProcessMailbox` (asyncio, one process),
+`RayMailbox` (a client of a `MailboxActor`; messages cross the process boundary as msgspec bytes,
+never pickled user objects) and `ShardedMailbox` (several `RayMailbox` shards as one, for many
+producers).
 """
 
 from __future__ import annotations
@@ -350,3 +351,93 @@ class RayMailbox(Generic[M]):
 
     async def drain_unacked(self) -> list[M]:
         return [self.codec.decode(data) for _, data in await self.actor.drain_unacked.remote()]
+
+
+class ShardedMailbox(Generic[M]):
+    """One logical mailbox over several `RayMailbox` shards (one actor each): a mailbox actor
+    handles a few thousand messages a second (`docs/benchmarks.md`), so many generators share the
+    load of several. A message goes to the shard of its `key_attr` (a segment's sample id: the
+    windows of one sample stay in one shard, in order); `get` takes from whichever shards have
+    messages, keeping at most one get outstanding per shard (what a later call harvests: messages
+    it leased are never lost, and expire back to their shard if not taken); an ack goes to the
+    shard that delivered the message. Same guarantees as one mailbox, per shard."""
+
+    def __init__(self, shards: list[RayMailbox[M]], key_attr: str = "msg_id"):
+        if not shards:
+            raise ValueError("a sharded mailbox needs at least one shard")
+        self.shards = shards
+        self.key_attr = key_attr
+        self._inflight: dict[int, asyncio.Future] = {}
+        self._delivered_by: dict[str, int] = {}  # message id -> the shard it came from (until acked)
+
+    @classmethod
+    def create(cls, message_type: type[M], shards: int, capacity: int, lease_s: float = 60.0,
+               key_attr: str = "msg_id") -> "ShardedMailbox[M]":
+        per_shard = max(1, -(-capacity // shards))
+        return cls([RayMailbox.create(message_type, per_shard, lease_s) for _ in range(shards)], key_attr)
+
+    def __reduce__(self):
+        return (ShardedMailbox, (self.shards, self.key_attr))
+
+    @property
+    def actors(self) -> list[Any]:
+        return [shard.actor for shard in self.shards]
+
+    @property
+    def codec(self) -> Codec[M]:
+        return self.shards[0].codec
+
+    def shard_of(self, message: M) -> int:
+        import zlib
+
+        return zlib.crc32(str(getattr(message, self.key_attr)).encode()) % len(self.shards)
+
+    async def put(self, messages: Sequence[M], timeout: float | None = None) -> int:
+        by_shard: dict[int, list[M]] = collections.defaultdict(list)
+        for message in messages:
+            by_shard[self.shard_of(message)].append(message)
+        counts = await asyncio.gather(*(self.shards[i].put(part, timeout) for i, part in by_shard.items()))
+        return sum(counts)
+
+    async def get(self, max_n: int, timeout: float | None = None) -> list[M]:
+        per_shard = max(1, max_n // len(self.shards))
+        for i, shard in enumerate(self.shards):
+            if i not in self._inflight:
+                self._inflight[i] = asyncio.ensure_future(shard.actor.get.remote(per_shard, timeout))
+        if not any(f.done() for f in self._inflight.values()):
+            await asyncio.wait(list(self._inflight.values()), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        out = []
+        for i, future in list(self._inflight.items()):
+            if future.done():
+                del self._inflight[i]
+                for msg_id, data in future.result():
+                    self._delivered_by[msg_id] = i
+                    out.append(self.codec.decode(data))
+        return out
+
+    async def _route(self, method: str, msg_ids: Iterable[str]) -> int:
+        by_shard: dict[int, list[str]] = collections.defaultdict(list)
+        for msg_id in msg_ids:
+            shard = self._delivered_by.pop(msg_id, None)
+            if shard is not None:
+                by_shard[shard].append(msg_id)
+        counts = await asyncio.gather(*(getattr(self.shards[i], method)(ids) for i, ids in by_shard.items()))
+        return sum(counts)
+
+    async def ack(self, msg_ids: Iterable[str]) -> int:
+        return await self._route("ack", msg_ids)
+
+    async def nack(self, msg_ids: Iterable[str]) -> int:
+        return await self._route("nack", msg_ids)
+
+    async def stats(self) -> MailboxStats:
+        return sum_stats(await asyncio.gather(*(shard.stats() for shard in self.shards)))
+
+    async def drain_unacked(self) -> list[M]:
+        return [m for part in await asyncio.gather(*(s.drain_unacked() for s in self.shards)) for m in part]
+
+
+def sum_stats(parts: Sequence[MailboxStats]) -> MailboxStats:
+    """Counters of several mailboxes (a sharded one) as one."""
+    fields = MailboxStats.__struct_fields__
+    return MailboxStats(**{f: sum(getattr(p, f) for p in parts) for f in fields})

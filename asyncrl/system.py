@@ -18,7 +18,7 @@ import ray
 import torch
 
 from asyncrl.config import Config
-from asyncrl.mailbox import RayMailbox
+from asyncrl.mailbox import RayMailbox, ShardedMailbox, sum_stats
 from asyncrl.roles.estimators import ESTIMATORS
 from asyncrl.roles.shells import (AssemblerActor, GeneratorActor, PolicyLearnerActor, PromptSourceActor, RecorderActor,
                                   ValueLearnerActor, reward_endpoint_actors)
@@ -41,15 +41,19 @@ class ResumePoint:
 
 
 def init_ray(config: Config) -> None:
-    if not ray.is_initialized():
-        # The object store is the shared memory the weights reach same-node generators through
-        # (trainer.object_store_mb: room for a few versions of the policy).
-        ray.init(num_cpus=16, include_dashboard=False, object_store_memory=config.trainer.object_store_mb * 2**20,
-                 log_to_driver=False,
-                 namespace="asyncrl",
-                 # Few malloc arenas: torch's threads otherwise keep freed activation memory per arena.
-                 runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
-                                           "MALLOC_ARENA_MAX": "2"}})
+    """Ray for a run: the cluster at `trainer.ray_address` (or RAY_ADDRESS), else a local instance."""
+    if ray.is_initialized():
+        return
+    # Few malloc arenas: torch's threads otherwise keep freed activation memory per arena.
+    runtime_env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2"}}
+    address = config.trainer.ray_address or os.environ.get("RAY_ADDRESS", "")
+    if address:
+        ray.init(address=address, namespace="asyncrl", log_to_driver=False, runtime_env=runtime_env)
+        return
+    # The object store is the shared memory the weights reach same-node generators through
+    # (trainer.object_store_mb: room for a few versions of the policy).
+    ray.init(num_cpus=16, include_dashboard=False, object_store_memory=config.trainer.object_store_mb * 2**20,
+             log_to_driver=False, namespace="asyncrl", runtime_env=runtime_env)
 
 
 def _spawn(role_shell: type, *args, actor_name: str | None = None, placement: dict | None = None, **kwargs):
@@ -134,7 +138,9 @@ class TrainingSystem:
         prompts_ahead = max(2, 2 * tr.num_generators * math.ceil(cfg.engine.max_inflight_sequences / cfg.algorithm.group_size))
         prompts_open = min(open_prompts_bound(cfg.algorithm.max_staleness_versions, tr.prompts_per_step), 4096)
         prompts = RayMailbox.create(PromptRequest, capacity=prompts_ahead + prompts_open, lease_s=tr.lease_s)
-        segments = RayMailbox.create(Segment, capacity=tr.mailbox_capacity, lease_s=tr.lease_s)  # generators -> assembler
+        # Generators -> assembler; several shards when many generators would saturate one mailbox actor.
+        segments = (ShardedMailbox.create(Segment, tr.segment_shards, tr.mailbox_capacity, tr.lease_s, key_attr="sample_id")
+                    if tr.segment_shards > 1 else RayMailbox.create(Segment, capacity=tr.mailbox_capacity, lease_s=tr.lease_s))
         batches = RayMailbox.create(TrainBatch, capacity=2, lease_s=tr.lease_s)  # assembler -> policy learner
         trajectories = (RayMailbox.create(ScoredTrajectory, capacity=max(4 * cfg.critic.batch_trajectories, 64),
                                           lease_s=tr.lease_s) if value_based else None)  # assembler -> value learner
@@ -277,7 +283,8 @@ class TrainingSystem:
         learner = ray.get(self.actors["learner"].stats.remote())
         generators = ray.get([g.stats.remote() for g in self.generators])
         assembler = ray.get(self.actors["assembler"].stats.remote())
-        mailboxes = {name: ray.get(box.actor.stats.remote()) for name, box in self.mailboxes.items()}
+        mailboxes = {name: sum_stats(ray.get([a.stats.remote() for a in mailbox_actors(box)]))
+                     for name, box in self.mailboxes.items()}
         status = summarize(learner, generators, assembler, mailboxes, time.time() - self.started_at)
         if "value_learner" in self.actors:
             status["value_learner"] = ray.get(self.actors["value_learner"].stats.remote())
@@ -320,7 +327,7 @@ class TrainingSystem:
         if "recorder" in self.actors:
             ray.wait([self.run_refs["assembler"]], timeout=15)
             ray.wait([self.actors["recorder"].close.remote()], timeout=60)
-        for actor in [*self.actors.values(), *self.generators, *(b.actor for b in self.mailboxes.values())]:
+        for actor in [*self.actors.values(), *self.generators, *(a for b in self.mailboxes.values() for a in mailbox_actors(b))]:
             ray.kill(actor)
         if self.placement_group is not None:
             from ray.util.placement_group import remove_placement_group
@@ -329,6 +336,11 @@ class TrainingSystem:
             self.placement_group = None
         if self.run_refs:
             ray.wait(list(self.run_refs.values()), num_returns=len(self.run_refs), timeout=15)
+
+
+def mailbox_actors(box) -> list:
+    """The actors behind a mailbox client (one, or one per shard)."""
+    return box.actors if isinstance(box, ShardedMailbox) else [box.actor]
 
 
 def reward_endpoint_table(reward, seen: dict[str, dict], own: dict[str, dict]) -> dict[str, dict]:
@@ -362,6 +374,7 @@ def summarize(learner: dict, generators: list[dict], assembler: dict, mailboxes:
         "generator_busy_fraction": sum(g["busy_fraction"] for g in generators) / max(len(generators), 1),
         "generator_paused_for_weights_fraction": sum(g["paused_for_weights_fraction"] for g in generators) / max(len(generators), 1),
         "learner_busy_fraction": learner["busy_fraction"],
+        "learner_node": learner.get("node_ip", ""),
         "last_broadcast": learner["last_broadcast"],
         "last_checkpoint": learner.get("last_checkpoint", {}),
         "queue_depths": {name: {"queued": s.queued, "leased": s.leased, "capacity": s.capacity} for name, s in mailboxes.items()},

@@ -171,8 +171,11 @@ class WeightGroup:
     HEADER_BYTES = 16  # int64 version, int64 total bytes
 
     def __init__(self, host: str, port: int, world_size: int, rank: int, backend: str = "gloo",
-                 timeout_s: float = 300.0, join_timeout_s: float = 600.0, name: str = "asyncrl-weights"):
-        """`timeout_s` bounds every collective; `join_timeout_s` the rendezvous (all ranks connected)."""
+                 timeout_s: float = 300.0, join_timeout_s: float = 600.0, name: str = "asyncrl-weights",
+                 local_address: str | None = None):
+        """`timeout_s` bounds every collective; `join_timeout_s` the rendezvous (all ranks connected).
+        `local_address`: the address this rank is reached at (its node IP; gloo's default, the
+        hostname's address, may be one that other hosts cannot reach)."""
         self.rank, self.world_size, self.backend, self.timeout_s = rank, world_size, backend, timeout_s
         join = datetime.timedelta(seconds=join_timeout_s)
         try:
@@ -184,7 +187,11 @@ class WeightGroup:
                 self.pg = dist.ProcessGroupNCCL(store, rank, world_size, options)
                 self.device = torch.device("cuda", torch.cuda.current_device())
             elif backend == "gloo":
-                self.pg = dist.ProcessGroupGloo(store, rank, world_size, join)  # connects the full mesh
+                options = dist.ProcessGroupGloo._Options()
+                options._timeout = join
+                options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address)
+                                    if local_address else dist.ProcessGroupGloo.create_default_device()]
+                self.pg = dist.ProcessGroupGloo(store, rank, world_size, options)  # connects the full mesh
                 self.device = torch.device("cpu")
             else:
                 raise ValueError(f"weight group backend must be gloo or nccl, got {backend!r}")

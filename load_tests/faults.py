@@ -15,6 +15,10 @@ Scenarios (tiny model, the real actors, mailboxes and gloo broadcast; checkpoint
                       recorded as failures; training continues)
 * fill_mailbox        the reward endpoint slows down so that segments pile up: the mailbox stays
                       within its capacity and the generator waits (backpressure)
+* node_loss           (a two-node cluster from `load_tests/cluster.py`, as root) the worker node
+                      dies while its generator holds sequences mid-window: the run restarts from
+                      its checkpoint on the node left
+* partition           (the same cluster) the worker's link goes down for 30 s, then comes back
 
 Each prints one JSON object: what was injected, the restart (if any), and the ledger after
 (admitted = in flight + awaiting + trained + dropped, no duplicates), and writes them all to
@@ -204,22 +208,139 @@ def fill_mailbox(run_dir: str, quick: bool) -> dict:
         sup.stop()
 
 
+# --- a real two-node cluster (network namespaces): these run in the head's namespace ------------------
+
+CLUSTER = [*BASE, "trainer.num_generators=2", "trainer.placement=spread"]
+
+
+def _worker_generator(sup: Supervisor):
+    from load_tests.cluster import WORKER_IP
+
+    for generator in sup.system.generators:
+        stats = ray.get(generator.stats.remote())
+        if stats["node_ip"] == WORKER_IP:
+            return generator, stats
+    raise RuntimeError("no generator landed on the worker node (trainer.placement=spread should put one there)")
+
+
+def _first_step_after(sup: Supervisor, step: int, timeout_s: float = 300.0) -> float:
+    deadline = time.time() + timeout_s
+    while sup.system.status()["step"] <= step:
+        if time.time() > deadline:
+            raise TimeoutError(f"no step after {step} in {timeout_s:.0f}s")
+        sup.check()
+        sup.system.pop_metrics()
+        time.sleep(0.3)
+    return time.time()
+
+
+def node_loss(run_dir: str, quick: bool) -> dict:
+    from load_tests import cluster
+
+    sup = _start(CLUSTER, run_dir)
+    try:
+        advance(sup, 4 if quick else 8)
+        generator, stats = _worker_generator(sup)
+        while (held := ray.get(generator.stats.remote())["inflight_sequences"]) == 0:
+            time.sleep(0.05)
+        step_at_kill, killed_at = sup.system.status()["step"], time.time()
+        processes = cluster.kill_worker()
+        event = wait_restart(sup, timeout_s=300)
+        recovered_at = _first_step_after(sup, event["step"])
+        advance(sup, 6 if quick else 12)
+        status = sup.system.status()
+        return {"injected": f"worker node {cluster.WORKER_IP} killed ({processes} processes) at step {step_at_kill}, "
+                            f"its generator holding {held} sequences",
+                "detected_after_s": round(event["at"] - killed_at - event["restart_s"], 1),
+                "restart_s": round(event["restart_s"], 1), "time_to_recover_s": round(recovered_at - killed_at, 1),
+                "reason": event["reason"][:200], "resumed_from_step": event["step"],
+                "regenerated_prompts": event["reissued_prompts"], "step_after": status["step"],
+                "generator_nodes_after": sorted(g["node_ip"] for g in status["generators"]),
+                "weight_paths_after": status["last_broadcast"].get("paths"), "ledger": ledger_report(sup)}
+    finally:
+        sup.stop()
+
+
+def partition(run_dir: str, quick: bool, down_s: float = 30.0) -> dict:
+    import threading
+
+    from load_tests import cluster
+
+    sup = _start(CLUSTER, run_dir)
+    try:
+        advance(sup, 4 if quick else 8)
+        _worker_generator(sup)
+        step_before, cut_at = sup.system.status()["step"], time.time()
+        cut = threading.Thread(target=cluster.partition, args=(down_s,))
+        cut.start()
+        events, steps_during = [], []
+        while cut.is_alive():  # while cut off: what the supervisor sees, and whether steps go on
+            event = sup.check()
+            if event is not None:
+                events.append(event)
+            steps_during.append(sup.system.status()["step"])
+            sup.system.pop_metrics()
+            time.sleep(0.5)
+        healed_at = time.time()
+        events += advance(sup, 6 if quick else 12, timeout_s=600)
+        recovered_at = time.time()
+        status = sup.system.status()
+        return {"injected": f"worker link down {down_s:.0f}s at step {step_before}",
+                "steps_during_partition": (min(steps_during), max(steps_during)) if steps_during else None,
+                "restarts": [{"reason": e["reason"][:200], "restart_s": round(e["restart_s"], 1),
+                              "after_cut_s": round(e["at"] - cut_at, 1), "resumed_from_step": e["step"]} for e in events],
+                "healed_to_steps_again_s": round(recovered_at - healed_at, 1), "step_after": status["step"],
+                "generator_nodes_after": sorted(g["node_ip"] for g in status["generators"]),
+                "ledger": ledger_report(sup)}
+    finally:
+        sup.stop()
+
+
 SCENARIOS = {f.__name__: f for f in (kill_generator, kill_learner, kill_value_learner, kill_reward, hang_reward,
-                                     fill_mailbox)}
+                                     fill_mailbox, node_loss, partition)}
+ON_CLUSTER = ("node_loss", "partition")
+
+
+def on_cluster(name: str, run_dir: str, quick: bool) -> dict:
+    """A cluster scenario: bring the two nodes up, run it in the head's namespace, take them down."""
+    from load_tests import cluster
+
+    cluster.up()
+    try:
+        out = cluster.run_in_head([sys.executable, os.path.abspath(__file__), name, "--run-dir", run_dir,
+                                   *(["--quick"] if quick else [])], timeout_s=1500)
+        if out.returncode != 0:
+            raise RuntimeError(f"{name} failed in the cluster:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
+        with open(os.path.join(run_dir, "faults.json")) as f:
+            return json.load(f)[name]
+    finally:
+        cluster.down()
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("scenarios", nargs="*", default=list(SCENARIOS), help=f"any of {list(SCENARIOS)}")
+    parser.add_argument("scenarios", nargs="*", default=[n for n in SCENARIOS if n not in ON_CLUSTER],
+                        help=f"any of {list(SCENARIOS)} (default: all but the cluster ones, {list(ON_CLUSTER)})")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--run-dir", default="outputs/faults")
     args = parser.parse_args()
-    init_ray(compose(BASE))
+    inside = bool(os.environ.get("RAY_ADDRESS"))  # re-run in the head's namespace, joined to the cluster
+    if not inside and any(name not in ON_CLUSTER for name in args.scenarios):
+        init_ray(compose(BASE))
     results = {}
     for name in args.scenarios:
         start = time.time()
-        results[name] = {**SCENARIOS[name](os.path.join(args.run_dir, name), args.quick),
-                         "scenario_s": round(time.time() - start, 1)}
+        if name in ON_CLUSTER and not inside:
+            if os.geteuid() != 0:
+                print(f"{name}: skipped (needs root for the network namespaces)", flush=True)
+                continue
+            result = on_cluster(name, os.path.abspath(os.path.join(args.run_dir, name)), args.quick)
+        else:
+            if inside:
+                init_ray(compose(BASE))
+            run_dir = args.run_dir if inside else os.path.join(args.run_dir, name)
+            result = SCENARIOS[name](run_dir, args.quick)
+        results[name] = {**result, "scenario_s": round(time.time() - start, 1)}
         print(json.dumps({name: results[name]}), flush=True)
     os.makedirs(args.run_dir, exist_ok=True)
     with open(os.path.join(args.run_dir, "faults.json"), "w") as f:

@@ -201,3 +201,48 @@ def test_ray_consumer_killed_between_get_and_ack(ray_session):
     assert sorted(m.prompt_id for m in got) == ["p0", "p1", "p2"]
     stats = asyncio.run(box.stats())
     assert stats.redelivered_total == 2 and stats.acked_total == 3
+
+
+def test_a_sharded_mailbox_keeps_a_samples_windows_together_and_loses_nothing(ray_session):
+    """Four shards as one mailbox: every message delivered once, acks reach the shard that delivered
+    them, a sample's windows share a shard (in order), and a lease never acknowledged comes back."""
+    import asyncio
+
+    from asyncrl.mailbox import ShardedMailbox
+    from asyncrl.schema import FinishReason, Segment, float32_array, int32_array
+
+    def seg(prompt, sample, turn):
+        return Segment(prompt_id=prompt, sample_idx=sample, turn=turn, group_id=prompt, group_size=4,
+                       prompt_token_ids=int32_array([1]), prior_response_ids=int32_array([]),
+                       prior_versions=int32_array([]), new_token_ids=int32_array([turn]),
+                       new_logprobs=float32_array([0.0]), new_versions=int32_array([0]), finished=turn == 1,
+                       finish_reason=FinishReason.EOS if turn == 1 else FinishReason.WINDOW)
+
+    async def main():
+        box = ShardedMailbox.create(Segment, shards=4, capacity=400, lease_s=1.0, key_attr="sample_id")
+        sent = [seg(f"p{p}", s, t) for p in range(10) for s in range(4) for t in range(2)]
+        assert await box.put(sent) == 80 and await box.put(sent[:5]) == 0  # duplicates dropped
+        assert len({box.shard_of(m) for m in sent}) == 4
+        assert all(box.shard_of(seg(f"p{p}", s, 0)) == box.shard_of(seg(f"p{p}", s, 1)) for p in range(10) for s in range(4))
+        got, order, acked = [], {}, set()
+        while len(got) < 80:
+            part = await box.get(16, timeout=1.0)
+            got += part
+            for m in part:
+                order.setdefault(m.sample_id, []).append(m.turn)
+            if part and len(got) < 60:
+                await box.ack([m.msg_id for m in part])
+                acked |= {m.msg_id for m in part}
+        assert sorted(m.msg_id for m in got) == sorted(m.msg_id for m in sent)
+        assert all(turns == [0, 1] for turns in order.values())  # a sample's windows in order
+        unacked = {m.msg_id for m in got} - acked
+        await asyncio.sleep(1.2)  # their leases expire: delivered again, nothing lost
+        again = []
+        while len(again) < len(unacked):
+            again += await box.get(32, timeout=1.0)
+        assert {m.msg_id for m in again} == unacked
+        await box.ack([m.msg_id for m in again])
+        stats = await box.stats()
+        assert stats.acked_total == 80 and stats.queued == 0 and stats.leased == 0 and stats.duplicates_dropped == 5
+
+    asyncio.run(main())

@@ -237,6 +237,7 @@ class Generator:
         return {
             **self.counters,
             **self.timing,
+            "generator_id": self.generator_id,
             "version": self.engine.version,
             "inflight_sequences": len(self.inflight),
             "wall_s": wall,

@@ -35,7 +35,7 @@ from asyncrl.roles.recorder import TrajectoryRecorder
 from asyncrl.roles.value_learner import ValueLearner
 from asyncrl.store import BATCH_RECORD_ENCODER, RECORDS_ENCODER
 from asyncrl.tasks import encode_prompt, load_examples
-from asyncrl.weight_sync import WeightGroup
+from asyncrl.weight_sync import WeightGroup, node_address
 
 
 # --- builders ------------------------------------------------------------------------------------
@@ -188,7 +188,7 @@ class _LoopShell:
         self.inner.stop()
 
     def stats(self) -> dict:
-        return self.inner.stats()
+        return {**self.inner.stats(), "node_ip": node_address()}  # where the role landed
 
     def pid(self) -> int:
         return os.getpid()
@@ -198,7 +198,7 @@ class _WeightGroupMember:
     """The learner (rank 0) and the generators on other hosts join the weight group."""
 
     def init_weight_group(self, host: str, port: int, world_size: int, rank: int, backend: str = "gloo") -> None:
-        self.inner.weight_group = WeightGroup(host, port, world_size, rank, backend)
+        self.inner.weight_group = WeightGroup(host, port, world_size, rank, backend, local_address=node_address())
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()

@@ -1,0 +1,212 @@
+"""A two-node Ray cluster on one machine, from network namespaces, and `asyncrl train` on it.
+
+    sudo python load_tests/cluster.py train            # up, train (generator on the worker node,
+                                                       # learner on the head), report, down
+    sudo python load_tests/cluster.py scale            # 1, 2, 4, 8 generators spread over the nodes
+    sudo python load_tests/cluster.py up | down        # leave it running / take it down
+
+Two namespaces joined by a veth pair, each with its own address (head 10.77.0.1, worker
+10.77.0.2): `ray start --head` in one with the custom resource `node_learner`, `ray start
+--address=...` in the other with `node_generator`. The driver runs in the head's namespace and
+joins with `trainer.ray_address`; roles are pinned by those resources, so the generator lands on
+the worker and the learner on the head, and the weights cross the namespaces in the learner's own
+gloo group, met at the head's address. Traffic stays inside the namespaces; every run is bounded
+by its steps and a timeout. Needs root (`ip netns`). The node-loss and partition scenarios are in
+`load_tests/faults.py` (they use `up`, `kill_worker` and `partition` from here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import psutil
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VENV_BIN = os.path.join(ROOT, ".venv", "bin")
+HEAD, WORKER = "asyncrl-head", "asyncrl-worker"
+HEAD_IP, WORKER_IP, PREFIX = "10.77.0.1", "10.77.0.2", 24
+HEAD_LINK, WORKER_LINK = "asyncrl-h0", "asyncrl-w0"
+RAY_PORT = 6379
+ADDRESS = f"{HEAD_IP}:{RAY_PORT}"
+
+
+def sh(*args: str, check: bool = True, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(list(args), check=check, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def in_ns(ns: str, *args: str, **kwargs) -> subprocess.CompletedProcess:
+    return sh("ip", "netns", "exec", ns, *args, **kwargs)
+
+
+def ray_env() -> dict:
+    # Ray 2.60's CLIs and drivers authenticate with a token; both nodes and the driver read the same one.
+    return {"RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": ROOT}
+
+
+def network_up() -> None:
+    network_down()
+    for ns in (HEAD, WORKER):
+        sh("ip", "netns", "add", ns)
+        in_ns(ns, "ip", "link", "set", "lo", "up")
+    sh("ip", "link", "add", HEAD_LINK, "type", "veth", "peer", "name", WORKER_LINK)
+    for link, ns, ip in ((HEAD_LINK, HEAD, HEAD_IP), (WORKER_LINK, WORKER, WORKER_IP)):
+        sh("ip", "link", "set", link, "netns", ns)
+        in_ns(ns, "ip", "addr", "add", f"{ip}/{PREFIX}", "dev", link)
+        in_ns(ns, "ip", "link", "set", link, "up")
+    in_ns(HEAD, "ping", "-c", "1", "-W", "2", WORKER_IP)
+
+
+def network_down() -> None:
+    for ns in (HEAD, WORKER):
+        sh("ip", "netns", "del", ns, check=False)
+
+
+def ray_processes(node_ip: str | None = None) -> list[psutil.Process]:
+    """Ray's daemons of one node (by the `--node-ip-address` their command line carries), or all."""
+    out = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(proc.info["cmdline"] or [])
+        if ("raylet" in cmd or "gcs_server" in cmd or "ray/_private" in cmd or "ray::" in cmd) and \
+                (node_ip is None or f"={node_ip}" in cmd or f" {node_ip} " in cmd):
+            out.append(proc)
+    return out
+
+
+def up(worker_cpus: int = 8, head_cpus: int = 8, object_store_mb: int = 1024) -> None:
+    """Both namespaces and both Ray nodes, each with the custom resource naming its role."""
+    network_up()
+    common = ["--disable-usage-stats", f"--object-store-memory={object_store_mb << 20}"]
+    in_ns(HEAD, f"{VENV_BIN}/ray", "start", "--head", f"--node-ip-address={HEAD_IP}", f"--port={RAY_PORT}",
+          f"--num-cpus={head_cpus}", "--resources", json.dumps({"node_learner": 1}), "--include-dashboard=false",
+          *common, env=ray_env(), timeout=180)
+    in_ns(WORKER, f"{VENV_BIN}/ray", "start", f"--address={ADDRESS}", f"--node-ip-address={WORKER_IP}",
+          f"--num-cpus={worker_cpus}", "--resources", json.dumps({"node_generator": 1}), *common,
+          env=ray_env(), timeout=180)
+    wait_nodes(2)
+
+
+def wait_nodes(count: int, timeout_s: float = 120) -> list[dict]:
+    script = ("import ray, json; ray.init(address='%s', log_to_driver=False); "
+              "print(json.dumps([{'ip': n['NodeManagerAddress'], 'alive': n['Alive'], 'resources': n['Resources']} "
+              "for n in ray.nodes()]))" % ADDRESS)
+    deadline = time.time() + timeout_s
+    while True:
+        out = in_ns(HEAD, f"{VENV_BIN}/python", "-c", script, env=ray_env(), check=False, timeout=120)
+        nodes = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 and out.stdout.strip() else []
+        if sum(n["alive"] for n in nodes) >= count:
+            return nodes
+        if time.time() > deadline:
+            raise TimeoutError(f"{count} nodes not alive in {timeout_s}s: {nodes or out.stderr[-500:]}")
+        time.sleep(2)
+
+
+def down() -> None:
+    sh(f"{VENV_BIN}/ray", "stop", "--force", check=False, env=ray_env(), timeout=120)
+    network_down()
+
+
+def kill_worker() -> int:
+    """The worker node dies: its raylet and every process it started (SIGKILL, as a host crash)."""
+    victims = []
+    for proc in ray_processes(WORKER_IP):
+        try:
+            victims += [proc, *proc.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            pass
+    for proc in victims:
+        try:
+            proc.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    return len(victims)
+
+
+def partition(down_s: float) -> None:
+    """The worker's link goes down for `down_s` seconds, then comes back."""
+    in_ns(WORKER, "ip", "link", "set", WORKER_LINK, "down")
+    time.sleep(down_s)
+    in_ns(WORKER, "ip", "link", "set", WORKER_LINK, "up")
+
+
+def run_in_head(args: list[str], timeout_s: float) -> subprocess.CompletedProcess:
+    """A driver in the head's namespace (it reaches the cluster at the head's address)."""
+    return in_ns(HEAD, *args, env={**ray_env(), "RAY_ADDRESS": ADDRESS, "WANDB_MODE": "disabled"},
+                 timeout=timeout_s, check=False)
+
+
+def train(steps: int, generators: int, placement: list[str], run_dir: str, timeout_s: float = 900) -> dict:
+    """`asyncrl train` on the cluster; what the run reports, and where each role ran."""
+    args = [f"{VENV_BIN}/asyncrl", "train", "model=tiny", "task=tiny", "algorithm=grpo",
+            f"trainer.total_steps={steps}", f"trainer.num_generators={generators}", f"trainer.run_dir={run_dir}",
+            f"trainer.ray_address={ADDRESS}", "trainer.checkpoint_every=0", *placement]
+    start = time.time()
+    out = run_in_head(args, timeout_s)
+    if out.returncode != 0:
+        raise RuntimeError(f"asyncrl train failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    status = summary["final_status"]
+    records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    wall = records[-1]["wall_time_s"]
+    return {"generators": generators, "steps": summary["steps"], "wall_s": round(time.time() - start, 1),
+            "samples_per_s": status["samples_trained"] / wall, "learner_node": status["learner_node"],
+            "weight_versions": {f"{g['generator_id']}@{g['node_ip']}": g["version"] for g in status["generators"]},
+            "learner_version": status["weight_version"], "weight_paths": status["last_broadcast"].get("paths"),
+            "broadcast_s": status["last_broadcast"].get("total_s"),
+            "generator_busy": status["generator_busy_fraction"], "learner_busy": status["learner_busy_fraction"],
+            "assembler_busy_events": status["assembler"].get("event_calls"),
+            "ledger": {k: status["ledger"][k] for k in ("admitted", "trained", "dropped", "in_flight", "duplicates")}
+                      | {"problems": status["ledger"]["problems"]},
+            "eval_before": summary["eval_before"]["accuracy"], "eval_after": summary["eval_after"]["accuracy"]}
+
+
+PINNED = ["trainer.generator_resources={node_generator: 1}", "trainer.learner_resources={node_learner: 1}"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=["up", "down", "train", "scale"])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--generators", type=int, nargs="*", default=[1, 2, 4, 8])
+    parser.add_argument("--out", default=os.path.join(ROOT, "outputs", "cluster"))
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        print("needs root (ip netns)", file=sys.stderr)
+        return 2
+    if args.command == "down":
+        down()
+        return 0
+    up()
+    if args.command == "up":
+        print(f"cluster up: head {HEAD_IP} (namespace {HEAD}), worker {WORKER_IP} (namespace {WORKER})")
+        return 0
+    os.makedirs(args.out, exist_ok=True)
+    try:
+        if args.command == "train":
+            result = train(args.steps, 1, PINNED, tempfile.mkdtemp(prefix="cluster-train-", dir=args.out))
+            print(json.dumps(result, indent=1))
+            ok = (result["weight_paths"] == ["group"] and not result["ledger"]["problems"]
+                  and all(v >= result["learner_version"] - 1 for v in result["weight_versions"].values()))
+        else:
+            rows = []
+            for n in args.generators:
+                rows.append(train(args.steps, n, ["trainer.placement=spread", "trainer.segment_shards=2"],
+                                  tempfile.mkdtemp(prefix=f"cluster-scale-{n}-", dir=args.out)))
+                print(json.dumps(rows[-1]), flush=True)
+            result, ok = {"scale": rows}, all(not r["ledger"]["problems"] for r in rows)
+        with open(os.path.join(args.out, f"cluster_{args.command}.json"), "w") as f:
+            json.dump(result, f, indent=1)
+    finally:
+        down()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
