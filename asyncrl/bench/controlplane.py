@@ -33,14 +33,18 @@ class SyntheticProducer:
         self.prompts, self.segments, self.rate, self.tokens = prompts, segments, rate, tokens
         self.rng = np.random.default_rng(seed)
         self.emitted = 0
+        self.version = 0  # the weights a generator would hold: its tokens' version (the staleness bound)
         self._running = False
+
+    def set_version(self, version: int) -> None:
+        self.version = max(self.version, version)
 
     def segment(self, request, idx: int) -> Segment:
         ids = self.rng.integers(3, 30, self.tokens).astype(np.int32)
         return Segment(prompt_id=request.prompt_id, sample_idx=idx, turn=0, group_id=request.prompt_id,
                        group_size=request.group_size, prompt_token_ids=request.prompt_token_ids,
                        prior_response_ids=int32_array([]), prior_versions=int32_array([]), new_token_ids=ids,
-                       new_logprobs=float32_array(-self.rng.random(self.tokens)), new_versions=int32_array([0] * self.tokens),
+                       new_logprobs=float32_array(-self.rng.random(self.tokens)), new_versions=int32_array([self.version] * self.tokens),
                        finished=True, finish_reason=FinishReason.EOS, data_source=request.data_source,
                        ground_truth=request.ground_truth, seed=request.seed + idx)
 
@@ -74,8 +78,9 @@ class BookkeepingLearner:
     """A learner's per-batch bookkeeping with no model: take a batch, report its samples trained to
     the ledger, acknowledge it, announce the next version."""
 
-    def __init__(self, batches, prompt_source, assembler):
+    def __init__(self, batches, prompt_source, assembler, producers):
         self.batches, self.prompt_source, self.assembler = batches, prompt_source, assembler
+        self.producers = producers  # told each version, as a broadcast would
         self.version = self.trained = 0
         self._running = False
 
@@ -91,6 +96,8 @@ class BookkeepingLearner:
                 self.version += 1
                 self.prompt_source.set_policy_version.remote(self.version)
                 self.assembler.set_policy_version.remote(self.version)
+                for producer in self.producers:
+                    producer.set_version.remote(self.version)
 
     def stop(self) -> None:
         self._running = False
@@ -124,9 +131,9 @@ def one_rate(rate: float, shards: int, seconds: float, tokens: int, producers: i
     prompt_source = _spawn(PromptSourceActor, config.model, config.task, config.algorithm, config.trainer, prompts)
     assembler = _spawn(AssemblerActor, config.model, config.algorithm, config.engine, config.reward,
                        PROMPTS_PER_STEP, segments, batches, endpoints, prompt_source)
-    learner = ray.remote(BookkeepingLearner).options(num_cpus=0).remote(batches, prompt_source, assembler)
     makers = [ray.remote(SyntheticProducer).options(num_cpus=0).remote(prompts, segments, rate / producers, tokens, i)
               for i in range(producers)]
+    learner = ray.remote(BookkeepingLearner).options(num_cpus=0).remote(batches, prompt_source, assembler, makers)
     actors = {"prompt_source": prompt_source, "assembler": assembler, "learner_bookkeeping": learner,
               **{f"reward-{n}": a for n, a in endpoints.items()},
               **{f"producer-{i}": p for i, p in enumerate(makers)},
@@ -134,7 +141,12 @@ def one_rate(rate: float, shards: int, seconds: float, tokens: int, producers: i
               **{f"mailbox-segments-{i}": a for i, a in enumerate(mailbox_actors(segments))}}
     loops = [a.run.remote() for a in (assembler, learner, prompt_source, *makers)]
     processes = {name: psutil.Process(ray.get(a.pid.remote())) for name, a in actors.items()}
-    time.sleep(min(5.0, seconds / 3))  # warm up: the pipeline fills
+    deadline = time.monotonic() + 300  # warm up: actors started, the first batch through
+    while ray.get(learner.stats.remote())["trained"] == 0:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no batch through the control plane in 300 s: {ray.get(assembler.stats.remote())}")
+        time.sleep(0.5)
+    time.sleep(min(5.0, seconds / 3))
     before = {name: p.cpu_times() for name, p in processes.items()}
     trained0, start = ray.get(learner.stats.remote())["trained"], time.monotonic()
     time.sleep(seconds)
