@@ -43,3 +43,16 @@ def embedded_policy():
     from asyncrl.models import load_policy
 
     return load_policy(compose([]).model)
+
+
+@pytest.fixture(scope="session")
+def solved_dapo_run(ray_session, tmp_path_factory):
+    """DAPO on the tiny task until it is solved (issue 16's run), recording its trajectory store:
+    one run that the saturation tests and the store tests both read. Returns (config, summary, run dir)."""
+    from asyncrl.config import compose
+    from asyncrl.driver import train
+
+    run_dir = tmp_path_factory.mktemp("solved-dapo")
+    config = compose(["model=tiny", "task=tiny", "trainer.total_steps=400", "trainer.wandb_mode=disabled",
+                      "trainer.record=true", f"trainer.run_dir={run_dir}", "trainer.stall_timeout_s=120"])
+    return config, train(config, progress=False, eval_prompts=10), run_dir

@@ -114,17 +114,12 @@ def test_bounded_refill_trains_on_what_has_signal_or_skips_saying_why():
 
 
 @pytest.mark.slow
-def test_dapo_on_a_task_it_solves_ends_saying_why_with_bounded_steps(ray_session, tmp_path):
+def test_dapo_on_a_task_it_solves_ends_saying_why_with_bounded_steps(solved_dapo_run):
     """The issue's run (DAPO, tiny task, 400 steps): before, dynamic sampling dropped almost every
     group once the task was solved and each step needed ever more generation (57 s a step by 214)."""
-    from asyncrl.config import compose
-    from asyncrl.driver import train
-
-    config = compose(["model=tiny", "task=tiny", "trainer.total_steps=400", "trainer.wandb_mode=disabled",
-                      f"trainer.run_dir={tmp_path}", "trainer.stall_timeout_s=120"])
+    config, summary, run_dir = solved_dapo_run
     assert config.algorithm.name == "dapo" and config.algorithm.max_refill_rounds > 0
-    summary = train(config, progress=False, eval_prompts=10)
-    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     # Ended by retirement (everything solved), well before 400 steps, not by the stall timeout.
     assert summary["stop_reason"].startswith("every prompt is retired") and len(records) < 400
     assert summary["eval_after"]["accuracy"] >= 0.7
@@ -133,7 +128,7 @@ def test_dapo_on_a_task_it_solves_ends_saying_why_with_bounded_steps(ray_session
     assert max(r.get("refill_rounds", 0) for r in records) <= bound + 1e-9
     assert all(r["skip_reason"] for r in records if r.get("skipped"))
     # The log says which prompts were retired and why; the share rose to 1.
-    retirements = [json.loads(line) for line in open(tmp_path / "retirements.jsonl")]
+    retirements = [json.loads(line) for line in open(run_dir / "retirements.jsonl")]
     assert {e["reason"] for e in retirements if e["event"] == "retired"} >= {"solved"}
     assert records[-1]["prompts_retired_share"] == 1.0 and np.isfinite(records[-1]["reward_mean_generated"])
     ledger = summary["final_status"]["ledger"]

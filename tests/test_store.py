@@ -109,24 +109,19 @@ print(json.dumps({{"rows": len(frame), "datasets_rows": len(data), "columns": li
 
 
 @pytest.mark.slow
-def test_a_recorded_run_is_read_elsewhere_replayed_and_learned_from_offline(ray_session, tmp_path):
+def test_a_recorded_run_is_read_elsewhere_replayed_and_learned_from_offline(solved_dapo_run, tmp_path):
     from asyncrl.checkpoint import policy_dir
-    from asyncrl.driver import train
-    from asyncrl.models import value_model_from_checkpoint
+    from asyncrl.models import build_tiny_tokenizer, value_model_from_checkpoint
     from asyncrl.offline import learn
-    from asyncrl.models import build_tiny_tokenizer
 
-    run = tmp_path / "online"
-    config = compose(["model=tiny", "task=tiny", "algorithm=dapo", "trainer.total_steps=3", "trainer.record=true",
-                      "trainer.wandb_mode=disabled", f"trainer.run_dir={run}"])
-    summary = train(config, progress=False, eval_prompts=2)
+    _, summary, run = solved_dapo_run  # DAPO until solved, recorded: kept and no-signal groups
     ledger = summary["final_status"]["ledger"]
     records = read_trajectories(str(run))
     # Every sample the assembler finished with is in the store, kept or dropped with its reason.
     by_status = {s: sum(r.status == s for r in records) for s in ("kept", "dropped")}
-    assert by_status["dropped"] == ledger["dropped"]
+    assert by_status["dropped"] == ledger["dropped"] > 0
     assert by_status["kept"] >= ledger["trained"] > 0
-    assert {r.drop_reason for r in records if r.status == "dropped"} <= set(ledger["dropped_by_reason"])
+    assert {r.drop_reason for r in records if r.status == "dropped"} == set(ledger["dropped_by_reason"])
     kept = next(r for r in records if r.status == "kept")
     assert len(kept.behaviour_logprobs) == len(kept.token_versions) == len(kept.response_token_ids)
     assert kept.reward_source == "verifier" and kept.reward_version and kept.score is not None
@@ -137,7 +132,8 @@ def test_a_recorded_run_is_read_elsewhere_replayed_and_learned_from_offline(ray_
     assert seen["tokens_match"] and set(TRAJECTORY_SCHEMA.names) <= set(seen["columns"])
     # Learner-only replay of the first batch gives the recorded numbers.
     batches = read_batches(str(run))
-    assert [b.step for b in batches] == list(range(1, len(batches) + 1)) and len(batches) >= 3
+    steps = [b.step for b in batches]
+    assert steps == sorted(steps) and len(steps) == len(set(steps)) >= 3
     metrics = replay_batch(config_from_dict(json.load(open(run / "config.json"))), batches[0])
     assert metrics["loss"] == pytest.approx(batches[0].loss, rel=1e-4, abs=1e-7)
     assert metrics["grad_norm"] == pytest.approx(batches[0].grad_norm, rel=1e-4)
