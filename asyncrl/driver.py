@@ -73,8 +73,10 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
                 time.sleep(0.5)
                 polled = monitor.poll()
                 _print_retirements(polled.retirements)
-                if monitor.all_prompts_retired:
-                    stop_reason = "every prompt is retired (its last groups had no learning signal)"
+                if monitor.prompts_exhausted:
+                    reasons = ", ".join(f"{n} {why}" for why, n in sorted(monitor.retired_by_reason.items()))
+                    stop_reason = (f"every prompt is retired ({reasons}): no group has a learning signal left "
+                                   f"(solved, or all wrong again when tried once more)")
                     print(f"stopping at step {monitor.step}: {stop_reason}; see retirements.jsonl", flush=True)
                     break
                 if polled.restart is not None:

@@ -63,9 +63,10 @@ class RunMonitor:
         self._previous_poll: tuple[float, int] | None = None
         self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
         # Prompt retirement: events already written to retirements.jsonl, and whether every prompt
-        # is retired (nothing left to learn from: `asyncrl train` stops, Serve reports it).
+        # is retired with nothing left to learn from (`asyncrl train` stops, Serve reports it).
         self._retirement_seq = -1
-        self.all_prompts_retired = False
+        self.prompts_exhausted = False
+        self.retired_by_reason: dict[str, int] = {}
 
     @property
     def system(self):
@@ -107,7 +108,8 @@ class RunMonitor:
         stamp["samples_per_s"] = samples_per_s(self._previous_poll, stamp["wall_time_s"], stamp["samples_trained"])
         prompts = status.get("prompt_source", {})
         stamp["prompts_retired_share"] = prompts.get("prompts_retired_share", 0.0)
-        self.all_prompts_retired = bool(prompts.get("all_prompts_retired"))
+        self.prompts_exhausted = bool(prompts.get("all_prompts_exhausted"))
+        self.retired_by_reason = dict(prompts.get("retired_by_reason", {}))
         retirements = self._new_retirements(prompts.get("retirement_log", []))
         self._previous_poll = (stamp["wall_time_s"], stamp["samples_trained"])
         with open(self.metrics_path, "a") as metrics_file:

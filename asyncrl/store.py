@@ -195,13 +195,14 @@ class StoreWriter:
 
     def flush(self) -> None:
         """Write the buffered rows as one row group; roll the file if it is big or old enough."""
-        if self._rows:
+        # Take the buffer first: rows appended meanwhile (the recorder appends on its event loop
+        # while this runs in a thread) go to the next flush, not lost.
+        rows, self._rows = self._rows, []
+        if rows:
             if self._writer is None:
                 self._open()
-            table = pa.Table.from_pylist(self._rows, schema=self.schema)
-            self._writer.write_table(table)
-            self.rows_written += len(self._rows)
-            self._rows = []
+            self._writer.write_table(pa.Table.from_pylist(rows, schema=self.schema))
+            self.rows_written += len(rows)
         if self._writer is not None and (os.path.getsize(self._path) >= self.max_file_bytes
                                          or time.monotonic() - self._opened_at >= self.max_file_age_s):
             self._roll()

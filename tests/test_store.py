@@ -117,9 +117,10 @@ def test_a_recorded_run_is_read_elsewhere_replayed_and_learned_from_offline(solv
     _, summary, run = solved_dapo_run  # DAPO until solved, recorded: kept and no-signal groups
     ledger = summary["final_status"]["ledger"]
     records = read_trajectories(str(run))
-    # Every sample the assembler finished with is in the store, kept or dropped with its reason.
+    # Every sample the assembler finished with is in the store, kept or dropped with its reason (the
+    # ledger was read at the last step; the run went on for a moment until it stopped).
     by_status = {s: sum(r.status == s for r in records) for s in ("kept", "dropped")}
-    assert by_status["dropped"] == ledger["dropped"] > 0
+    assert by_status["dropped"] >= ledger["dropped"] > 0
     assert by_status["kept"] >= ledger["trained"] > 0
     assert {r.drop_reason for r in records if r.status == "dropped"} == set(ledger["dropped_by_reason"])
     kept = next(r for r in records if r.status == "kept")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import inspect
 import time
 from typing import Awaitable, Callable
 
@@ -117,11 +118,13 @@ class Assembler:
             self.events(events, outcomes)
             self.counters["event_calls"] += 1
 
-    def _send_records(self) -> None:
+    def _send_records(self):
+        """Send the finished records (the recorder's call; what it returns can be awaited)."""
         if self._records:
             records, self._records = self._records, []
-            self.record(records)
             self.counters["trajectories_recorded"] += len(records)
+            return self.record(records)
+        return None
 
     def note_scored(self, reward: Reward) -> None:
         self._outcomes.append((reward.prompt_id, reward.sample_idx, reward.correct, reward.score, reward.failed))
@@ -243,7 +246,11 @@ class Assembler:
         finally:
             self.flush_events()
             if self.record is not None:
-                self._send_records()
+                # The last records are awaited: the run closes the store's files after this loop
+                # ends, and calls from here reach the recorder in order, so every earlier one is in.
+                last = self._send_records()
+                if last is not None and inspect.isawaitable(last):
+                    await last
 
     def stop(self) -> None:
         self._running = False

@@ -13,10 +13,12 @@ step for all its events).
 It tracks each prompt's groups (the rewards the assembler saw): a prompt whose last
 `retire_after_groups` groups had no signal (all correct, or all wrong) is retired: skipped until
 `retire_epochs` datasets' worth of other prompts have been issued, then tried again; one group with
-signal brings it back. The wait is counted in prompts issued, not cursor passes: when every prompt
-is retired nothing is issued, nothing is generated for nothing, and the status says so
-(`asyncrl train` stops there; a Serve run keeps serving the policy and tries the prompt retired
-longest again every `retest_every_s`, so a swapped reward or a changed policy brings prompts back). On resume, the prompts whose
+signal brings it back. The wait is counted in prompts issued, not cursor passes. When every prompt
+is retired, those not solved (all wrong) are tried once more at once (nothing else can be issued,
+and the policy has changed since). When that too gave no signal, nothing is left to learn: nothing
+is generated for nothing and the status says so (`asyncrl train` stops there; a Serve run keeps
+serving the policy and tries the prompt retired longest again every `retest_every_s`, so a swapped
+reward or a changed policy brings prompts back). On resume, the prompts whose
 samples were open at the checkpoint (and not in a saved batch) are issued again first, with
 their ids and seeds, outside the budget they were already counted in.
 """
@@ -190,6 +192,12 @@ class PromptSource:
                                     "until_issued": until_issued, "learner_version": self.learner_version,
                                     "last_groups": self.retire_after_groups})
 
+    def exhausted(self) -> bool:
+        """Nothing left to learn from: every prompt is retired, as solved, or without a signal again
+        after being tried once more (DAPO learns nothing from a group that is all wrong)."""
+        return len(self.retired) == len(self.examples) and all(
+            r.reason == "solved" or r.times >= 2 for r in self.retired.values())
+
     def retired_sources(self) -> list[str]:
         """Data sources every prompt of which is retired: nothing of them is left to learn from now."""
         by_source = collections.defaultdict(lambda: [0, 0])
@@ -247,12 +255,18 @@ class PromptSource:
         return self._issue(position, f"{example.prompt_id}@{self.epoch}")
 
     def _retest(self) -> PromptRequest | None:
-        """Every prompt is retired: the one retired longest, once per `retest_every_s`."""
+        """Every prompt is retired. One retired without being solved (all wrong, no signal) is tried
+        again at once: the policy has changed since, and nothing else can be issued. When all are
+        solved, the one retired longest, once per `retest_every_s` (a service that keeps running)."""
+        if not self.retired:
+            return None
+        # Not solved and not yet tried again since it was retired (a second retirement ends that).
+        unsolved = [k for k, r in self.retired.items() if r.reason != "solved" and r.times < 2]
         now = time.monotonic()
-        if not self.retired or now - self._last_retest < self.retest_every_s:
+        if not unsolved and now - self._last_retest < self.retest_every_s:
             return None
         self._last_retest = now
-        example_id = min(self.retired, key=lambda k: self.retired[k].until_issued)
+        example_id = min(unsolved or self.retired, key=lambda k: self.retired[k].until_issued)
         position = next(i for i, ex in enumerate(self.examples) if ex.prompt_id == example_id)
         self.retirement_counts["retests"] += 1
         return self._issue(position, f"{example_id}@{self.epoch}r{self.issued + 1}")
@@ -313,6 +327,7 @@ class PromptSource:
                 "retirements": dict(self.retirement_counts), "retired_sources": self.retired_sources(),
                 "retirement_log": list(self.retirement_log),
                 "all_prompts_retired": len(self.retired) == len(self.examples),
+                "all_prompts_exhausted": self.exhausted(),
                 "ledger": self.ledger.state_counts(),
                 "ledger_problems": self.ledger.check()}
 

@@ -306,8 +306,8 @@ class AssemblerActor(_LoopShell):
         estimator = build_estimator(algorithm, engine, prompts_per_step, self.router, edges, trajectories, mode)
         record = None
         if recorder is not None:
-            def record(records):  # nobody waits: the recorder writes at its own pace
-                recorder.add_trajectories.remote(RECORDS_ENCODER.encode(records))
+            def record(records):  # nobody waits (but the last call at stop): the recorder writes at its own pace
+                return recorder.add_trajectories.remote(RECORDS_ENCODER.encode(records))
         self.inner = Assembler(segments, batches, self.router.score, lambda ids: decode(tokenizer, ids), estimator,
                                events=lambda events, outcomes: ledger.record_events.remote(events, outcomes),
                                batch_prefix=batch_prefix, record=record)
