@@ -313,10 +313,12 @@ class RayMailbox(Generic[M]):
         lease_s: float = 60.0,
         name: str | None = None,
         dedup_window: int = 100_000,
+        placement: dict | None = None,
     ) -> "RayMailbox[M]":
+        """`placement`: Ray options placing the actor (a scheduling strategy)."""
         import ray
 
-        options: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 1000}
+        options: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 1000, **(placement or {})}
         if name is not None:
             options["name"] = name
         actor = ray.remote(MailboxActor).options(**options).remote(capacity, lease_s, dedup_window)
@@ -372,9 +374,10 @@ class ShardedMailbox(Generic[M]):
 
     @classmethod
     def create(cls, message_type: type[M], shards: int, capacity: int, lease_s: float = 60.0,
-               key_attr: str = "msg_id") -> "ShardedMailbox[M]":
+               key_attr: str = "msg_id", placement: dict | None = None) -> "ShardedMailbox[M]":
         per_shard = max(1, -(-capacity // shards))
-        return cls([RayMailbox.create(message_type, per_shard, lease_s) for _ in range(shards)], key_attr)
+        return cls([RayMailbox.create(message_type, per_shard, lease_s, placement=placement) for _ in range(shards)],
+                   key_attr)
 
     def __reduce__(self):
         return (ShardedMailbox, (self.shards, self.key_attr))

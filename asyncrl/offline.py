@@ -252,9 +252,10 @@ async def pretrain_value(config: Config, records: list[TrajectoryRecord], run_di
     learner = build_value_learner(config.model, critic, config.algorithm, config.engine, config.trainer.seed,
                                   trajectories_box)
     trajectories = [scored_trajectory(r, config) for r in records]
-    started, metrics = time.time(), []
+    started, metrics, rng = time.time(), [], random.Random(config.trainer.seed)
     with open(os.path.join(run_dir, "metrics.jsonl"), "a") as metrics_file:
         for epoch in range(config.offline.epochs):
+            rng.shuffle(trajectories)  # a store is in the order groups finished: batches of one prompt otherwise
             for i in range(0, len(trajectories), critic.batch_trajectories):
                 if learner.version >= config.trainer.total_steps:
                     break

@@ -15,9 +15,15 @@ import dataclasses
 import time
 from typing import Any
 
+from ray.exceptions import RayError
+
 from asyncrl import checkpoint
 from asyncrl.config import Config
 from asyncrl.system import TrainingSystem
+
+
+RESTART_ATTEMPTS = 4
+RESTART_WAIT_S = 10.0
 
 
 class Supervisor:
@@ -48,7 +54,16 @@ class Supervisor:
                 f"trainer.max_restarts={self.config.trainer.max_restarts} used up"
             raise RuntimeError(f"the run cannot recover ({why}) from: {reason}") from cause
         resumed = dataclasses.replace(self.config, resume=True)
-        self.system = TrainingSystem(resumed, run_dir=self.run_dir, max_steps=self.max_steps).start()
+        for attempt in range(RESTART_ATTEMPTS):
+            try:
+                self.system = TrainingSystem(resumed, run_dir=self.run_dir, max_steps=self.max_steps).start()
+                break
+            except RayError as exc:
+                # A node that is dying may still take actors until Ray has marked it dead (its
+                # heartbeats time out): they die with it. Try again once that has happened.
+                if attempt == RESTART_ATTEMPTS - 1:
+                    raise RuntimeError(f"the run could not restart after {reason}: {exc}") from exc
+                time.sleep(RESTART_WAIT_S)
         event = {"reason": reason, "restart_s": time.perf_counter() - start, "at": time.time(),
                  **{k: self.system.resumed[k] for k in ("checkpoint", "step", "reissued_prompts", "saved_batches")}}
         self.restarts.append(event)

@@ -16,6 +16,7 @@ from typing import Any
 
 import ray
 import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from asyncrl.config import Config
 from asyncrl.mailbox import RayMailbox, ShardedMailbox, sum_stats
@@ -121,12 +122,23 @@ class TrainingSystem:
         self.pre_ppo: dict = {}
         self.weight_paths: list[str] = []  # each generator's weight path (shm / cuda_ipc / group)
         self.placement_group = None  # trainer.placement colocated/spread: removed at stop
+        self._created: list[Any] = []  # every role actor made by start()
 
     def start(self) -> "TrainingSystem":
         """Bring the run up. Reading top to bottom: every mailbox, every role process and every edge
         between them, in the order they start."""
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()  # no half-started run left behind (a node dying while it started, say)
+            raise
+
+    def _start(self) -> "TrainingSystem":
         cfg, tr = self.config, self.config.trainer
         resume = self._resume_point()  # None for a fresh run
+        # The control plane (mailboxes, prompt source, assembler, reward endpoints, recorder) sits on
+        # this node, the run's own: on a cluster it does not share the fate of a generator's node.
+        here = {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)}
         # mode=generate: generators, rewards and the store only; no learner, so no staleness budget.
         learning = cfg.mode == "train"
         value_based = learning and ESTIMATORS[cfg.algorithm.estimator].needs_value_learner
@@ -137,48 +149,51 @@ class TrainingSystem:
         #    budget allows to be open (stragglers hold leases), plus a queue ahead of the generators.
         prompts_ahead = max(2, 2 * tr.num_generators * math.ceil(cfg.engine.max_inflight_sequences / cfg.algorithm.group_size))
         prompts_open = min(open_prompts_bound(cfg.algorithm.max_staleness_versions, tr.prompts_per_step), 4096)
-        prompts = RayMailbox.create(PromptRequest, capacity=prompts_ahead + prompts_open, lease_s=tr.lease_s)
+        prompts = RayMailbox.create(PromptRequest, capacity=prompts_ahead + prompts_open, lease_s=tr.lease_s,
+                                    placement=here)
         # Generators -> assembler; several shards when many generators would saturate one mailbox actor.
-        segments = (ShardedMailbox.create(Segment, tr.segment_shards, tr.mailbox_capacity, tr.lease_s, key_attr="sample_id")
-                    if tr.segment_shards > 1 else RayMailbox.create(Segment, capacity=tr.mailbox_capacity, lease_s=tr.lease_s))
-        batches = RayMailbox.create(TrainBatch, capacity=2, lease_s=tr.lease_s)  # assembler -> policy learner
+        segments = (ShardedMailbox.create(Segment, tr.segment_shards, tr.mailbox_capacity, tr.lease_s, key_attr="sample_id",
+                                          placement=here)
+                    if tr.segment_shards > 1 else RayMailbox.create(Segment, capacity=tr.mailbox_capacity, lease_s=tr.lease_s,
+                                                                    placement=here))
+        batches = RayMailbox.create(TrainBatch, capacity=2, lease_s=tr.lease_s, placement=here)  # assembler -> policy learner
         trajectories = (RayMailbox.create(ScoredTrajectory, capacity=max(4 * cfg.critic.batch_trajectories, 64),
-                                          lease_s=tr.lease_s) if value_based else None)  # assembler -> value learner
+                                          lease_s=tr.lease_s, placement=here) if value_based else None)  # assembler -> value learner
         self.mailboxes = {"prompts": prompts, "segments": segments, "batches": batches}
         if trajectories is not None:
             self.mailboxes["trajectories"] = trajectories
 
         # 2. Reward endpoints: actors here, or the Serve applications `reward-<name>` (reward.use_serve).
-        endpoints = {} if cfg.reward.use_serve else reward_endpoint_actors(cfg.reward, cfg.model, cfg.task.reward)
+        endpoints = {} if cfg.reward.use_serve else reward_endpoint_actors(cfg.reward, cfg.model, cfg.task.reward, here)
         # The trajectory store (trainer.record): written by its own process, fed without waiting.
-        recorder = _spawn(RecorderActor, os.path.join(self.run_dir, STORE_DIRNAME), tr) if tr.record else None
+        recorder = self._spawn(RecorderActor, os.path.join(self.run_dir, STORE_DIRNAME), tr, placement=here) if tr.record else None
 
         # 3. Roles. Prompt source: dataset cursor, admission budget, ledger of every sample
         #    (mode=generate: trainer.total_steps batches of prompts, then none).
-        prompt_source = _spawn(PromptSourceActor, cfg.model, cfg.task, cfg.algorithm, tr, prompts,
-                               0 if learning else tr.total_steps * tr.prompts_per_step)
+        prompt_source = self._spawn(PromptSourceActor, cfg.model, cfg.task, cfg.algorithm, tr, prompts,
+                               0 if learning else tr.total_steps * tr.prompts_per_step, placement=here)
         # Value learner (value-based estimators): trains on `trajectories`, answers value requests.
         # Placement: what each role asks Ray for (GPUs, node resources, a placement group).
         generator_options, learner_options, self.placement_group = role_placement(tr, tr.num_generators,
                                                                                   2 if value_based else 1)
-        value_learner = (_spawn(ValueLearnerActor, cfg.model, cfg.critic, cfg.algorithm, cfg.engine, tr.seed,
+        value_learner = (self._spawn(ValueLearnerActor, cfg.model, cfg.critic, cfg.algorithm, cfg.engine, tr.seed,
                                 trajectories, resume and resume.checkpoint, tr.learner_device,
                                 placement=learner_options[1]) if value_based else None)
         # Assembler: `segments` -> rewards (router) -> estimator -> `batches` (and `trajectories`);
         # reports every sample's fate to the ledger (prompt source) and its record to the store;
         # asks the value learner for values.
-        assembler = _spawn(AssemblerActor, cfg.model, cfg.algorithm, cfg.engine, cfg.reward, tr.prompts_per_step,
+        assembler = self._spawn(AssemblerActor, cfg.model, cfg.algorithm, cfg.engine, cfg.reward, tr.prompts_per_step,
                            segments, batches, endpoints, prompt_source, value_learner, trajectories,
-                           f"batch-r{resume.incarnation if resume else 0}", recorder, cfg.mode)
+                           f"batch-r{resume.incarnation if resume else 0}", recorder, cfg.mode, placement=here)
         # Generators: `prompts` -> engine windows -> `segments`.
-        self.generators = [_spawn(GeneratorActor, cfg.model, cfg.engine, prompts, segments, f"gen-{i}",
+        self.generators = [self._spawn(GeneratorActor, cfg.model, cfg.engine, prompts, segments, f"gen-{i}",
                                   placement=generator_options[i]) for i in range(tr.num_generators)]
         # Policy learner: `batches` -> optimizer step -> weights broadcast to the generators; each new
         # version told to the assembler at once (staleness) and to the prompt source once every
         # generator holds it (admission; synchronous mode: the assembler too); trained samples
         # to the ledger; checkpoints written with the prompt source's and value learner's parts;
         # trained batches to the store.
-        learner = _spawn(
+        learner = self._spawn(
             PolicyLearnerActor, cfg.model, cfg.algorithm, tr, cfg.engine, batches,
             generators=self.generators, version_listeners=[] if tr.synchronous else [assembler],
             delivered_listeners=[assembler, prompt_source] if tr.synchronous else [prompt_source],
@@ -236,6 +251,12 @@ class TrainingSystem:
         self.run_refs["prompt_source"] = prompt_source.run.remote()
         self.started_at = time.time()
         return self
+
+    def _spawn(self, *args, **kwargs):
+        """`_spawn`, remembering the actor: a start that fails midway kills what it made."""
+        actor = _spawn(*args, **kwargs)
+        self._created.append(actor)
+        return actor
 
     def _resume_point(self) -> "ResumePoint | None":
         """With `resume=true`: the newest valid checkpoint of the run directory and what it holds."""
@@ -327,7 +348,8 @@ class TrainingSystem:
         if "recorder" in self.actors:
             ray.wait([self.run_refs["assembler"]], timeout=15)
             ray.wait([self.actors["recorder"].close.remote()], timeout=60)
-        for actor in [*self.actors.values(), *self.generators, *(a for b in self.mailboxes.values() for a in mailbox_actors(b))]:
+        for actor in [*self.actors.values(), *self.generators, *self._created,
+                      *(a for b in self.mailboxes.values() for a in mailbox_actors(b))]:
             ray.kill(actor)
         if self.placement_group is not None:
             from ray.util.placement_group import remove_placement_group

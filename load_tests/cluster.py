@@ -61,7 +61,6 @@ def network_up() -> None:
         sh("ip", "link", "set", link, "netns", ns)
         in_ns(ns, "ip", "addr", "add", f"{ip}/{PREFIX}", "dev", link)
         in_ns(ns, "ip", "link", "set", link, "up")
-    in_ns(HEAD, "ping", "-c", "1", "-W", "2", WORKER_IP)
 
 
 def network_down() -> None:
@@ -69,13 +68,13 @@ def network_down() -> None:
         sh("ip", "netns", "del", ns, check=False)
 
 
-def ray_processes(node_ip: str | None = None) -> list[psutil.Process]:
-    """Ray's daemons of one node (by the `--node-ip-address` their command line carries), or all."""
+def ray_processes(node_ip: str) -> list[psutil.Process]:
+    """Ray's daemons of one node: their command lines carry its address (`--node-ip-address=...`)."""
     out = []
     for proc in psutil.process_iter(["cmdline"]):
         cmd = " ".join(proc.info["cmdline"] or [])
-        if ("raylet" in cmd or "gcs_server" in cmd or "ray/_private" in cmd or "ray::" in cmd) and \
-                (node_ip is None or f"={node_ip}" in cmd or f" {node_ip} " in cmd):
+        if ("raylet" in cmd or "gcs_server" in cmd or "ray/_private" in cmd or "ray/dashboard" in cmd) and \
+                (f"={node_ip}" in cmd or f" {node_ip} " in cmd or f"={node_ip}:" in cmd):
             out.append(proc)
     return out
 
@@ -108,15 +107,11 @@ def wait_nodes(count: int, timeout_s: float = 120) -> list[dict]:
         time.sleep(2)
 
 
-def down() -> None:
-    sh(f"{VENV_BIN}/ray", "stop", "--force", check=False, env=ray_env(), timeout=120)
-    network_down()
-
-
-def kill_worker() -> int:
-    """The worker node dies: its raylet and every process it started (SIGKILL, as a host crash)."""
+def kill_node(node_ip: str) -> int:
+    """A node's Ray processes (its raylet, GCS, agents, workers) and everything they started, by
+    SIGKILL. Only this cluster's: `ray stop` would end every Ray instance on the machine."""
     victims = []
-    for proc in ray_processes(WORKER_IP):
+    for proc in ray_processes(node_ip):
         try:
             victims += [proc, *proc.children(recursive=True)]
         except psutil.NoSuchProcess:
@@ -127,6 +122,17 @@ def kill_worker() -> int:
         except psutil.NoSuchProcess:
             pass
     return len(victims)
+
+
+def down() -> None:
+    kill_node(WORKER_IP)
+    kill_node(HEAD_IP)
+    network_down()
+
+
+def kill_worker() -> int:
+    """The worker node dies: its raylet and every process it started (SIGKILL, as a host crash)."""
+    return kill_node(WORKER_IP)
 
 
 def partition(down_s: float) -> None:

@@ -274,12 +274,16 @@ def partition(run_dir: str, quick: bool, down_s: float = 30.0) -> dict:
         cut = threading.Thread(target=cluster.partition, args=(down_s,))
         cut.start()
         events, steps_during = [], []
+        unreachable = 0
         while cut.is_alive():  # while cut off: what the supervisor sees, and whether steps go on
             event = sup.check()
             if event is not None:
                 events.append(event)
-            steps_during.append(sup.system.status()["step"])
-            sup.system.pop_metrics()
+            try:
+                steps_during.append(ray.get(sup.system.actors["learner"].stats.remote(), timeout=5)["step"])
+                sup.system.pop_metrics()
+            except ray.exceptions.RayError:  # the learner's own status is reachable; a cut-off part may not be
+                unreachable += 1
             time.sleep(0.5)
         healed_at = time.time()
         events += advance(sup, 6 if quick else 12, timeout_s=600)
@@ -287,6 +291,7 @@ def partition(run_dir: str, quick: bool, down_s: float = 30.0) -> dict:
         status = sup.system.status()
         return {"injected": f"worker link down {down_s:.0f}s at step {step_before}",
                 "steps_during_partition": (min(steps_during), max(steps_during)) if steps_during else None,
+                "status_reads_failed_during_partition": unreachable,
                 "restarts": [{"reason": e["reason"][:200], "restart_s": round(e["restart_s"], 1),
                               "after_cut_s": round(e["at"] - cut_at, 1), "resumed_from_step": e["step"]} for e in events],
                 "healed_to_steps_again_s": round(recovered_at - healed_at, 1), "step_after": status["step"],

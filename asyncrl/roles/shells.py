@@ -412,7 +412,8 @@ def _part_writer(actor):
     return write
 
 
-def reward_endpoint_actors(reward: RewardConfig, model: ModelConfig, default_style: str) -> dict[str, Any]:
+def reward_endpoint_actors(reward: RewardConfig, model: ModelConfig, default_style: str,
+                           placement: dict | None = None) -> dict[str, Any]:
     """Reward endpoints as plain Ray actors (`asyncrl train`); under `serve run` they are the Serve
     applications `reward-<name>` instead (reward.use_serve)."""
     from asyncrl.rewards.endpoint import RewardEndpoint
@@ -420,7 +421,7 @@ def reward_endpoint_actors(reward: RewardConfig, model: ModelConfig, default_sty
     return {
         # Stateless: Ray restarts a dead endpoint and retries the calls it was answering.
         name: ray.remote(RewardEndpoint).options(num_cpus=0, max_concurrency=64, max_restarts=-1,
-                                                 max_task_retries=3).remote(
+                                                 max_task_retries=3, **(placement or {})).remote(
             name, asdict(endpoint), asdict(model), default_style)
         for name, endpoint in reward.endpoints.items()
     }
