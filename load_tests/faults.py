@@ -50,18 +50,33 @@ VALUE = ["model=tiny", "task=tiny_seq", "algorithm=tppo", "engine.window_tokens=
          "trainer.wandb_mode=disabled"]
 
 
+def learner_step(sup: Supervisor) -> int | None:
+    """The learner's step, or None while some part cannot be reached (a node cut off or dying:
+    the supervisor's check restarts the run once an actor is known dead)."""
+    try:
+        return ray.get(sup.system.actors["learner"].stats.remote(), timeout=10)["step"]
+    except ray.exceptions.RayError:
+        return None
+
+
 def advance(sup: Supervisor, steps: int, timeout_s: float = 300.0) -> list[dict]:
     """Run until the learner has taken `steps` more steps (restarting on a death); restarts seen."""
     events, deadline = [], time.time() + timeout_s
-    target = sup.system.status()["step"] + steps
-    while sup.system.status()["step"] < target:
+    while (start := learner_step(sup)) is None:
+        events += [e for e in [sup.check()] if e is not None]
+        time.sleep(0.5)
+    target = start + steps
+    while (step := learner_step(sup)) is None or step < target:
         if time.time() > deadline:
-            raise TimeoutError(f"no progress to step {target} in {timeout_s:.0f}s: {sup.system.status()['step']}")
+            raise TimeoutError(f"no progress to step {target} in {timeout_s:.0f}s: at {step}")
         event = sup.check()
         if event is not None:
             events.append(event)
             target = max(target, event["step"] + 1)
-        sup.system.pop_metrics()
+        try:
+            sup.system.pop_metrics()
+        except ray.exceptions.RayError:
+            pass
         time.sleep(0.3)
     return events
 
@@ -225,11 +240,10 @@ def _worker_generator(sup: Supervisor):
 
 def _first_step_after(sup: Supervisor, step: int, timeout_s: float = 300.0) -> float:
     deadline = time.time() + timeout_s
-    while sup.system.status()["step"] <= step:
+    while (now := learner_step(sup)) is None or now <= step:
         if time.time() > deadline:
             raise TimeoutError(f"no step after {step} in {timeout_s:.0f}s")
         sup.check()
-        sup.system.pop_metrics()
         time.sleep(0.3)
     return time.time()
 
@@ -243,7 +257,7 @@ def node_loss(run_dir: str, quick: bool) -> dict:
         generator, stats = _worker_generator(sup)
         while (held := ray.get(generator.stats.remote())["inflight_sequences"]) == 0:
             time.sleep(0.05)
-        step_at_kill, killed_at = sup.system.status()["step"], time.time()
+        step_at_kill, killed_at = learner_step(sup), time.time()
         processes = cluster.kill_worker()
         event = wait_restart(sup, timeout_s=300)
         recovered_at = _first_step_after(sup, event["step"])
@@ -261,6 +275,10 @@ def node_loss(run_dir: str, quick: bool) -> dict:
         sup.stop()
 
 
+def _nodes() -> list[dict]:
+    return [{"ip": n["NodeManagerAddress"], "alive": n["Alive"]} for n in ray.nodes()]
+
+
 def partition(run_dir: str, quick: bool, down_s: float = 30.0) -> dict:
     import threading
 
@@ -270,7 +288,7 @@ def partition(run_dir: str, quick: bool, down_s: float = 30.0) -> dict:
     try:
         advance(sup, 4 if quick else 8)
         _worker_generator(sup)
-        step_before, cut_at = sup.system.status()["step"], time.time()
+        step_before, cut_at = learner_step(sup), time.time()
         cut = threading.Thread(target=cluster.partition, args=(down_s,))
         cut.start()
         events, steps_during = [], []
@@ -279,17 +297,18 @@ def partition(run_dir: str, quick: bool, down_s: float = 30.0) -> dict:
             event = sup.check()
             if event is not None:
                 events.append(event)
-            try:
-                steps_during.append(ray.get(sup.system.actors["learner"].stats.remote(), timeout=5)["step"])
-                sup.system.pop_metrics()
-            except ray.exceptions.RayError:  # the learner's own status is reachable; a cut-off part may not be
+            step = learner_step(sup)
+            if step is None:
                 unreachable += 1
+            else:
+                steps_during.append(step)
             time.sleep(0.5)
         healed_at = time.time()
         events += advance(sup, 6 if quick else 12, timeout_s=600)
         recovered_at = time.time()
         status = sup.system.status()
         return {"injected": f"worker link down {down_s:.0f}s at step {step_before}",
+                "worker_alive_after": any(n["ip"] == cluster.WORKER_IP and n["alive"] for n in _nodes()),
                 "steps_during_partition": (min(steps_during), max(steps_during)) if steps_during else None,
                 "status_reads_failed_during_partition": unreachable,
                 "restarts": [{"reason": e["reason"][:200], "restart_s": round(e["restart_s"], 1),
