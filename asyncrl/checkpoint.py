@@ -164,8 +164,10 @@ def resolve_run_dir(run_dir: str, resume: bool, outputs: str = "outputs", prefix
 # --- parts ---------------------------------------------------------------------------------------
 
 
-def save_policy(model, tokenizer, directory: str) -> None:
-    model.save_pretrained(directory, safe_serialization=True)
+def save_policy(model, tokenizer, directory: str, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    """A Hugging Face directory; `state_dict`: whole weights gathered from a sharded model (whose
+    own parameters are shards)."""
+    model.save_pretrained(directory, safe_serialization=True, state_dict=state_dict)
     tokenizer.save_pretrained(directory)
     _default_modes(directory)
 
@@ -179,20 +181,28 @@ def _default_modes(directory: str) -> None:
         os.chmod(os.path.join(directory, rel), 0o666 & ~umask)
 
 
-def load_policy_weights(model, directory: str) -> None:
-    """Load a saved policy's weights into a model built from the run's config (the reference model
-    and everything else about it stay as built)."""
+def read_policy_weights(model, directory: str) -> dict[str, torch.Tensor]:
+    """A saved policy's weights, checked against the names of `model` (built from the run's config;
+    sharded or not): every one present (a tied head aside), none foreign."""
     from safetensors.torch import load_file
 
     state: dict[str, torch.Tensor] = {}
     for shard in sorted(glob.glob(os.path.join(directory, "*.safetensors"))):
         state.update(load_file(shard))
-    result = model.load_state_dict(state, strict=False)
+    expected = set(model.state_dict())
     tied = getattr(model.config, "tie_word_embeddings", False)
-    missing = [k for k in result.missing_keys if not (tied and k == "lm_head.weight")]
-    if missing or result.unexpected_keys:
+    missing = sorted(k for k in expected - set(state) if not (tied and k == "lm_head.weight"))
+    unexpected = sorted(set(state) - expected)
+    if missing or unexpected:
         raise CorruptCheckpoint(f"{directory}: weights do not fit the model (missing {missing[:5]}, "
-                                f"unexpected {result.unexpected_keys[:5]})")
+                                f"unexpected {unexpected[:5]})")
+    return state
+
+
+def load_policy_weights(model, directory: str) -> None:
+    """Load a saved policy's weights into a model built from the run's config (the reference model
+    and everything else about it stay as built)."""
+    model.load_state_dict(read_policy_weights(model, directory), strict=False)
 
 
 VALUE_PART = "value"

@@ -319,7 +319,14 @@ class TrainerConfig:
     generator_gpus: float = 0.0
     """GPUs each generator asks Ray for (e.g. 1, or 0.5 to share one GPU with the learner)."""
     learner_gpus: float = 0.0
-    """GPUs the policy learner asks Ray for (the value learner asks the same)."""
+    """GPUs each rank of the policy learner asks Ray for (the value learner asks the same)."""
+    learner_ranks: int = 1
+    """Processes of the policy learner: more than one shards the weights, gradients and Adam's state
+    over them (FSDP2; one per GPU of a multi-GPU node, or CPU processes over gloo) and splits each
+    batch's micro-batches between them."""
+    learner_timeout_s: float = 600.0
+    """How long a collective of the policy learner's ranks may take before it fails the run (which
+    then restarts from its last checkpoint)."""
     generator_resources: dict[str, float] = field(default_factory=dict)
     """Custom Ray resources each generator asks for: pins generators to nodes that offer them,
     e.g. {node_generator: 1} on a cluster whose worker nodes were started with that resource."""
@@ -664,6 +671,7 @@ RANGES = {
     "trainer.total_steps": ">= 1", "trainer.prompts_per_step": ">= 1", "trainer.num_generators": ">= 1",
     "trainer.generator_threads": ">= 1", "trainer.learner_threads": ">= 1", "trainer.broadcast_bucket_mb": ">= 1",
     "trainer.object_store_mb": ">= 64", "trainer.segment_shards": ">= 1", "trainer.generator_gpus": ">= 0", "trainer.learner_gpus": ">= 0",
+    "trainer.learner_ranks": ">= 1", "trainer.learner_timeout_s": "> 0",
     "trainer.eval_every": ">= 0", "trainer.checkpoint_every": ">= 0", "trainer.checkpoint_keep": ">= 1",
     "trainer.max_restarts": ">= 0", "trainer.eval_samples": ">= 1", "trainer.mailbox_capacity": ">= 1",
     "trainer.lease_s": "> 0", "trainer.target_window": ">= 1", "trainer.stall_timeout_s": "> 0",
@@ -756,6 +764,8 @@ def validate(config: Config) -> None:
          "offline.train=value pretrains a critic: use a value-based algorithm (ppo, vcppo, vapo, tppo)"),
         (set(config.offline.statuses) <= {"kept", "dropped", "recorded"},
          "offline.statuses must be among kept, dropped, recorded"),
+        (config.trainer.learner_ranks == 1 or config.mode == "train",
+         "trainer.learner_ranks > 1 shards the online learner; mode=learn and mode=generate run one rank"),
     ]
     for ok, message in checks:
         if not ok:

@@ -21,6 +21,7 @@ from asyncrl.algo.sampling import filtered_logprobs
 from asyncrl.algo.shaping import is_positive
 from asyncrl.engines.base import long_tail_min_tokens
 from asyncrl.schema import ScoredTrajectory, TrainSample, segment_row
+from asyncrl.sharding import DataParallel, parts_of_rank
 
 
 @dataclass
@@ -186,6 +187,23 @@ def _scored_logprobs(logits: torch.Tensor, temperature: float, top_k: int, top_p
     return torch.log_softmax(logits.float() / temperature, dim=-1)
 
 
+class PolicyForward(torch.nn.Module):
+    """A causal LM's forward as one module: logits at every position, or (`selected`, a `[B, L]`
+    bool mask) at the selected positions only. The learner trains through it: a sharded learner
+    (FSDP2) wraps it whole, so the root's hooks that gather the embedding and the head run on every
+    forward (calling `base_model` and then `lm_head` on the bare model would bypass them)."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids, attention_mask, selected: torch.Tensor | None = None) -> torch.Tensor:
+        if selected is None:
+            return self.lm(input_ids=input_ids, attention_mask=attention_mask).logits
+        hidden = self.lm.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return self.lm.lm_head(hidden[selected])
+
+
 def token_logprobs(model, input_ids, attention_mask, targets, temperature: float, with_entropy: bool = False,
                    positions: torch.Tensor | None = None, top_k: int = 0, top_p: float = 1.0):
     """log π(target | prefix) at every position under the sampler's distribution: `softmax(logits/T)`
@@ -195,16 +213,16 @@ def token_logprobs(model, input_ids, attention_mask, targets, temperature: float
     With `positions` (a `[B, L]` mask of the positions that are trained), the vocabulary projection
     runs only there: prompt and earlier-window positions need hidden states but no logits, and the
     `[tokens, vocab]` logits are most of a step's memory (49k vocabulary on the embedded model).
-    Other positions get log-prob 0 and entropy 0."""
-    if positions is None or not _head_only_on(model):
-        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    Other positions get log-prob 0 and entropy 0. `model`: a causal LM or its `PolicyForward`."""
+    forward = model if isinstance(model, PolicyForward) else PolicyForward(model)
+    if positions is None or not _head_only_on(forward.lm):
+        logits = forward(input_ids, attention_mask)
         all_logp = _scored_logprobs(logits, temperature, top_k, top_p)
         logp = all_logp.gather(-1, targets[..., None]).squeeze(-1).clamp(min=LOGPROB_FLOOR)
         entropy = entropy_from_logprobs(all_logp) if with_entropy else None
         return logp, entropy
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     selected = positions.bool()
-    all_logp = _scored_logprobs(model.lm_head(hidden[selected]), temperature, top_k, top_p)  # [tokens, vocab]
+    all_logp = _scored_logprobs(forward(input_ids, attention_mask, selected), temperature, top_k, top_p)  # [tokens, vocab]
     logp_sel = all_logp.gather(-1, targets[selected][:, None]).squeeze(-1).clamp(min=LOGPROB_FLOOR)
     logp = torch.zeros(targets.shape, dtype=logp_sel.dtype, device=targets.device).masked_scatter(selected, logp_sel)
     entropy = None
@@ -229,6 +247,15 @@ def micro_batches(collated: Collated, max_tokens: int) -> list[slice]:
     return micro_batches_of(RowLayout(collated.input_ids, collated.attention_mask, []), max_tokens)
 
 
+def rank_micro_batches(collated: Collated, max_tokens: int, parallel: DataParallel | None) -> list[tuple[slice, bool]]:
+    """This rank's micro-batches of `collated` as (rows, ghost): all of them on one rank; dealt
+    round-robin over the ranks of a sharded learner, each rank getting as many (a ghost, weighted
+    0, evens a short share: every rank runs the same number of forwards and backwards, as FSDP's
+    collectives require)."""
+    parts = micro_batches(collated, max_tokens)
+    return parts_of_rank(parts, parallel)
+
+
 def mini_batch_rows(n_rows: int, mini_batches: int) -> list[list[int]]:
     """Rows (sorted by length) dealt round-robin into `mini_batches` updates: each update gets a
     spread of lengths and stays sorted, so its micro-batches pad little."""
@@ -248,6 +275,8 @@ def _micro_batch_weight(mode: str, mask: torch.Tensor, total_tokens: float, tota
 def clip_and_step(model, optimizer, grad_clip: float) -> torch.Tensor:
     """Clip the gradient norm and step; a non-finite norm skips the step (no NaN reaches the weights)."""
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    if hasattr(grad_norm, "full_tensor"):  # sharded parameters: the norm over every rank's shard
+        grad_norm = grad_norm.full_tensor()
     if math.isfinite(float(grad_norm)):
         optimizer.step()
     else:
@@ -265,25 +294,33 @@ def autocast(model, precision: str):
     return torch.autocast(device_type=device_of(model).type, dtype=torch.bfloat16, enabled=precision == "bf16")
 
 
-def proximal_logprobs(model, collated: Collated, settings: PolicyLossSettings) -> torch.Tensor:
-    """log π_prox of every trained token: the current weights, before the batch's first update."""
+def proximal_logprobs(model, collated: Collated, settings: PolicyLossSettings,
+                      parallel: DataParallel | None = None) -> torch.Tensor:
+    """log π_prox of every trained token: the current weights, before the batch's first update
+    (each rank scores its micro-batches; the sum over ranks fills every row)."""
     out = torch.zeros(collated.targets.shape, device=collated.targets.device)
     with torch.no_grad(), autocast(model, settings.precision):
-        for rows in micro_batches(collated, settings.micro_batch_tokens):
+        for rows, ghost in rank_micro_batches(collated, settings.micro_batch_tokens, parallel):
             sl = (rows, slice(0, width_of(collated.attention_mask, rows)))
             logp, _ = token_logprobs(model, collated.input_ids[sl], collated.attention_mask[sl], collated.targets[sl],
                                      settings.temperature, positions=_trained_positions(collated, sl),
                                      top_k=settings.top_k, top_p=settings.top_p)
-            out[sl] = logp.float()
+            if not ghost:
+                out[sl] = logp.float()
+    if parallel is not None:
+        parallel.sum_tensor(out)
     return out
 
 
 def _policy_update(model, optimizer, collated: Collated, settings: PolicyLossSettings, reference_model,
                    proximal: torch.Tensor | None, weights: torch.Tensor | None = None,
-                   mismatch: list | None = None) -> dict[str, float]:
+                   mismatch: list | None = None, parallel: DataParallel | None = None) -> dict[str, float]:
     """One optimizer update over `collated` (micro-batched gradient accumulation). `weights`: the
     behaviour correction per token; `mismatch`: where each micro-batch's rollout mismatch goes (the
-    first update, whose forward is at the weights the behaviour log-probs are compared with)."""
+    first update, whose forward is at the weights the behaviour log-probs are compared with).
+    Sharded (`parallel`): each rank accumulates its micro-batches' gradients, each scaled by the
+    whole batch's totals, and the ranks' gradients are summed (`asyncrl.sharding`), so the update
+    is the one-rank update; the metric sums are summed over the ranks too."""
     total_tokens = max(float(collated.response_mask.sum()), 1.0)
     total_seqs = max(float((collated.response_mask.sum(-1) > 0).sum()), 1.0)
     norm_constant = settings.norm_constant or float(collated.response_mask.shape[-1])
@@ -295,9 +332,10 @@ def _policy_update(model, optimizer, collated: Collated, settings: PolicyLossSet
     model.train()
     optimizer.zero_grad(set_to_none=True)
     sums: dict[str, float] = {"skipped_updates": float(nothing)}
-    for rows in micro_batches(collated, settings.micro_batch_tokens):
+    for rows, ghost in rank_micro_batches(collated, settings.micro_batch_tokens, parallel):
         sl = (rows, slice(0, width_of(collated.attention_mask, rows)))
         mask = collated.response_mask[sl]
+        share = 0.0 if ghost else 1.0  # a ghost runs the collectives and counts for nothing
         with autocast(model, settings.precision):
             logp, entropy = token_logprobs(model, collated.input_ids[sl], collated.attention_mask[sl],
                                            collated.targets[sl], settings.temperature, with_entropy=True,
@@ -308,7 +346,7 @@ def _policy_update(model, optimizer, collated: Collated, settings: PolicyLossSet
             settings.clip_low, settings.clip_high, settings.dual_clip, settings.loss_agg, norm_constant,
             proximal_logp=None if proximal is None else proximal[sl], behaviour_weight=None if weights is None else weights[sl],
         )
-        if mismatch is not None:
+        if mismatch is not None and not ghost:
             mismatch.append((rollout_mismatch(logp.detach(), collated.old_logprobs[sl], mask), float(mask.sum())))
         loss = pg_loss
         if settings.entropy_coef:
@@ -326,13 +364,15 @@ def _policy_update(model, optimizer, collated: Collated, settings: PolicyLossSet
             loss = loss + settings.kl_coef * kl
             metrics["kl_ref"] = kl.item()
         weight = _micro_batch_weight(settings.loss_agg, mask, total_tokens, total_seqs)
-        (loss * weight + settings.nll_coef * nll).backward()
-        sums["nll_positive"] = sums.get("nll_positive", 0.0) + nll.item()
-        token_share = float(mask.sum()) / total_tokens
+        ((loss * weight + settings.nll_coef * nll) * share).backward()
+        sums["nll_positive"] = sums.get("nll_positive", 0.0) + nll.item() * share
+        token_share = float(mask.sum()) / total_tokens * share
         metrics["entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1))
         metrics["loss"] = loss.item()
         for key, value in metrics.items():
             sums[key] = sums.get(key, 0.0) + value * token_share
+    if parallel is not None:
+        sums = parallel.sum(sums)
     if nothing:
         optimizer.zero_grad(set_to_none=True)
         model.eval()
@@ -342,10 +382,11 @@ def _policy_update(model, optimizer, collated: Collated, settings: PolicyLossSet
 
 
 def policy_step(model, optimizer, samples: list[TrainSample], settings: PolicyLossSettings,
-                reference_model=None, pad_token_id: int = 0) -> dict[str, float]:
+                reference_model=None, pad_token_id: int = 0, parallel: DataParallel | None = None) -> dict[str, float]:
     """Train on one batch: `ppo_epochs` passes of `mini_batches` optimizer updates each (one update
     by default). Returns metrics: the updates' mean, the first and last update's clip fraction and
-    approximate KL (the trust region at work), and the rollout-training mismatch."""
+    approximate KL (the trust region at work), and the rollout-training mismatch. `parallel`: this
+    rank of a sharded learner (every rank calls it with the whole batch and trains its share)."""
     # Rows sorted by length, micro-batches trimmed to their longest row: little padding with
     # long-tailed lengths. The loss is a sum over rows, so their order does not change it.
     samples = sorted(samples, key=lambda s: row_length(s.segment))
@@ -357,7 +398,7 @@ def policy_step(model, optimizer, samples: list[TrainSample], settings: PolicyLo
     correcting = settings.rollout_correction != "none"
     proximal = weights = None
     if correcting or (settings.proximal_anchor and updates > 1):
-        proximal = proximal_logprobs(model, collated, settings)
+        proximal = proximal_logprobs(model, collated, settings, parallel)
         mode, cap = ((settings.rollout_correction, settings.rollout_is_cap) if correcting
                      else ("token_tis", settings.behaviour_weight_cap))
         weights = behaviour_weights(proximal, collated.old_logprobs, collated.response_mask, mode, cap)
@@ -371,9 +412,9 @@ def policy_step(model, optimizer, samples: list[TrainSample], settings: PolicyLo
             prox = None if proximal is None else (proximal if len(minis) == 1 else proximal.index_select(0, index))
             w = None if weights is None else (weights if len(minis) == 1 else weights.index_select(0, index))
             history.append(_policy_update(model, optimizer, part, settings, reference_model, prox, w,
-                                          parts if proximal is None and not history else None))
+                                          parts if proximal is None and not history else None, parallel))
     if proximal is None:  # measured in the first update's forward, at the same weights
-        mismatch = _combine_mismatch(parts)
+        mismatch = _combine_mismatch(parts if parallel is None else [p for ps in parallel.gather(parts) for p in ps])
     metrics = {k: float(np.mean([h.get(k, 0.0) for h in history])) for k in history[0]}
     for key in ("clip_fraction", "approx_kl"):
         metrics[f"{key}_first_update"], metrics[f"{key}_last_update"] = history[0][key], history[-1][key]

@@ -336,18 +336,16 @@ def replay_batch(config: Config, record: BatchRecord, checkpoint_dir: str | None
     weights and optimizer state the batch was trained from (the initial ones for the run's first
     batch, else the checkpoint of that step), trains it once; returns the step's metrics, to set
     against the recorded loss and gradient norm (the golden-batch test)."""
-    from asyncrl.learning import policy_step
     from asyncrl.store import BATCH_CODEC
 
     learner = build_policy_learner(config.model, config.algorithm, config.trainer, config.engine, InProcessMailbox(2))
     if checkpoint_dir is not None:
-        learner.load_checkpoint(checkpoint_dir)
+        asyncio.run(learner.load_checkpoint(checkpoint_dir))
     if learner.version != record.trained_from_version:
         raise ValueError(f"batch {record.batch_id} was trained from version {record.trained_from_version}; the "
                          f"learner is at {learner.version} (pass the checkpoint of step {record.trained_from_version})")
-    batch = BATCH_CODEC.decode(record.batch)
-    return policy_step(learner.model, learner.optimizer, batch.samples, learner.settings, learner.reference,
-                       learner.pad_token_id)
+    batch = BATCH_CODEC.decode(record.batch)  # recorded as trained (stale tokens already masked)
+    return learner.policy.step(batch.samples)
 
 
 class RecordedRewards:

@@ -21,12 +21,13 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from asyncrl.config import Config
 from asyncrl.mailbox import RayMailbox, ShardedMailbox, sum_stats
 from asyncrl.roles.estimators import ESTIMATORS
-from asyncrl.roles.shells import (AssemblerActor, GeneratorActor, PolicyLearnerActor, PromptSourceActor, RecorderActor,
-                                  ValueLearnerActor, reward_endpoint_actors)
+from asyncrl.roles.shells import (AssemblerActor, GeneratorActor, PolicyLearnerActor, PolicyRankActor, PromptSourceActor,
+                                  RecorderActor, ValueLearnerActor, reward_endpoint_actors)
 from asyncrl.schema import PromptRequest, ScoredTrajectory, Segment, TrainBatch
 from asyncrl.staleness import open_prompts_bound
 from asyncrl.store import STORE_DIRNAME
-from asyncrl.weight_sync import choose_paths
+from asyncrl.sharding import rendezvous_store
+from asyncrl.weight_sync import choose_paths, free_port, node_address
 
 NAMESPACE = "asyncrl"
 LEARNER_NAME = "asyncrl-policy-learner"
@@ -118,6 +119,7 @@ class TrainingSystem:
         self.run_refs: dict[str, Any] = {}
         self.mailboxes: dict[str, RayMailbox] = {}
         self.started_at = 0.0
+        self._rank_store = None  # where a sharded learner's ranks meet (held for the run's life)
         self._last_value: dict = {}
         self.pre_ppo: dict = {}
         self.weight_paths: list[str] = []  # each generator's weight path (shm / cuda_ipc / group)
@@ -174,11 +176,13 @@ class TrainingSystem:
                                0 if learning else tr.total_steps * tr.prompts_per_step, placement=here)
         # Value learner (value-based estimators): trains on `trajectories`, answers value requests.
         # Placement: what each role asks Ray for (GPUs, node resources, a placement group).
-        generator_options, learner_options, self.placement_group = role_placement(tr, tr.num_generators,
-                                                                                  2 if value_based else 1)
+        # The learners' options: the policy learner's ranks, then the value learner.
+        ranks = tr.learner_ranks if learning else 0
+        generator_options, learner_options, self.placement_group = role_placement(
+            tr, tr.num_generators, ranks + (1 if value_based else 0))
         value_learner = (self._spawn(ValueLearnerActor, cfg.model, cfg.critic, cfg.algorithm, cfg.engine, tr.seed,
                                 trajectories, resume and resume.checkpoint, tr.learner_device,
-                                placement=learner_options[1]) if value_based else None)
+                                placement=learner_options[ranks]) if value_based else None)
         # Assembler: `segments` -> rewards (router) -> estimator -> `batches` (and `trajectories`);
         # reports every sample's fate to the ledger (prompt source) and its record to the store;
         # asks the value learner for values.
@@ -188,6 +192,14 @@ class TrainingSystem:
         # Generators: `prompts` -> engine windows -> `segments`.
         self.generators = [self._spawn(GeneratorActor, cfg.model, cfg.engine, prompts, segments, f"gen-{i}",
                                   placement=generator_options[i]) for i in range(tr.num_generators)]
+        # A sharded policy learner's ranks 1.. (trainer.learner_ranks, FSDP2): they and rank 0 meet
+        # at a store this process holds, and rank 0 runs each step on all of them.
+        rank_actors, rendezvous = [], None
+        if ranks > 1:
+            rendezvous = (node_address(), free_port(node_address()))
+            self._rank_store = rendezvous_store(*rendezvous)
+            rank_actors = [self._spawn(PolicyRankActor, cfg.model, cfg.algorithm, tr, cfg.engine, rendezvous, rank,
+                                       placement=learner_options[rank]) for rank in range(1, ranks)]
         # Policy learner: `batches` -> optimizer step -> weights broadcast to the generators; each new
         # version told to the assembler at once (staleness) and to the prompt source once every
         # generator holds it (admission; synchronous mode: the assembler too); trained samples
@@ -199,13 +211,14 @@ class TrainingSystem:
             delivered_listeners=[assembler, prompt_source] if tr.synchronous else [prompt_source],
             ledger=prompt_source,
             checkpoint_parts=[prompt_source] + ([value_learner] if value_learner is not None else []),
-            run_dir=self.run_dir, resume_from=resume and resume.checkpoint, max_steps=self.max_steps,
-            recorder=recorder, placement=learner_options[0],
+            run_dir=self.run_dir, max_steps=self.max_steps, recorder=recorder, ranks=rank_actors,
+            rendezvous=rendezvous, placement=learner_options[0],
             actor_name=LEARNER_NAME if self.name_actors else None) if learning else None  # found by name
         self.actors = {**({"learner": learner} if learner is not None else {}), "assembler": assembler,
                        "prompt_source": prompt_source,
                        **({"value_learner": value_learner} if value_learner is not None else {}),
                        **({"recorder": recorder} if recorder is not None else {}),
+                       **{f"learner-rank-{i}": actor for i, actor in enumerate(rank_actors, 1)},
                        **{f"reward-{name}": endpoint for name, endpoint in endpoints.items()}}
 
         # 4. Weights from the learner to each generator, by a path chosen from where they landed:
@@ -225,7 +238,10 @@ class TrainingSystem:
             ray.get(learner.set_weight_paths.remote(paths))
             self.weight_paths = paths
 
-        # 5. Resume: the ledger says which prompts to issue again; unsent batches go back in the mailbox.
+        # 5. Resume: the learner's weights and optimizer (on every rank); the ledger says which
+        #    prompts to issue again; unsent batches go back in the mailbox.
+        if resume is not None and learner is not None:
+            ray.get(learner.resume.remote(resume.checkpoint))
         if resume is not None:
             self.resumed["reissued_prompts"] = ray.get(prompt_source.restore.remote(
                 resume.checkpoint, resume.held_sample_ids, resume.weight_version))

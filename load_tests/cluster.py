@@ -73,8 +73,8 @@ def ray_processes(node_ip: str) -> list[psutil.Process]:
     out = []
     for proc in psutil.process_iter(["cmdline"]):
         cmd = " ".join(proc.info["cmdline"] or [])
-        if ("raylet" in cmd or "gcs_server" in cmd or "ray/_private" in cmd or "ray/dashboard" in cmd) and \
-                (f"={node_ip}" in cmd or f" {node_ip} " in cmd or f"={node_ip}:" in cmd):
+        # Raylet, GCS, agents, the autoscaler monitor and the client server all name the node's address.
+        if "ray" in cmd and (f"={node_ip}" in cmd or f" {node_ip} " in cmd or f"={node_ip}:" in cmd):
             out.append(proc)
     return out
 
@@ -128,6 +128,11 @@ def down() -> None:
     kill_node(WORKER_IP)
     kill_node(HEAD_IP)
     network_down()
+    # `ray start --head` left its address for `ray.init()` to join: a later local run would try
+    # to join the cluster that is gone.
+    current = "/tmp/ray/ray_current_cluster"
+    if os.path.exists(current) and ADDRESS in open(current).read():
+        os.remove(current)
 
 
 def kill_worker() -> int:

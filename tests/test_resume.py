@@ -32,7 +32,9 @@ def read_checkpoint(path: str):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("setup", [
-    ["task=tiny", "algorithm=grpo"],
+    # The policy learner sharded over two processes (FSDP2 on gloo): its checkpoint is gathered
+    # from both ranks, and the resumed ranks load it (rank 0 reads, the others receive).
+    ["task=tiny", "algorithm=grpo", "trainer.learner_ranks=2"],
     # Value-based, streaming windows: window rows of unfinished samples, a value learner to restore.
     ["task=tiny_seq", "algorithm=tppo", "engine.window_tokens=2"],
 ], ids=["grpo", "tppo"])
@@ -59,7 +61,9 @@ def test_kill_after_step_k_and_resume(ray_session, tmp_path, setup):
     # One Adam step per optimizer update (two per batch for T-PPO's mini-batches; none for a batch
     # whose every token had gone stale), counted by the learner and saved with it.
     updates_at_k = learner_meta["counters"]["optimizer_updates"]
-    assert checkpoint.load_tensors(os.path.join(ckpt, "learner.pt"))["optimizer"]["state"][0]["step"] == updates_at_k
+    # (The optimizer state is by parameter name, whole: the same file for any number of ranks.)
+    adam = checkpoint.load_tensors(os.path.join(ckpt, "learner.pt"))["optimizer"]["state"]
+    assert {int(state["step"]) for state in adam.values()} == {updates_at_k}
     assert 0 < updates_at_k <= k * compose(overrides).algorithm.mini_batches
 
     value_version_at_k = None
@@ -113,6 +117,14 @@ def test_kill_after_step_k_and_resume(ray_session, tmp_path, setup):
               f"{sum(s == 'trained' for s in states.values())} trained after resume, {second.resumed}")
         ledger = second.ledger()
         assert ledger["problems"] == [] and ledger["counts"]["duplicates"] == 0
+        # Every rank of a sharded learner took every step (its own shard of Adam's state): read
+        # once the learner's loop has ended, so no step is between the reads.
+        ray.get(second.actors["learner"].stop.remote())
+        ray.wait([second.run_refs["learner"]], timeout=120)
+        learner = ray.get(second.actors["learner"].stats.remote())
+        ranks = [ray.get(actor.stats.remote()) for name, actor in second.actors.items() if name.startswith("learner-rank")]
+        assert len(ranks) == (1 if "trainer.learner_ranks=2" in setup else 0)
+        assert all(rank["optimizer_steps"] == learner["optimizer_steps"] for rank in ranks)
     finally:
         second.stop()
 

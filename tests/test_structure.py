@@ -17,7 +17,7 @@ LAYERS = {
     1: ["asyncrl.mailbox", "asyncrl.engines", "asyncrl.models", "asyncrl.ledger", "asyncrl.weight_sync",
         "asyncrl.checkpoint", "asyncrl.tasks", "asyncrl.rewards", "asyncrl.assembly", "asyncrl.learning",
         "asyncrl.generation", "asyncrl.metrics", "asyncrl.plots", "asyncrl.openai_api", "asyncrl.store",
-        "asyncrl.learning_dqo"],
+        "asyncrl.learning_dqo", "asyncrl.sharding"],
     2: ["asyncrl.roles", "asyncrl.pre_ppo", "asyncrl.evaluation"],
     3: ["asyncrl.system", "asyncrl.supervisor", "asyncrl.monitor"],
     4: ["asyncrl.driver", "asyncrl.serve_app", "asyncrl.cli", "asyncrl.bench", "asyncrl.offline"],

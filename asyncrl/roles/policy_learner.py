@@ -16,7 +16,6 @@ is either in a saved batch, or open in the ledger and regenerated, or already en
 from __future__ import annotations
 
 import asyncio
-import copy
 import os
 import time
 from typing import Any, Awaitable, Callable
@@ -25,8 +24,9 @@ import msgspec
 import torch
 
 from asyncrl import checkpoint
-from asyncrl.learning import PolicyLossSettings, policy_step
+from asyncrl.learning import PolicyLossSettings
 from asyncrl.mailbox import Mailbox, RecentIds
+from asyncrl.sharding import DataParallel
 from asyncrl.schema import TrainBatch
 from asyncrl.staleness import mask_stale_tokens, mean_staleness, trained_versions
 from asyncrl.store import BATCH_CODEC, BatchRecord
@@ -34,22 +34,23 @@ from asyncrl.weight_sync import (BucketPlan, Delivery, WeightGroup, node_address
                                  to_shared)
 
 from asyncrl.roles.loop import TrainingLoop
+from asyncrl.roles.policy_rank import PolicyRank
+
+# Calls a rank of a sharded learner: `call(method name, *args)` -> awaitable (its Ray actor).
+RankCall = Callable[..., Awaitable[Any]]
 
 
 class PolicyLearner(TrainingLoop):
     def __init__(self, model, settings: PolicyLossSettings, batches: Mailbox, lr: float, weight_decay: float,
                  warmup_steps: int = 0, kl_coef: float = 0.0, pad_token_id: int = 0,
                  bucket_bytes: int = 64 << 20, tokenizer=None,
-                 max_staleness_versions: int = 1 << 30):
-        self.model = model.eval()
-        self.settings = settings
+                 max_staleness_versions: int = 1 << 30, parallel: DataParallel | None = None,
+                 ranks: list[RankCall] = ()):
+        # Rank 0's model, optimizer and schedule; `ranks` call the other ranks of a sharded learner,
+        # which run every weight-touching call with it (`_on_every_rank`).
+        self.policy = PolicyRank(model, settings, lr, weight_decay, warmup_steps, kl_coef, pad_token_id, parallel)
+        self.ranks = list(ranks)
         self.batches = batches
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
-        )
-        self.reference = copy.deepcopy(model).eval().requires_grad_(False) if kl_coef > 0 else None
-        self.pad_token_id = pad_token_id
         # The staleness bound holds here, at the step, against the version being trained.
         self.max_staleness_versions = max_staleness_versions
         self.version = 0
@@ -66,7 +67,7 @@ class PolicyLearner(TrainingLoop):
         # In synchronous mode the assembler listens here too, so the next batch is generated
         # entirely by the new weights.
         self.on_version_delivered: list[Any] = []
-        self.plan: BucketPlan = plan_buckets(self.model.named_parameters(), bucket_bytes)
+        self.plan: BucketPlan = plan_buckets(self.policy.named_parameters(), bucket_bytes)
         self._trained_ids = RecentIds(10_000)
         # Told the sample ids whose last row was trained (the ledger); awaited, so a checkpoint's
         # ledger has seen every step before it.
@@ -98,8 +99,34 @@ class PolicyLearner(TrainingLoop):
 
     # --- weights ----------------------------------------------------------------------------------
 
-    def snapshot(self) -> dict[str, torch.Tensor]:
-        return {name: p.detach().clone() for name, p in self.model.named_parameters()}
+    @property
+    def model(self):
+        """The policy (a Hugging Face causal LM; its parameters are shards when sharded)."""
+        return self.policy.lm
+
+    @property
+    def optimizer(self):
+        return self.policy.optimizer
+
+    @property
+    def settings(self) -> PolicyLossSettings:
+        return self.policy.settings
+
+    @property
+    def reference(self):
+        return self.policy.reference
+
+    async def _on_every_rank(self, method: str, *args, rank0_args: tuple | None = None):
+        """Run a `PolicyRank` method on every rank at once (a collective when sharded); rank 0's
+        result. `rank0_args`: what rank 0 passes instead of `args` (what it alone has read)."""
+        local = asyncio.to_thread(getattr(self.policy, method), *(args if rank0_args is None else rank0_args))
+        results = await asyncio.gather(local, *(call(method, *args) for call in self.ranks))
+        return results[0]
+
+    async def snapshot(self) -> dict[str, torch.Tensor]:
+        """A copy of the parameters by name (whole), taken between two steps."""
+        async with self._weights_lock:
+            return await self._on_every_rank("snapshot")
 
     def weight_group_address(self) -> tuple[str, int]:
         """Where the weight group meets: this learner's node IP and a port free there."""
@@ -117,8 +144,16 @@ class PolicyLearner(TrainingLoop):
             # generators on this node, a snapshot for the group and for CUDA IPC.
             async with self._weights_lock:
                 version = self.version
-                shared = await asyncio.to_thread(to_shared, self.model.named_parameters()) if "shm" in paths else None
-                weights = await asyncio.to_thread(self.snapshot) if {"group", "cuda_ipc"} & set(paths) else None
+                if self.ranks:  # sharded: the whole weights are gathered to rank 0 first
+                    gathered = await self._on_every_rank("snapshot")
+                    shared = await asyncio.to_thread(to_shared, gathered.items()) if "shm" in paths else None
+                    weights = gathered
+                else:
+                    shared = (await asyncio.to_thread(to_shared, self.model.named_parameters())
+                              if "shm" in paths else None)
+                    weights = await asyncio.to_thread(self.policy.snapshot) if {"group", "cuda_ipc"} & set(paths) else None
+            if "cuda_ipc" in paths:
+                weights = {name: t.cuda() for name, t in weights.items()}  # no-op unless gathered to CPU
             handles = to_cuda_ipc(weights.items()) if "cuda_ipc" in paths else None
             payloads = {"shm": shared, "cuda_ipc": handles, "group": None}
             receivers = [g.receive_weights.remote(Delivery(version, path, self.plan if path == "group" else None),
@@ -163,10 +198,7 @@ class PolicyLearner(TrainingLoop):
         samples, stale = mask_stale_tokens(batch.samples, self.version, self.max_staleness_versions)
         self.counters["stale_tokens_masked"] += int(stale["stale_tokens_masked"])
         async with self._weights_lock:
-            metrics = await asyncio.to_thread(
-                policy_step, self.model, self.optimizer, samples, self.settings, self.reference, self.pad_token_id
-            )
-        self.scheduler.step()
+            metrics = await self._on_every_rank("step", samples)
         if self.record_batch is not None:
             trained = msgspec.structs.replace(batch, samples=samples)
             self.record_batch(BatchRecord(batch_id=batch.batch_id, step=self.step + 1, trained_from_version=self.version,
@@ -193,7 +225,7 @@ class PolicyLearner(TrainingLoop):
             **stale,
             "staleness_mean": mean_staleness(self.version - 1, [trained_versions(t) for t in samples]),
             "response_length_mean": sum(len(s.segment.new_token_ids) for s in batch.samples) / len(batch.samples),
-            "lr": self.scheduler.get_last_lr()[0],
+            "lr": self.policy.scheduler.get_last_lr()[0],
             "train_s": time.perf_counter() - start,
         }
         self._metrics.append(record)
@@ -252,7 +284,9 @@ class PolicyLearner(TrainingLoop):
             tmp = checkpoint.begin(self.run_dir, self.step)
             pending = await self.batches.drain_unacked()  # before the ledger: see the module doc
             await asyncio.gather(*(part(tmp) for part in self.checkpoint_parts))
-            await asyncio.to_thread(self._write_state, tmp, pending)
+            async with self._weights_lock:
+                state = await self._on_every_rank("state")
+            await asyncio.to_thread(self._write_state, tmp, pending, *state)
             path = await asyncio.to_thread(checkpoint.commit, tmp, self.step, self.checkpoint_keep)
             elapsed = time.perf_counter() - start
             self.timing["checkpoint_s"] += elapsed
@@ -261,20 +295,22 @@ class PolicyLearner(TrainingLoop):
                                     "saved_batches": len(pending)}
             return path
 
-    def _write_state(self, directory: str, pending_batches: list[TrainBatch]) -> None:
-        checkpoint.save_policy(self.model, self.tokenizer, os.path.join(directory, "policy"))
-        checkpoint.save_tensors({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
-                                os.path.join(directory, "learner.pt"))
+    def _write_state(self, directory: str, pending_batches: list[TrainBatch], weights: dict, optimizer: dict,
+                     scheduler: dict) -> None:
+        checkpoint.save_policy(self.model, self.tokenizer, os.path.join(directory, "policy"), state_dict=weights)
+        # The optimizer's state by parameter name, whole: the same file for any number of ranks.
+        checkpoint.save_tensors({"optimizer": optimizer, "scheduler": scheduler}, os.path.join(directory, "learner.pt"))
         checkpoint.save_json({"step": self.step, "weight_version": self.version, "incarnation": self.incarnation,
                               "counters": self.counters}, os.path.join(directory, "learner.json"))
         checkpoint.save_batches(pending_batches, os.path.join(directory, "batches.msgpack"))
 
-    def load_checkpoint(self, directory: str) -> None:
+    async def load_checkpoint(self, directory: str) -> None:
         """Continue from a checkpoint: weights, optimizer, scheduler, step, version, counters."""
-        checkpoint.load_policy_weights(self.model, os.path.join(directory, "policy"))
+        weights = checkpoint.read_policy_weights(self.model, os.path.join(directory, "policy"))
         state = checkpoint.load_tensors(os.path.join(directory, "learner.pt"))
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        async with self._weights_lock:
+            await self._on_every_rank("load", {}, {}, state["scheduler"],
+                                      rank0_args=(weights, state["optimizer"], state["scheduler"]))
         meta = checkpoint.load_json(os.path.join(directory, "learner.json"))
         self.step, self.version = int(meta["step"]), int(meta["weight_version"])
         self.incarnation = int(meta.get("incarnation", 0)) + 1
@@ -299,6 +335,4 @@ class PolicyLearner(TrainingLoop):
 
     def _optimizer_steps(self) -> int:
         """Adam's step count of the first parameter (continues across a resume)."""
-        for state in self.optimizer.state.values():
-            return int(state["step"])
-        return 0
+        return self.policy.optimizer_steps()

@@ -30,9 +30,11 @@ from asyncrl.roles.estimators import (ESTIMATORS, GroupEstimator, PairwiseEstima
                                      ValueEstimator)
 from asyncrl.roles.generator import Generator
 from asyncrl.roles.policy_learner import PolicyLearner
+from asyncrl.roles.policy_rank import PolicyRank
 from asyncrl.roles.prompt_source import SNAPSHOT_CODEC, PromptSource
 from asyncrl.roles.recorder import TrajectoryRecorder
 from asyncrl.roles.value_learner import ValueLearner
+from asyncrl.sharding import DataParallel, join as join_ranks
 from asyncrl.store import BATCH_RECORD_ENCODER, RECORDS_ENCODER
 from asyncrl.tasks import encode_prompt, load_examples
 from asyncrl.weight_sync import WeightGroup, node_address
@@ -50,18 +52,13 @@ def build_generator(model: ModelConfig, engine: EngineConfig, prompts: Mailbox, 
                      long_tail=(engine.long_tail_fraction, engine.long_tail_tokens))
 
 
-def build_policy_learner(model: ModelConfig, algorithm: AlgorithmConfig, trainer: TrainerConfig,
-                         engine: EngineConfig, batches: Mailbox, run_dir: str = "",
-                         max_steps: int = 0) -> PolicyLearner:
+def policy_loss_settings(algorithm: AlgorithmConfig, trainer: TrainerConfig, engine: EngineConfig) -> PolicyLossSettings:
     """`engine`: its sampling settings, so the learner scores tokens under the distribution they
     were sampled from (and masks the positions whose distribution it cannot score)."""
-    torch.manual_seed(trainer.seed)
-    tokenizer = load_tokenizer(model)
     a, e = algorithm, engine
-    kl_loss_coef = 0.0 if a.kl_in_reward else a.kl_coef  # in the reward instead (the value learner scores it)
-    settings = PolicyLossSettings(
+    return PolicyLossSettings(
         clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip, loss_agg=a.loss_agg,
-        kl_coef=kl_loss_coef, entropy_coef=a.entropy_coef, temperature=e.temperature,
+        kl_coef=policy_kl_loss_coef(a), entropy_coef=a.entropy_coef, temperature=e.temperature,
         grad_clip=a.grad_clip, micro_batch_tokens=a.micro_batch_tokens, nll_coef=a.nll_coef,
         norm_constant=float(a.loss_norm_tokens or e.max_response_tokens), ppo_epochs=a.ppo_epochs,
         mini_batches=a.mini_batches, proximal_anchor=a.proximal_anchor, behaviour_weight_cap=a.behaviour_weight_cap,
@@ -70,13 +67,45 @@ def build_policy_learner(model: ModelConfig, algorithm: AlgorithmConfig, trainer
         mask_first_token=e.first_token_temperature is not None,
         long_tail=(e.long_tail_fraction, e.long_tail_tokens),
     )
+
+
+def policy_kl_loss_coef(algorithm: AlgorithmConfig) -> float:
+    """β of the KL loss term: 0 when the KL is in the reward (the value learner scores it)."""
+    return 0.0 if algorithm.kl_in_reward else algorithm.kl_coef
+
+
+def _policy_model(model: ModelConfig, trainer: TrainerConfig):
+    torch.manual_seed(trainer.seed)
+    tokenizer = load_tokenizer(model)
     policy = load_model(model, tokenizer)
     if trainer.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    learner = PolicyLearner(policy.to(trainer.learner_device), settings, batches, a.lr, a.weight_decay, a.warmup_steps,
-                            kl_loss_coef, tokenizer.pad_token_id or 0, trainer.broadcast_bucket_mb << 20,
-                            tokenizer=tokenizer,
-                            max_staleness_versions=a.max_staleness_versions)
+    return policy.to(trainer.learner_device), tokenizer
+
+
+def learner_backend(trainer: TrainerConfig) -> str:
+    return "nccl" if trainer.learner_device == "cuda" else "gloo"
+
+
+def build_policy_rank(model: ModelConfig, algorithm: AlgorithmConfig, trainer: TrainerConfig, engine: EngineConfig,
+                      parallel: DataParallel) -> PolicyRank:
+    """Rank 1.. of a sharded policy learner: the same model, loss and optimizer as rank 0."""
+    policy, tokenizer = _policy_model(model, trainer)
+    a = algorithm
+    return PolicyRank(policy, policy_loss_settings(a, trainer, engine), a.lr, a.weight_decay, a.warmup_steps,
+                      policy_kl_loss_coef(a), tokenizer.pad_token_id or 0, parallel)
+
+
+def build_policy_learner(model: ModelConfig, algorithm: AlgorithmConfig, trainer: TrainerConfig,
+                         engine: EngineConfig, batches: Mailbox, run_dir: str = "",
+                         max_steps: int = 0, parallel: DataParallel | None = None, ranks=()) -> PolicyLearner:
+    """`parallel`, `ranks`: rank 0 of a sharded learner and the calls to its other ranks."""
+    policy, tokenizer = _policy_model(model, trainer)
+    a = algorithm
+    learner = PolicyLearner(policy, policy_loss_settings(a, trainer, engine), batches, a.lr, a.weight_decay,
+                            a.warmup_steps, policy_kl_loss_coef(a), tokenizer.pad_token_id or 0,
+                            trainer.broadcast_bucket_mb << 20, tokenizer=tokenizer,
+                            max_staleness_versions=a.max_staleness_versions, parallel=parallel, ranks=ranks)
     learner.run_dir = run_dir
     learner.checkpoint_every = trainer.checkpoint_every if run_dir else 0
     learner.checkpoint_keep = trainer.checkpoint_keep
@@ -360,12 +389,15 @@ class PolicyLearnerActor(_LoopShell, _WeightGroupMember):
 
     def __init__(self, model: ModelConfig, algorithm: AlgorithmConfig, trainer: TrainerConfig,
                  engine: EngineConfig, batches: Mailbox, generators: list, version_listeners: list[Any],
-                 delivered_listeners: list[Any], ledger, checkpoint_parts: list[Any], run_dir: str = "", resume_from: str | None = None,
-                 max_steps: int = 0, recorder=None):
+                 delivered_listeners: list[Any], ledger, checkpoint_parts: list[Any], run_dir: str = "",
+                 max_steps: int = 0, recorder=None, ranks: list[Any] = (), rendezvous: tuple[str, int] | None = None):
+        """`ranks`: the other ranks' actors (`PolicyRankActor`) of a sharded learner, which meet
+        this one at `rendezvous` (a store the run's driver holds)."""
         torch.set_num_threads(trainer.learner_threads)
-        self.inner = build_policy_learner(model, algorithm, trainer, engine, batches, run_dir, max_steps)
-        if resume_from:
-            self.inner.load_checkpoint(resume_from)
+        parallel = (join_ranks(*rendezvous, len(ranks) + 1, 0, learner_backend(trainer), trainer.learner_timeout_s)
+                    if ranks else None)
+        self.inner = build_policy_learner(model, algorithm, trainer, engine, batches, run_dir, max_steps, parallel,
+                                          [_rank_call(rank) for rank in ranks])
         self.inner.generators = generators
         self.inner.on_version = [_version_notice(listener) for listener in version_listeners]
         self.inner.on_version_delivered = [_version_notice(listener) for listener in delivered_listeners]
@@ -378,6 +410,9 @@ class PolicyLearnerActor(_LoopShell, _WeightGroupMember):
         if recorder is not None:
             self.inner.record_batch = lambda record: recorder.add_batch.remote(BATCH_RECORD_ENCODER.encode(record))
 
+    async def resume(self, checkpoint_dir: str) -> None:
+        await self.inner.load_checkpoint(checkpoint_dir)
+
     async def publish(self) -> None:
         await self.inner.publish()
 
@@ -387,9 +422,10 @@ class PolicyLearnerActor(_LoopShell, _WeightGroupMember):
     def pop_metrics(self) -> list[dict]:
         return self.inner.pop_metrics()
 
-    def weights(self) -> tuple[int, dict[str, torch.Tensor]]:
+    async def weights(self) -> tuple[int, dict[str, torch.Tensor]]:
         """(version, a snapshot of the parameters): for evaluation and the policy endpoint."""
-        return self.inner.version, self.inner.snapshot()
+        version = self.inner.version
+        return version, await self.inner.snapshot()
 
     def version(self) -> int:
         return self.inner.version
@@ -399,6 +435,36 @@ class PolicyLearnerActor(_LoopShell, _WeightGroupMember):
 
     def set_weight_paths(self, paths: list[str]) -> None:
         self.inner.weight_paths = list(paths)
+
+
+class PolicyRankActor:
+    """Rank 1.. of a sharded policy learner: builds its model, meets the other ranks, and runs what
+    rank 0 asks, in order (a sync actor: one call at a time)."""
+
+    METHODS = ("step", "snapshot", "state", "load")
+
+    def __init__(self, model: ModelConfig, algorithm: AlgorithmConfig, trainer: TrainerConfig, engine: EngineConfig,
+                 rendezvous: tuple[str, int], rank: int):
+        torch.set_num_threads(trainer.learner_threads)
+        self.rank = rank
+        parallel = join_ranks(*rendezvous, trainer.learner_ranks, rank, learner_backend(trainer),
+                              trainer.learner_timeout_s)
+        self.inner = build_policy_rank(model, algorithm, trainer, engine, parallel)
+
+    def call(self, method: str, *args):
+        if method not in self.METHODS:
+            raise ValueError(f"a policy rank has no method {method!r}")
+        return getattr(self.inner, method)(*args)
+
+    def stats(self) -> dict:
+        return {"rank": self.rank, "optimizer_steps": self.inner.optimizer_steps(), "node_ip": node_address()}
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def _rank_call(actor):
+    return lambda method, *args: actor.call.remote(method, *args)
 
 
 def _version_notice(listener):
