@@ -201,7 +201,9 @@ class TrainController:
     @train_api.get("/status")
     def status(self) -> dict:
         status = self.system.status()
-        status.pop("generators")
+        # Where each generator runs and the weights it holds (its full counters stay internal).
+        status["generators"] = [{key: g.get(key) for key in ("generator_id", "node_ip", "version", "busy_fraction")}
+                                for g in status["generators"]]
         status["run_dir"] = self.run_dir
         status["started_at"] = self.started_at
         status["reward_curve"] = [(r["step"], r[REWARD_KEY]) for r in self.history[-200:]]

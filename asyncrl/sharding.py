@@ -151,5 +151,8 @@ def load_optimizer_state(module: torch.nn.Module, optimizer, state: dict, parall
 
 
 def leave() -> None:
+    """Every rank leaves together: a rank that tears its gloo pairs down while a peer still talks
+    to them aborts the process ("terminate called without an active exception")."""
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()

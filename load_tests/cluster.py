@@ -2,6 +2,7 @@
 
     sudo python load_tests/cluster.py train            # up, train (generator on the worker node,
                                                        # learner on the head), report, down
+    sudo python load_tests/cluster.py serve            # the same under `serve run configs/serve.yaml`
     sudo python load_tests/cluster.py scale            # 1, 2, 4, 8 generators spread over the nodes
     sudo python load_tests/cluster.py up | down        # leave it running / take it down
 
@@ -181,9 +182,52 @@ def train(steps: int, generators: int, placement: list[str], run_dir: str, timeo
 PINNED = ["trainer.generator_resources={node_generator: 1}", "trainer.learner_resources={node_learner: 1}"]
 
 
+def serve(steps: int, out_dir: str, timeout_s: float = 600) -> dict:
+    """`serve run configs/serve.yaml` against the cluster (its train application pinned as `train`
+    pins it): where each part landed, the weight versions per node, the ledger, once the learner
+    has taken `steps` steps; then Ctrl-C, as from a terminal."""
+    import yaml
+
+    spec = yaml.safe_load(open(os.path.join(ROOT, "configs", "serve.yaml")))
+    for app in spec["applications"]:
+        if app["name"] == "train":  # no spaces inside an override: the string is split on them
+            app["args"]["overrides"] += " " + " ".join(p.replace(" ", "") for p in PINNED)
+    path = os.path.join(out_dir, "serve.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(spec, f)
+    env = {**os.environ, **ray_env(), "RAY_ADDRESS": ADDRESS, "WANDB_MODE": "disabled"}
+    proc = subprocess.Popen(["ip", "netns", "exec", HEAD, f"{VENV_BIN}/serve", "run", path], env=env, cwd=ROOT,
+                            stdout=open(os.path.join(out_dir, "serve.log"), "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    probe = ("import httpx, json; print(json.dumps(httpx.get('http://127.0.0.1:8000/train/status', timeout=10).json()))")
+    start, status = time.time(), {}
+    try:
+        while time.time() - start < timeout_s and proc.poll() is None:
+            out = in_ns(HEAD, f"{VENV_BIN}/python", "-c", probe, check=False, timeout=30)
+            if out.returncode == 0 and out.stdout.strip():
+                status = json.loads(out.stdout.strip().splitlines()[-1])
+                if status.get("step", 0) >= steps:
+                    break
+            time.sleep(3)
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+    if status.get("step", 0) < steps:
+        raise RuntimeError(f"serve run reached step {status.get('step')} in {timeout_s}s; see {out_dir}/serve.log")
+    return {"steps": status["step"], "seconds_to_step": round(time.time() - start, 1),
+            "learner_node": status["learner_node"], "learner_version": status["weight_version"],
+            "weight_versions": {f"{g['generator_id']}@{g['node_ip']}": g["version"] for g in status["generators"]},
+            "weight_paths": status["last_broadcast"].get("paths"),
+            "ledger": {k: status["ledger"][k] for k in ("admitted", "trained", "dropped", "in_flight", "duplicates")}
+                      | {"problems": status["ledger"]["problems"]}}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["up", "down", "train", "scale"])
+    parser.add_argument("command", choices=["up", "down", "train", "serve", "scale"])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--generators", type=int, nargs="*", default=[1, 2, 4, 8])
     parser.add_argument("--out", default=os.path.join(ROOT, "outputs", "cluster"))
@@ -200,11 +244,16 @@ def main() -> int:
         return 0
     os.makedirs(args.out, exist_ok=True)
     try:
-        if args.command == "train":
-            result = train(args.steps, 1, PINNED, tempfile.mkdtemp(prefix="cluster-train-", dir=args.out))
+        if args.command in ("train", "serve"):
+            out_dir = tempfile.mkdtemp(prefix=f"cluster-{args.command}-", dir=args.out)
+            result = (train(args.steps, 1, PINNED, out_dir) if args.command == "train"
+                      else serve(min(args.steps, 10), out_dir))
             print(json.dumps(result, indent=1))
+            # A finished run's generators hold the last version (or the one before); a live one's
+            # may be a broadcast behind besides.
+            lag = 1 if args.command == "train" else 2
             ok = (result["weight_paths"] == ["group"] and not result["ledger"]["problems"]
-                  and all(v >= result["learner_version"] - 1 for v in result["weight_versions"].values()))
+                  and all(v >= result["learner_version"] - lag for v in result["weight_versions"].values()))
         else:
             rows = []
             for n in args.generators:

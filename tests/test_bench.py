@@ -3,7 +3,7 @@
 
 import torch
 
-from asyncrl.bench import broadcast, mailbox
+from asyncrl.bench import broadcast, learner, mailbox
 
 
 def test_both_weight_paths_move_every_byte_of_the_model_and_report_against_memcpy(ray_session):
@@ -23,6 +23,17 @@ def test_half_billion_model_shapes_without_allocating():
     shapes = broadcast.shapes_of("0.5b")
     params = sum(torch.Size(s).numel() for s, _ in shapes.values())
     assert 480e6 < params < 500e6  # Qwen2.5-0.5B: 494M with tied embeddings
+    shapes = broadcast.shapes_of("1.5b")
+    assert 1.50e9 < sum(torch.Size(s).numel() for s, _ in shapes.values()) < 1.56e9  # Qwen2.5-1.5B: 1.54B
+
+
+def test_the_learner_benchmark_times_the_learners_own_step_in_each_precision():
+    result = learner.run(quick=True)
+    assert {"cpu_fp32", "cpu_bf16"} <= set(result)
+    for r in result.values():
+        assert r["trained_tokens_per_s"] > 0 and r["policy_updates"] >= 1 and r["rounds"] == 2
+    assert result["cpu_fp32"]["speedup_over_cpu_fp32"] == 1.0
+    assert "| cpu, bf16 |" in learner.report(result)
 
 
 def test_mailbox_across_ray_msgspec_and_pickle(ray_session):

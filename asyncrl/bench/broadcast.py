@@ -5,6 +5,8 @@ bytes (the ceiling: an update moves each byte at least once). Paired rounds.
   object store) and a generator process's engine adopts views of them (`TorchEngine.adopt_weights`).
 * `group` (a generator on another node): the bucketed gloo broadcast of the learner's own process
   group to a generator process that copies every tensor into its model.
+* `cuda_ipc` (with a GPU only): IPC handles of the learner's CUDA tensors to a second process that
+  copies them into its own CUDA parameters, against a device-to-device copy of the same bytes.
 
 Models: the embedded SmolLM2-135M (its real weights) and a 0.5B-parameter model with random
 weights (Qwen2.5-0.5B's shapes). The share of training wall time spent on updates is measured in
@@ -20,19 +22,25 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-from asyncrl.weight_sync import Delivery, WeightGroup, free_port, plan_buckets, shared_views, to_shared
+from asyncrl.weight_sync import (Delivery, WeightGroup, free_port, from_cuda_ipc, plan_buckets, shared_views, to_cuda_ipc,
+                                 to_shared)
 
 # Qwen2.5-0.5B's architecture (494M parameters, tied embeddings), random weights.
 HALF_B = dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
               num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
 
 
+# Qwen2.5-1.5B's architecture (1.54B parameters, tied embeddings), random weights.
+ONE_HALF_B = dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                  num_attention_heads=12, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
+
+
 def shapes_of(model_name: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Parameter names and shapes, built on the meta device (no memory, no init)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if model_name == "0.5b":
-        config = AutoConfig.for_model(**HALF_B)
+    if model_name in ("0.5b", "1.5b"):
+        config = AutoConfig.for_model(**(HALF_B if model_name == "0.5b" else ONE_HALF_B))
     elif model_name == "embedded":
         from asyncrl.config import compose
         from asyncrl.models import load_policy
@@ -46,7 +54,7 @@ def shapes_of(model_name: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]
         model, _ = load_policy(compose(["model=tiny"]).model)
         return {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
     else:
-        raise ValueError(f"unknown model {model_name!r}: embedded, 0.5b or tiny")
+        raise ValueError(f"unknown model {model_name!r}: embedded, 0.5b, 1.5b or tiny")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     return {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
@@ -174,6 +182,63 @@ class _EngineHolder:
         return float(sum(p.double().sum() for p in self.model.parameters()))
 
 
+def _cuda_receiver(shapes: dict, rounds: int, inbox, results) -> None:
+    """A generator's CUDA parameters in its own process, loaded from the learner's IPC handles."""
+    params = {n: torch.zeros(s, dtype=d, device="cuda") for n, (s, d) in shapes.items()}
+    times = []
+    for _ in range(rounds):
+        handles = inbox.get(timeout=600)
+        start = time.perf_counter()
+        for name, tensor in from_cuda_ipc(handles):
+            params[name].copy_(tensor)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        results.put(("loaded", None))  # the learner may release the version now
+    results.put(("done", {"load_s": times, "checksum": float(sum(p.double().sum() for p in params.values()))}))
+
+
+def device_copy_seconds(weights: dict[str, torch.Tensor], rounds: int) -> list[float]:
+    """A device-to-device copy of the same tensors (the ceiling on one GPU)."""
+    targets = {n: torch.empty_like(t) for n, t in weights.items()}
+    out = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for name, tensor in weights.items():
+            targets[name].copy_(tensor)
+        torch.cuda.synchronize()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def measure_cuda_ipc(model_name: str, rounds: int) -> dict:
+    """The learner's CUDA tensors to another process on the same GPU by IPC handle (the `cuda_ipc`
+    path; SGLang's `update_weights_from_tensor` takes the same handles). Update time: making the
+    handles, the receiver rebuilding and copying every tensor, and its acknowledgement."""
+    shapes = shapes_of(model_name)
+    weights = {n: t.cuda() for n, t in random_tensors(shapes).items()}
+    total = sum(t.numel() * t.element_size() for t in weights.values())
+    ctx = mp.get_context("spawn")
+    inbox, results = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_cuda_receiver, args=(shapes, rounds, inbox, results))
+    proc.start()
+    update = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        inbox.put(to_cuda_ipc(weights.items()))
+        kind, _ = results.get(timeout=600)
+        update.append(time.perf_counter() - start)
+    kind, received = results.get(timeout=600)
+    proc.join(timeout=60)
+    expected = float(sum(t.double().sum() for t in weights.values()))
+    if abs(received["checksum"] - expected) > 1e-6 * max(1.0, abs(expected)):
+        raise RuntimeError(f"received weights differ: checksum {received['checksum']} != {expected}")
+    return _figures(weights, total, update, device_copy_seconds(weights, rounds),
+                    {"receiver_load_s_median": statistics.median(received["load_s"]),
+                     "baseline": "device-to-device copy"})
+
+
 def _figures(weights: dict, total: int, update: list[float], memcpy: list[float], extra: dict) -> dict:
     return {
         "parameters": sum(t.numel() for t in weights.values()), "bytes": total, "rounds": len(update),
@@ -188,13 +253,17 @@ def _figures(weights: dict, total: int, update: list[float], memcpy: list[float]
 
 
 def measure(model_name: str, rounds: int, bucket_mb: int = 64) -> dict:
-    """Both paths for one model."""
-    return {"shm": measure_shm(model_name, rounds), "group": measure_group(model_name, rounds, bucket_mb)}
+    """The CPU paths for one model, and with a GPU the CUDA IPC path."""
+    out = {"shm": measure_shm(model_name, rounds), "group": measure_group(model_name, rounds, bucket_mb)}
+    if torch.cuda.is_available():
+        out["cuda_ipc"] = measure_cuda_ipc(model_name, rounds)
+    return out
 
 
 def run(quick: bool = False, overrides: list[str] | None = None, step_seconds: dict[str, float] | None = None) -> dict:
-    """`overrides` are not used: the models are fixed by name (embedded, 0.5b; tiny with --quick)."""
-    models = ("tiny", "embedded") if quick else ("embedded", "0.5b")
+    """`overrides` are not used: the models are fixed by name (embedded, 0.5b; tiny with --quick;
+    with a GPU also 1.5b, whose CPU paths are measured too)."""
+    models = ("tiny", "embedded") if quick else ("embedded", "0.5b", *(("1.5b",) if torch.cuda.is_available() else ()))
     rounds = 3 if quick else 5
     out = {}
     for name in models:
@@ -209,7 +278,8 @@ def run(quick: bool = False, overrides: list[str] | None = None, step_seconds: d
 
 
 def report(result: dict) -> str:
-    lines = ["| model | path | parameters | bytes | s / update | GB/s | memcpy s | memcpy GB/s | share of memcpy bandwidth |",
+    """The copy columns: a memory copy of the same bytes (a device-to-device copy for cuda_ipc)."""
+    lines = ["| model | path | parameters | bytes | s / update | GB/s | copy s | copy GB/s | share of copy bandwidth |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, paths in result.items():
         for path, r in paths.items():

@@ -1,5 +1,6 @@
 """Embedded engine speed: tokens/s of `TorchEngine` against transformers' own `generate` on the
-same model, prompts and length, paired rounds (engine, generate, engine, ...)."""
+same model, prompts and length, paired rounds (engine, generate, engine, ...). On `engine.device`
+(`engine.device=cuda` on a GPU: batches up to 256)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ from asyncrl.tasks import encode_prompt, load_examples
 def run(quick: bool = False, overrides: list[str] | None = None) -> dict:
     config = compose(overrides or [])
     torch.set_num_threads(config.engine.threads)
-    engine, tokenizer = build_engine(config.model)
+    device = config.engine.device
+    engine, tokenizer = build_engine(config.model, device=device)
     new_tokens = 16 if quick else 64
-    batches = (1, 4) if quick else (1, 16, 64)
+    batches = (1, 4) if quick else (1, 16, 64, 256) if device == "cuda" else (1, 16, 64)
     rounds = 1 if quick else 3
     examples = load_examples(config.task.name, "eval", max(batches), config.task.seed, config.task.eval_path)
     prompts = [encode_prompt(ex, tokenizer, config.model.use_chat_template) for ex in examples]
@@ -32,8 +34,8 @@ def run(quick: bool = False, overrides: list[str] | None = None) -> dict:
         engine.eos_token_ids = torch.tensor([-1])
         sequences = [sequence_input(p, i, new_tokens) for i, p in enumerate(chosen)]
         width = max(len(p) for p in chosen)
-        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in chosen])
-        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chosen])
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in chosen], device=device)
+        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chosen], device=device)
         ours, theirs = [], []
         for _ in range(rounds):
             start = time.perf_counter()
@@ -50,7 +52,7 @@ def run(quick: bool = False, overrides: list[str] | None = None) -> dict:
             "asyncrl_tokens_per_s": float(np.median(ours)),
             "hf_generate_tokens_per_s": float(np.median(theirs)),
             "ratio_asyncrl_over_hf": float(np.median([a / b for a, b in zip(ours, theirs)])),
-            "new_tokens": new_tokens, "rounds": rounds, "threads": config.engine.threads,
+            "new_tokens": new_tokens, "rounds": rounds, "threads": config.engine.threads, "device": device,
         }
     return results
 
