@@ -3,6 +3,7 @@ and report its slope; check the sample ledger at the end.
 
     python load_tests/soak.py --minutes 20 --fault-every 180     # the figures in docs/reliability.md
     python load_tests/soak.py --quick                            # 3 minutes, a fault a minute
+    python load_tests/soak.py --minutes 25 --fault-every 0 --warmup-minutes 10   # memory only
 
 The faults cycle: reward endpoint hangs (10 s, calls time out), reward endpoint killed (Ray
 restarts it), a generator killed mid-window and the policy learner killed (the supervisor restarts
@@ -77,9 +78,11 @@ def slope_mb_per_min(samples: list[tuple[float, float]], warmup_s: float) -> flo
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, default=20)
-    parser.add_argument("--fault-every", type=float, default=180, help="seconds between faults")
+    parser.add_argument("--fault-every", type=float, default=180, help="seconds between faults (0: none, a memory soak)")
     parser.add_argument("--sample-every", type=float, default=10, help="seconds between memory samples")
     parser.add_argument("--quick", action="store_true", help="3 minutes, a fault a minute")
+    parser.add_argument("--warmup-minutes", type=float, default=None,
+                        help="memory slopes are fitted after this (1 with --quick, 5 otherwise)")
     parser.add_argument("--run-dir", default="outputs/soak")
     args = parser.parse_args()
     if args.quick:
@@ -94,7 +97,8 @@ def main() -> int:
     memory: dict[int, list[tuple[float, float]]] = collections.defaultdict(list)
     role_of: dict[int, str] = {}
     faults, started = [], time.time()
-    next_fault, next_sample = started + args.fault_every, started
+    next_fault = started + args.fault_every if args.fault_every > 0 else float("inf")
+    next_sample = started
     try:
         while time.time() - started < args.minutes * 60:
             event = sup.check()
@@ -130,13 +134,14 @@ def main() -> int:
         sup.stop()
     # The bounded id windows (ledger, dedup) fill in the first minutes of a fast tiny run; the slope
     # that matters is the one after.
-    warmup_s = 60.0 if args.quick else 300.0
+    warmup_s = 60 * (args.warmup_minutes if args.warmup_minutes is not None else (1.0 if args.quick else 5.0))
     per_role: dict[str, list[dict]] = collections.defaultdict(list)
     for pid, samples in memory.items():
         per_role[role_of[pid]].append({"pid": pid, "minutes": round((samples[-1][0] - samples[0][0]) / 60, 1),
                                        "rss_mb_first": round(samples[0][1]), "rss_mb_last": round(samples[-1][1]),
-                                       "slope_mb_per_min": slope_mb_per_min(samples, warmup_s)})
-    result = {"minutes": args.minutes, "faults": faults, "supervisor_restarts": len(sup.restarts),
+                                       "slope_mb_per_min": slope_mb_per_min(samples, warmup_s),
+                                       "series": [(round(t - started, 1), round(mb, 1)) for t, mb in samples]})
+    result = {"minutes": args.minutes, "warmup_minutes": warmup_s / 60, "faults": faults, "supervisor_restarts": len(sup.restarts),
               "final_step": status["step"], "samples_trained": status["samples_trained"], "ledger": ledger,
               "memory": dict(per_role)}
     os.makedirs(args.run_dir, exist_ok=True)
