@@ -303,6 +303,7 @@ class PolicyServer:
                 if version > self.engine.version:
                     version, weights = await learner.weights.remote()
                     await asyncio.to_thread(self.engine.update_weights, weights.items(), version)
+                    del weights  # not held while waiting for the next version: a second copy of the model
             except ValueError:
                 pass  # no learner running (yet): serve the weights we have
             await asyncio.sleep(self.poll_s)

@@ -7,7 +7,7 @@
     python load_tests/long_run.py --minutes 3 --quick-swap           # a check
 
 Every `--sample-every` seconds it reads `/train/status` (step, samples, prompts retired, ledger)
-and every actor's resident memory (the `ray::` processes by role). At the end it writes
+and every actor's resident and private (anonymous) memory (the `ray::` processes by role). At the end it writes
 `long_run.json` and PNG plots (step time, samples/s, memory per role, share of prompts retired)
 to `--out`, and prints the memory slope of every role after `--warmup-minutes`, the policy
 requests that failed, and the ledger (no sample lost or trained twice). Traffic stays on 127.0.0.1;
@@ -37,10 +37,22 @@ WORKLOADS = {
 PROMPTS = {"tiny": "3:", "embedded": "What is 12 plus 30? Put the answer in \\boxed{}."}
 
 
-def actor_memory() -> dict[str, float]:
-    """Resident MB of this run's Ray worker processes (this process started Ray: they are its
-    descendants), summed by role (the process title `ray::Role`)."""
-    by_role: dict[str, float] = collections.defaultdict(float)
+def private_mb(pid: int) -> float:
+    """Anonymous resident memory (`RssAnon`): what the process itself allocated. RSS also counts
+    the shared-memory pages it has touched, and a generator adopting each weight version from Ray's
+    object store touches new shared pages (bounded by the store's size) without owning them."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def actor_memory() -> tuple[dict[str, float], dict[str, float]]:
+    """Resident and private (anonymous) MB of this run's Ray worker processes (this process started
+    Ray: they are its descendants), summed by role (the process title `ray::Role`)."""
+    rss: dict[str, float] = collections.defaultdict(float)
+    private: dict[str, float] = collections.defaultdict(float)
     for proc in psutil.Process(os.getpid()).children(recursive=True):
         try:
             cmdline = proc.cmdline()
@@ -48,10 +60,11 @@ def actor_memory() -> dict[str, float]:
                 # `ray::GeneratorActor.run` -> GeneratorActor; `ray::ServeReplica:train:TrainController` -> ServeReplica:train
                 role = ":".join(cmdline[0].removeprefix("ray::").split(".")[0].split(":")[:2]).strip()
                 if role and role != "IDLE":
-                    by_role[role] += proc.memory_info().rss / 2**20
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    rss[role] += proc.memory_info().rss / 2**20
+                    private[role] += private_mb(proc.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, FileNotFoundError):
             continue
-    return dict(by_role)
+    return dict(rss), dict(private)
 
 
 class PolicyLoad(threading.Thread):
@@ -145,8 +158,8 @@ def main() -> int:
                             "prompts_retired_share": prompts.get("prompts_retired_share", 0.0),
                             "all_prompts_retired": prompts.get("all_prompts_retired", False),
                             "reward_versions": status["reward_endpoints"]["verifier"].get("versions", {}),
-                            "memory_mb": actor_memory()})
-            print(json.dumps({k: v for k, v in samples[-1].items() if k != "memory_mb"}), flush=True)
+                            **dict(zip(("memory_mb", "private_mb"), actor_memory()))})
+            print(json.dumps({k: v for k, v in samples[-1].items() if k not in ("memory_mb", "private_mb")}), flush=True)
             time.sleep(args.sample_every)
         final = httpx.get(f"{base}/train/status", timeout=60).json()
     finally:
@@ -165,11 +178,7 @@ def main() -> int:
 
 def summarize(samples: list[dict], requests: list[dict], final: dict, swapped_at: float | None, args) -> dict:
     warm = args.warmup_minutes * 60
-    roles = sorted({role for s in samples for role in s["memory_mb"]})
-    memory = {role: {"first_mb": next(s["memory_mb"][role] for s in samples if role in s["memory_mb"]),
-                     "last_mb": next(s["memory_mb"][role] for s in reversed(samples) if role in s["memory_mb"]),
-                     "slope_mb_per_min_after_warmup": slope([(s["t"], s["memory_mb"][role]) for s in samples
-                                                             if role in s["memory_mb"]], warm)} for role in roles}
+    memory = {key: memory_summary(samples, key, warm) for key in ("memory_mb", "private_mb")}
     windows = []
     for a, b in zip(samples, samples[1:]):
         steps = b["step"] - a["step"]
@@ -189,8 +198,16 @@ def summarize(samples: list[dict], requests: list[dict], final: dict, swapped_at
         "ledger": {"balanced": not ledger["problems"], "problems": ledger["problems"],
                    "duplicates": ledger.get("duplicates", 0), "trained": ledger["trained"], "dropped": ledger["dropped"],
                    "in_flight": ledger["in_flight"]},
-        "memory": memory, "windows": windows,
+        "memory": memory["memory_mb"], "private_memory": memory["private_mb"], "windows": windows,
     }
+
+
+def memory_summary(samples: list[dict], key: str, warm: float) -> dict:
+    roles = sorted({role for s in samples for role in s[key]})
+    return {role: {"first_mb": next(s[key][role] for s in samples if role in s[key]),
+                   "last_mb": next(s[key][role] for s in reversed(samples) if role in s[key]),
+                   "slope_mb_per_min_after_warmup": slope([(s["t"], s[key][role]) for s in samples if role in s[key]], warm)}
+            for role in roles}
 
 
 def plot(samples: list[dict], out: str, warmup_minutes: float) -> None:
@@ -211,11 +228,11 @@ def plot(samples: list[dict], out: str, warmup_minutes: float) -> None:
     axes[0][0].set_title("seconds per learner step")
     axes[0][1].plot(mids, rate, marker=".")
     axes[0][1].set_title("samples trained per second")
-    for role in sorted({r for s in samples for r in s["memory_mb"]}):
-        axes[1][0].plot([s["t"] / 60 for s in samples if role in s["memory_mb"]],
-                        [s["memory_mb"][role] for s in samples if role in s["memory_mb"]], label=role)
+    for role in sorted({r for s in samples for r in s["private_mb"]}):
+        axes[1][0].plot([s["t"] / 60 for s in samples if role in s["private_mb"]],
+                        [s["private_mb"][role] for s in samples if role in s["private_mb"]], label=role)
     axes[1][0].axvline(warmup_minutes, color="grey", linestyle=":")
-    axes[1][0].set_title("resident memory by role (MB)")
+    axes[1][0].set_title("private (anonymous) memory by role, MB")
     axes[1][0].legend(fontsize=6)
     axes[1][1].plot(minutes, [s["prompts_retired_share"] for s in samples], marker=".")
     axes[1][1].set_title("share of prompts retired")
