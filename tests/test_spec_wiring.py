@@ -533,11 +533,11 @@ def test_the_gpu_learners_settings_run_on_cpu_bf16_autocast_and_checkpointing():
         learner = build_policy_learner(config.model, config.algorithm, config.trainer, config.engine, InProcessMailbox(2))
         rows = [TrainSample(segment=segment([20, 21, 22], logprobs=[-3.0] * 3), score=1.0,
                             advantages=float32_array([1.0, 1.0, 1.0]))]
-        return learner, policy_step(learner.model, learner.optimizer, rows, learner.settings)
+        return learner, learner.policy.step(rows)  # the learner's own step
 
     _, fp32 = step()
     learner, bf16 = step("trainer.learner_precision=bf16", "trainer.gradient_checkpointing=true")
-    assert learner.settings.precision == "bf16" and learner.model.is_gradient_checkpointing
+    assert learner.policy.settings.precision == "bf16" and learner.model.is_gradient_checkpointing
     assert all(p.dtype == torch.float32 for p in learner.model.parameters())  # master weights stay fp32
     assert bf16["loss"] == pytest.approx(fp32["loss"], rel=0.05) and np.isfinite(bf16["grad_norm"])
     with pytest.raises(ConfigError, match="learner_gpus"):

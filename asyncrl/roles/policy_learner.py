@@ -104,18 +104,6 @@ class PolicyLearner(TrainingLoop):
         """The policy (a Hugging Face causal LM; its parameters are shards when sharded)."""
         return self.policy.lm
 
-    @property
-    def optimizer(self):
-        return self.policy.optimizer
-
-    @property
-    def settings(self) -> PolicyLossSettings:
-        return self.policy.settings
-
-    @property
-    def reference(self):
-        return self.policy.reference
-
     async def _on_every_rank(self, method: str, *args, rank0_args: tuple | None = None):
         """Run a `PolicyRank` method on every rank at once (a collective when sharded); rank 0's
         result. `rank0_args`: what rank 0 passes instead of `args` (what it alone has read)."""
