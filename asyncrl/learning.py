@@ -331,7 +331,7 @@ def _policy_update(model, optimizer, collated: Collated, settings: PolicyLossSet
     nothing = not float(collated.response_mask.sum()) and not total_nll_tokens
     model.train()
     optimizer.zero_grad(set_to_none=True)
-    sums: dict[str, float] = {"skipped_updates": float(nothing)}
+    sums: dict[str, float] = {}
     for rows, ghost in rank_micro_batches(collated, settings.micro_batch_tokens, parallel):
         sl = (rows, slice(0, width_of(collated.attention_mask, rows)))
         mask = collated.response_mask[sl]
@@ -373,6 +373,9 @@ def _policy_update(model, optimizer, collated: Collated, settings: PolicyLossSet
             sums[key] = sums.get(key, 0.0) + value * token_share
     if parallel is not None:
         sums = parallel.sum(sums)
+    # The batch's flag, set after the sum over ranks (every rank sees the whole batch: summed, two
+    # ranks counted a skipped update twice and the learner's update count fell behind Adam's).
+    sums["skipped_updates"] = float(nothing)
     if nothing:
         optimizer.zero_grad(set_to_none=True)
         model.eval()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import pickle
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -52,6 +53,12 @@ def _batch() -> list[TrainSample]:
     return samples
 
 
+def _stale_batch() -> list[TrainSample]:
+    """Every token masked out of the loss (gone stale) and no positive example: nothing to train."""
+    return [msgspec.structs.replace(s, loss_mask=np.zeros(len(s.segment.new_token_ids), np.uint8), correct=False)
+            for s in _batch()]
+
+
 def _rank(parallel=None) -> PolicyRank:
     torch.manual_seed(0)
     return PolicyRank(build_tiny_model(ModelConfig(source="tiny", seed=3), 30), _settings(), lr=1e-2,
@@ -63,6 +70,7 @@ def _sharded_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     parallel = join("127.0.0.1", port, world, rank, "gloo", timeout_s=120)
     policy = _rank(parallel)
     metrics = [policy.step(_batch()) for _ in range(2)]
+    metrics.append(policy.step(_stale_batch()))
     weights = policy.snapshot()
     state = policy.state()
     if rank == 0:
@@ -75,6 +83,7 @@ def _sharded_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 def test_a_sharded_step_is_the_one_rank_step_and_saves_the_same_state(tmp_path):
     single = _rank()
     metrics = [single.step(_batch()) for _ in range(2)]
+    metrics.append(single.step(_stale_batch()))
     port = free_port()
     store = rendezvous_store("127.0.0.1", port)  # noqa: F841 (held while the ranks meet)
     mp.spawn(_sharded_worker, args=(2, port, str(tmp_path)), nprocs=2)
@@ -87,7 +96,12 @@ def test_a_sharded_step_is_the_one_rank_step_and_saves_the_same_state(tmp_path):
     for name, tensor in weights.items():
         torch.testing.assert_close(sharded["weights"][name], tensor, rtol=1e-4, atol=1e-5)
     for key in ("loss", "grad_norm", "clip_fraction", "entropy", "nll_positive", "rollout_kl_k3", "tokens_trained"):
-        assert sharded["metrics"][-1][key] == pytest.approx(metrics[-1][key], rel=1e-3, abs=1e-6), key
+        assert sharded["metrics"][-2][key] == pytest.approx(metrics[-2][key], rel=1e-3, abs=1e-6), key
+    # A batch with nothing to train: both of its updates skipped, counted once however many ranks
+    # (the learner's update count is Adam's step count: a resumed run checks one against the other).
+    for run in (metrics, sharded["metrics"]):
+        assert [m["skipped_updates"] for m in run] == [0.0, 0.0, 2.0]
+        assert [m["policy_updates"] for m in run] == [2, 2, 2]
 
     # The checkpoint state is the one-rank format (optimizer state by parameter name, whole):
     # a one-rank learner resumes from a sharded run's state and continues identically.
