@@ -3,9 +3,9 @@
 The learner publishes each new version once and tells every generator how to fetch it (a
 `Delivery`); the path of a generator is chosen from where it landed (`choose_paths`):
 
-* `shm` (same host, CPU): the learner puts the version's tensors into the node's shared memory
-  (Ray's object store: one copy); a generator on that node maps them without copying and its engine
-  adopts the views as its parameters between windows. No TCP, no second copy.
+* `shm` (same host, CPU): the learner copies the version's tensors into one of two files in the
+  node's shared memory, written in turn (`SharedSlots`); a generator on that node maps them once
+  and its engine adopts views as its parameters between windows. No TCP, no second copy.
 * `cuda_ipc` (same host, CUDA): tensors passed by CUDA IPC handle (`torch.multiprocessing`'s
   reductions; SGLang's `update_weights_from_tensor` takes the same handles).
 * `group` (another host): a `torch.distributed` group of the learner (rank 0) and those generators,
@@ -22,7 +22,11 @@ first, then the sender joins, then the caller waits on the receivers.
 from __future__ import annotations
 
 import datetime
+import glob
+import mmap
+import os
 import socket
+import tempfile
 import time
 import warnings
 from typing import Iterable, Iterator
@@ -120,24 +124,162 @@ def choose_paths(learner_node: str, generator_nodes: list[str], device: str, set
 # --- shared memory (same host, CPU) ---------------------------------------------------------------
 
 
-def to_shared(named_tensors: Iterable[tuple[str, torch.Tensor]]):
-    """Put a version's tensors into the node's shared memory (Ray's object store): one copy. The
-    returned reference is what the generators on this node receive (as arrays that map it)."""
-    import ray
+class SharedVersion(msgspec.Struct, frozen=True):
+    """Where one version lies in the node's shared memory: a file every process on the node maps,
+    and each tensor's place in it (offsets aligned for any dtype)."""
 
-    # Each tensor as raw bytes (bf16 has no numpy dtype), with what rebuilds it.
-    return ray.put({name: (str(t.dtype).removeprefix("torch."), list(t.shape),
-                           t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
-                    for name, t in named_tensors})
+    path: str
+    nbytes: int
+    tensors: list[TensorSlot]
 
 
-def shared_views(arrays: dict) -> Iterator[tuple[str, torch.Tensor]]:
-    """Tensors viewing a version in shared memory (no copy). They are read-only: an engine adopts
-    them as its parameters (it never writes its weights) and keeps `arrays` alive meanwhile."""
+SHARED_PREFIX = "asyncrl-weights"
+_ALIGN = 64
+
+
+def shared_layout(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[TensorSlot], int]:
+    """Each tensor's place in a slot file, in order, every offset a multiple of 64 bytes."""
+    slots, used = [], 0
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        slots.append(TensorSlot(name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), used, nbytes))
+        used += -(-nbytes // _ALIGN) * _ALIGN
+    return slots, used
+
+
+def _map_file(path: str, nbytes: int, writable: bool) -> torch.Tensor:
+    """The whole file as one uint8 tensor over a shared mapping (its pages populated up front)."""
+    fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+    try:
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=prot)
+    finally:
+        os.close(fd)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "the given NumPy array is not writable"
-        for name, (dtype, shape, raw) in arrays.items():
-            yield name, torch.from_numpy(raw).view(getattr(torch, dtype)).view(shape)
+        warnings.simplefilter("ignore", UserWarning)  # "the given buffer is not writable" (readers)
+        return torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping alive
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class SharedSlots:
+    """The learner's side of `shm`: two files in the node's shared memory (`/dev/shm`), written in
+    turn, one version each. A copy into pages written before runs at memory bandwidth; a fresh
+    allocation per version (Ray's object store, the first implementation) paid a page fault per
+    4 KB and reached 9% of it. A slot is rewritten only when no generator views it: the learner
+    sends version v+1 only once every generator holds v, so the slot of v-1 is free. A failed
+    delivery leaves that unknown: `invalidate` moves on to fresh files. `close` (and a later
+    learner on the node, for files whose process is gone) removes them."""
+
+    def __init__(self, directory: str | None = None, count: int = 2):
+        self.directory = directory
+        self.count = count
+        self._files: list[str] = []
+        self._maps: list[torch.Tensor] = []
+        self._tensors: list[TensorSlot] = []
+        self._nbytes = 0
+        self._next = 0
+        self._generation = 0
+        self.writes = 0
+
+    def _allocate(self, nbytes: int) -> None:
+        self.close()
+        directory = self.directory or shared_directory(nbytes * self.count)
+        remove_orphaned_slots(directory)
+        self._files, self._maps = [], []
+        for i in range(self.count):
+            path = os.path.join(directory, f"{SHARED_PREFIX}-{os.getpid()}-{self._generation}-{i}")
+            with open(path, "wb") as f:
+                os.posix_fallocate(f.fileno(), 0, nbytes)  # reserve the pages now: a full /dev/shm fails here
+            self._files.append(path)
+            self._maps.append(_map_file(path, nbytes, writable=True))
+        self._nbytes = nbytes
+        self._generation += 1
+
+    def write(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> SharedVersion:
+        """Copy a version's tensors into the next slot; what a generator on this node maps."""
+        named = [(name, t.detach()) for name, t in named_tensors]
+        tensors, nbytes = shared_layout(named)
+        if tensors != self._tensors or not self._maps:
+            self._allocate(nbytes)
+            self._tensors = tensors
+        index = self._next
+        self._next = (self._next + 1) % self.count
+        buffer = self._maps[index]
+        with torch.no_grad():
+            for (_, tensor), slot in zip(named, tensors):
+                target = buffer[slot.offset:slot.offset + slot.nbytes].view(tensor.dtype).view(tensor.shape)
+                target.copy_(tensor)
+        self.writes += 1
+        return SharedVersion(self._files[index], self._nbytes, tensors)
+
+    def invalidate(self) -> None:
+        """A generator may still view either slot (a delivery failed): the next version goes to new files."""
+        self._tensors = []
+
+    def close(self) -> None:
+        """Remove the files (a generator that mapped one keeps its pages until it lets go)."""
+        for path in self._files:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        self._files, self._maps = [], []
+
+
+def shared_directory(nbytes: int) -> str:
+    """`/dev/shm` when it has room for `nbytes` (a container's default is 64 MB: give it
+    `--shm-size`), else the temporary directory (a shared mapping of a file there still works,
+    through the page cache)."""
+    if os.path.isdir("/dev/shm"):
+        stat = os.statvfs("/dev/shm")
+        if stat.f_bavail * stat.f_frsize > nbytes * 1.1:
+            return "/dev/shm"
+    return tempfile.gettempdir()
+
+
+def remove_orphaned_slots(directory: str) -> int:
+    """Remove slot files left by learners that are gone (a killed actor cannot clean up)."""
+    removed = 0
+    for path in glob.glob(os.path.join(directory, f"{SHARED_PREFIX}-*")):
+        try:
+            pid = int(os.path.basename(path)[len(SHARED_PREFIX) + 1:].split("-")[0])
+        except ValueError:
+            continue
+        if not _pid_alive(pid):
+            try:
+                os.unlink(path)
+                removed += 1
+            except FileNotFoundError:
+                pass
+    return removed
+
+
+# A generator maps each slot file once and keeps the mapping (the learner rewrites the same files):
+# adopting a version is then a pointer swap, no page fault. Only the newest files are kept.
+_READER_MAPS: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def shared_views(version: SharedVersion) -> list[tuple[str, torch.Tensor]]:
+    """Read-only tensors viewing a version in shared memory (no copy). An engine adopts them as its
+    parameters (it never writes its weights); each view holds its mapping alive."""
+    key = (version.path, version.nbytes)
+    buffer = _READER_MAPS.get(key)
+    if buffer is None:
+        buffer = _map_file(version.path, version.nbytes, writable=False)
+        _READER_MAPS[key] = buffer
+        while len(_READER_MAPS) > 4:  # two learners' slots at most (a restart): drop the oldest
+            del _READER_MAPS[next(iter(_READER_MAPS))]
+    return [(slot.name, buffer[slot.offset:slot.offset + slot.nbytes].view(getattr(torch, slot.dtype)).view(slot.shape))
+            for slot in version.tensors]
 
 
 # --- CUDA IPC (same host, CUDA) --------------------------------------------------------------------

@@ -1,6 +1,10 @@
 """Weight transfer (`asyncrl.weight_sync`): the distributed group (two real processes over gloo) and
-shared memory (Ray's object store, a real engine adopting the views), through one interface."""
+shared memory (two slot files written in turn, a real engine in another process adopting views), through
+one interface."""
 
+import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -9,8 +13,8 @@ import ray
 import torch
 import torch.multiprocessing as mp
 
-from asyncrl.weight_sync import (Delivery, WeightGroup, WeightTransferError, choose_paths, free_port, plan_buckets,
-                                 shared_views, to_shared)
+from asyncrl.weight_sync import (SHARED_PREFIX, Delivery, SharedSlots, SharedVersion, WeightGroup, WeightTransferError,
+                                 choose_paths, free_port, plan_buckets, remove_orphaned_slots, shared_views)
 
 
 def _weights(seed):
@@ -96,16 +100,37 @@ class _Holder:
 
         self.engine = TorchEngine(build_tiny_model(ModelConfig(source="tiny", seed=9), 30), eos_token_ids=[1])
 
-    def adopt(self, delivery: Delivery, arrays) -> dict:
-        self.engine.adopt_weights(shared_views(arrays), delivery.version, keepalive=arrays)
+    def adopt(self, delivery: Delivery, shared: SharedVersion) -> dict:
+        views = shared_views(shared)
+        self.engine.adopt_weights(views, delivery.version, keepalive=views)
+        return {"version": self.engine.version, **self.sums()}
+
+    def sums(self) -> dict:
         params = dict(self.engine.model.named_parameters())
-        return {"version": self.engine.version, "writeable": arrays["lm_head.weight"][2].flags.writeable,
-                "sums": {n: float(p.double().sum()) for n, p in params.items()},
-                "shares": params["lm_head.weight"].data_ptr() == arrays["lm_head.weight"][2].ctypes.data}
+        return {"sums": {n: float(p.double().sum()) for n, p in params.items()},
+                "writeable": _writeable(params["lm_head.weight"])}
 
     def copy_then(self, weights: dict) -> float:
         self.engine.update_weights(weights.items(), 99)  # a copy after adopted views: replaced, not written
         return float(dict(self.engine.model.named_parameters())["lm_head.weight"].double().sum())
+
+
+def _writeable(tensor: torch.Tensor) -> bool:
+    """Whether the memory under `tensor` accepts a write (this process's mapping of it, with its
+    permissions and file, from /proc/self/maps)."""
+    address = tensor.data_ptr()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            low, high = (int(x, 16) for x in fields[0].split("-"))
+            if low <= address < high:
+                assert SHARED_PREFIX in line, line  # a view of the slot file, not a private copy
+                return "w" in fields[1]
+    raise AssertionError(f"address {address:#x} in no mapping")
+
+
+def _sums(weights) -> dict:
+    return {n: float(p.detach().double().sum()) for n, p in weights}
 
 
 def test_the_shared_memory_path_hands_the_engine_views_without_a_copy(ray_session):
@@ -113,11 +138,50 @@ def test_the_shared_memory_path_hands_the_engine_views_without_a_copy(ray_sessio
     from asyncrl.models import build_tiny_model
 
     learner = build_tiny_model(ModelConfig(source="tiny", seed=3), 30)
-    ref = to_shared(learner.named_parameters())
+    slots = SharedSlots()
     holder = _Holder.remote()
-    got = ray.get(holder.adopt.remote(Delivery(5, "shm"), ref))
-    assert got["version"] == 5 and not got["writeable"] and got["shares"]  # a read-only mapping, not a copy
-    expected = {n: float(p.detach().double().sum()) for n, p in learner.named_parameters()}
-    assert got["sums"] == pytest.approx(expected, rel=1e-12)
-    fresh = {n: torch.ones_like(p) for n, p in learner.named_parameters()}
-    assert ray.get(holder.copy_then.remote(fresh)) == pytest.approx(float(np.prod(learner.lm_head.weight.shape)))
+    try:
+        first = slots.write(learner.named_parameters())
+        assert os.path.dirname(first.path) == "/dev/shm" and os.path.basename(first.path).startswith(SHARED_PREFIX)
+        got = ray.get(holder.adopt.remote(Delivery(5, "shm"), first))
+        assert got["version"] == 5 and not got["writeable"]  # a read-only shared mapping, not a copy
+        assert got["sums"] == pytest.approx(_sums(learner.named_parameters()), rel=1e-12)
+
+        # Two slots in turn: version 6 goes to the other file while the generator still views 5's.
+        with torch.no_grad():
+            learner.lm_head.weight.add_(1.0)
+        second = slots.write(learner.named_parameters())
+        assert second.path != first.path
+        assert ray.get(holder.sums.remote())["sums"] == pytest.approx(got["sums"], rel=1e-12)  # 5 untouched
+        got6 = ray.get(holder.adopt.remote(Delivery(6, "shm"), second))
+        assert got6["sums"] == pytest.approx(_sums(learner.named_parameters()), rel=1e-12)
+        # Version 7 rewrites the first file (free: the generator holds 6), and lands whole.
+        with torch.no_grad():
+            learner.lm_head.weight.mul_(2.0)
+        third = slots.write(learner.named_parameters())
+        assert third.path == first.path
+        assert ray.get(holder.sums.remote())["sums"] == pytest.approx(got6["sums"], rel=1e-12)  # 6 untouched
+        assert ray.get(holder.adopt.remote(Delivery(7, "shm"), third))["sums"] == pytest.approx(
+            _sums(learner.named_parameters()), rel=1e-12)
+
+        # A failed delivery: which slot a generator views is unknown, so new files take over.
+        slots.invalidate()
+        fourth = slots.write(learner.named_parameters())
+        assert fourth.path not in (first.path, second.path) and not os.path.exists(first.path)
+        assert ray.get(holder.sums.remote())["sums"] == pytest.approx(_sums(learner.named_parameters()), rel=1e-12)
+
+        fresh = {n: torch.ones_like(p) for n, p in learner.named_parameters()}
+        assert ray.get(holder.copy_then.remote(fresh)) == pytest.approx(float(np.prod(learner.lm_head.weight.shape)))
+    finally:
+        slots.close()
+    assert not os.path.exists(fourth.path)
+
+
+def test_slot_files_of_a_learner_that_is_gone_are_removed(tmp_path):
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead, alive = tmp_path / f"{SHARED_PREFIX}-{int(gone.stdout)}-0-1", tmp_path / f"{SHARED_PREFIX}-{os.getpid()}-0-0"
+    other = tmp_path / "someone-elses-file"
+    for path in (dead, alive, other):
+        path.write_bytes(b"x")
+    assert remove_orphaned_slots(str(tmp_path)) == 1
+    assert not dead.exists() and alive.exists() and other.exists()

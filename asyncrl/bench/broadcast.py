@@ -22,8 +22,8 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-from asyncrl.weight_sync import (Delivery, WeightGroup, free_port, from_cuda_ipc, plan_buckets, shared_views, to_cuda_ipc,
-                                 to_shared)
+from asyncrl.weight_sync import (Delivery, SharedSlots, SharedVersion, WeightGroup, free_port, from_cuda_ipc, plan_buckets,
+                                 shared_views, to_cuda_ipc)
 
 # Qwen2.5-0.5B's architecture (494M parameters, tied embeddings), random weights.
 HALF_B = dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -123,8 +123,10 @@ def measure_group(model_name: str, rounds: int, bucket_mb: int = 64) -> dict:
 
 
 def measure_shm(model_name: str, rounds: int) -> dict:
-    """The learner (this process) puts each version into the object store; a Ray actor on this node,
-    holding a real engine of the model, adopts it. Update time: the put and the adoption."""
+    """The learner (this process) writes each version into the next of its two shared-memory slots
+    (`SharedSlots`); a Ray actor on this node, holding a real engine of the model, adopts views of
+    it. Update time: the write and the adoption. The first write also makes the slot files (their
+    pages reserved up front), reported apart; the median is the steady state."""
     import ray
 
     shapes = shapes_of(model_name)
@@ -132,19 +134,22 @@ def measure_shm(model_name: str, rounds: int) -> dict:
     total = sum(t.numel() * t.element_size() for t in weights.values())
     if not ray.is_initialized():
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-                 object_store_memory=max(512 << 20, 3 * total + (256 << 20)))
+                 object_store_memory=512 << 20)  # the weights travel in `SharedSlots`, not the store
     holder = ray.remote(num_cpus=0)(_EngineHolder).remote(model_name)
     ray.get(holder.ready.remote())
+    slots = SharedSlots()
     put, adopt = [], []
+    first = next(iter(weights.values()))
     for version in range(rounds):
+        first.add_(1.0)  # every version differs: the checksum at the end sees the last one landed
         start = time.perf_counter()
-        ref = to_shared(weights.items())
+        shared = slots.write(weights.items())
         put.append(time.perf_counter() - start)
         start = time.perf_counter()
-        adopt.append(ray.get(holder.adopt.remote(Delivery(version, "shm"), ref)))
+        adopt.append(ray.get(holder.adopt.remote(Delivery(version, "shm"), shared)))
         call = time.perf_counter() - start
-        del ref
     checksum = ray.get(holder.checksum.remote())
+    slots.close()
     expected = float(sum(t.double().sum() for t in weights.values()))
     if abs(checksum - expected) > 1e-6 * max(1.0, abs(expected)):
         raise RuntimeError(f"adopted weights differ: checksum {checksum} != {expected}")
@@ -152,7 +157,7 @@ def measure_shm(model_name: str, rounds: int) -> dict:
     update = [p + a for p, a in zip(put, adopt)]
     return _figures(weights, total, update, memcpy_seconds(total, rounds),
                     {"put_s_median": statistics.median(put), "adopt_s_median": statistics.median(adopt),
-                     "last_call_s": call})
+                     "first_put_s": put[0], "first_adopt_s": adopt[0], "last_call_s": call})
 
 
 class _EngineHolder:
@@ -174,10 +179,10 @@ class _EngineHolder:
     def ready(self) -> bool:
         return True
 
-    def adopt(self, delivery: Delivery, arrays) -> float:
+    def adopt(self, delivery: Delivery, shared: SharedVersion) -> float:
         start = time.perf_counter()
-        self.engine.adopt_weights(((self.names[n], v) for n, v in shared_views(arrays)), delivery.version,
-                                  keepalive=arrays)
+        views = shared_views(shared)
+        self.engine.adopt_weights(((self.names[n], v) for n, v in views), delivery.version, keepalive=views)
         return time.perf_counter() - start
 
     def checksum(self) -> float:

@@ -76,7 +76,8 @@ class Generator:
 
     def _load(self, delivery: Delivery, payload) -> None:
         if delivery.path == "shm":
-            self.engine.adopt_weights(shared_views(payload), delivery.version, keepalive=payload)
+            views = shared_views(payload)
+            self.engine.adopt_weights(views, delivery.version, keepalive=views)
         elif delivery.path == "cuda_ipc":
             self.engine.update_weights(from_cuda_ipc(payload), delivery.version)
         elif delivery.path == "group":

@@ -30,8 +30,8 @@ from asyncrl.sharding import DataParallel
 from asyncrl.schema import TrainBatch
 from asyncrl.staleness import mask_stale_tokens, mean_staleness, trained_versions
 from asyncrl.store import BATCH_CODEC, BatchRecord
-from asyncrl.weight_sync import (BucketPlan, Delivery, WeightGroup, node_address, free_port, plan_buckets, to_cuda_ipc,
-                                 to_shared)
+from asyncrl.weight_sync import (BucketPlan, Delivery, SharedSlots, WeightGroup, node_address, free_port, plan_buckets,
+                                 to_cuda_ipc)
 
 from asyncrl.roles.loop import TrainingLoop
 from asyncrl.roles.policy_rank import PolicyRank
@@ -68,6 +68,7 @@ class PolicyLearner(TrainingLoop):
         # entirely by the new weights.
         self.on_version_delivered: list[Any] = []
         self.plan: BucketPlan = plan_buckets(self.policy.named_parameters(), bucket_bytes)
+        self.shared_slots = SharedSlots()  # the `shm` path's two files (made at the first delivery)
         self._trained_ids = RecentIds(10_000)
         # Told the sample ids whose last row was trained (the ledger); awaited, so a checkpoint's
         # ledger has seen every step before it.
@@ -134,10 +135,10 @@ class PolicyLearner(TrainingLoop):
                 version = self.version
                 if self.ranks:  # sharded: the whole weights are gathered to rank 0 first
                     gathered = await self._on_every_rank("snapshot")
-                    shared = await asyncio.to_thread(to_shared, gathered.items()) if "shm" in paths else None
+                    shared = await asyncio.to_thread(self.shared_slots.write, gathered.items()) if "shm" in paths else None
                     weights = gathered
                 else:
-                    shared = (await asyncio.to_thread(to_shared, self.model.named_parameters())
+                    shared = (await asyncio.to_thread(self.shared_slots.write, self.model.named_parameters())
                               if "shm" in paths else None)
                     weights = await asyncio.to_thread(self.policy.snapshot) if {"group", "cuda_ipc"} & set(paths) else None
             if "cuda_ipc" in paths:
@@ -149,7 +150,11 @@ class PolicyLearner(TrainingLoop):
             timing = {"bytes": float(self.plan.total_bytes)}
             if "group" in paths:
                 timing = await asyncio.to_thread(self.weight_group.send, self.plan, weights, version)
-            paused = await asyncio.gather(*receivers)
+            try:
+                paused = await asyncio.gather(*receivers)
+            except BaseException:
+                self.shared_slots.invalidate()  # a generator may still view the slot the next version would take
+                raise
             elapsed = time.perf_counter() - start
             self.timing["broadcast_s"] += elapsed
             self.counters["broadcasts"] += 1
@@ -252,6 +257,10 @@ class PolicyLearner(TrainingLoop):
         if record is not None and self.checkpoint_every > 0 and self.step % self.checkpoint_every == 0:
             await self.save_checkpoint()
         return record
+
+    def stop(self) -> None:
+        self._running = False
+        self.shared_slots.close()  # a killed learner cannot; the next one on the node removes its files
 
     async def run(self) -> None:
         self._running = True
