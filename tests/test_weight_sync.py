@@ -5,6 +5,7 @@ one interface."""
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -14,7 +15,8 @@ import torch
 import torch.multiprocessing as mp
 
 from asyncrl.weight_sync import (SHARED_PREFIX, Delivery, SharedSlots, SharedVersion, WeightGroup, WeightTransferError,
-                                 choose_paths, free_port, plan_buckets, remove_orphaned_slots, shared_views)
+                                 choose_paths, free_port, plan_buckets, remove_orphaned_slots, shared_directory,
+                                 shared_views)
 
 
 def _weights(seed):
@@ -142,7 +144,9 @@ def test_the_shared_memory_path_hands_the_engine_views_without_a_copy(ray_sessio
     holder = _Holder.remote()
     try:
         first = slots.write(learner.named_parameters())
-        assert os.path.dirname(first.path) == "/dev/shm" and os.path.basename(first.path).startswith(SHARED_PREFIX)
+        # /dev/shm where it has room (a container's default 64 MB may not: then the temporary directory).
+        assert os.path.dirname(first.path) == shared_directory(2 * first.nbytes)
+        assert os.path.basename(first.path).startswith(f"{SHARED_PREFIX}-{os.getpid()}-")
         got = ray.get(holder.adopt.remote(Delivery(5, "shm"), first))
         assert got["version"] == 5 and not got["writeable"]  # a read-only shared mapping, not a copy
         assert got["sums"] == pytest.approx(_sums(learner.named_parameters()), rel=1e-12)
@@ -185,3 +189,8 @@ def test_slot_files_of_a_learner_that_is_gone_are_removed(tmp_path):
         path.write_bytes(b"x")
     assert remove_orphaned_slots(str(tmp_path)) == 1
     assert not dead.exists() and alive.exists() and other.exists()
+
+
+def test_slots_that_do_not_fit_in_dev_shm_go_to_the_temporary_directory():
+    assert shared_directory(1 << 50) == tempfile.gettempdir()
+    assert shared_directory(1 << 20) in ("/dev/shm", tempfile.gettempdir())
