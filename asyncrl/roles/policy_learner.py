@@ -134,13 +134,12 @@ class PolicyLearner(TrainingLoop):
             async with self._weights_lock:
                 version = self.version
                 if self.ranks:  # sharded: the whole weights are gathered to rank 0 first
-                    gathered = await self._on_every_rank("snapshot")
-                    shared = await asyncio.to_thread(self.shared_slots.write, gathered.items()) if "shm" in paths else None
-                    weights = gathered
+                    weights = await self._on_every_rank("snapshot")
+                    source = weights.items()
                 else:
-                    shared = (await asyncio.to_thread(self.shared_slots.write, self.model.named_parameters())
-                              if "shm" in paths else None)
                     weights = await asyncio.to_thread(self.policy.snapshot) if {"group", "cuda_ipc"} & set(paths) else None
+                    source = self.model.named_parameters()
+                shared = await asyncio.to_thread(self.shared_slots.write, source) if "shm" in paths else None
             if "cuda_ipc" in paths:
                 weights = {name: t.cuda() for name, t in weights.items()}  # no-op unless gathered to CPU
             handles = to_cuda_ipc(weights.items()) if "cuda_ipc" in paths else None
