@@ -189,9 +189,10 @@ class SharedSlots:
         self._next = 0
         self._generation = 0
         self.writes = 0
+        self.closed = False  # after `close`, until `open`: a late write would leave files behind
 
     def _allocate(self, nbytes: int) -> None:
-        self.close()
+        self._release()
         directory = self.directory or shared_directory(nbytes * self.count)
         remove_orphaned_slots(directory)
         self._files, self._maps = [], []
@@ -206,6 +207,8 @@ class SharedSlots:
 
     def write(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> SharedVersion:
         """Copy a version's tensors into the next slot; what a generator on this node maps."""
+        if self.closed:
+            raise WeightTransferError("shared weight slots are closed (the learner stopped)")
         named = [(name, t.detach()) for name, t in named_tensors]
         tensors, nbytes = shared_layout(named)
         if tensors != self._tensors or not self._maps:
@@ -225,8 +228,16 @@ class SharedSlots:
         """A generator may still view either slot (a delivery failed): the next version goes to new files."""
         self._tensors = []
 
+    def open(self) -> None:
+        self.closed = False
+
     def close(self) -> None:
-        """Remove the files (a generator that mapped one keeps its pages until it lets go)."""
+        """Remove the files (a generator that mapped one keeps its pages until it lets go); no
+        more writes until `open`."""
+        self.closed = True
+        self._release()
+
+    def _release(self) -> None:
         for path in self._files:
             try:
                 os.unlink(path)

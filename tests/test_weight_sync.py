@@ -179,6 +179,13 @@ def test_the_shared_memory_path_hands_the_engine_views_without_a_copy(ray_sessio
     finally:
         slots.close()
     assert not os.path.exists(fourth.path)
+    # Closed (the learner stopped): a late version would leave files nobody removes.
+    with pytest.raises(WeightTransferError, match="closed"):
+        slots.write(learner.named_parameters())
+    slots.open()
+    fifth = slots.write(learner.named_parameters())
+    slots.close()
+    assert not os.path.exists(fifth.path)
 
 
 def test_slot_files_of_a_learner_that_is_gone_are_removed(tmp_path):

@@ -170,7 +170,7 @@ class PolicyLearner(TrainingLoop):
             notify(version)
 
     def _request_broadcast(self) -> None:
-        if not self.generators:
+        if not self.generators or self.shared_slots.closed:  # closed: stopped, a version now would outlive it
             return
         self._broadcast_wanted = True
         if self._broadcast_task is None or self._broadcast_task.done():
@@ -263,6 +263,7 @@ class PolicyLearner(TrainingLoop):
 
     async def run(self) -> None:
         self._running = True
+        self.shared_slots.open()
         self._started = time.monotonic()
         while self._running:
             await self.step_once()
