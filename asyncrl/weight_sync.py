@@ -28,6 +28,7 @@ import os
 import socket
 import tempfile
 import time
+import uuid
 import warnings
 from typing import Iterable, Iterator
 
@@ -190,6 +191,9 @@ class SharedSlots:
         self._generation = 0
         self.writes = 0
         self.closed = False  # after `close`, until `open`: a late write would leave files behind
+        # In every file name: a generator caches its mappings by path, and a reused pid must not
+        # name a new file like one it still maps.
+        self._token = uuid.uuid4().hex[:8]
 
     def _allocate(self, nbytes: int) -> None:
         self._release()
@@ -197,7 +201,7 @@ class SharedSlots:
         remove_orphaned_slots(directory)
         self._files, self._maps = [], []
         for i in range(self.count):
-            path = os.path.join(directory, f"{SHARED_PREFIX}-{os.getpid()}-{self._generation}-{i}")
+            path = os.path.join(directory, f"{SHARED_PREFIX}-{os.getpid()}-{self._token}-{self._generation}-{i}")
             with open(path, "wb") as f:
                 os.posix_fallocate(f.fileno(), 0, nbytes)  # reserve the pages now: a full /dev/shm fails here
             self._files.append(path)
