@@ -316,6 +316,11 @@ class TrainerConfig:
     """fp32 | bf16 (autocast: fp32 master weights and optimizer state, bf16 matmuls)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (less memory for long responses, ~30% more compute)."""
+    logits_chunk_tokens: int = 1024
+    """The policy learner projects the vocabulary this many trained positions at a time and
+    recomputes each chunk in the backward instead of keeping the `[tokens, vocab]` logits and
+    softmax of the whole micro-batch (0: all at once). `load_tests/learner_memory.py` measures both:
+    `docs/benchmarks.md`, "Policy learner memory"."""
     generator_gpus: float = 0.0
     """GPUs each generator asks Ray for (e.g. 1, or 0.5 to share one GPU with the learner)."""
     learner_gpus: float = 0.0
@@ -671,7 +676,7 @@ RANGES = {
     "trainer.total_steps": ">= 1", "trainer.prompts_per_step": ">= 1", "trainer.num_generators": ">= 1",
     "trainer.generator_threads": ">= 1", "trainer.learner_threads": ">= 1", "trainer.broadcast_bucket_mb": ">= 1",
     "trainer.object_store_mb": ">= 64", "trainer.segment_shards": ">= 1", "trainer.generator_gpus": ">= 0", "trainer.learner_gpus": ">= 0",
-    "trainer.learner_ranks": ">= 1", "trainer.learner_timeout_s": "> 0",
+    "trainer.learner_ranks": ">= 1", "trainer.learner_timeout_s": "> 0", "trainer.logits_chunk_tokens": ">= 0",
     "trainer.eval_every": ">= 0", "trainer.checkpoint_every": ">= 0", "trainer.checkpoint_keep": ">= 1",
     "trainer.max_restarts": ">= 0", "trainer.eval_samples": ">= 1", "trainer.mailbox_capacity": ">= 1",
     "trainer.lease_s": "> 0", "trainer.target_window": ">= 1", "trainer.stall_timeout_s": "> 0",

@@ -14,6 +14,7 @@ from typing import Iterator
 
 import numpy as np
 import torch
+import torch.utils.checkpoint
 
 from asyncrl.algo.losses import (agg_loss, behaviour_weights, entropy_from_logprobs, kl_penalty, positive_example_nll,
                                  ppo_policy_loss, rollout_mismatch)
@@ -65,6 +66,9 @@ class PolicyLossSettings:
     long_tail: tuple[float, int] = (0.0, 0)
     """The long-tail benchmark workload holds EOS back before `long_tail_min_tokens`: those
     positions carry no policy loss (their behaviour distribution excluded EOS)."""
+    logits_chunk_tokens: int = 0
+    """Project the vocabulary this many trained positions at a time, each chunk recomputed in the
+    backward (0: all at once, kept for the backward)."""
 
 
 @dataclass
@@ -197,23 +201,46 @@ class PolicyForward(torch.nn.Module):
         super().__init__()
         self.lm = lm
 
-    def forward(self, input_ids, attention_mask, selected: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids, attention_mask, selected: torch.Tensor | None = None, score=None,
+                chunk_tokens: int = 0):
+        """`score(logits, start)`: what the caller wants of the logits of the selected positions
+        `start:start + len(logits)` (a tuple of `[n]` tensors); with it the head runs `chunk_tokens`
+        positions at a time, each chunk recomputed in the backward instead of kept (the `[tokens,
+        vocab]` logits, their softmax and the entropy's terms, several copies of the vocabulary per
+        trained position), and the parts are joined."""
         if selected is None:
             return self.lm(input_ids=input_ids, attention_mask=attention_mask).logits
-        hidden = self.lm.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        return self.lm.lm_head(hidden[selected])
+        hidden = self.lm.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state[selected]
+        if score is None:
+            return self.lm.lm_head(hidden)
+        if chunk_tokens <= 0 or not torch.is_grad_enabled():  # nothing kept for a backward: no recompute
+            step = chunk_tokens if chunk_tokens > 0 else max(len(hidden), 1)
+            parts = [score(self.lm.lm_head(hidden[i:i + step]), i) for i in range(0, len(hidden), step)]
+        else:
+            def chunk(h, i):
+                return score(self.lm.lm_head(h), i)
+
+            parts = [torch.utils.checkpoint.checkpoint(chunk, hidden[i:i + chunk_tokens], i, use_reentrant=False,
+                                                       preserve_rng_state=False)
+                     for i in range(0, len(hidden), chunk_tokens)]
+        if not parts:
+            parts = [score(self.lm.lm_head(hidden), 0)]
+        return tuple(torch.cat(outs) for outs in zip(*parts))
 
 
 def token_logprobs(model, input_ids, attention_mask, targets, temperature: float, with_entropy: bool = False,
-                   positions: torch.Tensor | None = None, top_k: int = 0, top_p: float = 1.0):
+                   positions: torch.Tensor | None = None, top_k: int = 0, top_p: float = 1.0,
+                   chunk_tokens: int = 0):
     """log π(target | prefix) at every position under the sampler's distribution: `softmax(logits/T)`
     restricted to `top_k`/`top_p` as `asyncrl.algo.sampling.filtered_logprobs` does (a token outside
     it gets `LOGPROB_FLOOR`), and optionally the entropy of that distribution.
 
     With `positions` (a `[B, L]` mask of the positions that are trained), the vocabulary projection
-    runs only there: prompt and earlier-window positions need hidden states but no logits, and the
-    `[tokens, vocab]` logits are most of a step's memory (49k vocabulary on the embedded model).
-    Other positions get log-prob 0 and entropy 0. `model`: a causal LM or its `PolicyForward`."""
+    runs only there: prompt and earlier-window positions need hidden states but no logits, and each
+    `[tokens, vocab]` tensor is 200 KB per position on the embedded model (49k vocabulary, fp32).
+    Other positions get log-prob 0 and entropy 0. `chunk_tokens` (with `positions`): project that
+    many positions at a time, recomputing each chunk in the backward (`PolicyForward.forward`).
+    `model`: a causal LM or its `PolicyForward`."""
     forward = model if isinstance(model, PolicyForward) else PolicyForward(model)
     if positions is None or not _head_only_on(forward.lm):
         logits = forward(input_ids, attention_mask)
@@ -222,13 +249,19 @@ def token_logprobs(model, input_ids, attention_mask, targets, temperature: float
         entropy = entropy_from_logprobs(all_logp) if with_entropy else None
         return logp, entropy
     selected = positions.bool()
-    all_logp = _scored_logprobs(forward(input_ids, attention_mask, selected), temperature, top_k, top_p)  # [tokens, vocab]
-    logp_sel = all_logp.gather(-1, targets[selected][:, None]).squeeze(-1).clamp(min=LOGPROB_FLOOR)
-    logp = torch.zeros(targets.shape, dtype=logp_sel.dtype, device=targets.device).masked_scatter(selected, logp_sel)
+    selected_targets = targets[selected]
+
+    def score(logits, start):  # [n, vocab] -> the targets' log-probs (and the entropies) of positions start..
+        all_logp = _scored_logprobs(logits, temperature, top_k, top_p)
+        logp = all_logp.gather(-1, selected_targets[start:start + len(logits), None]).squeeze(-1)
+        return (logp.clamp(min=LOGPROB_FLOOR), *((entropy_from_logprobs(all_logp),) if with_entropy else ()))
+
+    scored = forward(input_ids, attention_mask, selected, score=score, chunk_tokens=chunk_tokens)
+    logp = torch.zeros(targets.shape, dtype=scored[0].dtype, device=targets.device).masked_scatter(selected, scored[0])
     entropy = None
     if with_entropy:
-        entropy = torch.zeros(targets.shape, dtype=logp_sel.dtype, device=targets.device).masked_scatter(
-            selected, entropy_from_logprobs(all_logp))
+        entropy = torch.zeros(targets.shape, dtype=scored[1].dtype, device=targets.device).masked_scatter(
+            selected, scored[1])
     return logp, entropy
 
 
@@ -304,7 +337,7 @@ def proximal_logprobs(model, collated: Collated, settings: PolicyLossSettings,
             sl = (rows, slice(0, width_of(collated.attention_mask, rows)))
             logp, _ = token_logprobs(model, collated.input_ids[sl], collated.attention_mask[sl], collated.targets[sl],
                                      settings.temperature, positions=_trained_positions(collated, sl),
-                                     top_k=settings.top_k, top_p=settings.top_p)
+                                     top_k=settings.top_k, top_p=settings.top_p, chunk_tokens=settings.logits_chunk_tokens)
             if not ghost:
                 out[sl] = logp.float()
     if parallel is not None:
@@ -340,7 +373,7 @@ def _policy_update(model, optimizer, collated: Collated, settings: PolicyLossSet
             logp, entropy = token_logprobs(model, collated.input_ids[sl], collated.attention_mask[sl],
                                            collated.targets[sl], settings.temperature, with_entropy=True,
                                            positions=_trained_positions(collated, sl), top_k=settings.top_k,
-                                           top_p=settings.top_p)
+                                           top_p=settings.top_p, chunk_tokens=settings.logits_chunk_tokens)
         pg_loss, metrics = ppo_policy_loss(
             logp, collated.old_logprobs[sl], collated.advantages[sl], mask,
             settings.clip_low, settings.clip_high, settings.dual_clip, settings.loss_agg, norm_constant,
@@ -359,7 +392,8 @@ def _policy_update(model, optimizer, collated: Collated, settings: PolicyLossSet
             with torch.no_grad():
                 ref_logp, _ = token_logprobs(reference_model, collated.input_ids[sl], collated.attention_mask[sl],
                                              collated.targets[sl], settings.temperature, positions=mask > 0,
-                                             top_k=settings.top_k, top_p=settings.top_p)
+                                             top_k=settings.top_k, top_p=settings.top_p,
+                                             chunk_tokens=settings.logits_chunk_tokens)
             kl = agg_loss(kl_penalty(logp, ref_logp, settings.kl_estimator), mask, settings.loss_agg, norm_constant)
             loss = loss + settings.kl_coef * kl
             metrics["kl_ref"] = kl.item()

@@ -86,3 +86,28 @@ def test_head_on_trained_positions_only_matches_the_full_forward():
     assert bool((fast[~m] == 0).all())
     fast.sum().backward()  # gradients flow through the selected positions
     assert model.lm_head.weight.grad is not None and model.lm_head.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (7, 0.9)])
+def test_the_head_in_chunks_gives_the_same_logprobs_entropy_and_gradients(top_k, top_p):
+    """`chunk_tokens`: the vocabulary projected a few positions at a time and recomputed in the
+    backward: the same numbers as all at once, forward and backward (17 positions in chunks of 5,
+    the last one short)."""
+    c = collate(SAMPLES)
+    m = c.response_mask > 0
+    results = []
+    for chunk in (0, 5):
+        model = build_tiny_model(ModelConfig(source="tiny", seed=5), 30)
+        logp, entropy = token_logprobs(model, c.input_ids, c.attention_mask, c.targets, 0.7, with_entropy=True,
+                                       positions=m, top_k=top_k, top_p=top_p, chunk_tokens=chunk)
+        ((logp * c.advantages).sum() + 0.3 * entropy.sum()).backward()
+        results.append((logp, entropy, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (logp0, ent0, grads0), (logp5, ent5, grads5) = results
+    torch.testing.assert_close(logp5, logp0, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ent5, ent0, rtol=1e-6, atol=1e-6)
+    assert grads5.keys() == grads0.keys() and "lm_head.weight" in grads0
+    for name in grads0:
+        torch.testing.assert_close(grads5[name], grads0[name], rtol=1e-4, atol=1e-6)  # summed in another order
+    with torch.no_grad():  # no backward to keep anything for: chunks without the recompute
+        nograd, _ = token_logprobs(model, c.input_ids, c.attention_mask, c.targets, 0.7, positions=m, chunk_tokens=5)
+    assert bool((nograd[m] != 0).all())

@@ -32,10 +32,11 @@ def test_micro_batches_are_dealt_round_robin_and_short_shares_get_a_ghost():
 
 def _settings() -> PolicyLossSettings:
     # Tiny micro-batches (several per rank, an odd count: a ghost), two mini-batches (the proximal
-    # anchor, a collective) and the rollout correction on.
+    # anchor, a collective), the rollout correction on and the vocabulary projected in chunks.
     return PolicyLossSettings(clip_low=0.2, clip_high=0.28, dual_clip=3.0, loss_agg="token-mean", kl_coef=0.0,
                               entropy_coef=0.01, temperature=1.0, grad_clip=0.5, micro_batch_tokens=24, nll_coef=0.1,
-                              mini_batches=2, rollout_correction="token_tis", rollout_is_cap=2.0)
+                              mini_batches=2, rollout_correction="token_tis", rollout_is_cap=2.0,
+                              logits_chunk_tokens=8)  # the head in chunks, recomputed in the backward under FSDP2
 
 
 def _batch() -> list[TrainSample]:

@@ -65,7 +65,7 @@ def policy_loss_settings(algorithm: AlgorithmConfig, trainer: TrainerConfig, eng
         rollout_correction=a.rollout_correction, rollout_is_cap=a.rollout_is_cap, precision=trainer.learner_precision,
         kl_estimator=a.kl_estimator, top_k=e.top_k, top_p=e.top_p,
         mask_first_token=e.first_token_temperature is not None,
-        long_tail=(e.long_tail_fraction, e.long_tail_tokens),
+        long_tail=(e.long_tail_fraction, e.long_tail_tokens), logits_chunk_tokens=trainer.logits_chunk_tokens,
     )
 
 
