@@ -12,6 +12,7 @@ reported apart, so the difference is what the step adds. Prints one JSON line pe
 
 from __future__ import annotations
 
+import argparse
 import json
 import multiprocessing as mp
 import resource
@@ -42,9 +43,12 @@ def _one(overrides: list[str], queue) -> None:
 
 
 def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides (model=..., trainer.logits_chunk_tokens=...)")
+    overrides = parser.parse_args(argv).overrides
     context = mp.get_context("spawn")
     queue = context.Queue()
-    proc = context.Process(target=_one, args=(argv, queue))
+    proc = context.Process(target=_one, args=(overrides, queue))
     proc.start()
     result = queue.get(timeout=1800)
     proc.join(timeout=60)
