@@ -213,18 +213,16 @@ class PolicyForward(torch.nn.Module):
         hidden = self.lm.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state[selected]
         if score is None:
             return self.lm.lm_head(hidden)
-        if chunk_tokens <= 0 or not torch.is_grad_enabled():  # nothing kept for a backward: no recompute
-            step = chunk_tokens if chunk_tokens > 0 else max(len(hidden), 1)
-            parts = [score(self.lm.lm_head(hidden[i:i + step]), i) for i in range(0, len(hidden), step)]
-        else:
-            def chunk(h, i):
-                return score(self.lm.lm_head(h), i)
+        step = chunk_tokens if chunk_tokens > 0 else max(len(hidden), 1)
+        recompute = chunk_tokens > 0 and torch.is_grad_enabled()  # no backward, nothing kept: no recompute
 
-            parts = [torch.utils.checkpoint.checkpoint(chunk, hidden[i:i + chunk_tokens], i, use_reentrant=False,
-                                                       preserve_rng_state=False)
-                     for i in range(0, len(hidden), chunk_tokens)]
-        if not parts:
-            parts = [score(self.lm.lm_head(hidden), 0)]
+        def chunk(h, i):
+            return score(self.lm.lm_head(h), i)
+
+        parts = [torch.utils.checkpoint.checkpoint(chunk, hidden[i:i + step], i, use_reentrant=False,
+                                                   preserve_rng_state=False) if recompute
+                 else chunk(hidden[i:i + step], i)
+                 for i in range(0, max(len(hidden), 1), step)]  # one (empty) part when nothing is selected
         return tuple(torch.cat(outs) for outs in zip(*parts))
 
 

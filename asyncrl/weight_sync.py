@@ -73,6 +73,12 @@ class WeightTransferError(RuntimeError):
     """A weight update that cannot complete: a timeout, a peer gone, another version than expected."""
 
 
+def tensor_slot(name: str, tensor: torch.Tensor, offset: int) -> TensorSlot:
+    """Where `tensor` lies in a flat byte buffer, with what rebuilds it (its dtype by name)."""
+    return TensorSlot(name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset,
+                      tensor.numel() * tensor.element_size())
+
+
 def plan_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> BucketPlan:
     """Group tensors, in order, into buckets of at most `bucket_bytes` (a larger tensor gets its own)."""
     buckets: list[Bucket] = []
@@ -83,7 +89,7 @@ def plan_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes
         if slots and used + nbytes > bucket_bytes:
             buckets.append(Bucket(used, slots))
             slots, used = [], 0
-        slots.append(TensorSlot(name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), used, nbytes))
+        slots.append(tensor_slot(name, tensor, used))
         used += nbytes
     if slots:
         buckets.append(Bucket(used, slots))
@@ -142,9 +148,8 @@ def shared_layout(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[li
     """Each tensor's place in a slot file, in order, every offset a multiple of 64 bytes."""
     slots, used = [], 0
     for name, tensor in named_tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        slots.append(TensorSlot(name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), used, nbytes))
-        used += -(-nbytes // _ALIGN) * _ALIGN
+        slots.append(tensor_slot(name, tensor, used))
+        used += -(-slots[-1].nbytes // _ALIGN) * _ALIGN
     return slots, used
 
 
@@ -186,10 +191,8 @@ class SharedSlots:
         self._files: list[str] = []
         self._maps: list[torch.Tensor] = []
         self._tensors: list[TensorSlot] = []
-        self._nbytes = 0
         self._next = 0
         self._generation = 0
-        self.writes = 0
         self.closed = False  # after `close`, until `open`: a late write would leave files behind
         # In every file name: a generator caches its mappings by path, and a reused pid must not
         # name a new file like one it still maps.
@@ -206,7 +209,6 @@ class SharedSlots:
                 os.posix_fallocate(f.fileno(), 0, nbytes)  # reserve the pages now: a full /dev/shm fails here
             self._files.append(path)
             self._maps.append(_map_file(path, nbytes, writable=True))
-        self._nbytes = nbytes
         self._generation += 1
 
     def write(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> SharedVersion:
@@ -225,8 +227,7 @@ class SharedSlots:
             for (_, tensor), slot in zip(named, tensors):
                 target = buffer[slot.offset:slot.offset + slot.nbytes].view(tensor.dtype).view(tensor.shape)
                 target.copy_(tensor)
-        self.writes += 1
-        return SharedVersion(self._files[index], self._nbytes, tensors)
+        return SharedVersion(self._files[index], buffer.numel(), tensors)
 
     def invalidate(self) -> None:
         """A generator may still view either slot (a delivery failed): the next version goes to new files."""
@@ -280,17 +281,16 @@ def remove_orphaned_slots(directory: str) -> int:
 
 # A generator maps each slot file once and keeps the mapping (the learner rewrites the same files):
 # adopting a version is then a pointer swap, no page fault. Only the newest files are kept.
-_READER_MAPS: dict[tuple[str, int], torch.Tensor] = {}
+_READER_MAPS: dict[str, torch.Tensor] = {}
 
 
 def shared_views(version: SharedVersion) -> list[tuple[str, torch.Tensor]]:
     """Read-only tensors viewing a version in shared memory (no copy). An engine adopts them as its
     parameters (it never writes its weights); each view holds its mapping alive."""
-    key = (version.path, version.nbytes)
-    buffer = _READER_MAPS.get(key)
+    buffer = _READER_MAPS.get(version.path)  # a path names one file for good (pid and a random token)
     if buffer is None:
         buffer = _map_file(version.path, version.nbytes, writable=False)
-        _READER_MAPS[key] = buffer
+        _READER_MAPS[version.path] = buffer
         while len(_READER_MAPS) > 4:  # two learners' slots at most (a restart): drop the oldest
             del _READER_MAPS[next(iter(_READER_MAPS))]
     return [(slot.name, buffer[slot.offset:slot.offset + slot.nbytes].view(getattr(torch, slot.dtype)).view(slot.shape))
