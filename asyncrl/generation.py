@@ -43,11 +43,13 @@ def build_generator_engine(model: ModelConfig, engine: EngineConfig, seed: int =
 
 
 def sequence_input(prompt_ids: Sequence[int] | np.ndarray, seed: int, max_response_tokens: int,
-                   response_ids: Sequence[int] | np.ndarray = EMPTY, min_response_tokens: int = 0) -> SequenceInput:
-    """A sequence to advance: its prompt, the response so far (empty for a new one), its seed."""
+                   response_ids: Sequence[int] | np.ndarray = EMPTY, min_response_tokens: int = 0,
+                   key: str | None = None) -> SequenceInput:
+    """A sequence to advance: its prompt, the response so far (empty for a new one), its seed;
+    `key`, its identity across windows (the engine may keep its KV cache between them)."""
     return SequenceInput(prompt_ids=np.asarray(prompt_ids, dtype=np.int32),
                          response_ids=np.asarray(response_ids, dtype=np.int32), seed=seed,
-                         max_response_tokens=max_response_tokens, min_response_tokens=min_response_tokens)
+                         max_response_tokens=max_response_tokens, min_response_tokens=min_response_tokens, key=key)
 
 
 def sampling_params(engine: EngineConfig) -> SamplingParams:

@@ -42,6 +42,9 @@ class SequenceInput(msgspec.Struct, kw_only=True, frozen=True):
     seed: int
     max_response_tokens: int  # total response budget; reaching it finishes with MAX_LENGTH
     min_response_tokens: int = 0  # EOS is not sampled before this many response tokens
+    # The sequence's identity across windows (the generator's sample id), or None. An engine may
+    # keep a keyed sequence's KV cache from one window to its next while its weights do not change.
+    key: str | None = None
 
 
 def long_tail_min_tokens(seed: int, fraction: float, tokens: int) -> int:

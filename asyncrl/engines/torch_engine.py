@@ -1,14 +1,19 @@
-"""The embedded generation engine: a transformers causal LM driven by our own decode loop on CPU.
+"""The embedded generation engine: a transformers causal LM driven by our own decode loop.
 
-Batches sequences of different lengths with left padding, keeps a KV cache across the tokens of
-a window, samples with `asyncrl.algo.sampling` (temperature, top-p, top-k, FIRE, counter-based
-seeds) and records the log-prob of each token under the distribution it was drawn from.
+Samples with `asyncrl.algo.sampling` (temperature, top-p, top-k, FIRE, counter-based seeds) and
+records the log-prob of each token under the distribution it was drawn from (the engine's own:
+in bfloat16, the bfloat16 model's). Llama-architecture models run on the engine's own forward
+(`asyncrl.engines.llama_decoder`) over a preallocated KV block, and keep each keyed sequence's KV
+cache from one window to its next while the weights do not change (`asyncrl.engines.kv_cache`);
+other models run transformers' forward over left-padded batches, re-reading each context.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import threading
+from dataclasses import dataclass
 from typing import Iterable
 
 import numpy as np
@@ -16,12 +21,38 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from asyncrl.algo.sampling import greedy_from_logprobs, sample_from_logprobs, step_logprobs
+from asyncrl.engines import llama_decoder
 from asyncrl.engines.base import SamplingParams, SequenceInput, WindowOutput
+from asyncrl.engines.kv_cache import CachedWindow, KeptCaches
 from asyncrl.schema import FinishReason
 
 
+def native_bf16(device: str = "cpu") -> bool:
+    """Whether bfloat16 matrix products run natively: a CPU with AVX512-BF16 or AMX (elsewhere
+    torch emulates them, slower than float32), or a CUDA device that supports bfloat16."""
+    if device.startswith("cuda"):
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def engine_dtype(name: str, device: str = "cpu") -> torch.dtype | None:
+    """`engine.dtype` as a torch dtype: auto = bfloat16 where it is native, else float32."""
+    if name == "auto":
+        return torch.bfloat16 if native_bf16(device) else torch.float32
+    if name not in ("float32", "bfloat16"):
+        raise ValueError(f"engine dtype must be auto, float32 or bfloat16, got {name!r}")
+    return getattr(torch, name)
+
+
 class TorchEngine:
-    def __init__(self, model: PreTrainedModel, eos_token_ids: Iterable[int], pad_token_id: int = 0):
+    """`dtype`: run a copy of `model` in this dtype (None: the model itself, as it is, so a caller
+    that trains it is generating from its current weights). `max_kept_bytes`: the bound on KV
+    caches kept between windows (one window's block at most; a larger one is not kept)."""
+
+    def __init__(self, model: PreTrainedModel, eos_token_ids: Iterable[int], pad_token_id: int = 0,
+                 dtype: torch.dtype | None = None, max_kept_bytes: int = 2 << 30):
+        if dtype is not None and dtype != next(model.parameters()).dtype:
+            model = copy.deepcopy(model).to(dtype)  # the caller's model stays as it is
         self.model = model.eval()
         # The model's device (engine.device=cuda puts it on the GPU): every tensor of a window is made there.
         self.device = next(model.parameters()).device
@@ -30,7 +61,10 @@ class TorchEngine:
             raise ValueError("an engine needs at least one EOS token id")
         self.pad_token_id = pad_token_id
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 1 << 30))
+        self.decoder = llama_decoder.LlamaDecoder(model) if llama_decoder.supports(model) else None
+        self.kept = KeptCaches(max_kept_bytes)
         self._version = 0
+        self._updates = 0  # weight loads through this engine (part of the stamp kept caches carry)
         self._shared = None  # what adopted shared-memory weights view (kept alive while in use)
         # Weight updates and generation never overlap: updates land between windows.
         self._lock = threading.Lock()
@@ -75,6 +109,8 @@ class TorchEngine:
         state = dict(self.model.named_parameters())
         state.update(self.model.named_buffers())
         with self._lock, torch.no_grad():
+            self._updates += 1
+            self.kept.clear()
             for name, tensor in named_tensors:
                 if name not in state:
                     raise KeyError(f"weight update names unknown parameter {name!r}")
@@ -91,6 +127,8 @@ class TorchEngine:
         a view whose dtype differs from the model's is copied."""
         state = dict(self.model.named_parameters())
         with self._lock, torch.no_grad():
+            self._updates += 1
+            self.kept.clear()
             for name, view in named_views:
                 if name not in state:
                     raise KeyError(f"weight update names unknown parameter {name!r}")
@@ -100,6 +138,11 @@ class TorchEngine:
                 param.data = view if view.dtype == param.dtype else view.to(param.dtype)
             self._shared = keepalive
             self._version = version
+
+    def weights_stamp(self) -> tuple:
+        """Changes whenever the weights may have: a load through the engine, or any parameter
+        replaced or modified in place (an optimizer step on a model the engine shares)."""
+        return self._updates, tuple((p.data_ptr(), p._version) for p in self.model.parameters())
 
     @torch.inference_mode()
     def generate_window_sync(
@@ -112,118 +155,158 @@ class TorchEngine:
         with self._lock:
             return self._generate(sequences, window_tokens, params, on_step)
 
-    def _generate(
-        self, sequences: list[SequenceInput], window_tokens: int, params: SamplingParams, on_step=None
-    ) -> list[WindowOutput]:
-        batch, dev = len(sequences), self.device
+    def _generate(self, sequences: list[SequenceInput], window_tokens: int, params: SamplingParams,
+                  on_step=None) -> list[WindowOutput]:
         contexts = [np.concatenate([s.prompt_ids, s.response_ids]).astype(np.int64) for s in sequences]
-        context_lens = torch.tensor([len(c) for c in contexts], device=dev)
-        prior = torch.tensor([len(s.response_ids) for s in sequences], device=dev)
-        # Tokens each row may still generate in this window (response budget and context limit).
-        length_left = torch.minimum(
-            torch.tensor([s.max_response_tokens for s in sequences], device=dev) - prior,
-            self.max_positions - context_lens,
-        )
+        if self.decoder is None:
+            window = _PaddedWindow(self.model, contexts, window_tokens, self.pad_token_id)
+            order = list(range(len(sequences)))
+        else:
+            stamp = self.weights_stamp()
+            kept = self.kept.take([s.key for s in sequences], contexts, stamp)
+            # Longest suffix (tokens not in a kept cache) first: `CachedWindow` prefills in slices.
+            suffix = [len(c) - (0 if k is None else len(k.tokens)) for c, k in zip(contexts, kept)]
+            order = sorted(range(len(sequences)), key=lambda i: suffix[i], reverse=True)
+            window = CachedWindow(self.decoder, [contexts[i] for i in order], [kept[i] for i in order],
+                                  window_tokens, self.pad_token_id)
+        rows = _Rows.of([sequences[i] for i in order], [contexts[i] for i in order], window_tokens,
+                        self.max_positions, self.device)
+        decoded = _decode(window, rows, window_tokens, params, self.eos_token_ids, on_step, order)
+        outputs = decoded.outputs()
+        if self.decoder is not None and decoded.complete:
+            keep = {sequences[i].key: window.kept(row, outputs[row].token_ids)
+                    for row, i in enumerate(order)
+                    if sequences[i].key is not None and outputs[row].finish_reason is FinishReason.WINDOW}
+            self.kept.keep(keep, stamp, window.block.nbytes)
+        results: list[WindowOutput] = [None] * len(sequences)  # type: ignore[list-item]
+        for row, i in enumerate(order):
+            results[i] = outputs[row]
+        return results
+
+
+@dataclass
+class _Rows:
+    """Per-row limits of a window, as tensors on the engine's device."""
+
+    prior: torch.Tensor  # response tokens generated before this window
+    length_left: torch.Tensor  # tokens each row may still generate (response budget, context limit)
+    budget: torch.Tensor  # tokens each row may generate in this window
+    seeds: torch.Tensor
+    min_tokens: torch.Tensor
+
+    @classmethod
+    def of(cls, sequences: list[SequenceInput], contexts: list[np.ndarray], window_tokens: int, max_positions: int,
+           device) -> "_Rows":
+        prior = torch.tensor([len(s.response_ids) for s in sequences], device=device)
+        length_left = torch.minimum(torch.tensor([s.max_response_tokens for s in sequences], device=device) - prior,
+                                    max_positions - torch.tensor([len(c) for c in contexts], device=device))
         budget = length_left.clamp(max=window_tokens)
         if bool((budget <= 0).any()):
             raise ValueError("a sequence passed to generate_window has no response budget left")
-        seeds = torch.tensor([s.seed for s in sequences], dtype=torch.int64, device=dev)
-        min_tokens = torch.tensor([s.min_response_tokens for s in sequences], device=dev)
-        hold_eos = bool((min_tokens > prior).any())
+        return cls(prior, length_left, budget, torch.tensor([s.seed for s in sequences], dtype=torch.int64, device=device),
+                   torch.tensor([s.min_response_tokens for s in sequences], device=device))
 
-        width = int(context_lens.max())
-        input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long, device=dev)
+
+@dataclass
+class _Decoded:
+    tokens: torch.Tensor  # [B, W]
+    logprobs: torch.Tensor  # [B, W]
+    produced: torch.Tensor  # [B]
+    reason: torch.Tensor  # [B]: -1 running, 0 eos, 1 max length
+    complete: bool  # False when a stream's consumer stopped it
+
+    def outputs(self) -> list[WindowOutput]:
+        tokens, logprobs, produced, reason = (t.cpu() for t in (self.tokens, self.logprobs, self.produced, self.reason))
+        return [WindowOutput(token_ids=tokens[row, :n].to(torch.int32).numpy().copy(),
+                             logprobs=logprobs[row, :n].numpy().copy(), finish_reason=_FINISH[int(reason[row])])
+                for row, n in enumerate(produced.tolist())]
+
+
+def _decode(window, rows: _Rows, window_tokens: int, params: SamplingParams, eos_ids: torch.Tensor, on_step,
+            order: list[int]) -> _Decoded:
+    """The sampling loop: one token per running row per step, until every row ended or filled
+    its window. `window.start()` gives the first logits, `window.step(tokens)` the next."""
+    batch, dev = len(rows.prior), rows.prior.device
+    hold_eos = bool((rows.min_tokens > rows.prior).any())
+    tokens = torch.zeros((batch, window_tokens), dtype=torch.long, device=dev)
+    logprobs = torch.zeros((batch, window_tokens), dtype=torch.float32, device=dev)
+    produced = torch.zeros(batch, dtype=torch.long, device=dev)
+    reason = torch.full((batch,), -1, dtype=torch.long, device=dev)
+    logits = window.start()
+    for step in range(window_tokens):
+        running = reason < 0
+        if hold_eos:  # rows below their minimum length cannot sample EOS
+            early = (rows.prior + step < rows.min_tokens)[:, None]
+            logits[:, eos_ids] = torch.where(early, float("-inf"), logits[:, eos_ids])
+        tok, tok_lp = _sample(logits, rows, step, params)
+        tokens[:, step] = torch.where(running, tok, tokens[:, step])
+        logprobs[:, step] = torch.where(running, tok_lp, logprobs[:, step])
+        produced += running.long()
+        hit_eos = running & torch.isin(tok, eos_ids)
+        # Out of response budget or context: MAX_LENGTH. A row that merely fills the window
+        # stays running and is reported as WINDOW.
+        out_of_length = running & ~hit_eos & (produced >= rows.length_left)
+        reason = torch.where(hit_eos, 0, reason)
+        reason = torch.where(out_of_length, 1, reason)
+        last = step == window_tokens - 1 or bool((reason >= 0).all()) or bool((produced >= rows.budget).all())
+        if on_step is not None and not on_step(_step_items(tok, tok_lp, running, reason, produced >= rows.budget, order)):
+            return _Decoded(tokens, logprobs, produced, reason, complete=False)  # the consumer of a stream is gone
+        if last:
+            break
+        logits = window.step(tok)
+    return _Decoded(tokens, logprobs, produced, reason, complete=True)
+
+
+def _sample(logits: torch.Tensor, rows: _Rows, step: int, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    dist = step_logprobs(logits, rows.prior + step, params.temperature, params.top_k, params.top_p,
+                         params.first_token_temperature, params.first_token_top_k)
+    if params.greedy:
+        return greedy_from_logprobs(dist)
+    return sample_from_logprobs(dist, rows.seeds, rows.prior + step)
+
+
+class _PaddedWindow:
+    """A window on transformers' own forward, for models `LlamaDecoder` does not cover: contexts
+    left-padded to one width, a `DynamicCache` that lives for this window only."""
+
+    def __init__(self, model, contexts: list[np.ndarray], window_tokens: int, pad_token_id: int):
+        batch, dev = len(contexts), next(model.parameters()).device
+        width = max(len(c) for c in contexts)
+        self.model, self.width = model, width
+        self.input_ids = torch.full((batch, width), pad_token_id, dtype=torch.long, device=dev)
         # Allocated once for the whole window; decode steps take a growing prefix view.
-        full_mask = torch.ones((batch, width + window_tokens), dtype=torch.long, device=dev)
-        full_mask[:, :width] = 0
-        attention_mask = full_mask[:, :width]
+        self.full_mask = torch.ones((batch, width + window_tokens), dtype=torch.long, device=dev)
+        self.full_mask[:, :width] = 0
         for row, ctx in enumerate(contexts):
-            input_ids[row, width - len(ctx):] = torch.from_numpy(ctx).to(dev)
-            attention_mask[row, width - len(ctx):] = 1
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+            self.input_ids[row, width - len(ctx):] = torch.from_numpy(ctx).to(dev)
+            self.full_mask[row, width - len(ctx):width] = 1
+        self.next_position = torch.tensor([len(c) for c in contexts], device=dev)
+        self.cache = DynamicCache()
+        self.steps = 0
 
-        cache = DynamicCache()
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        logits = out.logits[:, -1, :]
-        next_position = context_lens.clone()
+    def start(self) -> torch.Tensor:
+        mask = self.full_mask[:, :self.width]
+        out = self.model(input_ids=self.input_ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                         past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1, :]
 
-        tokens = torch.zeros((batch, window_tokens), dtype=torch.long, device=dev)
-        logprobs = torch.zeros((batch, window_tokens), dtype=torch.float32, device=dev)
-        produced = torch.zeros(batch, dtype=torch.long, device=dev)
-        reason = torch.full((batch,), -1, dtype=torch.long, device=dev)  # -1 running, 0 eos, 1 max length
-        for step in range(window_tokens):
-            running = reason < 0
-            if hold_eos:  # rows below their minimum length cannot sample EOS
-                early = (prior + step < min_tokens)[:, None]
-                logits[:, self.eos_token_ids] = torch.where(early, float("-inf"), logits[:, self.eos_token_ids])
-            dist = step_logprobs(
-                logits,
-                prior + step,
-                params.temperature,
-                params.top_k,
-                params.top_p,
-                params.first_token_temperature,
-                params.first_token_top_k,
-            )
-            if params.greedy:
-                tok, tok_lp = greedy_from_logprobs(dist)
-            else:
-                tok, tok_lp = sample_from_logprobs(dist, seeds, prior + step)
-            tokens[:, step] = torch.where(running, tok, tokens[:, step])
-            logprobs[:, step] = torch.where(running, tok_lp, logprobs[:, step])
-            produced += running.long()
-            hit_eos = running & torch.isin(tok, self.eos_token_ids)
-            # Out of response budget or context: MAX_LENGTH. A row that merely fills the window
-            # stays running and is reported as WINDOW below.
-            out_of_length = running & ~hit_eos & (produced >= length_left)
-            reason = torch.where(hit_eos, 0, reason)
-            reason = torch.where(out_of_length, 1, reason)
-            last = step == window_tokens - 1 or bool((reason >= 0).all()) or bool((produced >= budget).all())
-            if on_step is not None and not on_step(_step_items(tok, tok_lp, running, reason, produced >= budget)):
-                break  # the consumer of a stream is gone
-            if last:
-                break
-            attention_mask = full_mask[:, : width + step + 1]
-            out = self.model(
-                input_ids=tok[:, None],
-                attention_mask=attention_mask,
-                position_ids=next_position[:, None],
-                past_key_values=out.past_key_values,
-                use_cache=True,
-            )
-            logits = out.logits[:, -1, :]
-            next_position += 1
-
-        results = []
-        tokens, logprobs, produced, reason = tokens.cpu(), logprobs.cpu(), produced.cpu(), reason.cpu()
-        for row in range(batch):
-            n = int(produced[row])
-            finish = _FINISH[int(reason[row])]
-            results.append(
-                WindowOutput(
-                    token_ids=tokens[row, :n].to(torch.int32).numpy().copy(),
-                    logprobs=logprobs[row, :n].numpy().copy(),
-                    finish_reason=finish,
-                )
-            )
-        return results
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.steps += 1
+        out = self.model(input_ids=tokens[:, None], attention_mask=self.full_mask[:, :self.width + self.steps],
+                         position_ids=(self.next_position + self.steps - 1)[:, None], past_key_values=self.cache,
+                         use_cache=True)
+        return out.logits[:, -1, :]
 
 
 _FINISH = {0: FinishReason.EOS, 1: FinishReason.MAX_LENGTH, -1: FinishReason.WINDOW}
 
 
 def _step_items(tok: torch.Tensor, tok_lp: torch.Tensor, running: torch.Tensor, reason: torch.Tensor,
-                window_full: torch.Tensor) -> list[tuple[int, int, float, FinishReason | None]]:
-    """One decode step as a stream sees it: each row that produced a token, and how it ended if
-    it did (WINDOW when its window is full but the response goes on)."""
+                window_full: torch.Tensor, order: list[int]) -> list[tuple[int, int, float, FinishReason | None]]:
+    """One decode step as a stream sees it: each row that produced a token (by its index in the
+    caller's list), and how it ended if it did (WINDOW when its window is full but the response
+    goes on)."""
     tokens, logprobs, codes, full = tok.tolist(), tok_lp.tolist(), reason.tolist(), window_full.tolist()
-    return [(row, tokens[row], logprobs[row],
-             _FINISH[codes[row]] if codes[row] >= 0 else FinishReason.WINDOW if full[row] else None)
-            for row in running.nonzero().flatten().tolist()]
+    return sorted((order[row], tokens[row], logprobs[row],
+                   _FINISH[codes[row]] if codes[row] >= 0 else FinishReason.WINDOW if full[row] else None)
+                  for row in running.nonzero().flatten().tolist())

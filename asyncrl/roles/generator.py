@@ -21,7 +21,7 @@ import numpy as np
 from asyncrl.engines.base import Engine, SamplingParams, long_tail_min_tokens
 from asyncrl.generation import sequence_input
 from asyncrl.mailbox import Mailbox
-from asyncrl.schema import FinishReason, PromptRequest, Segment
+from asyncrl.schema import FinishReason, PromptRequest, Segment, sample_id
 from asyncrl.weight_sync import Delivery, WeightGroup, from_cuda_ipc, shared_views
 
 
@@ -148,7 +148,8 @@ class Generator:
         start = time.perf_counter()
         batch = self.inflight[: self.max_inflight]
         inputs = [sequence_input(s.request.prompt_token_ids, s.request.seed + s.sample_idx, self.max_response_tokens,
-                                 s.response_ids, s.min_response_tokens) for s in batch]
+                                 s.response_ids, s.min_response_tokens, key=sample_id(s.request.prompt_id, s.sample_idx))
+                  for s in batch]
         version = self.engine.version
         self.timing["prepare_s"] += time.perf_counter() - start
         start = time.perf_counter()

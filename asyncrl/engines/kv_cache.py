@@ -1,0 +1,155 @@
+"""KV caches kept across a sequence's windows, and one window's forward over a `KVBlock`.
+
+A sequence advanced window by window used to re-read its whole context in a prefill at every
+window. The engine now keeps the keys and values a window computed, keyed by the sequence's
+`SequenceInput.key`, and the next window of that sequence feeds only the tokens they do not
+cover (normally one: the last token sampled). Invariants, held here:
+
+* **Only the weights that computed them.** Kept caches carry the weights' stamp of their window
+  (the engine's update count and each parameter's storage and version counter, so an in-place
+  change behind the engine's back counts too); a window under another stamp drops them all.
+* **Only the tokens they were computed for.** A kept cache is used only when its tokens are a
+  strict prefix of the sequence's context as passed now; otherwise it is dropped.
+* **Bounded.** Between windows at most one block is held: the last window's, for its unfinished
+  keyed rows, and only if it is at most `max_bytes`. A sequence that finished, or was not in the
+  last call (no longer in flight), has no cache.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from asyncrl.engines.llama_decoder import KVBlock, LlamaDecoder
+
+
+@dataclass
+class KeptKV:
+    """Row `row` of `block`: keys and values of `tokens` at the block's columns `columns`."""
+
+    block: KVBlock
+    row: int
+    columns: torch.Tensor  # int64 [n]
+    tokens: np.ndarray  # int64 [n]
+
+    def continues(self, context: np.ndarray) -> bool:
+        n = len(self.tokens)
+        return n < len(context) and np.array_equal(self.tokens, context[:n])
+
+
+class KeptCaches:
+    """The caches kept between windows (see the module's invariants)."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._entries: dict[str, KeptKV] = {}
+        self._stamp = None
+        # reused / prefilled: rows per window; dropped_*: kept caches not used, by reason.
+        self.stats: Counter = Counter()
+
+    def take(self, keys: list[str | None], contexts: list[np.ndarray], stamp) -> list[KeptKV | None]:
+        """The kept cache of each row, or None; the store is emptied (the window keeps what it
+        hands back through `keep`)."""
+        if len(set(k for k in keys if k is not None)) != sum(k is not None for k in keys):
+            raise ValueError("two sequences of one window share a key")
+        entries, self._entries = self._entries, {}
+        if entries and stamp != self._stamp:
+            self.stats["dropped_weights_changed"] += len(entries)
+            entries = {}
+        out = []
+        for key, context in zip(keys, contexts):
+            entry = entries.pop(key, None) if key is not None else None
+            if entry is not None and not entry.continues(context):
+                self.stats["dropped_tokens_differ"] += 1
+                entry = None
+            self.stats["reused" if entry is not None else "prefilled"] += 1
+            out.append(entry)
+        self.stats["dropped_not_in_flight"] += len(entries)
+        return out
+
+    def keep(self, entries: dict[str, KeptKV], stamp, block_bytes: int) -> None:
+        if block_bytes > self.max_bytes:
+            self.stats["dropped_over_bound"] += len(entries)
+            return
+        self._entries, self._stamp = entries, stamp
+
+    def clear(self) -> None:
+        """Drop every kept cache (the engine loads new weights)."""
+        self.stats["dropped_weights_changed"] += len(self._entries)
+        self._entries = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class CachedWindow:
+    """One window of a batch over a fresh `KVBlock`.
+
+    Columns of row i: `[0, C)` its kept keys, right-aligned (C = the longest kept); `[C, C+S)`
+    the tokens it still has to feed (its suffix), right-aligned (S = the longest suffix); then one
+    column per decode step. Holes between the parts are masked. `start` prefills the suffixes in
+    chunks of similar length (a continuing row's suffix is one token, a new row's a prompt: one
+    chunk would pad every continuing row to a prompt's length); the caller orders rows by suffix
+    length, longest first, so each chunk is a slice of rows."""
+
+    def __init__(self, decoder: LlamaDecoder, contexts: list[np.ndarray], kept: list[KeptKV | None],
+                 window_tokens: int, pad_token_id: int):
+        self.decoder, self.contexts, self.pad_token_id = decoder, contexts, pad_token_id
+        self.reused = [0 if k is None else len(k.tokens) for k in kept]
+        self.suffix = [len(c) - n for c, n in zip(contexts, self.reused)]
+        if any(b > a for a, b in zip(self.suffix, self.suffix[1:])):
+            raise ValueError("rows must come longest suffix first")
+        kept_width, self.suffix_width = max(self.reused), max(self.suffix)
+        self.first_decode = kept_width + self.suffix_width
+        self.block = decoder.new_block(len(contexts), self.first_decode + window_tokens - 1)
+        self.positions = torch.tensor([len(c) for c in contexts], device=self.block.valid.device)
+        for row, (entry, n) in enumerate(zip(kept, self.reused)):
+            if entry is not None:
+                source = entry.block.data[:, :, entry.row].index_select(3, entry.columns)
+                self.block.data[:, :, row, :, kept_width - n:kept_width] = source
+                self.block.valid[row, kept_width - n:kept_width] = True
+            self.block.valid[row, self.first_decode - self.suffix[row]:self.first_decode] = True
+        self.steps = 0
+
+    def start(self) -> torch.Tensor:
+        """Feed every row's suffix; the logits `[B, vocab]` of each row's last context token."""
+        logits, row = [], 0
+        while row < len(self.contexts):
+            end = row + 1
+            while end < len(self.contexts) and 2 * self.suffix[end] > self.suffix[row]:
+                end += 1
+            logits.append(self._prefill(row, end))
+            row = end
+        return torch.cat(logits)
+
+    def _prefill(self, first: int, end: int) -> torch.Tensor:
+        width, device = self.suffix[first], self.block.valid.device
+        tokens = torch.full((end - first, width), self.pad_token_id, dtype=torch.long)
+        positions = torch.zeros((end - first, width), dtype=torch.long)
+        for i in range(first, end):
+            n, s = self.reused[i], self.suffix[i]
+            tokens[i - first, width - s:] = torch.from_numpy(self.contexts[i][n:])
+            positions[i - first, width - s:] = torch.arange(n, n + s)
+        return self.decoder.forward(tokens.to(device), positions.to(device), self.block, slice(first, end),
+                                    self.first_decode - width)
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed one token per row (`[B]`); the logits of the next."""
+        column = self.first_decode + self.steps
+        self.block.valid[:, column] = True
+        logits = self.decoder.forward(tokens[:, None], (self.positions + self.steps)[:, None], self.block,
+                                      slice(None), column)
+        self.steps += 1
+        return logits
+
+    def kept(self, row: int, new_tokens: np.ndarray) -> KeptKV:
+        """Row `row`'s keys and values after its window produced `new_tokens`: all of them but
+        the last token, which no step fed."""
+        fed = np.concatenate([self.contexts[row], new_tokens[:-1].astype(np.int64)])
+        columns = self.block.valid[row].nonzero().squeeze(1)
+        if len(columns) != len(fed):
+            raise RuntimeError(f"row {row}: {len(columns)} cached columns for {len(fed)} tokens fed")
+        return KeptKV(self.block, row, columns, fed)

@@ -1,0 +1,130 @@
+"""The embedded engine's own forward for Llama-architecture models, over a KV block it owns.
+
+transformers' forward grows a `DynamicCache` by concatenation at every decode step (8% of a
+step at batch 64, measured), builds its masks from one shared cache position, and cannot take
+keys and values computed in an earlier call. This forward reads the same parameters (the
+model's own modules, so weight updates are seen as they land) and writes keys and values into
+a preallocated block at a column the caller names, with a position per row: rows may continue
+from keys kept from an earlier window while others start from their prompt.
+
+The arithmetic is transformers' Llama forward (RMSNorm in float32, rotary embedding from the
+model's own `inv_freq` and `attention_scaling`, grouped-query attention, SiLU MLP): the engine's
+tests hold its log-probs to a teacher-forced transformers pass.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# Rotary variants whose frequencies do not depend on the sequence length (transformers computes
+# `inv_freq` once for them); "dynamic" and "longrope" rescale with the length.
+_STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def supports(model) -> bool:
+    """Whether `LlamaDecoder` computes this model's forward: a transformers Llama with static
+    rotary frequencies and one plain linear head."""
+    config = model.config
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return (getattr(config, "model_type", None) == "llama"
+            and rope.get("rope_type", rope.get("type", "default")) in _STATIC_ROPE_TYPES
+            and getattr(config, "hidden_act", "silu") == "silu"
+            and getattr(config, "pretraining_tp", 1) == 1
+            and hasattr(model, "lm_head") and hasattr(model, "model"))
+
+
+class KVBlock:
+    """Keys and values of every layer for a batch of rows: `data` `[layers, 2, rows, kv_heads,
+    columns, head_dim]` (zeros where nothing was written: a masked column must hold finite
+    numbers, since attention multiplies it by a zero weight), and `valid` `[rows, columns]`, the
+    columns each row attends to."""
+
+    def __init__(self, layers: int, rows: int, kv_heads: int, columns: int, head_dim: int, dtype, device):
+        self.data = torch.zeros((layers, 2, rows, kv_heads, columns, head_dim), dtype=dtype, device=device)
+        self.valid = torch.zeros((rows, columns), dtype=torch.bool, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+class LlamaDecoder:
+    """`forward` runs new tokens of some rows of a `KVBlock` through the model, writing their keys
+    and values at columns `start..start+S` and returning the logits of the last column."""
+
+    def __init__(self, model):
+        if not supports(model):
+            raise ValueError(f"LlamaDecoder does not support {type(model).__name__} ({model.config.model_type})")
+        self.model = model
+        config = model.config
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+    @property
+    def layers(self) -> int:
+        return len(self.model.model.layers)
+
+    def new_block(self, rows: int, columns: int) -> KVBlock:
+        weight = self.model.lm_head.weight
+        return KVBlock(self.layers, rows, self.kv_heads, columns, self.head_dim, weight.dtype, weight.device)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, block: KVBlock, rows: slice,
+                start: int) -> torch.Tensor:
+        """`tokens`, `positions`: `[b, S]` for block rows `rows` (b of them), written at columns
+        `start..start+S`; `block.valid` must already mark those columns of real tokens. Each
+        query attends to the valid columns up to its own. Returns float logits `[b, vocab]` of
+        column `start+S-1`."""
+        inner = self.model.model
+        width = tokens.shape[1]
+        end = start + width
+        # [b, 1, S, end]: a query at column start+j sees the valid columns <= start+j, and always
+        # its own (a padding query with nothing to attend to would make NaNs, and its NaN keys
+        # would reach the real queries through their zero weights).
+        steps = torch.arange(width, device=tokens.device)
+        causal = torch.ones((width, end), dtype=torch.bool, device=tokens.device).tril(start)
+        own = torch.zeros((width, end), dtype=torch.bool, device=tokens.device)
+        own[steps, start + steps] = True
+        mask = (causal & (block.valid[rows, None, :end] | own))[:, None]
+        hidden = inner.embed_tokens(tokens)
+        cos, sin = self._rotary(positions, hidden.dtype)
+        for index, layer in enumerate(inner.layers):
+            hidden = self._layer(layer, hidden, cos, sin, block.data[index], rows, start, end, mask)
+        last = _rms_norm(hidden[:, -1], inner.norm)
+        return self.model.lm_head(last).float()
+
+    def _rotary(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        rotary = self.model.model.rotary_emb
+        freqs = positions[..., None].float() * rotary.inv_freq.float()
+        angles = torch.cat((freqs, freqs), dim=-1)[:, None]  # [b, 1, S, head_dim]
+        return ((angles.cos() * rotary.attention_scaling).to(dtype),
+                (angles.sin() * rotary.attention_scaling).to(dtype))
+
+    def _layer(self, layer, hidden, cos, sin, kv, rows, start, end, mask):
+        b, width, _ = hidden.shape
+        attn = layer.self_attn
+        x = _rms_norm(hidden, layer.input_layernorm)
+        q = attn.q_proj(x).view(b, width, self.heads, self.head_dim).transpose(1, 2)
+        k = attn.k_proj(x).view(b, width, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = attn.v_proj(x).view(b, width, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        kv[0, rows, :, start:end] = k
+        kv[1, rows, :, start:end] = v
+        out = F.scaled_dot_product_attention(q, kv[0, rows, :, :end], kv[1, rows, :, :end], attn_mask=mask,
+                                             enable_gqa=self.kv_heads != self.heads)
+        hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(b, width, self.heads * self.head_dim))
+        mlp = layer.mlp
+        x = _rms_norm(hidden, layer.post_attention_layernorm)
+        return hidden + mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+
+
+def _rms_norm(hidden: torch.Tensor, norm) -> torch.Tensor:
+    x = hidden.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * x.to(hidden.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
