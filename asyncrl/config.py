@@ -44,6 +44,11 @@ class EngineConfig:
     offline engine, GPU only: `pip install asyncrl[sglang]` or the Docker image; model.source=hf)."""
     device: str = "cpu"
     """cpu | cuda: where the embedded engine runs (SGLang always runs on CUDA)."""
+    dtype: str = "auto"
+    """auto | float32 | bfloat16: the generators' embedded engine computes in this dtype (its own
+    copy of the weights; the learner keeps its own). auto: bfloat16 where it is native (a CPU with
+    AVX512-BF16 or AMX, a CUDA GPU with bf16), float32 elsewhere. Behaviour log-probs are those
+    of the distribution sampled from either way; the gap to the learner's is `rollout_kl_*`."""
     sglang_mem_fraction: float = 0.5
     """sglang: the share of the GPU's memory for weights and KV cache (mem_fraction_static); leave
     room for a learner on the same GPU."""
@@ -750,6 +755,7 @@ def validate(config: Config) -> None:
         (config.mode in MODES, f"mode must be one of {MODES}"),
         (e.name in ("torch", "sglang"), "engine.name must be torch or sglang"),
         (e.device in ("cpu", "cuda"), "engine.device must be cpu or cuda"),
+        (e.dtype in ("auto", "float32", "bfloat16"), "engine.dtype must be auto, float32 or bfloat16"),
         (config.trainer.learner_device in ("cpu", "cuda"), "trainer.learner_device must be cpu or cuda"),
         (config.trainer.learner_precision in ("fp32", "bf16"), "trainer.learner_precision must be fp32 or bf16"),
         (config.trainer.placement in ("any", "colocated", "spread"), "trainer.placement must be any, colocated or spread"),

@@ -13,21 +13,25 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
+import torch
 
 from asyncrl.config import EngineConfig, ModelConfig
 from asyncrl.engines.base import SamplingParams, SequenceInput
-from asyncrl.engines.torch_engine import TorchEngine
+from asyncrl.engines.torch_engine import TorchEngine, engine_dtype
 from asyncrl.models import eos_token_ids, load_policy
 from asyncrl.schema import FinishReason
 
 EMPTY = np.zeros(0, dtype=np.int32)
 
 
-def build_engine(model: ModelConfig, policy: tuple | None = None, device: str = "cpu") -> tuple[TorchEngine, object]:
+def build_engine(model: ModelConfig, policy: tuple | None = None, device: str = "cpu",
+                 dtype: torch.dtype | None = None) -> tuple[TorchEngine, object]:
     """The embedded engine and tokenizer of `model` (on `device`); `policy` = an already loaded
-    `(model, tokenizer)`."""
+    `(model, tokenizer)`. `dtype`: the engine computes on a copy in it (None: `model.dtype`, the
+    learner's own numbers, as evaluation uses)."""
     lm, tokenizer = policy if policy is not None else load_policy(model)
-    return TorchEngine(lm.to(device), eos_token_ids(lm, tokenizer), tokenizer.pad_token_id or 0), tokenizer
+    engine = TorchEngine(lm.to(device), eos_token_ids(lm, tokenizer), tokenizer.pad_token_id or 0, dtype=dtype)
+    return engine, tokenizer
 
 
 def build_generator_engine(model: ModelConfig, engine: EngineConfig, seed: int = 0):
@@ -39,7 +43,7 @@ def build_generator_engine(model: ModelConfig, engine: EngineConfig, seed: int =
         tokenizer = load_tokenizer(model)
         eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
         return SGLangEngine(model.path, eos, engine.sglang_mem_fraction, engine.sglang_tp_size, seed)
-    return build_engine(model, device=engine.device)[0]
+    return build_engine(model, device=engine.device, dtype=engine_dtype(engine.dtype, engine.device))[0]
 
 
 def sequence_input(prompt_ids: Sequence[int] | np.ndarray, seed: int, max_response_tokens: int,

@@ -1,65 +1,215 @@
-"""Embedded engine speed: tokens/s of `TorchEngine` against transformers' own `generate` on the
-same model, prompts and length, paired rounds (engine, generate, engine, ...). On `engine.device`
-(`engine.device=cuda` on a GPU: batches up to 256)."""
+"""Embedded engine speed, side by side in one run, on the same prompts and length (every row
+generates exactly `new_tokens`: EOS is never sampled), paired rounds:
+
+* `engine`: `TorchEngine` as the generators run it (`engine.dtype`: bfloat16 where the CPU has it);
+* `engine_fp32`: the same engine in float32 (what bfloat16 brings, apart from the rest);
+* `generate`: transformers' `generate` on a float32 model, as a user calls it;
+* SGLang on this CPU, from `.venv-sglang` (its own benchmark, `engine=sglang_cpu`, run as a
+  subprocess); skipped with a message where that environment is absent.
+
+Each figure is also a share of the *decode ceiling* at that batch: the model's matmul FLOPs per
+token against this CPU's measured throughput for the model's own matmul shapes at that batch, in
+the variant's dtype and thread count (attention, sampling and everything else counted as free, so
+the ceiling is an upper bound).
+
+A second table times responses generated window by window (T-PPO's small windows), with the KV
+caches kept between windows against re-reading every context (`max_kept_bytes=0`).
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from asyncrl.config import compose
 from asyncrl.engines.base import SamplingParams
-from asyncrl.generation import build_engine, sequence_input
+from asyncrl.engines.torch_engine import TorchEngine, engine_dtype, native_bf16
+from asyncrl.generation import sequence_input
+from asyncrl.models import load_policy
 from asyncrl.tasks import encode_prompt, load_examples
+
+ROOT = Path(__file__).resolve().parents[2]
+NEVER = [-1]  # an EOS id no token has: every row runs its full length
 
 
 def run(quick: bool = False, overrides: list[str] | None = None) -> dict:
     config = compose(overrides or [])
-    torch.set_num_threads(config.engine.threads)
-    device = config.engine.device
-    engine, tokenizer = build_engine(config.model, device=device)
+    threads, device = config.engine.threads, config.engine.device
+    torch.set_num_threads(threads)
+    dtype = engine_dtype(config.engine.dtype, device)
+    user_model, tokenizer = load_policy(config.model)  # float32, as a user loads it for `generate`
+    user_model = user_model.to(device).eval()
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    engines = {"engine": TorchEngine(user_model, NEVER, pad, dtype=dtype), "engine_fp32": TorchEngine(user_model, NEVER, pad)}
     new_tokens = 16 if quick else 64
     batches = (1, 4) if quick else (1, 16, 64, 256) if device == "cuda" else (1, 16, 64)
     rounds = 1 if quick else 3
     examples = load_examples(config.task.name, "eval", max(batches), config.task.seed, config.task.eval_path)
     prompts = [encode_prompt(ex, tokenizer, config.model.use_chat_template) for ex in examples]
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    setup = {"dtype": str(dtype).removeprefix("torch."), "threads": threads, "device": device, "new_tokens": new_tokens,
+             "rounds": rounds, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "native_bf16": native_bf16(device),
+             "mean_prompt_tokens": float(np.mean([len(p) for p in prompts[:max(batches)]]))}
+    context = setup["mean_prompt_tokens"] + new_tokens / 2
     results = {}
     for batch in batches:
         chosen = [prompts[i % len(prompts)] for i in range(batch)]
-        # A budget nobody can stop early on: both sides generate exactly `new_tokens` per row.
-        no_eos_engine_ids = engine.eos_token_ids
-        engine.eos_token_ids = torch.tensor([-1])
-        sequences = [sequence_input(p, i, new_tokens) for i, p in enumerate(chosen)]
-        width = max(len(p) for p in chosen)
-        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in chosen], device=device)
-        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chosen], device=device)
-        ours, theirs = [], []
+        seconds = paired_rounds(engines, user_model, chosen, new_tokens, pad, rounds, device)
+        by_dtype = {dt: decode_ceiling(user_model, batch, dt, context, device) for dt in {dtype, torch.float32}}
+        ceilings = {"engine": by_dtype[dtype], "engine_fp32": by_dtype[torch.float32], "generate": by_dtype[torch.float32]}
+        row = {"batch": batch}
+        for name, times in seconds.items():
+            row[f"{name}_tokens_per_s"] = float(np.median([batch * new_tokens / t for t in times]))
+            row[f"{name}_ceiling_tokens_per_s"] = ceilings[name]["tokens_per_s"]
+            row[f"{name}_share_of_ceiling"] = row[f"{name}_tokens_per_s"] / ceilings[name]["tokens_per_s"]
+        for name in engines:  # paired: the median of the per-round ratios
+            row[f"{name}_over_generate"] = float(np.median([g / e for e, g in zip(seconds[name], seconds["generate"])]))
+        row["matmul_gflops"] = {name: c["matmul_gflops"] for name, c in ceilings.items() if name != "engine_fp32"}
+        results[f"batch_{batch}"] = row
+        print(f"batch {batch}: {row}", flush=True)
+    windowed = kept_cache_rounds(engines["engine"], prompts, quick, rounds)
+    return {"setup": setup, "batches": results, "windows": windowed, "sglang": sglang_figures(quick, overrides or [])}
+
+
+def paired_rounds(engines: dict, user_model, prompts: list[list[int]], new_tokens: int, pad: int, rounds: int,
+                  device: str) -> dict[str, list[float]]:
+    """Seconds per call of each variant, one call each per round after a warm-up round."""
+    sequences = [sequence_input(p, i, new_tokens) for i, p in enumerate(prompts)]
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    calls = {name: (lambda e=engine: e.generate_window_sync(sequences, new_tokens, SamplingParams(temperature=1.0)))
+             for name, engine in engines.items()}
+
+    def generate():
+        with torch.inference_mode():
+            user_model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=new_tokens,
+                                min_new_tokens=new_tokens, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                                pad_token_id=pad)
+
+    calls["generate"] = generate
+    seconds: dict[str, list[float]] = {name: [] for name in calls}
+    for round_ in range(rounds + 1):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            if round_:  # round 0 warms up (allocator, one-off kernel setup)
+                seconds[name].append(time.perf_counter() - start)
+    return seconds
+
+
+def decode_ceiling(model, batch: int, dtype: torch.dtype, context: float, device: str) -> dict:
+    """Tokens/s if the model's matmuls ran at this CPU's measured speed for their shapes at
+    `batch` rows and nothing else cost anything. FLOPs per token: 2 per weight of every linear
+    layer (the LM head included) plus attention's 4 per head dimension per context token."""
+    shapes: dict[tuple[int, int], int] = {}
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            key = (module.in_features, module.out_features)
+            shapes[key] = shapes.get(key, 0) + 1
+    flops = seconds = 0.0
+    for (fan_in, fan_out), count in shapes.items():
+        x = torch.randn(batch, fan_in, dtype=dtype, device=device)
+        w = torch.randn(fan_out, fan_in, dtype=dtype, device=device)
+        seconds += count * seconds_per_call(lambda: torch.nn.functional.linear(x, w))
+        flops += count * 2.0 * batch * fan_in * fan_out
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    attention = 4.0 * config.num_hidden_layers * config.num_attention_heads * head_dim * context
+    per_token = flops / batch + attention
+    throughput = flops / seconds
+    return {"tokens_per_s": throughput / per_token, "matmul_gflops": throughput / 1e9, "flops_per_token": per_token}
+
+
+def seconds_per_call(fn, min_seconds: float = 0.2) -> float:
+    """The fastest of five timings, each a loop of at least `min_seconds` (other jobs on the
+    machine only ever slow a loop down)."""
+    fn()
+    best = float("inf")
+    for _ in range(5):
+        n, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < min_seconds or n == 0:
+            fn()
+            n += 1
+        best = min(best, elapsed / n)
+    return best
+
+
+def kept_cache_rounds(engine: TorchEngine, prompts: list[list[int]], quick: bool, rounds: int) -> dict:
+    """Responses of `length` tokens in windows of `window`, at `batch` rows: tokens/s with the KV
+    caches kept between windows against every window re-reading its context."""
+    batch, length, window = (4, 32, 8) if quick else (64, 128, 16)
+    chosen = [prompts[i % len(prompts)] for i in range(batch)]
+    bound = engine.kept.max_bytes
+
+    def respond(keep: bool) -> float:
+        engine.kept.max_bytes = bound if keep else 0
+        responses = [np.zeros(0, dtype=np.int32) for _ in chosen]
+        start = time.perf_counter()
+        for _ in range(length // window):
+            outs = engine.generate_window_sync(
+                [sequence_input(p, i, length, responses[i], key=f"bench/{i}") for i, p in enumerate(chosen)],
+                window, SamplingParams(temperature=1.0))
+            responses = [np.concatenate([r, o.token_ids]) for r, o in zip(responses, outs)]
+        return time.perf_counter() - start
+
+    times = {"kept": [], "re_read": []}
+    try:
         for _ in range(rounds):
-            start = time.perf_counter()
-            engine.generate_window_sync(sequences, new_tokens, SamplingParams(temperature=1.0))
-            ours.append(batch * new_tokens / (time.perf_counter() - start))
-            start = time.perf_counter()
-            with torch.inference_mode():
-                engine.model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=new_tokens,
-                                      min_new_tokens=new_tokens, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                                      pad_token_id=pad)
-            theirs.append(batch * new_tokens / (time.perf_counter() - start))
-        engine.eos_token_ids = no_eos_engine_ids
-        results[f"batch_{batch}"] = {
-            "asyncrl_tokens_per_s": float(np.median(ours)),
-            "hf_generate_tokens_per_s": float(np.median(theirs)),
-            "ratio_asyncrl_over_hf": float(np.median([a / b for a, b in zip(ours, theirs)])),
-            "new_tokens": new_tokens, "rounds": rounds, "threads": config.engine.threads, "device": device,
-        }
-    return results
+            for name, keep in (("kept", True), ("re_read", False)):
+                times[name].append(respond(keep))
+    finally:
+        engine.kept.max_bytes = bound
+    return {"batch": batch, "response_tokens": length, "window_tokens": window,
+            **{f"{name}_tokens_per_s": float(np.median([batch * length / t for t in ts])) for name, ts in times.items()},
+            "kept_over_re_read": float(np.median([r / k for k, r in zip(times["kept"], times["re_read"])]))}
 
 
-def report(results: dict) -> str:
-    lines = ["| batch | asyncrl engine tok/s | HF generate tok/s | asyncrl / HF |", "|---|---|---|---|"]
-    for name, r in results.items():
-        lines.append(f"| {name.removeprefix('batch_')} | {r['asyncrl_tokens_per_s']:.1f} | "
-                     f"{r['hf_generate_tokens_per_s']:.1f} | {r['ratio_asyncrl_over_hf']:.2f}x |")
+def sglang_figures(quick: bool, overrides: list[str]) -> dict:
+    """SGLang's tokens/s at the same batches, from its own benchmark in `.venv-sglang` (this
+    checkout's, or the checkout `ASYNCRL_SGLANG_ROOT` names)."""
+    root = Path(os.environ.get("ASYNCRL_SGLANG_ROOT", ROOT))
+    python = root / ".venv-sglang" / "bin" / "python"
+    if not python.exists():
+        return {"skipped": f"{python} is missing (SGLang on CPU: `make sglang` builds it)"}
+    with tempfile.TemporaryDirectory() as run_dir:
+        command = [str(python), "-m", "asyncrl.cli", "bench", "engine", "engine=sglang_cpu", *overrides,
+                   *(["--quick"] if quick else []), "--run-dir", run_dir]
+        done = subprocess.run(command, cwd=root, capture_output=True, text=True)
+        if done.returncode != 0:
+            return {"skipped": f"SGLang's benchmark failed (exit {done.returncode}): {done.stderr.strip()[-600:]}"}
+        with open(os.path.join(run_dir, "bench_engine.json")) as f:
+            result = json.load(f)
+    return {name: {"sglang_tokens_per_s": r["sglang_tokens_per_s"]} for name, r in result.items()
+            if name.startswith("batch_")}
+
+
+def report(result: dict) -> str:
+    s = result["setup"]
+    lines = [f"engine dtype {s['dtype']} ({s['cpu_capability']}, native bf16: {s['native_bf16']}), {s['threads']} "
+             f"thread(s), {s['new_tokens']} new tokens a row, median of {s['rounds']} paired rounds; "
+             f"tok/s (share of the decode ceiling)",
+             "| batch | engine | engine fp32 | HF generate fp32 | SGLang | engine / generate | engine fp32 / generate "
+             "| ceiling: engine, fp32 | matmul GFLOP/s: engine, fp32 |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    sglang = result["sglang"]
+    for name, r in result["batches"].items():
+        cells = [f"{r[f'{v}_tokens_per_s']:.1f} ({r[f'{v}_share_of_ceiling']:.0%})" for v in ("engine", "engine_fp32", "generate")]
+        theirs = f"{sglang[name]['sglang_tokens_per_s']:.1f}" if name in sglang else "-"
+        lines.append(f"| {r['batch']} | {' | '.join(cells)} | {theirs} | {r['engine_over_generate']:.2f}x | "
+                     f"{r['engine_fp32_over_generate']:.2f}x | {r['engine_ceiling_tokens_per_s']:.0f}, "
+                     f"{r['generate_ceiling_tokens_per_s']:.0f} | {r['matmul_gflops']['engine']:.0f}, "
+                     f"{r['matmul_gflops']['generate']:.0f} |")
+    if "skipped" in sglang:
+        lines.append(f"SGLang: skipped: {sglang['skipped']}")
+    w = result["windows"]
+    lines.append(f"windows: batch {w['batch']}, {w['response_tokens']} tokens in windows of {w['window_tokens']}: "
+                 f"KV kept {w['kept_tokens_per_s']:.1f} tok/s, re-read {w['re_read_tokens_per_s']:.1f} tok/s, "
+                 f"{w['kept_over_re_read']:.2f}x")
     return "\n".join(lines)
