@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from asyncrl.algo.sampling import counter_uniform, filtered_logprobs, sample_from_logprobs, step_logprobs
+from asyncrl.algo.sampling import (counter_uniform, filtered_logprobs, sample_from_logits, sample_from_logprobs,
+                                   step_logprobs)
 from asyncrl.engines.base import SamplingParams, SequenceInput
 from asyncrl.engines.torch_engine import TorchEngine
 from asyncrl.config import ModelConfig
@@ -158,6 +159,24 @@ def test_sampling_draws_from_the_distribution_and_never_a_zero_probability_token
     # A row's draw depends on its own (seed, position) only, not on the rows beside it.
     alone, _ = sample_from_logprobs(logprobs[:1], torch.tensor([7]), torch.tensor([3]))
     assert int(alone) == int(tokens[7])
+
+
+def test_sampling_from_logits_is_the_draw_from_the_log_softmax():
+    """The engine's fast path (no top-k/top-p) against the general one on the same (seed, position)."""
+    logits = torch.randn(256, 5000, generator=torch.Generator().manual_seed(0)) * 4
+    logits[:, 7] = float("-inf")  # a token held back (EOS before the minimum length)
+    seeds, positions = torch.arange(256), torch.arange(256) % 9
+    fast, fast_lp = sample_from_logits(logits, 0.7, seeds, positions)
+    slow, slow_lp = sample_from_logprobs(filtered_logprobs(logits, 0.7), seeds, positions)
+    same = fast == slow  # only a draw within float32 rounding of an interval boundary may differ
+    assert float(same.float().mean()) >= 0.99 and not bool((fast == 7).any())
+    torch.testing.assert_close(fast_lp[same], slow_lp[same], atol=2e-5, rtol=0)
+    # Its draws follow the distribution (the case of the general sampler's test).
+    probs = torch.tensor([0.5, 0.3, 0.0, 0.15, 0.05, 0.0])
+    n = 40_000
+    tokens, token_lp = sample_from_logits(torch.log(probs).expand(n, -1), 1.0, torch.arange(n), torch.full((n,), 3))
+    np.testing.assert_allclose((torch.bincount(tokens, minlength=6).double() / n).numpy(), probs.numpy(), atol=0.01)
+    torch.testing.assert_close(token_lp, torch.log(probs)[tokens])
 
 
 def test_top_k_top_p_filtering_by_hand():

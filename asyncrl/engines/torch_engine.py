@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from asyncrl.algo.sampling import greedy_from_logprobs, sample_from_logprobs, step_logprobs
+from asyncrl.algo.sampling import greedy_from_logprobs, sample_from_logits, sample_from_logprobs, step_logprobs
 from asyncrl.engines import llama_decoder
 from asyncrl.engines.base import SamplingParams, SequenceInput, WindowOutput
 from asyncrl.engines.kv_cache import CachedWindow, KeptCaches
@@ -258,11 +258,16 @@ def _decode(window, rows: _Rows, window_tokens: int, params: SamplingParams, eos
 
 
 def _sample(logits: torch.Tensor, rows: _Rows, step: int, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    positions = rows.prior + step
+    plain = (params.top_k == 0 and params.top_p >= 1.0
+             and (params.first_token_temperature is None or not bool((positions == 0).any())))
+    if plain and not params.greedy:
+        return sample_from_logits(logits, params.temperature, rows.seeds, positions)
     dist = step_logprobs(logits, rows.prior + step, params.temperature, params.top_k, params.top_p,
                          params.first_token_temperature, params.first_token_top_k)
     if params.greedy:
         return greedy_from_logprobs(dist)
-    return sample_from_logprobs(dist, rows.seeds, rows.prior + step)
+    return sample_from_logprobs(dist, rows.seeds, positions)
 
 
 class _PaddedWindow:
