@@ -1,6 +1,7 @@
 """Policy learner speed: trained tokens/s of the learner's own step (`PolicyRank.step`: log-probs,
 the algorithm's loss, backward, clip, AdamW) on a fixed synthetic batch, fp32 against bf16 autocast
 on the CPU and, on a machine with CUDA, on the GPU. Paired rounds (each variant once per round).
+Then how close bf16 is to fp32 on the model's own samples (`asyncrl.bench.learner_precision`).
 
 The batch: `rows` responses of `response` tokens after a `prompt`-token prompt, random token ids
 (the speed of a step does not depend on what the tokens say)."""
@@ -14,6 +15,7 @@ import time
 import numpy as np
 import torch
 
+from asyncrl.bench.learner_precision import precision_gap
 from asyncrl.config import compose
 from asyncrl.models import load_model, load_tokenizer
 from asyncrl.roles.policy_rank import PolicyRank
@@ -68,17 +70,30 @@ def run(quick: bool = False, overrides: list[str] | None = None) -> dict:
                 seconds[variant].append(time.perf_counter() - start)
     tokens = rows * response
     base = statistics.median(seconds[("cpu", "fp32")])
-    return {f"{device}_{precision}": {
+    del ranks  # their models and Adam states: the precision check loads its own
+    torch.manual_seed(0)
+    lm = load_model(config.model, tokenizer)
+    gap = precision_gap(config, lm, tokenizer, policy_loss_settings(config.algorithm, config.trainer, config.engine),
+                        *((8, 16) if quick else (16, 64)))
+    return {"precision": gap, **{f"{device}_{precision}": {
         "seconds_per_step_median": statistics.median(s), "trained_tokens_per_s": tokens / statistics.median(s),
         "speedup_over_cpu_fp32": base / statistics.median(s), "rows": rows, "prompt_tokens": prompt,
         "response_tokens": response, "rounds": rounds, "policy_updates": metrics["policy_updates"],
         "threads": config.trainer.learner_threads, "model": config.model.source,
-    } for (device, precision), s in seconds.items()}
+    } for (device, precision), s in seconds.items()}}
 
 
 def report(result: dict) -> str:
     lines = ["| device, precision | s / step | trained tokens/s | vs CPU fp32 |", "|---|---|---|---|"]
     for name, r in result.items():
-        lines.append(f"| {name.replace('_', ', ')} | {r['seconds_per_step_median']:.2f} | "
-                     f"{r['trained_tokens_per_s']:.0f} | {r['speedup_over_cpu_fp32']:.2f}x |")
+        if name != "precision":
+            lines.append(f"| {name.replace('_', ', ')} | {r['seconds_per_step_median']:.2f} | "
+                         f"{r['trained_tokens_per_s']:.0f} | {r['speedup_over_cpu_fp32']:.2f}x |")
+    g = result["precision"]
+    lines += [f"bf16 autocast against fp32 on {g['rows']} sampled responses ({g['trained_tokens']} trained tokens):",
+              f"  log-prob gap mean {g['logprob_gap_mean']:.4f}, p99 {g['logprob_gap_p99']:.4f}, max {g['logprob_gap_max']:.4f}",
+              f"  gradient cosine {g['grad_cosine_bf16_fp32']:.4f}, relative error {g['grad_relative_error_bf16']:.3f}, "
+              f"norm ratio {g['grad_norm_ratio_bf16_over_fp32']:.3f}",
+              f"  the batch's own noise (fp32): cosine of its halves' gradients {g['grad_cosine_half_batches_fp32']:.4f}, "
+              f"a half against the whole {g['grad_relative_error_half_batch']:.3f}"]
     return "\n".join(lines)
