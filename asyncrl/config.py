@@ -47,8 +47,9 @@ class EngineConfig:
     dtype: str = "auto"
     """auto | float32 | bfloat16: the generators' embedded engine computes in this dtype (its own
     copy of the weights; the learner keeps its own). auto: bfloat16 where it is native (a CPU with
-    AVX512-BF16 or AMX, a CUDA GPU with bf16), float32 elsewhere. Behaviour log-probs are those
-    of the distribution sampled from either way; the gap to the learner's is `rollout_kl_*`."""
+    AVX512-BF16 or AMX, a CUDA GPU with bf16) and the model has 10M parameters or more (below,
+    casts cost more than the matmuls save), float32 elsewhere. Behaviour log-probs are those of
+    the distribution sampled from either way; the gap to the learner's is `rollout_kl_*`."""
     sglang_mem_fraction: float = 0.5
     """sglang: the share of the GPU's memory for weights and KV cache (mem_fraction_static); leave
     room for a learner on the same GPU."""

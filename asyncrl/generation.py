@@ -43,7 +43,8 @@ def build_generator_engine(model: ModelConfig, engine: EngineConfig, seed: int =
         tokenizer = load_tokenizer(model)
         eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
         return SGLangEngine(model.path, eos, engine.sglang_mem_fraction, engine.sglang_tp_size, seed)
-    return build_engine(model, device=engine.device, dtype=engine_dtype(engine.dtype, engine.device))[0]
+    policy = load_policy(model)
+    return build_engine(model, policy, engine.device, engine_dtype(engine.dtype, engine.device, policy[0]))[0]
 
 
 def sequence_input(prompt_ids: Sequence[int] | np.ndarray, seed: int, max_response_tokens: int,

@@ -196,3 +196,16 @@ def test_generator_windows_reuse_caches_and_emit_what_re_reading_emits():
         assert tokens == uncached[key][0]
         np.testing.assert_allclose(logprobs, uncached[key][1], atol=1e-5)
     assert stats["reused"] == 12 and no_stats["reused"] == 0
+
+
+def test_engine_dtype_auto_is_bf16_only_where_native_and_the_model_is_large():
+    from asyncrl.engines.torch_engine import BF16_MIN_PARAMETERS, engine_dtype, native_bf16
+
+    small = tiny_model()
+    large = build_tiny_model(ModelConfig(source="tiny", hidden_size=512, num_layers=4, num_heads=8), VOCAB)
+    assert sum(p.numel() for p in small.parameters()) < BF16_MIN_PARAMETERS <= sum(p.numel() for p in large.parameters())
+    assert engine_dtype("auto", "cpu", small) == torch.float32
+    assert engine_dtype("auto", "cpu", large) == (torch.bfloat16 if native_bf16("cpu") else torch.float32)
+    assert engine_dtype("bfloat16", "cpu", small) == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype"):
+        engine_dtype("float16", "cpu", small)

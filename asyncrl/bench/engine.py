@@ -43,8 +43,8 @@ def run(quick: bool = False, overrides: list[str] | None = None) -> dict:
     config = compose(overrides or [])
     threads, device = config.engine.threads, config.engine.device
     torch.set_num_threads(threads)
-    dtype = engine_dtype(config.engine.dtype, device)
     user_model, tokenizer = load_policy(config.model)  # float32, as a user loads it for `generate`
+    dtype = engine_dtype(config.engine.dtype, device, user_model)
     user_model = user_model.to(device).eval()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     engines = {"engine": TorchEngine(user_model, NEVER, pad, dtype=dtype), "engine_fp32": TorchEngine(user_model, NEVER, pad)}

@@ -105,13 +105,17 @@ class CachedWindow:
         kept_width, self.suffix_width = max(self.reused), max(self.suffix)
         self.first_decode = kept_width + self.suffix_width
         self.block = decoder.new_block(len(contexts), self.first_decode + window_tokens - 1)
-        self.positions = torch.tensor([len(c) for c in contexts], device=self.block.valid.device)
+        device = self.block.valid.device
+        self.positions = torch.tensor([len(c) for c in contexts], device=device)
+        columns = torch.arange(self.block.valid.shape[1], device=device)[None]
+        reused = torch.tensor(self.reused, device=device)[:, None]
+        suffix = torch.tensor(self.suffix, device=device)[:, None]
+        self.block.valid[:] = (((columns >= kept_width - reused) & (columns < kept_width))
+                               | ((columns >= self.first_decode - suffix) & (columns < self.first_decode)))
         for row, (entry, n) in enumerate(zip(kept, self.reused)):
             if entry is not None:
                 source = entry.block.data[:, :, entry.row].index_select(3, entry.columns)
                 self.block.data[:, :, row, :, kept_width - n:kept_width] = source
-                self.block.valid[row, kept_width - n:kept_width] = True
-            self.block.valid[row, self.first_decode - self.suffix[row]:self.first_decode] = True
         self.steps = 0
 
     def start(self) -> torch.Tensor:
@@ -127,14 +131,14 @@ class CachedWindow:
 
     def _prefill(self, first: int, end: int) -> torch.Tensor:
         width, device = self.suffix[first], self.block.valid.device
-        tokens = torch.full((end - first, width), self.pad_token_id, dtype=torch.long)
-        positions = torch.zeros((end - first, width), dtype=torch.long)
+        tokens = np.full((end - first, width), self.pad_token_id, dtype=np.int64)
+        positions = np.zeros((end - first, width), dtype=np.int64)
         for i in range(first, end):
             n, s = self.reused[i], self.suffix[i]
-            tokens[i - first, width - s:] = torch.from_numpy(self.contexts[i][n:])
-            positions[i - first, width - s:] = torch.arange(n, n + s)
-        return self.decoder.forward(tokens.to(device), positions.to(device), self.block, slice(first, end),
-                                    self.first_decode - width)
+            tokens[i - first, width - s:] = self.contexts[i][n:]
+            positions[i - first, width - s:] = np.arange(n, n + s)
+        return self.decoder.forward(torch.from_numpy(tokens).to(device), torch.from_numpy(positions).to(device),
+                                    self.block, slice(first, end), self.first_decode - width)
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per row (`[B]`); the logits of the next."""
