@@ -40,6 +40,7 @@ NEVER = [-1]  # an EOS id no token has: every row runs its full length
 
 
 def run(quick: bool = False, overrides: list[str] | None = None) -> dict:
+    load_start = os.getloadavg()[0]
     config = compose(overrides or [])
     threads, device = config.engine.threads, config.engine.device
     torch.set_num_threads(threads)
@@ -74,7 +75,10 @@ def run(quick: bool = False, overrides: list[str] | None = None) -> dict:
         results[f"batch_{batch}"] = row
         print(f"batch {batch}: {row}", flush=True)
     windowed = kept_cache_rounds(engines["engine"], prompts, quick, rounds)
-    return {"setup": setup, "batches": results, "windows": windowed, "sglang": sglang_figures(quick, overrides or [])}
+    sglang = sglang_figures(quick, overrides or [])
+    # Other jobs on the machine slow every variant; the paired ratios hold better than the rates.
+    setup["load_average_1min_start_end"] = [load_start, os.getloadavg()[0]]
+    return {"setup": setup, "batches": results, "windows": windowed, "sglang": sglang}
 
 
 def paired_rounds(engines: dict, user_model, prompts: list[list[int]], new_tokens: int, pad: int, rounds: int,
@@ -193,7 +197,8 @@ def sglang_figures(quick: bool, overrides: list[str]) -> dict:
 def report(result: dict) -> str:
     s = result["setup"]
     lines = [f"engine dtype {s['dtype']} ({s['cpu_capability']}, native bf16: {s['native_bf16']}), {s['threads']} "
-             f"thread(s), {s['new_tokens']} new tokens a row, median of {s['rounds']} paired rounds; "
+             f"thread(s), {s['new_tokens']} new tokens a row, median of {s['rounds']} paired rounds (load average "
+             f"{s['load_average_1min_start_end'][0]:.1f} -> {s['load_average_1min_start_end'][1]:.1f}); "
              f"tok/s (share of the decode ceiling)",
              "| batch | engine | engine fp32 | HF generate fp32 | SGLang | engine / generate | engine fp32 / generate "
              "| ceiling: engine, fp32 | matmul GFLOP/s: engine, fp32 |",
