@@ -166,9 +166,9 @@ class TorchEngine:
     def _generate(self, sequences: list[SequenceInput], window_tokens: int, params: SamplingParams,
                   on_step=None) -> list[WindowOutput]:
         contexts = [np.concatenate([s.prompt_ids, s.response_ids]).astype(np.int64) for s in sequences]
+        rows = _Rows.of(sequences, contexts, window_tokens, self.max_positions, self.device)  # checks budgets first
         if self.decoder is None:
-            window = _PaddedWindow(self.model, contexts, window_tokens, self.pad_token_id)
-            order = list(range(len(sequences)))
+            window, order = _PaddedWindow(self.model, contexts, window_tokens, self.pad_token_id), list(range(len(sequences)))
         else:
             stamp = self.weights_stamp()
             kept = self.kept.take([s.key for s in sequences], contexts, stamp)
@@ -177,13 +177,10 @@ class TorchEngine:
             order = sorted(range(len(sequences)), key=lambda i: suffix[i], reverse=True)
             window = CachedWindow(self.decoder, [contexts[i] for i in order], [kept[i] for i in order],
                                   window_tokens, self.pad_token_id)
-        rows = _Rows.of([sequences[i] for i in order], [contexts[i] for i in order], window_tokens,
-                        self.max_positions, self.device)
-        decoded = _decode(window, rows, window_tokens, params, self.eos_token_ids, on_step, order)
+        decoded = _decode(window, rows.select(order), window_tokens, params, self.eos_token_ids, on_step, order)
         outputs = decoded.outputs()
         if self.decoder is not None and decoded.complete:
-            keep = {sequences[i].key: window.kept(row, outputs[row].token_ids)
-                    for row, i in enumerate(order)
+            keep = {sequences[i].key: window.kept(row, outputs[row].token_ids) for row, i in enumerate(order)
                     if sequences[i].key is not None and outputs[row].finish_reason is FinishReason.WINDOW}
             self.kept.keep(keep, stamp, window.block.nbytes)
         results: list[WindowOutput] = [None] * len(sequences)  # type: ignore[list-item]
@@ -213,6 +210,11 @@ class _Rows:
             raise ValueError("a sequence passed to generate_window has no response budget left")
         return cls(prior, length_left, budget, torch.tensor([s.seed for s in sequences], dtype=torch.int64, device=device),
                    torch.tensor([s.min_response_tokens for s in sequences], device=device))
+
+    def select(self, order: list[int]) -> "_Rows":
+        index = torch.tensor(order, device=self.prior.device)
+        return _Rows(*(t.index_select(0, index) for t in (self.prior, self.length_left, self.budget, self.seeds,
+                                                          self.min_tokens)))
 
 
 @dataclass
