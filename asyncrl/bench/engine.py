@@ -14,6 +14,11 @@ the ceiling is an upper bound).
 
 A second table times responses generated window by window (T-PPO's small windows), with the KV
 caches kept between windows against re-reading every context (`max_kept_bytes=0`).
+
+Every call is timed twice: wall time, and the process's CPU time. With one thread (the
+generators' setting) CPU time is what the work cost, whatever else the machine runs (other jobs
+take the cores in turns: wall time then counts their turns too); shares of the ceiling and the
+ceiling's matmul timings use it, and the ratios are given by both clocks.
 """
 
 from __future__ import annotations
@@ -61,16 +66,19 @@ def run(quick: bool = False, overrides: list[str] | None = None) -> dict:
     results = {}
     for batch in batches:
         chosen = [prompts[i % len(prompts)] for i in range(batch)]
-        seconds = paired_rounds(engines, user_model, chosen, new_tokens, pad, rounds, device)
-        by_dtype = {dt: decode_ceiling(user_model, batch, dt, context, device) for dt in {dtype, torch.float32}}
+        wall, cpu = paired_rounds(engines, user_model, chosen, new_tokens, pad, rounds, device)
+        by_dtype = {dt: decode_ceiling(user_model, batch, dt, context, device, threads) for dt in {dtype, torch.float32}}
         ceilings = {"engine": by_dtype[dtype], "engine_fp32": by_dtype[torch.float32], "generate": by_dtype[torch.float32]}
         row = {"batch": batch}
-        for name, times in seconds.items():
-            row[f"{name}_tokens_per_s"] = float(np.median([batch * new_tokens / t for t in times]))
+        for name in wall:
+            row[f"{name}_tokens_per_s"] = float(np.median([batch * new_tokens / t for t in wall[name]]))
+            row[f"{name}_tokens_per_cpu_s"] = float(np.median([batch * new_tokens / t for t in cpu[name]]))
             row[f"{name}_ceiling_tokens_per_s"] = ceilings[name]["tokens_per_s"]
-            row[f"{name}_share_of_ceiling"] = row[f"{name}_tokens_per_s"] / ceilings[name]["tokens_per_s"]
+            measured = row[f"{name}_tokens_per_cpu_s" if threads == 1 else f"{name}_tokens_per_s"]
+            row[f"{name}_share_of_ceiling"] = measured / ceilings[name]["tokens_per_s"]
         for name in engines:  # paired: the median of the per-round ratios
-            row[f"{name}_over_generate"] = float(np.median([g / e for e, g in zip(seconds[name], seconds["generate"])]))
+            row[f"{name}_over_generate"] = float(np.median([g / e for e, g in zip(wall[name], wall["generate"])]))
+            row[f"{name}_over_generate_cpu"] = float(np.median([g / e for e, g in zip(cpu[name], cpu["generate"])]))
         row["matmul_gflops"] = {name: c["matmul_gflops"] for name, c in ceilings.items() if name != "engine_fp32"}
         results[f"batch_{batch}"] = row
         print(f"batch {batch}: {row}", flush=True)
@@ -82,8 +90,8 @@ def run(quick: bool = False, overrides: list[str] | None = None) -> dict:
 
 
 def paired_rounds(engines: dict, user_model, prompts: list[list[int]], new_tokens: int, pad: int, rounds: int,
-                  device: str) -> dict[str, list[float]]:
-    """Seconds per call of each variant, one call each per round after a warm-up round."""
+                  device: str) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Wall and CPU seconds per call of each variant, one call each per round after a warm-up round."""
     sequences = [sequence_input(p, i, new_tokens) for i, p in enumerate(prompts)]
     width = max(len(p) for p in prompts)
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
@@ -98,17 +106,19 @@ def paired_rounds(engines: dict, user_model, prompts: list[list[int]], new_token
                                 pad_token_id=pad)
 
     calls["generate"] = generate
-    seconds: dict[str, list[float]] = {name: [] for name in calls}
+    wall: dict[str, list[float]] = {name: [] for name in calls}
+    cpu: dict[str, list[float]] = {name: [] for name in calls}
     for round_ in range(rounds + 1):
         for name, call in calls.items():
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             call()
             if round_:  # round 0 warms up (allocator, one-off kernel setup)
-                seconds[name].append(time.perf_counter() - start)
-    return seconds
+                wall[name].append(time.perf_counter() - start)
+                cpu[name].append(time.process_time() - start_cpu)
+    return wall, cpu
 
 
-def decode_ceiling(model, batch: int, dtype: torch.dtype, context: float, device: str) -> dict:
+def decode_ceiling(model, batch: int, dtype: torch.dtype, context: float, device: str, threads: int) -> dict:
     """Tokens/s if the model's matmuls ran at this CPU's measured speed for their shapes at
     `batch` rows and nothing else cost anything. FLOPs per token: 2 per weight of every linear
     layer (the LM head included) plus attention's 4 per head dimension per context token."""
@@ -121,7 +131,8 @@ def decode_ceiling(model, batch: int, dtype: torch.dtype, context: float, device
     for (fan_in, fan_out), count in shapes.items():
         x = torch.randn(batch, fan_in, dtype=dtype, device=device)
         w = torch.randn(fan_out, fan_in, dtype=dtype, device=device)
-        seconds += count * seconds_per_call(lambda: torch.nn.functional.linear(x, w))
+        seconds += count * seconds_per_call(lambda: torch.nn.functional.linear(x, w),
+                                            time.process_time if threads == 1 and device == "cpu" else time.perf_counter)
         flops += count * 2.0 * batch * fan_in * fan_out
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -131,14 +142,14 @@ def decode_ceiling(model, batch: int, dtype: torch.dtype, context: float, device
     return {"tokens_per_s": throughput / per_token, "matmul_gflops": throughput / 1e9, "flops_per_token": per_token}
 
 
-def seconds_per_call(fn, min_seconds: float = 0.2) -> float:
-    """The fastest of five timings, each a loop of at least `min_seconds` (other jobs on the
-    machine only ever slow a loop down)."""
+def seconds_per_call(fn, clock=time.perf_counter, min_seconds: float = 0.2) -> float:
+    """The fastest of five timings by `clock`, each a loop of at least `min_seconds` (other jobs
+    on the machine only ever slow a loop down)."""
     fn()
     best = float("inf")
     for _ in range(5):
-        n, start = 0, time.perf_counter()
-        while (elapsed := time.perf_counter() - start) < min_seconds or n == 0:
+        n, start = 0, clock()
+        while (elapsed := clock() - start) < min_seconds or n == 0:
             fn()
             n += 1
         best = min(best, elapsed / n)
@@ -152,27 +163,31 @@ def kept_cache_rounds(engine: TorchEngine, prompts: list[list[int]], quick: bool
     chosen = [prompts[i % len(prompts)] for i in range(batch)]
     bound = engine.kept.max_bytes
 
-    def respond(keep: bool) -> float:
+    def respond(keep: bool) -> tuple[float, float]:
         engine.kept.max_bytes = bound if keep else 0
         responses = [np.zeros(0, dtype=np.int32) for _ in chosen]
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         for _ in range(length // window):
             outs = engine.generate_window_sync(
                 [sequence_input(p, i, length, responses[i], key=f"bench/{i}") for i, p in enumerate(chosen)],
                 window, SamplingParams(temperature=1.0))
             responses = [np.concatenate([r, o.token_ids]) for r, o in zip(responses, outs)]
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.process_time() - start_cpu
 
-    times = {"kept": [], "re_read": []}
+    times: dict[str, list[tuple[float, float]]] = {"kept": [], "re_read": []}
     try:
         for _ in range(rounds):
             for name, keep in (("kept", True), ("re_read", False)):
                 times[name].append(respond(keep))
     finally:
         engine.kept.max_bytes = bound
-    return {"batch": batch, "response_tokens": length, "window_tokens": window,
-            **{f"{name}_tokens_per_s": float(np.median([batch * length / t for t in ts])) for name, ts in times.items()},
-            "kept_over_re_read": float(np.median([r / k for k, r in zip(times["kept"], times["re_read"])]))}
+    out = {"batch": batch, "response_tokens": length, "window_tokens": window}
+    for clock, suffix in ((0, "s"), (1, "cpu_s")):
+        for name, ts in times.items():
+            out[f"{name}_tokens_per_{suffix}"] = float(np.median([batch * length / t[clock] for t in ts]))
+        out[f"kept_over_re_read{'' if clock == 0 else '_cpu'}"] = float(
+            np.median([r[clock] / k[clock] for k, r in zip(times["kept"], times["re_read"])]))
+    return out
 
 
 def sglang_figures(quick: bool, overrides: list[str]) -> dict:
@@ -199,22 +214,24 @@ def report(result: dict) -> str:
     lines = [f"engine dtype {s['dtype']} ({s['cpu_capability']}, native bf16: {s['native_bf16']}), {s['threads']} "
              f"thread(s), {s['new_tokens']} new tokens a row, median of {s['rounds']} paired rounds (load average "
              f"{s['load_average_1min_start_end'][0]:.1f} -> {s['load_average_1min_start_end'][1]:.1f}); "
-             f"tok/s (share of the decode ceiling)",
+             f"tok/s by wall clock / by CPU time (share of the decode ceiling); ratios by wall / CPU time",
              "| batch | engine | engine fp32 | HF generate fp32 | SGLang | engine / generate | engine fp32 / generate "
-             "| ceiling: engine, fp32 | matmul GFLOP/s: engine, fp32 |",
+             "| ceiling tok/s: engine, fp32 | matmul GFLOP/s: engine, fp32 |",
              "|---|---|---|---|---|---|---|---|---|"]
     sglang = result["sglang"]
     for name, r in result["batches"].items():
-        cells = [f"{r[f'{v}_tokens_per_s']:.1f} ({r[f'{v}_share_of_ceiling']:.0%})" for v in ("engine", "engine_fp32", "generate")]
+        cells = [f"{r[f'{v}_tokens_per_s']:.1f} / {r[f'{v}_tokens_per_cpu_s']:.1f} ({r[f'{v}_share_of_ceiling']:.0%})"
+                 for v in ("engine", "engine_fp32", "generate")]
         theirs = f"{sglang[name]['sglang_tokens_per_s']:.1f}" if name in sglang else "-"
-        lines.append(f"| {r['batch']} | {' | '.join(cells)} | {theirs} | {r['engine_over_generate']:.2f}x | "
-                     f"{r['engine_fp32_over_generate']:.2f}x | {r['engine_ceiling_tokens_per_s']:.0f}, "
-                     f"{r['generate_ceiling_tokens_per_s']:.0f} | {r['matmul_gflops']['engine']:.0f}, "
-                     f"{r['matmul_gflops']['generate']:.0f} |")
+        ratios = [f"{r[f'{v}_over_generate']:.2f}x / {r[f'{v}_over_generate_cpu']:.2f}x" for v in ("engine", "engine_fp32")]
+        lines.append(f"| {r['batch']} | {' | '.join(cells)} | {theirs} | {' | '.join(ratios)} | "
+                     f"{r['engine_ceiling_tokens_per_s']:.0f}, {r['generate_ceiling_tokens_per_s']:.0f} | "
+                     f"{r['matmul_gflops']['engine']:.0f}, {r['matmul_gflops']['generate']:.0f} |")
     if "skipped" in sglang:
         lines.append(f"SGLang: skipped: {sglang['skipped']}")
     w = result["windows"]
     lines.append(f"windows: batch {w['batch']}, {w['response_tokens']} tokens in windows of {w['window_tokens']}: "
-                 f"KV kept {w['kept_tokens_per_s']:.1f} tok/s, re-read {w['re_read_tokens_per_s']:.1f} tok/s, "
-                 f"{w['kept_over_re_read']:.2f}x")
+                 f"KV kept {w['kept_tokens_per_s']:.1f} / {w['kept_tokens_per_cpu_s']:.1f} tok/s, re-read "
+                 f"{w['re_read_tokens_per_s']:.1f} / {w['re_read_tokens_per_cpu_s']:.1f} tok/s (wall / CPU), "
+                 f"{w['kept_over_re_read']:.2f}x / {w['kept_over_re_read_cpu']:.2f}x")
     return "\n".join(lines)
