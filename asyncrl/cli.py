@@ -135,10 +135,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     from asyncrl.config import ConfigError
+    from asyncrl.run.placement import RayStartError
 
     try:
         return int(args.func(args) or 0)
-    except (ConfigError, FileNotFoundError) as exc:  # a mistake in the command line: one line, no traceback
+    # A mistake in the command line, or a machine where Ray cannot start: one line, no traceback.
+    except (ConfigError, FileNotFoundError, RayStartError) as exc:
         print(f"asyncrl {args.command}: {exc}", file=sys.stderr)
         return 2
 

@@ -112,6 +112,26 @@ class FinishReason(str, enum.Enum):
     WINDOW = "window"
 
 
+class SampleState(str, enum.Enum):
+    """Where a sample is in the ledger (`asyncrl.ledger`); a state only moves forward, in this order."""
+
+    IN_FLIGHT = "in_flight"
+    AWAITING_REWARD = "awaiting_reward"
+    AWAITING_TRAINING = "awaiting_training"
+    TRAINED = "trained"
+    DROPPED = "dropped"
+    RECORDED = "recorded"  # mode=generate: scored and stored, never trained
+
+
+class DropReason(str, enum.Enum):
+    """Why a sample (or a T-PPO window row) ended without being trained."""
+
+    NO_SIGNAL = "no_signal"  # dynamic sampling: every member of the group scored alike
+    REWARD_FAILED = "reward_failed"  # the reward endpoint gave no score (timeout, error, no verdict)
+    STALE = "stale"  # every token too many versions behind the weights being trained
+    VALUE_WARMUP = "value_warmup"  # the critic was still in its pretraining
+
+
 class PromptRequest(msgspec.Struct, kw_only=True, frozen=True):
     """One prompt to be sampled `group_size` times by the generators."""
 
@@ -172,6 +192,10 @@ class Segment(msgspec.Struct, kw_only=True, frozen=True):
     seed: int = 0
     generator_id: str = ""
     group_size: int = 1  # G: samples in this segment's group (the assembler waits for all G)
+    # uint8 [N], set by the engine: 0 where a token was drawn from a distribution the learner does not
+    # score (FIRE's hot first token; a position where EOS was held back by a minimum length), so it
+    # carries no policy loss and no KL. None: every token was drawn from the policy's distribution.
+    new_scored: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         _check_array("prompt_token_ids", self.prompt_token_ids, "int32")
@@ -181,6 +205,8 @@ class Segment(msgspec.Struct, kw_only=True, frozen=True):
         n = len(self.new_token_ids)
         _check_array("new_logprobs", self.new_logprobs, "float32", n)
         _check_array("new_versions", self.new_versions, "int32", n)
+        if self.new_scored is not None:
+            _check_array("new_scored", self.new_scored, "uint8", n)
         if self.finished == (self.finish_reason is FinishReason.WINDOW):
             raise ValueError(
                 f"field `finish_reason`: {self.finish_reason.value!r} contradicts finished={self.finished}"
@@ -206,6 +232,13 @@ class Segment(msgspec.Struct, kw_only=True, frozen=True):
     @property
     def response_versions(self) -> np.ndarray:
         return np.concatenate([self.prior_versions, self.new_versions])
+
+
+def scored_mask(segment: Segment) -> np.ndarray:
+    """float32 [N]: 1 where the learner scores the token's behaviour distribution (see `new_scored`)."""
+    if segment.new_scored is None:
+        return np.ones(len(segment.new_token_ids), dtype=np.float32)
+    return segment.new_scored.astype(np.float32)
 
 
 def segment_row(segment: Segment) -> tuple[np.ndarray, np.ndarray]:

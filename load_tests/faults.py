@@ -40,8 +40,8 @@ import ray
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from asyncrl.config import compose  # noqa: E402
-from asyncrl.system import init_ray  # noqa: E402
-from asyncrl.supervisor import Supervisor  # noqa: E402
+from asyncrl.run.placement import init_ray  # noqa: E402
+from asyncrl.run import Run  # noqa: E402
 
 BASE = ["model=tiny", "task=tiny", "algorithm=grpo", "trainer.prompts_per_step=2", "trainer.checkpoint_every=3",
         "trainer.checkpoint_keep=2", "trainer.max_restarts=5", "trainer.wandb_mode=disabled"]
@@ -50,7 +50,7 @@ VALUE = ["model=tiny", "task=tiny_seq", "algorithm=tppo", "engine.window_tokens=
          "trainer.wandb_mode=disabled"]
 
 
-def learner_step(sup: Supervisor) -> int | None:
+def learner_step(sup: Run) -> int | None:
     """The learner's step, or None while some part cannot be reached (a node cut off or dying:
     the supervisor's check restarts the run once an actor is known dead)."""
     try:
@@ -59,7 +59,7 @@ def learner_step(sup: Supervisor) -> int | None:
         return None
 
 
-def advance(sup: Supervisor, steps: int, timeout_s: float = 300.0) -> list[dict]:
+def advance(sup: Run, steps: int, timeout_s: float = 300.0) -> list[dict]:
     """Run until the learner has taken `steps` more steps (restarting on a death); restarts seen."""
     events, deadline = [], time.time() + timeout_s
     while (start := learner_step(sup)) is None:
@@ -81,7 +81,7 @@ def advance(sup: Supervisor, steps: int, timeout_s: float = 300.0) -> list[dict]
     return events
 
 
-def wait_restart(sup: Supervisor, timeout_s: float = 120.0) -> dict:
+def wait_restart(sup: Run, timeout_s: float = 120.0) -> dict:
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         event = sup.check()
@@ -91,7 +91,7 @@ def wait_restart(sup: Supervisor, timeout_s: float = 120.0) -> dict:
     raise TimeoutError("the supervisor saw no death")
 
 
-def ledger_report(sup: Supervisor) -> dict:
+def ledger_report(sup: Run) -> dict:
     ledger = sup.system.ledger()
     counts = ledger["counts"]
     return {"admitted": counts["admitted"], "in_flight": counts["in_flight"],
@@ -104,10 +104,10 @@ def rss_mb(actor) -> float:
     return psutil.Process(ray.get(actor.pid.remote())).memory_info().rss / 2**20
 
 
-def _start(overrides: list[str], run_dir: str) -> Supervisor:
+def _start(overrides: list[str], run_dir: str) -> Run:
     shutil.rmtree(run_dir, ignore_errors=True)
     config = compose(overrides + [f"trainer.run_dir={run_dir}"])
-    return Supervisor(config, run_dir)
+    return Run(config, run_dir).start()
 
 
 def _kill(role: str, overrides: list[str], run_dir: str, quick: bool) -> dict:
@@ -132,7 +132,7 @@ def _kill(role: str, overrides: list[str], run_dir: str, quick: bool) -> dict:
                 "restart_s": round(event["restart_s"], 2), "resumed_from_step": event["step"],
                 "regenerated_prompts": event["reissued_prompts"], "saved_batches_trained": event["saved_batches"],
                 "steps_redone": step_at_kill - event["step"], "step_after": status["step"],
-                "generator_versions_after": [g["version"] for g in status["generators"]],
+                "generator_versions_after": [g["delivered_version"] for g in status["generators"]],
                 "ledger": ledger_report(sup)}
     finally:
         sup.stop()
@@ -194,7 +194,7 @@ def hang_reward(run_dir: str, quick: bool) -> dict:
 
 def fill_mailbox(run_dir: str, quick: bool) -> dict:
     capacity = 8
-    sup = _start(BASE + [f"trainer.mailbox_capacity={capacity}"], run_dir)
+    sup = _start(BASE + [f"cluster.mailbox_capacity={capacity}"], run_dir)
     try:
         advance(sup, 2)
         system = sup.system
@@ -225,20 +225,20 @@ def fill_mailbox(run_dir: str, quick: bool) -> dict:
 
 # --- a real two-node cluster (network namespaces): these run in the head's namespace ------------------
 
-CLUSTER = [*BASE, "trainer.num_generators=2", "trainer.placement=spread"]
+CLUSTER = [*BASE, "cluster.num_generators=2", "cluster.placement=spread"]
 
 
-def _worker_generator(sup: Supervisor):
+def _worker_generator(sup: Run):
     from load_tests.cluster import WORKER_IP
 
     for generator in sup.system.generators:
         stats = ray.get(generator.stats.remote())
         if stats["node_ip"] == WORKER_IP:
             return generator, stats
-    raise RuntimeError("no generator landed on the worker node (trainer.placement=spread should put one there)")
+    raise RuntimeError("no generator landed on the worker node (cluster.placement=spread should put one there)")
 
 
-def _first_step_after(sup: Supervisor, step: int, timeout_s: float = 300.0) -> float:
+def _first_step_after(sup: Run, step: int, timeout_s: float = 300.0) -> float:
     deadline = time.time() + timeout_s
     while (now := learner_step(sup)) is None or now <= step:
         if time.time() > deadline:

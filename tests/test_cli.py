@@ -58,7 +58,7 @@ def test_eval_command_on_the_tiny_model(tmp_path, capsys):
 
 
 def test_throughput_rates_between_polls():
-    from asyncrl.monitor import samples_per_s
+    from asyncrl.run.records import samples_per_s
 
     assert samples_per_s(None, 10.0, 16) == 1.6  # the first poll: average since the start
     assert samples_per_s((10.0, 16), 20.0, 48) == 3.2  # then since the previous poll

@@ -121,7 +121,7 @@ def test_update_weights_changes_outputs_and_version(tiny):
     engine.update_weights(other.named_parameters(), version=5)
     after = engine.generate_window_sync([seq(PROMPTS[1])], 16, SamplingParams(greedy=True))[0]
     ref = engine_for(other, NO_EOS).generate_window_sync([seq(PROMPTS[1])], 16, SamplingParams(greedy=True))[0]
-    assert engine.version == 5
+    assert engine.weight_version == 5
     assert after.token_ids.tolist() == ref.token_ids.tolist() != before.token_ids.tolist()
     with pytest.raises(KeyError, match="nonexistent"):
         engine.update_weights([("nonexistent", torch.zeros(1))], 6)

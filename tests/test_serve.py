@@ -20,8 +20,8 @@ from schemathesis import GenerationMode
 
 from asyncrl.config import compose
 from asyncrl.driver import train
-from asyncrl.monitor import RUN_FIELDS
-from asyncrl.serve_app import deploy_declaratively, reward_app_config
+from asyncrl.run.records import RUN_FIELDS
+from asyncrl.serve.reward import deploy_declaratively, reward_app_config
 from asyncrl.weight_sync import free_port
 
 # critic.warmup_steps=1: the policy trains only after a value step, so every record carries value metrics.
@@ -60,9 +60,9 @@ def apps(ray_session, cli_run, tmp_path_factory):
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     run_dir = RUN_DIRS["serve"] = tmp_path_factory.mktemp("serve")
     deploy_declaratively([
-        {"name": "train", "route_prefix": "/train", "import_path": "asyncrl.serve_app:build_train",
+        {"name": "train", "route_prefix": "/train", "import_path": "asyncrl.serve.train:build_train",
          "args": {"overrides": OVERRIDES, "trainer.run_dir": str(run_dir), "serve.admin_token": ADMIN_TOKEN}},
-        {"name": "policy", "route_prefix": "/v1", "import_path": "asyncrl.serve_app:build_policy",
+        {"name": "policy", "route_prefix": "/v1", "import_path": "asyncrl.serve.policy:build_policy",
          "args": {"overrides": OVERRIDES}},
         reward_app_config("verifier", OVERRIDES),
     ], timeout_s=300)

@@ -1,5 +1,5 @@
 """Value-based pieces end to end below the actors: rows with (E)GAE, whitening, the value model and
-its training step, and the gradient invariants of T-PPO (ALGORITHMS.md §6.5)."""
+its training step, and the gradient invariants of T-PPO (docs/algorithms.md §6.5)."""
 
 import dataclasses
 
@@ -8,15 +8,17 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
-from asyncrl.assembly import Outcome, ValueAdvantageSettings, value_rows, whiten_rows
+from asyncrl.assembly.rows import Outcome, ValueAdvantageSettings, value_rows, whiten_rows
 from asyncrl.schema import segment_row
-from asyncrl.learning import PolicyLossSettings, ValueLossSettings, collate, policy_step, predict_values, value_step
+from asyncrl.learning.policy import PolicyLossSettings, policy_step
+from asyncrl.learning.rows import collate
+from asyncrl.learning.value import ValueLossSettings, predict_values, value_step
 from asyncrl.config import ModelConfig
 from asyncrl.models import build_tiny_model, value_model_from_policy, value_model_from_reward_model
 from asyncrl.schema import FinishReason, ScoredTrajectory, Segment, TrainSample, float32_array, int32_array
 
 SETTINGS = ValueAdvantageSettings(gamma=1.0, lam=1.0, length_adaptive_alpha=0.0, lambda_floor=False,
-                                  edge_mask_tokens=0, window_training=True, window_tokens=4, max_staleness_versions=4)
+                                  edge_mask_tokens=0, window_training=True, window_tokens=4)
 
 
 def segment(new, prior=(), finished=True, prompt=(5, 6, 7), turn=None, pid="p", idx=0, version=0):
@@ -200,7 +202,7 @@ def test_value_model_from_a_process_reward_model_checkpoint(tmp_path):
 
 
 def test_a_value_batch_closes_after_its_nth_finished_row():
-    from asyncrl.assembly import cut_row_batch
+    from asyncrl.assembly.rows import cut_row_batch
 
     def row(finished):
         return TrainSample(segment=segment([8], finished=finished), score=0.0, advantages=float32_array([0.0]))

@@ -102,7 +102,7 @@ def run(quick: bool = False, sizes: dict[int, int] | None = None, rounds: int | 
     import ray
 
     from asyncrl.config import compose
-    from asyncrl.system import init_ray
+    from asyncrl.run.placement import init_ray
 
     init_ray(compose(["model=tiny"]))
     rounds = rounds or (2 if quick else 7)

@@ -60,6 +60,10 @@ class WindowOutput(msgspec.Struct, kw_only=True, frozen=True):
     # int32 [N]: the weight version of each token, when the engine reports it (SGLang's spans);
     # None: every token is of the engine's version at the window's start (updates land between windows).
     versions: np.ndarray | None = None
+    # uint8 [N]: 0 where the token was drawn from a distribution other than the policy's at the run's
+    # sampling settings (FIRE's hot first token; EOS held back below a minimum length): the learner
+    # does not score those (`Segment.new_scored`). None: every token was.
+    scored: np.ndarray | None = None
 
     @property
     def finished(self) -> bool:
@@ -70,8 +74,8 @@ class Engine(Protocol):
     """What a generator needs from an inference engine."""
 
     @property
-    def version(self) -> int:
-        """Weight version currently loaded."""
+    def weight_version(self) -> int:
+        """The weight version loaded."""
 
     async def generate_window(
         self, sequences: list[SequenceInput], window_tokens: int, params: SamplingParams

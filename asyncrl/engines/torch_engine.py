@@ -36,7 +36,7 @@ class TorchEngine:
         self._lock = threading.Lock()
 
     @property
-    def version(self) -> int:
+    def weight_version(self) -> int:
         return self._version
 
     async def generate_window(
@@ -203,6 +203,7 @@ class TorchEngine:
 
         results = []
         tokens, logprobs, produced, reason = tokens.cpu(), logprobs.cpu(), produced.cpu(), reason.cpu()
+        scored = _scored(prior.cpu(), min_tokens.cpu(), window_tokens, params.first_token_temperature is not None)
         for row in range(batch):
             n = int(produced[row])
             finish = _FINISH[int(reason[row])]
@@ -211,9 +212,21 @@ class TorchEngine:
                     token_ids=tokens[row, :n].to(torch.int32).numpy().copy(),
                     logprobs=logprobs[row, :n].numpy().copy(),
                     finish_reason=finish,
+                    scored=None if scored is None else scored[row, :n].numpy().copy(),
                 )
             )
         return results
+
+
+def _scored(prior: torch.Tensor, min_tokens: torch.Tensor, window_tokens: int, fire: bool) -> torch.Tensor | None:
+    """uint8 `[B, window]`: 0 at the positions whose distribution was not the policy's at the run's
+    settings: FIRE's first response token, and positions where EOS was held back (below a row's
+    minimum length). None when every position was."""
+    positions = prior[:, None] + torch.arange(window_tokens)[None, :]
+    unscored = positions < min_tokens[:, None]
+    if fire:
+        unscored |= positions == 0
+    return None if not bool(unscored.any()) else (~unscored).to(torch.uint8)
 
 
 _FINISH = {0: FinishReason.EOS, 1: FinishReason.MAX_LENGTH, -1: FinishReason.WINDOW}

@@ -1,4 +1,4 @@
-"""Generator: runs engine windows in a loop and streams `Segment`s.
+"""Generator: runs engine windows in a loop and streams `Segment`s (the role, its builder, its Ray shell).
 
 Each turn advances every in-flight sequence by at most one window. Unfinished sequences continue
 next turn and have priority; new prompts fill freed slots (a prompt's G samples are admitted
@@ -13,16 +13,21 @@ regenerates the prompt with the same seeds, and the assembler drops segment ids 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
+from actors.base import RoleShell, WeightGroupMember
+from asyncrl import transport
+from asyncrl.config import EngineConfig, ModelConfig
 from asyncrl.engines.base import Engine, SamplingParams, long_tail_min_tokens
-from asyncrl.generation import sequence_input
+from asyncrl.generation import build_generator_engine, sampling_params, sequence_input
 from asyncrl.mailbox import Mailbox
 from asyncrl.schema import FinishReason, PromptRequest, Segment
-from asyncrl.weight_sync import Delivery, WeightGroup, from_cuda_ipc, shared_views
+from asyncrl.weight_sync import Delivery, WeightGroup
 
 
 @dataclass
@@ -67,25 +72,12 @@ class Generator:
     # --- weight updates (called by the learner) -------------------------------------------------
 
     async def receive_weights(self, delivery: Delivery, payload=None) -> float:
-        """Take version `delivery.version` between windows, by its path (`asyncrl.weight_sync`):
-        `payload` is the shared-memory arrays (shm) or the CUDA IPC handles; the group path receives
+        """Take version `delivery.weight_version` between windows, by its path (`asyncrl.transport`):
+        `payload` is the shared-memory layout (shm) or the CUDA IPC handles; the group path receives
         by broadcast. Returns the seconds generation paused for it."""
         future = asyncio.get_running_loop().create_future()
         self._pending_update = (delivery, payload, future)
         return await future
-
-    def _load(self, delivery: Delivery, payload) -> None:
-        if delivery.path == "shm":
-            views = shared_views(payload)
-            self.engine.adopt_weights(views, delivery.version, keepalive=views)
-        elif delivery.path == "cuda_ipc":
-            self.engine.update_weights(from_cuda_ipc(payload), delivery.version)
-        elif delivery.path == "group":
-            if self.weight_group is None:
-                raise RuntimeError(f"{self.generator_id}: a group delivery, but this generator joined no weight group")
-            self.engine.update_weights(self.weight_group.receive(delivery.plan, delivery.version), delivery.version)
-        else:
-            raise ValueError(f"unknown weight path {delivery.path!r}")
 
     async def _apply_pending_update(self) -> None:
         if self._pending_update is None:
@@ -94,7 +86,7 @@ class Generator:
         self._pending_update = None
         start = time.perf_counter()
         try:
-            await asyncio.to_thread(self._load, delivery, payload)
+            await asyncio.to_thread(transport.load, self.engine, delivery, payload, self.weight_group)
         except Exception as exc:
             future.set_exception(exc)
             raise
@@ -149,7 +141,7 @@ class Generator:
         batch = self.inflight[: self.max_inflight]
         inputs = [sequence_input(s.request.prompt_token_ids, s.request.seed + s.sample_idx, self.max_response_tokens,
                                  s.response_ids, s.min_response_tokens) for s in batch]
-        version = self.engine.version
+        version = self.engine.weight_version
         self.timing["prepare_s"] += time.perf_counter() - start
         start = time.perf_counter()
         outputs = await self.engine.generate_window(inputs, self.window_tokens, self.params)
@@ -175,6 +167,7 @@ class Generator:
                     new_logprobs=out.logprobs,
                     new_versions=(out.versions if out.versions is not None
                                   else np.full(len(out.token_ids), version, dtype=np.int32)),
+                    new_scored=out.scored,
                     finished=finished,
                     finish_reason=reason,
                     data_source=seq.request.data_source,
@@ -239,9 +232,29 @@ class Generator:
             **self.counters,
             **self.timing,
             "generator_id": self.generator_id,
-            "version": self.engine.version,
+            "delivered_version": self.engine.weight_version,
             "inflight_sequences": len(self.inflight),
             "wall_s": wall,
             "busy_fraction": self.timing["generate_s"] / wall,
             "paused_for_weights_fraction": self.timing["weight_update_s"] / wall,
         }
+
+
+def build_generator(model: ModelConfig, engine: EngineConfig, prompts: Mailbox, segments: Mailbox,
+                    generator_id: str) -> Generator:
+    """A generator from its sections: the engine (embedded or SGLang) and its windows."""
+    embedded = build_generator_engine(model, engine)
+    max_windows = engine.max_windows or math.ceil(engine.max_response_tokens / engine.window_tokens)
+    return Generator(embedded, prompts, segments, sampling_params(engine), engine.window_tokens,
+                     engine.max_response_tokens, max_windows, engine.max_inflight_sequences, generator_id,
+                     long_tail=(engine.long_tail_fraction, engine.long_tail_tokens))
+
+
+class GeneratorActor(RoleShell, WeightGroupMember):
+    def __init__(self, model: ModelConfig, engine: EngineConfig, prompts: Mailbox, segments: Mailbox,
+                 generator_id: str):
+        torch.set_num_threads(engine.threads)
+        self.inner = build_generator(model, engine, prompts, segments, generator_id)
+
+    async def receive_weights(self, delivery: Delivery, payload=None) -> float:
+        return await self.inner.receive_weights(delivery, payload)

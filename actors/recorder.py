@@ -1,4 +1,5 @@
-"""Trajectory recorder: writes the run's trajectory store (`asyncrl.store`) in its own process.
+"""Trajectory recorder: writes the run's trajectory store (`asyncrl.store`) in its own process (the
+role and its Ray shell).
 
 The assembler sends the records of finished samples (kept or dropped) and the learner the batches
 it trained, both as msgspec bytes in calls nobody waits for, so recording never holds up
@@ -14,6 +15,7 @@ import time
 
 import msgspec
 
+from actors.base import RoleShell
 from asyncrl.store import BATCH_RECORD_DECODER, BATCH_SCHEMA, RECORDS_DECODER, TRAJECTORY_SCHEMA, StoreWriter
 
 
@@ -65,3 +67,17 @@ class TrajectoryRecorder:
         return {**self.counters, "trajectory_rows_written": self.trajectories.rows_written,
                 "batch_rows_written": self.batches.rows_written,
                 "files_closed": self.trajectories.files_closed + self.batches.files_closed}
+
+
+class RecorderActor(RoleShell):
+    def __init__(self, directory: str, max_file_mb: int, max_file_age_s: float):
+        self.inner = TrajectoryRecorder(directory, max_file_mb << 20, max_file_age_s)
+
+    def add_trajectories(self, encoded: bytes) -> int:
+        return self.inner.add_trajectories(encoded)
+
+    def add_batch(self, encoded: bytes) -> None:
+        self.inner.add_batch(encoded)
+
+    async def close(self) -> None:
+        await self.inner.close()

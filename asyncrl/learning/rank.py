@@ -1,8 +1,8 @@
 """One rank's share of the policy's training state: the model (whole, or its FSDP2 shard), the
 optimizer and the learning-rate schedule.
 
-The policy learner holds rank 0's and drives the others (`trainer.learner_ranks`, each in its own
-process: `PolicyRankActor`). Under sharding every method that touches the weights is a collective,
+The policy learner holds rank 0's and drives the others (`policy.ranks`, each in its own process:
+`actors.policy_rank.PolicyRankActor`). Under sharding every method that touches the weights is a collective,
 so every rank calls it, in the order rank 0 does; rank 0 alone gets the whole weights back.
 """
 
@@ -12,8 +12,13 @@ import copy
 
 import torch
 
+from typing import Any
+
 from asyncrl import sharding
-from asyncrl.learning import PolicyForward, PolicyLossSettings, policy_step
+from asyncrl.config import AlgorithmConfig, EngineConfig, ModelConfig, PolicyConfig
+from asyncrl.learning.policy import PolicyLossSettings, loss_settings, policy_step
+from asyncrl.learning.scoring import PolicyForward
+from asyncrl.models import load_model, load_tokenizer
 from asyncrl.schema import TrainSample
 from asyncrl.sharding import DataParallel
 
@@ -75,3 +80,21 @@ class PolicyRank:
         for state in self.optimizer.state.values():
             return int(state["step"])
         return 0
+
+
+def build_policy_rank(model: ModelConfig, algorithm: AlgorithmConfig, policy: PolicyConfig, engine: EngineConfig,
+                      seed: int, parallel=None) -> tuple[PolicyRank, Any]:
+    """One rank's training state (the model, its loss settings, the optimizer) and the tokenizer."""
+    torch.manual_seed(seed)
+    tokenizer = load_tokenizer(model)
+    lm = load_model(model, tokenizer)
+    if policy.gradient_checkpointing:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    kl_coef = 0.0 if algorithm.kl_in_reward else algorithm.kl_coef  # in the reward: the value learner scores it
+    rank = PolicyRank(lm.to(policy.device), loss_settings(algorithm, policy, engine), policy.lr, policy.weight_decay,
+                      policy.warmup_steps, kl_coef, tokenizer.pad_token_id or 0, parallel)
+    return rank, tokenizer
+
+
+def learner_backend(policy: PolicyConfig) -> str:
+    return "nccl" if policy.device == "cuda" else "gloo"

@@ -1,5 +1,5 @@
 """Value learner: owns the value model (critic), trains it on finished trajectories at its own pace,
-and answers value requests for (E)GAE.
+and answers value requests for (E)GAE (the role, its builder, its Ray shell).
 
 * Trains only on **finished** trajectories (all windows), with targets from the critic λ
   (1.0 = Monte-Carlo), `critic.batch_trajectories` per step, whenever that many have arrived.
@@ -21,13 +21,16 @@ import time
 import numpy as np
 import torch
 
+from actors.base import RoleShell, TrainingLoop
 from asyncrl import checkpoint
+from asyncrl.config import AlgorithmConfig, CriticConfig, EngineConfig, ModelConfig
 from asyncrl.engines.base import SamplingParams
-from asyncrl.learning import ValueLossSettings, predict_values, response_logprobs, value_step
+from asyncrl.generation import sampling_params
+from asyncrl.learning.scoring import response_logprobs
+from asyncrl.learning.value import ValueLossSettings, predict_values, value_step
 from asyncrl.mailbox import Mailbox, RecentIds
+from asyncrl.models import load_model, load_tokenizer, value_model_from_checkpoint, value_model_from_policy
 from asyncrl.schema import ScoredTrajectory
-
-from asyncrl.roles.loop import TrainingLoop
 
 
 class ValueLearner(TrainingLoop):
@@ -153,3 +156,47 @@ class ValueLearner(TrainingLoop):
         return {"value_version": self.version, "value_ready": self.ready, "pending_trajectories": len(self._pending),
                 **self.counters, **{f"value_{k}": v for k, v in self.timing.items()},
                 "value_busy_fraction": self.timing["train_s"] / wall, "last": self.last}
+
+
+def build_value_learner(model: ModelConfig, critic: CriticConfig, algorithm: AlgorithmConfig, engine: EngineConfig,
+                        seed: int, trajectories: Mailbox) -> ValueLearner:
+    """`algorithm`: γ, and whether the KL to the reference is a reward (then this learner holds the
+    reference policy and scores tokens under `engine`'s sampling settings)."""
+    torch.manual_seed(seed + 1)
+    tokenizer = load_tokenizer(model)
+    if critic.init_path:
+        value_model = value_model_from_checkpoint(critic.init_path, model, tokenizer)
+    else:
+        value_model = value_model_from_policy(load_model(model, tokenizer))
+    settings = ValueLossSettings(gamma=algorithm.gamma, lam=critic.lam, clip_low=critic.clip_low,
+                                 clip_high=critic.clip_high, grad_clip=critic.grad_clip,
+                                 micro_batch_tokens=critic.micro_batch_tokens)
+    reference = load_model(model, tokenizer).to(critic.device) if algorithm.kl_in_reward else None
+    return ValueLearner(value_model.to(critic.device), trajectories, settings, critic.lr, critic.weight_decay,
+                        critic.batch_trajectories, critic.warmup_steps, tokenizer.pad_token_id or 0,
+                        reference=reference, sampling=sampling_params(engine))
+
+
+class ValueLearnerActor(RoleShell):
+    def __init__(self, model: ModelConfig, critic: CriticConfig, algorithm: AlgorithmConfig, engine: EngineConfig,
+                 seed: int, trajectories: Mailbox, resume_from: str | None = None):
+        torch.set_num_threads(critic.threads)
+        self.inner = build_value_learner(model, critic, algorithm, engine, seed, trajectories)
+        if resume_from:
+            self.inner.load_checkpoint(resume_from)
+
+    async def save_checkpoint_part(self, directory: str) -> None:
+        await self.inner.save_checkpoint_part(directory)
+
+    async def values(self, rows):
+        return await self.inner.values(rows)
+
+    async def reference_logprobs(self, rows):
+        return await self.inner.reference_logprobs(rows)
+
+    def ready(self) -> bool:
+        """The warm-up (value pretraining) is over: the assembler may train policy rows."""
+        return self.inner.ready
+
+    def pop_metrics(self) -> list[dict]:
+        return self.inner.pop_metrics()
