@@ -1,4 +1,4 @@
-"""Hand-computed values from ALGORITHMS.md §12, loop references and gradient directions."""
+"""Hand-computed values from docs/algorithms.md §12, loop references and gradient directions."""
 
 import numpy as np
 import pytest

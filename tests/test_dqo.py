@@ -1,4 +1,4 @@
-"""DQO (ALGORITHMS.md §11): the section's properties as tests, a hand-worked case, and one update of
+"""DQO (docs/algorithms.md §11): the section's properties as tests, a hand-worked case, and one update of
 a real tiny policy and value model moving the way the soft Bellman residual says."""
 
 import numpy as np

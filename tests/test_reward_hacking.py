@@ -25,7 +25,7 @@ from asyncrl.config import RouteConfig
 from asyncrl.rewards.sandbox import SandboxLimits, probe_isolation, project_root, run_program
 from asyncrl.rewards.verifier import Verifier
 from asyncrl.rewards.verifiers import verify
-from actors.assembler import Assembler
+from actors.assembler import Assembler, Shaping
 from asyncrl.schema import Reward, RewardRequest
 
 ISOLATION = probe_isolation()
@@ -219,10 +219,10 @@ def test_suspicious_rewards_are_counted_into_the_batch_stats():
     judge = Reward(prompt_id="p", sample_idx=0, score=0.9, source="genrm", correct=True, suspicious=["addresses_judge"])
     combined = combine_rewards(req, RouteConfig(endpoints=["verifier", "genrm"]), {"verifier": hacked, "genrm": judge})
     assert combined.suspicious == ["addresses_judge", "early_exit"]
-    assembler = Assembler(None, None, None, str, None)
+    assembler = Assembler(None, None, None, str, None, Shaping(max_response_tokens=8))
     for reward in [hacked, combined, Reward(prompt_id="p", sample_idx=1, score=1.0, source="verifier", correct=True),
                    Reward(prompt_id="p", sample_idx=2, score=1.0, source="verifier", correct=True)]:
-        assembler.note_scored(reward)
+        assembler._note_scored(reward)
     assert assembler._generated_stats()["reward_suspicious_share_generated"] == 0.5
     assert assembler.counters["suspicious.early_exit"] == 2
 

@@ -1,4 +1,4 @@
-"""How the estimators are wired, against ALGORITHMS.md: each test here failed on the code before
+"""How the estimators are wired, against docs/algorithms.md: each test here failed on the code before
 issue 19 and checks one departure (staleness at the learner, dynamic sampling without a correctness
 flag, the critic's return, NLL over every window, the learner's distribution, value clipping,
 several updates per batch, the Dr.GRPO constant, the pairwise path, the KL estimators)."""
