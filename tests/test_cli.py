@@ -119,3 +119,15 @@ def test_train_ctrl_c_resume_export_eval_as_a_user_runs_them(tmp_path):
     result = json.loads((tmp_path / "eval" / "eval.json").read_text())
     assert result["prompts"] == 10 and result["task"] == "tiny"
     assert "eval: " in out.stderr and "sample/s" in out.stderr  # the progress bar
+
+
+def test_a_ray_start_up_failure_is_one_line_and_exit_status_2(tmp_path):
+    """A real failure of Ray's start (an object store larger than the machine): asyncrl says what
+    happened and what to do in one line, with no traceback, and exits with 2."""
+    out = subprocess.run([sys.executable, "-m", "asyncrl.cli", "train", "model=tiny", "task=tiny",
+                          "cluster.object_store_mb=100000000", "trainer.wandb_mode=disabled",
+                          f"trainer.run_dir={tmp_path}"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    ours = [line for line in out.stderr.splitlines() if line.startswith("asyncrl train:")]
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert len(ours) == 1 and "could not start a local Ray instance" in ours[0]
+    assert "cluster.object_store_mb" in ours[0]

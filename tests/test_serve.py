@@ -309,3 +309,22 @@ def test_fuzzed_routes_never_answer_5xx(apps, app):
     time.sleep(1.0)
     assert replica_identities(url) == before
     assert httpx.get(f"{url}/train/healthz", timeout=60).json() == {"ok": True, "restarts": 0}
+
+
+def test_the_status_page_does_not_grow_with_the_number_of_steps(apps):
+    """The page embeds the status and at most PAGE_RECORDS records spread over the run: the app's
+    own records, replayed as a run of 300 and of 30,000 steps, give pages of the same size."""
+    from asyncrl.serve.train import PAGE_RECORDS, status_page
+
+    page = httpx.get(f"{apps}/train/", timeout=60).text
+    assert 'id="initial-data"' in page and '"status"' in page
+    status = httpx.get(f"{apps}/train/status", timeout=30).json()
+    records = httpx.get(f"{apps}/train/metrics", timeout=30).json()
+    assert records
+
+    def run_of(steps: int) -> list[dict]:
+        return [{**records[i % len(records)], "step": i + 1} for i in range(steps)]
+
+    short, long = status_page(status, run_of(300)), status_page(status, run_of(30_000))
+    assert abs(len(long) - len(short)) < 0.01 * len(short), (len(short), len(long))
+    assert long.count('"samples_per_s"') <= PAGE_RECORDS + 1

@@ -35,10 +35,17 @@ def init_ray(config) -> None:
     except Exception as exc:  # Ray raises several types here (timeouts, connection errors, RuntimeError)
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         where = f"the Ray cluster at {address}" if address else "a local Ray instance"
-        hint = ("check that the cluster is up (`ray status`) and reachable from here" if address else
-                "the machine may be too busy to start Ray's processes in time: try again when it is quieter, "
-                "or start Ray yourself (`ray start --head`) and pass cluster.ray_address=auto")
-        raise RayStartError(f"could not start {where} ({first}); {hint}") from exc
+        raise RayStartError(f"could not start {where} ({first}); {_ray_hint(first, address)}") from exc
+
+
+def _ray_hint(message: str, address: str) -> str:
+    """What to try, from what Ray said."""
+    if address:
+        return "check that the cluster is up (`ray status`) and reachable from here"
+    if "memory" in message.lower():
+        return "lower cluster.object_store_mb to fit this machine's free memory"
+    return ("the machine may be too busy to start Ray's processes in time: try again when it is quieter, or "
+            "start Ray yourself (`ray start --head`) and pass cluster.ray_address=auto")
 
 
 def spawn(role_shell: type, *args, actor_name: str | None = None, placement: dict | None = None, **kwargs):

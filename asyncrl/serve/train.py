@@ -11,6 +11,7 @@ at runtime, and string annotations would turn request bodies into query paramete
 
 import asyncio
 import json
+import logging
 import os
 import time
 from typing import Any
@@ -31,6 +32,21 @@ STATUS_PAGE = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "sta
 # The status page carries at most this many step records of the whole run (thinned evenly), so its
 # size stays put however long the service runs; the page fetches more from /metrics itself.
 PAGE_RECORDS = 200
+
+
+def status_page(status: dict, history: list[dict]) -> str:
+    """The status page: facts, curves and queues, drawn in the browser from /status and /metrics.
+    The data of the moment is in the page itself, so it is drawn at first paint (a screenshot or a
+    slow link never shows an empty page): the status and at most `PAGE_RECORDS` step records spread
+    over the whole run, so the page stays the same size however long it runs."""
+    try:
+        initial = json.dumps({"status": status, "metrics": thinned(history, PAGE_RECORDS)}, default=str,
+                             allow_nan=False)
+    except ValueError:  # a NaN somewhere: the page fetches the data itself
+        initial = "null"
+    # Inside <script>, "</" would end the element: escape it as JSON allows.
+    element = INITIAL_DATA_MARKER.replace(">null<", ">" + initial.replace("</", "<\\/") + "<")
+    return STATUS_PAGE.replace(INITIAL_DATA_MARKER, element, 1)
 
 
 def thinned(records: list[dict], limit: int) -> list[dict]:
@@ -77,6 +93,10 @@ class TrainController:
         # The same run as `asyncrl train` (restarted from a checkpoint if a role dies). A service runs
         # until stopped: no stall deadline.
         self.run = Run(config, self.run_dir, stall_timeout_s=float("inf"), history_limit=5000).start()
+        # The line `serve run` shows when the service is up (Serve logs the replica's logger).
+        logging.getLogger("ray.serve").info(
+            "asyncrl: training runs (run directory %s); status at /train/status and /train/, the policy at /v1",
+            self.run_dir)
         self.failure: str | None = None
         self.started_at = time.time()
         self._task = asyncio.get_event_loop().create_task(self._watch())
@@ -116,18 +136,7 @@ class TrainController:
 
     @train_api.get("/")
     def page(self) -> HTMLResponse:
-        """The status page: facts, curves and queues, drawn in the browser from /status and /metrics.
-        The data of the moment is in the page itself, so it is drawn at first paint (a screenshot
-        or a slow link never shows an empty page): the status and at most `PAGE_RECORDS` step
-        records spread over the whole run, so the page stays the same size however long it runs."""
-        try:
-            initial = json.dumps({"status": self.status(), "metrics": thinned(self.history, PAGE_RECORDS)},
-                                 default=str, allow_nan=False)
-        except ValueError:  # a NaN somewhere: the page fetches the data itself
-            initial = "null"
-        # Inside <script>, "</" would end the element: escape it as JSON allows.
-        element = INITIAL_DATA_MARKER.replace(">null<", ">" + initial.replace("</", "<\\/") + "<")
-        return HTMLResponse(STATUS_PAGE.replace(INITIAL_DATA_MARKER, element, 1))
+        return HTMLResponse(status_page(self.status(), self.history))
 
     @train_api.get("/metrics")
     def metrics(self, last: int = 500) -> list[dict]:
