@@ -8,8 +8,12 @@ the prompt source in one call per step), the counters, the trajectory store, the
 (once, as a batch leaves: against the weight version it was told last) and the batches. Overlong
 shaping is applied here, once, when a reward arrives.
 
-Segments are deduplicated by id (`prompt/sample/turn`), so a redelivered or regenerated segment is
-counted once; a sample is scored once; a group or row is emitted or dropped once.
+Segments are deduplicated by id (`prompt/sample/turn`, per generator), so a redelivered segment is
+counted once; a sample is scored once; a group or row is emitted or dropped once. A sample's
+windows come from one generator: when a generator is retired (it died, hung or left the pool,
+`retire_generator`), its partial samples are dropped here and its later segments ignored, and the
+generator that takes the prompt over regenerates those samples from their first window (the same
+seeds); segments of a sample already finished are ignored, whoever sends them.
 
 With a recorder (`trainer.record=true`), every finished sample's record (`asyncrl.store`) is sent
 when its fate here is known: kept (sent to the learner), dropped (with the reason) or recorded
@@ -101,6 +105,8 @@ class Assembler:
         self.weight_version = 0
         self._seen = RecentIds(200_000)
         self._parts: dict[str, list[Segment]] = collections.defaultdict(list)  # sample id -> segments
+        self._finished = RecentIds(200_000)  # samples merged here: later segments of them are ignored
+        self._retired: set[str] = set()  # generators that left the pool: their segments are ignored
         self._tasks: set[asyncio.Task] = set()
         self._batch_index = 0
         self._running = False
@@ -259,16 +265,21 @@ class Assembler:
         value-based estimator only: every window (T-PPO) or every finished response."""
         rows, to_score = [], []
         for seg in segments:
-            if seg.msg_id in self._seen:
+            if seg.generator_id in self._retired or seg.sample_id in self._finished:
+                self.counters["segments_ignored"] += 1  # work of a generator that left, or of a finished sample
+                continue
+            key = f"{seg.msg_id}@{seg.generator_id}"
+            if key in self._seen:
                 self.counters["duplicate_segments"] += 1
                 continue
-            self._seen.add(seg.msg_id)
+            self._seen.add(key)
             self.counters["segments"] += 1
             self._parts[seg.sample_id].append(seg)
             if self.estimator.row_kind == "windows":
                 rows.append(seg)
             if seg.finished:
                 parts = self._parts.pop(seg.sample_id)
+                self._finished.add(seg.sample_id)
                 merged = merge_segments(parts)
                 self._event([merged.sample_id], SampleState.AWAITING_REWARD)
                 if self.estimator.row_kind == "responses":
@@ -285,6 +296,17 @@ class Assembler:
                     self._unrecorded[merged.sample_id] = _Unrecorded(merged, ends, request.prompt_text,
                                                                      request.response_text)
         return rows, to_score
+
+    def retire_generator(self, generator_id: str) -> int:
+        """A generator left the pool: drop its partial samples (the generator taking its prompts over
+        regenerates them from the first window) and ignore whatever of it is still on its way.
+        Returns how many partial samples were dropped."""
+        self._retired.add(generator_id)
+        lost = [sid for sid, parts in self._parts.items() if parts and parts[0].generator_id == generator_id]
+        for sid in lost:
+            del self._parts[sid]
+        self.counters["samples_restarted"] += len(lost)
+        return len(lost)
 
     async def step(self, timeout: float = 0.5) -> None:
         # Backpressure: while many scoring/valuing tasks are pending, stop taking segments.
@@ -395,6 +417,9 @@ class AssemblerActor(RoleShell):
 
     def set_versions(self, weight_version: int, delivered_version: int) -> None:
         self.inner.set_versions(weight_version, delivered_version)
+
+    def retire_generator(self, generator_id: str) -> int:
+        return self.inner.retire_generator(generator_id)
 
     def set_reward_routes(self, routes: list[dict]) -> list[dict]:
         """Admin: change the hybrid mix while training runs (validated like the config)."""

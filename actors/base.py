@@ -48,7 +48,7 @@ class RoleShell:
 
 
 class WeightGroupMember:
-    """The learner (rank 0) and the generators on other hosts join the weight group."""
+    """A generator on another node than the learner meets it in a group of two (the learner rank 0)."""
 
     def init_weight_group(self, host: str, port: int, world_size: int, rank: int, backend: str = "gloo") -> None:
         self.inner.weight_group = WeightGroup(host, port, world_size, rank, backend, local_address=node_address())

@@ -61,6 +61,7 @@ class Generator:
         self._emitting: asyncio.Future | None = None  # the previous window's segments being sent
         self._last_group_size = 1  # samples of the last prompt taken (admission asks when it fits)
         self._running = False
+        self._admitting = True  # False once draining: in-flight sequences finish, nothing new starts
         self._started = time.monotonic()
         # admit_s: taking prompts while sequences are running; prepare_s: building a window's inputs
         # and turning its outputs into segments (the generator's own work between windows).
@@ -75,6 +76,10 @@ class Generator:
         """Take version `delivery.weight_version` between windows, by its path (`asyncrl.transport`):
         `payload` is the shared-memory layout (shm) or the CUDA IPC handles; the group path receives
         by broadcast. Returns the seconds generation paused for it."""
+        if not self._running:  # joining the pool (its loop starts after this) or stopped: load now
+            start = time.perf_counter()
+            await asyncio.to_thread(transport.load, self.engine, delivery, payload, self.weight_group)
+            return time.perf_counter() - start
         future = asyncio.get_running_loop().create_future()
         self._pending_update = (delivery, payload, future)
         return await future
@@ -100,14 +105,14 @@ class Generator:
     async def _admit(self) -> None:
         """Fill free slots with whole prompts (all G samples together). A prompt that does not fit
         goes back to the mailbox; the cap is exceeded only by a lone group larger than the cap."""
-        while len(self.inflight) < self.max_inflight:
+        while self._admitting and len(self.inflight) < self.max_inflight:
             # Ask only when the last prompt's group would fit: a prompt that does not fit costs a
             # get and a nack (two mailbox round trips) for nothing, every window.
             if self.inflight and len(self.inflight) + self._last_group_size > self.max_inflight:
                 return
             # Wait for prompts only when idle; otherwise take what is there without blocking.
             start = time.perf_counter()
-            requests = await self.prompts.get(1, timeout=0.0 if self.inflight else 0.2)
+            requests = await self.prompts.get(1, timeout=0.0 if self.inflight else 0.2, consumer=self.generator_id)
             if not self.inflight:
                 self.timing["wait_prompts_s"] += time.perf_counter() - start
             if not requests:
@@ -226,6 +231,21 @@ class Generator:
     def stop(self) -> None:
         self._running = False
 
+    async def drain(self, timeout_s: float) -> dict:
+        """Leave the pool: admit nothing new, let the sequences in flight finish (up to `timeout_s`),
+        hand back the prompts of any still unfinished (their work is regenerated elsewhere), stop."""
+        self._admitting = False
+        deadline = time.monotonic() + timeout_s
+        while self.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        handed_back = list(self.samples_left)
+        self._running = False
+        await self.flush()
+        if handed_back:
+            await self.prompts.nack(handed_back)
+            self.inflight, self.samples_left = [], {}
+        return {"generator_id": self.generator_id, "prompts_handed_back": len(handed_back)}
+
     def stats(self) -> dict:
         wall = max(time.monotonic() - self._started, 1e-9)
         return {
@@ -258,3 +278,6 @@ class GeneratorActor(RoleShell, WeightGroupMember):
 
     async def receive_weights(self, delivery: Delivery, payload=None) -> float:
         return await self.inner.receive_weights(delivery, payload)
+
+    async def drain(self, timeout_s: float) -> dict:
+        return await self.inner.drain(timeout_s)

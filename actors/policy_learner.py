@@ -38,7 +38,7 @@ from asyncrl.schema import SampleState, TrainBatch
 from asyncrl.sharding import join as join_ranks
 from asyncrl.staleness import mask_stale_tokens, mean_staleness, trained_versions
 from asyncrl.store import BATCH_CODEC, BATCH_RECORD_ENCODER, BatchRecord
-from asyncrl.transport import WeightSender
+from asyncrl.transport import GeneratorPool, WeightSender
 from asyncrl.weight_sync import free_port, node_address, plan_buckets
 
 # Calls a rank of a sharded learner: `call(method name, *args)` -> awaitable (its Ray actor).
@@ -50,7 +50,7 @@ VersionListener = Callable[[int, int], Any]  # (weight_version, delivered_versio
 class LearnerEdges:
     """Whom the learner talks to (actor handles or in-process callables)."""
 
-    generators: list[Any] = field(default_factory=list)  # receive deliveries (`receive_weights`)
+    generators: dict[str, Any] = field(default_factory=dict)  # generator id -> handle (`receive_weights`)
     listeners: list[VersionListener] = field(default_factory=list)  # told both versions
     trained: Callable[[list[str]], Awaitable[Any]] | None = None  # the ledger: sample ids trained
     checkpoint_parts: list[Callable[[str], Awaitable[Any]]] = field(default_factory=list)  # write into a checkpoint
@@ -89,6 +89,8 @@ class PolicyLearner(TrainingLoop):
         self.delivered_version = 0  # the newest version every generator holds
         self.step = 0
         self.sender = WeightSender(plan_buckets(self.policy.named_parameters(), bucket_bytes))
+        # The generators this learner delivers to (they join and leave while it trains).
+        self.pool = GeneratorPool(self.sender, self._stage, self._delivered_all, self.edges.generators)
         self._weights_lock = asyncio.Lock()  # held while the weights change: a copy taken under it is whole
         self._trained_ids = RecentIds(10_000)
         self.incarnation = 0  # how many times this run was resumed
@@ -97,8 +99,6 @@ class PolicyLearner(TrainingLoop):
         self.last_checkpoint: dict[str, Any] = {}
         self._last_checkpoint_at = time.monotonic()
         self._metrics: list[dict] = []
-        self._delivery_task: asyncio.Task | None = None
-        self._delivery_wanted = False
         self._running = False
         self._started = time.monotonic()
         self.timing = {"train_s": 0.0, "wait_batch_s": 0.0, "broadcast_s": 0.0, "checkpoint_s": 0.0}
@@ -136,48 +136,28 @@ class PolicyLearner(TrainingLoop):
             listener(self.weight_version, self.delivered_version)
 
     def _delivered(self, version: int) -> None:
+        """Every generator of the pool holds `version` (or there is none): tell the listeners."""
         self.delivered_version = max(self.delivered_version, version)
         self._tell_listeners()
 
-    async def _delivery_loop(self) -> None:
-        """Deliver the newest version to every generator by its path; one version at a time (the
-        newest when several piled up), and the next only when every generator holds this one."""
-        sender, generators = self.sender, self.edges.generators
-        while self._delivery_wanted:
-            self._delivery_wanted = False
-            start = time.perf_counter()
-            async with self._weights_lock:  # a consistent copy, taken between optimizer steps
-                version = self.weight_version
-                whole = (await self._on_every_rank("snapshot") if self.ranks or sender.needs_whole_copy() else None)
-                staged = await asyncio.to_thread(sender.stage, version, self.model.named_parameters(), whole)
-            receivers = [g.receive_weights.remote(*sender.delivery(staged, path)) for g, path in zip(generators, sender.paths)]
-            timing = await asyncio.to_thread(sender.send_group, staged)
-            try:
-                paused = await asyncio.gather(*receivers)
-            except BaseException:
-                sender.failed()
-                raise
-            elapsed = time.perf_counter() - start
-            self.timing["broadcast_s"] += elapsed
-            self.counters["broadcasts"] += 1
-            self.last_broadcast = {**timing, "version": version, "total_s": elapsed, "paths": sorted(set(sender.paths)),
-                                   "generator_pause_s_max": max(paused, default=0.0)}
-            self._delivered(version)
+    async def _stage(self, paths: set[str]):
+        """A consistent copy of the current version for `paths`, taken between two optimizer steps."""
+        async with self._weights_lock:
+            version = self.weight_version
+            whole = (await self._on_every_rank("snapshot") if self.ranks or self.sender.needs_whole_copy(paths)
+                     else None)
+            return await asyncio.to_thread(self.sender.stage, version, self.model.named_parameters(), whole, paths)
+
+    def _delivered_all(self, version: int, timing: dict) -> None:
+        self.timing["broadcast_s"] += timing["total_s"]
+        self.counters["broadcasts"] += 1
+        self.last_broadcast = timing
+        self._delivered(version)
 
     def _request_delivery(self) -> None:
-        if not self.edges.generators or self.sender.slots.closed:  # closed: stopped, a version now would outlive it
+        if self.sender.slots.closed:  # stopped: a version now would outlive it
             return
-        self._delivery_wanted = True
-        if self._delivery_task is None or self._delivery_task.done():
-            self._delivery_task = asyncio.create_task(self._delivery_loop())
-
-    async def publish(self) -> None:
-        """Send the current weights to every generator and wait (a resumed run, before any
-        prompt is issued), then announce the version."""
-        if self.edges.generators:
-            self._request_delivery()  # one delivery loop at a time shares the group
-            await self._delivery_task
-        self._delivered(self.weight_version)
+        self.pool.request()
 
     # --- training ---------------------------------------------------------------------------------
 
@@ -227,7 +207,7 @@ class PolicyLearner(TrainingLoop):
         self._metrics.append(record)
         if self.edges.trained is not None:
             await self.edges.trained(finished_ids)
-        if self.edges.generators:
+        if self.pool.generators:
             self._tell_listeners()
             self._request_delivery()
         else:
@@ -323,7 +303,9 @@ class PolicyLearner(TrainingLoop):
     def stats(self) -> dict:
         wall = max(time.monotonic() - self._started, 1e-9)
         return {"step": self.step, "weight_version": self.weight_version, "delivered_version": self.delivered_version,
+                "generators": sorted(self.pool.generators), "failed_generators": dict(self.pool.failed),
                 **self.counters, **self.timing, "busy_fraction": self.timing["train_s"] / wall,
+                "wait_batch_fraction": self.timing["wait_batch_s"] / wall,
                 "last_broadcast": self.last_broadcast, "last_checkpoint": self.last_checkpoint,
                 "incarnation": self.incarnation, "optimizer_steps": self._adam_steps}
 
@@ -342,15 +324,16 @@ def build_policy_learner(model: ModelConfig, algorithm: AlgorithmConfig, policy:
 
 
 class PolicyLearnerActor(RoleShell):
-    """Edges: delivers to `generators`; tells `listeners` (the assembler, the prompt source) both
-    versions; reports trained samples to the `ledger`; asks `checkpoint_parts` (prompt source,
-    value learner) to write their parts of each checkpoint; sends trained batches to the `recorder`.
-    `ranks`: the other ranks' actors of a sharded learner, which meet this one at `rendezvous`."""
+    """Edges: delivers to the generators that join (`join_generator`); tells `listeners` (the
+    assembler, the prompt source) both versions; reports trained samples to the `ledger`; asks
+    `checkpoint_parts` (prompt source, value learner) to write their parts of each checkpoint;
+    sends trained batches to the `recorder`. `ranks`: the other ranks' actors of a sharded learner,
+    which meet this one at `rendezvous`."""
 
     def __init__(self, model: ModelConfig, algorithm: AlgorithmConfig, policy: PolicyConfig, engine: EngineConfig,
-                 seed: int, batches: Mailbox, *, generators: list, listeners: list, ledger, checkpoint_parts: list,
+                 seed: int, batches: Mailbox, *, listeners: list, ledger, checkpoint_parts: list,
                  checkpoints: CheckpointPolicy, max_steps: int = 0, recorder=None, ranks: list = (),
-                 rendezvous: tuple[str, int] | None = None):
+                 rendezvous: tuple[str, int] | None = None, delivery_timeout_s: float = 300.0):
         torch.set_num_threads(policy.threads)
         parallel = (join_ranks(*rendezvous, len(ranks) + 1, 0, learner_backend(policy), policy.timeout_s)
                     if ranks else None)
@@ -359,7 +342,6 @@ class PolicyLearnerActor(RoleShell):
             await ledger.record.remote(ids, SampleState.TRAINED)
 
         edges = LearnerEdges(
-            generators=generators,
             # Fire-and-forget: the listeners take `max` of what they are told.
             listeners=[lambda w, d, actor=actor: actor.set_versions.remote(w, d) for actor in listeners],
             trained=trained, checkpoint_parts=[_part_writer(actor) for actor in checkpoint_parts],
@@ -367,17 +349,29 @@ class PolicyLearnerActor(RoleShell):
                           lambda record: recorder.add_batch.remote(BATCH_RECORD_ENCODER.encode(record))))
         self.inner = build_policy_learner(model, algorithm, policy, engine, seed, batches, edges, checkpoints,
                                           max_steps, parallel, [_rank_call(rank) for rank in ranks])
+        self.inner.pool.timeout_s = delivery_timeout_s
 
-    def init_weight_group(self, host: str, port: int, world_size: int, rank: int, backend: str = "gloo") -> None:
-        from asyncrl.weight_sync import WeightGroup
+    async def join_generator(self, generator_id: str, handle, path: str, group: tuple[str, int, str] | None = None) -> int:
+        """A generator joins the pool (at start, as a replacement or when the pool grows): for the
+        `group` path, this learner meets it at `group` (host, port, backend; the generator joins the
+        same pair at the same time); then it gets the current version. Returns that version."""
+        if group is not None:
+            from asyncrl.weight_sync import WeightGroup
 
-        self.inner.sender.group = WeightGroup(host, port, world_size, rank, backend, local_address=node_address())
+            host, port, backend = group
+            self.inner.sender.groups[generator_id] = await asyncio.to_thread(
+                WeightGroup, host, port, 2, 0, backend, local_address=node_address())
+        return await self.inner.pool.add(generator_id, handle, path)
+
+    def leave_generator(self, generator_id: str) -> None:
+        self.inner.pool.remove(generator_id)
+
+    def announce(self) -> None:
+        """Tell the listeners the versions (after the first generators joined)."""
+        self.inner._delivered(self.inner.weight_version)
 
     async def resume(self, checkpoint_dir: str) -> None:
         await self.inner.load_checkpoint(checkpoint_dir)
-
-    async def publish(self) -> None:
-        await self.inner.publish()
 
     async def save_checkpoint(self) -> str:
         return await self.inner.save_checkpoint()
@@ -395,9 +389,6 @@ class PolicyLearnerActor(RoleShell):
 
     def weight_group_address(self) -> tuple[str, int]:
         return self.inner.weight_group_address()
-
-    def set_weight_paths(self, paths: list[str]) -> None:
-        self.inner.sender.paths = list(paths)
 
 
 def _rank_call(actor):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 import time
 
@@ -80,6 +82,17 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _scale(args: argparse.Namespace) -> int:
+    """Grow or shrink a running service's generator pool (the admin route of its `train` app)."""
+    import httpx
+
+    token = args.token or os.environ.get("ASYNCRL_ADMIN_TOKEN", "")
+    response = httpx.post(f"{args.endpoint.rstrip('/')}/train/admin/generators", json={"count": args.count},
+                          headers={"authorization": f"Bearer {token}"}, timeout=1200)
+    print(json.dumps(response.json(), indent=2))
+    return 0 if response.status_code == 200 else 1
+
+
 def _bench(args: argparse.Namespace) -> int:
     from asyncrl.bench import run_benchmark
 
@@ -115,6 +128,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     export.add_argument("source", help="a run directory (its newest valid checkpoint) or a checkpoint directory")
     export.add_argument("out", help="the directory to write (safetensors, config, tokenizer)")
     export.set_defaults(func=_export, overrides=[])
+
+    scale = sub.add_parser("scale", help="set the number of generators of a running service (serve run)")
+    scale.add_argument("count", type=int, help="generators wanted")
+    scale.add_argument("--endpoint", default="http://127.0.0.1:8000", help="where Serve listens")
+    scale.add_argument("--token", default="", help="the admin token (default: ASYNCRL_ADMIN_TOKEN)")
+    scale.set_defaults(func=_scale, overrides=[])
 
     bench = sub.add_parser("bench", help="run a benchmark; prints figures and writes JSON")
     bench.add_argument("name")

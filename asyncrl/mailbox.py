@@ -13,6 +13,9 @@ A mailbox is owned by its consumer. The guarantees, stated once here and enforce
   processing once in the absence of lease expiry, and the consumer-side dedup of the id
   (the assembler, the learner) turns a redelivery after a slow consumer into exactly-once.
 * **Order.** FIFO among first deliveries; redelivered messages jump to the front.
+* **Lease owners.** A `get` may name its consumer; `release(consumer)` gives back at once every
+  message that consumer holds (a generator that died or left): its work is delivered again now,
+  not when the leases expire.
 
 Implementations behind one interface (`Mailbox`): `InProcessMailbox` (asyncio, one process),
 `RayMailbox` (a client of a `MailboxActor`; messages cross the process boundary as msgspec bytes,
@@ -83,6 +86,7 @@ class MailboxCore(Generic[T]):
         self._queue: collections.deque[tuple[str, T]] = collections.deque()
         self._queued_ids: set[str] = set()
         self._leased: dict[str, tuple[T, float]] = {}  # id -> (item, lease deadline)
+        self._owners: dict[str, str] = {}  # leased id -> the consumer that named itself in `get`
         self._acked = RecentIds(dedup_window)
         self._stats = collections.Counter()
 
@@ -113,21 +117,28 @@ class MailboxCore(Generic[T]):
         expired = [(mid, item) for mid, (item, deadline) in self._leased.items() if deadline <= now]
         for mid, item in reversed(expired):
             del self._leased[mid]
+            self._owners.pop(mid, None)
             self._queue.appendleft((mid, item))
             self._queued_ids.add(mid)
             self._stats["redelivered_total"] += 1
         return len(expired)
 
-    def take(self, max_n: int, now: float) -> list[tuple[str, T]]:
+    def take(self, max_n: int, now: float, consumer: str = "") -> list[tuple[str, T]]:
         self.expire_leases(now)
         taken = []
         while self._queue and len(taken) < max_n:
             mid, item = self._queue.popleft()
             self._queued_ids.discard(mid)
             self._leased[mid] = (item, now + self.lease_s)
+            if consumer:
+                self._owners[mid] = consumer
             taken.append((mid, item))
         self._stats["delivered_total"] += len(taken)
         return taken
+
+    def release(self, consumer: str) -> int:
+        """Give back every message `consumer` holds (it died or left): delivered again at once."""
+        return self.nack([mid for mid, owner in self._owners.items() if owner == consumer and mid in self._leased])
 
     def ack(self, msg_ids: Iterable[str]) -> int:
         """Acknowledge leased messages; unknown ids (already acked, expired-and-requeued) are ignored
@@ -135,6 +146,7 @@ class MailboxCore(Generic[T]):
         held the expired lease did finish it."""
         n = 0
         for mid in msg_ids:
+            self._owners.pop(mid, None)
             if mid in self._leased:
                 del self._leased[mid]
             elif mid in self._queued_ids:
@@ -150,6 +162,8 @@ class MailboxCore(Generic[T]):
     def nack(self, msg_ids: Iterable[str]) -> int:
         """Give leased messages back at once (the consumer could not process them)."""
         returned = [(mid, self._leased.pop(mid)[0]) for mid in msg_ids if mid in self._leased]
+        for mid, _ in returned:
+            self._owners.pop(mid, None)
         for mid, item in reversed(returned):
             self._queue.appendleft((mid, item))
             self._queued_ids.add(mid)
@@ -186,12 +200,15 @@ class Mailbox(Protocol[M]):
         """Enqueue, waiting while full. Returns how many were accepted (duplicates are dropped).
         Raises TimeoutError if `timeout` passes before all are placed (those placed stay placed)."""
 
-    async def get(self, max_n: int, timeout: float | None = None) -> list[M]:
-        """Lease up to `max_n` messages; waits up to `timeout` s for the first one ([] on timeout)."""
+    async def get(self, max_n: int, timeout: float | None = None, consumer: str = "") -> list[M]:
+        """Lease up to `max_n` messages; waits up to `timeout` s for the first one ([] on timeout).
+        `consumer`: who holds the leases (`release` gives them back)."""
 
     async def ack(self, msg_ids: Iterable[str]) -> int: ...
 
     async def nack(self, msg_ids: Iterable[str]) -> int: ...
+
+    async def release(self, consumer: str) -> int: ...
 
     async def stats(self) -> MailboxStats: ...
 
@@ -217,13 +234,13 @@ class _AsyncMailboxBase(Generic[T]):
             self._changed.notify_all()
         return accepted
 
-    async def _get_items(self, max_n: int, timeout: float | None) -> list[tuple[str, T]]:
+    async def _get_items(self, max_n: int, timeout: float | None, consumer: str = "") -> list[tuple[str, T]]:
         if max_n < 1:
             raise ValueError(f"max_n must be >= 1, got {max_n}")
         deadline = None if timeout is None else time.monotonic() + timeout
         async with self._changed:
             while True:
-                taken = self._core.take(max_n, time.monotonic())
+                taken = self._core.take(max_n, time.monotonic(), consumer)
                 if taken:
                     return taken
                 try:
@@ -256,6 +273,12 @@ class _AsyncMailboxBase(Generic[T]):
             self._changed.notify_all()
             return n
 
+    async def release(self, consumer: str) -> int:
+        async with self._changed:
+            n = self._core.release(consumer)
+            self._changed.notify_all()
+            return n
+
     async def stats(self) -> MailboxStats:
         return self._core.stats()
 
@@ -269,8 +292,8 @@ class InProcessMailbox(_AsyncMailboxBase[M]):
     async def put(self, messages: Sequence[M], timeout: float | None = None) -> int:
         return await self._put_items([(m.msg_id, m) for m in messages], timeout)
 
-    async def get(self, max_n: int, timeout: float | None = None) -> list[M]:
-        return [item for _, item in await self._get_items(max_n, timeout)]
+    async def get(self, max_n: int, timeout: float | None = None, consumer: str = "") -> list[M]:
+        return [item for _, item in await self._get_items(max_n, timeout, consumer)]
 
 
 class MailboxActor(_AsyncMailboxBase[bytes]):
@@ -282,8 +305,8 @@ class MailboxActor(_AsyncMailboxBase[bytes]):
     async def put(self, items: list[tuple[str, bytes]], timeout: float | None = None) -> int:
         return await self._put_items(items, timeout)
 
-    async def get(self, max_n: int, timeout: float | None = None) -> list[tuple[str, bytes]]:
-        return await self._get_items(max_n, timeout)
+    async def get(self, max_n: int, timeout: float | None = None, consumer: str = "") -> list[tuple[str, bytes]]:
+        return await self._get_items(max_n, timeout, consumer)
 
     def ready(self) -> bool:
         return True
@@ -338,8 +361,8 @@ class RayMailbox(Generic[M]):
         items = [(m.msg_id, self.codec.encode(m)) for m in messages]
         return await self.actor.put.remote(items, timeout)
 
-    async def get(self, max_n: int, timeout: float | None = None) -> list[M]:
-        items = await self.actor.get.remote(max_n, timeout)
+    async def get(self, max_n: int, timeout: float | None = None, consumer: str = "") -> list[M]:
+        items = await self.actor.get.remote(max_n, timeout, consumer)
         return [self.codec.decode(data) for _, data in items]
 
     async def ack(self, msg_ids: Iterable[str]) -> int:
@@ -347,6 +370,9 @@ class RayMailbox(Generic[M]):
 
     async def nack(self, msg_ids: Iterable[str]) -> int:
         return await self.actor.nack.remote(list(msg_ids))
+
+    async def release(self, consumer: str) -> int:
+        return await self.actor.release.remote(consumer)
 
     async def stats(self) -> MailboxStats:
         return await self.actor.stats.remote()
@@ -402,11 +428,11 @@ class ShardedMailbox(Generic[M]):
         counts = await asyncio.gather(*(self.shards[i].put(part, timeout) for i, part in by_shard.items()))
         return sum(counts)
 
-    async def get(self, max_n: int, timeout: float | None = None) -> list[M]:
+    async def get(self, max_n: int, timeout: float | None = None, consumer: str = "") -> list[M]:
         per_shard = max(1, max_n // len(self.shards))
         for i, shard in enumerate(self.shards):
             if i not in self._inflight:
-                self._inflight[i] = asyncio.ensure_future(shard.actor.get.remote(per_shard, timeout))
+                self._inflight[i] = asyncio.ensure_future(shard.actor.get.remote(per_shard, timeout, consumer))
         if not any(f.done() for f in self._inflight.values()):
             await asyncio.wait(list(self._inflight.values()), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         out = []
@@ -432,6 +458,9 @@ class ShardedMailbox(Generic[M]):
 
     async def nack(self, msg_ids: Iterable[str]) -> int:
         return await self._route("nack", msg_ids)
+
+    async def release(self, consumer: str) -> int:
+        return sum(await asyncio.gather(*(shard.release(consumer) for shard in self.shards)))
 
     async def stats(self) -> MailboxStats:
         return sum_stats(await asyncio.gather(*(shard.stats() for shard in self.shards)))

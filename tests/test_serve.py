@@ -328,3 +328,37 @@ def test_the_status_page_does_not_grow_with_the_number_of_steps(apps):
     short, long = status_page(status, run_of(300)), status_page(status, run_of(30_000))
     assert abs(len(long) - len(short)) < 0.01 * len(short), (len(short), len(long))
     assert long.count('"samples_per_s"') <= PAGE_RECORDS + 1
+
+
+def test_the_generator_pool_scales_1_3_1_by_the_admin_route_while_it_trains(apps):
+    """Scaled by hand while training runs: every generator that ever ran holds a version within the
+    staleness bound of the learner's, and the books balance with nothing trained twice."""
+    headers = {"authorization": f"Bearer {ADMIN_TOKEN}"}
+    bound = compose(OVERRIDES.split()).algorithm.max_staleness_versions
+    seen: dict[str, list[tuple[int, int]]] = {}
+
+    def look() -> dict:
+        status = httpx.get(f"{apps}/train/status", timeout=60).json()
+        for g in status["generators"]:
+            if not g.get("unresponsive"):
+                seen.setdefault(g["generator_id"], []).append((g["delivered_version"], status["weight_version"]))
+        return status
+
+    start = look()["step"]
+    for count in (3, 1):
+        r = httpx.post(f"{apps}/train/admin/generators", json={"count": count}, headers=headers, timeout=900)
+        assert r.status_code == 200, r.text
+        assert len(r.json()["generators"]) == count
+        for _ in range(8):
+            status = look()
+            time.sleep(1.0)
+        assert len(status["pool"]["generators"]) == count and status["pool"]["target"] == count
+    assert status["step"] > start  # it trained throughout
+    assert len(seen) >= 3 and all(d >= w - bound for views in seen.values() for d, w in views), seen
+    events = [e["event"] for e in status["pool"]["events"]]
+    assert events.count("joined") >= 2 and events.count("left") >= 2
+    assert status["ledger"]["problems"] == [] and status["ledger"]["duplicates"] == 0
+    r = httpx.post(f"{apps}/train/admin/generators", json={"count": 0}, headers=headers, timeout=60)
+    assert r.status_code == 422  # a pool of none is refused with a reason
+    r = httpx.post(f"{apps}/train/admin/generators", json={"count": 3}, timeout=60)
+    assert r.status_code == 401  # and the route needs the token

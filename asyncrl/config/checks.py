@@ -46,7 +46,9 @@ RANGES = {
     "trainer.eval_samples": ">= 1", "trainer.target_window": ">= 1", "trainer.stall_timeout_s": "> 0",
     "trainer.record_file_mb": ">= 1", "trainer.record_file_age_s": "> 0",
     "cluster.num_generators": ">= 1", "cluster.object_store_mb": ">= 64", "cluster.segment_shards": ">= 1",
-    "cluster.mailbox_capacity": ">= 1", "cluster.lease_s": "> 0",
+    "cluster.mailbox_capacity": ">= 1", "cluster.lease_s": "> 0", "cluster.generator_timeout_s": "> 0",
+    "cluster.drain_timeout_s": ">= 0", "cluster.min_generators": ">= 1", "cluster.max_generators": ">= 1",
+    "cluster.autoscale_every_s": "> 0",
     "offline.epochs": ">= 1", "offline.batch_trajectories": ">= 1",
 }
 
@@ -151,6 +153,11 @@ def _placement_checks(config) -> list[tuple[bool, str]]:
         (c.device in ("cpu", "cuda"), "critic.device must be cpu or cuda"),
         (p.precision in ("fp32", "bf16"), "policy.precision must be fp32 or bf16"),
         (config.cluster.placement in ("any", "colocated", "spread"), "cluster.placement must be any, colocated or spread"),
+        (config.cluster.min_generators <= config.cluster.max_generators,
+         "cluster.min_generators must be <= cluster.max_generators"),
+        (not config.cluster.autoscale or config.cluster.min_generators <= config.cluster.num_generators
+         <= config.cluster.max_generators, "cluster.num_generators must lie in [min_generators, max_generators] "
+                                           "when cluster.autoscale is on"),
         (e.device != "cuda" or e.gpus > 0, "a generator on CUDA (engine.device=cuda) needs engine.gpus > 0"),
         (p.device != "cuda" or p.gpus > 0, "policy.device=cuda needs policy.gpus > 0"),
         (c.device != "cuda" or c.gpus > 0, "critic.device=cuda needs critic.gpus > 0"),

@@ -86,7 +86,22 @@ class ClusterConfig:
     """Mailbox actors behind the generators' segments (a sample's windows stay in one): one actor
     moves a few thousand segments a second; give many generators several."""
     lease_s: float = 600.0
-    """A message taken from a mailbox and not acknowledged within this is delivered again."""
+    """A message taken from a mailbox and not acknowledged within this is delivered again (a
+    generator that dies or leaves gives its leases back at once)."""
+    generator_timeout_s: float = 120.0
+    """A generator that does not answer for this long (its stats, or a weight delivery) is healed:
+    its work goes back through the ledger to the others and a replacement joins."""
+    drain_timeout_s: float = 60.0
+    """A generator leaving the pool finishes its sequences for up to this long, then hands the rest back."""
+    autoscale: bool = False
+    """Grow and shrink the pool between `min_generators` and `max_generators` from what the run
+    measures: the learner waiting for batches grows it, batches waiting for the learner shrink it."""
+    min_generators: int = 1
+    """The smallest pool the autoscaler keeps."""
+    max_generators: int = 4
+    """The largest pool the autoscaler (or the admin route) may ask for."""
+    autoscale_every_s: float = 60.0
+    """How often the autoscaler looks, and the window it measures over."""
 
 
 @dataclass

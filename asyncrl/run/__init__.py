@@ -5,12 +5,14 @@
     run.weights(); run.checkpoint(); run.status()
     run.stop()
 
-Keeping a run alive: when any role's loop ends, the whole system is brought back from the newest
-valid checkpoint (`trainer.max_restarts` times at most). Why the whole system, not the one actor:
-the assembler's open groups and the generators' sequences are not persisted, so resuming from the
-checkpoint is the one recovery that is exact (docs/architecture.md, checkpoints and resume):
-in-flight work is regenerated from the ledger, nothing is trained twice, and the new generators
-hold the checkpoint's weights before their first prompt. The cost is the steps since that checkpoint.
+Keeping a run alive. The generators are an elastic pool (`asyncrl.run.pool`): one that dies or
+hangs is healed in place, its work re-issued through the ledger, while the learner keeps training
+on what the others produce; the pool grows and shrinks by hand (`scale`) or by policy
+(`cluster.autoscale`). Any other role holds state no other process has (the learner's weights and
+optimizer, the prompt source's cursor and ledger, the assembler's open groups, the value learner,
+a mailbox's queue): its death brings the whole system back from the newest valid checkpoint
+(`trainer.max_restarts` times at most), the one recovery that is exact for them
+(docs/architecture.md, checkpoints and resume). The cost is the steps since that checkpoint.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from ray.exceptions import RayError
 
 from asyncrl import checkpoint
 from asyncrl.config import Config
+from asyncrl.run.pool import autoscale_step
 from asyncrl.run.records import RunRecords
 from asyncrl.run.wiring import System
 
@@ -56,9 +59,10 @@ class Run:
         self.system: System | None = None
         self.last_status: dict = {}  # the status read at the last poll with new steps
         self.last_step_at = time.time()
+        self._autoscale = {"at": time.monotonic(), "wait_batch_s": 0.0, "polls": 0, "batches_full": 0}
 
     def start(self) -> "Run":
-        self.system = System(self.config, self.run_dir, self.max_steps).start()
+        self.system = System(self.config, self.run_dir, self.max_steps, on_pool_event=self.log.pool_event).start()
         self.log.started = self.last_step_at = time.time()
         return self
 
@@ -78,10 +82,12 @@ class Run:
         """None while every role's loop runs; after a death, the run restarted from the newest
         checkpoint (the event, also in `restarts.jsonl`), or raise when it cannot recover."""
         try:
-            self.system.check_alive()
-            return None
+            dead = self.system.check_alive()
         except Exception as exc:  # a role's loop ended: its error, or ActorDiedError
             restart = self.restart(f"{type(exc).__name__}: {exc}".splitlines()[0][:300], exc)
+        else:
+            self.system.pool.check(dead)  # generators: healed in place, replaced while there is room
+            return None
         self.log.after_restart(restart["step"])
         with open(os.path.join(self.run_dir, "restarts.jsonl"), "a") as f:
             f.write(json.dumps(restart) + "\n")
@@ -105,7 +111,36 @@ class Run:
         self.last_step_at = time.time()
         self.last_status = self.system.status()
         retirements = self.log.add(new, self.last_status, bool(self.system.resumed))
+        if self.config.cluster.autoscale:
+            self._autoscale_step(self.last_status)
         return Poll(records=new, retirements=retirements)
+
+    def scale(self, count: int, reason: str = "admin") -> list[dict]:
+        """Grow or shrink the generator pool to `count` (within `cluster.max_generators`)."""
+        limit = self.config.cluster.max_generators
+        if not 1 <= count <= limit:
+            raise ValueError(f"the pool's size must be between 1 and cluster.max_generators={limit}, got {count}")
+        return self.system.pool.scale(count, reason)
+
+    def _autoscale_step(self, status: dict) -> None:
+        """Every `cluster.autoscale_every_s`: one generator more when the learner waited for batches,
+        one fewer when batches waited for the learner (`autoscale_step`)."""
+        window = self._autoscale
+        window["polls"] += 1
+        batches = status["queue_depths"].get("batches", {})
+        window["batches_full"] += int(batches.get("queued", 0) >= batches.get("capacity", 1))
+        elapsed = time.monotonic() - window["at"]
+        if elapsed < self.config.cluster.autoscale_every_s:
+            return
+        waited = status["learner_wait_batch_s"] - window["wait_batch_s"]
+        cl = self.config.cluster
+        target = autoscale_step(len(self.system.generators), cl.min_generators, cl.max_generators,
+                                waited / elapsed, window["batches_full"] / window["polls"])
+        self._autoscale = {"at": time.monotonic(), "wait_batch_s": status["learner_wait_batch_s"], "polls": 0,
+                           "batches_full": 0}
+        if target != len(self.system.generators):
+            self.system.pool.scale(target, f"autoscale: learner waited {waited / elapsed:.0%} of the last "
+                                           f"{elapsed:.0f}s for batches")
 
     def restart(self, reason: str, cause: BaseException | None = None) -> dict:
         """Bring the system back from the newest valid checkpoint; the event, or raise when it cannot."""
@@ -121,7 +156,8 @@ class Run:
         resumed = dataclasses.replace(self.config, resume=True)
         for attempt in range(RESTART_ATTEMPTS):
             try:
-                self.system = System(resumed, self.run_dir, self.max_steps).start()
+                self.system = System(resumed, self.run_dir, self.max_steps, num_generators=self.system.pool.target,
+                                     on_pool_event=self.log.pool_event).start()
                 break
             except RayError as exc:
                 # A node that is dying may still take actors until Ray has marked it dead (its

@@ -45,6 +45,7 @@ class RunRecords:
         self.prompts_exhausted = False
         self.retired_by_reason: dict[str, int] = {}
         self.retired_share = 0.0
+        self.pool_events: list[dict] = []  # the newest generator joins, leaves and heals (status page)
 
     def after_restart(self, step: int) -> None:
         """The steps after the checkpoint a restart came back from are redone."""
@@ -91,6 +92,12 @@ class RunRecords:
                 for event in new:
                     f.write(json.dumps(event) + "\n")
         return new
+
+    def pool_event(self, event: dict) -> None:
+        """A generator joined, left or was healed: a line of `generators.jsonl`, and on the status."""
+        with open(os.path.join(self.run_dir, "generators.jsonl"), "a") as f:
+            f.write(json.dumps(event) + "\n")
+        self.pool_events = (self.pool_events + [event])[-50:]
 
     def write_plots(self) -> None:
         """The run's PNGs in its directory (the same for both entry points)."""

@@ -6,6 +6,21 @@ from __future__ import annotations
 from asyncrl.mailbox import ShardedMailbox
 
 
+def answered(calls: dict, timeout_s: float) -> list[dict]:
+    """The generators' stats that came back within `timeout_s`; one that did not is listed as
+    unresponsive (a hung or cut-off generator must not hang the status of the whole run)."""
+    import ray
+
+    ready, _ = ray.wait(list(calls.values()), num_returns=len(calls), timeout=timeout_s)
+    out = []
+    for gid, ref in calls.items():
+        try:
+            out.append(ray.get(ref) if ref in ready else {"generator_id": gid, "unresponsive": True})
+        except ray.exceptions.RayError:  # it died: the pool heals it
+            out.append({"generator_id": gid, "unresponsive": True})
+    return out
+
+
 def mailbox_actors(box) -> list:
     """The actors behind a mailbox client (one, or one per shard)."""
     return box.actors if isinstance(box, ShardedMailbox) else [box.actor]
@@ -26,7 +41,8 @@ def reward_endpoint_table(reward, seen: dict[str, dict], own: dict[str, dict]) -
     return table
 
 
-def summarize(learner: dict, generators: list[dict], assembler: dict, mailboxes: dict, wall_s: float) -> dict:
+def summarize(learner: dict, all_generators: list[dict], assembler: dict, mailboxes: dict, wall_s: float) -> dict:
+    generators = [g for g in all_generators if not g.get("unresponsive")]
     generated = sum(g["samples_finished"] for g in generators)
     return {
         "step": learner["step"],
@@ -43,11 +59,12 @@ def summarize(learner: dict, generators: list[dict], assembler: dict, mailboxes:
         "generator_busy_fraction": sum(g["busy_fraction"] for g in generators) / max(len(generators), 1),
         "generator_paused_for_weights_fraction": sum(g["paused_for_weights_fraction"] for g in generators) / max(len(generators), 1),
         "learner_busy_fraction": learner["busy_fraction"],
+        "learner_wait_batch_s": learner.get("wait_batch_s", 0.0),
         "learner_node": learner.get("node_ip", ""),
         "last_broadcast": learner["last_broadcast"],
         "last_checkpoint": learner.get("last_checkpoint", {}),
         "queue_depths": {name: {"queued": s.queued, "leased": s.leased, "capacity": s.capacity} for name, s in mailboxes.items()},
-        "generators": generators,
+        "generators": all_generators,
         "assembler": assembler,
         "wall_time_s": wall_s,
     }

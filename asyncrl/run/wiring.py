@@ -19,7 +19,6 @@ import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.assembler import AssemblerActor
-from actors.generator import GeneratorActor
 from actors.policy_learner import CheckpointPolicy, PolicyLearnerActor
 from actors.policy_rank import PolicyRankActor
 from actors.prompt_source import PromptSourceActor
@@ -31,12 +30,12 @@ from asyncrl.algo.advantages import ADVANTAGES
 from asyncrl.config import Config
 from asyncrl.mailbox import RayMailbox, ShardedMailbox, sum_stats
 from asyncrl.run.placement import LEARNER_NAME, ask, role_placement, spawn
-from asyncrl.run.status import mailbox_actors, reward_endpoint_table, summarize
+from asyncrl.run.pool import Pool
+from asyncrl.run.status import answered, mailbox_actors, reward_endpoint_table, summarize
 from asyncrl.schema import PromptRequest, ScoredTrajectory, Segment, TrainBatch
 from asyncrl.sharding import rendezvous_store
 from asyncrl.staleness import open_prompts_bound
 from asyncrl.store import STORE_DIRNAME
-from asyncrl.transport import choose_paths
 from asyncrl.weight_sync import free_port, node_address
 
 
@@ -53,17 +52,22 @@ class System:
     """`run_dir` enables checkpoints; with `resume=true` the system continues from the newest valid
     checkpoint there. `max_steps`: the learner stops there (0: trains until stopped, as under Serve)."""
 
-    def __init__(self, config: Config, run_dir: str = "", max_steps: int = 0, name_actors: bool = True):
+    def __init__(self, config: Config, run_dir: str = "", max_steps: int = 0, name_actors: bool = True,
+                 num_generators: int | None = None, on_pool_event=lambda event: None):
+        """`num_generators`: the pool's size (default `cluster.num_generators`; a restarted run keeps
+        the size it was scaled to); `on_pool_event`: told of every join, leave and heal."""
         self.config = config
         self.run_dir = run_dir
         self.max_steps = max_steps
         self.name_actors = name_actors
         self.resumed: dict[str, Any] = {}
         self.actors: dict[str, Any] = {}
-        self.generators: list[Any] = []
+        self.generators: dict[str, Any] = {}  # generator id -> actor (the pool: `asyncrl.run.pool`)
+        self.pool = Pool(self, config.cluster.num_generators if num_generators is None else num_generators,
+                         on_pool_event)
         self.mailboxes: dict[str, Any] = {}
         self.run_refs: dict[str, Any] = {}
-        self.weight_paths: list[str] = []  # each generator's weight path (`asyncrl.transport`)
+        self.weight_paths: dict[str, str] = {}  # generator id -> its weight path (`asyncrl.transport`)
         self.pre_ppo: dict = {}
         self.started_at = 0.0
         self.placement_group = None  # cluster.placement colocated/spread: removed at stop
@@ -92,9 +96,10 @@ class System:
                                                                       soft=True)}
         self._mailboxes(value_based, here)
         self._roles(resume, learning, value_based, here)
-        if "learner" in self.actors:
-            self._weight_paths()
         self._resume(resume)
+        if "learner" in self.actors:  # the generators join: each gets the learner's version first
+            self.pool.join(list(self.generators))
+            ray.get(self.actors["learner"].announce.remote())
         # Pre-PPO selection (before the first prompt; a no-op when off or resumed).
         self.pre_ppo = ray.get(self.actors["prompt_source"].prepare.remote(
             cfg.model, cfg.engine, cfg.task, cfg.reward, cfg.trainer.seed, self._endpoints))
@@ -106,7 +111,8 @@ class System:
         """Each owned by its consumer. Prompts: room for every prompt the staleness budget allows to
         be open (stragglers hold leases), plus a queue ahead of the generators."""
         cfg, cl = self.config, self.config.cluster
-        prompts_ahead = max(2, 2 * cl.num_generators * math.ceil(cfg.engine.max_inflight_sequences / cfg.algorithm.group_size))
+        most = max(self.pool.target, cl.max_generators)  # room for the largest pool the run may scale to
+        prompts_ahead = max(2, 2 * most * math.ceil(cfg.engine.max_inflight_sequences / cfg.algorithm.group_size))
         prompts_open = min(open_prompts_bound(cfg.algorithm.max_staleness_versions, cfg.trainer.prompts_per_step), 4096)
         self.mailboxes = {
             "prompts": RayMailbox.create(PromptRequest, capacity=prompts_ahead + prompts_open, lease_s=cl.lease_s,
@@ -136,7 +142,7 @@ class System:
         learners = [ask(cfg.policy.gpus, cfg.policy.resources)] * ranks
         learners += [ask(cfg.critic.gpus, cfg.critic.resources)] if value_based else []
         generator_options, learner_options, self.placement_group = role_placement(
-            cfg.cluster.placement, ask(cfg.engine.gpus, cfg.engine.resources), cfg.cluster.num_generators, learners)
+            cfg.cluster.placement, ask(cfg.engine.gpus, cfg.engine.resources), self.pool.target, learners)
         value_learner = (self._spawn(
             ValueLearnerActor, model=cfg.model, critic=cfg.critic, algorithm=cfg.algorithm, engine=cfg.engine,
             seed=tr.seed, trajectories=boxes["trajectories"], resume_from=resume and resume.checkpoint,
@@ -147,9 +153,8 @@ class System:
             endpoints=self._endpoints, ledger=prompt_source, value_learner=value_learner,
             trajectories=boxes.get("trajectories"), batch_prefix=f"batch-r{resume.incarnation if resume else 0}",
             recorder=recorder, mode=cfg.mode, synchronous=tr.synchronous, placement=here)
-        self.generators = [self._spawn(GeneratorActor, model=cfg.model, engine=cfg.engine, prompts=boxes["prompts"],
-                                       segments=boxes["segments"], generator_id=f"gen-{i}",
-                                       placement=generator_options[i]) for i in range(cfg.cluster.num_generators)]
+        for options in generator_options:
+            self._created.append(self.pool.spawn(self.pool.next_id(), options))
         rank_actors, learner = self._learner(learning, prompt_source, assembler, value_learner, recorder,
                                              learner_options[:ranks], ranks)
         self.actors = {**({"learner": learner} if learner is not None else {}), "assembler": assembler,
@@ -177,31 +182,14 @@ class System:
                                        placement=options[rank]) for rank in range(1, ranks)]
         learner = self._spawn(
             PolicyLearnerActor, model=cfg.model, algorithm=cfg.algorithm, policy=cfg.policy, engine=cfg.engine,
-            seed=tr.seed, batches=self.mailboxes["batches"], generators=self.generators,
-            listeners=[assembler, prompt_source], ledger=prompt_source,
+            seed=tr.seed, batches=self.mailboxes["batches"], listeners=[assembler, prompt_source], ledger=prompt_source,
             checkpoint_parts=[prompt_source] + ([value_learner] if value_learner is not None else []),
             checkpoints=CheckpointPolicy(self.run_dir, tr.checkpoint_every if self.run_dir else 0,
                                          tr.checkpoint_every_s if self.run_dir else 0.0, tr.checkpoint_keep),
             max_steps=self.max_steps, recorder=recorder, ranks=rank_actors, rendezvous=rendezvous,
+            delivery_timeout_s=self.config.cluster.generator_timeout_s,
             placement=options[0], actor_name=LEARNER_NAME if self.name_actors else None)  # found by name
         return rank_actors, learner
-
-    def _weight_paths(self) -> None:
-        """Weights from the learner to each generator, by a path chosen from where they landed:
-        shared memory on the learner's node, a distributed group of its own for other nodes
-        (rendezvous at the learner's node IP; receivers join first, then the sender)."""
-        learner, policy = self.actors["learner"], self.config.policy
-        paths = choose_paths(ray.get(learner.node_id.remote()), ray.get([g.node_id.remote() for g in self.generators]),
-                             policy.device, policy.weight_transport)
-        remote = [g for g, path in zip(self.generators, paths) if path == "group"]
-        if remote:
-            host, port = ray.get(learner.weight_group_address.remote())
-            backend = "nccl" if policy.device == "cuda" else "gloo"
-            joins = [g.init_weight_group.remote(host, port, len(remote) + 1, rank, backend)
-                     for rank, g in enumerate(remote, 1)]
-            ray.get(joins + [learner.init_weight_group.remote(host, port, len(remote) + 1, 0, backend)])
-        ray.get(learner.set_weight_paths.remote(paths))
-        self.weight_paths = paths
 
     def _resume(self, resume: "ResumePoint | None") -> None:
         """The learner's weights and optimizer (on every rank); the ledger says which prompts to
@@ -217,16 +205,13 @@ class System:
             ray.get(batches.actor.put.remote([(b.batch_id, batches.codec.encode(b)) for b in resume.saved_batches]))
 
     def _loops(self, resume: "ResumePoint | None") -> None:
-        """Consumers first. A resumed run's generators get the checkpoint's weights before any
-        prompt (their loops apply a delivery between windows, so they run already)."""
+        """Consumers first; the generators hold the learner's version already (they joined)."""
         for name in ("recorder", "assembler", "value_learner"):
             if name in self.actors:
                 self.run_refs[name] = self.actors[name].run.remote()
-        for i, g in enumerate(self.generators):
-            self.run_refs[f"generator-{i}"] = g.run.remote()
+        for gid in self.generators:
+            self.pool.start(gid)
         if "learner" in self.actors:
-            if resume is not None:
-                ray.get(self.actors["learner"].publish.remote())
             self.run_refs["learner"] = self.actors["learner"].run.remote()
         self.run_refs["prompt_source"] = self.actors["prompt_source"].run.remote()
 
@@ -270,17 +255,23 @@ class System:
     def ledger(self) -> dict:
         return ray.get(self.actors["prompt_source"].ledger.remote())
 
-    def check_alive(self) -> None:
-        """Raise the error of any actor loop that ended (a crash must not look like a slow run)."""
+    def check_alive(self) -> list[str]:
+        """Raise the error of any role's loop that ended (a crash must not look like a slow run),
+        but a generator's: the generators whose loops ended are returned, for the pool to heal."""
         done, _ = ray.wait(list(self.run_refs.values()), timeout=0, num_returns=len(self.run_refs))
+        dead = []
         for ref in done:
-            ray.get(ref)  # raises the actor's exception
             name = next(k for k, v in self.run_refs.items() if v == ref)
+            if name.startswith("generator:"):
+                dead.append(name.removeprefix("generator:"))
+                continue
+            ray.get(ref)  # raises the actor's exception
             raise RuntimeError(f"actor loop {name} stopped unexpectedly")
+        return dead
 
     def status(self) -> dict:
         learner = ray.get(self.actors["learner"].stats.remote())
-        generators = ray.get([g.stats.remote() for g in self.generators])
+        generators = answered({gid: g.stats.remote() for gid, g in self.generators.items()}, timeout_s=5.0)
         assembler = ray.get(self.actors["assembler"].stats.remote())
         mailboxes = {name: sum_stats(ray.get([a.stats.remote() for a in mailbox_actors(box)]))
                      for name, box in self.mailboxes.items()}
@@ -296,6 +287,8 @@ class System:
                             "problems": status["prompt_source"].pop("ledger_problems")}
         status["resumed"] = self.resumed
         status["pre_ppo"] = self.pre_ppo
+        status["pool"] = {"target": self.pool.target, "generators": list(self.generators),
+                          "weight_paths": dict(self.weight_paths), "failed_deliveries": learner.get("failed_generators", {})}
         return status
 
     def pop_metrics(self) -> list[dict]:
@@ -315,7 +308,7 @@ class System:
     def stop(self, learner_grace_s: float = 60.0) -> None:
         """Stop every loop and kill every actor. Once this returns, no checkpoint is committed any
         more: the caller (a restart, a resume) may pick the newest one."""
-        stops = [a.stop.remote() for a in [*self.actors.values(), *self.generators] if hasattr(a, "stop")]
+        stops = [a.stop.remote() for a in [*self.actors.values(), *self.generators.values()] if hasattr(a, "stop")]
         ray.wait(stops, num_returns=len(stops), timeout=5)  # best effort: the actors are killed next
         # The learner is the one writer of checkpoints: let its loop end first, so a checkpoint it is
         # writing is committed or never started, never committed after a kill that landed late.
@@ -326,7 +319,7 @@ class System:
         if "recorder" in self.actors:
             ray.wait([self.run_refs["assembler"]], timeout=15)
             ray.wait([self.actors["recorder"].close.remote()], timeout=60)
-        for actor in [*self.actors.values(), *self.generators, *self._created,
+        for actor in [*self.actors.values(), *self.generators.values(), *self._created,
                       *(a for b in self.mailboxes.values() for a in mailbox_actors(b))]:
             ray.kill(actor)
         if self.placement_group is not None:

@@ -67,6 +67,10 @@ class RouteBody(BaseModel):
     dense_lambda_pass: float = 0.025
 
 
+class GeneratorsBody(BaseModel):
+    count: int = Field(..., ge=1, le=1024)
+
+
 class RewardRoutesBody(BaseModel):
     routes: list[RouteBody] = Field(..., min_length=1, max_length=64)
 
@@ -127,8 +131,9 @@ class TrainController:
         status = self.system.status()
         # Where each generator runs and the weights it holds (its full counters stay internal).
         status["generators"] = [{key: g.get(key) for key in ("generator_id", "node_ip", "delivered_version",
-                                                             "busy_fraction")}
+                                                             "busy_fraction", "unresponsive") if key in g}
                                 for g in status["generators"]]
+        status["pool"]["events"] = self.run.log.pool_events[-20:]
         status["run_dir"] = self.run_dir
         status["started_at"] = self.started_at
         status["reward_curve"] = [(r["step"], r[REWARD_KEY]) for r in self.history[-200:]]
@@ -151,6 +156,24 @@ class TrainController:
         except Exception as exc:  # a route the config schema rejects
             raise HTTPException(400, f"invalid reward routes: {getattr(exc, 'cause', exc)}") from None
         return {"routes": routes}
+
+    @train_api.post("/admin/generators")
+    async def set_generators(self, body: GeneratorsBody) -> dict:
+        """Grow or shrink the generator pool while training runs (the learner never stops)."""
+        return await asyncio.to_thread(self._scale, body.count, "admin route")
+
+    def _scale(self, count: int, reason: str) -> dict:
+        try:
+            events = self.run.scale(count, reason)
+        except ValueError as exc:  # out of the configured bounds
+            raise HTTPException(400, str(exc)) from None
+        return {"generators": list(self.system.generators), "events": events}
+
+    def reconfigure(self, user_config: dict) -> None:
+        """`serve deploy` with `user_config: {num_generators: N}` scales the pool in place."""
+        count = user_config.get("num_generators")
+        if count is not None and hasattr(self, "run"):
+            self._scale(int(count), "serve deploy (user_config)")
 
     @train_api.post("/admin/checkpoint")
     async def save_checkpoint(self) -> dict:
