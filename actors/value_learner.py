@@ -17,6 +17,7 @@ import asyncio
 import copy
 import os
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -27,16 +28,29 @@ from asyncrl.config import AlgorithmConfig, CriticConfig, EngineConfig, ModelCon
 from asyncrl.engines.base import SamplingParams
 from asyncrl.generation import sampling_params
 from asyncrl.learning.scoring import response_logprobs
-from asyncrl.learning.value import ValueLossSettings, predict_values, value_step
+from asyncrl.algo.warmup import warmup_finished
+from asyncrl.learning.value import ValueLossSettings, center_value_head, predict_values, value_step
 from asyncrl.mailbox import Mailbox, RecentIds
 from asyncrl.models import load_model, load_tokenizer, value_model_from_checkpoint, value_model_from_policy
 from asyncrl.schema import ScoredTrajectory
 
 
+@dataclass(frozen=True)
+class Warmup:
+    """The critic's pretraining under the frozen initial policy (`asyncrl.algo.warmup`)."""
+
+    max_steps: int = 0  # 0: no warm-up
+    min_steps: int = 0
+    patience: int = 3
+    min_gain: float = 0.01
+
+
 class ValueLearner(TrainingLoop):
     def __init__(self, value_model, trajectories: Mailbox, settings: ValueLossSettings, lr: float,
-                 weight_decay: float, batch_trajectories: int, warmup_steps: int = 0, pad_token_id: int = 0,
-                 reference=None, sampling: SamplingParams | None = None):
+                 weight_decay: float, batch_trajectories: int, warmup: Warmup = Warmup(), pad_token_id: int = 0,
+                 reference=None, sampling: SamplingParams | None = None, center_head: bool = False):
+        """`warmup`: the value pretraining (no policy row trains until it is over); `center_head`:
+        start the critic's head at the mean return of the first batch (a fresh head, not a trained one)."""
         self.model = value_model.eval()
         # The frozen initial policy and the distribution the generators sample from (KL in the reward).
         self.reference = None if reference is None else reference.eval().requires_grad_(False)
@@ -46,7 +60,10 @@ class ValueLearner(TrainingLoop):
         self.settings = settings
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
         self.batch_trajectories = batch_trajectories
-        self.warmup_steps = warmup_steps
+        self.warmup = warmup
+        self.center_head = center_head
+        self._explained: list[float] = []  # the fresh-value explained variance of each warm-up step
+        self._warmed_up = warmup.max_steps == 0
         self.pad_token_id = pad_token_id
         self.version = 0
         self._seen = RecentIds(200_000)
@@ -58,12 +75,13 @@ class ValueLearner(TrainingLoop):
         self._started = time.monotonic()
         self.timing = {"train_s": 0.0, "serve_s": 0.0}
         self.counters = {"value_steps": 0, "trajectories_trained": 0, "duplicate_trajectories": 0,
-                         "value_requests": 0, "rows_valued": 0, "rows_referenced": 0}
+                         "value_requests": 0, "rows_valued": 0, "rows_referenced": 0, "warmup_steps_taken": 0}
         self.last: dict[str, float] = {}
 
     @property
     def ready(self) -> bool:
-        return self.version >= self.warmup_steps
+        """The warm-up (value pretraining) is over: it learned what it could, or ran its longest."""
+        return self._warmed_up
 
     async def values(self, rows: list[tuple[np.ndarray, np.ndarray]]) -> tuple[list[np.ndarray], int]:
         """`V(s_t)` for the new tokens of each (context, new) row plus the state after its last
@@ -93,16 +111,26 @@ class ValueLearner(TrainingLoop):
     async def _train(self, batch: list[ScoredTrajectory]) -> dict:
         start = time.perf_counter()
         async with self._train_lock:
+            shift = None
+            if self.center_head and self.version == 0:
+                shift = await asyncio.to_thread(center_value_head, self.model, batch, self.settings.gamma,
+                                                self.pad_token_id, self.settings.micro_batch_tokens)
             metrics = await asyncio.to_thread(value_step, self.model, self.optimizer, batch, self.settings,
                                               self.pad_token_id)
             async with self._serving_lock:
                 self.serving.load_state_dict(self.model.state_dict())
                 self.version += 1
+        if not self._warmed_up:
+            self._explained.append(metrics["value_explained_variance"])
+            self.counters["warmup_steps_taken"] = len(self._explained)
+            w = self.warmup
+            self._warmed_up = warmup_finished(self._explained, w.min_steps, w.max_steps, w.patience, w.min_gain)
         elapsed = time.perf_counter() - start
         self.timing["train_s"] += elapsed
         self.counters["value_steps"] += 1
         self.counters["trajectories_trained"] += len(batch)
-        record = {"value_step": self.version, **metrics, "value_train_s": elapsed, "value_ready": self.ready}
+        record = {"value_step": self.version, **metrics, "value_train_s": elapsed, "value_ready": self.ready,
+                  **({"value_head_shift": shift} if shift is not None else {})}
         self.last = record
         self._metrics.append(record)
         return record
@@ -150,6 +178,9 @@ class ValueLearner(TrainingLoop):
         meta = checkpoint.load_json(os.path.join(part, "state.json"))
         self.version = int(meta["version"])
         self.counters.update({k: v for k, v in meta["counters"].items() if k in self.counters})
+        # A resumed critic was warmed up if it took its warm-up steps (or more) before the checkpoint.
+        self._warmed_up = self._warmed_up or self.version > self.counters["warmup_steps_taken"] or \
+            self.version >= self.warmup.max_steps
 
     def stats(self) -> dict:
         wall = max(time.monotonic() - self._started, 1e-9)
@@ -172,9 +203,10 @@ def build_value_learner(model: ModelConfig, critic: CriticConfig, algorithm: Alg
                                  clip_high=critic.clip_high, grad_clip=critic.grad_clip,
                                  micro_batch_tokens=critic.micro_batch_tokens)
     reference = load_model(model, tokenizer).to(critic.device) if algorithm.kl_in_reward else None
+    warmup = Warmup(critic.warmup_steps, critic.warmup_min_steps, critic.warmup_patience, critic.warmup_min_gain)
     return ValueLearner(value_model.to(critic.device), trajectories, settings, critic.lr, critic.weight_decay,
-                        critic.batch_trajectories, critic.warmup_steps, tokenizer.pad_token_id or 0,
-                        reference=reference, sampling=sampling_params(engine))
+                        critic.batch_trajectories, warmup, tokenizer.pad_token_id or 0, reference=reference,
+                        sampling=sampling_params(engine), center_head=critic.head_init == "mean_return" and not critic.init_path)
 
 
 class ValueLearnerActor(RoleShell):

@@ -55,7 +55,8 @@ def build_estimator(algorithm: AlgorithmConfig, engine: EngineConfig, prompts_pe
         return ValueEstimator(edges=value_edges, settings=settings, rows_per_batch=prompts_per_step * a.group_size,
                               advantage_fn=advantage.fn, whiten=a.whiten_advantages, advantage_clamp=a.advantage_clamp,
                               nll_whole_response=a.nll_coef > 0,
-                              kl=KLRewardSettings(a.kl_coef, a.kl_estimator) if a.kl_in_reward else None)
+                              kl=KLRewardSettings(a.kl_coef, a.kl_estimator) if a.kl_in_reward else None,
+                              group_filter=a.filter_metric if a.dynamic_sampling else None)
     settings = GroupSettings(dynamic_sampling=a.dynamic_sampling, filter_metric=a.filter_metric,
                              max_refill_rounds=a.max_refill_rounds)
     if kind is PairwiseEstimator:

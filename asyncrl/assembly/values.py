@@ -2,7 +2,9 @@
 learner and (E)GAE advantages. With `window_training` (T-PPO) each window is a row as soon as it
 arrives, finished or not; otherwise a row is a whole finished response. Every finished response
 also goes to the value learner as a `ScoredTrajectory`. Rows are dropped one by one (failed
-reward, value warm-up); a batch ends at its N-th finished row."""
+reward, value warm-up); a batch ends at its N-th finished row. With whole-response rows, a group
+filter (`group_filter`: DAPO's dynamic sampling) may hold each group's rows until the group is
+complete and drop it whole when its members all scored alike (the critic still learns from them)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from typing import Awaitable, Callable, ClassVar
 
 import numpy as np
 
+from asyncrl.algo.shaping import filter_metric, group_has_signal
 from asyncrl.assembly.decisions import Decision, ReadyBatch, Scored
 from asyncrl.assembly.rows import (KLRewardSettings, RunningMoments, ValueAdvantageSettings, cut_row_batch, kl_rewards,
                                    recorded_values, value_rows, whiten_rows, widen_positive_rows)
@@ -53,6 +56,7 @@ class ValueEstimator:
     advantage_clamp: float = 0.0
     nll_whole_response: bool = False  # T-PPO with positive-example NLL: last rows carry the whole response
     kl: KLRewardSettings | None = None  # KL in the reward (the PPO baseline): β and the estimator
+    group_filter: str | None = None  # dynamic sampling on whole-response rows: its metric (acc | score)
     needs_value_learner: ClassVar[bool] = True
     ready: bool = False
     _ready_rows: list[TrainSample] = field(default_factory=list)
@@ -63,6 +67,8 @@ class ValueEstimator:
     # The KL rewards of each in-flight sample's valued windows, by response offset (the critic's return).
     _recorded_kl: dict[str, dict[int, np.ndarray]] = field(default_factory=lambda: collections.defaultdict(dict))
     _kl_since_batch: list[float] = field(default_factory=lambda: [0.0, 0])  # KL reward sum, tokens
+    _groups: dict[str, dict[int, tuple[Segment, Scored]]] = field(
+        default_factory=lambda: collections.defaultdict(dict))  # group filter: rows waiting for their group
 
     @property
     def row_kind(self) -> str:
@@ -74,6 +80,8 @@ class ValueEstimator:
         outcomes = {s.sample.sample_id: s for s in scored}
         if not self.ready:
             self.ready = await self.edges.ready()
+        if self.group_filter is not None:
+            rows = self._filter_groups(rows, outcomes, decision)
         keep = []
         for row in rows:
             done = outcomes.get(row.sample_id) if row.finished else None
@@ -93,6 +101,32 @@ class ValueEstimator:
             self._recorded_kl.pop(s.sample.sample_id, None)
             self._finished.add(s.sample.sample_id)
         return decision
+
+    def _filter_groups(self, rows: list[Segment], outcomes: dict[str, Scored], decision: Decision) -> list[Segment]:
+        """Whole-response rows held until their group is complete; a group whose members all scored
+        alike (no signal under group-relative comparison) or with a failed reward leaves whole."""
+        ready = []
+        for row in rows:
+            group = self._groups[row.group_id]
+            group[row.sample_idx] = (row, outcomes[row.sample_id])
+            if len(group) < row.group_size:
+                continue
+            members = [group[i] for i in sorted(group)]
+            del self._groups[row.group_id]
+            decision.counters["groups_closed"] += 1
+            rewards = [done.reward for _, done in members]
+            if any(r.failed for r in rewards):
+                reason = DropReason.REWARD_FAILED
+            elif not group_has_signal(filter_metric([r.correct for r in rewards], [r.score for r in rewards],
+                                                    self.group_filter)):
+                reason = DropReason.NO_SIGNAL
+            else:
+                ready += [member for member, _ in members]
+                continue
+            decision.counters[f"dropped_{reason.value}_groups"] += 1
+            for member, _ in members:
+                decision.drop_row(member, reason)
+        return ready
 
     async def _value(self, keep: list[Segment], outcomes: dict[str, Scored], decision: Decision) -> None:
         (values, value_version), kl = await asyncio.gather(self.edges.values([segment_row(r) for r in keep]),
@@ -178,4 +212,5 @@ class ValueEstimator:
         return {"kl_reward_token_mean": total / tokens if tokens else 0.0}
 
     def stats(self) -> dict:
-        return {"open_groups": 0, "ready_groups": 0, "ready_rows": len(self._ready_rows), "value_ready": self.ready}
+        return {"open_groups": len(self._groups), "ready_groups": 0, "ready_rows": len(self._ready_rows),
+                "value_ready": self.ready}

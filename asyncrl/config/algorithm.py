@@ -165,13 +165,24 @@ class CriticConfig:
     lam: float = 1.0
     """Critic GAE λ (VC-PPO decoupled GAE: 1.0 = Monte-Carlo targets)."""
     clip_low: float | None = 0.5
-    """Clipped value loss range below the pre-step values (T-PPO: 0.5 / 0.6); null = plain MSE."""
+    """Clipped value loss range below the values the rows were valued with (T-PPO: 0.5 / 0.6); null = plain MSE."""
     clip_high: float | None = 0.6
-    """Clipped value loss range above the pre-step values."""
+    """Clipped value loss range above those values."""
     batch_trajectories: int = 16
     """Finished trajectories per value step."""
     warmup_steps: int = 0
-    """Value-only steps under the frozen initial policy before the first policy step (VC-PPO pretraining)."""
+    """The most value-only steps under the frozen initial policy before the first policy step (VC-PPO
+    pretraining; 0 = none); the warm-up ends earlier once it stops learning (`warmup_patience`)."""
+    warmup_min_steps: int = 0
+    """The fewest warm-up steps."""
+    warmup_patience: int = 3
+    """The warm-up ends when the critic's explained variance (fresh values) has not improved by
+    `warmup_min_gain` in this many steps (`asyncrl.algo.warmup`)."""
+    warmup_min_gain: float = 0.01
+    """The improvement of explained variance that counts as still learning."""
+    head_init: str = "mean_return"
+    """mean_return: a fresh critic's head starts at the mean return of its first batch (the initial
+    policy's responses) | zero: at 0. A critic from `init_path` keeps its head."""
     init_path: str = ""
     """Initialise from a reward / process-reward model directory (sequence or token classification
     with one label); empty = from the policy, with a zero scalar head."""

@@ -33,7 +33,8 @@ RANGES = {
     "policy.logits_chunk_tokens": ">= 0", "policy.broadcast_bucket_mb": ">= 1",
     "critic.lr": "> 0", "critic.weight_decay": ">= 0", "critic.grad_clip": "> 0", "critic.lam": "[0, 1]",
     "critic.clip_low": ">= 0", "critic.clip_high": ">= 0", "critic.batch_trajectories": ">= 1",
-    "critic.warmup_steps": ">= 0", "critic.micro_batch_tokens": ">= 1", "critic.threads": ">= 1", "critic.gpus": ">= 0",
+    "critic.warmup_steps": ">= 0", "critic.warmup_min_steps": ">= 0", "critic.warmup_patience": ">= 1",
+    "critic.warmup_min_gain": ">= 0", "critic.micro_batch_tokens": ">= 1", "critic.threads": ">= 1", "critic.gpus": ">= 0",
     "reward.timeout_s": "> 0", "reward.retries": ">= 0", "reward.endpoints.*.code_wall_s": "> 0",
     "reward.endpoints.*.code_memory_mb": ">= 16", "reward.endpoints.*.math_timeout_s": "> 0",
     "reward.endpoints.*.fault_delay_s": ">= 0", "reward.routes.*.dense_lambda_fail": ">= 0",
@@ -135,12 +136,44 @@ def _algorithm_checks(config) -> list[tuple[bool, str]]:
          "process rewards (reward.routes[*].dense) cannot train T-PPO's windows: a process reward model "
          "scores a finished response, after its earlier windows were trained; use algorithm=vapo or ppo "
          "(whole responses), or drop the dense endpoints"),
+        *_unhonoured(config, kind),
+        (config.critic.head_init in ("mean_return", "zero"), "critic.head_init must be mean_return or zero"),
+        (config.critic.warmup_min_steps <= max(config.critic.warmup_steps, config.critic.warmup_min_steps)
+         and (config.critic.warmup_steps == 0 or config.critic.warmup_min_steps <= config.critic.warmup_steps),
+         "critic.warmup_min_steps must be <= critic.warmup_steps"),
         (not config.trainer.synchronous or a.max_staleness_versions == 0,
          "trainer.synchronous needs algorithm.max_staleness_versions=0"),
         (config.model.source in ("tiny", "gguf", "hf"), "model.source must be tiny, gguf or hf"),
         (config.task.reward in ("zero_one", "plus_minus"), "task.reward must be zero_one or plus_minus"),
         (config.task.pre_ppo_fraction == 0 or config.task.pre_ppo_endpoint in config.reward.endpoints,
          "task.pre_ppo_endpoint must name an entry of reward.endpoints"),
+    ]
+
+
+def _unhonoured(config, kind: str | None) -> list[tuple[bool, str]]:
+    """A setting the chosen estimator would not use is refused, saying why (never a silent no-op)."""
+    a, c = config.algorithm, config.critic
+    if kind == "value":
+        return [
+            (not (a.window_training and a.dynamic_sampling),
+             "algorithm.dynamic_sampling cannot filter T-PPO's windows: they train as they stream, before "
+             "their group is complete; set algorithm.dynamic_sampling=false, or algorithm.window_training=false "
+             "to train whole responses (then groups are filtered)"),
+            (a.max_refill_rounds == 0,
+             "algorithm.max_refill_rounds bounds how long a group estimator's batch waits for groups with a "
+             "signal; the value-based estimator cuts batches by finished samples: set it to 0"),
+        ]
+    gae_only = [name for name, used in (("length_adaptive_alpha", a.length_adaptive_alpha > 0),
+                                        ("edge_mask_tokens", a.edge_mask_tokens > 0),
+                                        ("whiten_advantages", a.whiten_advantages),
+                                        ("advantage_clamp", a.advantage_clamp > 0),
+                                        ("egae_bootstrap", a.egae_bootstrap != "previous")) if used]
+    return [
+        (not gae_only, f"algorithm.{', algorithm.'.join(gae_only)} shape (E)GAE advantages, which "
+                       f"algorithm.estimator={a.estimator} does not compute: use a value-based algorithm "
+                       f"(estimator gae) or leave them at their defaults"),
+        (not c.init_path, "critic.init_path initialises the value learner, which only a value-based algorithm "
+                          "(estimator gae) has"),
     ]
 
 

@@ -57,7 +57,12 @@ def value_step(value_model, optimizer, trajectories: list[ScoredTrajectory], set
     values recorded when each trajectory was valued for its advantages (the PPO recipe: the clip
     bounds how far the critic moves from the values the policy was trained with). A trajectory
     without recorded values (valued never: warm-up) is anchored at the pre-step values, where the
-    clip cannot act. Token-mean over the batch."""
+    clip cannot act. Token-mean over the batch.
+
+    One forward per micro-batch: the pre-step values are that forward's own output (the weights
+    change only after every micro-batch), and GAE runs row by row, so a micro-batch's returns need
+    only its own rows. The explained variance is measured on those fresh values (the critic as it is
+    now); `value_explained_variance_recorded` on the recorded anchors (what the rows were valued with)."""
     from asyncrl.algo.advantages import critic_returns
     from asyncrl.algo.losses import value_loss
 
@@ -69,37 +74,61 @@ def value_step(value_model, optimizer, trajectories: list[ScoredTrajectory], set
               for rows in micro_batches_of(layout, settings.micro_batch_tokens)]
     mask = layout.place([np.ones(len(t.segment.new_token_ids), dtype=np.float32) for t in trajectories])
     rewards = layout.place([trajectory_rewards(t) for t in trajectories])
-    value_model.eval()
-    old_values = torch.zeros(mask.shape, device=mask.device)
-    with torch.no_grad():
-        for sl in chunks:
-            old_values[sl] = value_model(layout.input_ids[sl], layout.attention_mask[sl]).float()
     recorded = torch.tensor([t.values is not None for t in trajectories], device=mask.device)
-    if bool(recorded.any()):
-        placed = layout.place([t.values if t.values is not None else np.zeros(len(t.segment.new_token_ids))
-                               for t in trajectories])
-        old_values = torch.where(recorded[:, None], placed, old_values)
-    old_values = old_values * mask
-    # Positions run left to right through context then response; GAE walks only the masked ones.
-    returns = critic_returns(rewards, old_values, mask, settings.gamma, settings.lam)
+    placed = layout.place([t.values if t.values is not None else np.zeros(len(t.segment.new_token_ids))
+                           for t in trajectories])
+    fresh, anchors, returns = (torch.zeros(mask.shape, device=mask.device) for _ in range(3))
     total_tokens = max(float(mask.sum()), 1.0)
     value_model.train()
     optimizer.zero_grad(set_to_none=True)
     sums = {"value_loss": 0.0, "value_clip_fraction": 0.0}
     for sl in chunks:
         values = value_model(layout.input_ids[sl], layout.attention_mask[sl])
-        loss, metrics = value_loss(values, old_values[sl], returns[sl], mask[sl], settings.clip_low, settings.clip_high)
+        fresh[sl] = values.detach().float() * mask[sl]
+        anchors[sl] = torch.where(recorded[sl[0], None], placed[sl], fresh[sl]) * mask[sl]
+        # Positions run left to right through context then response; GAE walks only the masked ones.
+        returns[sl] = critic_returns(rewards[sl], anchors[sl], mask[sl], settings.gamma, settings.lam)
+        loss, metrics = value_loss(values, anchors[sl], returns[sl], mask[sl], settings.clip_low, settings.clip_high)
         share = float(mask[sl].sum()) / total_tokens
         (loss * share).backward()
         sums["value_loss"] += loss.item() * share
         sums["value_clip_fraction"] += metrics["value_clip_fraction"] * share
     grad_norm = clip_and_step(value_model, optimizer, settings.grad_clip)
     m = mask.bool()
-    residual = (returns - old_values)[m]
-    target_var = returns[m].var(unbiased=False)
-    explained = 1.0 - float(residual.var(unbiased=False) / target_var) if float(target_var) > 1e-12 else 0.0
-    return {**sums, "value_grad_norm": float(grad_norm), "value_explained_variance": explained,
-            "value_mean": float(old_values[m].mean()), "return_mean": float(returns[m].mean()),
+    return {**sums, "value_grad_norm": float(grad_norm),
+            "value_explained_variance": explained_variance(returns[m], fresh[m]),
+            "value_explained_variance_recorded": explained_variance(returns[m], anchors[m]),
+            "value_mean": float(fresh[m].mean()), "return_mean": float(returns[m].mean()),
             "value_tokens": total_tokens, "value_trajectories": len(trajectories),
             "value_anchor_recorded_fraction": float(recorded.float().mean())}
 
+
+def explained_variance(targets: torch.Tensor, predictions: torch.Tensor) -> float:
+    """1 − Var(targets − predictions) / Var(targets) (0 when the targets do not vary)."""
+    target_var = targets.var(unbiased=False)
+    if float(target_var) <= 1e-12:
+        return 0.0
+    return 1.0 - float((targets - predictions).var(unbiased=False) / target_var)
+
+
+def center_value_head(value_model, trajectories: list[ScoredTrajectory], gamma: float, pad_token_id: int = 0,
+                      max_tokens: int = 4096) -> float:
+    """Start a fresh critic at the mean Monte-Carlo return of `trajectories` (the initial policy's
+    first ones): its head's bias moves so that the mean value over their response tokens equals
+    their mean return. Returns the shift."""
+    from asyncrl.algo.advantages import critic_returns
+    from asyncrl.algo.warmup import mean_return_bias
+
+    rows = [segment_row(t.segment) for t in trajectories]
+    values = predict_values(value_model, rows, pad_token_id, max_tokens)
+    returns_sum, values_sum, tokens = 0.0, 0.0, 0
+    for t, v in zip(trajectories, values):
+        rewards = torch.from_numpy(trajectory_rewards(t)).double()[None]
+        mask = torch.ones_like(rewards)
+        returns_sum += float(critic_returns(rewards, torch.zeros_like(rewards), mask, gamma, 1.0).sum())
+        values_sum += float(np.sum(v))
+        tokens += len(v)
+    shift = mean_return_bias(returns_sum, values_sum, tokens)
+    with torch.no_grad():
+        value_model.head.bias.add_(shift)
+    return shift
