@@ -49,6 +49,17 @@ def tiny_seq_examples(split: str) -> list[Example]:
     ]
 
 
+# --- tiny_tool: an answer only a tool knows ------------------------------------------------------
+
+
+def tiny_tool_examples(split: str) -> list[Example]:
+    """"d:" -> a digit drawn per episode that nothing in the prompt reveals (the `lookup` tool's
+    answer, `asyncrl.environments.tools.episode_secret`): right only by calling the tool (`?`) and
+    copying what it returns. Guessing is right one time in ten."""
+    return [Example(f"tiny_tool-{split}-{d}", [{"role": "user", "content": f"{d}:"}], "episode", "tiny_tool")
+            for d in range(10)]
+
+
 # --- arithmetic word problems -------------------------------------------------------------------
 
 _NAMES = ["Sam", "Ana", "Li", "Omar", "Mia", "Ravi", "Zoe", "Ben", "Kai", "Eva"]
@@ -68,6 +79,10 @@ def _word_problem(rng: random.Random) -> tuple[str, int]:
         return f"{name} has {a} {item} and gives away {b}. How many {item} are left?", a - b
     a, b = rng.randint(2, 9), rng.randint(2, 9)
     return f"{name} has {a} bags with {b} {item} in each bag. How many {item} are there in total?", a * b
+
+
+TOOL_INSTRUCTION = ("You can run Python: write <tool_call>{\"name\": \"python\", \"arguments\": "
+                    "{\"code\": \"print(12 * 7)\"}}</tool_call> and its output comes back. ")
 
 
 def arithmetic_examples(split: str, n: int, seed: int = 0) -> list[Example]:
@@ -140,11 +155,18 @@ def load_examples(task_name: str, split: str, n: int, seed: int, path: str = "")
         return tiny_seq_examples(split)
     if task_name == "arithmetic":
         return arithmetic_examples(split, n, seed)
+    if task_name == "arithmetic_tool":  # the same problems, told that a Python tool is there
+        return [Example(e.prompt_id.replace("arithmetic", "arithmetic_tool", 1),
+                        [{"role": "user", "content": TOOL_INSTRUCTION + e.messages[-1]["content"]}], e.ground_truth,
+                        "arithmetic_tool") for e in arithmetic_examples(split, n, seed)]
+    if task_name == "tiny_tool":
+        return tiny_tool_examples(split)
     if task_name == "file":
         if not path:
             raise ValueError(f"task=file needs task.{'path' if split == 'train' else 'eval_path'}")
         return file_examples(path)
-    raise ValueError(f"unknown task {task_name!r}: expected tiny, tiny_seq, arithmetic or file")
+    raise ValueError(f"unknown task {task_name!r}: expected tiny, tiny_seq, tiny_tool, arithmetic, arithmetic_tool "
+                     f"or file")
 
 
 def score_response(data_source: str, response: str, ground_truth: str, style: str) -> tuple[float, bool, str]:

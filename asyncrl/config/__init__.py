@@ -15,11 +15,11 @@ from asyncrl.config.files import config_dir, config_groups
 from asyncrl.config.model import EngineConfig, ModelConfig
 from asyncrl.config.reward import EndpointConfig, RewardConfig, RouteConfig
 from asyncrl.config.run import ClusterConfig, Config, OfflineConfig, ServeConfig, TrainerConfig
-from asyncrl.config.task import CurriculumStage, TaskConfig
+from asyncrl.config.task import CurriculumStage, EnvironmentConfig, TaskConfig
 
 __all__ = [
     "AlgorithmConfig", "BEHAVIOUR_CORRECTIONS", "ClusterConfig", "Config", "ConfigError", "CriticConfig",
-    "CurriculumStage", "ENDPOINT_KINDS", "EndpointConfig", "EngineConfig", "FILTER_METRICS", "KL_ESTIMATORS",
+    "CurriculumStage", "ENDPOINT_KINDS", "EndpointConfig", "EngineConfig", "EnvironmentConfig", "FILTER_METRICS", "KL_ESTIMATORS",
     "LOSS_AGG_MODES", "MODES", "ModelConfig", "OfflineConfig", "PolicyConfig", "RENAMED", "RewardConfig",
     "RouteConfig", "ServeConfig", "TaskConfig", "TrainerConfig", "compose", "config_dir", "config_from_dict",
     "config_groups", "route_checks", "to_dict", "validate",

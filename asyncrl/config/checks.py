@@ -41,7 +41,9 @@ RANGES = {
     "reward.routes.*.dense_lambda_pass": ">= 0",
     "task.num_train_prompts": ">= 1", "task.num_eval_prompts": ">= 1", "task.pre_ppo_fraction": "[0, 1]",
     "task.pre_ppo_samples": ">= 1", "task.retire_after_groups": ">= 0", "task.retire_epochs": ">= 1",
-    "task.retest_every_s": "> 0",
+    "task.retest_every_s": "> 0", "environment.max_turns": ">= 1", "environment.timeout_s": "> 0",
+    "environment.retries": ">= 0", "environment.python_wall_s": "> 0", "environment.python_memory_mb": ">= 16",
+    "environment.max_observation_chars": ">= 1",
     "trainer.total_steps": ">= 1", "trainer.prompts_per_step": ">= 1", "trainer.eval_every": ">= 0",
     "trainer.checkpoint_every": ">= 0", "trainer.checkpoint_every_s": ">= 0", "trainer.checkpoint_keep": ">= 1", "trainer.max_restarts": ">= 0",
     "trainer.eval_samples": ">= 1", "trainer.target_window": ">= 1", "trainer.stall_timeout_s": "> 0",
@@ -178,8 +180,13 @@ def _unhonoured(config, kind: str | None) -> list[tuple[bool, str]]:
 
 
 def _placement_checks(config) -> list[tuple[bool, str]]:
-    e, p, c = config.engine, config.policy, config.critic
+    from asyncrl.environments.formats import FORMATS
+    from asyncrl.environments.tools import ENVIRONMENTS
+
+    e, p, c, env = config.engine, config.policy, config.critic, config.environment
     return [
+        (env.name in ("", *ENVIRONMENTS), f"environment.name must be empty (one turn) or one of {sorted(ENVIRONMENTS)}"),
+        (env.tool_format in FORMATS, f"environment.tool_format must be one of {sorted(FORMATS)}"),
         (e.name in ("torch", "sglang"), "engine.name must be torch or sglang"),
         (e.device in ("cpu", "cuda"), "engine.device must be cpu or cuda"),
         (p.device in ("cpu", "cuda"), "policy.device must be cpu or cuda"),

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from asyncrl.config.algorithm import AlgorithmConfig, CriticConfig, PolicyConfig
 from asyncrl.config.model import EngineConfig, ModelConfig
 from asyncrl.config.reward import RewardConfig
-from asyncrl.config.task import TaskConfig
+from asyncrl.config.task import EnvironmentConfig, TaskConfig
 
 
 @dataclass
@@ -156,6 +156,8 @@ class Config:
     """Reward endpoints and routes (the assembler's reward router)."""
     task: TaskConfig = field(default_factory=TaskConfig)
     """The prompts (the prompt source, evaluation)."""
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
+    """The environment episodes act in (multi-turn tool use; the generators and the environment endpoint)."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """The run: steps, batches, checkpoints, evaluation, records."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)

@@ -62,3 +62,30 @@ class TaskConfig:
     retest_every_s: float = 30.0
     """When every prompt is retired (a service that keeps running), the prompt retired longest is
     tried again this often: a swapped reward or a changed policy can bring prompts back."""
+
+
+@dataclass
+class EnvironmentConfig:
+    """The environment a task's episodes act in (multi-turn tool use): the generators run each sample
+    as an episode, and the environment endpoint answers its tool calls. Empty `name`: single-turn."""
+
+    name: str = ""
+    """"" (no environment: one turn) | python (runs the model's code in the sandbox) | lookup (the
+    tiny tool task's tool)."""
+    tool_format: str = "chatml"
+    """How the model writes a call and reads the answer: chatml (`<tool_call>{json}</tool_call>`,
+    Hermes/Qwen2.5 style, for ChatML models such as SmolLM2) | tiny (the tiny model's `?`)."""
+    max_turns: int = 4
+    """Tool calls per episode at most: the turn after the last one ends the episode."""
+    timeout_s: float = 30.0
+    """A tool call slower than this is retried, then answered with an error observation (never a hang)."""
+    retries: int = 2
+    """Retries of a failed or timed-out tool call."""
+    python_wall_s: float = 5.0
+    """python: the wall-clock limit of one run."""
+    python_memory_mb: int = 256
+    """python: the sandbox's memory."""
+    max_observation_chars: int = 512
+    """An observation is cut to this many characters (a program that prints megabytes fills no context)."""
+    allow_unisolated: bool = False
+    """python: where no namespace can be made, run code with rlimits alone instead of refusing."""

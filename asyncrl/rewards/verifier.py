@@ -70,8 +70,13 @@ class Verifier:
             if not req.ground_truth and kind != "format":
                 rewards.append(not_applicable(req, self.name, self.version, "no ground truth to verify against"))
                 continue
+            truth = req.ground_truth
+            if kind == "tiny_tool":  # the answer is the episode's own, drawn from its identity
+                from asyncrl.environments.tools import episode_secret
+
+                truth = episode_secret(req.prompt_id, req.sample_idx)
             try:
-                verdict = verify(kind, req.response_text, req.ground_truth, self.settings.style, limits,
+                verdict = verify(kind, req.response_text, truth, self.settings.style, limits,
                                  self.settings.math_timeout_s)
                 rewards.append(Reward(prompt_id=req.prompt_id, sample_idx=req.sample_idx, score=verdict.score,
                                       correct=verdict.correct, source=self.name, source_version=self.version,

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from asyncrl.rewards.math import MATH_TIMEOUT_S, checked_math_correct, score_from_correct
 
-VERIFIER_KINDS = ("math", "code", "format", "tiny", "tiny_seq")
+VERIFIER_KINDS = ("math", "code", "format", "tiny", "tiny_seq", "tiny_tool")
 MAX_RESPONSE_CHARS = 256 << 10  # longer responses are judged on their tail / rejected for code
 
 
@@ -26,7 +26,7 @@ class Verdict:
 def kind_for(data_source: str) -> str:
     """Default verifier for a dataset name (verl's `data_source`)."""
     name = data_source.lower()
-    if name in ("tiny", "tiny_seq"):
+    if name in ("tiny", "tiny_seq", "tiny_tool"):
         return name
     if any(key in name for key in ("code", "apps", "mbpp", "humaneval", "livecodebench", "taco", "primeintellect")):
         return "code"
@@ -55,6 +55,11 @@ def verify(kind: str, response: str, ground_truth: str, style: str = "zero_one",
     scores all-pass and reports the per-test pass fraction."""
     if kind == "tiny":
         pred = response[:1]
+        return Verdict(score_from_correct(pred == ground_truth, style), pred == ground_truth, {"pred": pred})
+    if kind == "tiny_tool":  # the first character of the final turn (after the last observation)
+        from asyncrl.environments.formats import TinyTools, final_answer
+
+        pred = final_answer(response, TinyTools())[:1]
         return Verdict(score_from_correct(pred == ground_truth, style), pred == ground_truth, {"pred": pred})
     if kind == "tiny_seq":
         pred = response[: len(ground_truth)]

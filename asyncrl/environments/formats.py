@@ -1,0 +1,91 @@
+"""Tool-call formats: where a policy's turn ends (the stop string), how its call is read, and how
+the environment's answer is written back into the context (pure functions).
+
+The observation's tokens are appended to the episode exactly as the tokenizer encodes the rendered
+text, once; the policy's own tokens are never decoded and encoded again: the tokens trained are
+the tokens sampled.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Malformed:
+    """A turn that ended like a tool call but cannot be read as one: what is wrong (the policy
+    reads it as its observation)."""
+
+    reason: str
+
+
+class ToolFormat(Protocol):
+    stop: str  # a turn that ends with this is a tool call
+
+    def parse(self, turn_text: str) -> ToolCall | Malformed: ...
+
+    def observation(self, text: str) -> str:
+        """The rendered observation: what follows the call in the context, up to the next turn."""
+
+
+class ChatMLTools:
+    """The Hermes / Qwen2.5 tool format for ChatML models (SmolLM2, Qwen2): a call is
+    `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; its result comes back as a
+    `<tool_response>` in a user turn, and the assistant's turn starts again."""
+
+    stop = "</tool_call>"
+    opening = "<tool_call>"
+
+    def parse(self, turn_text: str) -> ToolCall | Malformed:
+        start = turn_text.rfind(self.opening)
+        if start < 0:
+            return Malformed(f"the call must begin with {self.opening}")
+        body = turn_text[start + len(self.opening): len(turn_text) - len(self.stop)].strip()
+        try:
+            call = json.loads(body)
+        except json.JSONDecodeError as exc:
+            return Malformed(f"the call is not JSON ({exc.msg} at character {exc.pos})")
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return Malformed('the call must be a JSON object with a "name"')
+        arguments = call.get("arguments", {})
+        if isinstance(arguments, str):  # some models write the arguments as a JSON string
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                return Malformed('"arguments" must be a JSON object')
+        if not isinstance(arguments, dict):
+            return Malformed('"arguments" must be a JSON object')
+        return ToolCall(call["name"], arguments)
+
+    def observation(self, text: str) -> str:
+        return f"<|im_end|>\n<|im_start|>user\n<tool_response>\n{text}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+
+
+class TinyTools:
+    """The tiny model's format (its character vocabulary): `?` calls the lookup tool; the answer
+    comes back as `=<value> `."""
+
+    stop = "?"
+
+    def parse(self, turn_text: str) -> ToolCall | Malformed:
+        return ToolCall("lookup")
+
+    def observation(self, text: str) -> str:
+        return f"={text} "
+
+
+FORMATS: dict[str, type] = {"chatml": ChatMLTools, "tiny": TinyTools}
+
+
+def final_answer(transcript: str, tool_format: ToolFormat) -> str:
+    """The text after the last observation: the policy's final turn (what a verifier reads)."""
+    marker = tool_format.observation("\0").split("\0")[-1]
+    return transcript.rsplit(marker, 1)[-1] if marker and marker in transcript else transcript
