@@ -6,7 +6,6 @@ import asyncio
 
 import numpy as np
 import pytest
-import torch
 
 from actors.assembler import Assembler, Shaping
 from asyncrl.algo.warmup import mean_return_bias, warmup_finished
