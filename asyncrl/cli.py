@@ -69,7 +69,9 @@ def _eval(args: argparse.Namespace) -> int:
         label = args.checkpoint or config.model.name
     result = {"model": label, "task": config.task.name, "temperature": args.temperature,
               **evaluation.summarize(evaluation.score(examples, texts), ks)}
-    print(evaluation.write_table(result, args.out))
+    table, paths = evaluation.write_table(result, args.out)
+    print(table)
+    print(f"wrote {' and '.join(paths)}")
     return 0
 
 
@@ -107,7 +109,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ev.add_argument("--k", default="1,4", help="comma-separated k values")
     ev.add_argument("--temperature", type=float, default=0.7)
     ev.add_argument("--prompts", type=int, default=None, help="at most this many held-out prompts")
-    ev.add_argument("--out", default="outputs/eval")
+    ev.add_argument("--out", default="outputs/eval", help="directory for eval.json and eval.md (default: %(default)s)")
     ev.add_argument("overrides", nargs="*")
     ev.set_defaults(func=_eval)
 

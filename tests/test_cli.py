@@ -55,6 +55,8 @@ def test_eval_command_on_the_tiny_model(tmp_path, capsys):
     assert result["prompts"] == 10 and result["samples_per_prompt"] == 4
     assert 0.0 <= result["pass@1"] <= result["pass@4"] <= 1.0
     assert "| pass@1 | pass@4 |" in (tmp_path / "eval.md").read_text()
+    # It says where the files went (by default outputs/eval/ under the working directory).
+    assert f"wrote {tmp_path / 'eval.json'} and {tmp_path / 'eval.md'}" in capsys.readouterr().out
 
 
 def test_throughput_rates_between_polls():
