@@ -88,6 +88,23 @@ def _bench(args: argparse.Namespace) -> int:
     return run_benchmark(args.name, quick=args.quick, run_dir=args.run_dir, overrides=args.overrides)
 
 
+class _TrainHelp(argparse.Action):
+    """`asyncrl train --help`: the usage, then the config groups and every field with its docstring,
+    read from the schema at the moment of asking (composing the defaults takes a second, so only then)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from asyncrl.config import compose
+        from asyncrl.config_help import config_help
+
+        parser.print_help()
+        print()
+        print(config_help(compose([])))
+        parser.exit()
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line as `main` reads it (the README check parses every command with it)."""
     parser = argparse.ArgumentParser(prog="asyncrl", description=__doc__)
@@ -98,8 +115,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     gen.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=tiny")
     gen.set_defaults(func=_generate)
 
-    train = sub.add_parser("train", help="train for trainer.total_steps and exit")
-    train.add_argument("overrides", nargs="*")
+    train = sub.add_parser("train", help="train for trainer.total_steps and exit", add_help=False,
+                           formatter_class=argparse.RawDescriptionHelpFormatter,
+                           description="Train for trainer.total_steps and exit (Ctrl-C stops cleanly, checkpointed).")
+    train.add_argument("-h", "--help", action=_TrainHelp, help="show this help, every config group and field, and exit")
+    train.add_argument("overrides", nargs="*", help="Hydra overrides: group=option, section.field=value (listed below)")
     train.set_defaults(func=lambda a: __import__("asyncrl.driver", fromlist=["x"]).train_cli(a.overrides))
 
     ev = sub.add_parser("eval", help="pass@1 and pass@k on held-out prompts (a checkpoint, the model, or a live endpoint)")

@@ -121,3 +121,36 @@ def test_train_ctrl_c_resume_export_eval_as_a_user_runs_them(tmp_path):
     result = json.loads((tmp_path / "eval" / "eval.json").read_text())
     assert result["prompts"] == 10 and result["task"] == "tiny"
     assert "eval: " in out.stderr and "sample/s" in out.stderr  # the progress bar
+
+
+def test_train_help_lists_every_config_group_and_field_with_its_docstring(tmp_path):
+    import dataclasses
+    import typing
+
+    from asyncrl.config import Config, config_groups
+
+    out = asyncrl("train", "--help", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = out.stdout
+    assert not (tmp_path / "outputs").exists()  # help, not a run
+    for group, options in config_groups().items():
+        assert f"  {group}  " in text or f"  {group} " in text, group
+        assert all(option in text for option in options), (group, options)
+
+    def leaves(cls, prefix=""):  # every field of the schema, sections opened
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(hints[f.name]):
+                yield from leaves(hints[f.name], prefix + f.name + ".")
+            else:
+                yield prefix + f.name
+
+    missing = [path for path in leaves(Config) if f"  {path}: " not in text]
+    assert not missing, missing
+    # Types, the default config's values (the composed YAML, not the dataclass default) and docstrings.
+    assert "  algorithm.clip_high: float = 0.28\n" in text
+    assert "  engine.temperature: float = 0.7\n" in text  # configs/config.yaml's, the dataclass says 1.0
+    assert "      Learner steps before `asyncrl train` exits (serve runs until stopped).\n" in text
+    assert "      Bounded refill (verl's max_num_gen_batches): after this many generation rounds …\n" in text
+    assert "  reward.endpoints.<name>.kind: str\n" in text and "  reward.routes[i].combine: str\n" in text
+    assert "docs/" in text

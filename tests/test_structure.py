@@ -13,7 +13,7 @@ PACKAGE = ROOT / "asyncrl"
 
 # Layer of each module (prefix match, longest first). A module may import its own layer or lower.
 LAYERS = {
-    0: ["asyncrl.config", "asyncrl.schema", "asyncrl.algo", "asyncrl.staleness"],
+    0: ["asyncrl.config", "asyncrl.config_help", "asyncrl.schema", "asyncrl.algo", "asyncrl.staleness"],
     1: ["asyncrl.mailbox", "asyncrl.engines", "asyncrl.models", "asyncrl.ledger", "asyncrl.weight_sync",
         "asyncrl.checkpoint", "asyncrl.tasks", "asyncrl.rewards", "asyncrl.assembly", "asyncrl.learning",
         "asyncrl.generation", "asyncrl.metrics", "asyncrl.plots", "asyncrl.openai_api", "asyncrl.store",
