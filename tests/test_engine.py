@@ -291,3 +291,13 @@ def test_top_logprobs_are_the_most_likely_tokens_of_the_distribution_sampled_fro
         tops = [top for r, *_, top in items if r == row]
         assert [ids for ids, _ in tops] == out.top_ids.tolist()
         np.testing.assert_allclose([lps for _, lps in tops], out.top_logprobs, atol=1e-6)
+
+
+def test_choice_seeds_are_a_hash_of_seed_and_index():
+    from asyncrl.algo.sampling import choice_seed
+
+    seeds = {s: [choice_seed(s, k) for k in range(16)] for s in range(200)}
+    flat = [x for row in seeds.values() for x in row]
+    assert len(set(flat)) == len(flat)  # no two (seed, index) pairs share a sampling seed
+    assert all(0 <= x < 1 << 63 for x in flat)  # an int64 for the sampler
+    assert seeds[42] == [choice_seed(42, k) for k in range(16)]  # the same request, the same choices
