@@ -1,4 +1,4 @@
-"""`asyncrl` command line: generate, train, eval, export, bench. Trailing arguments are Hydra overrides."""
+"""`asyncrl` command line: generate, train, eval, data, export, bench. Trailing arguments are Hydra overrides."""
 
 from __future__ import annotations
 
@@ -75,6 +75,28 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _data_example(args: argparse.Namespace) -> int:
+    """Write the built-in arithmetic task's prompts as `train` and `test` files in verl's layout:
+    the same prompts as `task=arithmetic` with the same settings, for `task=file` to train on."""
+    import os
+
+    from asyncrl.config import compose
+    from asyncrl.tasks import arithmetic_examples, write_examples
+
+    task = compose(["task=arithmetic", *args.overrides]).task
+    splits = {"train": arithmetic_examples("train", task.num_train_prompts, task.seed),
+              "test": arithmetic_examples("eval", task.num_eval_prompts, task.seed)}
+    paths = {split: os.path.join(args.out, f"{split}.{args.format}") for split in splits}
+    os.makedirs(args.out, exist_ok=True)
+    for split, examples in splits.items():
+        if write_examples(examples, paths[split], split, overwrite=args.force):
+            print(f"wrote {paths[split]}: {len(examples)} arithmetic word problems (verl's layout)")
+        else:
+            print(f"{paths[split]} already holds these {len(examples)} prompts: left as it is")
+    print(f"train on them: asyncrl train task=file task.path={paths['train']} task.eval_path={paths['test']}")
+    return 0
+
+
 def _export(args: argparse.Namespace) -> int:
     from asyncrl.checkpoint import export_hf
 
@@ -133,6 +155,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ev.add_argument("overrides", nargs="*")
     ev.set_defaults(func=_eval)
 
+    data = sub.add_parser("data", help="prompt files in verl's layout for task=file")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    example = data_sub.add_parser("example", help="write the built-in arithmetic task as train/test files")
+    example.add_argument("--out", default="data", help="directory for train.<format> and test.<format> (default: %(default)s)")
+    example.add_argument("--format", choices=["parquet", "jsonl"], default="parquet")
+    example.add_argument("--force", action="store_true", help="overwrite existing files")
+    example.add_argument("overrides", nargs="*", help="task settings, e.g. task.num_train_prompts=64 task.seed=1")
+    example.set_defaults(func=_data_example)
+
     export = sub.add_parser("export", help="copy a checkpoint's policy out as a Hugging Face directory")
     export.add_argument("source", help="a run directory (its newest valid checkpoint) or a checkpoint directory")
     export.add_argument("out", help="the directory to write (safetensors, config, tokenizer)")
@@ -160,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return int(args.func(args) or 0)
-    except (ConfigError, FileNotFoundError) as exc:  # a mistake in the command line: one line, no traceback
+    except (ConfigError, FileNotFoundError, FileExistsError) as exc:  # a mistake in the command line: one line, no traceback
         print(f"asyncrl {args.command}: {exc}", file=sys.stderr)
         return 2
 
