@@ -25,7 +25,7 @@ CURVES = [
 ]
 
 
-def _step_axis(ax, title: str) -> None:
+def _step_axis(ax, steps, title: str) -> None:
     """Integer step ticks and a title broken into lines that fit the figure's width. (Matplotlib's
     own `wrap=True` wraps only at draw time, after `tight_layout` made room for one line, so the
     second line was cut off at the top instead.)"""
@@ -34,6 +34,8 @@ def _step_axis(ax, title: str) -> None:
     from matplotlib.ticker import MaxNLocator
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if max(steps) - min(steps) < 2:  # one or two steps: autoscaling spans no whole step but these
+        ax.set_xlim(min(steps) - 1, max(steps) + 1)
     ax.set_xlabel("learner step")
     text = ax.set_title(title)
     renderer = ax.figure.canvas.get_renderer()
@@ -63,7 +65,7 @@ def write_plots(records: list[dict], run_dir: str) -> list[str]:
             smooth = np.convolve(values, np.ones(window) / window, mode="valid")
             ax.plot(steps[window - 1:], smooth, linewidth=2, label=f"mean of {window}")
             ax.legend()
-        _step_axis(ax, title)
+        _step_axis(ax, steps, title)
         fig.tight_layout()
         path = os.path.join(run_dir, f"{key}.png")
         fig.savefig(path, dpi=90)
@@ -106,7 +108,7 @@ def curve_figure(records: list[dict], key: str, title: str):
         window = max(3, len(values) // 10)
         smooth = np.convolve(values, np.ones(window) / window, mode="valid")
         ax.plot(steps[window - 1:], smooth, label=f"{key} (mean of {window})")
-    _step_axis(ax, title)
+    _step_axis(ax, steps, title)
     ax.legend()
     fig.tight_layout()
     return fig

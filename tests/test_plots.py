@@ -1,6 +1,7 @@
 """The run's plots as a reader sees them: whole learner steps on the x axis, titles inside the figure."""
 
 import matplotlib.pyplot as plt
+import pytest
 
 from asyncrl.plots import curve_figure, write_plots
 
@@ -8,8 +9,9 @@ from asyncrl.plots import curve_figure, write_plots
 REWARD_TITLE = "reward of generated samples (all groups, before dynamic sampling)"
 
 
-def test_reward_curve_ticks_whole_steps_and_its_title_fits_the_figure():
-    records = [{"step": step, "reward_mean_generated": 0.1 * step} for step in (1, 2, 3)]
+@pytest.mark.parametrize("steps", [(1,), (1, 2), (1, 2, 3), tuple(range(1, 41))])
+def test_reward_curve_ticks_whole_steps_and_its_title_fits_the_figure(steps):
+    records = [{"step": step, "reward_mean_generated": 0.1 * step} for step in steps]
     fig = curve_figure(records, "reward_mean_generated", REWARD_TITLE)
     try:
         fig.canvas.draw()
@@ -17,6 +19,7 @@ def test_reward_curve_ticks_whole_steps_and_its_title_fits_the_figure():
         low, high = ax.get_xlim()
         ticks = [t for t in ax.get_xticks() if low <= t <= high]
         assert ticks and all(float(t).is_integer() for t in ticks), ticks  # not 1.25, 1.5, ...
+        assert low <= min(steps) and max(steps) <= high
         title = ax.title.get_window_extent()
         figure = fig.bbox
         assert figure.x0 <= title.x0 and title.x1 <= figure.x1, (title, figure)
