@@ -7,6 +7,7 @@ The train app runs PPO, so its records carry value-learner metrics, and they are
 those `asyncrl train` writes for the same overrides (one run monitor behind both)."""
 
 import json
+import threading
 import time
 
 import httpx
@@ -254,33 +255,48 @@ def test_top_logprobs_are_the_engines_alternatives(apps):
 
     client = openai.OpenAI(base_url=f"{apps}/v1", api_key="unused")
     learner = ray.get_actor(LEARNER_NAME, namespace=NAMESPACE)
+    seen = {}  # weight version -> the learner's weights of it, polled while the requests run
+    stop = threading.Event()
+
+    def follow():
+        while not stop.is_set():
+            version, weights = ray.get(learner.weights.remote())
+            seen.setdefault(version, weights)
+            time.sleep(0.1)
+
+    poller = threading.Thread(target=follow, daemon=True)
+    poller.start()
     kwargs = dict(model="tiny", max_tokens=6, temperature=0.8, seed=5)
     checked = 0
     deadline = time.time() + 120
-    while checked < 2 and time.time() < deadline:  # training moves the weights: retry until the versions meet
-        chat = client.chat.completions.create(messages=[{"role": "user", "content": "5:"}], logprobs=True,
-                                              top_logprobs=3, **kwargs)
-        text = client.completions.create(prompt="4:", logprobs=3, **kwargs)
-        version, weights = ray.get(learner.weights.remote())
-        if not chat.model_extra["weight_version"] == text.model_extra["weight_version"] == version:
-            time.sleep(0.3)
-            continue
-        entries = chat.choices[0].logprobs.content
-        dist, tokenizer = _engine_distribution(weights, "5:", [e.token for e in entries], 0.8)
-        for j, entry in enumerate(entries):
-            values, ids = dist[j].topk(3)
-            assert [a.token for a in entry.top_logprobs] == tokenizer.convert_ids_to_tokens(ids.tolist())
-            assert [a.logprob for a in entry.top_logprobs] == pytest.approx(values.tolist(), abs=1e-4)
-            assert entry.logprob == pytest.approx(float(dist[j][tokenizer.convert_tokens_to_ids(entry.token)]), abs=1e-4)
-        logprobs = text.choices[0].logprobs
-        dist, tokenizer = _engine_distribution(weights, "4:", logprobs.tokens, 0.8)
-        for j, (token, top) in enumerate(zip(logprobs.tokens, logprobs.top_logprobs)):
-            values, ids = dist[j].topk(3)
-            expected = dict(zip(tokenizer.convert_ids_to_tokens(ids.tolist()), values.tolist()))
-            expected[token] = float(dist[j][tokenizer.convert_tokens_to_ids(token)])  # and the sampled token
-            assert top.keys() == expected.keys() and list(top.values()) == pytest.approx(list(expected.values()), abs=1e-4)
-        checked += 1
-    assert checked == 2, "the policy never answered with the learner's current weights"
+    try:
+        while checked < 2 and time.time() < deadline:  # until both answers came from weights the poller saw
+            chat = client.chat.completions.create(messages=[{"role": "user", "content": "5:"}], logprobs=True,
+                                                  top_logprobs=3, **kwargs)
+            text = client.completions.create(prompt="4:", logprobs=3, **kwargs)
+            chat_weights, text_weights = (seen.get(r.model_extra["weight_version"]) for r in (chat, text))
+            if chat_weights is None or text_weights is None:
+                time.sleep(0.3)
+                continue
+            entries = chat.choices[0].logprobs.content
+            dist, tokenizer = _engine_distribution(chat_weights, "5:", [e.token for e in entries], 0.8)
+            for j, entry in enumerate(entries):
+                values, ids = dist[j].topk(3)
+                assert [a.token for a in entry.top_logprobs] == tokenizer.convert_ids_to_tokens(ids.tolist())
+                assert [a.logprob for a in entry.top_logprobs] == pytest.approx(values.tolist(), abs=1e-4)
+                assert entry.logprob == pytest.approx(float(dist[j][tokenizer.convert_tokens_to_ids(entry.token)]), abs=1e-4)
+            logprobs = text.choices[0].logprobs
+            dist, tokenizer = _engine_distribution(text_weights, "4:", logprobs.tokens, 0.8)
+            for j, (token, top) in enumerate(zip(logprobs.tokens, logprobs.top_logprobs)):
+                values, ids = dist[j].topk(3)
+                expected = dict(zip(tokenizer.convert_ids_to_tokens(ids.tolist()), values.tolist()))
+                expected[token] = float(dist[j][tokenizer.convert_tokens_to_ids(token)])  # and the sampled token
+                assert top.keys() == expected.keys() and list(top.values()) == pytest.approx(list(expected.values()), abs=1e-4)
+            checked += 1
+    finally:
+        stop.set()
+        poller.join(timeout=30)
+    assert checked == 2, f"no answer came from weights the poller saw ({sorted(seen)})"
 
 
 def test_neighbouring_seeds_give_disjoint_choices(apps):
