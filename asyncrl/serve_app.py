@@ -302,7 +302,10 @@ class PolicyServer:
                 version = await learner.version.remote()
                 if version > self.engine.version:
                     version, weights = await learner.weights.remote()
-                    await asyncio.to_thread(self.engine.update_weights, weights.items(), version)
+                    # `weights` reads the version before it waits out a step in progress, so the copy
+                    # can be the next version's: adopt it only if no step ended meanwhile.
+                    if await learner.version.remote() == version:
+                        await asyncio.to_thread(self.engine.update_weights, weights.items(), version)
                     del weights  # not held while waiting for the next version: a second copy of the model
             except ValueError:
                 pass  # no learner running (yet): serve the weights we have

@@ -261,7 +261,10 @@ def test_top_logprobs_are_the_engines_alternatives(apps):
     def follow():
         while not stop.is_set():
             version, weights = ray.get(learner.weights.remote())
-            seen.setdefault(version, weights)
+            # As the policy endpoint adopts them: a copy labelled with the version read before a step
+            # in progress ended holds the next version's weights.
+            if ray.get(learner.version.remote()) == version:
+                seen.setdefault(version, weights)
             time.sleep(0.1)
 
     poller = threading.Thread(target=follow, daemon=True)
