@@ -119,10 +119,10 @@ class PolicyLearner(TrainingLoop):
         results = await asyncio.gather(local, *(call(method, *args) for call in self.ranks))
         return results[0]
 
-    async def snapshot(self) -> dict[str, torch.Tensor]:
-        """A copy of the parameters by name (whole), taken between two steps."""
+    async def snapshot(self) -> tuple[int, dict[str, torch.Tensor]]:
+        """(weight version, a copy of the parameters by name, whole), both read between two steps."""
         async with self._weights_lock:
-            return await self._on_every_rank("snapshot")
+            return self.weight_version, await self._on_every_rank("snapshot")
 
     def weight_group_address(self) -> tuple[str, int]:
         """Where the weight group meets: this learner's node IP and a port free there."""
@@ -174,10 +174,13 @@ class PolicyLearner(TrainingLoop):
         self.counters["stale_tokens_masked"] += int(stale["stale_tokens_masked"])
         async with self._weights_lock:
             metrics = await self._on_every_rank("step", samples)
+            # Bumped under the lock: a snapshot reads the version and the weights together.
+            self.step += 1
+            self.weight_version += 1
         if self.edges.record_batch is not None:
             trained = msgspec.structs.replace(batch, samples=samples)
             self.edges.record_batch(BatchRecord(
-                batch_id=batch.batch_id, step=self.step + 1, trained_from_version=self.weight_version,
+                batch_id=batch.batch_id, step=self.step, trained_from_version=self.weight_version - 1,
                 loss=metrics["loss"], grad_norm=metrics["grad_norm"], rows=len(samples),
                 batch=BATCH_CODEC.encode(trained), recorded_at=time.time()))
         self.counters["optimizer_updates"] += int(metrics["policy_updates"] - metrics["skipped_updates"])
@@ -186,8 +189,6 @@ class PolicyLearner(TrainingLoop):
         self._adam_steps = self.policy.optimizer_steps()
         self.timing["train_s"] += time.perf_counter() - start
         self._trained_ids.add(batch.batch_id)
-        self.step += 1
-        self.weight_version += 1
         finished_ids = [s.segment.sample_id for s in batch.samples if s.segment.finished]
         self.counters["samples_trained"] += len(finished_ids)
         self.counters["rows_trained"] += len(batch.samples)
@@ -381,8 +382,7 @@ class PolicyLearnerActor(RoleShell):
 
     async def weights(self) -> tuple[int, dict[str, torch.Tensor]]:
         """(weight version, a snapshot of the parameters): for evaluation and the policy endpoint."""
-        version = self.inner.weight_version
-        return version, await self.inner.snapshot()
+        return await self.inner.snapshot()
 
     def weight_version(self) -> int:
         return self.inner.weight_version

@@ -147,14 +147,17 @@ def score(examples: list[Example], texts: list[list[str]]) -> list[list[bool]]:
             for ex, samples in zip(examples, texts)]
 
 
-def write_table(result: dict, out_dir: str) -> str:
+def write_table(result: dict, out_dir: str) -> tuple[str, list[str]]:
+    """The result as `eval.json` and a markdown table `eval.md` in `out_dir`: (the table, the
+    paths written)."""
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "eval.json"), "w") as f:
+    paths = [os.path.join(out_dir, "eval.json"), os.path.join(out_dir, "eval.md")]
+    with open(paths[0], "w") as f:
         json.dump(result, f, indent=2)
     keys = [k for k in result if k.startswith("pass@")]
     table = "| model | prompts | samples | " + " | ".join(keys) + " |\n|---|---|---|" + "---|" * len(keys) + "\n"
     table += f"| {result['model']} | {result['prompts']} | {result['samples_per_prompt']} | " + \
              " | ".join(f"{result[k]:.3f}" for k in keys) + " |\n"
-    with open(os.path.join(out_dir, "eval.md"), "w") as f:
+    with open(paths[1], "w") as f:
         f.write(table)
-    return table
+    return table, paths

@@ -69,6 +69,10 @@ class Completion:
     logprobs: np.ndarray  # float32 [N], under the distribution sampled from
     finish_reason: FinishReason  # EOS or MAX_LENGTH
     text: str
+    # With `SamplingParams.top_logprobs` = k: each position's k most likely tokens [N, k] and their
+    # log-probs (`WindowOutput.top_ids` / `top_logprobs`); None otherwise.
+    top_ids: np.ndarray | None = None
+    top_logprobs: np.ndarray | None = None
 
 
 def _inputs(prompts: list[Sequence[int]], seeds: list[int], max_tokens: int) -> list[SequenceInput]:
@@ -78,7 +82,8 @@ def _inputs(prompts: list[Sequence[int]], seeds: list[int], max_tokens: int) -> 
 
 
 def _completions(tokenizer, outputs) -> list[Completion]:
-    return [Completion(o.token_ids, o.logprobs, o.finish_reason, decode(tokenizer, o.token_ids)) for o in outputs]
+    return [Completion(o.token_ids, o.logprobs, o.finish_reason, decode(tokenizer, o.token_ids), o.top_ids, o.top_logprobs)
+            for o in outputs]
 
 
 def complete(engine, tokenizer, prompts: list[Sequence[int]], seeds: list[int], max_tokens: int,

@@ -7,6 +7,7 @@ Each task also names how its responses are scored (`score_response`), a pure fun
 from __future__ import annotations
 
 import json
+import os
 import random
 from dataclasses import dataclass
 
@@ -116,18 +117,22 @@ def arithmetic_examples(split: str, n: int, seed: int = 0) -> list[Example]:
 # --- local files in verl's layout ------------------------------------------------------------------
 
 
-def file_examples(path: str) -> list[Example]:
-    """Rows of a jsonl or parquet file: `prompt` (list of chat messages, or a string),
-    `reward_model.ground_truth`, `data_source`; an `extra_info.index` or the row number is the id."""
+def read_rows(path: str) -> list[dict]:
+    """The rows of a jsonl or parquet prompt file, as dicts."""
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
 
-        rows = pq.read_table(path).to_pylist()
-    elif path.endswith(".jsonl") or path.endswith(".json"):
+        return pq.read_table(path).to_pylist()
+    if path.endswith(".jsonl") or path.endswith(".json"):
         with open(path) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-    else:
-        raise ValueError(f"task.path must be a .jsonl or .parquet file, got {path!r}")
+            return [json.loads(line) for line in f if line.strip()]
+    raise ValueError(f"task.path must be a .jsonl or .parquet file, got {path!r}")
+
+
+def file_examples(path: str) -> list[Example]:
+    """Rows of a jsonl or parquet file: `prompt` (list of chat messages, or a string),
+    `reward_model.ground_truth`, `data_source`; an `extra_info.index` or the row number is the id."""
+    rows = read_rows(path)
     examples = []
     for i, row in enumerate(rows):
         for key in ("prompt", "reward_model"):
@@ -146,6 +151,36 @@ def file_examples(path: str) -> list[Example]:
             )
         )
     return examples
+
+
+def verl_rows(examples: list[Example], split: str) -> list[dict]:
+    """Examples as rows in verl's layout, as `file_examples` reads them (`extra_info.index` is the
+    row's place in its split)."""
+    return [{"data_source": ex.data_source, "prompt": [dict(m) for m in ex.messages],
+             "reward_model": {"style": "rule", "ground_truth": ex.ground_truth},
+             "extra_info": {"split": split, "index": i}} for i, ex in enumerate(examples)]
+
+
+def write_examples(examples: list[Example], path: str, split: str, overwrite: bool = False) -> bool:
+    """A prompt file in verl's layout (`.parquet` or `.jsonl`) that `task=file` trains on. An
+    existing file with these rows is left as it is (False: nothing written); one with other rows is
+    refused unless `overwrite`."""
+    rows = verl_rows(examples, split)
+    if os.path.exists(path) and not overwrite:
+        if read_rows(path) == rows:
+            return False
+        raise FileExistsError(f"{path} exists and holds other prompts; pass --force to overwrite it")
+    if path.endswith(".parquet"):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    elif path.endswith(".jsonl"):
+        with open(path, "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+    else:
+        raise ValueError(f"a prompt file is .parquet or .jsonl, got {path!r}")
+    return True
 
 
 def load_examples(task_name: str, split: str, n: int, seed: int, path: str = "") -> list[Example]:

@@ -97,6 +97,28 @@ def test_math_verifier_cases():
     assert score_from_correct(True, "plus_minus") == 1.0 and score_from_correct(False, "plus_minus") == -1.0
 
 
+def test_the_public_math_check_returns_within_its_timeout_on_a_power_tower():
+    """`math_correct` is the bounded check: from a thread (where math-verify's SIGALRM limits are
+    off) a power tower asks sympy for a number of ~10^8 digits, which ran for minutes unbounded."""
+    import threading
+    import time
+
+    assert math_correct("\\boxed{2}", "2")[0]  # the worker pool is up: its start is not timed below
+    timeout_s, results = 2.0, []
+
+    def check():
+        start = time.monotonic()
+        results.append((math_correct("\\boxed{9^{9^{9}}}", "3", timeout_s=timeout_s), time.monotonic() - start))
+
+    worker = threading.Thread(target=check, daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert not worker.is_alive(), "math_correct ran unbounded"
+    (correct, _, problem), seconds = results[0]
+    assert not correct and seconds < timeout_s + 2.0, (problem, seconds)
+    assert math_correct("\\boxed{\\frac{1}{2}}", "0.5")[0]  # the pool still answers after a killed check
+
+
 def test_builtin_tasks_are_deterministic_and_disjoint():
     train = arithmetic_examples("train", 200, seed=0)
     again = arithmetic_examples("train", 200, seed=0)

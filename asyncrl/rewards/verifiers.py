@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from asyncrl.rewards.math import MATH_TIMEOUT_S, checked_math_correct, score_from_correct
+from asyncrl.rewards.math import MATH_TIMEOUT_S, math_correct, score_from_correct
 
 VERIFIER_KINDS = ("math", "code", "format", "tiny", "tiny_seq", "tiny_tool")
 MAX_RESPONSE_CHARS = 256 << 10  # longer responses are judged on their tail / rejected for code
@@ -67,8 +67,7 @@ def verify(kind: str, response: str, ground_truth: str, style: str = "zero_one",
         credit = hits / len(ground_truth)
         return Verdict(credit if style == "zero_one" else 2 * credit - 1, hits == len(ground_truth), {"pred": pred})
     if kind == "math":
-        correct, pred, problem = checked_math_correct(response[-MAX_RESPONSE_CHARS:], ground_truth,
-                                                      timeout_s=math_timeout_s)
+        correct, pred, problem = math_correct(response[-MAX_RESPONSE_CHARS:], ground_truth, timeout_s=math_timeout_s)
         details = {"pred": pred[:200], **({"problem": problem} if problem else {})}
         return Verdict(score_from_correct(correct, style), correct, details)
     if kind == "code":

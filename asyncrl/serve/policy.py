@@ -8,7 +8,6 @@ No `from __future__ import annotations` here (see `asyncrl.serve.train`).
 """
 
 import asyncio
-import json
 import time
 import uuid
 from typing import Any
@@ -93,10 +92,12 @@ class PolicyServer:
         return await self._respond(body, [list(ids)], chat=True)
 
     async def _respond(self, body, prompt_ids: list[list[int]], chat: bool) -> JSONResponse:
-        from asyncrl.openai_api import check_model_name, check_request_size, generate_choices
+        from asyncrl.openai_api import (check_model_name, check_request_size, generate_choices, logprobs_asked,
+                                        stream_events)
 
         check_model_name(body.model, self.config.model.name)
         check_request_size(prompt_ids, body.n, body.max_tokens)
+        asked = logprobs_asked(body, chat)  # alternatives per token, or None: no log-probs
         limit = self.engine.max_positions
         for ids in prompt_ids:
             if not ids:
@@ -106,35 +107,14 @@ class PolicyServer:
                                        f"model's context of {limit} tokens", "max_tokens")
         version = self.engine.weight_version
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        want_logprobs = bool(body.logprobs) or (not chat and body.logprobs == 0)
         if body.stream:
-            return StreamingResponse(self._stream(body, prompt_ids, chat, request_id, version, want_logprobs),
-                                     media_type="text/event-stream", headers={VERSION_HEADER: str(version)})
-        choices = await generate_choices(self.engine, self.tokenizer, prompt_ids, body)
-        for c in choices:
-            c["want_logprobs"] = want_logprobs
+            events = stream_events(self.engine, self.tokenizer, prompt_ids, body, chat, request_id,
+                                   self.config.model.name, version, asked)
+            return StreamingResponse(events, media_type="text/event-stream", headers={VERSION_HEADER: str(version)})
+        choices = await generate_choices(self.engine, self.tokenizer, prompt_ids, body, asked or 0)
         build = chat_response if chat else completion_response
-        payload = build(request_id, self.config.model.name, choices, version)
+        payload = build(request_id, self.config.model.name, choices, version, asked)
         return JSONResponse(payload, headers={VERSION_HEADER: str(version)})
-
-    async def _stream(self, body, prompt_ids, chat: bool, request_id: str, version: int, want_logprobs: bool):
-        """Server-sent events: in chat, each choice's role first; then a chunk per text delta of a
-        choice as its tokens are sampled; then `data: [DONE]`."""
-        from asyncrl.openai_api import logprob_entries, stream_chunk, stream_choices
-
-        name = self.config.model.name
-        if chat:
-            for index in range(len(prompt_ids) * body.n):
-                yield f"data: {json.dumps(stream_chunk(request_id, name, version, True, index, '', None, first=True))}\n\n"
-        async for index, delta, tokens, logprobs, finish in stream_choices(self.engine, self.tokenizer, prompt_ids, body):
-            lp = None
-            if want_logprobs:
-                texts = [self.tokenizer.decode([t]) for t in tokens]
-                lp = {"content": logprob_entries(texts, logprobs)} if chat else {"tokens": texts, "token_logprobs": logprobs}
-            if delta or finish or lp:
-                chunk = stream_chunk(request_id, name, version, chat, index, delta, finish, lp)
-                yield f"data: {json.dumps(chunk)}\n\n"
-        yield "data: [DONE]\n\n"
 
 
 def build_policy(args: dict[str, Any]) -> serve.Application:
