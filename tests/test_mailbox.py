@@ -4,7 +4,8 @@ import time
 import msgspec
 import pytest
 
-from asyncrl.mailbox import InProcessMailbox, MailboxCore, RayMailbox
+from asyncrl.mailbox import InProcessMailbox, MailboxCore
+from asyncrl.ray_mailbox import RayMailbox
 from asyncrl.schema import PromptRequest, int32_array
 
 
@@ -208,7 +209,7 @@ def test_a_sharded_mailbox_keeps_a_samples_windows_together_and_loses_nothing(ra
     them, a sample's windows share a shard (in order), and a lease never acknowledged comes back."""
     import asyncio
 
-    from asyncrl.mailbox import ShardedMailbox
+    from asyncrl.ray_mailbox import ShardedMailbox
     from asyncrl.schema import FinishReason, Segment, float32_array, int32_array
 
     def seg(prompt, sample, turn):

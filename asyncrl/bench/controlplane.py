@@ -115,7 +115,7 @@ def one_rate(rate: float, shards: int, seconds: float, tokens: int, producers: i
     import ray
 
     from asyncrl.config import compose
-    from asyncrl.mailbox import RayMailbox, ShardedMailbox
+    from asyncrl.ray_mailbox import RayMailbox, ShardedMailbox
     from actors.assembler import AssemblerActor
     from actors.prompt_source import PromptSourceActor
     from actors.reward_endpoint import reward_endpoint_actors

@@ -11,7 +11,8 @@ import statistics
 import time
 
 from asyncrl.bench.common import make_segment
-from asyncrl.mailbox import InProcessMailbox, RayMailbox
+from asyncrl.mailbox import InProcessMailbox
+from asyncrl.ray_mailbox import RayMailbox
 from asyncrl.schema import Segment
 
 BATCH = 32  # segments per put/get call, as the generator and assembler batch them

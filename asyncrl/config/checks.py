@@ -180,13 +180,8 @@ def _unhonoured(config, kind: str | None) -> list[tuple[bool, str]]:
 
 
 def _placement_checks(config) -> list[tuple[bool, str]]:
-    from asyncrl.environments.formats import FORMATS
-    from asyncrl.environments.tools import ENVIRONMENTS
-
-    e, p, c, env = config.engine, config.policy, config.critic, config.environment
+    e, p, c = config.engine, config.policy, config.critic
     return [
-        (env.name in ("", *ENVIRONMENTS), f"environment.name must be empty (one turn) or one of {sorted(ENVIRONMENTS)}"),
-        (env.tool_format in FORMATS, f"environment.tool_format must be one of {sorted(FORMATS)}"),
         (e.name in ("torch", "sglang"), "engine.name must be torch or sglang"),
         (e.device in ("cpu", "cuda"), "engine.device must be cpu or cuda"),
         (p.device in ("cpu", "cuda"), "policy.device must be cpu or cuda"),

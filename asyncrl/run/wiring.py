@@ -25,13 +25,18 @@ from actors.prompt_source import PromptSourceActor
 from actors.recorder import RecorderActor
 from actors.reward_endpoint import reward_endpoint_actors
 from actors.value_learner import ValueLearnerActor
-from asyncrl import checkpoint
+from asyncrl import checkpoint, environments
 from asyncrl.algo.advantages import ADVANTAGES
 from asyncrl.config import Config
-from asyncrl.mailbox import RayMailbox, ShardedMailbox, sum_stats
+from asyncrl.ray_mailbox import RayMailbox, ShardedMailbox, sum_stats
 from asyncrl.run.placement import LEARNER_NAME, ask, role_placement, spawn
 from asyncrl.run.pool import Pool
-from asyncrl.run.status import answered, mailbox_actors, reward_endpoint_table, summarize
+from asyncrl.run.status import (
+    answered,
+    mailbox_actors,
+    reward_endpoint_table,
+    summarize,
+)
 from asyncrl.schema import PromptRequest, ScoredTrajectory, Segment, TrainBatch
 from asyncrl.sharding import rendezvous_store
 from asyncrl.staleness import open_prompts_bound
@@ -85,6 +90,7 @@ class System:
 
     def _start(self) -> "System":
         cfg = self.config
+        environments.check(cfg.environment)
         resume = self._resume_point()  # None for a fresh run
         learning = cfg.mode == "train"  # mode=generate: generators, rewards and the store only
         value_based = learning and ADVANTAGES[cfg.algorithm.estimator].kind == "value"
