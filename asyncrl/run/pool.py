@@ -79,20 +79,25 @@ class Pool:
     def start(self, gid: str) -> None:
         self.system.run_refs[f"generator:{gid}"] = self.system.generators[gid].run.remote()
 
-    def add(self, reason: str, timeout_s: float = 600.0) -> dict:
-        """One more generator: spawned, given the current weights, then started."""
-        gid = self.next_id()
+    def add(self, reason: str, count: int = 1, timeout_s: float = 600.0) -> list[dict]:
+        """`count` more generators, together: spawned, given the current weights, then started (a
+        generator's start, its engine loading, is most of the time: they load side by side)."""
         engine = self.system.config.engine
-        handle = self.spawn(gid, ask(engine.gpus, engine.resources))
+        gids = [self.next_id() for _ in range(count)]
+        handles = [self.spawn(gid, ask(engine.gpus, engine.resources)) for gid in gids]
         try:
             if "learner" in self.system.actors:
-                self.join([gid], timeout_s)
+                self.join(gids, timeout_s)
         except Exception as exc:
-            self.system.generators.pop(gid, None)
-            ray.kill(handle)
-            return self._event("join_failed", gid, f"{reason}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
-        self.start(gid)
-        return self._event("joined", gid, reason)
+            for gid, handle in zip(gids, handles):
+                self.system.generators.pop(gid, None)
+                self.system.weight_paths.pop(gid, None)
+                ray.kill(handle)
+            why = f"{reason}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            return [self._event("join_failed", gid, why) for gid in gids]
+        for gid in gids:
+            self.start(gid)
+        return [self._event("joined", gid, reason) for gid in gids]
 
     def remove(self, gid: str, reason: str, drain_timeout_s: float | None = None) -> dict:
         """`gid` leaves: it finishes its sequences (or hands them back after the drain timeout)."""
@@ -134,11 +139,8 @@ class Pool:
         events = []
         while len(self.system.generators) > count:
             events.append(self.remove(self.live[-1], reason))
-        while len(self.system.generators) < count:
-            event = self.add(reason)
-            events.append(event)
-            if event["event"] == "join_failed":
-                break
+        if len(self.system.generators) < count:
+            events += self.add(reason, count - len(self.system.generators))
         return events
 
     # --- health -------------------------------------------------------------------------------------
@@ -154,9 +156,9 @@ class Pool:
         events += [self.heal(gid, why) for gid, why in self._unresponsive()]
         now = time.monotonic()
         if len(self.system.generators) < self.target and now >= self._retry_at:
-            event = self.add("replacement")
-            events.append(event)
-            if event["event"] == "join_failed":
+            added = self.add("replacement", self.target - len(self.system.generators))
+            events += added
+            if any(event["event"] == "join_failed" for event in added):
                 self._retry_at = now + self.system.config.cluster.generator_timeout_s
         return events
 
