@@ -43,7 +43,8 @@ from asyncrl.generation import decode
 from asyncrl.mailbox import Mailbox, RecentIds
 from asyncrl.models import load_tokenizer
 from asyncrl.rewards.hybrid import RewardRouter, build_reward_router
-from asyncrl.schema import (DropReason, Reward, RewardRequest, SampleState, Segment, TrainBatch, sample_id)
+from asyncrl.schema import (DropReason, Reward, RewardRequest, SampleState, Segment, TrainBatch, final_turn_start,
+                            sample_id)
 from asyncrl.staleness import has_trained_tokens, mask_stale_tokens
 from asyncrl.store import TrajectoryRecord, record_of
 
@@ -284,17 +285,20 @@ class Assembler:
                 self._event([merged.sample_id], SampleState.AWAITING_REWARD)
                 if self.estimator.row_kind == "responses":
                     rows.append(merged)
+                # An episode is judged on its final turn (what the policy answered after its last
+                # observation), so an answer the tool printed is not the policy's answer.
                 request = RewardRequest(
                     prompt_id=merged.prompt_id, sample_idx=merged.sample_idx,
-                    response_text=self.decode(merged.new_token_ids.tolist()),
+                    response_text=self.decode(merged.new_token_ids[final_turn_start(merged.new_observation):].tolist()),
                     ground_truth=merged.ground_truth, data_source=merged.data_source,
                     prompt_text=self.decode(merged.prompt_token_ids.tolist()),
                     response_token_ids=merged.new_token_ids)
                 to_score.append((merged, request))
                 if self.record is not None:
                     ends = np.cumsum([len(p.new_token_ids) for p in parts]).tolist()
-                    self._unrecorded[merged.sample_id] = _Unrecorded(merged, ends, request.prompt_text,
-                                                                     request.response_text)
+                    transcript = (self.decode(merged.new_token_ids.tolist()) if merged.new_observation is not None
+                                  else request.response_text)  # an episode's: every turn and observation
+                    self._unrecorded[merged.sample_id] = _Unrecorded(merged, ends, request.prompt_text, transcript)
         return rows, to_score
 
     def retire_generator(self, generator_id: str) -> int:

@@ -57,7 +57,9 @@ def tiny_tool_examples(split: str) -> list[Example]:
     """"d:" -> a digit drawn per episode that nothing in the prompt reveals (the `lookup` tool's
     answer, `asyncrl.environments.tools.episode_secret`): right only by calling the tool (`?`) and
     copying what it returns. Guessing is right one time in ten."""
-    return [Example(f"tiny_tool-{split}-{d}", [{"role": "user", "content": f"{d}:"}], "episode", "tiny_tool")
+    from asyncrl.environments.tools import EPISODE_TRUTH
+
+    return [Example(f"tiny_tool-{split}-{d}", [{"role": "user", "content": f"{d}:"}], EPISODE_TRUTH, "tiny_tool")
             for d in range(10)]
 
 
@@ -191,7 +193,7 @@ def load_examples(task_name: str, split: str, n: int, seed: int, path: str = "")
     if task_name == "arithmetic":
         return arithmetic_examples(split, n, seed)
     if task_name == "arithmetic_tool":  # the same problems, told that a Python tool is there
-        return [Example(e.prompt_id.replace("arithmetic", "arithmetic_tool", 1),
+        return [Example(e.prompt_id.replace("arith-", "arith_tool-", 1),
                         [{"role": "user", "content": TOOL_INSTRUCTION + e.messages[-1]["content"]}], e.ground_truth,
                         "arithmetic_tool") for e in arithmetic_examples(split, n, seed)]
     if task_name == "tiny_tool":

@@ -13,7 +13,7 @@ import torch
 
 from asyncrl.algo.advantages import masked_whiten
 from asyncrl.algo.shaping import is_positive, kl_reward
-from asyncrl.schema import Segment, TrainSample, scored_mask
+from asyncrl.schema import Segment, TrainSample, observation_mask, scored_mask
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,8 @@ def merge_segments(segments: list[Segment]) -> Segment:
         new_versions=np.concatenate([s.new_versions for s in segments]),
         new_scored=None if all(s.new_scored is None for s in segments) else np.concatenate(
             [scored_mask(s).astype(np.uint8) for s in segments]),
+        new_observation=None if all(s.new_observation is None for s in segments) else np.concatenate(
+            [observation_mask(s).astype(np.uint8) for s in segments]),
         finished=True,
         finish_reason=last.finish_reason,
         data_source=last.data_source,
@@ -140,7 +142,8 @@ def value_rows(rows: list[Segment], values: list[np.ndarray], outcomes: list[Out
         n = len(row.new_token_ids)
         if len(v) != n + 1:
             raise ValueError(f"row {row.msg_id}: {len(v)} values for {n} tokens (expected n + 1)")
-        mask[i, :n] = 1.0
+        # Policy positions only: GAE carries V and Â across an observation (`gae`'s masked positions).
+        mask[i, :n] = torch.from_numpy(1.0 - observation_mask(row).astype(np.float64))
         value_t[i, :n] = torch.from_numpy(np.asarray(v[:n], dtype=np.float64))
         next_values[i] = float(v[n])
         if token_rewards_extra is not None:
@@ -207,7 +210,13 @@ def with_whole_response(sample: TrainSample) -> TrainSample:
         seg, prior_response_ids=empty, prior_versions=empty, new_token_ids=seg.response_ids,
         new_logprobs=np.concatenate([np.zeros(prior, dtype=np.float32), seg.new_logprobs]),
         new_versions=seg.response_versions,
-        new_scored=None if seg.new_scored is None else np.concatenate([np.ones(prior, dtype=np.uint8), seg.new_scored]))
+        new_scored=None if seg.new_scored is None and seg.prior_observation is None else np.concatenate(
+            [np.ones(prior, dtype=np.uint8) if seg.prior_observation is None else 1 - seg.prior_observation,
+             scored_mask(seg).astype(np.uint8)]),
+        new_observation=None if seg.new_observation is None and seg.prior_observation is None else np.concatenate(
+            [np.zeros(prior, dtype=np.uint8) if seg.prior_observation is None else seg.prior_observation,
+             observation_mask(seg).astype(np.uint8)]),
+        prior_observation=None)
     loss_mask = np.ones(len(seg.new_token_ids), dtype=np.uint8) if sample.loss_mask is None else sample.loss_mask
     return msgspec.structs.replace(
         sample, segment=whole,

@@ -28,7 +28,8 @@ class Malformed:
 
 
 class ToolFormat(Protocol):
-    stop: str  # a turn that ends with this is a tool call
+    def call_end(self, turn_text: str) -> int | None:
+        """Where a call ends in a policy turn's text (the characters it keeps), or None: no call."""
 
     def parse(self, turn_text: str) -> ToolCall | Malformed: ...
 
@@ -43,6 +44,10 @@ class ChatMLTools:
 
     stop = "</tool_call>"
     opening = "<tool_call>"
+
+    def call_end(self, turn_text: str) -> int | None:
+        at = turn_text.find(self.stop)
+        return None if at < 0 else at + len(self.stop)
 
     def parse(self, turn_text: str) -> ToolCall | Malformed:
         start = turn_text.rfind(self.opening)
@@ -70,22 +75,20 @@ class ChatMLTools:
 
 
 class TinyTools:
-    """The tiny model's format (its character vocabulary): `?` calls the lookup tool; the answer
-    comes back as `=<value> `."""
+    """The tiny model's format (its character vocabulary): a turn answers with a digit, or asks the
+    lookup tool by starting with any other character (one character, the call); the answer comes
+    back as `=<value>`, and the next turn answers. Any non-digit asks, so that a random policy asks
+    often enough to learn what an answer is for (with a single call character it asked one time
+    in 30, and the guesses it was rewarded for taught it never to ask)."""
 
-    stop = "?"
+    def call_end(self, turn_text: str) -> int | None:
+        return 1 if turn_text and not turn_text[0].isdigit() else None
 
     def parse(self, turn_text: str) -> ToolCall | Malformed:
         return ToolCall("lookup")
 
     def observation(self, text: str) -> str:
-        return f"={text} "
+        return f"={text}"
 
 
 FORMATS: dict[str, type] = {"chatml": ChatMLTools, "tiny": TinyTools}
-
-
-def final_answer(transcript: str, tool_format: ToolFormat) -> str:
-    """The text after the last observation: the policy's final turn (what a verifier reads)."""
-    marker = tool_format.observation("\0").split("\0")[-1]
-    return transcript.rsplit(marker, 1)[-1] if marker and marker in transcript else transcript

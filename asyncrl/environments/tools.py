@@ -13,6 +13,13 @@ from dataclasses import dataclass
 
 from asyncrl.environments.formats import ToolCall
 
+EPISODE_TRUTH = "episode"  # a task's ground truth where each episode has its own answer (the lookup tool's)
+
+
+def episode_truth(ground_truth: str, prompt_id: str, sample_idx: int) -> str:
+    """The answer a sample is checked against: its episode's own where the task says so."""
+    return episode_secret(prompt_id, sample_idx) if ground_truth == EPISODE_TRUTH else ground_truth
+
 
 def episode_secret(prompt_id: str, sample_idx: int) -> str:
     """The tiny tool task's answer of one episode: a digit drawn from its identity (the verifier and
@@ -39,17 +46,15 @@ class LookupTool:
 
 
 class PythonTool:
-    """`{"name": "python", "arguments": {"code": "..."}}`: the code's stdout (and stderr), at most
-    `max_chars` characters of it."""
+    """`{"name": "python", "arguments": {"code": "..."}}`: the code's stdout (and its stderr when it
+    failed)."""
 
     name = "python"
 
-    def __init__(self, wall_s: float = 5.0, memory_mb: int = 256, max_chars: int = 512,
-                 allow_unisolated: bool = False):
+    def __init__(self, wall_s: float = 5.0, memory_mb: int = 256, allow_unisolated: bool = False):
         from asyncrl.rewards.sandbox import SandboxLimits
 
         self.limits = SandboxLimits(wall_s=wall_s, memory_mb=memory_mb, allow_unisolated=allow_unisolated)
-        self.max_chars = max_chars
 
     def step(self, call: ToolCall, episode: Episode) -> tuple[str, bool]:
         from asyncrl.rewards.sandbox import run_program, sandbox_python
@@ -63,7 +68,16 @@ class PythonTool:
         if result.timed_out:
             return f"timed out after {self.limits.wall_s:.0f}s", True
         text = (result.stdout + (("\n" + result.stderr) if result.returncode else "")).strip()
-        return text[: self.max_chars] or "(no output)", result.returncode != 0
+        return text or "(no output)", result.returncode != 0
 
 
 ENVIRONMENTS: dict[str, type] = {"lookup": LookupTool, "python": PythonTool}
+
+
+def build_environment(config):
+    """The environment an `EnvironmentConfig` names."""
+    if config.name == "python":
+        return PythonTool(config.python_wall_s, config.python_memory_mb, config.allow_unisolated)
+    if config.name == "lookup":
+        return LookupTool()
+    raise ValueError(f"unknown environment {config.name!r}; expected one of {sorted(ENVIRONMENTS)}")

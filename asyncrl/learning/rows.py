@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from asyncrl.algo.shaping import is_positive
-from asyncrl.schema import TrainSample, segment_row, scored_mask
+from asyncrl.schema import TrainSample, observation_mask, segment_row, scored_mask
 from asyncrl.sharding import DataParallel, parts_of_rank
 
 
@@ -27,7 +27,7 @@ class Collated:
     targets: torch.Tensor  # [B, L]: the next token at each position (0 where not trained)
     old_logprobs: torch.Tensor  # [B, L], behaviour log-probs aligned with targets
     advantages: torch.Tensor  # [B, L]
-    nll_mask: torch.Tensor  # [B, L]: every new token of finished, positive rows (positive-example NLL)
+    nll_mask: torch.Tensor  # [B, L]: every generated token of finished, positive rows (positive-example NLL)
 
     def _tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.input_ids, self.attention_mask, self.response_mask, self.targets, self.old_logprobs,
@@ -100,7 +100,8 @@ def collate(samples: list[TrainSample], pad_token_id: int = 0) -> Collated:
         targets=layout.place([s.segment.new_token_ids for s in samples], torch.long),
         old_logprobs=layout.place([s.segment.new_logprobs for s in samples]),
         advantages=layout.place([s.advantages for s in samples]),
-        nll_mask=layout.place([m * p for m, p in zip(ones, positive)]),
+        # Every generated token of a positive row, never an environment's observation.
+        nll_mask=layout.place([(1.0 - observation_mask(s.segment)) * p for s, p in zip(samples, positive)]),
     )
 
 

@@ -9,7 +9,7 @@ import torch
 
 from asyncrl.learning.rows import (clip_and_step, device_of, layout_rows, length_sorted_chunks, micro_batches_of,
                                    row_length, width_of)
-from asyncrl.schema import ScoredTrajectory, segment_row
+from asyncrl.schema import ScoredTrajectory, observation_mask, segment_row
 
 
 @dataclass
@@ -72,7 +72,9 @@ def value_step(value_model, optimizer, trajectories: list[ScoredTrajectory], set
     layout = layout_rows([segment_row(t.segment) for t in trajectories], pad_token_id, device_of(value_model))
     chunks = [(rows, slice(0, width_of(layout.attention_mask, rows)))
               for rows in micro_batches_of(layout, settings.micro_batch_tokens)]
-    mask = layout.place([np.ones(len(t.segment.new_token_ids), dtype=np.float32) for t in trajectories])
+    # The critic values policy positions only: an observation is not an action (`gae` carries V and
+    # Â across it).
+    mask = layout.place([1.0 - observation_mask(t.segment).astype(np.float32) for t in trajectories])
     rewards = layout.place([trajectory_rewards(t) for t in trajectories])
     recorded = torch.tensor([t.values is not None for t in trajectories], device=mask.device)
     placed = layout.place([t.values if t.values is not None else np.zeros(len(t.segment.new_token_ids))

@@ -53,13 +53,8 @@ def verify(kind: str, response: str, ground_truth: str, style: str = "zero_one",
            math_timeout_s: float = MATH_TIMEOUT_S) -> Verdict:
     """Score one response. `style`: zero_one (1/0) or plus_minus (+1/-1, DAPO); the code verifier
     scores all-pass and reports the per-test pass fraction."""
-    if kind == "tiny":
+    if kind in ("tiny", "tiny_tool"):  # the first character (of an episode's final turn)
         pred = response[:1]
-        return Verdict(score_from_correct(pred == ground_truth, style), pred == ground_truth, {"pred": pred})
-    if kind == "tiny_tool":  # the first character of the final turn (after the last observation)
-        from asyncrl.environments.formats import TinyTools, final_answer
-
-        pred = final_answer(response, TinyTools())[:1]
         return Verdict(score_from_correct(pred == ground_truth, style), pred == ground_truth, {"pred": pred})
     if kind == "tiny_seq":
         pred = response[: len(ground_truth)]

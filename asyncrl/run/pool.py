@@ -55,7 +55,8 @@ class Pool:
     def spawn(self, gid: str, placement: dict) -> Any:
         cfg, boxes = self.system.config, self.system.mailboxes
         handle = spawn(GeneratorActor, model=cfg.model, engine=cfg.engine, prompts=boxes["prompts"],
-                       segments=boxes["segments"], generator_id=gid, placement=placement)
+                       segments=boxes["segments"], generator_id=gid, environment=cfg.environment,
+                       environment_endpoint=self.system.environment, placement=placement)
         self.system.generators[gid] = handle
         return handle
 

@@ -10,7 +10,7 @@ import time
 from typing import Any, Callable
 
 # Fields every record gets from the system's status at the poll that drained it.
-RUN_FIELDS = ("samples_trained", "samples_dropped", "samples_generated", "generator_busy_fraction",
+RUN_FIELDS = ("samples_trained", "samples_dropped", "samples_generated", "tool_calls", "generator_busy_fraction",
               "generator_paused_for_weights_fraction", "broadcast_s", "wall_time_s", "samples_per_s",
               "prompts_retired_share")
 # The curve a run is watched by: the reward of everything generated (before dynamic sampling).
@@ -55,7 +55,7 @@ class RunRecords:
     def add(self, new: list[dict], status: dict, resumed: bool) -> list[dict]:
         """Stamp, annotate and write new step records; returns the new retirement events."""
         stamp = {"samples_trained": status["samples_trained"], "samples_dropped": status["samples_dropped"],
-                 "samples_generated": status["samples_generated"],
+                 "samples_generated": status["samples_generated"], "tool_calls": status["tool_calls"],
                  "generator_busy_fraction": status["generator_busy_fraction"],
                  "generator_paused_for_weights_fraction": status["generator_paused_for_weights_fraction"],
                  "broadcast_s": status["last_broadcast"].get("total_s", 0.0),

@@ -49,6 +49,8 @@ def summarize(learner: dict, all_generators: list[dict], assembler: dict, mailbo
         "weight_version": learner["weight_version"],
         "delivered_version": learner.get("delivered_version", 0),
         "samples_generated": generated,
+        "tool_calls": sum(g.get("tool_calls", 0) for g in generators),  # episodes' calls answered
+        "tool_errors": sum(g.get("tool_errors", 0) for g in generators),
         "samples_trained": learner["samples_trained"],
         "stale_tokens_masked": learner.get("stale_tokens_masked", 0),
         "steps_skipped": learner.get("steps_skipped", 0),

@@ -19,6 +19,7 @@ import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.assembler import AssemblerActor
+from actors.environment import environment_actor
 from actors.policy_learner import CheckpointPolicy, PolicyLearnerActor
 from actors.policy_rank import PolicyRankActor
 from actors.prompt_source import PromptSourceActor
@@ -79,6 +80,7 @@ class System:
         self._rank_store = None  # where a sharded learner's ranks meet (held for the run's life)
         self._created: list[Any] = []  # every role actor made by start()
         self._endpoints: dict[str, Any] = {}  # reward endpoint actors (none under Serve)
+        self.environment: Any = None  # the environment endpoint actor (a task with an environment)
         self._last_value: dict = {}
 
     def start(self) -> "System":
@@ -137,6 +139,9 @@ class System:
         cfg, tr, boxes = self.config, self.config.trainer, self.mailboxes
         # Reward endpoints: actors here, or the Serve applications `reward-<name>` (reward.use_serve).
         self._endpoints = {} if cfg.reward.use_serve else reward_endpoint_actors(cfg.reward, cfg.model, cfg.task.reward, here)
+        # The environment a task's episodes act in: an endpoint of its own, here with the control plane.
+        self.environment = environment_actor(cfg.environment, here) if cfg.environment.name else None
+        self._created += [self.environment] if self.environment is not None else []
         recorder = (self._spawn(RecorderActor, directory=os.path.join(self.run_dir, STORE_DIRNAME),
                                 max_file_mb=tr.record_file_mb, max_file_age_s=tr.record_file_age_s, placement=here)
                     if tr.record else None)
@@ -168,7 +173,8 @@ class System:
                        **({"value_learner": value_learner} if value_learner is not None else {}),
                        **({"recorder": recorder} if recorder is not None else {}),
                        **{f"learner-rank-{i}": actor for i, actor in enumerate(rank_actors, 1)},
-                       **{f"reward-{name}": endpoint for name, endpoint in self._endpoints.items()}}
+                       **{f"reward-{name}": endpoint for name, endpoint in self._endpoints.items()},
+                       **({"environment": self.environment} if self.environment is not None else {})}
 
     def _learner(self, learning: bool, prompt_source, assembler, value_learner, recorder, options: list[dict],
                  ranks: int) -> tuple[list, Any]:
@@ -284,6 +290,8 @@ class System:
         status = summarize(learner, generators, assembler, mailboxes, time.time() - self.started_at)
         if "value_learner" in self.actors:
             status["value_learner"] = ray.get(self.actors["value_learner"].stats.remote())
+        if "environment" in self.actors:
+            status["environment"] = ray.get(self.actors["environment"].stats.remote())
         status["reward_endpoints"] = reward_endpoint_table(
             self.config.reward, assembler.get("reward_router", {}).get("endpoints", {}),
             {name.removeprefix("reward-"): ray.get(actor.stats.remote())
