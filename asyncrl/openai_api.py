@@ -12,6 +12,7 @@ N most likely tokens per position as well, with the sampled one) and `logprobs` 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -21,11 +22,12 @@ from typing import Annotated, Literal
 
 import numpy as np
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from asyncrl.algo.sampling import choice_seed
 from asyncrl.engines.base import SamplingParams
 from asyncrl.generation import complete_async, decode, sequence_input
+from asyncrl.openai_tools import AssistantToolCall, ToolSpec, call_of, content_before_call
 from asyncrl.schema import FinishReason
 
 
@@ -108,14 +110,27 @@ class CompletionRequest(_Sampling):
 
 
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant"]
-    content: str = Field(..., max_length=MAX_PROMPT_CHARS)
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
+    tool_calls: list[AssistantToolCall] | None = Field(None, max_length=16)  # an assistant's calls
+    tool_call_id: str | None = Field(None, max_length=128)  # a tool's answer: to which call
+    name: str | None = Field(None, max_length=64)
+
+    @model_validator(mode="after")
+    def _has_content(self) -> "ChatMessage":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (an assistant message may give tool_calls instead)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
+        return self
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(..., min_length=1, max_length=256)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[ToolSpec] | None = Field(None, max_length=64)  # in the trained tool format (openai_tools)
+    tool_choice: str | None = None  # auto (the default with tools) or none
 
 
 def logprobs_asked(body: _Sampling, chat: bool) -> int | None:
@@ -219,8 +234,9 @@ async def stream_choices(engine, tokenizer, prompt_ids: list[list[int]], body: _
 
 
 async def generate_choices(engine, tokenizer, prompt_ids: list[list[int]], body: _Sampling,
-                           top_logprobs: int = 0) -> list[dict]:
-    """n samples per prompt in one engine call; text cut at the first stop string."""
+                           top_logprobs: int = 0, tool_format=None) -> list[dict]:
+    """n samples per prompt in one engine call; text cut at the first stop string, or just after
+    a tool call in `tool_format` (a request with tools): then the choice has `tool_calls`."""
     prompts = [ids for ids in prompt_ids for _ in range(body.n)]
     seeds = _choice_seeds(body, len(prompt_ids))
     completions = await complete_async(engine, tokenizer, prompts, seeds, body.max_tokens, _params(body, top_logprobs))
@@ -231,7 +247,14 @@ async def generate_choices(engine, tokenizer, prompt_ids: list[list[int]], body:
         cuts = [text.find(s) for s in _stops(body.stop) if s and s in text]
         if cuts:
             text, finish = text[: min(cuts)], "stop"
-        choices.append({"index": index, "text": text, "finish_reason": finish,
+        calls, content = None, text
+        if tool_format is not None:
+            end, call = call_of(text, tool_format)
+            if call is not None:  # the tokens past the call were sampled, not answered
+                text, finish, calls = text[:end], "tool_calls", [call]
+                content = content_before_call(text, tool_format)
+                out = _cut(out, tokenizer, tool_format)
+        choices.append({"index": index, "text": text, "content": content, "tool_calls": calls, "finish_reason": finish,
                         "token_logprobs": out.logprobs.tolist(),
                         "tokens": [tokenizer.decode([t]) for t in out.token_ids.tolist()],
                         "alternatives": [_alternatives(tokenizer, ids, lps) for ids, lps in
@@ -239,6 +262,16 @@ async def generate_choices(engine, tokenizer, prompt_ids: list[list[int]], body:
                         "completion_tokens": len(out.token_ids), "prompt_tokens": len(prompt_ids[index // body.n]),
                         "first_of_prompt": index % body.n == 0})
     return choices
+
+
+def _cut(out, tokenizer, tool_format):
+    """A completion cut after the token that completes its call."""
+    ids = out.token_ids.tolist()
+    keep = next((k for k in range(1, len(ids) + 1) if tool_format.call_end(decode(tokenizer, ids[:k])) is not None),
+                len(ids))
+    return dataclasses.replace(out, token_ids=out.token_ids[:keep], logprobs=out.logprobs[:keep],
+                               top_ids=None if out.top_ids is None else out.top_ids[:keep],
+                               top_logprobs=None if out.top_logprobs is None else out.top_logprobs[:keep])
 
 
 def logprob_entries(tokens: list[str], logprobs: list[float], alternatives: list[list[tuple[str, float]]]) -> list[dict]:
@@ -286,7 +319,8 @@ def chat_response(request_id: str, model: str, choices: list[dict], version: int
     return {
         "id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
         "weight_version": version,
-        "choices": [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
+        "choices": [{"index": c["index"], "message": {"role": "assistant", "content": c["content"],
+                                                      **({"tool_calls": c["tool_calls"]} if c["tool_calls"] else {})},
                      "finish_reason": c["finish_reason"],
                      "logprobs": {"content": logprob_entries(c["tokens"], c["token_logprobs"], c["alternatives"])}
                      if asked is not None else None}

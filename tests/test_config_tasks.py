@@ -219,3 +219,18 @@ def test_services_bind_to_localhost_by_default():
     serve_yaml = yaml.safe_load(open(os.path.join(config_dir(), "serve.yaml")))
     assert serve_yaml["http_options"]["host"] == "127.0.0.1"
     assert compose([]).serve.admin_token == ""  # admin routes are off until a token is set
+
+
+def test_episode_settings_a_run_cannot_honour_are_refused():
+    from asyncrl import environments
+
+    with pytest.raises(ConfigError, match="process reward model"):
+        compose(["model=tiny", "task=tiny_tool", "+reward.endpoints.prm={kind: prm, model_path: /x}"])
+    with pytest.raises(ConfigError, match="environment.max_turns"):
+        compose(["model=tiny", "task=tiny_tool", "environment.max_turns=0"])
+    # Names are refused at start-up, before any role starts (the run's wiring calls this first).
+    with pytest.raises(ConfigError, match=r"environment.name=search: must be empty \(one turn\) or one of"):
+        environments.check(compose(["model=tiny", "task=tiny_tool", "environment.name=search"]).environment)
+    with pytest.raises(ConfigError, match="environment.tool_format=xml"):
+        environments.check(compose(["model=tiny", "task=tiny_tool", "environment.tool_format=xml"]).environment)
+    environments.check(compose(["model=tiny", "task=tiny_tool"]).environment)

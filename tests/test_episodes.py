@@ -23,7 +23,8 @@ from asyncrl.learning.rows import collate
 from asyncrl.learning.scoring import response_logprobs
 from asyncrl.mailbox import InProcessMailbox
 from asyncrl.models import build_tiny_model, build_tiny_tokenizer
-from asyncrl.schema import FinishReason, PromptRequest, TrainSample, observation_mask, scored_mask, segment_row
+from asyncrl.schema import (FinishReason, PromptRequest, Segment, TrainSample, observation_mask, scored_mask,
+                            segment_row)
 
 
 @pytest.fixture(scope="module")
@@ -192,3 +193,25 @@ def test_the_environment_endpoint_answers_times_out_and_runs_python_in_the_sandb
     assert error and "no tool named 'search'" in text
     for actor in (lookup, python):
         ray.kill(actor)
+
+
+def test_the_critic_values_policy_positions_only_gae_carries_across_an_observation():
+    """A response p p o o p (two policy tokens, a two-token observation, the answer), reward 1 at
+    the end, γ = 1, λ = 0.5, V = 0.1, 0.2, (9, 9: never read), 0.4, then 0 after the last token.
+    By hand over the policy positions alone (0.1, 0.2, 0.4; the observation is not an action):
+    δ = 0.1, 0.2, 0.6; Â_2 = 0.6, Â_1 = 0.2 + 0.5·0.6 = 0.5, Â_0 = 0.1 + 0.5·0.5 = 0.35; the
+    observation's advantages are 0 and out of every loss."""
+    from asyncrl.assembly.rows import Outcome, ValueAdvantageSettings, value_rows
+
+    settings = ValueAdvantageSettings(gamma=1.0, lam=0.5, length_adaptive_alpha=0.0, lambda_floor=False,
+                                      edge_mask_tokens=0, window_training=False, window_tokens=8)
+    observed = np.array([0, 0, 1, 1, 0], dtype=np.uint8)
+    row = Segment(prompt_id="p", sample_idx=0, turn=0, group_id="p", prompt_token_ids=np.array([5, 6], dtype=np.int32),
+                  prior_response_ids=np.zeros(0, np.int32), prior_versions=np.zeros(0, np.int32),
+                  new_token_ids=np.array([8, 9, 10, 11, 12], dtype=np.int32), new_logprobs=np.zeros(5, np.float32),
+                  new_versions=np.zeros(5, np.int32), new_scored=1 - observed, new_observation=observed,
+                  finished=True, finish_reason=FinishReason.EOS)
+    values = np.array([0.1, 0.2, 9.0, 9.0, 0.4, 0.0], dtype=np.float32)
+    (trained,) = value_rows([row], [values], [Outcome(1.0, True)], settings)
+    np.testing.assert_allclose(trained.advantages, [0.35, 0.5, 0.0, 0.0, 0.6], atol=1e-6)
+    assert collate([trained]).response_mask.sum() == 3  # the observation is never trained

@@ -29,6 +29,7 @@ from asyncrl.weight_sync import free_port
 # The KL to the reference is in the reward (the PPO baseline): the value learner scores the reference.
 OVERRIDES = ("model=tiny task=tiny algorithm=ppo critic.warmup_steps=1 trainer.wandb_mode=disabled "
              "trainer.checkpoint_every=0 algorithm.kl_in_reward=true algorithm.kl_coef=0.05")
+TOOL_OVERRIDES = "model=tiny task=tiny_tool trainer.wandb_mode=disabled"
 ADMIN_TOKEN = "test-admin-token"
 APPS = {"train": "/train", "policy": "/v1", "reward-verifier": "/reward/verifier"}
 EXAMPLES = 8  # fuzzed examples per operation and generation mode (CI time); raise it for a deeper run
@@ -66,9 +67,12 @@ def apps(ray_session, cli_run, tmp_path_factory):
         {"name": "policy", "route_prefix": "/v1", "import_path": "asyncrl.serve.policy:build_policy",
          "args": {"overrides": OVERRIDES}},
         reward_app_config("verifier", OVERRIDES),
+        # A policy trained on the tiny tool task speaks its tool format (no learner: its own weights).
+        {"name": "policy-tools", "route_prefix": "/tools/v1", "import_path": "asyncrl.serve.policy:build_policy",
+         "args": {"overrides": TOOL_OVERRIDES}},
     ], timeout_s=300)
     yield f"http://127.0.0.1:{port}"
-    for app in APPS:
+    for app in [*APPS, "policy-tools"]:
         serve.delete(app)
     serve.shutdown()  # the next module starts Serve on its own port
 
@@ -487,3 +491,44 @@ def test_the_generator_pool_scales_1_3_1_by_the_admin_route_while_it_trains(apps
     assert r.status_code == 422  # a pool of none is refused with a reason
     r = httpx.post(f"{apps}/train/admin/generators", json={"count": 3}, timeout=60)
     assert r.status_code == 401  # and the route needs the token
+
+
+def test_the_policy_endpoint_speaks_openai_tools_in_the_trained_tool_format(apps):
+    """`tools` in, `tool_calls` out (the tiny tool format: a turn that starts with a non-digit is a
+    call of the lookup tool); an agent's follow-up with the call and the tool's answer is rendered
+    as an episode is in training ("5:" + the call "?" + the observation "=7": five tokens); tool
+    requests the endpoint cannot honour are 400s with the field named."""
+    client = openai.OpenAI(base_url=f"{apps}/tools/v1", api_key="unused")
+    tools = [{"type": "function", "function": {"name": "lookup", "description": "the episode's digit",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    kinds = set()
+    for seed in range(12):
+        reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "5:"}],
+                                               tools=tools, max_tokens=3, temperature=1.0, seed=seed)
+        choice = reply.choices[0]
+        if choice.finish_reason == "tool_calls":
+            (call,) = choice.message.tool_calls
+            assert call.type == "function" and call.function.name == "lookup" and json.loads(call.function.arguments) == {}
+            assert call.id.startswith("call_") and reply.usage.completion_tokens == 1  # cut just after the call
+        else:
+            assert not choice.message.tool_calls and choice.message.content[:1].isdigit()
+        kinds.add(choice.finish_reason)
+    assert "tool_calls" in kinds  # a random tiny policy asks two times in three
+    follow_up = [{"role": "user", "content": "5:"},
+                 {"role": "assistant", "content": None,
+                  "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]},
+                 {"role": "tool", "tool_call_id": "call_1", "content": "7"}]
+    reply = client.chat.completions.create(model="tiny", messages=follow_up, max_tokens=1, temperature=0.0)
+    assert reply.usage.prompt_tokens == 5  # "5:?=7", exactly as the episode's context
+    url = f"{apps}/tools/v1/chat/completions"
+    bad = {"tool_choice": ("required", "tool_choice"), "stream": (True, "stream")}
+    for field, (value, param) in bad.items():
+        r = httpx.post(url, json={"messages": [{"role": "user", "content": "5:"}], "tools": tools, field: value},
+                       timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    broken = [*follow_up[:1], {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                                                     "function": {"name": "lookup", "arguments": "{nope"}}]}]
+    r = httpx.post(url, json={"messages": broken, "tools": tools}, timeout=60)
+    assert r.status_code == 400 and "not JSON" in r.json()["error"]["message"], r.text
+    r = httpx.post(url, json={"messages": [{"role": "tool", "tool_call_id": "c"}], "tools": tools}, timeout=60)
+    assert r.status_code in (400, 422) and "content is required" in r.text, r.text

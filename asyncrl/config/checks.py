@@ -241,6 +241,12 @@ def _reward_checks(config) -> list[tuple[bool, str]]:
         checks.append((e.kind in ENDPOINT_KINDS, f"reward.endpoints.{name}.kind must be one of {ENDPOINT_KINDS}"))
         checks.append((e.kind not in ("bt", "prm") or bool(e.model_path), f"reward.endpoints.{name}.model_path is required for {e.kind}"))
         checks.append((e.judge_mode in ("pointwise", "pairwise"), f"reward.endpoints.{name}.judge_mode must be pointwise or pairwise"))
+        # A process reward model scores every response token; an episode's observations are the
+        # environment's, and its rewards would land on them.
+        checks.append((e.kind != "prm" or not config.environment.name,
+                       f"reward.endpoints.{name}: a process reward model (prm) cannot score episodes with an "
+                       f"environment (environment.name={config.environment.name}): its token rewards would fall "
+                       f"on the observations"))
     checks += route_checks(r.routes, set(r.endpoints))
     if _estimator_kind(config.algorithm.estimator) == "pairwise":
         judge = r.endpoints.get(config.algorithm.pairwise_endpoint)

@@ -36,6 +36,16 @@ class ToolFormat(Protocol):
     def observation(self, text: str) -> str:
         """The rendered observation: what follows the call in the context, up to the next turn."""
 
+    def call_text(self, call: ToolCall) -> str:
+        """How the policy writes `call` (an outside agent's earlier calls, rendered back)."""
+
+    def response_message(self, text: str) -> str:
+        """A tool's answer as the content of a chat message (for models with a chat template)."""
+
+    def tools_prompt(self, tools: list[dict]) -> str:
+        """What tells the model which tools it has (OpenAI `tools`: `{"name", "description",
+        "parameters"}` each), in a system message; "" where the format has no such text."""
+
 
 class ChatMLTools:
     """The Hermes / Qwen2.5 tool format for ChatML models (SmolLM2, Qwen2): a call is
@@ -71,7 +81,21 @@ class ChatMLTools:
         return ToolCall(call["name"], arguments)
 
     def observation(self, text: str) -> str:
-        return f"<|im_end|>\n<|im_start|>user\n<tool_response>\n{text}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+        return f"<|im_end|>\n<|im_start|>user\n{self.response_message(text)}<|im_end|>\n<|im_start|>assistant\n"
+
+    def response_message(self, text: str) -> str:
+        """A tool's answer as the content of the user turn that carries it."""
+        return f"<tool_response>\n{text}\n</tool_response>"
+
+    def call_text(self, call: ToolCall) -> str:
+        return f"{self.opening}{json.dumps({'name': call.name, 'arguments': call.arguments})}{self.stop}"
+
+    def tools_prompt(self, tools: list[dict]) -> str:
+        listed = "\n".join(json.dumps({"type": "function", "function": tool}) for tool in tools)
+        return ("You can call functions to help with the request. Their signatures, one JSON object "
+                f"per line:\n<tools>\n{listed}\n</tools>\nTo call one, write "
+                '<tool_call>{"name": <function name>, "arguments": <a JSON object of arguments>}</tool_call>; '
+                "its result comes back in <tool_response></tool_response>.")
 
 
 class TinyTools:
@@ -89,6 +113,15 @@ class TinyTools:
 
     def observation(self, text: str) -> str:
         return f"={text}"
+
+    def call_text(self, call: ToolCall) -> str:
+        return "?"
+
+    def response_message(self, text: str) -> str:
+        return self.observation(text)
+
+    def tools_prompt(self, tools: list[dict]) -> str:
+        return ""
 
 
 FORMATS: dict[str, type] = {"chatml": ChatMLTools, "tiny": TinyTools}

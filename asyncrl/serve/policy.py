@@ -82,16 +82,29 @@ class PolicyServer:
 
     @policy_api.post("/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest) -> JSONResponse:
-        messages = [{"role": m.role, "content": m.content} for m in body.messages]
+        from asyncrl.openai_tools import (ToolsError, check_tools, conversation, plain_conversation, tool_format,
+                                          uses_tools)
+
+        fmt = None
+        if uses_tools(body):  # in the tool format the policy is trained in
+            try:
+                check_tools(body)
+            except ToolsError as exc:
+                raise OpenAIError(400, str(exc), exc.param) from exc
+            fmt = tool_format(self.config.environment.tool_format)
         if self.config.model.use_chat_template:
+            messages = (conversation(body, fmt) if fmt is not None else
+                        [{"role": m.role, "content": m.content} for m in body.messages])
             ids = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, add_generation_prompt=True,
                                           tokenize=True, return_dict=False)
         else:
-            ids = await asyncio.to_thread(self.tokenizer.encode, "\n".join(m["content"] for m in messages),
-                                          add_special_tokens=False)
-        return await self._respond(body, [list(ids)], chat=True)
+            text = (plain_conversation(body, fmt) if fmt is not None else
+                    "\n".join(m.content for m in body.messages))
+            ids = await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=False)
+        calls = fmt if fmt is not None and body.tools and body.tool_choice != "none" else None
+        return await self._respond(body, [list(ids)], chat=True, tool_format=calls)
 
-    async def _respond(self, body, prompt_ids: list[list[int]], chat: bool) -> JSONResponse:
+    async def _respond(self, body, prompt_ids: list[list[int]], chat: bool, tool_format=None) -> JSONResponse:
         from asyncrl.openai_api import (check_model_name, check_request_size, generate_choices, logprobs_asked,
                                         stream_events)
 
@@ -111,7 +124,7 @@ class PolicyServer:
             events = stream_events(self.engine, self.tokenizer, prompt_ids, body, chat, request_id,
                                    self.config.model.name, version, asked)
             return StreamingResponse(events, media_type="text/event-stream", headers={VERSION_HEADER: str(version)})
-        choices = await generate_choices(self.engine, self.tokenizer, prompt_ids, body, asked or 0)
+        choices = await generate_choices(self.engine, self.tokenizer, prompt_ids, body, asked or 0, tool_format)
         build = chat_response if chat else completion_response
         payload = build(request_id, self.config.model.name, choices, version, asked)
         return JSONResponse(payload, headers={VERSION_HEADER: str(version)})
