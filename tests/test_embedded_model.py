@@ -5,11 +5,10 @@ import pytest
 import torch
 
 from asyncrl.config import compose
-from asyncrl.evaluation import greedy_accuracy
 from asyncrl.engines.base import SamplingParams, SequenceInput
+from asyncrl.evaluation import greedy_accuracy
 from asyncrl.generation import build_engine
 from asyncrl.tasks import encode_prompt, load_examples
-
 
 CONFIG = ["engine.max_response_tokens=24"]
 

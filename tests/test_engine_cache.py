@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 
+from actors.generator import Generator
 from asyncrl.config import ModelConfig
 from asyncrl.engines.base import SamplingParams, SequenceInput
 from asyncrl.engines.torch_engine import TorchEngine
-from asyncrl.learning import token_logprobs
+from asyncrl.learning.scoring import token_logprobs
 from asyncrl.mailbox import InProcessMailbox
 from asyncrl.models import build_tiny_model, build_tiny_tokenizer
-from asyncrl.roles.generator import Generator
 from asyncrl.schema import FinishReason, PromptRequest, int32_array
 
 VOCAB = len(build_tiny_tokenizer())
@@ -89,7 +89,7 @@ def test_no_kept_cache_outlives_the_weights_that_computed_it(how):
     assert len(engine.kept) == 4
     if how == "update_weights":
         engine.update_weights(other.named_parameters(), version=7)
-        assert engine.version == 7
+        assert engine.weight_version == 7
     else:
         with torch.no_grad():
             for p, q in zip(model.parameters(), other.parameters()):
@@ -199,7 +199,11 @@ def test_generator_windows_reuse_caches_and_emit_what_re_reading_emits():
 
 
 def test_engine_dtype_auto_is_bf16_only_where_native_and_the_model_is_large():
-    from asyncrl.engines.torch_engine import BF16_MIN_PARAMETERS, engine_dtype, native_bf16
+    from asyncrl.engines.torch_engine import (
+        BF16_MIN_PARAMETERS,
+        engine_dtype,
+        native_bf16,
+    )
 
     small = tiny_model()
     large = build_tiny_model(ModelConfig(source="tiny", hidden_size=512, num_layers=4, num_heads=8), VOCAB)

@@ -17,7 +17,9 @@ import torch
 
 from asyncrl.engines.torch_engine import TorchEngine
 from asyncrl.generation import sampling_params, sequence_input
-from asyncrl.learning import PolicyForward, collate, policy_step, proximal_logprobs
+from asyncrl.learning.policy import policy_step, proximal_logprobs
+from asyncrl.learning.rows import collate
+from asyncrl.learning.scoring import PolicyForward
 from asyncrl.models import eos_token_ids
 from asyncrl.schema import Segment, TrainSample, float32_array, int32_array
 from asyncrl.tasks import encode_prompt, load_examples
@@ -56,7 +58,7 @@ def precision_gap(config, lm, tokenizer, settings, rows: int, response: int) -> 
     pad = tokenizer.pad_token_id or 0
     samples = sampled_batch(config, lm, tokenizer, rows, response)
     fp32, bf16 = (dataclasses.replace(settings, precision=p, mini_batches=1, ppo_epochs=1) for p in ("fp32", "bf16"))
-    collated = collate(sorted(samples, key=lambda s: len(s.segment.new_token_ids)), pad, fp32)
+    collated = collate(sorted(samples, key=lambda s: len(s.segment.new_token_ids)), pad)
     trained = collated.response_mask > 0
     with torch.no_grad():
         logp = {name: proximal_logprobs(PolicyForward(lm), collated, s)[trained] for name, s in (("fp32", fp32), ("bf16", bf16))}

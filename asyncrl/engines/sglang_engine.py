@@ -54,6 +54,8 @@ class SGLangEngine:
 
     async def generate_window(self, sequences: list[SequenceInput], window_tokens: int,
                               params: SamplingParams) -> list[WindowOutput]:
+        if params.top_logprobs:
+            raise ValueError("the SGLang adapter does not report top log-probs (the embedded engine does)")
         return list(await asyncio.gather(*(self._window(s, window_tokens, params) for s in sequences)))
 
     async def _window(self, seq: SequenceInput, window_tokens: int, params: SamplingParams) -> WindowOutput:

@@ -20,7 +20,12 @@ import numpy as np
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from asyncrl.algo.sampling import greedy_from_logprobs, sample_from_logits, sample_from_logprobs, step_logprobs
+from asyncrl.algo.sampling import (
+    greedy_from_logprobs,
+    sample_from_logits,
+    sample_from_logprobs,
+    step_logprobs,
+)
 from asyncrl.engines import llama_decoder
 from asyncrl.engines.base import SamplingParams, SequenceInput, WindowOutput
 from asyncrl.engines.kv_cache import CachedWindow, KeptCaches
@@ -78,7 +83,7 @@ class TorchEngine:
         self._lock = threading.Lock()
 
     @property
-    def version(self) -> int:
+    def weight_version(self) -> int:
         return self._version
 
     async def generate_window(
@@ -88,7 +93,8 @@ class TorchEngine:
 
     async def stream_window(self, sequences: list[SequenceInput], window_tokens: int, params: SamplingParams):
         """`generate_window` that yields each decode step as it is sampled: a list of
-        `(row, token_id, logprob, finish_reason or None)` for the rows that produced a token. Closing
+        `(row, token_id, logprob, finish_reason or None, top)` for the rows that produced a token
+        (top: None, or `(ids, logprobs)` of the `params.top_logprobs` most likely tokens). Closing
         the iterator early (a client gone, every stop string found) ends the decode loop."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -224,13 +230,22 @@ class _Decoded:
     produced: torch.Tensor  # [B]
     reason: torch.Tensor  # [B]: -1 running, 0 eos, 1 max length
     complete: bool  # False when a stream's consumer stopped it
+    scored: torch.Tensor | None = None  # uint8 [B, W] (`_scored`), None when every position was
+    top_ids: torch.Tensor | None = None  # [B, W, k] with `params.top_logprobs` = k
+    top_logprobs: torch.Tensor | None = None
 
     def outputs(self) -> list[WindowOutput]:
         # Whole arrays to numpy once, then rows (per-row tensor slicing cost 2.5 ms a window at batch 64).
         tokens = self.tokens.to(torch.int32).cpu().numpy()
         logprobs = self.logprobs.cpu().numpy()
+        scored = None if self.scored is None else self.scored.cpu().numpy()
+        top = self.top_ids is not None
+        top_ids = self.top_ids.to(torch.int32).cpu().numpy() if top else None
+        top_lps = self.top_logprobs.cpu().numpy() if top else None
         return [WindowOutput(token_ids=tokens[row, :n].copy(), logprobs=logprobs[row, :n].copy(),
-                             finish_reason=_FINISH[code])
+                             finish_reason=_FINISH[code], scored=None if scored is None else scored[row, :n].copy(),
+                             top_ids=top_ids[row, :n].copy() if top else None,
+                             top_logprobs=top_lps[row, :n].copy() if top else None)
                 for row, (n, code) in enumerate(zip(self.produced.tolist(), self.reason.tolist()))]
 
 
@@ -245,12 +260,18 @@ def _decode(window, rows: _Rows, window_tokens: int, params: SamplingParams, eos
     produced = torch.zeros(batch, dtype=torch.long, device=dev)
     reason = torch.full((batch,), -1, dtype=torch.long, device=dev)
     logits = window.start()
+    top_n = min(params.top_logprobs, logits.shape[-1])
+    top_ids = torch.zeros((batch, window_tokens, top_n), dtype=torch.long, device=dev) if top_n else None
+    top_lps = torch.zeros((batch, window_tokens, top_n), dtype=torch.float32, device=dev) if top_n else None
+    scored = _scored(rows.prior.cpu(), rows.min_tokens.cpu(), window_tokens, params.first_token_temperature is not None)
     for step in range(window_tokens):
         running = reason < 0
         if hold_eos:  # rows below their minimum length cannot sample EOS
             early = (rows.prior + step < rows.min_tokens)[:, None]
             logits[:, eos_ids] = torch.where(early, float("-inf"), logits[:, eos_ids])
-        tok, tok_lp = _sample(logits, rows, step, params)
+        tok, tok_lp, top = _sample(logits, rows, step, params, top_n)
+        if top is not None:  # a row's positions past its end are cut off by `produced`
+            top_lps[:, step], top_ids[:, step] = top.values, top.indices
         tokens[:, step] = torch.where(running, tok, tokens[:, step])
         logprobs[:, step] = torch.where(running, tok_lp, logprobs[:, step])
         produced += running.long()
@@ -261,25 +282,40 @@ def _decode(window, rows: _Rows, window_tokens: int, params: SamplingParams, eos
         reason = torch.where(hit_eos, 0, reason)
         reason = torch.where(out_of_length, 1, reason)
         last = step == window_tokens - 1 or bool((reason >= 0).all()) or bool((produced >= rows.budget).all())
-        if on_step is not None and not on_step(_step_items(tok, tok_lp, running, reason, produced >= rows.budget, order)):
-            return _Decoded(tokens, logprobs, produced, reason, complete=False)  # the consumer of a stream is gone
-        if last:
-            break
+        stopped = on_step is not None and not on_step(
+            _step_items(tok, tok_lp, running, reason, produced >= rows.budget, order, top))
+        if stopped or last:  # stopped: the consumer of a stream is gone
+            return _Decoded(tokens, logprobs, produced, reason, not stopped, scored, top_ids, top_lps)
         logits = window.step(tok)
-    return _Decoded(tokens, logprobs, produced, reason, complete=True)
+    return _Decoded(tokens, logprobs, produced, reason, True, scored, top_ids, top_lps)
 
 
-def _sample(logits: torch.Tensor, rows: _Rows, step: int, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+def _sample(logits: torch.Tensor, rows: _Rows, step: int, params: SamplingParams, top_n: int = 0):
+    """`(tokens, their log-probs, top)`: top is None, or with `top_n` the `torch.topk` of the
+    log-probs of the distribution sampled from."""
     positions = rows.prior + step
     plain = (params.top_k == 0 and params.top_p >= 1.0
              and (params.first_token_temperature is None or not bool((positions == 0).any())))
     if plain and not params.greedy:
-        return sample_from_logits(logits, params.temperature, rows.seeds, positions)
-    dist = step_logprobs(logits, rows.prior + step, params.temperature, params.top_k, params.top_p,
+        tok, tok_lp = sample_from_logits(logits, params.temperature, rows.seeds, positions)
+        # The same distribution, `filtered_logprobs` at this temperature: only when asked for.
+        top = torch.topk(torch.log_softmax(logits.float() / params.temperature, -1), top_n, -1) if top_n else None
+        return tok, tok_lp, top
+    dist = step_logprobs(logits, positions, params.temperature, params.top_k, params.top_p,
                          params.first_token_temperature, params.first_token_top_k)
-    if params.greedy:
-        return greedy_from_logprobs(dist)
-    return sample_from_logprobs(dist, rows.seeds, positions)
+    tok, tok_lp = greedy_from_logprobs(dist) if params.greedy else sample_from_logprobs(dist, rows.seeds, positions)
+    return tok, tok_lp, torch.topk(dist, top_n, dim=-1) if top_n else None
+
+
+def _scored(prior: torch.Tensor, min_tokens: torch.Tensor, window_tokens: int, fire: bool) -> torch.Tensor | None:
+    """uint8 `[B, window]`: 0 at the positions whose distribution was not the policy's at the run's
+    settings: FIRE's first response token, and positions where EOS was held back (below a row's
+    minimum length). None when every position was."""
+    positions = prior[:, None] + torch.arange(window_tokens)[None, :]
+    unscored = positions < min_tokens[:, None]
+    if fire:
+        unscored |= positions == 0
+    return None if not bool(unscored.any()) else (~unscored).to(torch.uint8)
 
 
 class _PaddedWindow:
@@ -319,11 +355,13 @@ _FINISH = {0: FinishReason.EOS, 1: FinishReason.MAX_LENGTH, -1: FinishReason.WIN
 
 
 def _step_items(tok: torch.Tensor, tok_lp: torch.Tensor, running: torch.Tensor, reason: torch.Tensor,
-                window_full: torch.Tensor, order: list[int]) -> list[tuple[int, int, float, FinishReason | None]]:
+                window_full: torch.Tensor, order: list[int], top=None) -> list[tuple]:
     """One decode step as a stream sees it: each row that produced a token (by its index in the
-    caller's list), and how it ended if it did (WINDOW when its window is full but the response
-    goes on)."""
+    caller's list), how it ended if it did (WINDOW when its window is full but the response goes
+    on), and its most likely tokens (`top`, a `torch.topk` result, or None)."""
     tokens, logprobs, codes, full = tok.tolist(), tok_lp.tolist(), reason.tolist(), window_full.tolist()
-    return sorted((order[row], tokens[row], logprobs[row],
-                   _FINISH[codes[row]] if codes[row] >= 0 else FinishReason.WINDOW if full[row] else None)
-                  for row in running.nonzero().flatten().tolist())
+    top_ids, top_lps = (top.indices.tolist(), top.values.tolist()) if top is not None else (None, None)
+    return sorted(((order[row], tokens[row], logprobs[row],
+                    _FINISH[codes[row]] if codes[row] >= 0 else FinishReason.WINDOW if full[row] else None,
+                    (top_ids[row], top_lps[row]) if top is not None else None)
+                   for row in running.nonzero().flatten().tolist()), key=lambda item: item[0])
