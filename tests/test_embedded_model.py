@@ -77,7 +77,7 @@ def test_embedded_bf16_engine_logprobs_are_within_the_bound_of_the_fp32_learners
     measure every step."""
     from asyncrl.engines.torch_engine import TorchEngine
     from asyncrl.generation import sequence_input
-    from asyncrl.learning import token_logprobs
+    from asyncrl.learning.scoring import token_logprobs
     from asyncrl.models import eos_token_ids
 
     model, tokenizer = embedded_policy

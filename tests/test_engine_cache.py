@@ -213,3 +213,100 @@ def test_engine_dtype_auto_is_bf16_only_where_native_and_the_model_is_large():
     assert engine_dtype("bfloat16", "cpu", small) == torch.bfloat16
     with pytest.raises(ValueError, match="dtype"):
         engine_dtype("float16", "cpu", small)
+
+
+def test_a_context_grown_by_tokens_the_engine_did_not_generate_continues_from_its_cache():
+    """Multi-turn episodes resume a sequence with an observation appended: a context that extends
+    the kept tokens by tokens no window generated feeds them after the kept keys (the cache is
+    extended); a context cut inside the kept tokens (a turn cut just after its call) is re-read.
+    Either way the window equals a re-prefilled one."""
+    model = tiny_model()
+    cached, fresh = TorchEngine(model, NO_EOS), TorchEngine(model, NO_EOS)
+    first = cached.generate_window_sync([seq(i) for i in range(3)], 5, PARAMS)
+    observation = [7, 8, 9, 10]
+    responses = [np.concatenate([first[0].token_ids, observation]),  # grown: the last token sampled and 4 more
+                 np.concatenate([first[1].token_ids[:2], observation]),  # cut after its 2nd token, then grown
+                 first[2].token_ids]  # a plain continuation
+    got = cached.generate_window_sync([seq(i, r) for i, r in enumerate(responses)], 5, PARAMS)
+    want = fresh.generate_window_sync([seq(i, r, keyed=False) for i, r in enumerate(responses)], 5, PARAMS)
+    for a, b in zip(got, want):
+        assert a.token_ids.tolist() == b.token_ids.tolist()
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    assert cached.kept.stats["reused"] == 2 and cached.kept.stats["dropped_tokens_differ"] == 1
+
+
+def test_top_logprobs_on_the_plain_path_are_the_sampled_distributions_window_by_window():
+    """Temperature-only sampling draws from the logits directly (`sample_from_logits`); asked for
+    top log-probs, the engine reports those of the same distribution (log-softmax at the
+    temperature, as a teacher-forced pass computes it), windows continued from kept caches
+    included, and the samples are the ones drawn without them."""
+    model = tiny_model()
+    params = SamplingParams(temperature=0.8, top_logprobs=4)
+    engine = TorchEngine(model, NO_EOS)
+    tokens = {i: np.zeros(0, dtype=np.int32) for i in range(3)}
+    tops = {i: [] for i in range(3)}
+    for _ in range(3):
+        outs = engine.generate_window_sync([seq(i, tokens[i]) for i in range(3)], 4, params)
+        for i, out in enumerate(outs):
+            tokens[i] = np.concatenate([tokens[i], out.token_ids])
+            tops[i].append((out.top_ids, out.top_logprobs, out.logprobs))
+    assert engine.kept.stats["reused"] == 6
+    plain = TorchEngine(model, NO_EOS).generate_window_sync([seq(i, keyed=False) for i in range(3)], 12,
+                                                           SamplingParams(temperature=0.8))
+    for i in range(3):
+        assert tokens[i].tolist() == plain[i].token_ids.tolist()
+        top_ids = np.concatenate([t[0] for t in tops[i]])
+        top_lps = np.concatenate([t[1] for t in tops[i]])
+        ids = torch.tensor([PROMPTS[i] + tokens[i].tolist()])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(PROMPTS[i]) - 1:-1]
+        expected = torch.topk(torch.log_softmax(logits / 0.8, -1), 4, dim=-1)
+        assert (top_ids == expected.indices.numpy()).all()
+        np.testing.assert_allclose(top_lps, expected.values.numpy(), atol=1e-4)
+        sampled = np.concatenate([t[2] for t in tops[i]])
+        for j, token in enumerate(tokens[i]):
+            if token in top_ids[j]:
+                assert top_lps[j][list(top_ids[j]).index(token)] == pytest.approx(sampled[j], abs=1e-6)
+
+
+def test_episodes_with_kept_caches_emit_what_re_reading_emits():
+    """A generator running tiny-tool episodes (a turn cut after its call, parked while the
+    environment answers, resumed with the observation appended): the same segments with caches
+    kept as with every context re-read; a parked sequence's cache is dropped (it is not in the
+    windows that run while it waits), and the others' are used."""
+    from asyncrl.environments.episodes import Episodes, LocalEnvironment
+    from asyncrl.environments.formats import TinyTools
+    from asyncrl.environments.tools import LookupTool
+
+    tok = build_tiny_tokenizer()
+
+    def run(max_kept_bytes):
+        engine = TorchEngine(tiny_model(5), NO_EOS, max_kept_bytes=max_kept_bytes)
+        prompts, segments = InProcessMailbox(64), InProcessMailbox(100_000)
+        episodes = Episodes(TinyTools(), LocalEnvironment(LookupTool()), tok, 2, 512)
+        gen = Generator(engine, prompts, segments, PARAMS, window_tokens=2, max_response_tokens=8, max_windows=0,
+                        max_inflight=64, episodes=episodes)
+
+        async def main():
+            await prompts.put([PromptRequest(prompt_id=f"p{d}", prompt_token_ids=int32_array(tok.encode(f"{d}:")),
+                                             group_size=4, seed=100 * d, data_source="tiny_tool",
+                                             ground_truth="episode") for d in range(3)])
+            out = []
+            for turn in range(200):
+                await gen.step()
+                out += await segments.get(10_000, timeout=0.0)
+                if not gen.held and not (await prompts.stats()).queued and turn > 1:
+                    return out
+            raise AssertionError("the episodes did not finish")
+
+        out = asyncio.run(main())
+        return {s.msg_id: (s.new_token_ids.tolist(), s.new_logprobs, s.finish_reason) for s in out}, engine.kept.stats, gen
+
+    cached, stats, gen = run(2 << 30)
+    uncached, no_stats, _ = run(0)
+    assert cached.keys() == uncached.keys()
+    for key, (tokens, logprobs, reason) in cached.items():
+        assert tokens == uncached[key][0] and reason is uncached[key][2]
+        np.testing.assert_allclose(logprobs, uncached[key][1], atol=1e-5)
+    assert gen.counters["tool_calls"] > 0
+    assert stats["reused"] > 0 and stats["dropped_not_in_flight"] > 0 and no_stats["reused"] == 0
