@@ -9,10 +9,13 @@ cover (normally one: the last token sampled). Invariants, held here:
   (the engine's update count and each parameter's storage and version counter, so an in-place
   change behind the engine's back counts too); a window under another stamp drops them all.
 * **Only the tokens they were computed for.** A kept cache is used only when its tokens are a
-  strict prefix of the sequence's context as passed now; otherwise it is dropped.
+  strict prefix of the sequence's context as passed now; otherwise it is dropped. Tokens after the
+  prefix are fed whoever made them: a multi-turn episode resumed with an observation appended
+  continues from its cache; a turn cut inside the kept tokens (just after its call) is re-read.
 * **Bounded.** Between windows at most one block is held: the last window's, for its unfinished
   keyed rows, and only if it is at most `max_bytes`. A sequence that finished, or was not in the
-  last call (no longer in flight), has no cache.
+  last call (no longer in flight, or an episode parked while its tool call is answered), has no
+  cache.
 """
 
 from __future__ import annotations
