@@ -104,8 +104,10 @@ class System:
             raise ValueError("trainer.record=true needs a run directory (trainer.run_dir)")
         # The control plane (mailboxes, prompt source, assembler, reward endpoints, recorder) sits on
         # this node, the run's own: on a cluster it does not share the fate of a generator's node.
+        # Hard affinity: a soft one let a busy head's raylet spill a mailbox to a worker node (seen on
+        # the namespace cluster), and losing that node then cost a restart instead of a heal.
         here = {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
-                                                                      soft=True)}
+                                                                      soft=False)}
         self._mailboxes(value_based, here)
         self._roles(resume, learning, value_based, here)
         self._resume(resume)
