@@ -7,6 +7,8 @@ The train app runs PPO, so its records carry value-learner metrics, and they are
 those `asyncrl train` writes for the same overrides (one run monitor behind both)."""
 
 import json
+import subprocess
+import sys
 import threading
 import time
 
@@ -29,13 +31,14 @@ from asyncrl.weight_sync import free_port
 # The KL to the reference is in the reward (the PPO baseline): the value learner scores the reference.
 OVERRIDES = ("model=tiny task=tiny algorithm=ppo critic.warmup_steps=1 trainer.wandb_mode=disabled "
              "trainer.checkpoint_every=0 algorithm.kl_in_reward=true algorithm.kl_coef=0.05")
-TOOL_OVERRIDES = "model=tiny task=tiny_tool trainer.wandb_mode=disabled"
+TOOL_OVERRIDES = "model=tiny task=tiny_tool trainer.wandb_mode=disabled serve.follow_learner=false"
 ADMIN_TOKEN = "test-admin-token"
 APPS = {"train": "/train", "policy": "/v1", "reward-verifier": "/reward/verifier"}
 EXAMPLES = 8  # fuzzed examples per operation and generation mode (CI time); raise it for a deeper run
 
 
 RUN_DIRS = {}  # "serve": the train app's run directory
+APP_CONFIGS: list[dict] = []  # the apps as deployed (a redeploy must name them all)
 
 
 def records_with_value_metrics(path) -> list[dict]:
@@ -61,16 +64,17 @@ def apps(ray_session, cli_run, tmp_path_factory):
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     run_dir = RUN_DIRS["serve"] = tmp_path_factory.mktemp("serve")
-    deploy_declaratively([
+    APP_CONFIGS[:] = [
         {"name": "train", "route_prefix": "/train", "import_path": "asyncrl.serve.train:build_train",
          "args": {"overrides": OVERRIDES, "trainer.run_dir": str(run_dir), "serve.admin_token": ADMIN_TOKEN}},
         {"name": "policy", "route_prefix": "/v1", "import_path": "asyncrl.serve.policy:build_policy",
          "args": {"overrides": OVERRIDES}},
         reward_app_config("verifier", OVERRIDES),
-        # A policy trained on the tiny tool task speaks its tool format (no learner: its own weights).
+        # A policy of the tiny tool task speaks its tool format (its own weights, not the train app's).
         {"name": "policy-tools", "route_prefix": "/tools/v1", "import_path": "asyncrl.serve.policy:build_policy",
          "args": {"overrides": TOOL_OVERRIDES}},
-    ], timeout_s=300)
+    ]
+    deploy_declaratively(APP_CONFIGS, timeout_s=300)
     yield f"http://127.0.0.1:{port}"
     for app in [*APPS, "policy-tools"]:
         serve.delete(app)
@@ -366,7 +370,7 @@ def test_every_admin_route_needs_the_token_and_checkpoint_writes_one(apps):
     """All routes under /train/admin refuse a missing or wrong token (compared in constant time)."""
     paths = httpx.get(f"{apps}/train/openapi.json", timeout=30).json()["paths"]  # what is deployed
     admin = sorted(p for p in paths if p.startswith("/admin/"))
-    assert admin == ["/admin/checkpoint", "/admin/reward_routes"]
+    assert admin == ["/admin/checkpoint", "/admin/generators", "/admin/reward_routes"]
     for path in admin:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": ADMIN_TOKEN}):
             r = httpx.post(f"{apps}/train{path}", json={"routes": []}, headers=headers, timeout=30)
@@ -474,10 +478,19 @@ def test_the_generator_pool_scales_1_3_1_by_the_admin_route_while_it_trains(apps
         return status
 
     start = look()["step"]
-    for count in (3, 1):
-        r = httpx.post(f"{apps}/train/admin/generators", json={"count": count}, headers=headers, timeout=900)
-        assert r.status_code == 200, r.text
-        assert len(r.json()["generators"]) == count
+    for count, how in ((3, "cli"), (2, "route"), (1, "serve deploy")):
+        if how == "cli":
+            done = subprocess.run([sys.executable, "-m", "asyncrl.cli", "scale", str(count), "--endpoint", apps,
+                                   "--token", ADMIN_TOKEN], capture_output=True, text=True, timeout=900)
+            assert done.returncode == 0 and len(json.loads(done.stdout)["generators"]) == count, done.stderr
+        elif how == "route":
+            r = httpx.post(f"{apps}/train/admin/generators", json={"count": count}, headers=headers, timeout=900)
+            assert r.status_code == 200, r.text
+            assert len(r.json()["generators"]) == count
+        else:  # user_config changes in place: the train app is reconfigured, not restarted
+            train_app = {**APP_CONFIGS[0], "deployments": [{"name": "TrainController",
+                                                             "user_config": {"num_generators": count}}]}
+            deploy_declaratively([train_app, *APP_CONFIGS[1:]], timeout_s=600)
         for _ in range(8):
             status = look()
             time.sleep(1.0)
@@ -486,6 +499,7 @@ def test_the_generator_pool_scales_1_3_1_by_the_admin_route_while_it_trains(apps
     assert len(seen) >= 3 and all(d >= w - bound for views in seen.values() for d, w in views), seen
     events = [e["event"] for e in status["pool"]["events"]]
     assert events.count("joined") >= 2 and events.count("left") >= 2
+    assert {e["reason"] for e in status["pool"]["events"]} >= {"admin route", "serve deploy (user_config)"}
     assert status["ledger"]["problems"] == [] and status["ledger"]["duplicates"] == 0
     r = httpx.post(f"{apps}/train/admin/generators", json={"count": 0}, headers=headers, timeout=60)
     assert r.status_code == 422  # a pool of none is refused with a reason

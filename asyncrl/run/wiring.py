@@ -54,6 +54,10 @@ class ResumePoint:
     held_sample_ids: set = field(default_factory=set)  # samples inside those batches
 
 
+class RoleDied(RuntimeError):
+    """A role's loop ended (its error, with the role named): the run restarts from the checkpoint."""
+
+
 class System:
     """`run_dir` enables checkpoints; with `resume=true` the system continues from the newest valid
     checkpoint there. `max_steps`: the learner stops there (0: trains until stopped, as under Serve)."""
@@ -100,8 +104,10 @@ class System:
             raise ValueError("trainer.record=true needs a run directory (trainer.run_dir)")
         # The control plane (mailboxes, prompt source, assembler, reward endpoints, recorder) sits on
         # this node, the run's own: on a cluster it does not share the fate of a generator's node.
+        # Hard affinity: a soft one let a busy head's raylet spill a mailbox to a worker node (seen on
+        # the namespace cluster), and losing that node then cost a restart instead of a heal.
         here = {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
-                                                                      soft=True)}
+                                                                      soft=False)}
         self._mailboxes(value_based, here)
         self._roles(resume, learning, value_based, here)
         self._resume(resume)
@@ -277,8 +283,11 @@ class System:
             if name.startswith("generator:"):
                 dead.append(name.removeprefix("generator:"))
                 continue
-            ray.get(ref)  # raises the actor's exception
-            raise RuntimeError(f"actor loop {name} stopped unexpectedly")
+            try:
+                ray.get(ref)
+            except Exception as exc:  # the loop's own error, named by its role
+                raise RoleDied(f"{name}'s loop ended: {type(exc).__name__}: {exc}") from exc
+            raise RoleDied(f"{name}'s loop stopped unexpectedly")
         return dead
 
     def status(self) -> dict:
