@@ -160,6 +160,9 @@ class System:
         learners += [ask(cfg.critic.gpus, cfg.critic.resources)] if value_based else []
         generator_options, learner_options, self.placement_group = role_placement(
             cfg.cluster.placement, ask(cfg.engine.gpus, cfg.engine.resources), self.pool.target, learners)
+        # A learner that asks for nothing (no GPU, no resource) stays with the control plane: it holds
+        # the run's state, and on a cluster it must not share a generator's node's fate.
+        learner_options = [options or dict(here) for options in learner_options]
         value_learner = (self._spawn(
             ValueLearnerActor, model=cfg.model, critic=cfg.critic, algorithm=cfg.algorithm, engine=cfg.engine,
             seed=tr.seed, trajectories=boxes["trajectories"], resume_from=resume and resume.checkpoint,
