@@ -360,8 +360,11 @@ class PolicyLearnerActor(RoleShell):
             from asyncrl.weight_sync import WeightGroup
 
             host, port, backend = group
+            # Its sends are bounded like every delivery (cluster.generator_timeout_s): a cut-off peer
+            # must not hold the pool's delivery (and so every generator's next version) for longer.
             self.inner.sender.groups[generator_id] = await asyncio.to_thread(
-                WeightGroup, host, port, 2, 0, backend, local_address=node_address())
+                WeightGroup, host, port, 2, 0, backend, timeout_s=self.inner.pool.timeout_s,
+                local_address=node_address())
         return await self.inner.pool.add(generator_id, handle, path)
 
     def leave_generator(self, generator_id: str) -> None:
