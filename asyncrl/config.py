@@ -41,13 +41,22 @@ class ModelConfig:
 class EngineConfig:
     name: str = "torch"
     """The generators' inference engine: torch (the embedded one, CPU or CUDA) | sglang (SGLang's
-    offline engine, GPU only: `pip install asyncrl[sglang]` or the Docker image; model.source=hf)."""
+    offline engine, CUDA or CPU, in .venv-sglang: `make sglang`; presets engine=sglang, sglang_cpu)."""
     device: str = "cpu"
-    """cpu | cuda: where the embedded engine runs (SGLang always runs on CUDA)."""
+    """cpu | cuda: where the generators' engine runs."""
     sglang_mem_fraction: float = 0.5
-    """sglang: the share of the GPU's memory for weights and KV cache (mem_fraction_static); leave
-    room for a learner on the same GPU."""
+    """sglang: the share of the device's memory for weights and KV cache (mem_fraction_static): of
+    the GPU's (leave room for a learner on the same GPU), on CPU of the RAM free at start-up."""
     sglang_tp_size: int = 1
+    sglang_max_total_tokens: int = 0
+    """sglang: KV cache capacity in tokens (max_total_tokens); 0 = SGLang sizes it from
+    `sglang_mem_fraction` (a GPU). On CPU the KV cache is ordinary RAM: a cap is required
+    (engine=sglang_cpu: 16384 tokens)."""
+    sglang_max_running_requests: int = 0
+    """sglang: requests decoded at once (max_running_requests; 0 = SGLang's, from the KV capacity)."""
+    sglang_chunked_prefill_tokens: int = 0
+    """sglang: prefill in chunks of this many tokens (chunked_prefill_size; 0 = SGLang's default),
+    which bounds a long prompt's activation memory."""
     window_tokens: int = 64
     """W: new tokens per sequence per generator turn. A sequence cut at W continues next turn."""
     max_response_tokens: int = 128
@@ -655,6 +664,8 @@ RANGES = {
     "engine.top_k": ">= 0", "engine.first_token_temperature": "> 0", "engine.first_token_top_k": ">= 0",
     "engine.threads": ">= 1", "engine.long_tail_fraction": "[0, 1]", "engine.long_tail_tokens": ">= 0",
     "engine.sglang_mem_fraction": "(0, 1)", "engine.sglang_tp_size": ">= 1",
+    "engine.sglang_max_total_tokens": ">= 0", "engine.sglang_max_running_requests": ">= 0",
+    "engine.sglang_chunked_prefill_tokens": ">= 0",
     "algorithm.group_size": ">= 1", "algorithm.clip_low": "[0, 1)", "algorithm.clip_high": ">= 0",
     "algorithm.kl_coef": ">= 0", "algorithm.entropy_coef": ">= 0", "algorithm.overlong_buffer_tokens": ">= 0",
     "algorithm.overlong_penalty_factor": ">= 0", "algorithm.max_staleness_versions": ">= 0", "algorithm.lr": "> 0",
@@ -753,12 +764,19 @@ def validate(config: Config) -> None:
         (config.trainer.learner_device in ("cpu", "cuda"), "trainer.learner_device must be cpu or cuda"),
         (config.trainer.learner_precision in ("fp32", "bf16"), "trainer.learner_precision must be fp32 or bf16"),
         (config.trainer.placement in ("any", "colocated", "spread"), "trainer.placement must be any, colocated or spread"),
-        (e.device != "cuda" and e.name != "sglang" or config.trainer.generator_gpus > 0,
-         "a generator on CUDA (engine.device=cuda or engine=sglang) needs trainer.generator_gpus > 0"),
+        (e.device != "cuda" or config.trainer.generator_gpus > 0,
+         "a generator on CUDA (engine.device=cuda) needs trainer.generator_gpus > 0"),
+        (e.name != "sglang" or e.device == "cuda" or config.trainer.generator_gpus == 0,
+         f"engine.device=cpu with trainer.generator_gpus={config.trainer.generator_gpus}: engine=sglang is the "
+         "one-GPU preset; for SGLang on CPU use engine=sglang_cpu"),
+        (e.name != "sglang" or e.device == "cuda" or e.sglang_max_total_tokens > 0,
+         "engine=sglang on CPU needs engine.sglang_max_total_tokens > 0: its KV cache is ordinary RAM "
+         "(engine=sglang_cpu sets 16384)"),
+        (e.name != "sglang" or not e.sglang_max_total_tokens or e.sglang_max_total_tokens > e.max_response_tokens,
+         f"engine.sglang_max_total_tokens={e.sglang_max_total_tokens} cannot hold one response of "
+         f"engine.max_response_tokens={e.max_response_tokens} and its prompt"),
         (config.trainer.learner_device != "cuda" or config.trainer.learner_gpus > 0,
          "trainer.learner_device=cuda needs trainer.learner_gpus > 0"),
-        (e.name != "sglang" or config.model.source == "hf",
-         "engine=sglang loads a Hugging Face directory: set model.source=hf model.path=<dir>"),
         (config.trainer.weight_transport in ("auto", "shm", "cuda_ipc", "group"),
          "trainer.weight_transport must be auto, shm, cuda_ipc or group"),
         (config.mode != "generate" or config.trainer.record,

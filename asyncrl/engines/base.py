@@ -69,6 +69,10 @@ class WindowOutput(msgspec.Struct, kw_only=True, frozen=True):
 class Engine(Protocol):
     """What a generator needs from an inference engine."""
 
+    updates_mid_window: bool
+    """True: a weight update is applied as it arrives, while windows run, and each token's version
+    comes back in `WindowOutput.versions` (SGLang). False: updates land between windows."""
+
     @property
     def version(self) -> int:
         """Weight version currently loaded."""
@@ -84,3 +88,6 @@ class Engine(Protocol):
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load new weights (all or some parameters) and set the version."""
+
+    def adopt_shared(self, shared, version: int) -> None:
+        """Take a version from the node's shared memory (`asyncrl.weight_sync.SharedVersion`)."""

@@ -18,9 +18,13 @@ from transformers import DynamicCache, PreTrainedModel
 from asyncrl.algo.sampling import greedy_from_logprobs, sample_from_logprobs, step_logprobs
 from asyncrl.engines.base import SamplingParams, SequenceInput, WindowOutput
 from asyncrl.schema import FinishReason
+from asyncrl.weight_sync import SharedVersion, shared_views
 
 
 class TorchEngine:
+    # Updates land between windows (the generator holds them until the window ends).
+    updates_mid_window = False
+
     def __init__(self, model: PreTrainedModel, eos_token_ids: Iterable[int], pad_token_id: int = 0):
         self.model = model.eval()
         # The model's device (engine.device=cuda puts it on the GPU): every tensor of a window is made there.
@@ -100,6 +104,11 @@ class TorchEngine:
                 param.data = view if view.dtype == param.dtype else view.to(param.dtype)
             self._shared = keepalive
             self._version = version
+
+    def adopt_shared(self, shared: SharedVersion, version: int) -> None:
+        """Adopt a version in the node's shared memory (`asyncrl.weight_sync.SharedSlots`) as views."""
+        views = shared_views(shared)
+        self.adopt_weights(views, version, keepalive=views)
 
     @torch.inference_mode()
     def generate_window_sync(

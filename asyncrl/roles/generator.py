@@ -3,7 +3,8 @@
 Each turn advances every in-flight sequence by at most one window. Unfinished sequences continue
 next turn and have priority; new prompts fill freed slots (a prompt's G samples are admitted
 together). Every token is tagged with the weight version that produced it. Weight updates are
-applied between windows, never during one.
+applied between windows, or at once where the engine takes them while windows run
+(`Engine.updates_mid_window`: SGLang, which reports each token's version).
 
 A `PromptRequest` is acknowledged only when all of its samples (G, or those it names) have emitted their final
 segment, so a generator that dies mid-prompt loses nothing: the lease expires, another generator
@@ -22,7 +23,7 @@ from asyncrl.engines.base import Engine, SamplingParams, long_tail_min_tokens
 from asyncrl.generation import sequence_input
 from asyncrl.mailbox import Mailbox
 from asyncrl.schema import FinishReason, PromptRequest, Segment
-from asyncrl.weight_sync import Delivery, WeightGroup, from_cuda_ipc, shared_views
+from asyncrl.weight_sync import Delivery, WeightGroup, from_cuda_ipc
 
 
 @dataclass
@@ -67,17 +68,18 @@ class Generator:
     # --- weight updates (called by the learner) -------------------------------------------------
 
     async def receive_weights(self, delivery: Delivery, payload=None) -> float:
-        """Take version `delivery.version` between windows, by its path (`asyncrl.weight_sync`):
-        `payload` is the shared-memory arrays (shm) or the CUDA IPC handles; the group path receives
-        by broadcast. Returns the seconds generation paused for it."""
+        """Take version `delivery.version` between windows (at once if the engine updates mid-window),
+        by its path (`asyncrl.weight_sync`): `payload` is the shared-memory arrays (shm) or the CUDA
+        IPC handles; the group path receives by broadcast. Returns the seconds generation paused for it."""
+        if self.engine.updates_mid_window:
+            return await self._apply(delivery, payload)
         future = asyncio.get_running_loop().create_future()
         self._pending_update = (delivery, payload, future)
         return await future
 
     def _load(self, delivery: Delivery, payload) -> None:
         if delivery.path == "shm":
-            views = shared_views(payload)
-            self.engine.adopt_weights(views, delivery.version, keepalive=views)
+            self.engine.adopt_shared(payload, delivery.version)
         elif delivery.path == "cuda_ipc":
             self.engine.update_weights(from_cuda_ipc(payload), delivery.version)
         elif delivery.path == "group":
@@ -92,16 +94,20 @@ class Generator:
             return
         delivery, payload, future = self._pending_update
         self._pending_update = None
-        start = time.perf_counter()
         try:
-            await asyncio.to_thread(self._load, delivery, payload)
+            paused = await self._apply(delivery, payload)
         except Exception as exc:
             future.set_exception(exc)
             raise
+        future.set_result(paused)
+
+    async def _apply(self, delivery: Delivery, payload) -> float:
+        start = time.perf_counter()
+        await asyncio.to_thread(self._load, delivery, payload)
         paused = time.perf_counter() - start
         self.timing["weight_update_s"] += paused
         self.counters["weight_updates"] += 1
-        future.set_result(paused)
+        return paused
 
     # --- the loop --------------------------------------------------------------------------------
 
