@@ -172,6 +172,18 @@ def test_top_k_top_p_tokens_carry_the_logprob_of_the_truncated_distribution(loop
     assert np.median(gaps) > 0.05
 
 
+def test_greedy_windows_take_the_learners_argmax(loop, engine, models):
+    outputs = generate(loop, engine, [sequence_input(p, seed=0, max_response_tokens=12) for p in PROMPTS], 12,
+                       SamplingParams(greedy=True))
+    model = models[engine.version]
+    for prompt, out in zip(PROMPTS, outputs):
+        ids = torch.tensor([prompt + out.token_ids.tolist()])
+        with torch.no_grad():
+            best = model(ids).logits[0, len(prompt) - 1:-1].argmax(-1)
+        assert out.token_ids.tolist() == best.tolist()
+        check_against_learner(models, prompt, out, 1.0)
+
+
 def test_a_second_window_resends_its_prefix_and_reads_it_from_the_cache(loop, engine, models):
     params = SamplingParams(temperature=1.0)
     first = generate(loop, engine, [sequence_input(p, seed=20 + i, max_response_tokens=64) for i, p in enumerate(PROMPTS)],

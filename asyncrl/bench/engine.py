@@ -1,6 +1,7 @@
 """Embedded engine speed: tokens/s of `TorchEngine` against transformers' own `generate` on the
 same model, prompts and length, paired rounds (engine, generate, engine, ...). On `engine.device`
-(`engine.device=cuda` on a GPU: batches up to 256)."""
+(`engine.device=cuda` on a GPU: batches up to 256). With `engine=sglang_cpu` (or `engine=sglang`),
+SGLang beside the embedded engine instead (`asyncrl.bench.sglang_bench`)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ from asyncrl.tasks import encode_prompt, load_examples
 
 def run(quick: bool = False, overrides: list[str] | None = None) -> dict:
     config = compose(overrides or [])
+    if config.engine.name == "sglang":  # SGLang beside the embedded engine (.venv-sglang)
+        from asyncrl.bench.sglang_bench import engine_speed
+
+        return engine_speed(config, quick)
     torch.set_num_threads(config.engine.threads)
     device = config.engine.device
     engine, tokenizer = build_engine(config.model, device=device)
@@ -58,6 +63,10 @@ def run(quick: bool = False, overrides: list[str] | None = None) -> dict:
 
 
 def report(results: dict) -> str:
+    if "sglang_tokens_per_s" in next(iter(results.values())):
+        from asyncrl.bench.sglang_bench import engine_report
+
+        return engine_report(results)
     lines = ["| batch | asyncrl engine tok/s | HF generate tok/s | asyncrl / HF |", "|---|---|---|---|"]
     for name, r in results.items():
         lines.append(f"| {name.removeprefix('batch_')} | {r['asyncrl_tokens_per_s']:.1f} | "

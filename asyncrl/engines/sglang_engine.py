@@ -126,13 +126,15 @@ class SGLangEngine:
         out = _Tokens()
         min_new = max(0, seq.min_response_tokens - prior)
         finish = None
-        if params.first_token_temperature is not None and prior == 0:
+        # Greedy: SGLang's temperature 0 (argmax; the log-prob is that of softmax(logits)).
+        regular = (0.0, 0, 1.0) if params.greedy else (params.temperature, params.top_k, params.top_p)
+        if params.first_token_temperature is not None and prior == 0 and not params.greedy:
             # FIRE: the first response token alone, at the hot temperature under its top-k guard.
             finish = await self._request(context, out, 1, min_new, seq.seed,
                                          (params.first_token_temperature, params.first_token_top_k, 1.0))
         if finish is None and len(out.ids) < budget:
             finish = await self._request(context, out, budget - len(out.ids), max(0, min_new - len(out.ids)),
-                                         seq.seed, (params.temperature, params.top_k, params.top_p))
+                                         seq.seed, regular)
         if finish == "stop":
             reason = FinishReason.EOS
         elif prior + len(out.ids) >= seq.max_response_tokens:
@@ -183,7 +185,7 @@ class SGLangEngine:
         temperature, top_k, top_p = setting
         sampling = {"max_new_tokens": max_new, "min_new_tokens": min(min_new, max_new), "temperature": temperature,
                     "stop_token_ids": self.eos_token_ids, "sampling_seed": seed}
-        if top_k > 0 or top_p < 1.0:
+        if temperature > 0 and (top_k > 0 or top_p < 1.0):
             sampling["custom_params"] = truncation(temperature, top_k, top_p)
         return sampling
 

@@ -1,0 +1,34 @@
+"""The SGLang presets compose, and settings SGLang cannot run with are refused at start-up with the
+field named (runs in .venv: no SGLang needed; the engine itself: tests/test_sglang_real.py)."""
+
+import pytest
+
+from asyncrl.config import ConfigError, compose
+
+
+def test_the_cpu_preset_runs_sglang_on_cpu_with_a_capped_kv_cache_and_the_learner_on_cpu():
+    config = compose(["engine=sglang_cpu", "model=tiny", "task=tiny"])
+    e, t = config.engine, config.trainer
+    assert (e.name, e.device) == ("sglang", "cpu") and e.sglang_max_total_tokens > 0
+    assert t.generator_gpus == 0 and t.learner_gpus == 0 and t.learner_device == "cpu"
+    assert config.algorithm.rollout_correction == "token_tis"
+
+
+def test_the_gpu_preset_leaves_the_kv_cache_to_sglangs_memory_fraction():
+    config = compose(["engine=sglang"])
+    assert config.engine.device == "cuda" and config.engine.sglang_max_total_tokens == 0
+    assert config.trainer.generator_gpus > 0 and config.trainer.learner_device == "cuda"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["engine=sglang", "engine.device=cpu"], "for SGLang on CPU use engine=sglang_cpu"),
+    (["engine=sglang_cpu", "engine.sglang_max_total_tokens=0"], "needs engine.sglang_max_total_tokens > 0"),
+    (["engine=sglang_cpu", "engine.sglang_max_total_tokens=100", "engine.max_response_tokens=128"],
+     "cannot hold one response"),
+    (["engine=sglang_cpu", "engine.sglang_mem_fraction=0"], "engine.sglang_mem_fraction=0.0 is out of range"),
+    (["engine=sglang_cpu", "engine.sglang_max_running_requests=-1"], "engine.sglang_max_running_requests=-1 is out of range"),
+    (["engine=sglang_cpu", "engine.sglang_chunked_prefill_tokens=-8"], "engine.sglang_chunked_prefill_tokens=-8 is out of range"),
+])
+def test_settings_sglang_cannot_run_with_are_refused_with_the_field_named(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        compose(overrides)
