@@ -32,3 +32,39 @@ def test_the_gpu_preset_leaves_the_kv_cache_to_sglangs_memory_fraction():
 def test_settings_sglang_cannot_run_with_are_refused_with_the_field_named(overrides, message):
     with pytest.raises(ConfigError, match=message):
         compose(overrides)
+
+
+def test_the_sglang_serve_file_runs_every_application_on_the_cpu_preset():
+    import os
+
+    import yaml
+
+    from asyncrl.config import config_dir
+
+    spec = yaml.safe_load(open(os.path.join(config_dir(), "serve_sglang.yaml")))
+    assert [a["name"] for a in spec["applications"]] == ["train", "policy", "reward-verifier"]
+    assert spec["http_options"]["host"] == "127.0.0.1"
+    for app in spec["applications"]:
+        config = compose(app["args"]["overrides"].split())
+        assert (config.engine.name, config.engine.device) == ("sglang", "cpu")
+
+
+def test_the_readmes_sglang_commands_parse_and_compose():
+    """`tests/test_readme.py` checks the `.venv/bin/asyncrl` lines; these are the `.venv-sglang` ones."""
+    import os
+    import shlex
+    import sys
+
+    from asyncrl.bench import BENCHMARKS
+    from asyncrl.cli import parse
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "load_tests"))
+    from readme_commands import readme_commands
+
+    lines = [c for c in readme_commands() if ".venv-sglang/bin/asyncrl " in c]
+    assert len(lines) >= 5
+    for line in lines:
+        args = parse(shlex.split(line.split(".venv-sglang/bin/asyncrl ", 1)[1]))
+        if args.command == "bench":
+            assert args.name in BENCHMARKS
+        compose(args.overrides)
