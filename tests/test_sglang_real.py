@@ -216,10 +216,10 @@ def test_fire_first_token_carries_the_hot_distributions_logprob(loop, engine, mo
 
 
 def test_eos_stops_a_window(loop, engine, models):
-    sequences = [sequence_input(PROMPTS[i % len(PROMPTS)], seed=40 + i, max_response_tokens=120) for i in range(16)]
+    sequences = [sequence_input(PROMPTS[i % len(PROMPTS)], seed=40 + i, max_response_tokens=120) for i in range(12)]
     outputs = generate(loop, engine, sequences, 120, SamplingParams(temperature=3.0))
     stopped = [(s, o) for s, o in zip(sequences, outputs) if o.finish_reason is FinishReason.EOS]
-    assert stopped, "no sequence reached EOS in 16 x 120 tokens at T=3 (~2% a token)"
+    assert stopped, "no sequence reached EOS in 12 x 120 tokens at T=3 (~2% a token)"
     for sequence, out in stopped:
         assert out.token_ids[-1] == EOS and EOS not in out.token_ids[:-1].tolist()
         check_against_learner(models, sequence.prompt_ids, out, 3.0)
@@ -230,7 +230,7 @@ def test_eos_stops_a_window(loop, engine, models):
 
 def test_a_minimum_length_holds_eos_back(loop, engine):
     params = SamplingParams(temperature=3.0)
-    free = [sequence_input(PROMPTS[i % len(PROMPTS)], seed=50 + i, max_response_tokens=60) for i in range(16)]
+    free = [sequence_input(PROMPTS[i % len(PROMPTS)], seed=50 + i, max_response_tokens=60) for i in range(12)]
     held = [sequence_input(s.prompt_ids, seed=s.seed, max_response_tokens=60, min_response_tokens=40) for s in free]
     without, with_min = generate(loop, engine, free, 60, params), generate(loop, engine, held, 60, params)
     assert any(o.finish_reason is FinishReason.EOS and len(o.token_ids) < 40 for o in without)
@@ -242,19 +242,19 @@ def test_an_update_mid_request_lands_at_once_and_later_tokens_follow_the_new_wei
     """Shared-memory path (CPU). The update is applied while a long window runs; its requests are
     cut and continue under the new weights with nothing read from the cache of the old ones."""
     params = SamplingParams(temperature=1.0)
-    sequences = [sequence_input(PROMPTS[i % len(PROMPTS)], seed=60 + i, max_response_tokens=400) for i in range(16)]
+    sequences = [sequence_input(PROMPTS[i % len(PROMPTS)], seed=60 + i, max_response_tokens=232) for i in range(12)]
     start = time.perf_counter()
     warm = generate(loop, engine, sequences, 32, params)
     per_token = (time.perf_counter() - start) / 32
     live = [(s, o) for s, o in zip(sequences, warm) if not o.finished]
-    continued = [sequence_input(s.prompt_ids, seed=s.seed, max_response_tokens=400, response_ids=o.token_ids)
+    continued = [sequence_input(s.prompt_ids, seed=s.seed, max_response_tokens=232, response_ids=o.token_ids)
                  for s, o in live]
     before = dict(engine.counters)
     old = engine.version
     new_model = perturbed(models[old], seed=engine.version + 1)
 
     async def window_with_update():
-        window = asyncio.ensure_future(engine.generate_window(continued, 368, params))
+        window = asyncio.ensure_future(engine.generate_window(continued, 200, params))
         await asyncio.sleep(60 * per_token)  # about 60 tokens into the window
         version = engine.version + 1
         models[version] = new_model

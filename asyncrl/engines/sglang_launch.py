@@ -64,9 +64,12 @@ def eos_ids(directory: str) -> list[int]:
 
 def server_args(model_path: str, model: ModelConfig, engine: EngineConfig, seed: int) -> dict:
     """SGLang's `ServerArgs` for a generator. The tokenizer is loaded (`min_new_tokens` needs its
-    EOS id); requests still pass token ids. A setting of 0 leaves SGLang's own sizing."""
+    EOS id); requests still pass token ids. An engine setting of 0 leaves SGLang's own sizing."""
     args = {"model_path": model_path, "device": engine.device, "dtype": model.dtype, "tp_size": engine.sglang_tp_size,
-            "mem_fraction_static": engine.sglang_mem_fraction, "random_seed": seed, "log_level": "error"}
+            "mem_fraction_static": engine.sglang_mem_fraction, "random_seed": seed, "log_level": "error",
+            # An idle scheduler otherwise polls its sockets at a full core (measured: 94% of one of
+            # this machine's two, taken from the learner); asleep it wakes on the next request.
+            "sleep_on_idle": True}
     optional = {"max_total_tokens": engine.sglang_max_total_tokens,
                 "max_running_requests": engine.sglang_max_running_requests,
                 "chunked_prefill_size": engine.sglang_chunked_prefill_tokens}
