@@ -51,7 +51,7 @@ class EngineConfig:
     sglang_max_total_tokens: int = 0
     """sglang: KV cache capacity in tokens (max_total_tokens); 0 = SGLang sizes it from
     `sglang_mem_fraction` (a GPU). On CPU the KV cache is ordinary RAM: a cap is required
-    (engine=sglang_cpu: 16384 tokens)."""
+    (engine=sglang_cpu: 8192 tokens)."""
     sglang_max_running_requests: int = 0
     """sglang: requests decoded at once (max_running_requests; 0 = SGLang's, from the KV capacity)."""
     sglang_chunked_prefill_tokens: int = 0
@@ -771,7 +771,7 @@ def validate(config: Config) -> None:
          "one-GPU preset; for SGLang on CPU use engine=sglang_cpu"),
         (e.name != "sglang" or e.device == "cuda" or e.sglang_max_total_tokens > 0,
          "engine=sglang on CPU needs engine.sglang_max_total_tokens > 0: its KV cache is ordinary RAM "
-         "(engine=sglang_cpu sets 16384)"),
+         "(engine=sglang_cpu sets 8192)"),
         (e.name != "sglang" or not e.sglang_max_total_tokens or e.sglang_max_total_tokens > e.max_response_tokens,
          f"engine.sglang_max_total_tokens={e.sglang_max_total_tokens} cannot hold one response of "
          f"engine.max_response_tokens={e.max_response_tokens} and its prompt"),

@@ -80,7 +80,7 @@ class SGLangEngine:
             raise ValueError("an engine needs at least one EOS token id")
         self.io = io_struct
         self.serializer = MultiprocessingSerializer
-        self.tp_size = int(server_args.get("tp_size", 1))
+        self.tp_size = int(server_args["tp_size"])
         self.truncation = TruncatedSampling.to_str()
         # The initial version as an integer string: SGLang's default is "default", and every
         # token's weight-version span carries it.
