@@ -6,7 +6,8 @@ reader never sees half a checkpoint. `manifest.json` (written last) holds the SH
 every file; a checkpoint whose files do not match is skipped for the previous one.
 
     policy/                 the policy as a Hugging Face directory (safetensors, config, tokenizer):
-                            `transformers` loads it as is; `asyncrl export` copies it out
+                            `transformers` loads it as is; `asyncrl export` copies it out. Tied
+                            weights (an output embedding that is the input one) are stored once
     learner.pt              optimizer and LR-scheduler state (tensors and numbers only)
     learner.json            step, weight version, counters, incarnation
     batches.msgpack         assembled batches not yet trained (msgspec)
@@ -164,9 +165,34 @@ def resolve_run_dir(run_dir: str, resume: bool, outputs: str = "outputs", prefix
 # --- parts ---------------------------------------------------------------------------------------
 
 
+def tied_names(model) -> list[list[str]]:
+    """Groups of parameter names that are one tensor in `model` (tied weights, e.g. SmolLM2's
+    `model.embed_tokens.weight` and `lm_head.weight`), in declaration order."""
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def retie(model, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state_dict` with the names `model` ties pointing at one tensor again. Transformers stores a
+    tied weight once only when its names share storage; gathered weights are a copy per name, so the
+    embedded model's output embedding was saved a second time (0.65 GB on disk for 0.54 GB)."""
+    out = dict(state_dict)
+    for names in tied_names(model):
+        present = [name for name in names if name in out]
+        for name in present[1:]:
+            if not torch.equal(out[name], out[present[0]]):
+                raise ValueError(f"{name} is tied to {present[0]} in the model but differs from it in the weights to save")
+            out[name] = out[present[0]]
+    return out
+
+
 def save_policy(model, tokenizer, directory: str, state_dict: dict[str, torch.Tensor] | None = None) -> None:
     """A Hugging Face directory; `state_dict`: whole weights gathered from a sharded model (whose
-    own parameters are shards)."""
+    own parameters are shards), or a copy of the weights. Tied weights are stored once."""
+    if state_dict is not None:
+        state_dict = retie(model, state_dict)
     model.save_pretrained(directory, safe_serialization=True, state_dict=state_dict)
     tokenizer.save_pretrained(directory)
     _default_modes(directory)
@@ -289,7 +315,32 @@ def policy_dir(path: str) -> str:
 
 
 def export_hf(path: str, out_dir: str) -> str:
-    """Copy the policy of a run or checkpoint (verified first) to a Hugging Face directory."""
-    shutil.copytree(policy_dir(path), out_dir, dirs_exist_ok=True)
+    """Copy the policy of a run or checkpoint (verified first) to a Hugging Face directory. A
+    checkpoint written before tied weights were stored once is re-saved through transformers, so
+    the export stores them once."""
+    source = policy_dir(path)
+    if _stores_a_tie_twice(source):
+        from transformers import AutoModelForCausalLM
+
+        shutil.copytree(source, out_dir, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
+        AutoModelForCausalLM.from_pretrained(source, dtype="auto").save_pretrained(out_dir, safe_serialization=True)
+    else:
+        shutil.copytree(source, out_dir, dirs_exist_ok=True)
     _default_modes(out_dir)  # checkpoints written before the modes were set
     return out_dir
+
+
+def _stores_a_tie_twice(directory: str) -> bool:
+    """Do the safetensors files of a Hugging Face directory hold two names of one tied weight? The
+    ties are the architecture's (a weightless copy of the model on the meta device)."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    stored: set[str] = set()
+    for shard in glob.glob(os.path.join(directory, "*.safetensors")):
+        with safe_open(shard, "pt") as f:
+            stored.update(f.keys())
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))
+    return any(len(stored.intersection(names)) > 1 for names in tied_names(skeleton))

@@ -1,8 +1,10 @@
-"""`asyncrl` command line: generate, train, eval, export, bench. Trailing arguments are Hydra overrides."""
+"""`asyncrl` command line: generate, train, eval, data, export, bench. Trailing arguments are Hydra overrides."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 import time
 
@@ -69,7 +71,31 @@ def _eval(args: argparse.Namespace) -> int:
         label = args.checkpoint or config.model.name
     result = {"model": label, "task": config.task.name, "temperature": args.temperature,
               **evaluation.summarize(evaluation.score(examples, texts), ks)}
-    print(evaluation.write_table(result, args.out))
+    table, paths = evaluation.write_table(result, args.out)
+    print(table)
+    print(f"wrote {' and '.join(paths)}")
+    return 0
+
+
+def _data_example(args: argparse.Namespace) -> int:
+    """Write the built-in arithmetic task's prompts as `train` and `test` files in verl's layout:
+    the same prompts as `task=arithmetic` with the same settings, for `task=file` to train on."""
+    import os
+
+    from asyncrl.config import compose
+    from asyncrl.tasks import arithmetic_examples, write_examples
+
+    task = compose(["task=arithmetic", *args.overrides]).task
+    splits = {"train": arithmetic_examples("train", task.num_train_prompts, task.seed),
+              "test": arithmetic_examples("eval", task.num_eval_prompts, task.seed)}
+    paths = {split: os.path.join(args.out, f"{split}.{args.format}") for split in splits}
+    os.makedirs(args.out, exist_ok=True)
+    for split, examples in splits.items():
+        if write_examples(examples, paths[split], split, overwrite=args.force):
+            print(f"wrote {paths[split]}: {len(examples)} arithmetic word problems (verl's layout)")
+        else:
+            print(f"{paths[split]} already holds these {len(examples)} prompts: left as it is")
+    print(f"train on them: asyncrl train task=file task.path={paths['train']} task.eval_path={paths['test']}")
     return 0
 
 
@@ -80,10 +106,38 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _scale(args: argparse.Namespace) -> int:
+    """Grow or shrink a running service's generator pool (the admin route of its `train` app)."""
+    import httpx
+
+    token = args.token or os.environ.get("ASYNCRL_ADMIN_TOKEN", "")
+    response = httpx.post(f"{args.endpoint.rstrip('/')}/train/admin/generators", json={"count": args.count},
+                          headers={"authorization": f"Bearer {token}"}, timeout=1200)
+    print(json.dumps(response.json(), indent=2))
+    return 0 if response.status_code == 200 else 1
+
+
 def _bench(args: argparse.Namespace) -> int:
     from asyncrl.bench import run_benchmark
 
     return run_benchmark(args.name, quick=args.quick, run_dir=args.run_dir, overrides=args.overrides)
+
+
+class _TrainHelp(argparse.Action):
+    """`asyncrl train --help`: the usage, then the config groups and every field with its docstring,
+    read from the schema at the moment of asking (composing the defaults takes a second, so only then)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from asyncrl.config import compose
+        from asyncrl.config_help import config_help
+
+        parser.print_help()
+        print()
+        print(config_help(compose([])))
+        parser.exit()
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -96,8 +150,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     gen.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=tiny")
     gen.set_defaults(func=_generate)
 
-    train = sub.add_parser("train", help="train for trainer.total_steps and exit")
-    train.add_argument("overrides", nargs="*")
+    train = sub.add_parser("train", help="train for trainer.total_steps and exit", add_help=False,
+                           formatter_class=argparse.RawDescriptionHelpFormatter,
+                           description="Train for trainer.total_steps and exit (Ctrl-C stops cleanly, checkpointed).")
+    train.add_argument("-h", "--help", action=_TrainHelp, help="show this help, every config group and field, and exit")
+    train.add_argument("overrides", nargs="*", help="Hydra overrides: group=option, section.field=value (listed below)")
     train.set_defaults(func=lambda a: __import__("asyncrl.driver", fromlist=["x"]).train_cli(a.overrides))
 
     ev = sub.add_parser("eval", help="pass@1 and pass@k on held-out prompts (a checkpoint, the model, or a live endpoint)")
@@ -107,14 +164,29 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ev.add_argument("--k", default="1,4", help="comma-separated k values")
     ev.add_argument("--temperature", type=float, default=0.7)
     ev.add_argument("--prompts", type=int, default=None, help="at most this many held-out prompts")
-    ev.add_argument("--out", default="outputs/eval")
+    ev.add_argument("--out", default="outputs/eval", help="directory for eval.json and eval.md (default: %(default)s)")
     ev.add_argument("overrides", nargs="*")
     ev.set_defaults(func=_eval)
+
+    data = sub.add_parser("data", help="prompt files in verl's layout for task=file")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    example = data_sub.add_parser("example", help="write the built-in arithmetic task as train/test files")
+    example.add_argument("--out", default="data", help="directory for train.<format> and test.<format> (default: %(default)s)")
+    example.add_argument("--format", choices=["parquet", "jsonl"], default="parquet")
+    example.add_argument("--force", action="store_true", help="overwrite existing files")
+    example.add_argument("overrides", nargs="*", help="task settings, e.g. task.num_train_prompts=64 task.seed=1")
+    example.set_defaults(func=_data_example)
 
     export = sub.add_parser("export", help="copy a checkpoint's policy out as a Hugging Face directory")
     export.add_argument("source", help="a run directory (its newest valid checkpoint) or a checkpoint directory")
     export.add_argument("out", help="the directory to write (safetensors, config, tokenizer)")
     export.set_defaults(func=_export, overrides=[])
+
+    scale = sub.add_parser("scale", help="set the number of generators of a running service (serve run)")
+    scale.add_argument("count", type=int, help="generators wanted")
+    scale.add_argument("--endpoint", default="http://127.0.0.1:8000", help="where Serve listens")
+    scale.add_argument("--token", default="", help="the admin token (default: ASYNCRL_ADMIN_TOKEN)")
+    scale.set_defaults(func=_scale, overrides=[])
 
     bench = sub.add_parser("bench", help="run a benchmark; prints figures and writes JSON")
     bench.add_argument("name")
@@ -135,10 +207,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     from asyncrl.config import ConfigError
+    from asyncrl.run.placement import RayStartError
 
     try:
         return int(args.func(args) or 0)
-    except (ConfigError, FileNotFoundError) as exc:  # a mistake in the command line: one line, no traceback
+    # A mistake in the command line, or a machine where Ray cannot start: one line, no traceback.
+    except (ConfigError, FileNotFoundError, FileExistsError, RayStartError) as exc:
         print(f"asyncrl {args.command}: {exc}", file=sys.stderr)
         return 2
 

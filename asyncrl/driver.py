@@ -1,11 +1,10 @@
-"""The streaming driver of `asyncrl train`: start the system, watch it, stop after N steps.
+"""The streaming driver of `asyncrl train`: evaluate, start the run, watch it, stop, evaluate.
 
 The driver never waits on the actors' work: generators, assembler and learner run their own
-loops; the driver only polls the run monitor (`asyncrl.monitor`, shared with the Serve app) every
-0.5 s, and evaluates the policy on
-held-out prompts before the first step, every `trainer.eval_every` steps, and after the last. It
-writes a checkpoint at the end (the learner writes the periodic ones), and with `resume=true`
-continues the run of `trainer.run_dir` from its newest valid checkpoint.
+loops; the driver polls the run (`asyncrl.run.Run`, shared with the Serve app) every 0.5 s, and
+evaluates the policy on held-out prompts before the first step, every `trainer.eval_every` steps
+and after the last. It writes a checkpoint at the end (the learner writes the periodic ones), and
+with `resume=true` continues the run of `trainer.run_dir` from its newest valid checkpoint.
 """
 
 from __future__ import annotations
@@ -15,17 +14,26 @@ import json
 import os
 import signal
 import time
+from dataclasses import dataclass
 
 import numpy as np
-import ray
 import torch
 
 from asyncrl.config import Config, compose, to_dict
 from asyncrl.evaluation import greedy_accuracy
 from asyncrl.generation import build_engine
-from asyncrl.monitor import REWARD_KEY, RunMonitor
-from asyncrl.supervisor import Supervisor
-from asyncrl.system import init_ray
+from asyncrl.run import Run
+from asyncrl.run.placement import init_ray
+from asyncrl.run.records import REWARD_KEY
+
+
+@dataclass
+class Ending:
+    interrupted: bool = False
+    stop_reason: str = ""
+    last_checkpoint: str | None = None
+    final_status: dict | None = None
+    weights: tuple | None = None  # (version, weights) of the last step
 
 
 def train(config: Config, progress: bool = True, eval_prompts: int | None = None) -> dict:
@@ -39,101 +47,46 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
     init_ray(config)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     engine, tokenizer = build_engine(config.model)
-    if config.resume:
-        latest, _ = checkpoint.latest_valid(run_dir)
-        if latest is not None:
-            checkpoint.load_policy_weights(engine.model, os.path.join(latest, "policy"))
+    if config.resume and (latest := checkpoint.latest_valid(run_dir)[0]) is not None:
+        checkpoint.load_policy_weights(engine.model, os.path.join(latest, "policy"))
     before = greedy_accuracy(config, engine, tokenizer, eval_prompts, progress="eval before" if progress else "")
     print(f"held-out accuracy before training: {before['accuracy']:.3f} (n={before['n']})", flush=True)
-
     wandb_run = _init_wandb(config, run_dir)
-    supervisor = Supervisor(config, run_dir, max_steps=config.trainer.total_steps)
-    if supervisor.system.resumed:
-        r = supervisor.system.resumed
-        print(f"resumed from {r['checkpoint']} at step {r['step']} ({r['reissued_prompts']} prompts to regenerate, "
-              f"{r['saved_batches']} saved batches)", flush=True)
     evals: list[dict] = []
 
     def evaluate_every(record: dict) -> None:
-        every = config.trainer.eval_every
-        if every and record["step"] % every == 0:
-            version, weights = monitor.system.weights()
+        if config.trainer.eval_every and record["step"] % config.trainer.eval_every == 0:
+            version, weights = run.weights()
             engine.update_weights(weights.items(), version)
             result = greedy_accuracy(config, engine, tokenizer, eval_prompts)
             record.update({"eval_accuracy": result["accuracy"], "eval_n": result["n"]})
             evals.append({"step": record["step"], **result})
 
-    monitor = RunMonitor(supervisor, run_dir, config.trainer.stall_timeout_s, annotate=evaluate_every,
-                         wandb_run=wandb_run)
-    bar = _progress(config.trainer.total_steps, progress)
-    interrupted, last_checkpoint, weights, stop_reason = False, None, None, ""
+    if progress:
+        print("starting the run's actors (each loads the model: about a minute on a quiet machine)", flush=True)
+    run = Run(config, run_dir, max_steps=config.trainer.total_steps, annotate=evaluate_every, wandb_run=wandb_run)
     try:
-        try:
-            while monitor.step < config.trainer.total_steps and not _reached_target(monitor.records, config):
-                time.sleep(0.5)
-                polled = monitor.poll()
-                _print_retirements(polled.retirements)
-                if monitor.prompts_exhausted:
-                    reasons = ", ".join(f"{n} {why}" for why, n in sorted(monitor.retired_by_reason.items()))
-                    stop_reason = (f"every prompt is retired ({reasons}): no group has a learning signal left "
-                                   f"(solved, or all wrong again when tried once more)")
-                    print(f"stopping at step {monitor.step}: {stop_reason}; see retirements.jsonl", flush=True)
-                    break
-                if polled.restart is not None:
-                    restart = polled.restart
-                    print(f"restarted in {restart['restart_s']:.1f}s from step {restart['step']} after "
-                          f"{restart['reason']}", flush=True)
-                if bar is not None and polled.records:
-                    bar.update(len(polled.records))
-                    rate = polled.records[-1]["samples_per_s"]  # the number the plot and the status page show
-                    bar.set_postfix(reward=f"{polled.records[-1][REWARD_KEY]:.3f}",
-                                    samples_per_s="-" if rate is None else f"{rate:.1f}")
-        except KeyboardInterrupt:
-            interrupted = True
-            if bar is not None:
-                bar.close()
-            print("\ninterrupted: finishing the step in flight, then saving and evaluating the last step "
-                  "(Ctrl-C again to skip)", flush=True)
-            monitor.system.stop_learning()
-            monitor.poll(check_health=False)  # the steps done meanwhile
-            print(f"stopped after step {monitor.step}", flush=True)
-        if config.trainer.checkpoint_every and monitor.records:
-            # The final step's checkpoint (waits for one the learner is writing, if any).
-            last_checkpoint = monitor.system.checkpoint()
-            print(f"checkpoint: {last_checkpoint}", flush=True)
-        final_status = monitor.system.status()
-        version, weights = monitor.system.weights()
-    except KeyboardInterrupt:  # a second Ctrl-C: stop now; a checkpoint being written is never half there
-        interrupted, final_status = True, {}
-        print("\nstopping without the final checkpoint and evaluation", flush=True)
+        run.start()
+        if run.resumed:
+            r = run.resumed
+            print(f"resumed from {r['checkpoint']} at step {r['step']} ({r['reissued_prompts']} prompts to regenerate, "
+                  f"{r['saved_batches']} saved batches)", flush=True)
+        ending = _watch(run, config, progress)
     finally:
-        if bar is not None:
-            bar.close()
         with _sigint_deferred():  # the actors must not be left running
-            supervisor.stop()
-    records = monitor.records
-    wall = time.time() - monitor.started
-    after = None
-    if weights is not None:
-        engine.update_weights(weights.items(), version)
-        try:
-            after = greedy_accuracy(config, engine, tokenizer, eval_prompts, progress="eval after" if progress else "")
-            print(f"held-out accuracy after {len(records)} steps: {after['accuracy']:.3f} (n={after['n']}), "
-                  f"{wall / 60:.1f} min of training", flush=True)
-        except KeyboardInterrupt:
-            print("\nfinal evaluation skipped", flush=True)
-    monitor.write_plots()
-    if interrupted:
-        last_checkpoint = last_checkpoint or checkpoint.latest_valid(run_dir)[0]
-        print(f"last checkpoint: {last_checkpoint or 'none'}"
-              + (f" (continue with: asyncrl train trainer.run_dir={run_dir} resume=true)" if last_checkpoint else ""),
-              flush=True)
+            run.stop()
+    wall = time.time() - run.log.started
+    after = _evaluate_after(config, engine, tokenizer, eval_prompts, ending, len(run.records), wall, progress)
+    run.write_plots()
+    if ending.interrupted:
+        last = ending.last_checkpoint or checkpoint.latest_valid(run_dir)[0]
+        print(f"last checkpoint: {last or 'none'}"
+              + (f" (continue with: asyncrl train trainer.run_dir={run_dir} resume=true)" if last else ""), flush=True)
     summary = {"run_dir": run_dir, "eval_before": before, "eval_after": after, "train_wall_s": wall,
-               "reached_target": _reached_target(records, config), "evals": evals,
-               "resumed": monitor.system.resumed, "restarts": supervisor.restarts,
-               "steps": len(records), "final_status": final_status, "interrupted": interrupted,
-               "stop_reason": stop_reason,
-               "last_checkpoint": last_checkpoint, "records": records}
+               "reached_target": _reached_target(run.records, config), "evals": evals, "resumed": run.resumed,
+               "restarts": run.restarts, "steps": len(run.records), "final_status": ending.final_status or {},
+               "interrupted": ending.interrupted, "stop_reason": ending.stop_reason,
+               "last_checkpoint": ending.last_checkpoint, "records": run.records}
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump({k: v for k, v in summary.items() if k != "records"}, f, indent=2, default=str)
     if wandb_run is not None:
@@ -143,15 +96,93 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
     return summary
 
 
-def _print_retirements(events: list[dict]) -> None:
-    """One line per poll: which prompts were retired (or came back) and why."""
-    if not events:
-        return
-    parts = [f"{e['prompt']} ({e['reason']} in its last {e['last_groups']} groups; back after prompt {e['until_issued']})"
-             if e["event"] == "retired" else f"{e['prompt']} back (a group with signal)" for e in events]
+def _watch(run: Run, config: Config, progress: bool) -> Ending:
+    """Poll until the last step, the target reward, nothing left to learn, or Ctrl-C; then the
+    final checkpoint, status and weights (a second Ctrl-C skips them)."""
+    ending = Ending()
+    bar = _progress(config.trainer.total_steps, progress, run.resumed)
+    try:
+        try:
+            while run.step < config.trainer.total_steps and not _reached_target(run.records, config):
+                time.sleep(0.5)
+                polled = run.poll()
+                if polled.restart is not None:
+                    _say(bar, f"restarted in {polled.restart['restart_s']:.1f}s from step {polled.restart['step']} "
+                              f"after {polled.restart['reason']}")
+                if run.log.prompts_exhausted:
+                    reasons = ", ".join(f"{n} {why}" for why, n in sorted(run.log.retired_by_reason.items()))
+                    ending.stop_reason = (f"every prompt is retired ({reasons}): no group has a learning signal "
+                                          f"left (solved, or all wrong again when tried once more)")
+                    _say(bar, f"stopping at step {run.step}: {ending.stop_reason}; see retirements.jsonl")
+                    break
+                _show(bar, polled.records, run)
+        except KeyboardInterrupt:
+            ending.interrupted = True
+            _say(bar, "interrupted: finishing the step in flight, then saving and evaluating the last step "
+                      "(Ctrl-C again to skip)")
+            run.stop_learning()
+            run.poll(check_health=False)  # the steps done meanwhile
+            _say(bar, f"stopped after step {run.step}")
+        if bar is not None:
+            bar.close()
+        if config.trainer.checkpoint_every and run.records:
+            # The final step's checkpoint (waits for one the learner is writing, if any).
+            ending.last_checkpoint = run.checkpoint()
+            print(f"checkpoint: {ending.last_checkpoint}", flush=True)
+        ending.final_status = run.system.status()
+        ending.weights = run.weights()
+    except KeyboardInterrupt:  # a second Ctrl-C: stop now; a checkpoint being written is never half there
+        ending.interrupted = True
+        print("\nstopping without the final checkpoint and evaluation", flush=True)
+    finally:
+        if bar is not None:
+            bar.close()
+    return ending
+
+
+def _evaluate_after(config, engine, tokenizer, eval_prompts, ending: Ending, steps: int, wall: float,
+                    progress: bool) -> dict | None:
+    if ending.weights is None:
+        return None
+    version, weights = ending.weights
+    engine.update_weights(weights.items(), version)
+    try:
+        after = greedy_accuracy(config, engine, tokenizer, eval_prompts, progress="eval after" if progress else "")
+    except KeyboardInterrupt:
+        print("\nfinal evaluation skipped", flush=True)
+        return None
+    print(f"held-out accuracy after {steps} steps: {after['accuracy']:.3f} (n={after['n']}), "
+          f"{wall / 60:.1f} min of training", flush=True)
+    return after
+
+
+def _progress(total: int, enabled: bool, resumed: dict):
+    if not enabled:
+        return None
     from tqdm import tqdm
 
-    tqdm.write("prompts retired: " + "; ".join(parts))  # above the progress bar, not through it
+    return tqdm(total=total, initial=resumed.get("step", 0), desc="train", unit="step")
+
+
+def _show(bar, records: list[dict], run: Run) -> None:
+    """The one progress line: steps, the reward of what is generated, samples/s, prompts retired."""
+    if bar is None or not records:
+        return
+    bar.update(records[-1]["step"] - bar.n)
+    rate = records[-1]["samples_per_s"]  # the number the plot and the status page show
+    retired = run.log.retired_share
+    bar.set_postfix(reward=f"{records[-1][REWARD_KEY]:.3f}", samples_per_s="-" if rate is None else f"{rate:.1f}",
+                    **({"retired": f"{retired:.0%}"} if retired else {}))
+
+
+def _say(bar, line: str) -> None:
+    """A line above the progress bar, not through it."""
+    if bar is None:
+        print(line, flush=True)
+    else:
+        from tqdm import tqdm
+
+        tqdm.write(line)
 
 
 @contextlib.contextmanager
@@ -184,15 +215,9 @@ def _init_wandb(config: Config, run_dir: str):
         return None
     import wandb
 
-    return wandb.init(project=config.trainer.wandb_project, dir=run_dir, mode=mode, config=to_dict(config))
-
-
-def _progress(total: int, enabled: bool):
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc="train", unit="step")
+    # quiet: no run summary printed after the run (the driver prints its own figures, labelled).
+    return wandb.init(project=config.trainer.wandb_project, dir=run_dir, mode=mode, config=to_dict(config),
+                      settings=wandb.Settings(quiet=True))
 
 
 def train_cli(overrides: list[str]) -> int:

@@ -48,15 +48,31 @@ def progress_bar(total: int, desc: str, enabled: bool = True):
     return tqdm(total=total, desc=desc, unit="sample", leave=False, disable=not enabled)
 
 
+def respond(config: Config, engine, tokenizer, examples: list[Example], n: int, params: SamplingParams,
+            seeds: list[int], on_batch=None) -> list:
+    """n completions per example from a local engine: whole responses, or whole episodes where the
+    task has an environment (`config.environment`; run in this process), sample j of an example
+    being the episode (its prompt id, j)."""
+    prompts = [encode_prompt(ex, tokenizer, config.model.use_chat_template) for ex in examples for _ in range(n)]
+    if not config.environment.name:
+        return complete(engine, tokenizer, prompts, seeds, config.engine.max_response_tokens, params,
+                        on_batch=on_batch)
+    from asyncrl.environments.episodes import LocalEnvironment, build_episodes, complete_episodes
+    from asyncrl.environments.tools import Episode, build_environment
+
+    episodes = build_episodes(config.environment, tokenizer, LocalEnvironment(build_environment(config.environment)))
+    identities = [Episode(ex.prompt_id, j) for ex in examples for j in range(n)]
+    return complete_episodes(engine, tokenizer, episodes, prompts, seeds, identities,
+                             config.engine.max_response_tokens, params, on_batch=on_batch)
+
+
 def sample_engine(config: Config, engine, tokenizer, examples: list[Example], n: int, temperature: float,
                   progress: bool = True) -> list[list[str]]:
     """n responses per held-out prompt from a local engine (temperature 0 = greedy)."""
     params = SamplingParams(greedy=True) if temperature == 0 else SamplingParams(temperature=temperature)
-    prompts = [encode_prompt(ex, tokenizer, config.model.use_chat_template) for ex in examples for _ in range(n)]
     seeds = [1_000_003 * i + j for i in range(len(examples)) for j in range(n)]
-    with progress_bar(len(prompts), "eval", progress) as bar:
-        completions = complete(engine, tokenizer, prompts, seeds, config.engine.max_response_tokens, params,
-                               on_batch=bar.update)
+    with progress_bar(len(examples) * n, "eval", progress) as bar:
+        completions = respond(config, engine, tokenizer, examples, n, params, seeds, on_batch=bar.update)
     texts = [c.text for c in completions]
     return [texts[i * n : (i + 1) * n] for i in range(len(examples))]
 
@@ -66,10 +82,9 @@ def greedy_accuracy(config: Config, engine, tokenizer, max_prompts: int | None =
     `max_prompts`): the before/after/periodic figure of a training run. `progress`: a label for a
     progress bar (empty = none)."""
     examples = held_out(config, max_prompts or config.trainer.eval_samples)
-    prompts = [encode_prompt(ex, tokenizer, config.model.use_chat_template) for ex in examples]
-    with progress_bar(len(prompts), progress, bool(progress)) as bar:
-        completions = complete(engine, tokenizer, prompts, list(range(len(examples))),
-                               config.engine.max_response_tokens, SamplingParams(greedy=True), on_batch=bar.update)
+    with progress_bar(len(examples), progress, bool(progress)) as bar:
+        completions = respond(config, engine, tokenizer, examples, 1, SamplingParams(greedy=True),
+                              list(range(len(examples))), on_batch=bar.update)
     correct = score(examples, [[c.text] for c in completions])
     return {"accuracy": sum(c[0] for c in correct) / max(len(examples), 1), "n": len(examples),
             "response_length_mean": float(np.mean([len(c.token_ids) for c in completions])) if completions else 0.0}
@@ -143,18 +158,25 @@ def sample_endpoint(url: str, model: str, examples: list[Example], n: int, tempe
 
 
 def score(examples: list[Example], texts: list[list[str]]) -> list[list[bool]]:
-    return [[score_response(ex.data_source, t, ex.ground_truth, "zero_one")[1] for t in samples]
-            for ex, samples in zip(examples, texts)]
+    """Each response checked against its example's answer (sample j of a task with an answer per
+    episode: the episode's, `episode_truth`)."""
+    from asyncrl.environments.tools import episode_truth
+
+    return [[score_response(ex.data_source, t, episode_truth(ex.ground_truth, ex.prompt_id, j), "zero_one")[1]
+             for j, t in enumerate(samples)] for ex, samples in zip(examples, texts)]
 
 
-def write_table(result: dict, out_dir: str) -> str:
+def write_table(result: dict, out_dir: str) -> tuple[str, list[str]]:
+    """The result as `eval.json` and a markdown table `eval.md` in `out_dir`: (the table, the
+    paths written)."""
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "eval.json"), "w") as f:
+    paths = [os.path.join(out_dir, "eval.json"), os.path.join(out_dir, "eval.md")]
+    with open(paths[0], "w") as f:
         json.dump(result, f, indent=2)
     keys = [k for k in result if k.startswith("pass@")]
     table = "| model | prompts | samples | " + " | ".join(keys) + " |\n|---|---|---|" + "---|" * len(keys) + "\n"
     table += f"| {result['model']} | {result['prompts']} | {result['samples_per_prompt']} | " + \
              " | ".join(f"{result[k]:.3f}" for k in keys) + " |\n"
-    with open(os.path.join(out_dir, "eval.md"), "w") as f:
+    with open(paths[1], "w") as f:
         f.write(table)
-    return table
+    return table, paths

@@ -66,6 +66,10 @@ class Completion:
     logprobs: np.ndarray  # float32 [N], under the distribution sampled from
     finish_reason: FinishReason  # EOS or MAX_LENGTH
     text: str
+    # With `SamplingParams.top_logprobs` = k: each position's k most likely tokens [N, k] and their
+    # log-probs (`WindowOutput.top_ids` / `top_logprobs`); None otherwise.
+    top_ids: np.ndarray | None = None
+    top_logprobs: np.ndarray | None = None
 
 
 def _inputs(prompts: list[Sequence[int]], seeds: list[int], max_tokens: int) -> list[SequenceInput]:
@@ -75,7 +79,8 @@ def _inputs(prompts: list[Sequence[int]], seeds: list[int], max_tokens: int) -> 
 
 
 def _completions(tokenizer, outputs) -> list[Completion]:
-    return [Completion(o.token_ids, o.logprobs, o.finish_reason, decode(tokenizer, o.token_ids)) for o in outputs]
+    return [Completion(o.token_ids, o.logprobs, o.finish_reason, decode(tokenizer, o.token_ids), o.top_ids, o.top_logprobs)
+            for o in outputs]
 
 
 def complete(engine, tokenizer, prompts: list[Sequence[int]], seeds: list[int], max_tokens: int,
@@ -84,8 +89,14 @@ def complete(engine, tokenizer, prompts: list[Sequence[int]], seeds: list[int], 
     call; `on_batch(n)` after each call (a progress bar's `update`)."""
     inputs = _inputs(prompts, seeds, max_tokens)
     out: list[Completion] = []
-    for start in range(0, len(inputs), max(1, batch_size)):
-        outputs = engine.generate_window_sync(inputs[start : start + batch_size], max_tokens, params)
+    # With a progress bar, a small first batch: its rate gives an estimate of the whole within
+    # seconds (a first batch of 16 on a busy machine took minutes with no estimate at all).
+    first = min(4, batch_size) if on_batch is not None else batch_size
+    starts = [0] + list(range(first, len(inputs), max(1, batch_size)))
+    for start, end in zip(starts, starts[1:] + [len(inputs)]):
+        if start >= end:
+            continue
+        outputs = engine.generate_window_sync(inputs[start:end], max_tokens, params)
         out += _completions(tokenizer, outputs)
         if on_batch is not None:
             on_batch(len(outputs))

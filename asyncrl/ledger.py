@@ -25,17 +25,17 @@ from typing import Iterable
 
 import msgspec
 
-from asyncrl.schema import PromptRequest, sample_id
+from asyncrl.schema import DropReason, PromptRequest, SampleState, sample_id
 
-STATES = ("in_flight", "awaiting_reward", "awaiting_training", "trained", "dropped", "recorded")
+STATES = tuple(SampleState)
 _RANK = {state: i for i, state in enumerate(STATES)}
-FINAL = ("trained", "dropped", "recorded")
+FINAL = (SampleState.TRAINED, SampleState.DROPPED, SampleState.RECORDED)
 
 
 class LedgerSnapshot(msgspec.Struct, kw_only=True):
     """What a checkpoint keeps of the ledger (msgspec, never pickle)."""
 
-    open_samples: dict[str, str]  # sample id -> state (not final)
+    open_samples: dict[str, str]  # sample id -> state (not final; a `SampleState` value)
     requests: list[PromptRequest]  # the prompts with open samples
     ended: dict[str, str]  # recent ended ids -> trained | dropped:<reason>
     counts: dict[str, int]
@@ -63,24 +63,30 @@ class SampleLedger:
         for sid in ids:
             if sid in self._open or sid in self._ended:
                 raise ValueError(f"sample {sid} was admitted twice")
-            self._open[sid] = "in_flight"
+            self._open[sid] = SampleState.IN_FLIGHT
         self._requests[request.prompt_id] = request
         self._open_per_prompt[request.prompt_id] = len(ids)
         self.counts["admitted"] += len(ids)
         return ids
 
-    def advance(self, sample_ids: Iterable[str], state: str, reason: str = "") -> int:
+    def advance(self, sample_ids: Iterable[str], state: SampleState | str,
+                reason: DropReason | str | None = None) -> int:
         """Move samples forward to `state`; returns how many moved. `dropped` needs a reason."""
-        if state not in _RANK or state == "in_flight":
-            raise ValueError(f"state must be one of {STATES[1:]}, got {state!r}")
-        if state == "dropped" and not reason:
+        try:
+            state = SampleState(state)
+        except ValueError:
+            raise ValueError(f"state must be one of {[s.value for s in STATES[1:]]}, got {state!r}") from None
+        if state is SampleState.IN_FLIGHT:
+            raise ValueError("a sample enters in_flight when its prompt is admitted, not by an event")
+        if state is SampleState.DROPPED and not reason:
             raise ValueError("a dropped sample needs a reason")
+        reason = DropReason(reason).value if reason else ""
         moved = 0
         for sid in sample_ids:
             current = self._open.get(sid)
             if current is None:
                 if sid in self._ended:
-                    if state == "trained" and self._ended[sid] == "trained":
+                    if state is SampleState.TRAINED and self._ended[sid] == "trained":
                         self.counts["duplicates"] += 1
                 else:
                     self.counts["unknown_ids"] += 1
@@ -89,9 +95,9 @@ class SampleLedger:
                 continue
             moved += 1
             if state in FINAL:
-                self._end(sid, f"dropped:{reason}" if state == "dropped" else state)
-                self.counts[state] += 1
-                if state == "dropped":
+                self._end(sid, f"dropped:{reason}" if state is SampleState.DROPPED else state.value)
+                self.counts[state.value] += 1
+                if state is SampleState.DROPPED:
                     self.dropped_by_reason[reason] += 1
             else:
                 self._open[sid] = state
@@ -112,14 +118,14 @@ class SampleLedger:
 
     def state(self, sid: str) -> str | None:
         if sid in self._open:
-            return self._open[sid]
+            return self._open[sid].value
         how = self._ended.get(sid)
         return None if how is None else how.split(":", 1)[0]
 
     def state_counts(self) -> dict[str, int]:
         open_counts = collections.Counter(self._open.values())
         return {"admitted": self.counts["admitted"],
-                **{state: open_counts.get(state, 0) for state in STATES[:3]},
+                **{state.value: open_counts.get(state, 0) for state in STATES[:3]},
                 "trained": self.counts["trained"], "dropped": self.counts["dropped"],
                 "recorded": self.counts["recorded"],
                 "dropped_by_reason": dict(self.dropped_by_reason),
@@ -130,7 +136,7 @@ class SampleLedger:
         """The invariant, as a list of violations (empty when the books balance)."""
         c = self.state_counts()
         problems = []
-        total = sum(c[s] for s in STATES)
+        total = sum(c[s.value] for s in STATES)
         if total != c["admitted"]:
             problems.append(f"admitted {c['admitted']} != in_flight + awaiting + trained + dropped + recorded = {total}")
         if c["duplicates"]:
@@ -148,7 +154,8 @@ class SampleLedger:
     # --- checkpoint and resume -----------------------------------------------------------------------
 
     def snapshot(self) -> LedgerSnapshot:
-        return LedgerSnapshot(open_samples=dict(self._open), requests=list(self._requests.values()),
+        return LedgerSnapshot(open_samples={sid: state.value for sid, state in self._open.items()},
+                              requests=list(self._requests.values()),
                               ended=dict(self._ended), counts=dict(self.counts),
                               dropped_by_reason=dict(self.dropped_by_reason))
 
@@ -172,9 +179,9 @@ class SampleLedger:
             prompt_id, idx = sid.rsplit("/", 1)
             ledger._open_per_prompt[prompt_id] += 1
             if sid in held:
-                ledger._open[sid] = "awaiting_training"
+                ledger._open[sid] = SampleState.AWAITING_TRAINING
             else:
-                ledger._open[sid] = "in_flight"
+                ledger._open[sid] = SampleState.IN_FLIGHT
                 again[prompt_id].append(int(idx))
                 ledger.counts["readmitted"] += 1
         reissue = []

@@ -3,7 +3,7 @@
 * `generate` (`record_only`): generators, reward endpoints and the trajectory store, no learner:
   `trainer.total_steps × trainer.prompts_per_step` prompts are generated, scored and recorded.
 * `learn` (`learn`): training from recorded data, no generator and no reward endpoint:
-  - `algorithm=dqo`: DQO on the recorded (or labelled) responses (`asyncrl.learning_dqo`);
+  - `algorithm=dqo`: DQO on the recorded (or labelled) responses (`asyncrl.learning.dqo`);
   - `offline.train=value`: value pretraining (VC-PPO's, without a generator): the critic learns the
     recorded responses' Monte-Carlo returns; its checkpoint initialises an online critic;
   - otherwise the algorithm's own learners, fed the recorded windows through the real assembler
@@ -27,18 +27,22 @@ import msgspec
 import numpy as np
 import torch
 
+from actors.assembler import Assembler, Shaping
+from actors.policy_learner import CheckpointPolicy, LearnerEdges, build_policy_learner
+from actors.value_learner import build_value_learner
 from asyncrl import checkpoint
-from asyncrl.assembly import merge_segments, shaped_score
+from asyncrl.algo.advantages import ADVANTAGES
+from asyncrl.algo.shaping import shaped_score
+from asyncrl.assembly.rows import merge_segments
+from asyncrl.assembly.strategies import build_estimator
+from asyncrl.assembly.values import ValueEdges
 from asyncrl.config import Config, to_dict
 from asyncrl.evaluation import greedy_accuracy, progress_bar
 from asyncrl.generation import sampling_params
-from asyncrl.learning import response_logprobs
-from asyncrl.learning_dqo import DQOSettings, dqo_step
+from asyncrl.learning.dqo import DQOSettings, dqo_step
+from asyncrl.learning.scoring import response_logprobs
 from asyncrl.mailbox import InProcessMailbox
 from asyncrl.models import load_model, load_tokenizer
-from asyncrl.roles.assembler import Assembler
-from asyncrl.roles.estimators import ValueEdges
-from asyncrl.roles.shells import build_estimator, build_policy_learner, build_value_learner
 from asyncrl.schema import Reward, RewardRequest, ScoredTrajectory, Segment, float32_array, int32_array
 from asyncrl.store import BatchRecord, TrajectoryRecord, read_trajectories, reward_of, segments_of
 from asyncrl.tasks import encode_prompt, file_examples, score_response
@@ -49,14 +53,14 @@ from asyncrl.tasks import encode_prompt, file_examples, score_response
 
 def record_only(config: Config, progress: bool = True) -> dict:
     """Generate, score and record `total_steps × prompts_per_step` prompts; no learner."""
-    from asyncrl.system import init_ray
-    from asyncrl.system import TrainingSystem
+    from asyncrl.run.placement import init_ray
+    from asyncrl.run.wiring import System
 
     run_dir = _start_run(config)
     init_ray(config)
     tr = config.trainer
     expected = tr.total_steps * tr.prompts_per_step * config.algorithm.group_size
-    system = TrainingSystem(config, name_actors=False, run_dir=run_dir).start()
+    system = System(config, run_dir=run_dir, name_actors=False).start()
     started, ended = time.time(), 0
     try:
         with progress_bar(expected, "generate", progress) as bar:
@@ -151,7 +155,7 @@ def reference_logprobs(records: list[TrajectoryRecord], config: Config, referenc
     params = sampling_params(config.engine)
     rows = [(int32_array(r.prompt_token_ids), int32_array(r.response_token_ids)) for r in records]
     return response_logprobs(reference, rows, params.temperature, params.top_k, params.top_p,
-                             tokenizer.pad_token_id or 0, config.algorithm.micro_batch_tokens)
+                             tokenizer.pad_token_id or 0, config.policy.micro_batch_tokens)
 
 
 def with_behaviour(records: list[TrajectoryRecord], reference: list[np.ndarray] | None,
@@ -188,7 +192,7 @@ def scored_trajectory(record: TrajectoryRecord, config: Config) -> ScoredTraject
 def learn(config: Config, progress: bool = True) -> dict:
     run_dir = _start_run(config)
     torch.manual_seed(config.trainer.seed)
-    torch.set_num_threads(max(1, config.trainer.learner_threads))
+    torch.set_num_threads(max(1, config.policy.threads))
     records = offline_records(config)
     if config.algorithm.name == "dqo":
         summary = learn_dqo(config, records, run_dir, progress)
@@ -206,7 +210,7 @@ def learn_dqo(config: Config, records: list[TrajectoryRecord], run_dir: str, pro
     from asyncrl.engines.torch_engine import TorchEngine
     from asyncrl.models import eos_token_ids
 
-    a, tr, params = config.algorithm, config.trainer, sampling_params(config.engine)
+    a, p, tr, params = config.algorithm, config.policy, config.trainer, sampling_params(config.engine)
     tokenizer = load_tokenizer(config.model)
     policy, reference = load_model(config.model, tokenizer), load_model(config.model, tokenizer).requires_grad_(False)
     value_model = _value_model(config, tokenizer)
@@ -217,9 +221,9 @@ def learn_dqo(config: Config, records: list[TrajectoryRecord], run_dir: str, pro
     records = with_behaviour(records, reference_logp, config)
     trajectories = [scored_trajectory(r, config) for r in records]
     settings = DQOSettings(beta=a.kl_coef, gamma=a.gamma, lam=a.lam, importance_clip=a.importance_clip,
-                           temperature=params.temperature, grad_clip=a.grad_clip, value_grad_clip=config.critic.grad_clip,
-                           micro_batch_tokens=a.micro_batch_tokens)
-    policy_opt = torch.optim.AdamW(policy.parameters(), lr=a.lr, weight_decay=a.weight_decay)
+                           temperature=params.temperature, grad_clip=p.grad_clip, value_grad_clip=config.critic.grad_clip,
+                           micro_batch_tokens=p.micro_batch_tokens)
+    policy_opt = torch.optim.AdamW(policy.parameters(), lr=p.lr, weight_decay=p.weight_decay)
     value_opt = torch.optim.AdamW(value_model.parameters(), lr=config.critic.lr, weight_decay=config.critic.weight_decay)
     batch, order, step = config.offline.batch_trajectories, list(range(len(trajectories))), 0
     rng = random.Random(tr.seed)
@@ -282,22 +286,29 @@ async def replay(config: Config, records: list[TrajectoryRecord], run_dir: str, 
     the recorded rewards. Offline data is off-policy by construction: there is no staleness bound
     (the recorded behaviour log-probs importance-correct the loss, as online)."""
     algorithm = dataclasses.replace(config.algorithm, max_staleness_versions=1 << 30)
-    if algorithm.estimator == "pairwise":
+    kind = ADVANTAGES[algorithm.estimator].kind
+    if kind == "pairwise":
         raise ValueError("algorithm=pairwise_ppo needs its judge online; mode=learn replays recorded rewards only")
     tr, engine = config.trainer, config.engine
     segments, batches = InProcessMailbox(1 << 16), InProcessMailbox(2)
     value_learner = trajectories = None
-    if algorithm.estimator == "gae":
+    if kind == "value":
         trajectories = InProcessMailbox(max(4 * config.critic.batch_trajectories, 64))
         value_learner = build_value_learner(config.model, config.critic, algorithm, engine, tr.seed, trajectories)
     recorded = RecordedRewards(records, config.offline.epochs)
-    estimator = build_estimator(algorithm, engine, tr.prompts_per_step, None,
-                                ValueEdges.of(value_learner) if value_learner else None, trajectories)
     tokenizer = load_tokenizer(config.model)
-    assembler = Assembler(segments, batches, recorded.score, lambda ids: tokenizer.decode(ids), estimator)
-    learner = build_policy_learner(config.model, algorithm, tr, engine, batches, run_dir, tr.total_steps)
-    learner.on_version = [assembler.set_policy_version]
-    learner.checkpoint_parts = [value_learner.save_checkpoint_part] if value_learner else []
+
+    def decode(ids):
+        return tokenizer.decode(ids)
+
+    estimator = build_estimator(algorithm, engine, tr.prompts_per_step, None, decode,
+                                ValueEdges.of(value_learner) if value_learner else None)
+    shaping = Shaping(engine.max_response_tokens, algorithm.overlong_buffer_tokens, algorithm.overlong_penalty_factor)
+    assembler = Assembler(segments, batches, recorded.score, decode, estimator, shaping, trajectories=trajectories)
+    edges = LearnerEdges(listeners=[assembler.set_versions],
+                         checkpoint_parts=[value_learner.save_checkpoint_part] if value_learner else [])
+    learner = build_policy_learner(config.model, algorithm, config.policy, engine, tr.seed, batches, edges,
+                                   CheckpointPolicy(run_dir, keep=tr.checkpoint_keep), max_steps=tr.total_steps)
     from asyncrl.engines.torch_engine import TorchEngine
     from asyncrl.models import eos_token_ids
 
@@ -338,12 +349,14 @@ def replay_batch(config: Config, record: BatchRecord, checkpoint_dir: str | None
     against the recorded loss and gradient norm (the golden-batch test)."""
     from asyncrl.store import BATCH_CODEC
 
-    learner = build_policy_learner(config.model, config.algorithm, config.trainer, config.engine, InProcessMailbox(2))
+    learner = build_policy_learner(config.model, config.algorithm, config.policy, config.engine, config.trainer.seed,
+                                   InProcessMailbox(2))
     if checkpoint_dir is not None:
         asyncio.run(learner.load_checkpoint(checkpoint_dir))
-    if learner.version != record.trained_from_version:
+    if learner.weight_version != record.trained_from_version:
         raise ValueError(f"batch {record.batch_id} was trained from version {record.trained_from_version}; the "
-                         f"learner is at {learner.version} (pass the checkpoint of step {record.trained_from_version})")
+                         f"learner is at {learner.weight_version} (pass the checkpoint of step "
+                         f"{record.trained_from_version})")
     batch = BATCH_CODEC.decode(record.batch)  # recorded as trained (stale tokens already masked)
     return learner.policy.step(batch.samples)
 

@@ -2,20 +2,32 @@
 
 Bad requests raise `OpenAIError` (or fail validation), which the app turns into a 4xx with an
 OpenAI-style body `{"error": {"message", "type", "param", "code"}}`.
+
+OpenAI's conventions kept here: `n` choices of one `seed` are independent samples, each with its
+own seed hashed from (seed, index), so neighbouring seeds share none; `logprobs` (completions: the
+N most likely tokens per position as well, with the sampled one) and `logprobs` + `top_logprobs`
+(chat) report log-probs under the distribution the engine sampled from; a stream with
+`stream_options: {include_usage: true}` ends with a chunk of empty `choices` and the `usage`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import math
 import random
 import time
+from dataclasses import dataclass
 from typing import Annotated, Literal
 
 import numpy as np
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
+from asyncrl.algo.sampling import choice_seed
 from asyncrl.engines.base import SamplingParams
 from asyncrl.generation import complete_async, decode, sequence_input
+from asyncrl.openai_tools import AssistantToolCall, ToolSpec, call_of, content_before_call
 from asyncrl.schema import FinishReason
 
 
@@ -62,6 +74,12 @@ def check_request_size(prompt_ids: list[list[int]], n: int, max_tokens: int) -> 
                                f"{positions} token positions; the limit is {MAX_REQUEST_POSITIONS}", "max_tokens")
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+
+
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -74,6 +92,7 @@ class _Sampling(BaseModel):
     seed: int | None = Field(None, ge=0, lt=1 << 62)
     # At most 4 stop strings, as in OpenAI's API, each short: every one is searched in every delta.
     stop: StopText | Annotated[list[StopText], Field(max_length=4)] | None = None
+    stream_options: StreamOptions | None = None
 
 
 # Request size limits: a prompt longer than any context is refused before it is tokenized.
@@ -86,17 +105,44 @@ PromptText = Annotated[str, StringConstraints(min_length=1, max_length=MAX_PROMP
 
 class CompletionRequest(_Sampling):
     prompt: PromptText | Annotated[list[PromptText], Field(min_length=1, max_length=MAX_PROMPTS)]
+    # The N most likely tokens per position (and the sampled one); 0: the sampled token's alone.
     logprobs: int | None = Field(None, ge=0, le=5)
 
 
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant"]
-    content: str = Field(..., max_length=MAX_PROMPT_CHARS)
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
+    tool_calls: list[AssistantToolCall] | None = Field(None, max_length=16)  # an assistant's calls
+    tool_call_id: str | None = Field(None, max_length=128)  # a tool's answer: to which call
+    name: str | None = Field(None, max_length=64)
+
+    @model_validator(mode="after")
+    def _has_content(self) -> "ChatMessage":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (an assistant message may give tool_calls instead)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
+        return self
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(..., min_length=1, max_length=256)
     logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[ToolSpec] | None = Field(None, max_length=64)  # in the trained tool format (openai_tools)
+    tool_choice: str | None = None  # auto (the default with tools) or none
+
+
+def logprobs_asked(body: _Sampling, chat: bool) -> int | None:
+    """The alternatives per token a request asks for (0: the sampled token's log-prob alone), or
+    None for no log-probs; a malformed combination is a 400."""
+    if body.stream_options is not None and not body.stream:
+        raise OpenAIError(400, "stream_options is only allowed with stream: true", "stream_options")
+    if not chat:
+        return body.logprobs
+    if body.top_logprobs is not None and not body.logprobs:
+        raise OpenAIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    return (body.top_logprobs or 0) if body.logprobs else None
 
 
 def _stops(stop: str | list[str] | None) -> list[str]:
@@ -108,28 +154,54 @@ def _stops(stop: str | list[str] | None) -> list[str]:
 GREEDY_BELOW_TEMPERATURE = 1e-3
 
 
-def _params(body: _Sampling) -> SamplingParams:
+def _params(body: _Sampling, top_logprobs: int = 0) -> SamplingParams:
     greedy = body.temperature < GREEDY_BELOW_TEMPERATURE
-    return SamplingParams(temperature=1.0 if greedy else body.temperature, top_p=body.top_p, greedy=greedy)
+    return SamplingParams(temperature=1.0 if greedy else body.temperature, top_p=body.top_p, greedy=greedy,
+                          top_logprobs=top_logprobs)
 
 
-async def stream_choices(engine, tokenizer, prompt_ids: list[list[int]], body: _Sampling):
-    """n samples per prompt, streamed token by token as the engine samples them (one decode loop;
-    counter-based seeds: the samples are those of `generate_choices`). Yields `(index, delta_text,
-    new_tokens, new_logprobs, finish_reason)`; finish_reason is set on a choice's last delta. Text
-    stops at a stop string; decoding stops once every choice has ended."""
+def _choice_seeds(body: _Sampling, prompts: int) -> list[int]:
+    """Each choice's sampling seed, prompt-major: choice k of every prompt has seed (seed, k)."""
     seed = body.seed if body.seed is not None else random.randrange(1 << 40)
+    return [choice_seed(seed, k) for _ in range(prompts) for k in range(body.n)]
+
+
+def _alternatives(tokenizer, ids, logprobs) -> list[tuple[str, float]]:
+    """(token text, log-prob) of a position's most likely tokens, most likely first; a token the
+    sampler's top-p left out (-inf: it cannot be drawn, and JSON has no -inf) is not listed."""
+    return [(tokenizer.decode([int(i)]), float(lp)) for i, lp in zip(ids, logprobs) if math.isfinite(lp)]
+
+
+@dataclass
+class Delta:
+    """One streamed piece of a choice: its new text, the tokens behind it, their log-probs and
+    alternatives (`alternatives[j]`: `_alternatives` of `tokens[j]`), and how the choice ended."""
+
+    index: int
+    text: str
+    tokens: list[int]
+    logprobs: list[float]
+    alternatives: list[list[tuple[str, float]]]
+    finish: str | None
+
+
+async def stream_choices(engine, tokenizer, prompt_ids: list[list[int]], body: _Sampling, top_logprobs: int = 0):
+    """n samples per prompt, streamed token by token as the engine samples them (one decode loop;
+    counter-based seeds: the samples are those of `generate_choices`). Yields `Delta`s; finish is
+    set on a choice's last one. Text stops at a stop string; decoding stops once every choice has
+    ended."""
     stops = [s for s in _stops(body.stop) if s]
     longest_stop = max((len(s) for s in stops), default=0)
     # Incremental detokenisation: each step decodes a few tokens around the new ones (from
     # `prefix`, a token boundary before them), not the whole text so far.
-    rows = [{"prompt": np.asarray(ids, dtype=np.int32), "seed": seed + k, "ids": [], "text": "",
-             "prefix": 0, "read": 0, "done": False} for ids in prompt_ids for k in range(body.n)]
+    prompts = [ids for ids in prompt_ids for _ in range(body.n)]
+    rows = [{"prompt": np.asarray(ids, dtype=np.int32), "seed": seed, "ids": [], "text": "",
+             "prefix": 0, "read": 0, "done": False} for ids, seed in zip(prompts, _choice_seeds(body, len(prompt_ids)))]
     inputs = [sequence_input(r["prompt"], r["seed"], body.max_tokens, []) for r in rows]
-    steps = engine.stream_window(inputs, body.max_tokens, _params(body))
+    steps = engine.stream_window(inputs, body.max_tokens, _params(body, top_logprobs))
     try:
         async for step in steps:
-            for i, token, logprob, reason in step:
+            for i, token, logprob, reason, top in step:
                 row = rows[i]
                 if row["done"]:
                     continue  # ended at a stop string while others go on
@@ -153,19 +225,21 @@ async def stream_choices(engine, tokenizer, prompt_ids: list[list[int]], body: _
                 delta = text[len(row["text"]):]
                 row["text"] = text
                 row["done"] = finish is not None
-                yield i, delta, [token], [logprob], finish
+                alternatives = [_alternatives(tokenizer, *top)] if top is not None else []
+                yield Delta(i, delta, [token], [logprob], alternatives, finish)
             if all(r["done"] for r in rows):
                 return
     finally:
         await steps.aclose()
 
 
-async def generate_choices(engine, tokenizer, prompt_ids: list[list[int]], body: _Sampling) -> list[dict]:
-    """n samples per prompt in one engine call; text cut at the first stop string."""
-    seed = body.seed if body.seed is not None else random.randrange(1 << 40)
+async def generate_choices(engine, tokenizer, prompt_ids: list[list[int]], body: _Sampling,
+                           top_logprobs: int = 0, tool_format=None) -> list[dict]:
+    """n samples per prompt in one engine call; text cut at the first stop string, or just after
+    a tool call in `tool_format` (a request with tools): then the choice has `tool_calls`."""
     prompts = [ids for ids in prompt_ids for _ in range(body.n)]
-    seeds = [seed + k for _ in prompt_ids for k in range(body.n)]
-    completions = await complete_async(engine, tokenizer, prompts, seeds, body.max_tokens, _params(body))
+    seeds = _choice_seeds(body, len(prompt_ids))
+    completions = await complete_async(engine, tokenizer, prompts, seeds, body.max_tokens, _params(body, top_logprobs))
     choices = []
     for index, out in enumerate(completions):
         text = out.text
@@ -173,19 +247,52 @@ async def generate_choices(engine, tokenizer, prompt_ids: list[list[int]], body:
         cuts = [text.find(s) for s in _stops(body.stop) if s and s in text]
         if cuts:
             text, finish = text[: min(cuts)], "stop"
-        choices.append({"index": index, "text": text, "finish_reason": finish,
+        calls, content = None, text
+        if tool_format is not None:
+            end, call = call_of(text, tool_format)
+            if call is not None:  # the tokens past the call were sampled, not answered
+                text, finish, calls = text[:end], "tool_calls", [call]
+                content = content_before_call(text, tool_format)
+                out = _cut(out, tokenizer, tool_format)
+        choices.append({"index": index, "text": text, "content": content, "tool_calls": calls, "finish_reason": finish,
                         "token_logprobs": out.logprobs.tolist(),
                         "tokens": [tokenizer.decode([t]) for t in out.token_ids.tolist()],
+                        "alternatives": [_alternatives(tokenizer, ids, lps) for ids, lps in
+                                         zip(out.top_ids.tolist(), out.top_logprobs.tolist())] if top_logprobs else [],
                         "completion_tokens": len(out.token_ids), "prompt_tokens": len(prompt_ids[index // body.n]),
                         "first_of_prompt": index % body.n == 0})
     return choices
 
 
-def logprob_entries(tokens: list[str], logprobs: list[float]) -> list[dict]:
-    """Chat-style log-prob entries of the sampled tokens (alternatives are not computed: top_logprobs
-    is empty)."""
-    return [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": []}
-            for t, lp in zip(tokens, logprobs)]
+def _cut(out, tokenizer, tool_format):
+    """A completion cut after the token that completes its call."""
+    ids = out.token_ids.tolist()
+    keep = next((k for k in range(1, len(ids) + 1) if tool_format.call_end(decode(tokenizer, ids[:k])) is not None),
+                len(ids))
+    return dataclasses.replace(out, token_ids=out.token_ids[:keep], logprobs=out.logprobs[:keep],
+                               top_ids=None if out.top_ids is None else out.top_ids[:keep],
+                               top_logprobs=None if out.top_logprobs is None else out.top_logprobs[:keep])
+
+
+def logprob_entries(tokens: list[str], logprobs: list[float], alternatives: list[list[tuple[str, float]]]) -> list[dict]:
+    """Chat-style log-prob entries of the sampled tokens, each with its `top_logprobs` (empty when
+    none were asked for)."""
+    def entry(token: str, logprob: float) -> dict:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    return [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in (alternatives[j] if alternatives else [])]}
+            for j, (t, lp) in enumerate(zip(tokens, logprobs))]
+
+
+def completion_logprobs(tokens: list[str], logprobs: list[float], alternatives: list[list[tuple[str, float]]],
+                        asked: int) -> dict:
+    """The completions API's `logprobs` object. With `logprobs=N` > 0, `top_logprobs` maps each
+    position's N most likely tokens, and the sampled one, to their log-probs (OpenAI: "up to
+    logprobs+1 elements")."""
+    top = None
+    if asked:
+        top = [{**dict(alts), token: lp} for token, lp, alts in zip(tokens, logprobs, alternatives)]
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top, "text_offset": None}
 
 
 def _usage(choices: list[dict]) -> dict:
@@ -194,25 +301,29 @@ def _usage(choices: list[dict]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def completion_response(request_id: str, model: str, choices: list[dict], version: int) -> dict:
+def completion_response(request_id: str, model: str, choices: list[dict], version: int,
+                        asked: int | None = None) -> dict:
+    """`asked`: what `logprobs_asked` returned (None: no log-probs)."""
     return {
         "id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
         "weight_version": version,
         "choices": [{"index": c["index"], "text": c["text"], "finish_reason": c["finish_reason"],
-                     "logprobs": {"tokens": c["tokens"], "token_logprobs": c["token_logprobs"],
-                                  "top_logprobs": None, "text_offset": None} if c.get("want_logprobs") else None}
+                     "logprobs": completion_logprobs(c["tokens"], c["token_logprobs"], c["alternatives"], asked)
+                     if asked is not None else None}
                     for c in choices],
         "usage": _usage(choices),
     }
 
 
-def chat_response(request_id: str, model: str, choices: list[dict], version: int) -> dict:
+def chat_response(request_id: str, model: str, choices: list[dict], version: int, asked: int | None = None) -> dict:
     return {
         "id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
         "weight_version": version,
-        "choices": [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
+        "choices": [{"index": c["index"], "message": {"role": "assistant", "content": c["content"],
+                                                      **({"tool_calls": c["tool_calls"]} if c["tool_calls"] else {})},
                      "finish_reason": c["finish_reason"],
-                     "logprobs": {"content": logprob_entries(c["tokens"], c["token_logprobs"])} if c.get("want_logprobs") else None}
+                     "logprobs": {"content": logprob_entries(c["tokens"], c["token_logprobs"], c["alternatives"])}
+                     if asked is not None else None}
                     for c in choices],
         "usage": _usage(choices),
     }
@@ -230,3 +341,45 @@ def stream_chunk(request_id: str, model: str, version: int, chat: bool, index: i
                 "choices": [{"index": index, "delta": message, "finish_reason": finish, "logprobs": logprobs}]}
     return {"id": request_id, "object": "text_completion", "created": created, "model": model, "weight_version": version,
             "choices": [{"index": index, "text": delta, "finish_reason": finish, "logprobs": logprobs}]}
+
+
+def usage_chunk(request_id: str, model: str, version: int, chat: bool, prompt_ids: list[list[int]],
+                completion_tokens: int) -> dict:
+    """A stream's last chunk with `stream_options.include_usage`: no choices, the request's usage
+    (each prompt counted once, as in `_usage`)."""
+    prompt = sum(len(ids) for ids in prompt_ids)
+    return {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()), "model": model, "weight_version": version, "choices": [],
+            "usage": {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt + completion_tokens}}
+
+
+async def stream_events(engine, tokenizer, prompt_ids: list[list[int]], body: _Sampling, chat: bool,
+                        request_id: str, model: str, version: int, asked: int | None):
+    """Server-sent events of a streamed request: in chat, each choice's role first; then a chunk
+    per text delta of a choice as its tokens are sampled; with `include_usage`, every chunk carries
+    `usage: null` and a last chunk the usage (OpenAI's shape); then `data: [DONE]`."""
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+
+    def event(chunk: dict) -> str:
+        if include_usage:
+            chunk["usage"] = None
+        return f"data: {json.dumps(chunk)}\n\n"
+
+    if chat:
+        for index in range(len(prompt_ids) * body.n):
+            yield event(stream_chunk(request_id, model, version, True, index, "", None, first=True))
+    completion_tokens = 0
+    async for d in stream_choices(engine, tokenizer, prompt_ids, body, asked or 0):
+        completion_tokens += len(d.tokens)
+        lp = None
+        if asked is not None:
+            texts = [tokenizer.decode([t]) for t in d.tokens]
+            lp = ({"content": logprob_entries(texts, d.logprobs, d.alternatives)} if chat
+                  else completion_logprobs(texts, d.logprobs, d.alternatives, asked))
+        if d.text or d.finish or lp:
+            yield event(stream_chunk(request_id, model, version, chat, d.index, d.text, d.finish, lp))
+    if include_usage:
+        usage = usage_chunk(request_id, model, version, chat, prompt_ids, completion_tokens)
+        yield f"data: {json.dumps(usage)}\n\n"
+    yield "data: [DONE]\n\n"

@@ -1,5 +1,9 @@
 """Run plots as PNGs (matplotlib, no display): reward, accuracy, response length, entropy, KL,
-clip fraction, throughput, and a histogram of staleness."""
+clip fraction, throughput, and a histogram of staleness.
+
+Every curve is drawn against the learner step, an integer: the x axis ticks whole steps only (a
+run of 3 steps would otherwise be labelled 1.00, 1.25, ...). Titles wrap to the figure's width
+(the reward curve's is longer than a 6-inch figure at the default font size)."""
 
 from __future__ import annotations
 
@@ -21,6 +25,27 @@ CURVES = [
 ]
 
 
+def _step_axis(ax, steps, title: str) -> None:
+    """Integer step ticks and a title broken into lines that fit the figure's width. (Matplotlib's
+    own `wrap=True` wraps only at draw time, after `tight_layout` made room for one line, so the
+    second line was cut off at the top instead.)"""
+    import textwrap
+
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if max(steps) - min(steps) < 2:  # one or two steps: autoscaling spans no whole step but these
+        ax.set_xlim(min(steps) - 1, max(steps) + 1)
+    ax.set_xlabel("learner step")
+    text = ax.set_title(title)
+    renderer = ax.figure.canvas.get_renderer()
+    usable = 0.95 * ax.figure.bbox.width
+    chars = len(title)
+    while text.get_window_extent(renderer).width > usable and chars > 10:
+        chars = max(10, int(chars * usable / text.get_window_extent(renderer).width) - 1)
+        text.set_text(textwrap.fill(title, chars))
+
+
 def write_plots(records: list[dict], run_dir: str) -> list[str]:
     import matplotlib
 
@@ -40,8 +65,7 @@ def write_plots(records: list[dict], run_dir: str) -> list[str]:
             smooth = np.convolve(values, np.ones(window) / window, mode="valid")
             ax.plot(steps[window - 1:], smooth, linewidth=2, label=f"mean of {window}")
             ax.legend()
-        ax.set_xlabel("learner step")
-        ax.set_title(title)
+        _step_axis(ax, steps, title)
         fig.tight_layout()
         path = os.path.join(run_dir, f"{key}.png")
         fig.savefig(path, dpi=90)
@@ -62,6 +86,15 @@ def write_plots(records: list[dict], run_dir: str) -> list[str]:
 
 
 def plot_curve(records: list[dict], path: str, key: str = "reward_mean", title: str = "reward") -> None:
+    import matplotlib.pyplot as plt
+
+    fig = curve_figure(records, key, title)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def curve_figure(records: list[dict], key: str, title: str):
+    """The figure of one metric against the learner step (`plot_curve` saves it)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -75,9 +108,7 @@ def plot_curve(records: list[dict], path: str, key: str = "reward_mean", title: 
         window = max(3, len(values) // 10)
         smooth = np.convolve(values, np.ones(window) / window, mode="valid")
         ax.plot(steps[window - 1:], smooth, label=f"{key} (mean of {window})")
-    ax.set_xlabel("learner step")
-    ax.set_title(title)
+    _step_axis(ax, steps, title)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig

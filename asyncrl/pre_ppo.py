@@ -1,4 +1,4 @@
-"""Pre-PPO prompt selection (Data-scaling RLHF, arXiv 2503.22230; ALGORITHMS.md §8): before the
+"""Pre-PPO prompt selection (Data-scaling RLHF, arXiv 2503.22230; docs/algorithms.md §8): before the
 first prompt is issued, sample `pre_ppo_samples` responses per candidate with the initial policy,
 score them through the reward router (the run's timeout and retries), and keep the hardest
 fraction per data source; the selection is merged with the train prompts (the paper's step 4).

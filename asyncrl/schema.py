@@ -105,11 +105,38 @@ def float32_array(values: Any) -> np.ndarray:
 
 
 class FinishReason(str, enum.Enum):
-    """Why a segment ended. `WINDOW` means *not* finished: cut at the window, continues next turn."""
+    """Why a segment ended. `WINDOW` and `TOOL_CALL` mean *not* finished: cut at the window, or at a
+    tool call whose observation follows (an episode); the sample continues next turn."""
 
     EOS = "eos"
     MAX_LENGTH = "max_length"
+    MAX_TURNS = "max_turns"  # an episode's tool call beyond `environment.max_turns`: it ends there
     WINDOW = "window"
+    TOOL_CALL = "tool_call"
+
+    @property
+    def continues(self) -> bool:
+        return self in (FinishReason.WINDOW, FinishReason.TOOL_CALL)
+
+
+class SampleState(str, enum.Enum):
+    """Where a sample is in the ledger (`asyncrl.ledger`); a state only moves forward, in this order."""
+
+    IN_FLIGHT = "in_flight"
+    AWAITING_REWARD = "awaiting_reward"
+    AWAITING_TRAINING = "awaiting_training"
+    TRAINED = "trained"
+    DROPPED = "dropped"
+    RECORDED = "recorded"  # mode=generate: scored and stored, never trained
+
+
+class DropReason(str, enum.Enum):
+    """Why a sample (or a T-PPO window row) ended without being trained."""
+
+    NO_SIGNAL = "no_signal"  # dynamic sampling: every member of the group scored alike
+    REWARD_FAILED = "reward_failed"  # the reward endpoint gave no score (timeout, error, no verdict)
+    STALE = "stale"  # every token too many versions behind the weights being trained
+    VALUE_WARMUP = "value_warmup"  # the critic was still in its pretraining
 
 
 class PromptRequest(msgspec.Struct, kw_only=True, frozen=True):
@@ -172,6 +199,16 @@ class Segment(msgspec.Struct, kw_only=True, frozen=True):
     seed: int = 0
     generator_id: str = ""
     group_size: int = 1  # G: samples in this segment's group (the assembler waits for all G)
+    # uint8 [N], set by the engine: 0 where a token was drawn from a distribution the learner does not
+    # score (FIRE's hot first token; a position where EOS was held back by a minimum length), so it
+    # carries no policy loss and no KL. None: every token was drawn from the policy's distribution.
+    new_scored: np.ndarray | None = None
+    # uint8 [N]: 1 where the token is an environment's observation (an episode's tool result, in the
+    # context, never trained: its `new_scored` is 0, its log-prob 0). None: no observation.
+    new_observation: np.ndarray | None = None
+    # uint8 [R]: `new_observation` of the earlier windows' tokens (None: no observation among them),
+    # so a row holding the whole response (T-PPO's last window) never trains an observation.
+    prior_observation: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         _check_array("prompt_token_ids", self.prompt_token_ids, "int32")
@@ -181,7 +218,15 @@ class Segment(msgspec.Struct, kw_only=True, frozen=True):
         n = len(self.new_token_ids)
         _check_array("new_logprobs", self.new_logprobs, "float32", n)
         _check_array("new_versions", self.new_versions, "int32", n)
-        if self.finished == (self.finish_reason is FinishReason.WINDOW):
+        if self.new_scored is not None:
+            _check_array("new_scored", self.new_scored, "uint8", n)
+        if self.new_observation is not None:
+            _check_array("new_observation", self.new_observation, "uint8", n)
+            if self.new_scored is None or (self.new_scored[self.new_observation.astype(bool)] != 0).any():
+                raise ValueError("field `new_scored` must be 0 where `new_observation` is 1 (observations are not trained)")
+        if self.prior_observation is not None:
+            _check_array("prior_observation", self.prior_observation, "uint8", len(self.prior_response_ids))
+        if self.finished == self.finish_reason.continues:
             raise ValueError(
                 f"field `finish_reason`: {self.finish_reason.value!r} contradicts finished={self.finished}"
             )
@@ -206,6 +251,28 @@ class Segment(msgspec.Struct, kw_only=True, frozen=True):
     @property
     def response_versions(self) -> np.ndarray:
         return np.concatenate([self.prior_versions, self.new_versions])
+
+
+def observation_mask(segment: Segment) -> np.ndarray:
+    """bool [N]: the new tokens that are an environment's observation."""
+    if segment.new_observation is None:
+        return np.zeros(len(segment.new_token_ids), dtype=bool)
+    return segment.new_observation.astype(bool)
+
+
+def final_turn_start(observation) -> int:
+    """Where the policy's last turn starts in a response whose observation mask is `observation`
+    (per token, 1 = the environment's; None = no observation): after the last observation. What a
+    verifier reads of an episode."""
+    observed = np.flatnonzero(np.asarray(observation if observation is not None else [], dtype=np.uint8))
+    return int(observed[-1]) + 1 if len(observed) else 0
+
+
+def scored_mask(segment: Segment) -> np.ndarray:
+    """float32 [N]: 1 where the learner scores the token's behaviour distribution (see `new_scored`)."""
+    if segment.new_scored is None:
+        return np.ones(len(segment.new_token_ids), dtype=np.float32)
+    return segment.new_scored.astype(np.float32)
 
 
 def segment_row(segment: Segment) -> tuple[np.ndarray, np.ndarray]:

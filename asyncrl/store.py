@@ -52,7 +52,7 @@ class TrajectoryRecord(msgspec.Struct, kw_only=True, frozen=True):
     behaviour_logprobs: list[float]  # log π_behaviour of each response token, as sampled
     token_versions: list[int]  # the weight version that generated each response token
     window_ends: list[int]  # response offset where each generator window ended (T-PPO windows)
-    finish_reason: str  # eos | max_length
+    finish_reason: str  # eos | max_length | max_turns
     seed: int
     generator_id: str
     score: float | None = None  # the reward endpoint's score (None: the reward failed)
@@ -67,6 +67,11 @@ class TrajectoryRecord(msgspec.Struct, kw_only=True, frozen=True):
     drop_reason: str = ""
     policy_version: int = 0  # the learner's version the assembler knew when the sample ended
     recorded_at: float = 0.0
+    # Per response token: 0 where the learner does not score it (FIRE's first token, a held-back
+    # EOS, an observation); None: all scored.
+    token_scored: list[int] | None = None
+    # Per response token: 1 where it is an environment's observation (an episode); None: none is.
+    token_observation: list[int] | None = None
 
 
 TRAJECTORY_SCHEMA = pa.schema([
@@ -81,6 +86,7 @@ TRAJECTORY_SCHEMA = pa.schema([
     ("reward_version", pa.string()), ("reward_failed", pa.bool_()), ("token_rewards", pa.list_(pa.float32())),
     ("suspicious", pa.list_(pa.string())), ("values", pa.list_(pa.float32())), ("status", pa.string()),
     ("drop_reason", pa.string()), ("policy_version", pa.int64()), ("recorded_at", pa.float64()),
+    ("token_scored", pa.list_(pa.uint8())), ("token_observation", pa.list_(pa.uint8())),
 ])
 
 BATCH_SCHEMA = pa.schema([
@@ -131,7 +137,9 @@ def record_of(merged: Segment, window_ends: list[int], reward: Reward | None, pr
         token_rewards=None if reward is None or reward.token_rewards is None else reward.token_rewards.tolist(),
         suspicious=list(reward.suspicious) if reward is not None else [],
         values=None if values is None else np.asarray(values, dtype=np.float32).tolist(),
-        status=status, drop_reason=drop_reason, policy_version=policy_version, recorded_at=time.time())
+        status=status, drop_reason=drop_reason, policy_version=policy_version, recorded_at=time.time(),
+        token_scored=None if merged.new_scored is None else merged.new_scored.tolist(),
+        token_observation=None if merged.new_observation is None else merged.new_observation.tolist())
 
 
 def segments_of(record: TrajectoryRecord) -> list[Segment]:
@@ -141,6 +149,8 @@ def segments_of(record: TrajectoryRecord) -> list[Segment]:
     ids = np.asarray(record.response_token_ids, dtype=np.int32)
     logp = np.asarray(record.behaviour_logprobs, dtype=np.float32)
     versions = np.asarray(record.token_versions, dtype=np.int32)
+    scored = None if record.token_scored is None else np.asarray(record.token_scored, dtype=np.uint8)
+    observed = None if record.token_observation is None else np.asarray(record.token_observation, dtype=np.uint8)
     ends = list(record.window_ends) or [len(ids)]
     out, start = [], 0
     for turn, end in enumerate(ends):
@@ -149,8 +159,12 @@ def segments_of(record: TrajectoryRecord) -> list[Segment]:
             prompt_id=record.prompt_id, sample_idx=record.sample_idx, turn=turn, group_id=record.group_id,
             group_size=record.group_size, prompt_token_ids=np.asarray(record.prompt_token_ids, dtype=np.int32),
             prior_response_ids=ids[:start], prior_versions=versions[:start], new_token_ids=ids[start:end],
-            new_logprobs=logp[start:end], new_versions=versions[start:end], finished=last,
-            finish_reason=FinishReason(record.finish_reason) if last else FinishReason.WINDOW,
+            new_logprobs=logp[start:end], new_versions=versions[start:end],
+            new_scored=None if scored is None else scored[start:end],
+            new_observation=None if observed is None else observed[start:end],
+            prior_observation=None if observed is None else observed[:start], finished=last,
+            finish_reason=FinishReason(record.finish_reason) if last else
+            FinishReason.TOOL_CALL if observed is not None and observed[start:end].any() else FinishReason.WINDOW,
             data_source=record.data_source, ground_truth=record.ground_truth, seed=record.seed,
             generator_id=record.generator_id))
         start = end

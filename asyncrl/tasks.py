@@ -7,6 +7,7 @@ Each task also names how its responses are scored (`score_response`), a pure fun
 from __future__ import annotations
 
 import json
+import os
 import random
 from dataclasses import dataclass
 
@@ -49,6 +50,19 @@ def tiny_seq_examples(split: str) -> list[Example]:
     ]
 
 
+# --- tiny_tool: an answer only a tool knows ------------------------------------------------------
+
+
+def tiny_tool_examples(split: str) -> list[Example]:
+    """"d:" -> a digit drawn per episode that nothing in the prompt reveals (the `lookup` tool's
+    answer, `asyncrl.environments.tools.episode_secret`): right only by calling the tool (`?`) and
+    copying what it returns. Guessing is right one time in ten."""
+    from asyncrl.environments.tools import EPISODE_TRUTH
+
+    return [Example(f"tiny_tool-{split}-{d}", [{"role": "user", "content": f"{d}:"}], EPISODE_TRUTH, "tiny_tool")
+            for d in range(10)]
+
+
 # --- arithmetic word problems -------------------------------------------------------------------
 
 _NAMES = ["Sam", "Ana", "Li", "Omar", "Mia", "Ravi", "Zoe", "Ben", "Kai", "Eva"]
@@ -68,6 +82,10 @@ def _word_problem(rng: random.Random) -> tuple[str, int]:
         return f"{name} has {a} {item} and gives away {b}. How many {item} are left?", a - b
     a, b = rng.randint(2, 9), rng.randint(2, 9)
     return f"{name} has {a} bags with {b} {item} in each bag. How many {item} are there in total?", a * b
+
+
+TOOL_INSTRUCTION = ("You can run Python: write <tool_call>{\"name\": \"python\", \"arguments\": "
+                    "{\"code\": \"print(12 * 7)\"}}</tool_call> and its output comes back. ")
 
 
 def arithmetic_examples(split: str, n: int, seed: int = 0) -> list[Example]:
@@ -101,18 +119,22 @@ def arithmetic_examples(split: str, n: int, seed: int = 0) -> list[Example]:
 # --- local files in verl's layout ------------------------------------------------------------------
 
 
-def file_examples(path: str) -> list[Example]:
-    """Rows of a jsonl or parquet file: `prompt` (list of chat messages, or a string),
-    `reward_model.ground_truth`, `data_source`; an `extra_info.index` or the row number is the id."""
+def read_rows(path: str) -> list[dict]:
+    """The rows of a jsonl or parquet prompt file, as dicts."""
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
 
-        rows = pq.read_table(path).to_pylist()
-    elif path.endswith(".jsonl") or path.endswith(".json"):
+        return pq.read_table(path).to_pylist()
+    if path.endswith(".jsonl") or path.endswith(".json"):
         with open(path) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-    else:
-        raise ValueError(f"task.path must be a .jsonl or .parquet file, got {path!r}")
+            return [json.loads(line) for line in f if line.strip()]
+    raise ValueError(f"task.path must be a .jsonl or .parquet file, got {path!r}")
+
+
+def file_examples(path: str) -> list[Example]:
+    """Rows of a jsonl or parquet file: `prompt` (list of chat messages, or a string),
+    `reward_model.ground_truth`, `data_source`; an `extra_info.index` or the row number is the id."""
+    rows = read_rows(path)
     examples = []
     for i, row in enumerate(rows):
         for key in ("prompt", "reward_model"):
@@ -133,6 +155,36 @@ def file_examples(path: str) -> list[Example]:
     return examples
 
 
+def verl_rows(examples: list[Example], split: str) -> list[dict]:
+    """Examples as rows in verl's layout, as `file_examples` reads them (`extra_info.index` is the
+    row's place in its split)."""
+    return [{"data_source": ex.data_source, "prompt": [dict(m) for m in ex.messages],
+             "reward_model": {"style": "rule", "ground_truth": ex.ground_truth},
+             "extra_info": {"split": split, "index": i}} for i, ex in enumerate(examples)]
+
+
+def write_examples(examples: list[Example], path: str, split: str, overwrite: bool = False) -> bool:
+    """A prompt file in verl's layout (`.parquet` or `.jsonl`) that `task=file` trains on. An
+    existing file with these rows is left as it is (False: nothing written); one with other rows is
+    refused unless `overwrite`."""
+    rows = verl_rows(examples, split)
+    if os.path.exists(path) and not overwrite:
+        if read_rows(path) == rows:
+            return False
+        raise FileExistsError(f"{path} exists and holds other prompts; pass --force to overwrite it")
+    if path.endswith(".parquet"):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    elif path.endswith(".jsonl"):
+        with open(path, "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+    else:
+        raise ValueError(f"a prompt file is .parquet or .jsonl, got {path!r}")
+    return True
+
+
 def load_examples(task_name: str, split: str, n: int, seed: int, path: str = "") -> list[Example]:
     if task_name == "tiny":
         return tiny_examples(split)
@@ -140,11 +192,18 @@ def load_examples(task_name: str, split: str, n: int, seed: int, path: str = "")
         return tiny_seq_examples(split)
     if task_name == "arithmetic":
         return arithmetic_examples(split, n, seed)
+    if task_name == "arithmetic_tool":  # the same problems, told that a Python tool is there
+        return [Example(e.prompt_id.replace("arith-", "arith_tool-", 1),
+                        [{"role": "user", "content": TOOL_INSTRUCTION + e.messages[-1]["content"]}], e.ground_truth,
+                        "arithmetic_tool") for e in arithmetic_examples(split, n, seed)]
+    if task_name == "tiny_tool":
+        return tiny_tool_examples(split)
     if task_name == "file":
         if not path:
             raise ValueError(f"task=file needs task.{'path' if split == 'train' else 'eval_path'}")
         return file_examples(path)
-    raise ValueError(f"unknown task {task_name!r}: expected tiny, tiny_seq, arithmetic or file")
+    raise ValueError(f"unknown task {task_name!r}: expected tiny, tiny_seq, tiny_tool, arithmetic, arithmetic_tool "
+                     f"or file")
 
 
 def score_response(data_source: str, response: str, ground_truth: str, style: str) -> tuple[float, bool, str]:

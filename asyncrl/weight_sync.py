@@ -1,7 +1,8 @@
-"""Moving the policy's weights from the learner to the generators: one interface, three paths.
+"""The mechanisms that move the policy's weights from the learner to the generators; which one a
+generator gets, and what each side does with it, is `asyncrl.transport`.
 
 The learner publishes each new version once and tells every generator how to fetch it (a
-`Delivery`); the path of a generator is chosen from where it landed (`choose_paths`):
+`Delivery`); the path of a generator is chosen from where it landed:
 
 * `shm` (same host, CPU): the learner copies the version's tensors into one of two files in the
   node's shared memory, written in turn (`SharedSlots`); a generator on that node maps them once
@@ -33,12 +34,8 @@ import warnings
 from typing import Iterable, Iterator
 
 import msgspec
-import numpy as np
 import torch
 import torch.distributed as dist
-
-PATHS = ("shm", "cuda_ipc", "group")
-
 
 class TensorSlot(msgspec.Struct, frozen=True, array_like=True):
     name: str
@@ -62,9 +59,10 @@ class BucketPlan(msgspec.Struct, frozen=True):
 
 
 class Delivery(msgspec.Struct, frozen=True):
-    """How one version reaches one generator: its path, and for `group` the bucket plan."""
+    """How one version reaches one generator: its path (`asyncrl.transport`), and for `group` the
+    bucket plan."""
 
-    version: int
+    weight_version: int
     path: str
     plan: BucketPlan | None = None
 
@@ -108,24 +106,6 @@ def node_address() -> str:
     import ray
 
     return ray.util.get_node_ip_address()
-
-
-def choose_paths(learner_node: str, generator_nodes: list[str], device: str, setting: str = "auto") -> list[str]:
-    """Each generator's path: on the learner's node, shared memory (CPU) or CUDA IPC (CUDA); on
-    another node, the distributed group. `setting` other than auto forces one path where it can
-    work (`group` works everywhere; `shm`/`cuda_ipc` only on the learner's node)."""
-    if setting not in ("auto", *PATHS):
-        raise ValueError(f"trainer.weight_transport must be auto or one of {PATHS}, got {setting!r}")
-    local = "cuda_ipc" if device == "cuda" else "shm"
-    paths = []
-    for node in generator_nodes:
-        if setting == "group" or node != learner_node:
-            paths.append("group")
-        elif setting in ("auto", local):
-            paths.append(local)
-        else:
-            raise ValueError(f"trainer.weight_transport={setting} does not fit a {device} learner")
-    return paths
 
 
 # --- shared memory (same host, CPU) ---------------------------------------------------------------

@@ -9,7 +9,7 @@
 Two namespaces joined by a veth pair, each with its own address (head 10.77.0.1, worker
 10.77.0.2): `ray start --head` in one with the custom resource `node_learner`, `ray start
 --address=...` in the other with `node_generator`. The driver runs in the head's namespace and
-joins with `trainer.ray_address`; roles are pinned by those resources, so the generator lands on
+joins with `cluster.ray_address`; roles are pinned by those resources, so the generator lands on
 the worker and the learner on the head, and the weights cross the namespaces in the learner's own
 gloo group, met at the head's address. Traffic stays inside the namespaces; every run is bounded
 by its steps and a timeout. Needs root (`ip netns`). The node-loss and partition scenarios are in
@@ -157,8 +157,8 @@ def run_in_head(args: list[str], timeout_s: float) -> subprocess.CompletedProces
 def train(steps: int, generators: int, placement: list[str], run_dir: str, timeout_s: float = 900) -> dict:
     """`asyncrl train` on the cluster; what the run reports, and where each role ran."""
     args = [f"{VENV_BIN}/asyncrl", "train", "model=tiny", "task=tiny", "algorithm=grpo",
-            f"trainer.total_steps={steps}", f"trainer.num_generators={generators}", f"trainer.run_dir={run_dir}",
-            f"trainer.ray_address={ADDRESS}", "trainer.checkpoint_every=0", *placement]
+            f"trainer.total_steps={steps}", f"cluster.num_generators={generators}", f"trainer.run_dir={run_dir}",
+            f"cluster.ray_address={ADDRESS}", "trainer.checkpoint_every=0", *placement]
     start = time.time()
     out = run_in_head(args, timeout_s)
     if out.returncode != 0:
@@ -169,7 +169,7 @@ def train(steps: int, generators: int, placement: list[str], run_dir: str, timeo
     wall = records[-1]["wall_time_s"]
     return {"generators": generators, "steps": summary["steps"], "wall_s": round(time.time() - start, 1),
             "samples_per_s": status["samples_trained"] / wall, "learner_node": status["learner_node"],
-            "weight_versions": {f"{g['generator_id']}@{g['node_ip']}": g["version"] for g in status["generators"]},
+            "weight_versions": {f"{g['generator_id']}@{g['node_ip']}": g["delivered_version"] for g in status["generators"]},
             "learner_version": status["weight_version"], "weight_paths": status["last_broadcast"].get("paths"),
             "broadcast_s": status["last_broadcast"].get("total_s"),
             "generator_busy": status["generator_busy_fraction"], "learner_busy": status["learner_busy_fraction"],
@@ -179,7 +179,7 @@ def train(steps: int, generators: int, placement: list[str], run_dir: str, timeo
             "eval_before": summary["eval_before"]["accuracy"], "eval_after": summary["eval_after"]["accuracy"]}
 
 
-PINNED = ["trainer.generator_resources={node_generator: 1}", "trainer.learner_resources={node_learner: 1}"]
+PINNED = ["engine.resources={node_generator: 1}", "policy.resources={node_learner: 1}"]
 
 
 def serve(steps: int, out_dir: str, timeout_s: float = 600) -> dict:
@@ -219,7 +219,7 @@ def serve(steps: int, out_dir: str, timeout_s: float = 600) -> dict:
         raise RuntimeError(f"serve run reached step {status.get('step')} in {timeout_s}s; see {out_dir}/serve.log")
     return {"steps": status["step"], "seconds_to_step": round(time.time() - start, 1),
             "learner_node": status["learner_node"], "learner_version": status["weight_version"],
-            "weight_versions": {f"{g['generator_id']}@{g['node_ip']}": g["version"] for g in status["generators"]},
+            "weight_versions": {f"{g['generator_id']}@{g['node_ip']}": g["delivered_version"] for g in status["generators"]},
             "weight_paths": status["last_broadcast"].get("paths"),
             "ledger": {k: status["ledger"][k] for k in ("admitted", "trained", "dropped", "in_flight", "duplicates")}
                       | {"problems": status["ledger"]["problems"]}}
@@ -257,7 +257,7 @@ def main() -> int:
         else:
             rows = []
             for n in args.generators:
-                rows.append(train(args.steps, n, ["trainer.placement=spread", "trainer.segment_shards=2"],
+                rows.append(train(args.steps, n, ["cluster.placement=spread", "cluster.segment_shards=2"],
                                   tempfile.mkdtemp(prefix=f"cluster-scale-{n}-", dir=args.out)))
                 print(json.dumps(rows[-1]), flush=True)
             result, ok = {"scale": rows}, all(not r["ledger"]["problems"] for r in rows)

@@ -7,7 +7,9 @@ to the sample ledger afterwards.
 
 Scenarios (tiny model, the real actors, mailboxes and gloo broadcast; checkpoints every 3 steps):
 
-* kill_generator      a generator is killed while it holds sequences in a window
+* kill_generator      one generator of three is killed mid-window: healed in place while the learner
+                      trains; then the learner is killed in the same run (a whole restart) to compare
+* scale               1 -> 4 -> 2 generators while training
 * kill_learner        the policy learner is killed
 * kill_value_learner  the value learner (T-PPO) is killed
 * kill_reward         the reward endpoint actor is killed while it scores (Ray restarts it, the
@@ -17,10 +19,12 @@ Scenarios (tiny model, the real actors, mailboxes and gloo broadcast; checkpoint
 * fill_mailbox        the reward endpoint slows down so that segments pile up: the mailbox stays
                       within its capacity and the generator waits (backpressure)
 * node_loss           (a two-node cluster from `load_tests/cluster.py`, as root) the worker node
-                      dies while its generator holds sequences mid-window: the run restarts from
-                      its checkpoint on the node left
-* partition           (the same cluster) the worker's link goes down for 30 s, then comes back
+                      dies while its generator holds sequences mid-window: healed in place; then
+                      the learner is killed in the same run to compare
+* partition           (the same cluster) the worker's link goes down for 30 s
 
+The pool's scenarios (`load_tests/pool_faults.py`) also report the rate of trained samples before,
+the dip after and the seconds until training runs at full rate again.
 Each prints one JSON object: what was injected, the restart (if any), and the ledger after
 (admitted = in flight + awaiting + trained + dropped, no duplicates), and writes them all to
 `<run-dir>/faults.json`.
@@ -41,8 +45,9 @@ import ray
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from asyncrl.config import compose  # noqa: E402
-from asyncrl.system import init_ray  # noqa: E402
-from asyncrl.supervisor import Supervisor  # noqa: E402
+from asyncrl.run.placement import init_ray  # noqa: E402
+from asyncrl.run import Run  # noqa: E402
+from load_tests import pool_faults  # noqa: E402
 
 BASE = ["model=tiny", "task=tiny", "algorithm=grpo", "trainer.prompts_per_step=2", "trainer.checkpoint_every=3",
         "trainer.checkpoint_keep=2", "trainer.max_restarts=5", "trainer.wandb_mode=disabled"]
@@ -51,7 +56,7 @@ VALUE = ["model=tiny", "task=tiny_seq", "algorithm=tppo", "engine.window_tokens=
          "trainer.wandb_mode=disabled"]
 
 
-def learner_step(sup: Supervisor) -> int | None:
+def learner_step(sup: Run) -> int | None:
     """The learner's step, or None while some part cannot be reached (a node cut off or dying:
     the supervisor's check restarts the run once an actor is known dead)."""
     try:
@@ -60,7 +65,7 @@ def learner_step(sup: Supervisor) -> int | None:
         return None
 
 
-def advance(sup: Supervisor, steps: int, timeout_s: float = 300.0) -> list[dict]:
+def advance(sup: Run, steps: int, timeout_s: float = 300.0) -> list[dict]:
     """Run until the learner has taken `steps` more steps (restarting on a death); restarts seen."""
     events, deadline = [], time.time() + timeout_s
     while (start := learner_step(sup)) is None:
@@ -82,7 +87,7 @@ def advance(sup: Supervisor, steps: int, timeout_s: float = 300.0) -> list[dict]
     return events
 
 
-def wait_restart(sup: Supervisor, timeout_s: float = 120.0) -> dict:
+def wait_restart(sup: Run, timeout_s: float = 120.0) -> dict:
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         event = sup.check()
@@ -92,7 +97,7 @@ def wait_restart(sup: Supervisor, timeout_s: float = 120.0) -> dict:
     raise TimeoutError("the supervisor saw no death")
 
 
-def ledger_report(sup: Supervisor) -> dict:
+def ledger_report(sup: Run) -> dict:
     ledger = sup.system.ledger()
     counts = ledger["counts"]
     return {"admitted": counts["admitted"], "in_flight": counts["in_flight"],
@@ -109,10 +114,10 @@ def rss_mb(actor) -> float:
 EXTRA: list[str] = []
 
 
-def _start(overrides: list[str], run_dir: str) -> Supervisor:
+def _start(overrides: list[str], run_dir: str) -> Run:
     shutil.rmtree(run_dir, ignore_errors=True)
     config = compose(overrides + EXTRA + [f"trainer.run_dir={run_dir}"])
-    return Supervisor(config, run_dir)
+    return Run(config, run_dir).start()
 
 
 def _kill(role: str, overrides: list[str], run_dir: str, quick: bool) -> dict:
@@ -120,31 +125,20 @@ def _kill(role: str, overrides: list[str], run_dir: str, quick: bool) -> dict:
     try:
         advance(sup, 4 if quick else 8)
         system = sup.system
-        if role == "generator":
-            # Mid-window: wait until the generator holds sequences.
-            while (held := ray.get(system.generators[0].stats.remote())["inflight_sequences"]) == 0:
-                time.sleep(0.05)
-            target = system.generators[0]
-        else:
-            target, held = system.actors[role], None
+        target = system.actors[role]
         step_at_kill = system.status()["step"]
         ray.kill(target, no_restart=True)
         event = wait_restart(sup)
         advance(sup, 6 if quick else 12)
         status = sup.system.status()
-        return {"injected": f"ray.kill({role}) at step {step_at_kill}" +
-                            (f" holding {held} sequences" if held is not None else ""),
+        return {"injected": f"ray.kill({role}) at step {step_at_kill}",
                 "restart_s": round(event["restart_s"], 2), "resumed_from_step": event["step"],
                 "regenerated_prompts": event["reissued_prompts"], "saved_batches_trained": event["saved_batches"],
                 "steps_redone": step_at_kill - event["step"], "step_after": status["step"],
-                "generator_versions_after": [g["version"] for g in status["generators"]],
+                "generator_versions_after": [g["delivered_version"] for g in status["generators"]],
                 "ledger": ledger_report(sup)}
     finally:
         sup.stop()
-
-
-def kill_generator(run_dir: str, quick: bool) -> dict:
-    return _kill("generator", BASE, run_dir, quick)
 
 
 def kill_learner(run_dir: str, quick: bool) -> dict:
@@ -199,7 +193,7 @@ def hang_reward(run_dir: str, quick: bool) -> dict:
 
 def fill_mailbox(run_dir: str, quick: bool) -> dict:
     capacity = 8
-    sup = _start(BASE + [f"trainer.mailbox_capacity={capacity}"], run_dir)
+    sup = _start(BASE + [f"cluster.mailbox_capacity={capacity}"], run_dir)
     try:
         advance(sup, 2)
         system = sup.system
@@ -228,105 +222,35 @@ def fill_mailbox(run_dir: str, quick: bool) -> dict:
         sup.stop()
 
 
-# --- a real two-node cluster (network namespaces): these run in the head's namespace ------------------
+# --- the generator pool (`load_tests/pool_faults.py`); node cases on a real two-node cluster ----------
 
-CLUSTER = [*BASE, "trainer.num_generators=2", "trainer.placement=spread"]
-
-
-def _worker_generator(sup: Supervisor):
-    from load_tests.cluster import WORKER_IP
-
-    for generator in sup.system.generators:
-        stats = ray.get(generator.stats.remote())
-        if stats["node_ip"] == WORKER_IP:
-            return generator, stats
-    raise RuntimeError("no generator landed on the worker node (trainer.placement=spread should put one there)")
+POOL = [*BASE, "cluster.num_generators=3", "cluster.max_generators=4"]
+SCALE = [*BASE, "cluster.num_generators=1", "cluster.max_generators=4"]
+# One generator per node; a cut-off generator is healed after 15 s without an answer.
+CLUSTER = [*BASE, "cluster.num_generators=2", "cluster.placement=spread", "cluster.generator_timeout_s=15"]
 
 
-def _first_step_after(sup: Supervisor, step: int, timeout_s: float = 300.0) -> float:
-    deadline = time.time() + timeout_s
-    while (now := learner_step(sup)) is None or now <= step:
-        if time.time() > deadline:
-            raise TimeoutError(f"no step after {step} in {timeout_s:.0f}s")
-        sup.check()
-        time.sleep(0.3)
-    return time.time()
+def _pool(scenario, overrides: list[str]):
+    def run(run_dir: str, quick: bool) -> dict:
+        sup = _start(overrides, run_dir)
+        try:
+            advance(sup, 3)
+            return scenario(sup, quick)
+        finally:
+            sup.stop()
+
+    run.__name__ = scenario.__name__
+    return run
 
 
-def node_loss(run_dir: str, quick: bool) -> dict:
-    from load_tests import cluster
-
-    sup = _start(CLUSTER, run_dir)
-    try:
-        advance(sup, 4 if quick else 8)
-        generator, stats = _worker_generator(sup)
-        while (held := ray.get(generator.stats.remote())["inflight_sequences"]) == 0:
-            time.sleep(0.05)
-        step_at_kill, killed_at = learner_step(sup), time.time()
-        processes = cluster.kill_worker()
-        event = wait_restart(sup, timeout_s=300)
-        recovered_at = _first_step_after(sup, event["step"])
-        advance(sup, 6 if quick else 12)
-        status = sup.system.status()
-        return {"injected": f"worker node {cluster.WORKER_IP} killed ({processes} processes) at step {step_at_kill}, "
-                            f"its generator holding {held} sequences",
-                "detected_after_s": round(event["at"] - killed_at - event["restart_s"], 1),
-                "restart_s": round(event["restart_s"], 1), "time_to_recover_s": round(recovered_at - killed_at, 1),
-                "reason": event["reason"][:200], "resumed_from_step": event["step"],
-                "regenerated_prompts": event["reissued_prompts"], "step_after": status["step"],
-                "generator_nodes_after": sorted(g["node_ip"] for g in status["generators"]),
-                "weight_paths_after": status["last_broadcast"].get("paths"), "ledger": ledger_report(sup)}
-    finally:
-        sup.stop()
+kill_generator = _pool(pool_faults.kill_generator, POOL)
+scale = _pool(pool_faults.scale, SCALE)
+node_loss = _pool(pool_faults.node_loss, CLUSTER)
+partition = _pool(pool_faults.partition, CLUSTER)
 
 
-def _nodes() -> list[dict]:
-    return [{"ip": n["NodeManagerAddress"], "alive": n["Alive"]} for n in ray.nodes()]
-
-
-def partition(run_dir: str, quick: bool, down_s: float = 30.0) -> dict:
-    import threading
-
-    from load_tests import cluster
-
-    sup = _start(CLUSTER, run_dir)
-    try:
-        advance(sup, 4 if quick else 8)
-        _worker_generator(sup)
-        step_before, cut_at = learner_step(sup), time.time()
-        cut = threading.Thread(target=cluster.partition, args=(down_s,))
-        cut.start()
-        events, steps_during = [], []
-        unreachable = 0
-        while cut.is_alive():  # while cut off: what the supervisor sees, and whether steps go on
-            event = sup.check()
-            if event is not None:
-                events.append(event)
-            step = learner_step(sup)
-            if step is None:
-                unreachable += 1
-            else:
-                steps_during.append(step)
-            time.sleep(0.5)
-        healed_at = time.time()
-        events += advance(sup, 6 if quick else 12, timeout_s=600)
-        recovered_at = time.time()
-        status = sup.system.status()
-        return {"injected": f"worker link down {down_s:.0f}s at step {step_before}",
-                "worker_alive_after": any(n["ip"] == cluster.WORKER_IP and n["alive"] for n in _nodes()),
-                "steps_during_partition": (min(steps_during), max(steps_during)) if steps_during else None,
-                "status_reads_failed_during_partition": unreachable,
-                "restarts": [{"reason": e["reason"][:200], "restart_s": round(e["restart_s"], 1),
-                              "after_cut_s": round(e["at"] - cut_at, 1), "resumed_from_step": e["step"]} for e in events],
-                "healed_to_steps_again_s": round(recovered_at - healed_at, 1), "step_after": status["step"],
-                "generator_nodes_after": sorted(g["node_ip"] for g in status["generators"]),
-                "ledger": ledger_report(sup)}
-    finally:
-        sup.stop()
-
-
-SCENARIOS = {f.__name__: f for f in (kill_generator, kill_learner, kill_value_learner, kill_reward, hang_reward,
-                                     fill_mailbox, node_loss, partition)}
+SCENARIOS = {f.__name__: f for f in (kill_generator, scale, kill_learner, kill_value_learner, kill_reward,
+                                     hang_reward, fill_mailbox, node_loss, partition)}
 ON_CLUSTER = ("node_loss", "partition")
 
 

@@ -115,8 +115,8 @@ def main() -> int:
     from ray import serve
 
     from asyncrl.config import compose
-    from asyncrl.serve_app import deploy_declaratively, reward_app_config
-    from asyncrl.system import init_ray
+    from asyncrl.serve.reward import deploy_declaratively, reward_app_config
+    from asyncrl.run.placement import init_ray
     from asyncrl.weight_sync import free_port
 
     os.makedirs(args.out, exist_ok=True)
@@ -130,9 +130,9 @@ def main() -> int:
 
     def deploy(version: str) -> None:
         deploy_declaratively([
-            {"name": "train", "route_prefix": "/train", "import_path": "asyncrl.serve_app:build_train",
+            {"name": "train", "route_prefix": "/train", "import_path": "asyncrl.serve.train:build_train",
              "args": {"overrides": overrides + " reward.use_serve=true", "trainer.run_dir": run_dir}},
-            {"name": "policy", "route_prefix": "/v1", "import_path": "asyncrl.serve_app:build_policy",
+            {"name": "policy", "route_prefix": "/v1", "import_path": "asyncrl.serve.policy:build_policy",
              "args": {"overrides": overrides}},
             reward_app_config("verifier", overrides, {"version": version}),
         ], timeout_s=900)

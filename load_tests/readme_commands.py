@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
 
 # Commands run by default: seconds to minutes each on 2 cores. Everything else needs --all.
-SHORT = ("asyncrl train model=tiny", "asyncrl generate", "load_tests/faults.py --quick")
+SHORT = ("asyncrl train model=tiny", "asyncrl generate", "asyncrl data example", "load_tests/faults.py --quick")
 # The Serve block: run while `serve run` serves.
 WITH_SERVE = ("curl ", "serve status", "asyncrl eval --endpoint")
 
@@ -115,8 +115,6 @@ def main() -> None:
         if command.startswith("docker") and shutil.which("docker") is None:
             report.append((command, "skipped: no docker here", 0.0, ""))
         elif args.all or any(key in command for key in SHORT):
-            if "task=file" in command:  # the README's example paths: a small file in verl's layout
-                _write_example_data()
             report.append((command, *_run(command, args.limit_s * (8 if args.all else 1))))
         else:
             report.append((command, "not run (--all)", 0.0, ""))
@@ -130,19 +128,6 @@ def main() -> None:
     failed = [r for r in report if r[1] not in (0, "serving") and not str(r[1]).startswith(("skipped", "not run"))]
     print(f"{len(report) - len(failed)} of {len(report)} ok" + (f"; failed: {len(failed)}" if failed else ""))
     sys.exit(1 if failed else 0)
-
-
-def _write_example_data() -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    os.makedirs(os.path.join(ROOT, "data"), exist_ok=True)
-    for split, numbers in (("train", range(1, 41)), ("test", range(41, 51))):
-        rows = [{"data_source": "arithmetic", "prompt": [{"role": "user", "content": f"What is {n} + {n}? Put the answer in \\boxed{{}}."}],
-                 "reward_model": {"style": "rule", "ground_truth": str(2 * n)}, "extra_info": {"index": n}} for n in numbers]
-        path = os.path.join(ROOT, "data", f"{split}.parquet")
-        if not os.path.exists(path):
-            pq.write_table(pa.Table.from_pylist(rows), path)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from ray import serve
 from asyncrl.config import RouteConfig
 from asyncrl.rewards.hybrid import RewardRouter, ServeRewardEndpoints
 from asyncrl.schema import RewardRequest
-from asyncrl.serve_app import deploy_declaratively, reward_app_config
+from asyncrl.serve.reward import deploy_declaratively, reward_app_config
 from asyncrl.weight_sync import free_port
 
 

@@ -94,7 +94,7 @@ def main() -> None:
 
     from asyncrl.config import compose
     from asyncrl.engines.sglang_launch import hf_directory
-    from asyncrl.learning import response_logprobs
+    from asyncrl.learning.scoring import response_logprobs
     from asyncrl.models import load_policy
 
     config = compose(["model=tiny", "model.max_positions=2048"])

@@ -27,8 +27,8 @@ import ray
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from asyncrl.config import compose  # noqa: E402
-from asyncrl.system import init_ray  # noqa: E402
-from asyncrl.supervisor import Supervisor  # noqa: E402
+from asyncrl.run.placement import init_ray  # noqa: E402
+from asyncrl.run import Run  # noqa: E402
 from load_tests.faults import ledger_report  # noqa: E402
 
 OVERRIDES = ["model=tiny", "task=tiny", "algorithm=grpo", "trainer.prompts_per_step=2", "trainer.checkpoint_every=20",
@@ -36,7 +36,7 @@ OVERRIDES = ["model=tiny", "task=tiny", "algorithm=grpo", "trainer.prompts_per_s
              "reward.timeout_s=2.0", "reward.retries=1"]
 
 
-def processes(sup: Supervisor) -> dict[str, int]:
+def processes(sup: Run) -> dict[str, int]:
     """role -> pid of every actor of the running system."""
     system = sup.system
     actors = {**{name: a for name, a in system.actors.items()},
@@ -46,7 +46,7 @@ def processes(sup: Supervisor) -> dict[str, int]:
     return {name: ray.get(ref, timeout=30) for name, ref in refs.items()}
 
 
-def inject(sup: Supervisor, kind: str) -> str:
+def inject(sup: Run, kind: str) -> str:
     system = sup.system
     endpoint = system.actors["reward-verifier"]
     if kind == "hang_reward":
@@ -92,7 +92,7 @@ def main() -> int:
     import shutil
 
     shutil.rmtree(args.run_dir, ignore_errors=True)
-    sup = Supervisor(config, args.run_dir)
+    sup = Run(config, args.run_dir).start()
     cycle = ["hang_reward", "kill_reward", "kill_generator", "kill_learner"]
     memory: dict[int, list[tuple[float, float]]] = collections.defaultdict(list)
     role_of: dict[int, str] = {}

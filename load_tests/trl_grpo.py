@@ -33,7 +33,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     config = compose(json.loads(args.overrides))
-    a, e, t = config.algorithm, config.engine, config.task
+    a, p, e, t = config.algorithm, config.policy, config.engine, config.task
     model, tokenizer = load_policy(config.model)
     tokenizer.padding_side = "left"
     examples = load_examples(t.name, "train", t.num_train_prompts, t.seed, t.path)
@@ -63,9 +63,9 @@ def main() -> None:
         trl_config = GRPOConfig(
             output_dir=out_dir, max_steps=args.steps, per_device_train_batch_size=batch, gradient_accumulation_steps=1,
             num_generations=a.group_size, max_completion_length=e.max_response_tokens, temperature=e.temperature,
-            top_p=e.top_p, learning_rate=a.lr, lr_scheduler_type="constant", warmup_steps=0,
-            weight_decay=a.weight_decay, max_grad_norm=a.grad_clip, beta=a.kl_coef, epsilon=a.clip_low,
-            epsilon_high=a.clip_high, loss_type="grpo", scale_rewards="group" if a.scale_advantage_by_std else "none",
+            top_p=e.top_p, learning_rate=p.lr, lr_scheduler_type="constant", warmup_steps=0,
+            weight_decay=p.weight_decay, max_grad_norm=p.grad_clip, beta=a.kl_coef, epsilon=p.clip_low,
+            epsilon_high=p.clip_high, loss_type="grpo", scale_rewards="group" if a.estimator == "grpo" else "none",
             num_iterations=1, logging_steps=1, report_to="none", use_cpu=True, bf16=False, save_strategy="no",
             seed=config.trainer.seed, dataloader_num_workers=0, disable_tqdm=True,
         )

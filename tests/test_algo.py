@@ -1,4 +1,4 @@
-"""Hand-computed values from ALGORITHMS.md §12, loop references and gradient directions."""
+"""Hand-computed values from docs/algorithms.md §12, loop references and gradient directions."""
 
 import numpy as np
 import pytest
@@ -113,7 +113,7 @@ def test_masked_whiten():
 def test_whiten_rows_is_masked_whiten_over_the_trained_tokens():
     """The assembler's `whiten_rows` (production) whitens exactly as `masked_whiten` (tested above):
     rows concatenated, loss-masked tokens excluded and left at 0."""
-    from asyncrl.assembly import whiten_rows
+    from asyncrl.assembly.rows import whiten_rows
     from asyncrl.schema import FinishReason, Segment, TrainSample, float32_array, int32_array
 
     def row(advantages, loss_mask):

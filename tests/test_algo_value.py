@@ -1,4 +1,4 @@
-"""EGAE, decoupled and length-adaptive λ, value loss, positive-example NLL (ALGORITHMS.md §3, §4, §6, §12)."""
+"""EGAE, decoupled and length-adaptive λ, value loss, positive-example NLL (docs/algorithms.md §3, §4, §6, §12)."""
 
 import numpy as np
 import pytest

@@ -4,14 +4,13 @@ import asyncio
 
 import numpy as np
 
-from asyncrl.roles.assembler import Assembler
-from asyncrl.roles.estimators import GroupEstimator
-from asyncrl.assembly import AssemblySettings
+from actors.assembler import Assembler, Shaping
+from asyncrl.algo.advantages import group_normalised
+from asyncrl.assembly.groups import GroupEstimator, GroupSettings
 from asyncrl.mailbox import InProcessMailbox
 from asyncrl.schema import FinishReason, Reward, Segment, float32_array, int32_array
 
-SETTINGS = AssemblySettings(dynamic_sampling=True, scale_advantage_by_std=True, max_staleness_versions=2,
-                            overlong_buffer_tokens=0, overlong_penalty_factor=1.0, max_response_tokens=8)
+SETTINGS = GroupSettings(dynamic_sampling=True)
 
 
 def seg(prompt, idx, turn, finished, tokens, version=0, G=2):
@@ -33,7 +32,8 @@ def make(settings=SETTINGS, prompts_per_batch=1):
                        correct=r.response_text.startswith("7"), source="test") for r in requests]
 
     asm = Assembler(segments, batches, score, lambda ids: "".join(str(i) for i in ids),
-                    GroupEstimator(settings, prompts_per_batch), events=lambda evs, outcomes: events.extend(evs))
+                    GroupEstimator(settings, prompts_per_batch, group_normalised), Shaping(max_response_tokens=8),
+                    max_staleness_versions=2, events=lambda evs, outcomes: events.extend(evs))
     return asm, segments, batches, events
 
 
@@ -77,34 +77,35 @@ def test_redelivered_segment_is_counted_once():
     asyncio.run(main())
 
 
-def test_dynamic_sampling_drops_and_stale_tokens_are_masked_not_their_group():
+def test_dynamic_sampling_drops_and_stale_tokens_are_masked_as_the_batch_leaves():
     async def main():
         asm, segments, batches, dropped = make()
         await segments.put([seg("all-right", 0, 0, True, [7]), seg("all-right", 1, 0, True, [7])])
         await drain(asm, batches)
-        asm.set_policy_version(5)
-        # Bound 2: sample 0 (version 2) is 3 behind, sample 1 (version 3) 2 behind. The group stays;
-        # only sample 0's tokens leave the loss (its outcome still sets sample 1's advantage).
+        asm.set_versions(5, 5)
+        # Bound 2: sample 0 (version 2) is 3 behind, sample 1 (version 3) 2 behind. The group's
+        # advantages use both outcomes; sample 0 has no token left to train and ends as stale.
         await segments.put([seg("part", 0, 0, True, [7], version=2), seg("part", 1, 0, True, [1], version=3)])
         out = await drain(asm, batches)
         assert len(out) == 1
         by_idx = {s.segment.sample_idx: s for s in out[0].samples}
-        assert by_idx[0].loss_mask.tolist() == [0] and by_idx[1].loss_mask is None
-        assert by_idx[1].advantages[0] < 0
+        assert list(by_idx) == [1] and by_idx[1].loss_mask is None
+        assert by_idx[1].advantages[0] < 0  # its sibling's outcome still sets it
         assert out[0].stats["staleness_max_assembled"] == 2 and out[0].stats["stale_tokens_masked_assembled"] == 1
-        # Every token of the group too old: nothing left to train, the group is dropped.
+        # Every token of the group too old: nothing left to train, nothing is sent.
         await segments.put([seg("stale", 0, 0, True, [7], version=1), seg("stale", 1, 0, True, [1], version=2)])
         assert await drain(asm, batches) == []
-        drops = [(sorted(ids), reason) for ids, state, reason in dropped if state == "dropped"]
-        assert drops == [(["all-right/0", "all-right/1"], "no_signal"), (["stale/0", "stale/1"], "stale")]
+        drops = sorted((sid, reason) for ids, state, reason in dropped if state == "dropped" for sid in ids)
+        assert drops == [("all-right/0", "no_signal"), ("all-right/1", "no_signal"), ("part/0", "stale"),
+                         ("stale/0", "stale"), ("stale/1", "stale")]
         stats = asm.stats()
-        assert stats["dropped_no_signal_samples"] == 2 and stats["dropped_stale_samples"] == 2
+        assert stats["dropped_no_signal_samples"] == 2 and stats["dropped_stale_samples"] == 3
 
     asyncio.run(main())
 
 
 def test_reward_to_go_is_length_safe():
-    from asyncrl.assembly import reward_to_go
+    from asyncrl.assembly.rows import reward_to_go
 
     np.testing.assert_allclose(reward_to_go(np.array([0.0, 1.0, 0.5], dtype=np.float32), 3), [1.5, 1.5, 0.5])
     np.testing.assert_allclose(reward_to_go(np.array([1.0], dtype=np.float32), 3), [1.0, 0.0, 0.0])  # padded

@@ -55,10 +55,12 @@ def test_eval_command_on_the_tiny_model(tmp_path, capsys):
     assert result["prompts"] == 10 and result["samples_per_prompt"] == 4
     assert 0.0 <= result["pass@1"] <= result["pass@4"] <= 1.0
     assert "| pass@1 | pass@4 |" in (tmp_path / "eval.md").read_text()
+    # It says where the files went (by default outputs/eval/ under the working directory).
+    assert f"wrote {tmp_path / 'eval.json'} and {tmp_path / 'eval.md'}" in capsys.readouterr().out
 
 
 def test_throughput_rates_between_polls():
-    from asyncrl.monitor import samples_per_s
+    from asyncrl.run.records import samples_per_s
 
     assert samples_per_s(None, 10.0, 16) == 1.6  # the first poll: average since the start
     assert samples_per_s((10.0, 16), 20.0, 48) == 3.2  # then since the previous poll
@@ -119,3 +121,85 @@ def test_train_ctrl_c_resume_export_eval_as_a_user_runs_them(tmp_path):
     result = json.loads((tmp_path / "eval" / "eval.json").read_text())
     assert result["prompts"] == 10 and result["task"] == "tiny"
     assert "eval: " in out.stderr and "sample/s" in out.stderr  # the progress bar
+
+
+def test_a_ray_start_up_failure_is_one_line_and_exit_status_2(tmp_path):
+    """A real failure of Ray's start (an object store larger than the machine): asyncrl says what
+    happened and what to do in one line, with no traceback, and exits with 2."""
+    out = subprocess.run([sys.executable, "-m", "asyncrl.cli", "train", "model=tiny", "task=tiny",
+                          "cluster.object_store_mb=100000000", "trainer.wandb_mode=disabled",
+                          f"trainer.run_dir={tmp_path}"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    ours = [line for line in out.stderr.splitlines() if line.startswith("asyncrl train:")]
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert len(ours) == 1 and "could not start a local Ray instance" in ours[0]
+    assert "cluster.object_store_mb" in ours[0]
+
+
+def test_train_help_lists_every_config_group_and_field_with_its_docstring(tmp_path):
+    import dataclasses
+    import typing
+
+    from asyncrl.config import Config, config_groups
+
+    out = asyncrl("train", "--help", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = out.stdout
+    assert not (tmp_path / "outputs").exists()  # help, not a run
+    for group, options in config_groups().items():
+        assert f"  {group}  " in text or f"  {group} " in text, group
+        assert all(option in text for option in options), (group, options)
+
+    def leaves(cls, prefix=""):  # every field of the schema, sections opened
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(hints[f.name]):
+                yield from leaves(hints[f.name], prefix + f.name + ".")
+            else:
+                yield prefix + f.name
+
+    missing = [path for path in leaves(Config) if f"  {path}: " not in text]
+    assert not missing, missing
+    # Types, the default config's values (the composed YAML, not the dataclass default) and docstrings.
+    assert "  policy.clip_high: float = 0.28\n" in text
+    assert "  engine.temperature: float = 0.7\n" in text  # configs/config.yaml's, the dataclass says 1.0
+    assert "      Learner steps before `asyncrl train` exits (serve runs until stopped).\n" in text
+    assert "      Bounded refill (verl's max_num_gen_batches): after this many generation rounds …\n" in text
+    assert "  reward.endpoints.<name>.kind: str\n" in text and "  reward.routes[i].combine: str\n" in text
+    assert "docs/" in text
+
+
+def test_data_example_writes_the_files_the_readme_trains_on(tmp_path, monkeypatch):
+    """`asyncrl data example --out data` makes the README's `task=file task.path=data/train.parquet
+    task.eval_path=data/test.parquet` work as written: the arithmetic task's prompts in verl's layout."""
+    import pyarrow.parquet as pq
+
+    from asyncrl.config import compose
+    from asyncrl.evaluation import held_out
+    from asyncrl.tasks import arithmetic_examples, load_examples
+
+    out = asyncrl("data", "example", "--out", "data", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "wrote data/train.parquet: 512" in out.stdout and "wrote data/test.parquet: 64" in out.stdout
+    table = pq.read_table(tmp_path / "data" / "train.parquet")
+    assert set(table.column_names) == {"data_source", "prompt", "reward_model", "extra_info"}
+    first = table.to_pylist()[0]
+    assert first["prompt"][0]["role"] == "user" and first["reward_model"]["ground_truth"].isdigit()
+
+    monkeypatch.chdir(tmp_path)  # the README's relative paths
+    config = compose(["task=file", "task.path=data/train.parquet", "task.eval_path=data/test.parquet"])
+    t = config.task
+    train = load_examples(t.name, "train", t.num_train_prompts, t.seed, t.path)
+    builtin = arithmetic_examples("train", 512, 0)
+    assert [(e.text, e.ground_truth, e.data_source) for e in train] == \
+        [(e.text, e.ground_truth, e.data_source) for e in builtin]
+    test = held_out(config)
+    assert [e.text for e in test] == [e.text for e in arithmetic_examples("eval", 64, 0)]
+    assert not {e.text for e in test} & {e.text for e in train}  # held out
+    assert len({e.prompt_id for e in train}) == 512
+
+    again = asyncrl("data", "example", "--out", "data", cwd=tmp_path)  # run twice: nothing to do
+    assert again.returncode == 0 and "left as it is" in again.stdout
+    other = asyncrl("data", "example", "--out", "data", "task.seed=1", cwd=tmp_path)  # never overwrites data silently
+    assert other.returncode == 2 and "pass --force" in other.stderr
+    jsonl = asyncrl("data", "example", "--out", "small", "--format", "jsonl", "task.num_train_prompts=8", cwd=tmp_path)
+    assert jsonl.returncode == 0 and len((tmp_path / "small" / "train.jsonl").read_text().splitlines()) == 8

@@ -30,16 +30,22 @@ def test_bad_config_fails_naming_the_field():
     with pytest.raises(ConfigError, match="window_tokens"):
         compose(["engine.window_tokens=abc"])
     with pytest.raises(ConfigError, match="loss_agg"):
-        compose(["algorithm.loss_agg=mean"])
+        compose(["policy.loss_agg=mean"])
     with pytest.raises(ConfigError, match="dual_clip"):
-        compose(["algorithm.dual_clip=0.5"])
+        compose(["policy.dual_clip=0.5"])
 
 
 def test_config_mistakes_are_one_line_naming_the_field_and_the_nearest_name():
     cases = {
-        "algorithm.clip_hgh=0.3": "algorithm has no field 'clip_hgh'; did you mean 'clip_high'?",
+        "policy.clip_hgh=0.3": "policy has no field 'clip_hgh'; did you mean 'clip_high'?",
         # Hydra's `+` would add the field and the dataclass would silently drop it.
-        "+algorithm.clip_hgh=0.3": "algorithm has no field 'clip_hgh'; did you mean 'clip_high'?",
+        "+policy.clip_hgh=0.3": "policy has no field 'clip_hgh'; did you mean 'clip_high'?",
+        # A field of another section (the role that reads it) is named with its section.
+        "algorithm.clip_hgh=0.3": "algorithm has no field 'clip_hgh'; did you mean 'policy.clip_high' or 'critic.clip_high'?",
+        # A field that moved names its new place; one removed says what replaces it.
+        "algorithm.lr=1e-5": "algorithm.lr moved to policy.lr",
+        "trainer.num_generators=2": "trainer.num_generators moved to cluster.num_generators",
+        "trainer.generator_threads=2": "trainer.generator_threads was removed: it was read by nothing",
         "trainer.total_steps=abc": "trainer.total_steps expects an integer, got 'abc'",
         "trainer.total_steps=-5": "trainer.total_steps=-5 is out of range: it must be >= 1",
         "engine.top_p=0": "engine.top_p=0.0 is out of range: it must be in (0, 1]",
@@ -72,9 +78,9 @@ def test_plus_adds_entries_to_mappings_only():
 def test_cli_reports_a_config_mistake_in_one_line(capsys):
     from asyncrl.cli import main
 
-    assert main(["train", "algorithm.clip_hgh=0.3"]) == 2
+    assert main(["train", "policy.clip_hgh=0.3"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "asyncrl train: algorithm.clip_hgh=0.3: algorithm has no field 'clip_hgh'; did you mean 'clip_high'?"
+    assert err == "asyncrl train: policy.clip_hgh=0.3: policy has no field 'clip_hgh'; did you mean 'clip_high'?"
 
 
 def test_math_verifier_cases():
@@ -89,6 +95,28 @@ def test_math_verifier_cases():
     # An answer outside the last 300 characters is ignored.
     assert not math_correct("\\boxed{12}" + " filler" * 60, "12", require_boxed=True)[0]
     assert score_from_correct(True, "plus_minus") == 1.0 and score_from_correct(False, "plus_minus") == -1.0
+
+
+def test_the_public_math_check_returns_within_its_timeout_on_a_power_tower():
+    """`math_correct` is the bounded check: from a thread (where math-verify's SIGALRM limits are
+    off) a power tower asks sympy for a number of ~10^8 digits, which ran for minutes unbounded."""
+    import threading
+    import time
+
+    assert math_correct("\\boxed{2}", "2")[0]  # the worker pool is up: its start is not timed below
+    timeout_s, results = 2.0, []
+
+    def check():
+        start = time.monotonic()
+        results.append((math_correct("\\boxed{9^{9^{9}}}", "3", timeout_s=timeout_s), time.monotonic() - start))
+
+    worker = threading.Thread(target=check, daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert not worker.is_alive(), "math_correct ran unbounded"
+    (correct, _, problem), seconds = results[0]
+    assert not correct and seconds < timeout_s + 2.0, (problem, seconds)
+    assert math_correct("\\boxed{\\frac{1}{2}}", "0.5")[0]  # the pool still answers after a killed check
 
 
 def test_builtin_tasks_are_deterministic_and_disjoint():
@@ -130,21 +158,21 @@ def test_verl_layout_jsonl_and_parquet(tmp_path):
 @pytest.mark.parametrize("name", ["ppo", "vcppo", "vapo", "tppo", "tppo_sync", "grpo", "dapo"])
 def test_every_algorithm_composes_with_its_paper_settings(name):
     config = compose([f"algorithm={name}"])
-    a, c = config.algorithm, config.critic
+    a, p, c = config.algorithm, config.policy, config.critic
     assert a.name == name
     value_based = name not in ("grpo", "dapo")
     assert (a.estimator == "gae") == value_based
     if name in ("vcppo", "vapo", "tppo"):
         assert c.lam == 1.0 and a.lam == 0.95 and c.warmup_steps > 0  # decoupled GAE + value pretraining
     if name in ("vapo", "tppo"):
-        assert a.length_adaptive_alpha == 1.0 and a.nll_coef == 0.1 and a.clip_high == 0.28  # α scaled to 64 tokens
-        assert a.mini_batches == (2 if name == "vapo" else 1)  # VAPO paper: 16 updates per step; T-PPO recipe: 1
+        assert a.length_adaptive_alpha == 1.0 and a.nll_coef == 0.1 and p.clip_high == 0.28  # α scaled to 64 tokens
+        assert p.mini_batches == (2 if name == "vapo" else 1)  # VAPO paper: 16 updates per step; T-PPO recipe: 1
         assert a.lambda_floor == (name == "tppo")  # NeMo clamp vs the T-PPO recipe's floor
     if name == "tppo":
         assert a.window_training and config.engine.window_tokens < config.engine.max_response_tokens
-        assert (c.clip_low, c.clip_high) == (0.5, 0.6) and a.advantage_clamp == 10.0 and a.dual_clip == 10.0
+        assert (c.clip_low, c.clip_high) == (0.5, 0.6) and a.advantage_clamp == 10.0 and p.dual_clip == 10.0
     if name == "dapo":
-        assert a.mini_batches == 2 and a.proximal_anchor
+        assert p.mini_batches == 2 and p.proximal_anchor
     if name == "tppo_sync":
         assert config.trainer.synchronous and config.engine.window_tokens == config.engine.max_response_tokens
 
@@ -191,3 +219,18 @@ def test_services_bind_to_localhost_by_default():
     serve_yaml = yaml.safe_load(open(os.path.join(config_dir(), "serve.yaml")))
     assert serve_yaml["http_options"]["host"] == "127.0.0.1"
     assert compose([]).serve.admin_token == ""  # admin routes are off until a token is set
+
+
+def test_episode_settings_a_run_cannot_honour_are_refused():
+    from asyncrl import environments
+
+    with pytest.raises(ConfigError, match="process reward model"):
+        compose(["model=tiny", "task=tiny_tool", "+reward.endpoints.prm={kind: prm, model_path: /x}"])
+    with pytest.raises(ConfigError, match="environment.max_turns"):
+        compose(["model=tiny", "task=tiny_tool", "environment.max_turns=0"])
+    # Names are refused at start-up, before any role starts (the run's wiring calls this first).
+    with pytest.raises(ConfigError, match=r"environment.name=search: must be empty \(one turn\) or one of"):
+        environments.check(compose(["model=tiny", "task=tiny_tool", "environment.name=search"]).environment)
+    with pytest.raises(ConfigError, match="environment.tool_format=xml"):
+        environments.check(compose(["model=tiny", "task=tiny_tool", "environment.tool_format=xml"]).environment)
+    environments.check(compose(["model=tiny", "task=tiny_tool"]).environment)

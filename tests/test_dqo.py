@@ -1,4 +1,4 @@
-"""DQO (ALGORITHMS.md §11): the section's properties as tests, a hand-worked case, and one update of
+"""DQO (docs/algorithms.md §11): the section's properties as tests, a hand-worked case, and one update of
 a real tiny policy and value model moving the way the soft Bellman residual says."""
 
 import numpy as np
@@ -7,8 +7,8 @@ import torch
 
 from asyncrl.algo.dqo import dqo_losses, importance_weights, soft_targets
 from asyncrl.config import ModelConfig
-from asyncrl.learning import response_logprobs
-from asyncrl.learning_dqo import DQOSettings, dqo_step
+from asyncrl.learning.scoring import response_logprobs
+from asyncrl.learning.dqo import DQOSettings, dqo_step
 from asyncrl.models import build_tiny_model, value_model_from_policy
 from asyncrl.schema import FinishReason, ScoredTrajectory, Segment, float32_array, int32_array
 

@@ -121,7 +121,7 @@ def test_update_weights_changes_outputs_and_version(tiny):
     engine.update_weights(other.named_parameters(), version=5)
     after = engine.generate_window_sync([seq(PROMPTS[1])], 16, SamplingParams(greedy=True))[0]
     ref = engine_for(other, NO_EOS).generate_window_sync([seq(PROMPTS[1])], 16, SamplingParams(greedy=True))[0]
-    assert engine.version == 5
+    assert engine.weight_version == 5
     assert after.token_ids.tolist() == ref.token_ids.tolist() != before.token_ids.tolist()
     with pytest.raises(KeyError, match="nonexistent"):
         engine.update_weights([("nonexistent", torch.zeros(1))], 6)
@@ -245,9 +245,59 @@ def test_stream_window_yields_the_window_token_by_token_and_stops_when_closed(ti
     steps = asyncio.run(collect())
     for row, out in enumerate(whole):
         items = [item for step in steps for item in step if item[0] == row]
-        assert [t for _, t, _, _ in items] == out.token_ids.tolist()  # the same sample, one token per step
-        np.testing.assert_allclose([lp for _, _, lp, _ in items], out.logprobs, atol=1e-6)
-        assert [f for *_, f in items[:-1]] == [None] * (len(items) - 1) and items[-1][3] is out.finish_reason
+        assert [t for _, t, _, _, _ in items] == out.token_ids.tolist()  # the same sample, one token per step
+        np.testing.assert_allclose([lp for _, _, lp, _, _ in items], out.logprobs, atol=1e-6)
+        assert [f for _, _, _, f, _ in items[:-1]] == [None] * (len(items) - 1) and items[-1][3] is out.finish_reason
+        assert all(top is None for *_, top in items)  # no alternatives unless asked for
     # Closed after two steps: the engine stops decoding and is free for the next call.
     assert len(asyncio.run(collect(stop_after=2))) == 2
     assert engine.generate_window_sync(sequences, 10, params)[0].token_ids.tolist() == whole[0].token_ids.tolist()
+
+
+def test_top_logprobs_are_the_most_likely_tokens_of_the_distribution_sampled_from(tiny):
+    """`top_logprobs=k` reports each position's k most likely tokens under the distribution the token
+    was drawn from (temperature, top-k and top-p applied), as a teacher-forced pass computes it; the samples
+    are the same as without it, and the stream reports the same alternatives."""
+    model, _ = tiny
+    engine = engine_for(model, NO_EOS)
+    k = 5
+    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=3, top_logprobs=k)  # top-k < k: some cannot be drawn
+    sequences = [seq(p, seed=20 + i) for i, p in enumerate(PROMPTS)]
+    outs = engine.generate_window_sync(sequences, 10, params)
+    plain = engine.generate_window_sync(sequences, 10, SamplingParams(temperature=0.7, top_p=0.9, top_k=3))
+    for prompt, out, same in zip(PROMPTS, outs, plain):
+        assert out.token_ids.tolist() == same.token_ids.tolist() and same.top_ids is None
+        assert out.top_ids.shape == out.top_logprobs.shape == (len(out.token_ids), k)
+        ids = torch.tensor([prompt + out.token_ids.tolist()])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1]
+        reference = filtered_logprobs(logits, 0.7, 3, 0.9)  # [N, V]
+        expected = torch.topk(reference, k, dim=-1)
+        finite = torch.isfinite(expected.values).numpy()
+        assert finite[:, 0].all() and not finite[:, 3:].any()  # top-k left the 4th and 5th out
+        np.testing.assert_allclose(out.top_logprobs[finite], expected.values.numpy()[finite], atol=1e-4)
+        assert (out.top_ids[finite] == expected.indices.numpy()[finite]).all()
+        assert np.isneginf(out.top_logprobs[~finite]).all()  # a token that cannot be drawn, reported as such
+        for j, token in enumerate(out.token_ids.tolist()):  # the sampled token's log-prob is its alternative's
+            listed = out.top_ids[j].tolist()
+            if token in listed:
+                assert out.top_logprobs[j][listed.index(token)] == out.logprobs[j]
+
+    async def stream():
+        return [item for step in [s async for s in engine.stream_window(sequences, 10, params)] for item in step]
+
+    items = asyncio.run(stream())
+    for row, out in enumerate(outs):
+        tops = [top for r, *_, top in items if r == row]
+        assert [ids for ids, _ in tops] == out.top_ids.tolist()
+        np.testing.assert_allclose([lps for _, lps in tops], out.top_logprobs, atol=1e-6)
+
+
+def test_choice_seeds_are_a_hash_of_seed_and_index():
+    from asyncrl.algo.sampling import choice_seed
+
+    seeds = {s: [choice_seed(s, k) for k in range(16)] for s in range(200)}
+    flat = [x for row in seeds.values() for x in row]
+    assert len(set(flat)) == len(flat)  # no two (seed, index) pairs share a sampling seed
+    assert all(0 <= x < 1 << 63 for x in flat)  # an int64 for the sampler
+    assert seeds[42] == [choice_seed(42, k) for k in range(16)]  # the same request, the same choices

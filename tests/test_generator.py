@@ -4,7 +4,7 @@ import asyncio
 
 import numpy as np
 
-from asyncrl.roles.generator import Generator
+from actors.generator import Generator
 from asyncrl.engines.base import SamplingParams
 from asyncrl.engines.torch_engine import TorchEngine
 from asyncrl.mailbox import InProcessMailbox
@@ -96,9 +96,9 @@ def test_long_windows_respect_the_response_budget():
 
 
 def test_generator_to_assembler_merges_whole_responses():
-    from asyncrl.roles.assembler import Assembler
-    from asyncrl.roles.estimators import GroupEstimator
-    from asyncrl.assembly import AssemblySettings
+    from actors.assembler import Assembler, Shaping
+    from asyncrl.algo.advantages import group_normalised
+    from asyncrl.assembly.groups import GroupEstimator, GroupSettings
     from asyncrl.schema import Reward
 
     async def main():
@@ -109,8 +109,9 @@ def test_generator_to_assembler_merges_whole_responses():
             return [Reward(prompt_id=r.prompt_id, sample_idx=r.sample_idx, score=float(r.sample_idx % 2),
                            correct=bool(r.sample_idx % 2), source="test") for r in requests]
 
-        settings = AssemblySettings(True, True, 4, 0, 1.0, 64)
-        asm = Assembler(segments, batches, score, lambda ids: str(ids), GroupEstimator(settings, prompts_per_batch=2))
+        asm = Assembler(segments, batches, score, lambda ids: str(ids),
+                        GroupEstimator(GroupSettings(dynamic_sampling=True), 2, group_normalised), Shaping(64),
+                        max_staleness_versions=4)
         await prompts.put([request(i, G=4) for i in range(8)])
         for _ in range(12):
             await gen.step()

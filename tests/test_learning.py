@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from asyncrl.learning import PolicyLossSettings, collate, policy_step, token_logprobs
+from asyncrl.learning.policy import PolicyLossSettings, policy_step
+from asyncrl.learning.rows import collate
+from asyncrl.learning.scoring import token_logprobs
 from asyncrl.config import ModelConfig
 from asyncrl.models import build_tiny_model
 from asyncrl.schema import FinishReason, Segment, TrainSample, float32_array, int32_array

@@ -164,3 +164,56 @@ def test_saved_batches_keep_only_samples_that_end_in_them(tmp_path):
     assert held == {"p/0"}
     # p/1's first window goes: p/1 is regenerated whole, and its old window must not train too.
     assert [[(r.segment.sample_id, r.segment.turn) for r in b.samples] for b in kept] == [[("p/0", 0)], [("p/0", 1)]]
+
+
+def test_tied_weights_are_stored_once_and_reload_equal(tmp_path):
+    """A policy whose output embedding is its input embedding (SmolLM2's) stores that matrix once,
+    also from the learner's gathered weights (a copy per name), and loads back equal and tied. An
+    older checkpoint that stored it twice is exported with it once."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from asyncrl.models import build_tiny_tokenizer
+    from asyncrl.sharding import full_weights
+
+    tokenizer = build_tiny_tokenizer()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
+                                         tie_word_embeddings=True))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    unique_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # each tensor once
+    weights = full_weights(model, None)  # what the policy learner saves: separate copies
+    assert weights["lm_head.weight"].data_ptr() != weights["model.embed_tokens.weight"].data_ptr()
+
+    def stored(directory):
+        with safe_open(os.path.join(directory, "model.safetensors"), "pt") as f:
+            return set(f.keys())
+
+    policy = str(tmp_path / "policy")
+    checkpoint.save_policy(model, tokenizer, policy, state_dict=weights)
+    assert "lm_head.weight" not in stored(policy) and "model.embed_tokens.weight" in stored(policy)
+    assert os.path.getsize(os.path.join(policy, "model.safetensors")) < unique_bytes + 64 * 1024  # + the header
+
+    def assert_reloads_equal(directory):
+        loaded = AutoModelForCausalLM.from_pretrained(directory)
+        assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+        for name, tensor in model.state_dict().items():
+            assert torch.equal(loaded.state_dict()[name], tensor), name
+
+    assert_reloads_equal(policy)
+    fresh = LlamaForCausalLM(model.config)
+    checkpoint.load_policy_weights(fresh, policy)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+
+    # A checkpoint written the old way (copies passed as they were): exported with the tie stored once.
+    old = tmp_path / "old"
+    model.save_pretrained(old / "policy", state_dict=weights)
+    tokenizer.save_pretrained(old / "policy")
+    assert "lm_head.weight" in stored(old / "policy")
+    out = checkpoint.export_hf(str(old / "policy"), str(tmp_path / "hf"))
+    assert "lm_head.weight" not in stored(out) and os.path.exists(os.path.join(out, "tokenizer.json"))
+    assert_reloads_equal(out)
+    # A policy stored right is copied as it is.
+    assert checkpoint.export_hf(policy, str(tmp_path / "hf2")) and stored(tmp_path / "hf2") == stored(policy)

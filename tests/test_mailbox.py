@@ -4,7 +4,8 @@ import time
 import msgspec
 import pytest
 
-from asyncrl.mailbox import InProcessMailbox, MailboxCore, RayMailbox
+from asyncrl.mailbox import InProcessMailbox, MailboxCore
+from asyncrl.ray_mailbox import RayMailbox
 from asyncrl.schema import PromptRequest, int32_array
 
 
@@ -208,7 +209,7 @@ def test_a_sharded_mailbox_keeps_a_samples_windows_together_and_loses_nothing(ra
     them, a sample's windows share a shard (in order), and a lease never acknowledged comes back."""
     import asyncio
 
-    from asyncrl.mailbox import ShardedMailbox
+    from asyncrl.ray_mailbox import ShardedMailbox
     from asyncrl.schema import FinishReason, Segment, float32_array, int32_array
 
     def seg(prompt, sample, turn):
@@ -244,5 +245,22 @@ def test_a_sharded_mailbox_keeps_a_samples_windows_together_and_loses_nothing(ra
         await box.ack([m.msg_id for m in again])
         stats = await box.stats()
         assert stats.acked_total == 80 and stats.queued == 0 and stats.leased == 0 and stats.duplicates_dropped == 5
+
+    asyncio.run(main())
+
+
+def test_release_gives_back_what_one_consumer_holds_at_once():
+    """A consumer that died or left: its leases go back now, not at lease expiry; another's stay."""
+    async def main():
+        box = InProcessMailbox(10, lease_s=3600)
+        await box.put(msgs(0, 1, 2, 3))
+        mine = await box.get(2, consumer="gen-a")
+        theirs = await box.get(1, consumer="gen-b")
+        assert await box.release("gen-a") == 2
+        again = await box.get(10, consumer="gen-c")
+        assert sorted(m.msg_id for m in again) == sorted([m.msg_id for m in mine] + ["3"])
+        assert (await box.stats()).leased == 4 and await box.release("gen-a") == 0
+        await box.ack([m.msg_id for m in theirs])  # acked ones are no one's to give back
+        assert await box.release("gen-b") == 0
 
     asyncio.run(main())

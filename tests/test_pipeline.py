@@ -14,8 +14,8 @@ from asyncrl.driver import train
 def test_tiny_model_learns_tiny_task(ray_session, tmp_path):
     # GRPO with DAPO's clip-higher and token-level loss; dynamic sampling is off because once the
     # task is solved every group is all-correct and would be dropped (tested separately).
-    config = compose(["model=tiny", "task=tiny", "algorithm=grpo", "algorithm.clip_high=0.28",
-                      "algorithm.loss_agg=token-mean", "trainer.total_steps=400", "trainer.target_reward=0.9",
+    config = compose(["model=tiny", "task=tiny", "algorithm=grpo", "policy.clip_high=0.28",
+                      "policy.loss_agg=token-mean", "trainer.total_steps=400", "trainer.target_reward=0.9",
                       f"trainer.run_dir={tmp_path}", "trainer.wandb_mode=disabled"])
     summary = train(config, progress=False)
     rewards = [r["reward_mean_generated"] for r in summary["records"]]
@@ -66,7 +66,7 @@ def test_the_learner_never_trains_a_token_beyond_the_staleness_bound(ray_session
     # learner's node IP), as they would to a generator on another node.
     config = compose(["model=tiny", "task=tiny", "algorithm=grpo", "algorithm.max_staleness_versions=1",
                       "trainer.total_steps=60", f"trainer.run_dir={tmp_path}", "trainer.wandb_mode=disabled",
-                      "trainer.weight_transport=group"])
+                      "policy.weight_transport=group"])
     summary = train(config, progress=False)
     assert summary["final_status"]["last_broadcast"]["paths"] == ["group"]
     assert summary["final_status"]["last_broadcast"]["broadcast_s"] > 0

@@ -9,7 +9,7 @@ from asyncrl.driver import train
 from asyncrl.mailbox import InProcessMailbox
 from asyncrl.tasks import Example
 
-from asyncrl.roles.prompt_source import PromptSource
+from actors.prompt_source import PromptSource
 
 
 @pytest.mark.slow
@@ -38,9 +38,9 @@ def test_curriculum_serves_stages_in_order():
     out = InProcessMailbox(capacity=1000)
     source = PromptSource(examples, [[5]] * len(examples), 1, out, curriculum=[(0, ["code"]), (2, ["code", "math"]), (4, [])])
     first = {source.next_request().data_source for _ in range(6)}
-    source.set_learner_version(2)
+    source.set_versions(2, 2)
     second = {source.next_request().data_source for _ in range(6)}
-    source.set_learner_version(4)
+    source.set_versions(4, 4)
     third = {source.next_request().data_source for _ in range(9)}
     assert first == {"code"} and second == {"code", "math"} and third == {"code", "math", "chat"}
     with pytest.raises(ValueError, match="curriculum stage"):

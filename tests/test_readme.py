@@ -54,13 +54,14 @@ def test_serve_yaml_applications_compose_and_the_readme_urls_exist():
 
     from asyncrl.config import compose
 
-    spec = yaml.safe_load(open(os.path.join(ROOT, "configs", "serve.yaml")))
-    assert [a["name"] for a in spec["applications"]] == ["train", "policy", "reward-verifier"]
-    for app in spec["applications"]:
-        compose(app["args"]["overrides"].split())
+    for name in ("serve.yaml", "serve_embedded.yaml"):
+        spec = yaml.safe_load(open(os.path.join(ROOT, "configs", name)))
+        assert [a["name"] for a in spec["applications"]] == ["train", "policy", "reward-verifier"]
+        for app in spec["applications"]:
+            compose(app["args"]["overrides"].split())
     # The routes as declared on each application (Serve adds the class's routes at deploy time).
     prefixes = {"train": "/train", "policy": "/v1", "reward": "/reward/verifier"}
-    source = open(os.path.join(ROOT, "asyncrl", "serve_app.py")).read()
+    source = "".join(open(os.path.join(ROOT, "asyncrl", "serve", f"{app}.py")).read() for app in prefixes)
     routes = {prefixes[app] + path for app, path in re.findall(r'@(\w+)_api\.(?:get|post)\("([^"]+)"', source)}
     text = open(os.path.join(ROOT, "README.md")).read()
     for path in re.findall(r"127\.0\.0\.1:8000(/[\w/]*)", text):

@@ -8,13 +8,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from asyncrl.roles.prompt_source import SNAPSHOT_CODEC
+from actors.prompt_source import SNAPSHOT_CODEC
 from asyncrl import checkpoint
 from asyncrl.config import compose
-from asyncrl.system import TrainingSystem
+from asyncrl.run.wiring import System
 
 
-def run_until(system: TrainingSystem, step: int, timeout_s: float = 240.0) -> list[dict]:
+def run_until(system: System, step: int, timeout_s: float = 240.0) -> list[dict]:
     records, deadline = [], time.time() + timeout_s
     while not records or records[-1]["step"] < step:
         assert time.time() < deadline, f"no step {step} within {timeout_s}s: {system.status()['dropped_by_reason']}"
@@ -34,7 +34,7 @@ def read_checkpoint(path: str):
 @pytest.mark.parametrize("setup", [
     # The policy learner sharded over two processes (FSDP2 on gloo): its checkpoint is gathered
     # from both ranks, and the resumed ranks load it (rank 0 reads, the others receive).
-    ["task=tiny", "algorithm=grpo", "trainer.learner_ranks=2"],
+    ["task=tiny", "algorithm=grpo", "policy.ranks=2"],
     # Value-based, streaming windows: window rows of unfinished samples, a value learner to restore.
     ["task=tiny_seq", "algorithm=tppo", "engine.window_tokens=2"],
 ], ids=["grpo", "tppo"])
@@ -42,7 +42,7 @@ def test_kill_after_step_k_and_resume(ray_session, tmp_path, setup):
     run_dir = str(tmp_path)
     overrides = ["model=tiny", *setup, "trainer.prompts_per_step=2",
                  "trainer.checkpoint_every=3", "trainer.checkpoint_keep=2", f"trainer.run_dir={run_dir}"]
-    first = TrainingSystem(compose(overrides), name_actors=False, run_dir=run_dir).start()
+    first = System(compose(overrides), name_actors=False, run_dir=run_dir).start()
     try:
         before = run_until(first, 7)  # checkpoints at steps 3 and 6, then killed mid-stream
     finally:
@@ -64,14 +64,14 @@ def test_kill_after_step_k_and_resume(ray_session, tmp_path, setup):
     # (The optimizer state is by parameter name, whole: the same file for any number of ranks.)
     adam = checkpoint.load_tensors(os.path.join(ckpt, "learner.pt"))["optimizer"]["state"]
     assert {int(state["step"]) for state in adam.values()} == {updates_at_k}
-    assert 0 < updates_at_k <= k * compose(overrides).algorithm.mini_batches
+    assert 0 < updates_at_k <= k * compose(overrides).policy.mini_batches
 
     value_version_at_k = None
     if "algorithm=tppo" in setup:
         value_version_at_k = checkpoint.load_json(os.path.join(ckpt, "value", "state.json"))["version"]
         assert value_version_at_k >= 1
 
-    second = TrainingSystem(compose(overrides + ["resume=true"]), name_actors=False, run_dir=run_dir).start()
+    second = System(compose(overrides + ["resume=true"]), name_actors=False, run_dir=run_dir).start()
     try:
         assert second.resumed["checkpoint"] == ckpt and second.resumed["step"] == k
         after = run_until(second, k + 6)
@@ -80,7 +80,7 @@ def test_kill_after_step_k_and_resume(ray_session, tmp_path, setup):
         assert after[0]["weight_version"] == k + 1
         status = second.status()
         # The generators got the checkpoint's weights before their first prompt: nothing is older.
-        assert all(g["version"] >= k for g in status["generators"])
+        assert all(g["delivered_version"] >= k for g in status["generators"])
         assert max(r["staleness_max"] for r in after) <= compose(overrides).algorithm.max_staleness_versions
         import ray
 
@@ -123,7 +123,7 @@ def test_kill_after_step_k_and_resume(ray_session, tmp_path, setup):
         ray.wait([second.run_refs["learner"]], timeout=120)
         learner = ray.get(second.actors["learner"].stats.remote())
         ranks = [ray.get(actor.stats.remote()) for name, actor in second.actors.items() if name.startswith("learner-rank")]
-        assert len(ranks) == (1 if "trainer.learner_ranks=2" in setup else 0)
+        assert len(ranks) == (1 if "policy.ranks=2" in setup else 0)
         assert all(rank["optimizer_steps"] == learner["optimizer_steps"] for rank in ranks)
     finally:
         second.stop()
@@ -134,7 +134,7 @@ def test_checkpoint_exports_a_hugging_face_directory(ray_session, tmp_path):
     run_dir = str(tmp_path / "run")
     config = compose(["model=tiny", "task=tiny", "algorithm=grpo", "trainer.prompts_per_step=2",
                       "trainer.checkpoint_every=2", f"trainer.run_dir={run_dir}"])
-    system = TrainingSystem(config, name_actors=False, run_dir=run_dir).start()
+    system = System(config, name_actors=False, run_dir=run_dir).start()
     try:
         run_until(system, 2)
         import ray

@@ -16,7 +16,7 @@ import uuid
 import pytest
 from fastapi.testclient import TestClient
 
-from asyncrl import serve_app
+from asyncrl.serve import guards, reward as reward_app, train as train_app
 from asyncrl.bench.hostile import ADD_ASSERTS, HOSTILE_CODE
 from asyncrl.openai_api import MAX_REQUEST_POSITIONS, OpenAIError, check_request_size
 from asyncrl.rewards.code import plan_assert
@@ -25,7 +25,7 @@ from asyncrl.config import RouteConfig
 from asyncrl.rewards.sandbox import SandboxLimits, probe_isolation, project_root, run_program
 from asyncrl.rewards.verifier import Verifier
 from asyncrl.rewards.verifiers import verify
-from asyncrl.roles.assembler import Assembler
+from actors.assembler import Assembler, Shaping
 from asyncrl.schema import Reward, RewardRequest
 
 ISOLATION = probe_isolation()
@@ -219,10 +219,10 @@ def test_suspicious_rewards_are_counted_into_the_batch_stats():
     judge = Reward(prompt_id="p", sample_idx=0, score=0.9, source="genrm", correct=True, suspicious=["addresses_judge"])
     combined = combine_rewards(req, RouteConfig(endpoints=["verifier", "genrm"]), {"verifier": hacked, "genrm": judge})
     assert combined.suspicious == ["addresses_judge", "early_exit"]
-    assembler = Assembler(None, None, None, str, None)
+    assembler = Assembler(None, None, None, str, None, Shaping(max_response_tokens=8))
     for reward in [hacked, combined, Reward(prompt_id="p", sample_idx=1, score=1.0, source="verifier", correct=True),
                    Reward(prompt_id="p", sample_idx=2, score=1.0, source="verifier", correct=True)]:
-        assembler.note_scored(reward)
+        assembler._note_scored(reward)
     assert assembler._generated_stats()["reward_suspicious_share_generated"] == 0.5
     assert assembler.counters["suspicious.early_exit"] == 2
 
@@ -231,20 +231,20 @@ def test_suspicious_rewards_are_counted_into_the_batch_stats():
 
 
 def test_admin_and_score_routes_check_the_token_before_the_body(monkeypatch):
-    monkeypatch.setitem(serve_app._ADMIN_TOKEN, "value", "")
-    train = TestClient(serve_app.train_api)
+    monkeypatch.setitem(guards.ADMIN_TOKEN, "value", "")
+    train = TestClient(train_app.train_api)
     malformed = {"content": b"{not json", "headers": {"content-type": "application/json"}}
     assert train.post("/admin/checkpoint", **malformed).status_code == 403  # no token configured: disabled
-    monkeypatch.setitem(serve_app._ADMIN_TOKEN, "value", "s3cret")
+    monkeypatch.setitem(guards.ADMIN_TOKEN, "value", "s3cret")
     # A malformed body with no token is refused as unauthorised: the body was never parsed.
     assert train.post("/admin/reward_routes", **malformed).status_code == 401
-    reward = TestClient(serve_app.reward_api)  # the test client is not on loopback
-    monkeypatch.setitem(serve_app._REWARD_TOKEN, "value", "")
+    reward = TestClient(reward_app.reward_api)  # the test client is not on loopback
+    monkeypatch.setitem(guards.REWARD_TOKEN, "value", "")
     refused = reward.post("/score", **malformed)
     assert refused.status_code == 403 and "token" in refused.json()["detail"]
-    monkeypatch.setitem(serve_app._REWARD_TOKEN, "value", "tok")
+    monkeypatch.setitem(guards.REWARD_TOKEN, "value", "tok")
     assert reward.post("/score", **malformed).status_code == 401
-    huge = reward.post("/score", content=b"x" * (serve_app.MAX_SCORE_BODY_BYTES + 1),
+    huge = reward.post("/score", content=b"x" * (guards.MAX_SCORE_BODY_BYTES + 1),
                        headers={"authorization": "Bearer tok"})
     assert huge.status_code == 413
 

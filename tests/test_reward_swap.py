@@ -7,8 +7,8 @@ import pytest
 from ray import serve
 
 from asyncrl.config import compose
-from asyncrl.serve_app import deploy_declaratively, reward_app_config
-from asyncrl.system import TrainingSystem
+from asyncrl.serve.reward import deploy_declaratively, reward_app_config
+from asyncrl.run.wiring import System
 from asyncrl.weight_sync import free_port
 
 OVERRIDES = "model=tiny task=tiny algorithm=grpo trainer.wandb_mode=disabled reward.use_serve=true"
@@ -43,7 +43,7 @@ def test_reward_endpoint_swaps_while_training_with_no_failed_request(ray_session
     # Deployed as `serve deploy configs/serve.yaml` deploys it (serve.run would restart replicas on
     # every redeploy, user_config-only changes included).
     deploy_declaratively([reward_app_config("verifier", REWARD_OVERRIDES, {"version": "1"})])
-    system = TrainingSystem(compose([*OVERRIDES.split(), f"trainer.run_dir={tmp_path}"]), name_actors=False).start()
+    system = System(compose([*OVERRIDES.split(), f"trainer.run_dir={tmp_path}"]), name_actors=False).start()
     try:
         wait_for(lambda s: s["step"] >= 3, system)
         pids = replica_pids()

@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 
 from asyncrl.algo.selection import group_verdict, retirement_reason
-from asyncrl.assembly import AssemblySettings
 from asyncrl.mailbox import InProcessMailbox
-from asyncrl.roles.assembler import Assembler
-from asyncrl.roles.estimators import GroupEstimator
-from asyncrl.roles.prompt_source import PromptSource
+from actors.assembler import Assembler, Shaping
+from asyncrl.algo.advantages import group_normalised
+from asyncrl.assembly.groups import GroupEstimator, GroupSettings
+from actors.prompt_source import PromptSource
+from asyncrl.retirement import Retirements
 from asyncrl.schema import FinishReason, Reward, Segment, float32_array, int32_array
 from asyncrl.tasks import Example
 
@@ -34,7 +35,7 @@ def source(n=3, after=2, epochs=1):
     examples = [Example(prompt_id=f"q{i}", messages=[{"role": "user", "content": str(i)}], ground_truth="1",
                         data_source="d") for i in range(n)]
     return PromptSource(examples, [[5, i] for i in range(n)], 2, InProcessMailbox(100), seed=0,
-                        retire_after_groups=after, retire_epochs=epochs)
+                        retirements=Retirements(2, after_groups=after, epochs=epochs))
 
 
 def group(source, request, correct):
@@ -48,23 +49,23 @@ def test_a_solved_prompt_sits_out_a_dataset_of_issues_comes_back_and_all_retired
     assert len(q0) == 3
     group(src, q0[1], [True, True])
     group(src, q0[2], [True, True])  # solved twice: retired at issue 9, back after 3 more issues
-    assert set(src.retired) == {"q0"} and src.retired["q0"].reason == "solved"
+    assert set(src.retirements.retired) == {"q0"} and src.retirements.retired["q0"].reason == "solved"
     assert src.stats()["retirement_log"][-1]["event"] == "retired"
     group(src, q0[0], [True, False])  # an older issue with signal, scored late: says nothing newer
-    assert "q0" in src.retired
+    assert "q0" in src.retirements.retired
     later = [src.next_request() for _ in range(6)]
     is_q0 = [r.prompt_id.startswith("q0@") for r in later]
     assert not any(is_q0[:3]) and any(is_q0[3:])  # issues 10-12 skip it, the next pass tries it again
-    assert src.retirement_counts["skipped"] >= 1
+    assert src.retirements.counts["skipped"] >= 1
     group(src, later[is_q0.index(True)], [True, False])  # the re-test has signal: back in the rotation
-    assert "q0" not in src.retired and src.stats()["retirement_log"][-1]["event"] == "back"
+    assert "q0" not in src.retirements.retired and src.stats()["retirement_log"][-1]["event"] == "back"
 
 
 def test_when_every_prompt_is_retired_the_unsolved_get_one_more_try_then_nothing_is_generated():
     src = source()
     for request in [src.next_request() for _ in range(6)]:  # two groups of each prompt, all wrong
         group(src, request, [False, False])
-    assert set(src.retired) == {"q0", "q1", "q2"} and src.stats()["all_prompts_retired"]
+    assert set(src.retirements.retired) == {"q0", "q1", "q2"} and src.stats()["all_prompts_retired"]
     assert src.stats()["retired_by_reason"] == {"unsolved": 3} and not src.stats()["all_prompts_exhausted"]
     # Each is tried once more at once (the policy has changed since; nothing else can be issued),
     # the one retired longest first, and the cursor stays where it was.
@@ -80,7 +81,7 @@ def test_when_every_prompt_is_retired_the_unsolved_get_one_more_try_then_nothing
     src.retest_every_s = 3600.0
     assert src.next_request() is None and (src.epoch, src.index) == position
     src.retest_every_s = 0.0
-    assert src.next_request() is not None and src.retirement_counts["retests"] == 4
+    assert src.next_request() is not None and src.retirements.counts["retests"] == 4
 
 
 def seg(prompt, idx, first_token):
@@ -91,9 +92,7 @@ def seg(prompt, idx, first_token):
 
 
 def test_bounded_refill_trains_on_what_has_signal_or_skips_saying_why():
-    settings = AssemblySettings(dynamic_sampling=True, scale_advantage_by_std=True, max_staleness_versions=4,
-                                overlong_buffer_tokens=0, overlong_penalty_factor=1.0, max_response_tokens=8,
-                                max_refill_rounds=2)
+    settings = GroupSettings(dynamic_sampling=True, max_refill_rounds=2)
 
     async def score(requests):  # token 7 is correct
         return [Reward(prompt_id=r.prompt_id, sample_idx=r.sample_idx, score=float(r.response_text == "7"),
@@ -101,7 +100,8 @@ def test_bounded_refill_trains_on_what_has_signal_or_skips_saying_why():
 
     async def main():
         segments, batches = InProcessMailbox(100), InProcessMailbox(100)
-        asm = Assembler(segments, batches, score, lambda ids: "".join(map(str, ids)), GroupEstimator(settings, 2))
+        asm = Assembler(segments, batches, score, lambda ids: "".join(map(str, ids)),
+                        GroupEstimator(settings, 2, group_normalised), Shaping(8), max_staleness_versions=4)
         # Two rounds of two groups (a batch is two groups with signal): one group with signal, three solved.
         for i, tokens in enumerate([(7, 7), (7, 3), (7, 7), (7, 7)]):
             await segments.put([seg(f"p{i}", 0, tokens[0]), seg(f"p{i}", 1, tokens[1])])

@@ -7,6 +7,7 @@ The train app runs PPO, so its records carry value-learner metrics, and they are
 those `asyncrl train` writes for the same overrides (one run monitor behind both)."""
 
 import json
+import threading
 import time
 
 import httpx
@@ -20,14 +21,15 @@ from schemathesis import GenerationMode
 
 from asyncrl.config import compose
 from asyncrl.driver import train
-from asyncrl.monitor import RUN_FIELDS
-from asyncrl.serve_app import deploy_declaratively, reward_app_config
+from asyncrl.run.records import RUN_FIELDS
+from asyncrl.serve.reward import deploy_declaratively, reward_app_config
 from asyncrl.weight_sync import free_port
 
 # critic.warmup_steps=1: the policy trains only after a value step, so every record carries value metrics.
 # The KL to the reference is in the reward (the PPO baseline): the value learner scores the reference.
 OVERRIDES = ("model=tiny task=tiny algorithm=ppo critic.warmup_steps=1 trainer.wandb_mode=disabled "
              "trainer.checkpoint_every=0 algorithm.kl_in_reward=true algorithm.kl_coef=0.05")
+TOOL_OVERRIDES = "model=tiny task=tiny_tool trainer.wandb_mode=disabled"
 ADMIN_TOKEN = "test-admin-token"
 APPS = {"train": "/train", "policy": "/v1", "reward-verifier": "/reward/verifier"}
 EXAMPLES = 8  # fuzzed examples per operation and generation mode (CI time); raise it for a deeper run
@@ -60,14 +62,17 @@ def apps(ray_session, cli_run, tmp_path_factory):
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     run_dir = RUN_DIRS["serve"] = tmp_path_factory.mktemp("serve")
     deploy_declaratively([
-        {"name": "train", "route_prefix": "/train", "import_path": "asyncrl.serve_app:build_train",
+        {"name": "train", "route_prefix": "/train", "import_path": "asyncrl.serve.train:build_train",
          "args": {"overrides": OVERRIDES, "trainer.run_dir": str(run_dir), "serve.admin_token": ADMIN_TOKEN}},
-        {"name": "policy", "route_prefix": "/v1", "import_path": "asyncrl.serve_app:build_policy",
+        {"name": "policy", "route_prefix": "/v1", "import_path": "asyncrl.serve.policy:build_policy",
          "args": {"overrides": OVERRIDES}},
         reward_app_config("verifier", OVERRIDES),
+        # A policy trained on the tiny tool task speaks its tool format (no learner: its own weights).
+        {"name": "policy-tools", "route_prefix": "/tools/v1", "import_path": "asyncrl.serve.policy:build_policy",
+         "args": {"overrides": TOOL_OVERRIDES}},
     ], timeout_s=300)
     yield f"http://127.0.0.1:{port}"
-    for app in APPS:
+    for app in [*APPS, "policy-tools"]:
         serve.delete(app)
     serve.shutdown()  # the next module starts Serve on its own port
 
@@ -114,6 +119,10 @@ def test_bad_requests_get_openai_style_4xx(apps):
         {"model": "tiny", "messages": [{"role": "user", "content": "1"}] * 300},
         {"model": "tiny", "messages": [{"role": "user", "content": "1"}], "n": 1000},
         {"model": "tiny", "messages": [{"role": "user", "content": "1"}], "stop": ["a", "b", "c", "d", "e"]},
+        # OpenAI's pairings: alternatives need logprobs, stream options need a stream.
+        {"model": "tiny", "messages": [{"role": "user", "content": "1:"}], "top_logprobs": 2},
+        {"model": "tiny", "messages": [{"role": "user", "content": "1:"}], "logprobs": True, "top_logprobs": 21},
+        {"model": "tiny", "messages": [{"role": "user", "content": "1:"}], "stream_options": {"include_usage": True}},
     ]
     for body in bad:
         r = httpx.post(f"{apps}/v1/chat/completions", json=body, timeout=30)
@@ -200,6 +209,115 @@ def test_streaming_and_logprobs_with_the_openai_client(apps):
     assert all(p.choices[0].logprobs is not None for p in pieces if p.choices[0].text)
 
 
+def test_stream_with_include_usage_ends_with_the_usage_chunk(apps):
+    client = openai.OpenAI(base_url=f"{apps}/v1", api_key="unused")
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "5:"}], max_tokens=6, n=2, temperature=0.9, seed=3,
+        logprobs=True, stream=True, stream_options={"include_usage": True}))
+    *pieces, last = chunks
+    # OpenAI's shape: a last chunk with no choices and the usage; `usage` null on every other chunk.
+    assert last.choices == [] and last.usage is not None
+    assert all(c.choices and c.usage is None for c in pieces)
+    tokens = sum(len(c.choices[0].logprobs.content) for c in pieces if c.choices[0].logprobs is not None)
+    assert last.usage.prompt_tokens == 2  # "5:", one prompt however many choices (characters are tokens here)
+    assert last.usage.completion_tokens == tokens and 2 <= tokens <= 12  # every token streamed, both choices
+    assert last.usage.total_tokens == 2 + tokens
+
+    text = list(client.completions.create(model="tiny", prompt=["1:", "2:3"], max_tokens=3, stream=True,
+                                          stream_options={"include_usage": True}))
+    assert text[-1].choices == [] and text[-1].usage.prompt_tokens == 2 + 3
+    # Without it, no usage chunk: every chunk is a choice's.
+    plain = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "5:"}],
+                                                max_tokens=3, stream=True))
+    assert all(c.choices for c in plain)
+
+
+def _engine_distribution(weights: dict, prompt: str, tokens: list[str], temperature: float):
+    """Log-probs [N, V] of the distribution each of `tokens` was sampled from, teacher-forced through
+    a model holding `weights` (the learner's, of the version that answered): the engine's sampler."""
+    import torch
+
+    from asyncrl.algo.sampling import filtered_logprobs
+    from asyncrl.models import load_policy
+
+    model, tokenizer = load_policy(compose(OVERRIDES.split()).model)
+    model.load_state_dict(weights)
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    ids = prompt_ids + tokenizer.convert_tokens_to_ids(tokens)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0, len(prompt_ids) - 1: -1]
+    return filtered_logprobs(logits, temperature), tokenizer
+
+
+def test_top_logprobs_are_the_engines_alternatives(apps):
+    """Chat `logprobs` + `top_logprobs: N` and completions `logprobs=N` list each position's N most
+    likely tokens with the log-probs the engine sampled under: the same as a teacher-forced pass with
+    the weights of the version that answered (fetched from the learner), the sampled token included."""
+    import ray
+
+    from asyncrl.run.placement import LEARNER_NAME, NAMESPACE
+
+    client = openai.OpenAI(base_url=f"{apps}/v1", api_key="unused")
+    learner = ray.get_actor(LEARNER_NAME, namespace=NAMESPACE)
+    seen = {}  # weight version -> the learner's weights of it, polled while the requests run
+    stop = threading.Event()
+
+    def follow():
+        while not stop.is_set():
+            version, weights = ray.get(learner.weights.remote())  # read together, between two steps
+            seen.setdefault(version, weights)
+            time.sleep(0.1)
+
+    poller = threading.Thread(target=follow, daemon=True)
+    poller.start()
+    kwargs = dict(model="tiny", max_tokens=6, temperature=0.8, seed=5)
+    checked = 0
+    deadline = time.time() + 120
+    try:
+        while checked < 2 and time.time() < deadline:  # until both answers came from weights the poller saw
+            chat = client.chat.completions.create(messages=[{"role": "user", "content": "5:"}], logprobs=True,
+                                                  top_logprobs=3, **kwargs)
+            text = client.completions.create(prompt="4:", logprobs=3, **kwargs)
+            chat_weights, text_weights = (seen.get(r.model_extra["weight_version"]) for r in (chat, text))
+            if chat_weights is None or text_weights is None:
+                time.sleep(0.3)
+                continue
+            entries = chat.choices[0].logprobs.content
+            dist, tokenizer = _engine_distribution(chat_weights, "5:", [e.token for e in entries], 0.8)
+            for j, entry in enumerate(entries):
+                values, ids = dist[j].topk(3)
+                assert [a.token for a in entry.top_logprobs] == tokenizer.convert_ids_to_tokens(ids.tolist())
+                assert [a.logprob for a in entry.top_logprobs] == pytest.approx(values.tolist(), abs=1e-4)
+                assert entry.logprob == pytest.approx(float(dist[j][tokenizer.convert_tokens_to_ids(entry.token)]), abs=1e-4)
+            logprobs = text.choices[0].logprobs
+            dist, tokenizer = _engine_distribution(text_weights, "4:", logprobs.tokens, 0.8)
+            for j, (token, top) in enumerate(zip(logprobs.tokens, logprobs.top_logprobs)):
+                values, ids = dist[j].topk(3)
+                expected = dict(zip(tokenizer.convert_ids_to_tokens(ids.tolist()), values.tolist()))
+                expected[token] = float(dist[j][tokenizer.convert_tokens_to_ids(token)])  # and the sampled token
+                assert top.keys() == expected.keys() and list(top.values()) == pytest.approx(list(expected.values()), abs=1e-4)
+            checked += 1
+    finally:
+        stop.set()
+        poller.join(timeout=30)
+    assert checked == 2, f"no answer came from weights the poller saw ({sorted(seen)})"
+
+
+def test_neighbouring_seeds_give_disjoint_choices(apps):
+    """Choice k of a request samples under a hash of (seed, k): seed 43 shares no choice with seed 42
+    (with seed + k, its first two were 42's last two), and the same seed repeats its choices."""
+    kwargs = dict(prompt="ab", max_tokens=12, n=3, temperature=1.5, logprobs=0)  # a prompt it was not trained on
+    for _ in range(10):  # the same weights for all three requests
+        answers = [httpx.post(f"{apps}/v1/completions", json={**kwargs, "seed": seed}, timeout=60).json()
+                   for seed in (42, 43, 42)]
+        if len({a["weight_version"] for a in answers}) == 1:
+            break
+    assert len({a["weight_version"] for a in answers}) == 1
+    first, neighbour, again = ([tuple(c["logprobs"]["tokens"]) for c in a["choices"]] for a in answers)
+    assert first == again  # reproducible
+    assert len(set(first)) == 3 and not set(first) & set(neighbour), (first, neighbour)
+
+
 def test_status_page_and_metrics_route(apps):
     page = httpx.get(f"{apps}/train/", timeout=30)
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
@@ -253,15 +371,26 @@ def test_every_admin_route_needs_the_token_and_checkpoint_writes_one(apps):
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": ADMIN_TOKEN}):
             r = httpx.post(f"{apps}/train{path}", json={"routes": []}, headers=headers, timeout=30)
             assert r.status_code == 401, (path, headers, r.status_code)  # before the body is looked at
+    # A checkpoint of a trained step: run alone, this test may come before the learner's first step.
+    trained = wait_for_step(apps, 1)
     r = httpx.post(f"{apps}/train/admin/checkpoint", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=120)
     assert r.status_code == 200, r.text
     path = r.json()["path"]
     from asyncrl.checkpoint import verify
 
-    assert verify(path)["step"] >= 1  # a whole, checksummed checkpoint
+    assert verify(path)["step"] >= trained  # a whole, checksummed checkpoint of the step reached (or a later one)
     metrics = httpx.get(f"{apps}/train/metrics/prometheus", timeout=30)
     assert metrics.status_code == 200
     assert "asyncrl_samples_trained_total" in metrics.text and 'asyncrl_ledger_samples{state="trained"}' in metrics.text
+
+
+def wait_for_step(url: str, step: int, timeout_s: float = 180.0) -> int:
+    """The train app's learner step once it reaches `step` (fails past `timeout_s`)."""
+    deadline = time.time() + timeout_s
+    while (now := httpx.get(f"{url}/train/status", timeout=30).json()["step"]) < step:
+        assert time.time() < deadline, f"the train app is at step {now} after {timeout_s:g} s, waiting for {step}"
+        time.sleep(0.5)
+    return now
 
 
 def replica_identities(url: str) -> dict:
@@ -309,3 +438,97 @@ def test_fuzzed_routes_never_answer_5xx(apps, app):
     time.sleep(1.0)
     assert replica_identities(url) == before
     assert httpx.get(f"{url}/train/healthz", timeout=60).json() == {"ok": True, "restarts": 0}
+
+
+def test_the_status_page_does_not_grow_with_the_number_of_steps(apps):
+    """The page embeds the status and at most PAGE_RECORDS records spread over the run: the app's
+    own records, replayed as a run of 300 and of 30,000 steps, give pages of the same size."""
+    from asyncrl.serve.train import PAGE_RECORDS, status_page
+
+    page = httpx.get(f"{apps}/train/", timeout=60).text
+    assert 'id="initial-data"' in page and '"status"' in page
+    status = httpx.get(f"{apps}/train/status", timeout=30).json()
+    records = httpx.get(f"{apps}/train/metrics", timeout=30).json()
+    assert records
+
+    def run_of(steps: int) -> list[dict]:
+        return [{**records[i % len(records)], "step": i + 1} for i in range(steps)]
+
+    short, long = status_page(status, run_of(300)), status_page(status, run_of(30_000))
+    assert abs(len(long) - len(short)) < 0.01 * len(short), (len(short), len(long))
+    assert long.count('"samples_per_s"') <= PAGE_RECORDS + 1
+
+
+def test_the_generator_pool_scales_1_3_1_by_the_admin_route_while_it_trains(apps):
+    """Scaled by hand while training runs: every generator that ever ran holds a version within the
+    staleness bound of the learner's, and the books balance with nothing trained twice."""
+    headers = {"authorization": f"Bearer {ADMIN_TOKEN}"}
+    bound = compose(OVERRIDES.split()).algorithm.max_staleness_versions
+    seen: dict[str, list[tuple[int, int]]] = {}
+
+    def look() -> dict:
+        status = httpx.get(f"{apps}/train/status", timeout=60).json()
+        for g in status["generators"]:
+            if not g.get("unresponsive"):
+                seen.setdefault(g["generator_id"], []).append((g["delivered_version"], status["weight_version"]))
+        return status
+
+    start = look()["step"]
+    for count in (3, 1):
+        r = httpx.post(f"{apps}/train/admin/generators", json={"count": count}, headers=headers, timeout=900)
+        assert r.status_code == 200, r.text
+        assert len(r.json()["generators"]) == count
+        for _ in range(8):
+            status = look()
+            time.sleep(1.0)
+        assert len(status["pool"]["generators"]) == count and status["pool"]["target"] == count
+    assert status["step"] > start  # it trained throughout
+    assert len(seen) >= 3 and all(d >= w - bound for views in seen.values() for d, w in views), seen
+    events = [e["event"] for e in status["pool"]["events"]]
+    assert events.count("joined") >= 2 and events.count("left") >= 2
+    assert status["ledger"]["problems"] == [] and status["ledger"]["duplicates"] == 0
+    r = httpx.post(f"{apps}/train/admin/generators", json={"count": 0}, headers=headers, timeout=60)
+    assert r.status_code == 422  # a pool of none is refused with a reason
+    r = httpx.post(f"{apps}/train/admin/generators", json={"count": 3}, timeout=60)
+    assert r.status_code == 401  # and the route needs the token
+
+
+def test_the_policy_endpoint_speaks_openai_tools_in_the_trained_tool_format(apps):
+    """`tools` in, `tool_calls` out (the tiny tool format: a turn that starts with a non-digit is a
+    call of the lookup tool); an agent's follow-up with the call and the tool's answer is rendered
+    as an episode is in training ("5:" + the call "?" + the observation "=7": five tokens); tool
+    requests the endpoint cannot honour are 400s with the field named."""
+    client = openai.OpenAI(base_url=f"{apps}/tools/v1", api_key="unused")
+    tools = [{"type": "function", "function": {"name": "lookup", "description": "the episode's digit",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    kinds = set()
+    for seed in range(12):
+        reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "5:"}],
+                                               tools=tools, max_tokens=3, temperature=1.0, seed=seed)
+        choice = reply.choices[0]
+        if choice.finish_reason == "tool_calls":
+            (call,) = choice.message.tool_calls
+            assert call.type == "function" and call.function.name == "lookup" and json.loads(call.function.arguments) == {}
+            assert call.id.startswith("call_") and reply.usage.completion_tokens == 1  # cut just after the call
+        else:
+            assert not choice.message.tool_calls and choice.message.content[:1].isdigit()
+        kinds.add(choice.finish_reason)
+    assert "tool_calls" in kinds  # a random tiny policy asks two times in three
+    follow_up = [{"role": "user", "content": "5:"},
+                 {"role": "assistant", "content": None,
+                  "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]},
+                 {"role": "tool", "tool_call_id": "call_1", "content": "7"}]
+    reply = client.chat.completions.create(model="tiny", messages=follow_up, max_tokens=1, temperature=0.0)
+    assert reply.usage.prompt_tokens == 5  # "5:?=7", exactly as the episode's context
+    url = f"{apps}/tools/v1/chat/completions"
+    bad = {"tool_choice": ("required", "tool_choice"), "stream": (True, "stream")}
+    for field, (value, param) in bad.items():
+        r = httpx.post(url, json={"messages": [{"role": "user", "content": "5:"}], "tools": tools, field: value},
+                       timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    broken = [*follow_up[:1], {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                                                     "function": {"name": "lookup", "arguments": "{nope"}}]}]
+    r = httpx.post(url, json={"messages": broken, "tools": tools}, timeout=60)
+    assert r.status_code == 400 and "not JSON" in r.json()["error"]["message"], r.text
+    r = httpx.post(url, json={"messages": [{"role": "tool", "tool_call_id": "c"}], "tools": tools}, timeout=60)
+    assert r.status_code in (400, 422) and "content is required" in r.text, r.text

@@ -8,16 +8,16 @@ from asyncrl.config import ConfigError, compose
 
 def test_the_cpu_preset_runs_sglang_on_cpu_with_a_capped_kv_cache_and_the_learner_on_cpu():
     config = compose(["engine=sglang_cpu", "model=tiny", "task=tiny"])
-    e, t = config.engine, config.trainer
+    e, p = config.engine, config.policy
     assert (e.name, e.device) == ("sglang", "cpu") and e.sglang_max_total_tokens > 0
-    assert t.generator_gpus == 0 and t.learner_gpus == 0 and t.learner_device == "cpu"
-    assert config.algorithm.rollout_correction == "token_tis"
+    assert e.gpus == 0 and p.gpus == 0 and p.device == "cpu"
+    assert p.rollout_correction == "token_tis"
 
 
 def test_the_gpu_preset_leaves_the_kv_cache_to_sglangs_memory_fraction():
     config = compose(["engine=sglang"])
     assert config.engine.device == "cuda" and config.engine.sglang_max_total_tokens == 0
-    assert config.trainer.generator_gpus > 0 and config.trainer.learner_device == "cuda"
+    assert config.engine.gpus > 0 and config.policy.device == "cuda"
 
 
 @pytest.mark.parametrize("overrides, message", [

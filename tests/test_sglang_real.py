@@ -1,6 +1,6 @@
 """SGLang for real (`engine=sglang_cpu`): one SGLang engine on a tiny random Qwen2 that this module
 saves with transformers, checked against the learner's own log-probs for the same tokens
-(`asyncrl.learning.response_logprobs`, the function the learner scores with).
+(`asyncrl.learning.scoring.response_logprobs`, the function the learner scores with).
 
 Needs SGLang, which has an environment of its own: `make test-sglang` builds .venv-sglang (`make
 sglang`) and runs this module there. The engine starts once for the module (about a minute of CPU);
@@ -25,7 +25,7 @@ if importlib.util.find_spec("sglang") is None:
 from asyncrl.config import compose  # noqa: E402
 from asyncrl.engines.base import SamplingParams  # noqa: E402
 from asyncrl.generation import sequence_input  # noqa: E402
-from asyncrl.learning import LOGPROB_FLOOR, response_logprobs  # noqa: E402
+from asyncrl.learning.scoring import LOGPROB_FLOOR, response_logprobs  # noqa: E402
 from asyncrl.models import build_tiny_tokenizer  # noqa: E402
 from asyncrl.schema import FinishReason  # noqa: E402
 from asyncrl.weight_sync import SharedSlots  # noqa: E402
@@ -129,7 +129,7 @@ def check_against_learner(models, context, out, temperature, top_k=0, top_p=1.0)
 
 def load(loop, engine, models, model, how: str) -> int:
     """Give the engine `model` as the next version, from a worker thread (as the generator does)."""
-    version = engine.version + 1
+    version = engine.weight_version + 1
     models[version] = model
     loop.run_until_complete(asyncio.to_thread(_load, engine, model, version, how))
     return version
@@ -150,7 +150,7 @@ def test_windows_carry_the_learners_logprobs(loop, engine, models):
     sequences = [sequence_input(p, seed=i, max_response_tokens=64) for i, p in enumerate(PROMPTS)]
     outputs = generate(loop, engine, sequences, 24, SamplingParams(temperature=1.0))
     for prompt, out in zip(PROMPTS, outputs):
-        assert (out.versions == engine.version).all()
+        assert (out.versions == engine.weight_version).all()
         check_against_learner(models, prompt, out, 1.0)
         ended = out.finish_reason is FinishReason.EOS
         assert ended == (out.token_ids[-1] == EOS) and (ended or len(out.token_ids) == 24)
@@ -163,7 +163,7 @@ def test_top_k_top_p_tokens_carry_the_logprob_of_the_truncated_distribution(loop
     outputs = generate(loop, engine, sequences, 32, params)
     gaps = []
     for prompt, out in zip(PROMPTS, outputs):
-        model = models[engine.version]
+        model = models[engine.weight_version]
         truncated = learner_logprobs(model, prompt, out.token_ids, 0.8, top_k=5, top_p=0.9)
         assert (truncated > LOGPROB_FLOOR).all(), "a token outside the top-k / top-p set was drawn"
         check_against_learner(models, prompt, out, 0.8, top_k=5, top_p=0.9)
@@ -175,7 +175,7 @@ def test_top_k_top_p_tokens_carry_the_logprob_of_the_truncated_distribution(loop
 def test_greedy_windows_take_the_learners_argmax(loop, engine, models):
     outputs = generate(loop, engine, [sequence_input(p, seed=0, max_response_tokens=12) for p in PROMPTS], 12,
                        SamplingParams(greedy=True))
-    model = models[engine.version]
+    model = models[engine.weight_version]
     for prompt, out in zip(PROMPTS, outputs):
         ids = torch.tensor([prompt + out.token_ids.tolist()])
         with torch.no_grad():
@@ -203,7 +203,7 @@ def test_fire_first_token_carries_the_hot_distributions_logprob(loop, engine, mo
     params = SamplingParams(temperature=1.0, first_token_temperature=3.0, first_token_top_k=4)
     outputs = generate(loop, engine, [sequence_input(p, seed=30 + i, max_response_tokens=16) for i, p in enumerate(PROMPTS)],
                        16, params)
-    model = models[engine.version]
+    model = models[engine.weight_version]
     for prompt, out in zip(PROMPTS, outputs):
         first, rest = out.token_ids[:1], out.token_ids[1:]
         hot = learner_logprobs(model, prompt, first, 3.0, top_k=4)
@@ -250,13 +250,13 @@ def test_an_update_mid_request_lands_at_once_and_later_tokens_follow_the_new_wei
     continued = [sequence_input(s.prompt_ids, seed=s.seed, max_response_tokens=232, response_ids=o.token_ids)
                  for s, o in live]
     before = dict(engine.counters)
-    old = engine.version
-    new_model = perturbed(models[old], seed=engine.version + 1)
+    old = engine.weight_version
+    new_model = perturbed(models[old], seed=engine.weight_version + 1)
 
     async def window_with_update():
         window = asyncio.ensure_future(engine.generate_window(continued, 200, params))
         await asyncio.sleep(60 * per_token)  # about 60 tokens into the window
-        version = engine.version + 1
+        version = engine.weight_version + 1
         models[version] = new_model
         await asyncio.to_thread(_load, engine, new_model, version, "shared")
         assert not window.done(), "the update waited for the window to end"
@@ -282,9 +282,9 @@ def test_nothing_cached_under_old_weights_is_reused(loop, engine, models):
     cached = engine.counters["cached_tokens"]
     generate(loop, engine, [sequence], 8, params)
     assert engine.counters["cached_tokens"] - cached >= len(prompt) - 1  # the same weights: read from the cache
-    load(loop, engine, models, perturbed(models[engine.version], seed=engine.version + 1), "tensors")
+    load(loop, engine, models, perturbed(models[engine.weight_version], seed=engine.weight_version + 1), "tensors")
     cached = engine.counters["cached_tokens"]
     (out,) = generate(loop, engine, [sequence], 8, params)
     assert engine.counters["cached_tokens"] == cached  # new weights: nothing read
-    assert (out.versions == engine.version).all()
+    assert (out.versions == engine.weight_version).all()
     check_against_learner(models, prompt, out, 1.0)

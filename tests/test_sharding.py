@@ -13,9 +13,9 @@ import torch
 import torch.multiprocessing as mp
 
 from asyncrl.config import ModelConfig
-from asyncrl.learning import PolicyLossSettings
+from asyncrl.learning.policy import PolicyLossSettings
 from asyncrl.models import build_tiny_model
-from asyncrl.roles.policy_rank import PolicyRank
+from asyncrl.learning.rank import PolicyRank
 from asyncrl.schema import FinishReason, Segment, TrainSample, float32_array, int32_array
 from asyncrl.sharding import DataParallel, join, leave, parts_of_rank, rendezvous_store
 from asyncrl.weight_sync import free_port

@@ -1,4 +1,4 @@
-"""How the estimators are wired, against ALGORITHMS.md: each test here failed on the code before
+"""How the estimators are wired, against docs/algorithms.md: each test here failed on the code before
 issue 19 and checks one departure (staleness at the learner, dynamic sampling without a correctness
 flag, the critic's return, NLL over every window, the learner's distribution, value clipping,
 several updates per batch, the Dr.GRPO constant, the pairwise path, the KL estimators)."""
@@ -13,15 +13,23 @@ import torch
 
 from asyncrl.algo.losses import behaviour_weights, kl_penalty, ppo_policy_loss
 from asyncrl.algo.sampling import filtered_logprobs, step_logprobs
-from asyncrl.assembly import AssemblySettings, ValueAdvantageSettings, assemble_group, with_whole_response
+from asyncrl.assembly.rows import ValueAdvantageSettings, with_whole_response
 from asyncrl.config import ConfigError, ModelConfig, compose
-from asyncrl.learning import (PolicyLossSettings, ValueLossSettings, collate, policy_step, token_logprobs,
-                              value_step)
+from asyncrl.learning.policy import PolicyLossSettings, policy_step
+from asyncrl.learning.rows import collate
+from asyncrl.learning.scoring import token_logprobs
+from asyncrl.learning.value import ValueLossSettings, value_step
 from asyncrl.mailbox import InProcessMailbox
 from asyncrl.models import build_tiny_model, value_model_from_policy
-from asyncrl.roles.assembler import Assembler
-from asyncrl.roles.estimators import PairwiseEstimator, ValueEstimator
-from asyncrl.roles.policy_learner import PolicyLearner
+from actors.assembler import Assembler
+from actors.assembler import Shaping
+from asyncrl.algo.advantages import group_normalised, pairwise_advantages
+from asyncrl.assembly.decisions import Scored
+from asyncrl.assembly.groups import GroupSettings, PairwiseEstimator, group_rows
+from asyncrl.assembly.values import ValueEdges, ValueEstimator
+from asyncrl.learning.rank import PolicyRank
+from asyncrl.staleness import mask_stale_tokens
+from actors.policy_learner import PolicyLearner
 from asyncrl.schema import (FinishReason, Reward, ScoredTrajectory, Segment, TrainBatch, TrainSample, float32_array,
                             int32_array)
 
@@ -57,8 +65,13 @@ def same_grads(a, b) -> bool:
     return a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-7) for k in a)
 
 
-GROUP = AssemblySettings(dynamic_sampling=True, scale_advantage_by_std=True, max_staleness_versions=4,
-                         overlong_buffer_tokens=0, overlong_penalty_factor=1.0, max_response_tokens=8)
+GROUP = GroupSettings(dynamic_sampling=True)
+
+
+def scored(samples, rewards, penalties=None):
+    """Finished samples and their rewards as the estimators get them (score shaped by `penalties`)."""
+    penalties = penalties or [0.0] * len(samples)
+    return [Scored(s, r, r.score + p) for s, r, p in zip(samples, rewards, penalties)]
 
 
 # --- 1. staleness is bounded where the batch is trained --------------------------------------------
@@ -70,9 +83,9 @@ def test_the_learner_masks_tokens_too_stale_for_the_weights_it_trains():
     nothing left moves no weight (an Adam step on zero gradients would)."""
     async def main():
         model = tiny_policy()
-        learner = PolicyLearner(model, loss_settings(), InProcessMailbox(10), lr=1e-2, weight_decay=0.0,
+        learner = PolicyLearner(PolicyRank(model, loss_settings(), lr=1e-2, weight_decay=0.0), InProcessMailbox(10),
                                 max_staleness_versions=2)
-        learner.version = learner.step = 10
+        learner.weight_version = learner.step = 10
         old = TrainSample(segment=segment([20, 21, 22], version=7), score=1.0, advantages=float32_array([1.0] * 3))
         fresh = TrainSample(segment=segment([23, 24], pid="q", version=9), score=1.0, advantages=float32_array([1.0] * 2))
         record = await learner.train_on(TrainBatch(batch_id="b0", samples=[old, fresh], stats={"staleness_max_assembled": 1.0}))
@@ -94,7 +107,8 @@ def test_a_long_response_loses_only_its_stale_windows_not_its_group():
                       "new_versions": int32_array([1, 1, 6, 6])})
     short = segment([7], pid="g", idx=1, group_size=2, version=6)
     rewards = [Reward(prompt_id="g", sample_idx=i, score=float(i), correct=bool(i), source="t") for i in range(2)]
-    train, reason, stats = assemble_group([long, short], rewards, 6, GROUP)
+    train, reason = group_rows(scored([long, short], rewards), GROUP, group_normalised)
+    train, stats = mask_stale_tokens(train, 6, 4)  # as the assembler does when the batch leaves
     assert reason is None and train[0].loss_mask.tolist() == [0, 0, 1, 1] and train[1].loss_mask is None
     assert stats == {"staleness_max": 0.0, "stale_tokens_masked": 2.0}
 
@@ -107,15 +121,15 @@ def test_dynamic_sampling_falls_back_to_the_score_without_a_correctness_flag():
     "no signal"."""
     group = [segment([1], pid="bt", idx=i, group_size=3) for i in range(3)]
     varied = [Reward(prompt_id="bt", sample_idx=i, score=s, source="bt") for i, s in enumerate([0.3, 1.2, -0.4])]
-    train, reason, _ = assemble_group(group, varied, 0, GROUP)
+    train, reason = group_rows(scored(group, varied), GROUP, group_normalised)
     assert reason is None and len(train) == 3
     flat = [Reward(prompt_id="bt", sample_idx=i, score=0.5, source="bt") for i in range(3)]
-    assert assemble_group(group, flat, 0, GROUP)[1] == "no_signal"
+    assert group_rows(scored(group, flat), GROUP, group_normalised)[1] == "no_signal"
     # metric=score: correctness all equal but the scores differ (partial credit): kept.
     partial = [Reward(prompt_id="bt", sample_idx=i, score=s, correct=False, source="v") for i, s in enumerate([0, .5, 0])]
-    assert assemble_group(group, partial, 0, GROUP)[1] == "no_signal"
+    assert group_rows(scored(group, partial), GROUP, group_normalised)[1] == "no_signal"
     from dataclasses import replace
-    assert assemble_group(group, partial, 0, replace(GROUP, filter_metric="score"))[1] is None
+    assert group_rows(scored(group, partial), replace(GROUP, filter_metric="score"), group_normalised)[1] is None
 
 
 def test_positive_example_nll_counts_a_positive_score_when_correctness_is_unknown():
@@ -128,48 +142,48 @@ def test_positive_example_nll_counts_a_positive_score_when_correctness_is_unknow
 # --- 3. the critic learns the reward the policy is trained with ------------------------------------
 
 
-def value_estimator(settings: ValueAdvantageSettings, value_of=lambda row: 0.25, nll=False):
+def value_estimator(settings: ValueAdvantageSettings, value_of=lambda row: 0.25, nll=False, reference=None, kl=None):
     async def values(rows):
         return [np.full(len(new) + 1, value_of(new), dtype=np.float32) for _, new in rows], 3
 
     async def ready():
         return True
 
-    return ValueEstimator(values=values, value_ready=ready, trajectories=InProcessMailbox(100), settings=settings,
-                          rows_per_batch=1, nll_whole_response=nll)
+    return ValueEstimator(edges=ValueEdges(values=values, ready=ready, reference_logprobs=reference), settings=settings,
+                          rows_per_batch=1, nll_whole_response=nll, kl=kl)
 
 
-def run_assembler(estimator, batches_of_segments, score=1.0, correct=True):
-    segments, batches = InProcessMailbox(100), InProcessMailbox(100)
+def run_assembler(estimator, batches_of_segments, score=1.0, correct=True, shaping=Shaping(max_response_tokens=4)):
+    segments, batches, trajectories = InProcessMailbox(100), InProcessMailbox(100), InProcessMailbox(100)
 
     async def scorer(requests):
         return [Reward(prompt_id=r.prompt_id, sample_idx=r.sample_idx, score=score, correct=correct, source="t")
                 for r in requests]
 
     async def main():
-        asm = Assembler(segments, batches, scorer, lambda ids: " ".join(map(str, ids)), estimator)
+        asm = Assembler(segments, batches, scorer, lambda ids: " ".join(map(str, ids)), estimator, shaping,
+                        max_staleness_versions=4, trajectories=trajectories)
         for group in batches_of_segments:
             await segments.put(group)
             for _ in range(3):
                 await asm.step(timeout=0.01)
                 await asyncio.sleep(0.01)
-        out = await batches.get(100, timeout=0.05)
-        trajectories = await estimator.trajectories.get(100, timeout=0.05)
-        return out, trajectories
+        return await batches.get(100, timeout=0.05), await trajectories.get(100, timeout=0.05)
 
     return asyncio.run(main())
 
 
 TPPO = ValueAdvantageSettings(gamma=1.0, lam=1.0, length_adaptive_alpha=0.0, lambda_floor=False, edge_mask_tokens=0,
-                              window_training=True, window_tokens=2, max_staleness_versions=4,
-                              overlong_buffer_tokens=2, overlong_penalty_factor=1.0, max_response_tokens=4)
+                              window_training=True, window_tokens=2)
+# A 2-token overlong buffer at L_max = 4.
+SHAPED = Shaping(max_response_tokens=4, buffer_tokens=2)
 
 
 def test_the_critic_learns_the_overlong_shaped_return():
     """A 4-token response at L_max=4 with a 2-token buffer earns 1 - 1 = 0: the policy's row says so,
     and so must the critic's target (T-PPO's early windows learn only through V)."""
     first, last = segment([1, 2], finished=False), segment([3, 4], prior=[1, 2])
-    out, trajectories = run_assembler(value_estimator(TPPO), [[first], [last]])
+    out, trajectories = run_assembler(value_estimator(TPPO), [[first], [last]], shaping=SHAPED)
     finished_rows = [s for b in out for s in b.samples if s.segment.finished]
     assert [r.score for r in finished_rows] == [0.0]
     assert [t.score for t in trajectories] == [0.0]
@@ -180,7 +194,7 @@ def test_the_critic_learns_the_overlong_shaped_return():
 
 def test_a_correct_response_imitates_every_window_and_the_policy_loss_only_its_last():
     first, last = segment([1, 2], finished=False), segment([3, 4], prior=[1, 2])
-    out, _ = run_assembler(value_estimator(TPPO, nll=True), [[first], [last]])
+    out, _ = run_assembler(value_estimator(TPPO, nll=True), [[first], [last]], shaping=SHAPED)
     rows = {s.segment.finished: s for b in out for s in b.samples}
     whole = rows[True]
     assert whole.segment.new_token_ids.tolist() == [1, 2, 3, 4] and len(whole.segment.prior_response_ids) == 0
@@ -218,16 +232,15 @@ def test_the_learner_scores_under_top_p_and_masks_fires_first_token():
     full, _ = token_logprobs(model, ids, torch.ones_like(ids), targets, 1.0)
     assert bool((full[0][keep] < sampled[keep] - 1e-3).any())  # what the learner scored before: ratio != 1
     assert bool((learner[0][~keep] == -1e4).all()) if bool((~keep).any()) else True
-    # FIRE: the hot first token is left out of the policy loss, later ones are not.
-    row = TrainSample(segment=segment([20, 21, 22]), score=1.0, advantages=float32_array([1.0] * 3))
-    assert collate([row], settings=loss_settings(mask_first_token=True)).response_mask.sum().item() == 2
+    # The tokens the engine marked unscored (FIRE's hot first token; EOS held back below a minimum
+    # length) are left out of the policy loss, the others are not.
+    fire = segment([20, 21, 22])
+    fire = Segment(**{**{f: getattr(fire, f) for f in fire.__struct_fields__}, "new_scored": np.array([0, 1, 1], np.uint8)})
+    row = TrainSample(segment=fire, score=1.0, advantages=float32_array([1.0] * 3))
+    assert collate([row]).response_mask.sum().item() == 2
     window2 = TrainSample(segment=segment([23], prior=[20, 21, 22]), score=1.0, advantages=float32_array([1.0]))
-    assert collate([window2], settings=loss_settings(mask_first_token=True)).response_mask.sum().item() == 1
+    assert collate([window2]).response_mask.sum().item() == 1
     assert filtered_logprobs(logits, 1.0, 0, 0.7).shape == logits.shape
-    # The long-tail workload held EOS back before 3 tokens for every sample (fraction 1): the first
-    # three positions were sampled without EOS, the learner scores with it, so they are left out.
-    held = collate([row, window2], settings=loss_settings(long_tail=(1.0, 3)))
-    assert held.response_mask.sum(-1).tolist() == [0.0, 1.0]
 
 
 def test_at_step_zero_every_ratio_is_one_under_the_engines_own_sampling():
@@ -342,18 +355,24 @@ def test_seq_mean_token_sum_norm_divides_by_a_fixed_length():
 def test_pairwise_advantages_carry_the_overlong_penalty():
     from dataclasses import replace
 
-    settings = replace(GROUP, overlong_buffer_tokens=4, dynamic_sampling=False)
+    """The judge ties the two responses; the 8-token one (L_max 8, buffer 4) carries its penalty of -1."""
+    async def judge(pairs):
+        return [{"p_first": 0.5, "consistent": True, "failed": False} for _ in pairs]
+
+    estimator = PairwiseEstimator(replace(GROUP, dynamic_sampling=False), 1, pairwise_advantages, judge=judge,
+                                  decode=lambda ids: " ".join(map(str, ids)))
     group = [segment([1] * 8, pid="pw", idx=0, group_size=2), segment([1] * 2, pid="pw", idx=1, group_size=2)]
     rewards = [Reward(prompt_id="pw", sample_idx=i, score=0.0, correct=False, source="t") for i in range(2)]
-    train, _, _ = assemble_group(group, rewards, 0, settings, advantages_override=[0.0, 0.0])
-    assert train[0].advantages[0] == pytest.approx(-1.0) and train[1].advantages[0] == 0.0
+    decision = asyncio.run(estimator.decide([], scored(group, rewards, penalties=[-1.0, 0.0])))
+    rows = decision.batches[0].rows
+    assert rows[0].advantages[0] == pytest.approx(-1.0) and rows[1].advantages[0] == 0.0
 
 
 def test_a_failed_judgement_drops_the_group_instead_of_a_neutral_tie():
     async def judge(pairs):
         return [{"p_first": 0.5, "consistent": True, "failed": i == 0} for i, _ in enumerate(pairs)]
 
-    estimator = PairwiseEstimator(GROUP, 1, judge=judge)
+    estimator = PairwiseEstimator(GROUP, 1, pairwise_advantages, judge=judge, decode=lambda ids: " ".join(map(str, ids)))
     group = [segment([1], pid="j", idx=i, group_size=2) for i in range(2)]
     out, _ = run_assembler_group(estimator, group)
     assert out == [] and estimator._groups == {}
@@ -367,7 +386,7 @@ def run_assembler_group(estimator, group):
                        source="t") for r in requests]
 
     async def main():
-        asm = Assembler(segments, batches, scorer, lambda ids: " ".join(map(str, ids)), estimator,
+        asm = Assembler(segments, batches, scorer, lambda ids: " ".join(map(str, ids)), estimator, Shaping(8),
                         events=lambda evs, outcomes: events.extend((state, reason) for _, state, reason in evs))
         await segments.put(group)
         for _ in range(3):
@@ -417,21 +436,21 @@ def test_vapo_lambda_is_scaled_to_the_embedded_response_length():
 
 def test_kl_reward_hand_values_and_it_enters_gae_and_the_critics_return():
     from asyncrl.algo.shaping import kl_reward
-    from asyncrl.assembly import KLRewardSettings, kl_rewards, value_rows
+    from asyncrl.assembly.rows import KLRewardSettings, kl_rewards, value_rows
 
     # k1: KL_t = log π_old − log π_ref = [0.5, −1.0]; r_t = −0.1·KL_t = [−0.05, 0.1].
     out = kl_reward(torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -1.0]), 0.1, "k1")
     assert out.tolist() == pytest.approx([-0.05, 0.1])
-    # FIRE's hot first token is not π_old's: no KL reward there.
+    # FIRE's hot first token is not π_old's (the engine marked it unscored): no KL reward there.
     row = segment([4, 5], logprobs=[-1.0, -2.0])
-    fire = kl_rewards(row, np.array([-1.5, -1.0]), KLRewardSettings(0.1, "k1", skip_first_token=True))
+    hot = Segment(**{**{f: getattr(row, f) for f in row.__struct_fields__}, "new_scored": np.array([0, 1], np.uint8)})
+    fire = kl_rewards(hot, np.array([-1.5, -1.0]), KLRewardSettings(0.1, "k1"))
     assert fire.tolist() == pytest.approx([0.0, 0.1])
     # GAE with γ = λ = 1 and V ≡ 0: each advantage is the sum of the rewards to come, R = 1 included.
     settings = ValueAdvantageSettings(gamma=1.0, lam=1.0, length_adaptive_alpha=0.0, lambda_floor=False,
-                                      edge_mask_tokens=0, window_training=False, window_tokens=8,
-                                      max_staleness_versions=4)
+                                      edge_mask_tokens=0, window_training=False, window_tokens=8)
     kl = kl_rewards(row, np.array([-1.5, -1.0]), KLRewardSettings(0.1, "k1"))
-    from asyncrl.assembly import Outcome
+    from asyncrl.assembly.rows import Outcome
     trained = value_rows([row], [np.zeros(3, dtype=np.float32)], [Outcome(1.0, True)], settings, 0, [kl])
     assert trained[0].advantages.tolist() == pytest.approx([-0.05 + 0.1 + 1.0, 0.1 + 1.0])
 
@@ -439,8 +458,7 @@ def test_kl_reward_hand_values_and_it_enters_gae_and_the_critics_return():
     async def reference(rows):
         return [np.full(len(new), -1.5, dtype=np.float32) for _, new in rows]
 
-    estimator = value_estimator(settings)
-    estimator.reference_logprobs, estimator.kl = reference, KLRewardSettings(0.1, "k1")
+    estimator = value_estimator(settings, reference=reference, kl=KLRewardSettings(0.1, "k1"))
     out, trajectories = run_assembler(estimator, [[segment([4, 5], logprobs=[-1.0, -2.0])]])
     expected = [-0.05, 0.05]  # KL = [0.5, −0.5]
     assert trajectories[0].token_rewards.tolist() == pytest.approx(expected)
@@ -452,8 +470,8 @@ def test_the_value_learner_scores_the_reference_under_the_samplers_distribution(
     """A reference equal to the behaviour policy: KL 0 on tokens the real engine sampled under top-p."""
     from asyncrl.engines.base import SamplingParams, SequenceInput
     from asyncrl.engines.torch_engine import TorchEngine
-    from asyncrl.roles.value_learner import ValueLearner
-    from asyncrl.assembly import KLRewardSettings, kl_rewards
+    from actors.value_learner import ValueLearner
+    from asyncrl.assembly.rows import KLRewardSettings, kl_rewards
 
     params = SamplingParams(temperature=0.7, top_p=0.8)
     engine = TorchEngine(tiny_policy(), eos_token_ids=[2], pad_token_id=0)
@@ -525,43 +543,46 @@ def test_the_learner_reports_the_mismatch_every_step_and_corrects_it_when_asked(
 
 def test_the_gpu_learners_settings_run_on_cpu_bf16_autocast_and_checkpointing():
     """bf16 autocast (fp32 master weights) and gradient checkpointing through the learner's own
-    builder; on a CPU box they run on the CPU (the same code takes the GPU with learner_device=cuda)."""
-    from asyncrl.roles.shells import build_policy_learner
+    builder; on a CPU box they run on the CPU (the same code takes the GPU with policy.device=cuda)."""
+    from actors.policy_learner import build_policy_learner
 
     def step(*overrides):
         config = compose(["model=tiny", "task=tiny", "algorithm=grpo", *overrides])
-        learner = build_policy_learner(config.model, config.algorithm, config.trainer, config.engine, InProcessMailbox(2))
+        learner = build_policy_learner(config.model, config.algorithm, config.policy, config.engine,
+                                       config.trainer.seed, InProcessMailbox(2))
         rows = [TrainSample(segment=segment([20, 21, 22], logprobs=[-3.0] * 3), score=1.0,
                             advantages=float32_array([1.0, 1.0, 1.0]))]
         return learner, learner.policy.step(rows)  # the learner's own step
 
     _, fp32 = step()
-    learner, bf16 = step("trainer.learner_precision=bf16", "trainer.gradient_checkpointing=true")
+    learner, bf16 = step("policy.precision=bf16", "policy.gradient_checkpointing=true")
     assert learner.policy.settings.precision == "bf16" and learner.model.is_gradient_checkpointing
     assert all(p.dtype == torch.float32 for p in learner.model.parameters())  # master weights stay fp32
     assert bf16["loss"] == pytest.approx(fp32["loss"], rel=0.05) and np.isfinite(bf16["grad_norm"])
-    with pytest.raises(ConfigError, match="learner_gpus"):
-        compose(["trainer.learner_device=cuda"])
+    with pytest.raises(ConfigError, match="policy.gpus"):
+        compose(["policy.device=cuda"])
 
 
 def test_roles_ask_ray_for_what_they_use(ray_session):
     from ray.util.placement_group import remove_placement_group
 
-    from asyncrl.system import role_placement
+    from asyncrl.run.placement import ask, role_placement
 
-    tr = compose(["model=tiny", "trainer.generator_resources={node_generator: 1}", "trainer.learner_gpus=0.5"]).trainer
-    generators, learners, group = role_placement(tr, 2, 2)
+    def placed(*overrides, generators=2, learners=2):
+        c = compose(["model=tiny", *overrides])
+        return role_placement(c.cluster.placement, ask(c.engine.gpus, c.engine.resources), generators,
+                              [ask(c.policy.gpus, c.policy.resources)] * learners)
+
+    generators, learners, group = placed("engine.resources={node_generator: 1}", "policy.gpus=0.5")
     assert group is None and generators == [{"resources": {"node_generator": 1.0}}] * 2
     assert learners == [{"num_gpus": 0.5}] * 2
-    tr = compose(["model=tiny", "trainer.placement=spread"]).trainer
-    generators, learners, group = role_placement(tr, 2, 1)
+    generators, learners, group = placed("cluster.placement=spread", learners=1)
     try:
         assert group.bundle_count == 2 and [g["scheduling_strategy"].placement_group_bundle_index for g in generators] == [0, 1]
         assert "scheduling_strategy" not in learners[0]  # spread: the learner is placed on its own
     finally:
         remove_placement_group(group)
-    tr = compose(["model=tiny", "trainer.placement=colocated"]).trainer
-    generators, learners, group = role_placement(tr, 1, 2)
+    generators, learners, group = placed("cluster.placement=colocated", generators=1)
     try:
         assert group.bundle_count == 3 and learners[1]["scheduling_strategy"].placement_group_bundle_index == 2
     finally:
@@ -570,6 +591,6 @@ def test_roles_ask_ray_for_what_they_use(ray_session):
 
 def test_the_sglang_engine_group_composes_and_sets_the_mismatch_correction():
     config = compose(["engine=sglang", "model.source=hf", "model.path=/models/qwen"])
-    assert config.engine.name == "sglang" and config.algorithm.rollout_correction == "token_tis"
-    assert config.trainer.learner_precision == "bf16" and config.trainer.generator_gpus > 0
-    assert compose([]).engine.name == "torch" and compose([]).algorithm.rollout_correction == "none"
+    assert config.engine.name == "sglang" and config.policy.rollout_correction == "token_tis"
+    assert config.policy.precision == "bf16" and config.engine.gpus > 0
+    assert compose([]).engine.name == "torch" and compose([]).policy.rollout_correction == "none"

@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from asyncrl.assembly import merge_segments
+from asyncrl.assembly.rows import merge_segments
 from asyncrl.config import compose, config_from_dict
 from asyncrl.offline import replay_batch
 from asyncrl.schema import FinishReason, Reward, Segment, float32_array, int32_array
@@ -82,8 +82,8 @@ def test_a_golden_batch_reproduces_its_recorded_loss_and_gradient_norm(name):
     metrics = replay_batch(config, record)
     assert metrics["loss"] == pytest.approx(record.loss, rel=1e-4, abs=1e-7)
     assert metrics["grad_norm"] == pytest.approx(record.grad_norm, rel=1e-4)
-    other = "seq-mean-token-sum" if config.algorithm.loss_agg == "token-mean" else "token-mean"
-    config.algorithm.loss_agg = other
+    other = "seq-mean-token-sum" if config.policy.loss_agg == "token-mean" else "token-mean"
+    config.policy.loss_agg = other
     changed = replay_batch(config, record)
     assert changed["grad_norm"] != pytest.approx(record.grad_norm, rel=1e-3)
 

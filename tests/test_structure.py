@@ -1,27 +1,34 @@
 """The shape of the code (docs/architecture.md, "Layers"): lower layers never import higher ones,
-no import cycles, the roles in one package, one estimator mapping. Read from the source with `ast`."""
+no import cycles, the roles in `actors/` (importing the library, never each other), one mapping
+from estimator name to function, modules and functions of a readable size, and a docstring for
+every config field. Read from the source with `ast`."""
 
 import ast
+import dataclasses
 import os
+import typing
 from pathlib import Path
 
-from asyncrl.config import ESTIMATORS as ESTIMATOR_NAMES
-from asyncrl.roles.estimators import ESTIMATORS
+from asyncrl.algo.advantages import ADVANTAGES
+from asyncrl.assembly.strategies import STRATEGIES
+from asyncrl.config import Config
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGE = ROOT / "asyncrl"
+PACKAGES = ("asyncrl", "actors")
 
 # Layer of each module (prefix match, longest first). A module may import its own layer or lower.
 LAYERS = {
-    0: ["asyncrl.config", "asyncrl.schema", "asyncrl.algo", "asyncrl.staleness"],
-    1: ["asyncrl.mailbox", "asyncrl.engines", "asyncrl.models", "asyncrl.ledger", "asyncrl.weight_sync",
-        "asyncrl.checkpoint", "asyncrl.tasks", "asyncrl.rewards", "asyncrl.assembly", "asyncrl.learning",
-        "asyncrl.generation", "asyncrl.metrics", "asyncrl.plots", "asyncrl.openai_api", "asyncrl.store",
-        "asyncrl.learning_dqo", "asyncrl.sharding"],
-    2: ["asyncrl.roles", "asyncrl.pre_ppo", "asyncrl.evaluation"],
-    3: ["asyncrl.system", "asyncrl.supervisor", "asyncrl.monitor"],
-    4: ["asyncrl.driver", "asyncrl.serve_app", "asyncrl.cli", "asyncrl.bench", "asyncrl.offline"],
+    0: ["asyncrl.config", "asyncrl.config_help", "asyncrl.schema", "asyncrl.algo", "asyncrl.staleness"],
+    1: ["asyncrl.mailbox", "asyncrl.ray_mailbox", "asyncrl.engines", "asyncrl.models", "asyncrl.ledger", "asyncrl.weight_sync",
+        "asyncrl.transport", "asyncrl.checkpoint", "asyncrl.tasks", "asyncrl.rewards", "asyncrl.assembly",
+        "asyncrl.learning", "asyncrl.generation", "asyncrl.metrics", "asyncrl.plots", "asyncrl.openai_api",
+        "asyncrl.store", "asyncrl.sharding", "asyncrl.retirement", "asyncrl.environments"],
+    2: ["actors", "asyncrl.pre_ppo", "asyncrl.evaluation"],
+    3: ["asyncrl.run"],
+    4: ["asyncrl.driver", "asyncrl.serve", "asyncrl.cli", "asyncrl.bench", "asyncrl.offline"],
 }
+MAX_MODULE_LINES = 450
+MAX_FUNCTION_LINES = 80
 
 
 def module_name(path: Path) -> str:
@@ -37,32 +44,33 @@ def layer_of(module: str) -> int:
 
 
 def imports(path: Path, top_level_only: bool) -> set[str]:
-    """asyncrl modules imported by a file (every import, or only those run at import time)."""
+    """Project modules imported by a file (every import, or only those run at import time)."""
     tree = ast.parse(path.read_text(), str(path))
     nodes = tree.body if top_level_only else list(ast.walk(tree))
     found = set()
     for node in nodes:
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("asyncrl"):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in PACKAGES:
             found.add(node.module)
             for alias in node.names:  # `from asyncrl import checkpoint` imports a module
-                if (PACKAGE / node.module.removeprefix("asyncrl").strip(".").replace(".", os.sep) / f"{alias.name}.py").exists():
+                base = ROOT / node.module.replace(".", os.sep)
+                if (base / f"{alias.name}.py").exists() or (base / alias.name / "__init__.py").exists():
                     found.add(f"{node.module}.{alias.name}")
         elif isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.startswith("asyncrl")}
+            found |= {a.name for a in node.names if a.name.split(".")[0] in PACKAGES}
     return found
 
 
 def all_modules() -> dict[str, Path]:
-    return {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    return {module_name(p): p for package in PACKAGES for p in (ROOT / package).rglob("*.py")}
 
 
 def test_lower_layers_never_import_higher_ones():
     violations = []
     for module, path in all_modules().items():
-        if module == "asyncrl":
+        if module in PACKAGES:
             continue
         for target in imports(path, top_level_only=False):
-            if target != "asyncrl" and layer_of(target) > layer_of(module):
+            if target not in PACKAGES and layer_of(target) > layer_of(module):
                 violations.append(f"{module} (layer {layer_of(module)}) imports {target} (layer {layer_of(target)})")
     assert not violations, "\n".join(violations)
 
@@ -86,14 +94,61 @@ def test_no_import_cycles():
             visit(module, [])
 
 
-def test_roles_live_in_one_package_and_no_generic_top_level_package_is_installed():
-    assert not (ROOT / "actors").exists()
-    roles = {p.stem for p in (PACKAGE / "roles").glob("*.py")}
-    assert {"generator", "assembler", "prompt_source", "policy_learner", "value_learner"} <= roles
-    pyproject = (ROOT / "pyproject.toml").read_text()
-    assert 'include = ["asyncrl*"]' in pyproject
+def test_the_roles_live_in_actors_and_never_import_each_other():
+    import actors  # installed beside asyncrl
+
+    roles = {p.stem for p in (ROOT / "actors").glob("*.py")}
+    assert {"generator", "assembler", "prompt_source", "policy_learner", "value_learner", "recorder",
+            "reward_endpoint"} <= roles and actors.__doc__
+    assert not (ROOT / "asyncrl" / "roles").exists()
+    for module, path in all_modules().items():
+        if module.startswith("actors.") and module != "actors.base":
+            sideways = {t for t in imports(path, top_level_only=False) if t.startswith("actors") and t != "actors.base"}
+            assert not sideways, f"{module} imports {sideways}: roles reach each other through the run's wiring"
+    assert 'include = ["asyncrl*", "actors*"]' in (ROOT / "pyproject.toml").read_text()
 
 
-def test_one_mapping_from_estimator_name_to_strategy():
-    assert set(ESTIMATORS) == set(ESTIMATOR_NAMES)
-    assert [name for name, kind in ESTIMATORS.items() if kind.needs_value_learner] == ["gae"]
+def test_one_mapping_from_estimator_name_to_a_pure_function():
+    assert set(ADVANTAGES) >= {"grpo", "drgrpo", "pairwise", "gae"}
+    assert {advantage.kind for advantage in ADVANTAGES.values()} <= set(STRATEGIES)
+    assert [name for name, a in ADVANTAGES.items() if STRATEGIES[a.kind].needs_value_learner] == ["gae"]
+
+
+def test_modules_and_functions_stay_readable():
+    too_long = []
+    for module, path in all_modules().items():
+        source = path.read_text()
+        if len(source.splitlines()) > MAX_MODULE_LINES:
+            too_long.append(f"{module}: {len(source.splitlines())} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    too_long.append(f"{module}.{node.name}: {length} lines")
+    assert not too_long, "\n".join(too_long)
+
+
+def test_every_config_field_has_a_docstring():
+    """A field is followed by a string (its docstring) in its dataclass's source."""
+    missing, seen = [], set()
+
+    def visit(kind) -> None:
+        if kind in seen:
+            return
+        seen.add(kind)
+        source = Path(__import__(kind.__module__, fromlist=["x"]).__file__).read_text()
+        cls = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef) and n.name == kind.__name__)
+        body = cls.body
+        for i, node in enumerate(body):
+            if isinstance(node, ast.AnnAssign):
+                nxt = body[i + 1] if i + 1 < len(body) else None
+                if not (isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+                    missing.append(f"{kind.__name__}.{node.target.id}")
+        for field in dataclasses.fields(kind):
+            hint = typing.get_type_hints(kind)[field.name]
+            for candidate in (hint, *typing.get_args(hint)):
+                if dataclasses.is_dataclass(candidate):
+                    visit(candidate)
+
+    visit(Config)
+    assert not missing, "fields without a docstring: " + ", ".join(missing)

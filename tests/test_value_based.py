@@ -1,5 +1,5 @@
 """Value-based pieces end to end below the actors: rows with (E)GAE, whitening, the value model and
-its training step, and the gradient invariants of T-PPO (ALGORITHMS.md §6.5)."""
+its training step, and the gradient invariants of T-PPO (docs/algorithms.md §6.5)."""
 
 import dataclasses
 
@@ -8,15 +8,17 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
-from asyncrl.assembly import Outcome, ValueAdvantageSettings, value_rows, whiten_rows
+from asyncrl.assembly.rows import Outcome, ValueAdvantageSettings, value_rows, whiten_rows
 from asyncrl.schema import segment_row
-from asyncrl.learning import PolicyLossSettings, ValueLossSettings, collate, policy_step, predict_values, value_step
+from asyncrl.learning.policy import PolicyLossSettings, policy_step
+from asyncrl.learning.rows import collate
+from asyncrl.learning.value import ValueLossSettings, predict_values, value_step
 from asyncrl.config import ModelConfig
 from asyncrl.models import build_tiny_model, value_model_from_policy, value_model_from_reward_model
 from asyncrl.schema import FinishReason, ScoredTrajectory, Segment, TrainSample, float32_array, int32_array
 
 SETTINGS = ValueAdvantageSettings(gamma=1.0, lam=1.0, length_adaptive_alpha=0.0, lambda_floor=False,
-                                  edge_mask_tokens=0, window_training=True, window_tokens=4, max_staleness_versions=4)
+                                  edge_mask_tokens=0, window_training=True, window_tokens=4)
 
 
 def segment(new, prior=(), finished=True, prompt=(5, 6, 7), turn=None, pid="p", idx=0, version=0):
@@ -200,7 +202,7 @@ def test_value_model_from_a_process_reward_model_checkpoint(tmp_path):
 
 
 def test_a_value_batch_closes_after_its_nth_finished_row():
-    from asyncrl.assembly import cut_row_batch
+    from asyncrl.assembly.rows import cut_row_batch
 
     def row(finished):
         return TrainSample(segment=segment([8], finished=finished), score=0.0, advantages=float32_array([0.0]))
@@ -208,3 +210,40 @@ def test_a_value_batch_closes_after_its_nth_finished_row():
     rows = [row(False), row(True), row(False), row(False), row(True), row(False)]
     assert cut_row_batch(rows, 2) == 5  # the windows that arrived before the 2nd finished row come along
     assert cut_row_batch(rows, 3) is None
+
+
+def golden_value_trajectories():
+    rng = np.random.default_rng(7)
+    out = []
+    for i in range(6):
+        n = int(rng.integers(3, 9))
+        seg = Segment(prompt_id=f"p{i}", sample_idx=0, turn=0, group_id=f"p{i}", prompt_token_ids=int32_array(rng.integers(3, 30, 4)),
+                      prior_response_ids=int32_array([]), prior_versions=int32_array([]),
+                      new_token_ids=int32_array(rng.integers(3, 30, n)), new_logprobs=float32_array([-1.0] * n),
+                      new_versions=int32_array([0] * n), finished=True, finish_reason=FinishReason.EOS)
+        values = float32_array(rng.normal(0.3, 0.2, n)) if i % 2 else None
+        dense = float32_array(rng.normal(0, 0.05, n)) if i % 3 == 0 else None
+        out.append(ScoredTrajectory(segment=seg, score=float(i % 2), token_rewards=dense, values=values))
+    return out
+
+
+@pytest.mark.parametrize("lam,loss,grad_norm,clip,bias", [
+    # Recorded with the value step as it was before its extra forward pass was removed (which
+    # recomputed the pre-step values of the whole batch in a separate no-grad pass).
+    (1.0, 0.1855793586548637, 5.900639057159424, 0.26470588848871346, 0.08989445865154266),
+    (0.9, 0.1258620492675725, 4.7723307609558105, 0.2058823625831043, 0.09104929864406586),
+])
+def test_the_value_step_without_its_extra_forward_pass_reproduces_the_golden_batch(lam, loss, grad_norm, clip, bias):
+    torch.manual_seed(0)
+    model = value_model_from_policy(build_tiny_model(ModelConfig(source="tiny", seed=3), 30))
+    with torch.no_grad():
+        model.head.bias.fill_(0.1)
+        model.head.weight.normal_(0, 0.05)
+    settings = ValueLossSettings(gamma=1.0, lam=lam, clip_low=0.2, clip_high=0.3, grad_clip=1e9, micro_batch_tokens=24)
+    metrics = value_step(model, torch.optim.SGD(model.parameters(), lr=0.1), golden_value_trajectories(), settings)
+    assert metrics["value_loss"] == pytest.approx(loss, rel=1e-6)
+    assert metrics["value_grad_norm"] == pytest.approx(grad_norm, rel=1e-6)
+    assert metrics["value_clip_fraction"] == pytest.approx(clip, rel=1e-6)
+    assert model.head.bias.item() == pytest.approx(bias, rel=1e-6)
+    # Explained variance on the critic as it is now, and on the values the rows were valued with.
+    assert metrics["value_explained_variance"] != metrics["value_explained_variance_recorded"]

@@ -14,9 +14,9 @@ import ray
 import torch
 import torch.multiprocessing as mp
 
+from asyncrl.transport import choose_paths
 from asyncrl.weight_sync import (SHARED_PREFIX, Delivery, SharedSlots, SharedVersion, WeightGroup, WeightTransferError,
-                                 choose_paths, free_port, plan_buckets, remove_orphaned_slots, shared_directory,
-                                 shared_views)
+                                 free_port, plan_buckets, remove_orphaned_slots, shared_directory, shared_views)
 
 
 def _weights(seed):
@@ -104,8 +104,8 @@ class _Holder:
 
     def adopt(self, delivery: Delivery, shared: SharedVersion) -> dict:
         views = shared_views(shared)
-        self.engine.adopt_weights(views, delivery.version, keepalive=views)
-        return {"version": self.engine.version, **self.sums()}
+        self.engine.adopt_weights(views, delivery.weight_version, keepalive=views)
+        return {"version": self.engine.weight_version, **self.sums()}
 
     def sums(self) -> dict:
         params = dict(self.engine.model.named_parameters())

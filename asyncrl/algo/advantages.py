@@ -1,9 +1,18 @@
-"""Advantage estimators: GRPO group normalisation and GAE (verl conventions, ALGORITHMS.md §0-2).
+"""Advantage estimators (docs/algorithms.md §0-2, §4, §6, §7) and `ADVANTAGES`, the one mapping
+from `algorithm.estimator` to the pure function that computes a sample's advantage.
 
-Shapes: `[B, T]` tensors with a 0/1 `mask` over valid response tokens.
+Three kinds, by what the function needs (the assembly strategy that feeds it follows the kind):
+* `group`: the shaped scores of one group `[G]` -> one advantage per sample `[G]`;
+* `pairwise`: a group's symmetrised judge preferences `[G, G]` (or `[G, 1]`) -> `[G]`;
+* `value`: token rewards, values, masks `[B, T]` (and `finished [B]`) -> (advantages, returns) `[B, T]`.
+
+Adding an estimator is one pure function, one entry below and one YAML file under configs/algorithm/.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -99,7 +108,7 @@ def egae(
     edge_mask_tokens: int = 0,
     next_values: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Extended GAE on a window (T-PPO, arXiv 2506.15050 §3; ALGORITHMS.md §6.3).
+    """Extended GAE on a window (T-PPO, arXiv 2506.15050 §3; docs/algorithms.md §6.3).
 
     Finished rows (`finished[b]` true) are ordinary GAE with bootstrap 0. Unfinished rows, cut at
     the window, bootstrap the missing `V(s_l)` with `V(s_{l-1})`, so the last TD error is
@@ -145,7 +154,7 @@ def length_adaptive_lambda(lengths: torch.Tensor, alpha: float = 0.05, floor: fl
 
 def tppo_lambda_lengths(generated: torch.Tensor, finished: torch.Tensor, window_tokens: int) -> torch.Tensor:
     """The length fed to length-adaptive λ in T-PPO: the generated length for finished rows, plus a
-    guess of W/2 remaining tokens for unfinished ones (ALGORITHMS.md §6.3)."""
+    guess of W/2 remaining tokens for unfinished ones (docs/algorithms.md §6.3)."""
     return generated.to(torch.float64) + (~finished.bool()).to(torch.float64) * (window_tokens / 2)
 
 
@@ -183,3 +192,30 @@ def preference_matrix(group_size: int, pairs: list[tuple[int, int | None]], p_fi
         else:
             prefs[i, j], prefs[j, i] = p, 1.0 - p
     return prefs
+
+
+def group_normalised(scores: torch.Tensor) -> torch.Tensor:
+    """GRPO: one group's `[G]` scores -> `(R_i − mean) / (std + eps)` (DeepSeekMath §4.1.2)."""
+    return grpo_advantages(scores, torch.zeros(len(scores), dtype=torch.long))
+
+
+def group_centred(scores: torch.Tensor) -> torch.Tensor:
+    """Dr.GRPO (arXiv 2503.20783): one group's `[G]` scores -> `R_i − mean`, not divided by the std."""
+    return grpo_advantages(scores, torch.zeros(len(scores), dtype=torch.long), scale_by_std=False)
+
+
+@dataclass(frozen=True)
+class Advantage:
+    """An estimator: its kind (what it is fed, see the module docstring) and its pure function."""
+
+    kind: str  # group | pairwise | value
+    fn: Callable
+
+
+# The one mapping from `algorithm.estimator` to its function.
+ADVANTAGES: dict[str, Advantage] = {
+    "grpo": Advantage("group", group_normalised),
+    "drgrpo": Advantage("group", group_centred),
+    "pairwise": Advantage("pairwise", pairwise_advantages),
+    "gae": Advantage("value", egae),
+}

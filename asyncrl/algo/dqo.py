@@ -1,4 +1,4 @@
-"""DQO, Direct Q-function Optimization (arXiv 2410.09302; ALGORITHMS.md §11): offline soft
+"""DQO, Direct Q-function Optimization (arXiv 2410.09302; docs/algorithms.md §11): offline soft
 actor-critic on the token MDP, with the Q-function parameterised through the language model.
 
 Shapes: `[B, T]` over response tokens with a `mask`; responses are finished (the state after the

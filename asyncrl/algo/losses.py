@@ -1,4 +1,4 @@
-"""Policy losses, aggregation, KL estimators (verl `core_algos.py` conventions, ALGORITHMS.md §0, §5).
+"""Policy losses, aggregation, KL estimators (verl `core_algos.py` conventions, docs/algorithms.md §0, §5).
 
 Shapes: `[B, T]` per-token tensors with a 0/1 `mask`. Losses are returned with a metrics dict of
 plain floats.

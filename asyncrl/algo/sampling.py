@@ -36,6 +36,22 @@ def _splitmix64(x: torch.Tensor) -> torch.Tensor:
     return x ^ ((x >> 31) & ((1 << 33) - 1))
 
 
+def _splitmix64_int(x: int) -> int:
+    """`_splitmix64` on one Python int (unsigned 64-bit arithmetic)."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The sampling seed of the `index`-th of several samples drawn under one `seed` (the policy
+    endpoint's `n` choices): a hash of both, in [0, 2^63). With `seed + index`, neighbouring seeds
+    shared samples (seed 43's first two choices were seed 42's last two); hashed, they do not, and
+    the same (seed, index) is the same sample every time."""
+    return _splitmix64_int(_splitmix64_int(seed & _MASK64) ^ index) >> 1
+
+
 def counter_uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Uniform(0,1) numbers `[B]` (float64) determined by `(seed[b], position[b])`."""
     bits = _splitmix64(_splitmix64(seeds.to(torch.int64) * 1_000_003 + positions.to(torch.int64)))

@@ -1,4 +1,4 @@
-"""Prompt selection and curriculum (Data-scaling RLHF, arXiv 2503.22230 §"Pre-PPO"; ALGORITHMS.md §8).
+"""Prompt selection and curriculum (Data-scaling RLHF, arXiv 2503.22230 §"Pre-PPO"; docs/algorithms.md §8).
 
 Pure functions over per-prompt scores and domains (a prompt's `data_source`).
 """

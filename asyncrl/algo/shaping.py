@@ -1,4 +1,4 @@
-"""Reward shaping and sample filters of DAPO (arXiv 2503.14476, ALGORITHMS.md §5)."""
+"""Reward shaping and sample filters of DAPO (arXiv 2503.14476, docs/algorithms.md §5)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,17 @@ def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer_tokens: int,
     return torch.clamp(penalty, min=-1.0, max=0.0) * factor
 
 
+def shaped_score(score: float, response_tokens: int, max_response_tokens: int, buffer_tokens: int,
+                 penalty_factor: float = 1.0) -> float:
+    """A response's reward as every estimator and the critic see it: the endpoint's score plus the
+    soft overlong penalty for its length (the assembler applies it once, when the reward arrives)."""
+    penalty = overlong_penalty(torch.tensor([response_tokens]), max_response_tokens, buffer_tokens, penalty_factor)
+    return float(score) + float(penalty[0])
+
+
 def kl_reward(behaviour_logp: torch.Tensor, reference_logp: torch.Tensor, coef: float,
               estimator: str = "k1") -> torch.Tensor:
-    """The PPO baseline's per-token KL penalty as a reward (ALGORITHMS.md §1; verl `compute_rewards`
+    """The PPO baseline's per-token KL penalty as a reward (docs/algorithms.md §1; verl `compute_rewards`
     with `use_kl_in_reward`): `r_t = −β·KL_t` with `KL_t` estimated from the behaviour log-prob
     `log π_old(a_t|s_t)` and the reference's (`k1`: `log π_old − log π_ref`). Added to the outcome
     and process rewards before (E)GAE, and to the return the critic learns."""

@@ -181,7 +181,7 @@ class _EngineHolder:
     def adopt(self, delivery: Delivery, shared: SharedVersion) -> float:
         start = time.perf_counter()
         views = shared_views(shared)
-        self.engine.adopt_weights(((self.names[n], v) for n, v in views), delivery.version, keepalive=views)
+        self.engine.adopt_weights(((self.names[n], v) for n, v in views), delivery.weight_version, keepalive=views)
         return time.perf_counter() - start
 
     def checksum(self) -> float:

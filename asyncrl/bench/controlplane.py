@@ -15,7 +15,6 @@ the measuring window (psutil): the busiest one is the first bottleneck.
 from __future__ import annotations
 
 import asyncio
-import statistics
 import time
 
 import numpy as np
@@ -94,8 +93,8 @@ class BookkeepingLearner:
                 await self.batches.ack([batch.batch_id])
                 self.trained += len(ids)
                 self.version += 1
-                self.prompt_source.set_policy_version.remote(self.version)
-                self.assembler.set_policy_version.remote(self.version)
+                self.prompt_source.set_versions.remote(self.version, self.version)
+                self.assembler.set_versions.remote(self.version, self.version)
                 for producer in self.producers:
                     producer.set_version.remote(self.version)
 
@@ -116,10 +115,13 @@ def one_rate(rate: float, shards: int, seconds: float, tokens: int, producers: i
     import ray
 
     from asyncrl.config import compose
-    from asyncrl.mailbox import RayMailbox, ShardedMailbox
-    from asyncrl.roles.shells import AssemblerActor, PromptSourceActor, reward_endpoint_actors
+    from asyncrl.ray_mailbox import RayMailbox, ShardedMailbox
+    from actors.assembler import AssemblerActor
+    from actors.prompt_source import PromptSourceActor
+    from actors.reward_endpoint import reward_endpoint_actors
+    from asyncrl.run.placement import spawn
+    from asyncrl.run.status import mailbox_actors
     from asyncrl.schema import PromptRequest
-    from asyncrl.system import _spawn, mailbox_actors
 
     config = compose(["model=tiny", "task=tiny", "algorithm=grpo", f"algorithm.group_size={GROUP_SIZE}",
                       f"trainer.prompts_per_step={PROMPTS_PER_STEP}", "algorithm.max_staleness_versions=8"])
@@ -128,16 +130,18 @@ def one_rate(rate: float, shards: int, seconds: float, tokens: int, producers: i
                 else RayMailbox.create(Segment, capacity=2048, lease_s=600))
     batches = RayMailbox.create(TrainBatch, capacity=4, lease_s=600)
     endpoints = reward_endpoint_actors(config.reward, config.model, config.task.reward)
-    prompt_source = _spawn(PromptSourceActor, config.model, config.task, config.algorithm, config.trainer, prompts)
-    assembler = _spawn(AssemblerActor, config.model, config.algorithm, config.engine, config.reward,
-                       PROMPTS_PER_STEP, segments, batches, endpoints, prompt_source)
+    prompt_source = spawn(PromptSourceActor, model=config.model, task=config.task, algorithm=config.algorithm,
+                          prompts_per_step=PROMPTS_PER_STEP, seed=config.trainer.seed, prompts=prompts)
+    assembler = spawn(AssemblerActor, model=config.model, algorithm=config.algorithm, engine=config.engine,
+                      reward=config.reward, prompts_per_step=PROMPTS_PER_STEP, segments=segments, batches=batches,
+                      endpoints=endpoints, ledger=prompt_source)
     makers = [ray.remote(SyntheticProducer).options(num_cpus=0).remote(prompts, segments, rate / producers, tokens, i)
               for i in range(producers)]
     learner = ray.remote(BookkeepingLearner).options(num_cpus=0).remote(batches, prompt_source, assembler, makers)
     actors = {"prompt_source": prompt_source, "assembler": assembler, "learner_bookkeeping": learner,
               **{f"reward-{n}": a for n, a in endpoints.items()},
               **{f"producer-{i}": p for i, p in enumerate(makers)},
-              **{f"mailbox-prompts": prompts.actor, "mailbox-batches": batches.actor},
+              **{"mailbox-prompts": prompts.actor, "mailbox-batches": batches.actor},
               **{f"mailbox-segments-{i}": a for i, a in enumerate(mailbox_actors(segments))}}
     loops = [a.run.remote() for a in (assembler, learner, prompt_source, *makers)]
     processes = {name: psutil.Process(ray.get(a.pid.remote())) for name, a in actors.items()}
@@ -175,7 +179,7 @@ def one_rate(rate: float, shards: int, seconds: float, tokens: int, producers: i
 
 def run(quick: bool = False, overrides: list[str] | None = None) -> dict:
     from asyncrl.config import compose
-    from asyncrl.system import init_ray
+    from asyncrl.run.placement import init_ray
 
     init_ray(compose(["model=tiny"]))
     rates = [500, 2000] if quick else [250, 500, 1000, 2000, 4000]

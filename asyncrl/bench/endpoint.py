@@ -59,9 +59,10 @@ def run(quick: bool, overrides: list[str]) -> dict:
     import ray
     from ray import serve
 
-    from asyncrl.system import init_ray
     from asyncrl.config import compose
-    from asyncrl.serve_app import build_policy, build_train
+    from asyncrl.run.placement import init_ray
+    from asyncrl.serve.policy import build_policy
+    from asyncrl.serve.train import build_train
     from asyncrl.weight_sync import free_port
 
     overrides = ["model=tiny", "task=tiny", "algorithm=grpo", "trainer.wandb_mode=disabled",

@@ -16,8 +16,8 @@ import torch
 
 from asyncrl.config import compose
 from asyncrl.models import load_model, load_tokenizer
-from asyncrl.roles.policy_rank import PolicyRank
-from asyncrl.roles.shells import policy_loss_settings
+from asyncrl.learning.policy import loss_settings
+from asyncrl.learning.rank import PolicyRank
 from asyncrl.schema import FinishReason, Segment, TrainSample, float32_array, int32_array
 
 
@@ -39,7 +39,7 @@ def synthetic_batch(rows: int, prompt: int, response: int, vocab: int, seed: int
 
 def run(quick: bool = False, overrides: list[str] | None = None) -> dict:
     config = compose((["model=tiny", "task=tiny"] if quick else []) + list(overrides or []))
-    torch.set_num_threads(config.trainer.learner_threads)
+    torch.set_num_threads(config.policy.threads)
     rows, prompt, response = (8, 16, 16) if quick else (16, 64, 192)
     rounds = 2 if quick else 3
     variants = [("cpu", "fp32"), ("cpu", "bf16")]
@@ -50,10 +50,8 @@ def run(quick: bool = False, overrides: list[str] | None = None) -> dict:
     for device, precision in variants:
         torch.manual_seed(0)
         lm = load_model(config.model, tokenizer).to(device)
-        settings = dataclasses.replace(
-            policy_loss_settings(config.algorithm, config.trainer, config.engine), precision=precision)
-        a = config.algorithm
-        ranks[(device, precision)] = PolicyRank(lm, settings, a.lr, a.weight_decay)
+        settings = dataclasses.replace(loss_settings(config.algorithm, config.policy, config.engine), precision=precision)
+        ranks[(device, precision)] = PolicyRank(lm, settings, config.policy.lr, config.policy.weight_decay)
         batch = batch or synthetic_batch(rows, prompt, response, lm.config.vocab_size)
     seconds: dict[tuple, list[float]] = {v: [] for v in variants}
     for round_ in range(rounds + 1):  # round 0 warms up (allocator, kernels)
@@ -72,7 +70,7 @@ def run(quick: bool = False, overrides: list[str] | None = None) -> dict:
         "seconds_per_step_median": statistics.median(s), "trained_tokens_per_s": tokens / statistics.median(s),
         "speedup_over_cpu_fp32": base / statistics.median(s), "rows": rows, "prompt_tokens": prompt,
         "response_tokens": response, "rounds": rounds, "policy_updates": metrics["policy_updates"],
-        "threads": config.trainer.learner_threads, "model": config.model.source,
+        "threads": config.policy.threads, "model": config.model.source,
     } for (device, precision), s in seconds.items()}
 
 

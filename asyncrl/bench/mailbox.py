@@ -11,7 +11,8 @@ import statistics
 import time
 
 from asyncrl.bench.common import make_segment
-from asyncrl.mailbox import InProcessMailbox, RayMailbox
+from asyncrl.mailbox import InProcessMailbox
+from asyncrl.ray_mailbox import RayMailbox
 from asyncrl.schema import Segment
 
 BATCH = 32  # segments per put/get call, as the generator and assembler batch them
@@ -102,7 +103,7 @@ def run(quick: bool = False, sizes: dict[int, int] | None = None, rounds: int | 
     import ray
 
     from asyncrl.config import compose
-    from asyncrl.system import init_ray
+    from asyncrl.run.placement import init_ray
 
     init_ray(compose(["model=tiny"]))
     rounds = rounds or (2 if quick else 7)

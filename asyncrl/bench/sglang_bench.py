@@ -137,7 +137,7 @@ def update_speed(config: Config, rounds: int, memcpy_seconds) -> dict:
             times = []
             for _ in range(rounds):
                 weights[probe].add_(1.0)  # every version differs: read back below
-                version = sglang.engine.version + 1
+                version = sglang.engine.weight_version + 1
                 start = time.perf_counter()
                 if path == "sglang_shm":
                     sglang.engine.adopt_shared(slots.write(weights.items()), version)

@@ -26,7 +26,7 @@ BENCH_PYTHON = ROOT / ".venv-bench" / "bin" / "python"
 WORKLOADS = {
     # The tiny random model on the successor-digit task: G=32, 2 prompts per step, lr 3e-3 (as in
     # docs/benchmarks.md; the task itself now defaults to 2e-3).
-    "tiny": ["model=tiny", "task=tiny", "algorithm=grpo", "algorithm.lr=3e-3"],
+    "tiny": ["model=tiny", "task=tiny", "algorithm=grpo", "policy.lr=3e-3"],
     # The embedded SmolLM2-135M-Instruct on arithmetic word problems: G=4, 4 prompts, 64 tokens.
     "embedded": ["algorithm=grpo", "engine.temperature=1.0"],
 }
@@ -92,7 +92,7 @@ def run(quick: bool = False, overrides: list[str] | None = None) -> dict:
         out[name] = {
             "overrides": workload, "rounds": rounds, "steps": steps, "trl_version": runs["trl"][0].get("trl_version"),
             "group_size": config.algorithm.group_size, "samples_per_step": config.algorithm.group_size * config.trainer.prompts_per_step,
-            "max_response_tokens": config.engine.max_response_tokens, "lr": config.algorithm.lr,
+            "max_response_tokens": config.engine.max_response_tokens, "lr": config.policy.lr,
             **summarize(runs), "runs": runs,
         }
     return out

@@ -24,6 +24,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
     first_token_temperature: float | None = None
     first_token_top_k: int = 20
     greedy: bool = False
+    # Report the this-many most likely tokens at each position with their log-probs under the
+    # distribution sampled from (OpenAI's top_logprobs); 0 = none. Reporting only: same samples.
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         if self.temperature <= 0:
@@ -32,6 +35,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.top_logprobs < 0:
+            raise ValueError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
 
 
 class SequenceInput(msgspec.Struct, kw_only=True, frozen=True):
@@ -60,10 +65,30 @@ class WindowOutput(msgspec.Struct, kw_only=True, frozen=True):
     # int32 [N]: the weight version of each token, when the engine reports it (SGLang's spans);
     # None: every token is of the engine's version at the window's start (updates land between windows).
     versions: np.ndarray | None = None
+    # uint8 [N]: 0 where the token was drawn from a distribution other than the policy's at the run's
+    # sampling settings (FIRE's hot first token; EOS held back below a minimum length): the learner
+    # does not score those (`Segment.new_scored`). None: every token was.
+    scored: np.ndarray | None = None
+    # With `SamplingParams.top_logprobs` = k: int32 [N, k] the k most likely tokens at each position,
+    # most likely first, and float32 [N, k] their log-probs under the distribution sampled from (-inf:
+    # a token top-p/top-k leaves out, which cannot be drawn). None when not asked for.
+    top_ids: np.ndarray | None = None
+    top_logprobs: np.ndarray | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not FinishReason.WINDOW
+
+
+def scored_positions(prior: torch.Tensor, min_tokens: torch.Tensor, window_tokens: int, fire: bool) -> torch.Tensor | None:
+    """uint8 `[B, window]`: 0 at the positions whose distribution was not the policy's at the run's
+    settings: FIRE's first response token, and positions where EOS was held back (below a row's
+    minimum length). None when every position was. Both engines mark them so (`WindowOutput.scored`)."""
+    positions = prior[:, None] + torch.arange(window_tokens)[None, :]
+    unscored = positions < min_tokens[:, None]
+    if fire:
+        unscored |= positions == 0
+    return None if not bool(unscored.any()) else (~unscored).to(torch.uint8)
 
 
 class Engine(Protocol):
@@ -74,8 +99,8 @@ class Engine(Protocol):
     comes back in `WindowOutput.versions` (SGLang). False: updates land between windows."""
 
     @property
-    def version(self) -> int:
-        """Weight version currently loaded."""
+    def weight_version(self) -> int:
+        """The weight version loaded."""
 
     async def generate_window(
         self, sequences: list[SequenceInput], window_tokens: int, params: SamplingParams
@@ -83,8 +108,9 @@ class Engine(Protocol):
 
     def stream_window(self, sequences: list[SequenceInput], window_tokens: int, params: SamplingParams):
         """As `generate_window`, as an async iterator over decode steps: each a list of
-        `(row, token_id, logprob, finish_reason or None)` (the policy endpoint streams tokens as they
-        are produced). Closing it early stops the decoding."""
+        `(row, token_id, logprob, finish_reason or None, top)` where top is None or, with
+        `params.top_logprobs`, `(ids, logprobs)` of that position's most likely tokens (the policy
+        endpoint streams tokens as they are produced). Closing it early stops the decoding."""
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load new weights (all or some parameters) and set the version."""

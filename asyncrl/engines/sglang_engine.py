@@ -18,6 +18,12 @@ generator's event loop, its scheduler and detokenizer in subprocesses. Built by
   under older ones. Pausing in place would keep the old KV of running requests, and a retract
   re-reads the radix cache's old prefix (both measured: docs/gpu.md).
 * Each token's version is the one SGLang's weight-version spans give it.
+* `WindowOutput.scored` marks FIRE's first token and the positions where EOS was held back below a
+  minimum length, as the embedded engine does (`engines.base.scored_positions`): their log-probs are
+  exact, but of a distribution other than the policy's at the run's settings, and the learner
+  leaves them out.
+* Top log-probs (`SamplingParams.top_logprobs`) are SGLang's `top_logprobs_num`, from the same
+  distribution as the sampled token's (after the cut: -inf for a token it leaves out).
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from asyncrl.engines.base import SamplingParams, SequenceInput, WindowOutput
+from asyncrl.engines.base import SamplingParams, SequenceInput, WindowOutput, scored_positions
 from asyncrl.schema import FinishReason
 from asyncrl.weight_sync import SharedVersion
 
@@ -46,19 +52,34 @@ class _Tokens:
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    top: list[list[tuple[float, int]]] = field(default_factory=list)  # per token, with top log-probs asked for
 
-    def take(self, out: dict) -> str:
+    def take(self, out: dict, top_n: int) -> str:
         """Append a request's output; returns SGLang's finish type (stop, length, abort)."""
         meta, new = out["meta_info"], list(out["output_ids"])
         logprobs = [float(entry[0]) for entry in meta["output_token_logprobs"]]
         versions = [int(span["version"]) for span in meta["weight_versions"] for _ in range(span["start"], span["end"])]
-        if not len(logprobs) == len(versions) == len(new):
-            raise RuntimeError(f"SGLang returned {len(new)} tokens, {len(logprobs)} log-probs and "
-                               f"{len(versions)} versions for request {meta['id']}")
+        top = [[(float(e[0]), int(e[1])) for e in entries] for entries in meta.get("output_top_logprobs") or []]
+        if not len(logprobs) == len(versions) == len(new) or top_n and len(top) != len(new):
+            raise RuntimeError(f"SGLang returned {len(new)} tokens, {len(logprobs)} log-probs, {len(top)} top "
+                               f"log-probs and {len(versions)} versions for request {meta['id']}")
         self.ids += new
         self.logprobs += logprobs
         self.versions += versions
+        self.top += top
         return meta["finish_reason"]["type"]
+
+    def top_arrays(self, top_n: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """`WindowOutput.top_ids` / `top_logprobs`: [N, top_n], most likely first."""
+        if not top_n:
+            return None, None
+        ids = np.zeros((len(self.ids), top_n), dtype=np.int32)
+        logprobs = np.full((len(self.ids), top_n), -np.inf, dtype=np.float32)
+        for row, entries in enumerate(self.top):
+            entries = sorted(entries, key=lambda e: -e[0])[:top_n]
+            ids[row, :len(entries)] = [e[1] for e in entries]
+            logprobs[row, :len(entries)] = [e[0] for e in entries]
+        return ids, logprobs
 
 
 class SGLangEngine:
@@ -100,7 +121,7 @@ class SGLangEngine:
         self.counters = {"requests": 0, "cached_tokens": 0, "continued": 0, "continued_cached_tokens": 0}
 
     @property
-    def version(self) -> int:
+    def weight_version(self) -> int:
         return self._version
 
     def _bind(self) -> None:
@@ -128,25 +149,31 @@ class SGLangEngine:
         finish = None
         # Greedy: SGLang's temperature 0 (argmax; the log-prob is that of softmax(logits)).
         regular = (0.0, 0, 1.0) if params.greedy else (params.temperature, params.top_k, params.top_p)
-        if params.first_token_temperature is not None and prior == 0 and not params.greedy:
+        fire = params.first_token_temperature is not None and not params.greedy
+        if fire and prior == 0:
             # FIRE: the first response token alone, at the hot temperature under its top-k guard.
             finish = await self._request(context, out, 1, min_new, seq.seed,
-                                         (params.first_token_temperature, params.first_token_top_k, 1.0))
+                                         (params.first_token_temperature, params.first_token_top_k, 1.0),
+                                         params.top_logprobs)
         if finish is None and len(out.ids) < budget:
             finish = await self._request(context, out, budget - len(out.ids), max(0, min_new - len(out.ids)),
-                                         seq.seed, regular)
+                                         seq.seed, regular, params.top_logprobs)
         if finish == "stop":
             reason = FinishReason.EOS
         elif prior + len(out.ids) >= seq.max_response_tokens:
             reason = FinishReason.MAX_LENGTH
         else:
             reason = FinishReason.WINDOW
+        scored = scored_positions(torch.tensor([prior]), torch.tensor([seq.min_response_tokens]), len(out.ids), fire)
+        top_ids, top_logprobs = out.top_arrays(params.top_logprobs)
         return WindowOutput(token_ids=np.asarray(out.ids, dtype=np.int32),
                             logprobs=np.asarray(out.logprobs, dtype=np.float32), finish_reason=reason,
-                            versions=np.asarray(out.versions, dtype=np.int32))
+                            versions=np.asarray(out.versions, dtype=np.int32),
+                            scored=None if scored is None else scored[0].numpy().copy(),
+                            top_ids=top_ids, top_logprobs=top_logprobs)
 
     async def _request(self, context: list[int], out: _Tokens, max_new: int, min_new: int, seed: int,
-                       setting: tuple[float, int, float]) -> str | None:
+                       setting: tuple[float, int, float], top_n: int = 0) -> str | None:
         """Up to `max_new` tokens after `context + out.ids`, appended to `out`. A request cut by a
         weight update continues from its last token under the new weights. Returns "stop" (EOS) or
         None (the budget used)."""
@@ -155,10 +182,10 @@ class SGLangEngine:
         while True:
             done = len(out.ids) - start
             rid, result = await self._submit(context + out.ids, self._sampling(max_new - done, max(0, min_new - done),
-                                                                              seed, setting))
+                                                                              seed, setting), top_n)
             # A request aborted before the scheduler took it has no `cached_tokens`: nothing was read.
             self._count(result["meta_info"].get("cached_tokens", 0), continued)
-            kind = out.take(result)
+            kind = out.take(result, top_n)
             cut = rid in self._cut
             self._cut.discard(rid)
             if kind == "abort":
@@ -189,7 +216,7 @@ class SGLangEngine:
             sampling["custom_params"] = truncation(temperature, top_k, top_p)
         return sampling
 
-    async def _submit(self, input_ids: list[int], sampling: dict) -> tuple[str, dict]:
+    async def _submit(self, input_ids: list[int], sampling: dict, top_n: int = 0) -> tuple[str, dict]:
         await self._open.wait()
         rid = uuid.uuid4().hex
         self._inflight.add(rid)
@@ -197,6 +224,7 @@ class SGLangEngine:
         try:
             return rid, await self.engine.async_generate(
                 input_ids=input_ids, sampling_params=sampling, return_logprob=True, logprob_start_len=-1, rid=rid,
+                top_logprobs_num=top_n,
                 cache_salt=f"asyncrl-v{self._version}",
                 custom_logit_processor=self.truncation if "custom_params" in sampling else None)
         finally:
@@ -205,7 +233,8 @@ class SGLangEngine:
                 self._idle.set()
 
     def stream_window(self, sequences, window_tokens, params):
-        raise NotImplementedError("the policy endpoint streams from the embedded engine; SGLang serves generators")
+        raise NotImplementedError("SGLangEngine does not stream windows: the policy endpoint (serve) answers from the "
+                                  "embedded engine; SGLang serves the generators (generate_window)")
 
     # --- weights ----------------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from asyncrl.algo.sampling import greedy_from_logprobs, sample_from_logprobs, step_logprobs
-from asyncrl.engines.base import SamplingParams, SequenceInput, WindowOutput
+from asyncrl.engines.base import SamplingParams, SequenceInput, WindowOutput, scored_positions
 from asyncrl.schema import FinishReason
 from asyncrl.weight_sync import SharedVersion, shared_views
 
@@ -40,7 +40,7 @@ class TorchEngine:
         self._lock = threading.Lock()
 
     @property
-    def version(self) -> int:
+    def weight_version(self) -> int:
         return self._version
 
     async def generate_window(
@@ -50,7 +50,8 @@ class TorchEngine:
 
     async def stream_window(self, sequences: list[SequenceInput], window_tokens: int, params: SamplingParams):
         """`generate_window` that yields each decode step as it is sampled: a list of
-        `(row, token_id, logprob, finish_reason or None)` for the rows that produced a token. Closing
+        `(row, token_id, logprob, finish_reason or None, top)` for the rows that produced a token
+        (top: None, or `(ids, logprobs)` of the `params.top_logprobs` most likely tokens). Closing
         the iterator early (a client gone, every stop string found) ends the decode loop."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -165,6 +166,9 @@ class TorchEngine:
 
         tokens = torch.zeros((batch, window_tokens), dtype=torch.long, device=dev)
         logprobs = torch.zeros((batch, window_tokens), dtype=torch.float32, device=dev)
+        top_n = min(params.top_logprobs, logits.shape[-1])
+        top_ids = torch.zeros((batch, window_tokens, top_n), dtype=torch.long, device=dev)
+        top_logprobs = torch.zeros((batch, window_tokens, top_n), dtype=torch.float32, device=dev)
         produced = torch.zeros(batch, dtype=torch.long, device=dev)
         reason = torch.full((batch,), -1, dtype=torch.long, device=dev)  # -1 running, 0 eos, 1 max length
         for step in range(window_tokens):
@@ -185,6 +189,10 @@ class TorchEngine:
                 tok, tok_lp = greedy_from_logprobs(dist)
             else:
                 tok, tok_lp = sample_from_logprobs(dist, seeds, prior + step)
+            top = None
+            if top_n:  # from `dist`, the distribution sampled from (a row's later positions are cut off below)
+                top = torch.topk(dist, top_n, dim=-1)
+                top_logprobs[:, step], top_ids[:, step] = top.values, top.indices
             tokens[:, step] = torch.where(running, tok, tokens[:, step])
             logprobs[:, step] = torch.where(running, tok_lp, logprobs[:, step])
             produced += running.long()
@@ -195,7 +203,7 @@ class TorchEngine:
             reason = torch.where(hit_eos, 0, reason)
             reason = torch.where(out_of_length, 1, reason)
             last = step == window_tokens - 1 or bool((reason >= 0).all()) or bool((produced >= budget).all())
-            if on_step is not None and not on_step(_step_items(tok, tok_lp, running, reason, produced >= budget)):
+            if on_step is not None and not on_step(_step_items(tok, tok_lp, running, reason, produced >= budget, top)):
                 break  # the consumer of a stream is gone
             if last:
                 break
@@ -212,6 +220,8 @@ class TorchEngine:
 
         results = []
         tokens, logprobs, produced, reason = tokens.cpu(), logprobs.cpu(), produced.cpu(), reason.cpu()
+        scored = scored_positions(prior.cpu(), min_tokens.cpu(), window_tokens, params.first_token_temperature is not None)
+        top_ids, top_logprobs = top_ids.cpu(), top_logprobs.cpu()
         for row in range(batch):
             n = int(produced[row])
             finish = _FINISH[int(reason[row])]
@@ -220,6 +230,9 @@ class TorchEngine:
                     token_ids=tokens[row, :n].to(torch.int32).numpy().copy(),
                     logprobs=logprobs[row, :n].numpy().copy(),
                     finish_reason=finish,
+                    scored=None if scored is None else scored[row, :n].numpy().copy(),
+                    top_ids=top_ids[row, :n].to(torch.int32).numpy().copy() if top_n else None,
+                    top_logprobs=top_logprobs[row, :n].numpy().copy() if top_n else None,
                 )
             )
         return results
@@ -229,10 +242,13 @@ _FINISH = {0: FinishReason.EOS, 1: FinishReason.MAX_LENGTH, -1: FinishReason.WIN
 
 
 def _step_items(tok: torch.Tensor, tok_lp: torch.Tensor, running: torch.Tensor, reason: torch.Tensor,
-                window_full: torch.Tensor) -> list[tuple[int, int, float, FinishReason | None]]:
-    """One decode step as a stream sees it: each row that produced a token, and how it ended if
-    it did (WINDOW when its window is full but the response goes on)."""
+                window_full: torch.Tensor, top=None) -> list[tuple]:
+    """One decode step as a stream sees it: each row that produced a token, how it ended if it did
+    (WINDOW when its window is full but the response goes on), and its most likely tokens (`top`,
+    a `torch.topk` result, or None)."""
     tokens, logprobs, codes, full = tok.tolist(), tok_lp.tolist(), reason.tolist(), window_full.tolist()
+    top_ids, top_lps = (top.indices.tolist(), top.values.tolist()) if top is not None else (None, None)
     return [(row, tokens[row], logprobs[row],
-             _FINISH[codes[row]] if codes[row] >= 0 else FinishReason.WINDOW if full[row] else None)
+             _FINISH[codes[row]] if codes[row] >= 0 else FinishReason.WINDOW if full[row] else None,
+             (top_ids[row], top_lps[row]) if top is not None else None)
             for row in running.nonzero().flatten().tolist()]

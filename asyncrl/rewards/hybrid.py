@@ -220,3 +220,21 @@ class RewardRouter:
         pct = (lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] if lat else 0.0)
         return {**self.counters, "latency_p50_s": pct(0.5), "latency_p99_s": pct(0.99),
                 "endpoints": {name: {**seen, "versions": dict(seen["versions"])} for name, seen in self.endpoints.items()}}
+
+
+def build_reward_router(reward, endpoints: dict[str, Any], routes: list[RouteConfig] | None = None) -> RewardRouter:
+    """A router over the run's reward endpoints (`reward`: the RewardConfig section): the actors of
+    `endpoints`, or the Serve applications `reward-<name>` when `reward.use_serve`. `routes`
+    default to the config's."""
+    if reward.use_serve:
+        serve_endpoints = ServeRewardEndpoints()
+        call, compare = serve_endpoints.score, serve_endpoints.compare
+    else:
+        async def call(name, requests):
+            return await endpoints[name].score.remote(requests)
+
+        async def compare(name, pairs):
+            return await endpoints[name].compare.remote(pairs)
+
+    return RewardRouter(list(routes if routes is not None else reward.routes), call, reward.timeout_s,
+                        reward.retries, compare=compare)

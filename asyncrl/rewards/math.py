@@ -3,10 +3,12 @@ expressions) and symbolic equivalence to the ground truth.
 
 Symbolic checking can run away: `\\boxed{9^{9^{9}}}` or `\\boxed{(10^{8})!}` asks sympy for numbers
 with millions of digits, and math-verify's own timeouts (SIGALRM) work only on a main thread, not
-in the reward endpoint's worker threads. So `checked_math_correct`, the function production calls,
-runs `math_correct` in a small pool of worker processes (`pebble`): there it runs on the worker's
-main thread with math-verify's timeouts on, under an address-space limit, and a check that still
-overruns its wall-clock budget is killed with its worker and answered as a failure with the reason.
+in the reward endpoint's worker threads. So `math_correct`, the public check, runs the comparison
+(`_math_correct_unguarded`) in a small pool of worker processes (`pebble`): there it runs on the
+worker's main thread with math-verify's timeouts on, under an address-space limit, and a check that
+still overruns its wall-clock budget is killed with its worker and answered as a failure with the
+reason. The unguarded comparison is private: called from a thread on a power tower it holds the
+GIL for minutes.
 """
 
 from __future__ import annotations
@@ -62,12 +64,9 @@ def extract_answer(response: str) -> str | None:
     return None
 
 
-def math_correct(response: str, ground_truth: str, require_boxed: bool = False) -> tuple[bool, str]:
-    """Is the response's final answer equivalent to `ground_truth`? Returns (correct, prediction).
-
-    `require_boxed=True` accepts only a \\boxed{} answer (format-strict tasks); otherwise an
-    "Answer:" line or, failing both, the last expression of the response's tail is used.
-    """
+def _math_correct_unguarded(response: str, ground_truth: str, require_boxed: bool = False) -> tuple[bool, str]:
+    """`math_correct`'s comparison, (correct, prediction), unbounded in time and memory off the
+    main thread: run only in `math_correct`'s worker pool."""
     candidate = extract_answer(response)
     if candidate is None:
         if require_boxed:
@@ -119,15 +118,19 @@ def _pool() -> pebble.ProcessPool:
         return _POOL
 
 
-def checked_math_correct(response: str, ground_truth: str, require_boxed: bool = False,
-                         timeout_s: float = MATH_TIMEOUT_S) -> tuple[bool, str, str]:
-    """`math_correct` with bounded time and memory: (correct, prediction, problem), where problem
-    is "" or why the check gave up (the answer then counts as wrong)."""
+def math_correct(response: str, ground_truth: str, require_boxed: bool = False,
+                 timeout_s: float = MATH_TIMEOUT_S) -> tuple[bool, str, str]:
+    """Is the response's final answer equivalent to `ground_truth`? (correct, prediction, problem),
+    where problem is "" or why the check gave up (the answer then counts as wrong). Bounded: at
+    most `timeout_s` of a worker process's time and `MATH_WORKER_MEMORY_MB` of memory, from any thread.
+
+    `require_boxed=True` accepts only a \\boxed{} answer (format-strict tasks); otherwise an
+    "Answer:" line or, failing both, the last expression of the response's tail is used."""
     if len(ground_truth) > MAX_GROUND_TRUTH_CHARS:
         candidate = extract_answer(response) or ""
         inner = candidate[len("\\boxed{"):-1] if candidate.startswith("\\boxed{") else candidate
         return inner.strip() == ground_truth.strip(), inner[:200], "ground truth too long to parse: compared as text"
-    future = _pool().schedule(math_correct, args=(response, ground_truth, require_boxed), timeout=timeout_s)
+    future = _pool().schedule(_math_correct_unguarded, args=(response, ground_truth, require_boxed), timeout=timeout_s)
     try:
         correct, pred = future.result()
         return correct, pred, ""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from asyncrl.environments.tools import episode_truth
 from asyncrl.rewards.sandbox import SandboxLimits
 from asyncrl.rewards.verifiers import kind_for, verify
 from asyncrl.schema import Reward, RewardRequest
@@ -70,8 +71,9 @@ class Verifier:
             if not req.ground_truth and kind != "format":
                 rewards.append(not_applicable(req, self.name, self.version, "no ground truth to verify against"))
                 continue
+            truth = episode_truth(req.ground_truth, req.prompt_id, req.sample_idx)
             try:
-                verdict = verify(kind, req.response_text, req.ground_truth, self.settings.style, limits,
+                verdict = verify(kind, req.response_text, truth, self.settings.style, limits,
                                  self.settings.math_timeout_s)
                 rewards.append(Reward(prompt_id=req.prompt_id, sample_idx=req.sample_idx, score=verdict.score,
                                       correct=verdict.correct, source=self.name, source_version=self.version,

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from asyncrl.rewards.math import MATH_TIMEOUT_S, checked_math_correct, score_from_correct
+from asyncrl.rewards.math import MATH_TIMEOUT_S, math_correct, score_from_correct
 
-VERIFIER_KINDS = ("math", "code", "format", "tiny", "tiny_seq")
+VERIFIER_KINDS = ("math", "code", "format", "tiny", "tiny_seq", "tiny_tool")
 MAX_RESPONSE_CHARS = 256 << 10  # longer responses are judged on their tail / rejected for code
 
 
@@ -26,7 +26,7 @@ class Verdict:
 def kind_for(data_source: str) -> str:
     """Default verifier for a dataset name (verl's `data_source`)."""
     name = data_source.lower()
-    if name in ("tiny", "tiny_seq"):
+    if name in ("tiny", "tiny_seq", "tiny_tool"):
         return name
     if any(key in name for key in ("code", "apps", "mbpp", "humaneval", "livecodebench", "taco", "primeintellect")):
         return "code"
@@ -53,7 +53,7 @@ def verify(kind: str, response: str, ground_truth: str, style: str = "zero_one",
            math_timeout_s: float = MATH_TIMEOUT_S) -> Verdict:
     """Score one response. `style`: zero_one (1/0) or plus_minus (+1/-1, DAPO); the code verifier
     scores all-pass and reports the per-test pass fraction."""
-    if kind == "tiny":
+    if kind in ("tiny", "tiny_tool"):  # the first character (of an episode's final turn)
         pred = response[:1]
         return Verdict(score_from_correct(pred == ground_truth, style), pred == ground_truth, {"pred": pred})
     if kind == "tiny_seq":
@@ -62,8 +62,7 @@ def verify(kind: str, response: str, ground_truth: str, style: str = "zero_one",
         credit = hits / len(ground_truth)
         return Verdict(credit if style == "zero_one" else 2 * credit - 1, hits == len(ground_truth), {"pred": pred})
     if kind == "math":
-        correct, pred, problem = checked_math_correct(response[-MAX_RESPONSE_CHARS:], ground_truth,
-                                                      timeout_s=math_timeout_s)
+        correct, pred, problem = math_correct(response[-MAX_RESPONSE_CHARS:], ground_truth, timeout_s=math_timeout_s)
         details = {"pred": pred[:200], **({"problem": problem} if problem else {})}
         return Verdict(score_from_correct(correct, style), correct, details)
     if kind == "code":

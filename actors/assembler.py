@@ -1,0 +1,438 @@
+"""Trajectory assembler: collects the segments of each sample, has finished samples scored by the
+reward router, and turns them into `TrainBatch`es through the run's estimator (the role, its
+builder, its Ray shell).
+
+The estimator decides (`asyncrl.assembly`: kept, dropped with a reason, ready batches,
+trajectories for the critic); this role alone acts on what it decides: the ledger events (sent to
+the prompt source in one call per step), the counters, the trajectory store, the staleness mask
+(once, as a batch leaves: against the weight version it was told last) and the batches. Overlong
+shaping is applied here, once, when a reward arrives.
+
+Segments are deduplicated by id (`prompt/sample/turn`, per generator), so a redelivered segment is
+counted once; a sample is scored once; a group or row is emitted or dropped once. A sample's
+windows come from one generator: when a generator is retired (it died, hung or left the pool,
+`retire_generator`), its partial samples are dropped here and its later segments ignored, and the
+generator that takes the prompt over regenerates those samples from their first window (the same
+seeds); segments of a sample already finished are ignored, whoever sends them.
+
+With a recorder (`trainer.record=true`), every finished sample's record (`asyncrl.store`) is sent
+when its fate here is known: kept (sent to the learner), dropped (with the reason) or recorded
+(`mode=generate`), with its reward and the values its advantages used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import inspect
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Awaitable, Callable
+
+import numpy as np
+import torch
+
+from actors.base import RoleShell
+from asyncrl.algo.shaping import shaped_score
+from asyncrl.assembly.decisions import Decision, Estimator, ReadyBatch, Scored
+from asyncrl.assembly.rows import merge_segments
+from asyncrl.assembly.strategies import build_estimator
+from asyncrl.assembly.values import ValueEdges
+from asyncrl.config import AlgorithmConfig, EngineConfig, ModelConfig, RewardConfig, RouteConfig, route_checks
+from asyncrl.generation import decode
+from asyncrl.mailbox import Mailbox, RecentIds
+from asyncrl.models import load_tokenizer
+from asyncrl.rewards.hybrid import RewardRouter, build_reward_router
+from asyncrl.schema import (DropReason, Reward, RewardRequest, SampleState, Segment, TrainBatch, final_turn_start,
+                            sample_id)
+from asyncrl.staleness import has_trained_tokens, mask_stale_tokens
+from asyncrl.store import TrajectoryRecord, record_of
+
+ScoreFn = Callable[[list[RewardRequest]], Awaitable[list[Reward]]]
+# The prompt source, told once per step: ledger events (sample ids, new state, reason of a drop) and
+# samples' outcomes (prompt id, sample index, correct, score, failed) for its retirement rule.
+EventsFn = Callable[[list[tuple[list[str], SampleState, "DropReason | None"]],
+                     list[tuple[str, int, "bool | None", float, bool]]], None]
+# The recorder: a list of `TrajectoryRecord`s (nobody waits for it).
+RecordFn = Callable[[list[TrajectoryRecord]], Any]
+# A sample's fate here, as the store names it.
+RECORD_STATUS = {SampleState.AWAITING_TRAINING: "kept", SampleState.DROPPED: "dropped",
+                 SampleState.RECORDED: "recorded"}
+
+
+@dataclass(frozen=True)
+class Shaping:
+    """DAPO's soft overlong punishment (off with buffer 0), applied once to every reward."""
+
+    max_response_tokens: int
+    buffer_tokens: int = 0
+    penalty_factor: float = 1.0
+
+
+class _Unrecorded:
+    """What a finished sample's record needs, gathered until its fate is known."""
+
+    __slots__ = ("merged", "window_ends", "prompt_text", "response_text", "reward", "values")
+
+    def __init__(self, merged: Segment, window_ends: list[int], prompt_text: str, response_text: str):
+        self.merged, self.window_ends = merged, window_ends
+        self.prompt_text, self.response_text = prompt_text, response_text
+        self.reward: Reward | None = None
+        self.values: np.ndarray | None = None
+
+
+class Assembler:
+    def __init__(self, segments: Mailbox, batches: Mailbox, score: ScoreFn, decode: Callable[[list[int]], str],
+                 estimator: Estimator, shaping: Shaping, max_staleness_versions: int = 1 << 30,
+                 events: EventsFn = lambda events, outcomes: None, trajectories: Mailbox | None = None,
+                 max_pending_tasks: int = 64, batch_prefix: str = "batch", record: RecordFn | None = None,
+                 synchronous: bool = False):
+        self.segments, self.batches, self.trajectories = segments, batches, trajectories
+        self.score, self.decode = score, decode
+        self.estimator = estimator
+        self.shaping = shaping
+        self.max_staleness_versions = max_staleness_versions
+        self.events = events  # the prompt source: where each sample went, and how it scored
+        self._events: list[tuple[list[str], SampleState, DropReason | None]] = []
+        self._outcomes: list[tuple[str, int, bool | None, float, bool]] = []
+        self.record = record  # the trajectory store (None: not recording)
+        self._unrecorded: dict[str, _Unrecorded] = {}
+        self._records: list[TrajectoryRecord] = []
+        self.batch_prefix = batch_prefix  # unique per incarnation of a resumed run
+        self.max_pending_tasks = max_pending_tasks
+        # The staleness mask is measured against the weights being trained (the learner's version);
+        # the synchronous baseline's batches against the weights every generator holds.
+        self.synchronous = synchronous
+        self.weight_version = 0
+        self._seen = RecentIds(200_000)
+        self._parts: dict[str, list[Segment]] = collections.defaultdict(list)  # sample id -> segments
+        self._finished = RecentIds(200_000)  # samples merged here: later segments of them are ignored
+        self._retired: set[str] = set()  # generators that left the pool: their segments are ignored
+        self._tasks: set[asyncio.Task] = set()
+        self._batch_index = 0
+        self._running = False
+        self._failure: BaseException | None = None
+        self.counters = collections.Counter()
+        self.rewards_sum = 0.0
+        self.last_reward_failure = ""
+        # Reward over every sample scored since the last batch, dropped groups included: the policy's
+        # reward. The batch's own mean is biased by dynamic sampling (kept groups are mixed).
+        self._since_batch = [0.0, 0, 0, 0]  # score sum, correct count, samples, suspicious
+        self._last_generated = {"reward_mean_generated": 0.0, "accuracy_generated": 0.0,
+                                "reward_suspicious_share_generated": 0.0}
+
+    def set_versions(self, weight_version: int, delivered_version: int) -> None:
+        """The learner's versions (the one conduit); the staleness mask reads one of them."""
+        self.weight_version = max(self.weight_version, delivered_version if self.synchronous else weight_version)
+
+    # --- acting on decisions --------------------------------------------------------------------------
+
+    async def _process(self, rows: list[Segment], to_score: list[tuple[Segment, RewardRequest]]) -> None:
+        """Score the finished samples, shape their rewards once, let the estimator decide, act on it."""
+        scored = []
+        if to_score:
+            rewards = await self.score([request for _, request in to_score])
+            for (merged, _), reward in zip(to_score, rewards):
+                self._note_scored(reward)
+                scored.append(Scored(merged, reward, shaped_score(
+                    reward.score, len(merged.new_token_ids), self.shaping.max_response_tokens,
+                    self.shaping.buffer_tokens, self.shaping.penalty_factor)))
+        await self._act(await self.estimator.decide(rows, scored))
+
+    async def _act(self, decision: Decision) -> None:
+        for sid, values in decision.values.items():  # for the store: the values the sample was valued with
+            if (pending := self._unrecorded.get(sid)) is not None:
+                pending.values = values
+        if decision.kept:
+            self._event(decision.kept, SampleState.AWAITING_TRAINING)
+        for sample_ids, reason in decision.dropped:
+            self._drop(sample_ids, reason)
+        for row, reason in decision.dropped_rows:
+            self._drop_row(row, reason)
+        if decision.recorded:
+            self._event(decision.recorded, SampleState.RECORDED)
+        self.counters.update(decision.counters)
+        for batch in decision.batches:
+            await self._emit(batch)
+        # Last: a value learner behind the stream applies backpressure here (pending tasks then
+        # throttle segment intake) without delaying the rows above.
+        if decision.trajectories:
+            await self.trajectories.put(decision.trajectories)
+            self.counters["trajectories_sent"] += len(decision.trajectories)
+            self.counters["trajectories_with_recorded_values"] += sum(t.values is not None for t in decision.trajectories)
+
+    def _event(self, sample_ids: list[str], state: SampleState, reason: DropReason | None = None) -> None:
+        """A ledger event (sent with the step's others); a final one here also completes the
+        samples' records."""
+        self._events.append((list(sample_ids), state, reason))
+        status = RECORD_STATUS.get(state)
+        if self.record is None or status is None:
+            return
+        for sid in sample_ids:
+            pending = self._unrecorded.pop(sid, None)
+            if pending is not None:
+                self._records.append(record_of(pending.merged, pending.window_ends, pending.reward,
+                                               pending.prompt_text, pending.response_text, status,
+                                               reason.value if reason else "", pending.values, self.weight_version))
+
+    def _drop(self, sample_ids: list[str], reason: DropReason) -> None:
+        """Samples that end here: counted, and their share of a prompt returns to the admission budget."""
+        self.counters[f"dropped_{reason.value}_samples"] += len(sample_ids)
+        self.counters["samples_dropped"] += len(sample_ids)
+        self._event(sample_ids, SampleState.DROPPED, reason)
+
+    def _drop_row(self, row: Segment, reason: DropReason) -> None:
+        self.counters[f"dropped_{reason.value}_rows"] += 1
+        if row.finished:
+            self._drop([row.sample_id], reason)
+
+    async def _emit(self, batch: ReadyBatch) -> None:
+        """One `TrainBatch` to the learner: its tokens too stale for the weights it will train
+        masked (rows left with none are dropped), finished by the estimator, with the reward of
+        everything generated since the last one. No rows and a `skip_reason`: the learner skips the
+        step, saying why."""
+        rows, stats = batch.rows, dict(batch.stats)
+        if rows:
+            masked, stale = mask_stale_tokens(rows, self.weight_version, self.max_staleness_versions)
+            rows = []
+            for before, row in zip(batch.rows, masked):
+                if has_trained_tokens(before) and not has_trained_tokens(row):
+                    self._drop_row(row.segment, DropReason.STALE)
+                else:
+                    rows.append(row)
+            if not rows:
+                return
+            rows, finished_stats = self.estimator.finish_batch(rows)
+            stats.update(finished_stats, staleness_max_assembled=stale["staleness_max"],
+                         stale_tokens_masked_assembled=stale["stale_tokens_masked"])
+        out = TrainBatch(batch_id=f"{self.batch_prefix}-{self._batch_index}", samples=rows,
+                         stats={**stats, **self._generated_stats(), "assembled_at": time.time()},
+                         skip_reason=batch.skip_reason)
+        self._batch_index += 1
+        self._since_batch = [0.0, 0, 0, 0]
+        await self.batches.put([out])
+        self.counters["batches"] += 1
+        self.counters["samples_emitted"] += sum(r.segment.finished for r in rows)
+        self.counters["rows_emitted"] += len(rows)
+
+    def _generated_stats(self) -> dict[str, float]:
+        """Reward and accuracy of every sample scored since the previous batch; when none was (two
+        batches emitted back to back), the previous figures stand rather than a false 0."""
+        total, correct, n, suspicious = self._since_batch
+        if n:
+            # The share of rewards that came with a sign of reward hacking: a user sees it begin.
+            self._last_generated = {"reward_mean_generated": total / n, "accuracy_generated": correct / n,
+                                    "reward_suspicious_share_generated": suspicious / n}
+        return dict(self._last_generated)
+
+    def _note_scored(self, reward: Reward) -> None:
+        self._outcomes.append((reward.prompt_id, reward.sample_idx, reward.correct, reward.score, reward.failed))
+        if self.record is not None and (pending := self._unrecorded.get(sample_id(reward.prompt_id, reward.sample_idx))):
+            pending.reward = reward
+        self.counters["samples_scored"] += 1
+        self.counters["reward_failures"] += int(reward.failed)
+        if reward.failed:  # the counter says how many, this says why
+            self.last_reward_failure = str(reward.details.get("error", ""))[:300]
+        self.counters[f"rewards_by_version.{reward.source_version or reward.source}"] += 1
+        for conduct in reward.suspicious:  # reward hacking, by kind
+            self.counters[f"suspicious.{conduct}"] += 1
+        self.counters["rewards_suspicious"] += int(bool(reward.suspicious))
+        self.rewards_sum += reward.score
+        self._since_batch[0] += reward.score
+        self._since_batch[1] += int(bool(reward.correct))
+        self._since_batch[2] += 1
+        self._since_batch[3] += int(bool(reward.suspicious))
+
+    def flush_events(self) -> None:
+        """Send the ledger events and outcomes gathered since the last call, in one call."""
+        if self._events or self._outcomes:
+            events, self._events = self._events, []
+            outcomes, self._outcomes = self._outcomes, []
+            self.events(events, outcomes)
+            self.counters["event_calls"] += 1
+
+    def _send_records(self):
+        """Send the finished records (the recorder's call; what it returns can be awaited)."""
+        if self._records:
+            records, self._records = self._records, []
+            self.counters["trajectories_recorded"] += len(records)
+            return self.record(records)
+        return None
+
+    # --- intake -----------------------------------------------------------------------------------
+
+    def _ingest(self, segments: list[Segment]) -> tuple[list[Segment], list[tuple[Segment, RewardRequest]]]:
+        """New segments -> (rows for the estimator, finished samples to score). Rows exist for the
+        value-based estimator only: every window (T-PPO) or every finished response."""
+        rows, to_score = [], []
+        for seg in segments:
+            if seg.generator_id in self._retired or seg.sample_id in self._finished:
+                self.counters["segments_ignored"] += 1  # work of a generator that left, or of a finished sample
+                continue
+            key = f"{seg.msg_id}@{seg.generator_id}"
+            if key in self._seen:
+                self.counters["duplicate_segments"] += 1
+                continue
+            self._seen.add(key)
+            self.counters["segments"] += 1
+            self._parts[seg.sample_id].append(seg)
+            if self.estimator.row_kind == "windows":
+                rows.append(seg)
+            if seg.finished:
+                parts = self._parts.pop(seg.sample_id)
+                self._finished.add(seg.sample_id)
+                merged = merge_segments(parts)
+                self._event([merged.sample_id], SampleState.AWAITING_REWARD)
+                if self.estimator.row_kind == "responses":
+                    rows.append(merged)
+                # An episode is judged on its final turn (what the policy answered after its last
+                # observation), so an answer the tool printed is not the policy's answer.
+                request = RewardRequest(
+                    prompt_id=merged.prompt_id, sample_idx=merged.sample_idx,
+                    response_text=self.decode(merged.new_token_ids[final_turn_start(merged.new_observation):].tolist()),
+                    ground_truth=merged.ground_truth, data_source=merged.data_source,
+                    prompt_text=self.decode(merged.prompt_token_ids.tolist()),
+                    response_token_ids=merged.new_token_ids)
+                to_score.append((merged, request))
+                if self.record is not None:
+                    ends = np.cumsum([len(p.new_token_ids) for p in parts]).tolist()
+                    transcript = (self.decode(merged.new_token_ids.tolist()) if merged.new_observation is not None
+                                  else request.response_text)  # an episode's: every turn and observation
+                    self._unrecorded[merged.sample_id] = _Unrecorded(merged, ends, request.prompt_text, transcript)
+        return rows, to_score
+
+    def retire_generator(self, generator_id: str) -> int:
+        """A generator left the pool: drop its partial samples (the generator taking its prompts over
+        regenerates them from the first window) and ignore whatever of it is still on its way.
+        Returns how many partial samples were dropped."""
+        self._retired.add(generator_id)
+        lost = [sid for sid, parts in self._parts.items() if parts and parts[0].generator_id == generator_id]
+        for sid in lost:
+            del self._parts[sid]
+        self.counters["samples_restarted"] += len(lost)
+        return len(lost)
+
+    async def step(self, timeout: float = 0.5) -> None:
+        # Backpressure: while many scoring/valuing tasks are pending, stop taking segments.
+        while len(self._tasks) >= self.max_pending_tasks and self._failure is None:
+            await asyncio.sleep(0.01)
+        self.flush_events()  # what the tasks decided since the last step, in one call
+        if self.record is not None:
+            self._send_records()
+        segments = await self.segments.get(256, timeout=timeout)
+        if not segments:
+            return
+        rows, to_score = self._ingest(segments)
+        # Acknowledged once held here: from now on the assembler's state owns them.
+        await self.segments.ack([s.msg_id for s in segments])
+        if rows or to_score:
+            task = asyncio.create_task(self._process(rows, to_score))
+            self._tasks.add(task)
+            task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self._failure = task.exception()
+
+    async def run(self) -> None:
+        self._running = True
+        try:
+            while self._running:
+                if self._failure is not None:
+                    raise self._failure  # surfaces in the run's health check
+                await self.step()
+        finally:
+            self.flush_events()
+            if self.record is not None:
+                # The last records are awaited: the run closes the store's files after this loop
+                # ends, and calls from here reach the recorder in order, so every earlier one is in.
+                last = self._send_records()
+                if last is not None and inspect.isawaitable(last):
+                    await last
+
+    def stop(self) -> None:
+        self._running = False
+
+    def stats(self) -> dict:
+        scored = self.counters["samples_scored"]
+        return {
+            **self.counters,
+            "reward_mean_all": self.rewards_sum / scored if scored else 0.0,
+            "weight_version": self.weight_version,
+            "partial_samples": len(self._parts),
+            "scoring_tasks": len(self._tasks),
+            "unrecorded_samples": len(self._unrecorded),
+            "last_reward_failure": self.last_reward_failure,
+            **self.estimator.stats(),
+        }
+
+
+def build_assembler(model: ModelConfig, algorithm: AlgorithmConfig, engine: EngineConfig, router: RewardRouter,
+                    prompts_per_step: int, segments: Mailbox, batches: Mailbox, value_edges: ValueEdges | None = None,
+                    trajectories: Mailbox | None = None, events: EventsFn = lambda events, outcomes: None,
+                    record: RecordFn | None = None, batch_prefix: str = "batch", mode: str = "train",
+                    synchronous: bool = False) -> Assembler:
+    tokenizer = load_tokenizer(model)
+
+    def decode_ids(ids):
+        return decode(tokenizer, ids)
+
+    estimator = build_estimator(algorithm, engine, prompts_per_step, router, decode_ids, value_edges, mode)
+    shaping = Shaping(engine.max_response_tokens, algorithm.overlong_buffer_tokens, algorithm.overlong_penalty_factor)
+    return Assembler(segments, batches, router.score, decode_ids, estimator, shaping,
+                     max_staleness_versions=algorithm.max_staleness_versions if mode == "train" else 1 << 30,
+                     events=events, trajectories=trajectories, batch_prefix=batch_prefix, record=record,
+                     synchronous=synchronous)
+
+
+class AssemblerActor(RoleShell):
+    """Edges: `value_learner` (values, readiness, reference log-probs), the `ledger` (prompt
+    source), the `recorder` (the trajectory store, when recording)."""
+
+    def __init__(self, model: ModelConfig, algorithm: AlgorithmConfig, engine: EngineConfig, reward: RewardConfig,
+                 prompts_per_step: int, segments: Mailbox, batches: Mailbox, endpoints: dict[str, Any],
+                 ledger, value_learner=None, trajectories: Mailbox | None = None, batch_prefix: str = "batch",
+                 recorder=None, mode: str = "train", synchronous: bool = False):
+        from asyncrl.store import RECORDS_ENCODER
+
+        torch.set_num_threads(1)
+        self.router = build_reward_router(reward, endpoints)
+        self.endpoint_names = set(reward.endpoints)
+        edges = None
+        if value_learner is not None:
+            async def values(rows):
+                return await value_learner.values.remote(rows)
+
+            async def ready() -> bool:
+                return await value_learner.ready.remote()
+
+            async def reference_logprobs(rows):
+                return await value_learner.reference_logprobs.remote(rows)
+
+            edges = ValueEdges(values=values, ready=ready, reference_logprobs=reference_logprobs)
+        record = None
+        if recorder is not None:
+            def record(records):  # nobody waits (but the last call at stop): the recorder writes at its own pace
+                return recorder.add_trajectories.remote(RECORDS_ENCODER.encode(records))
+        self.inner = build_assembler(model, algorithm, engine, self.router, prompts_per_step, segments, batches, edges,
+                                     trajectories, lambda events, outcomes: ledger.record_events.remote(events, outcomes),
+                                     record, batch_prefix, mode, synchronous)
+
+    def set_versions(self, weight_version: int, delivered_version: int) -> None:
+        self.inner.set_versions(weight_version, delivered_version)
+
+    def retire_generator(self, generator_id: str) -> int:
+        return self.inner.retire_generator(generator_id)
+
+    def set_reward_routes(self, routes: list[dict]) -> list[dict]:
+        """Admin: change the hybrid mix while training runs (validated like the config)."""
+        parsed = [RouteConfig(**route) for route in routes]
+        errors = [message for ok, message in route_checks(parsed, self.endpoint_names) if not ok]
+        if errors:
+            raise ValueError("; ".join(errors))
+        self.router.set_routes(parsed)
+        return [asdict(route) for route in parsed]
+
+    def stats(self) -> dict:
+        return {**super().stats(), "reward_router": self.router.stats()}

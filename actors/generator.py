@@ -1,0 +1,401 @@
+"""Generator: runs engine windows in a loop and streams `Segment`s (the role, its builder, its Ray shell).
+
+Each turn advances every in-flight sequence by at most one window. Unfinished sequences continue
+next turn and have priority; new prompts fill freed slots (a prompt's G samples are admitted
+together). Every token is tagged with the weight version that produced it. Weight updates are
+applied between windows, or at once where the engine takes them while windows run
+(`Engine.updates_mid_window`: SGLang, which reports each token's version).
+
+A `PromptRequest` is acknowledged only when all of its samples (G, or those it names) have emitted their final
+segment, so a generator that dies mid-prompt loses nothing: the lease expires, another generator
+regenerates the prompt with the same seeds, and the assembler drops segment ids it already has.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+import torch
+
+from actors.base import RoleShell, WeightGroupMember
+from asyncrl import transport
+from asyncrl.config import EngineConfig, EnvironmentConfig, ModelConfig
+from asyncrl.engines.base import Engine, SamplingParams, long_tail_min_tokens
+from asyncrl.environments.episodes import EnvironmentClient, Episodes, Observation, build_episodes
+from asyncrl.environments.tools import Episode
+from asyncrl.generation import build_generator_engine, sampling_params, sequence_input
+from asyncrl.mailbox import Mailbox
+from asyncrl.schema import FinishReason, PromptRequest, Segment, observation_mask, scored_mask
+from asyncrl.weight_sync import Delivery, WeightGroup
+
+
+@dataclass
+class _Sequence:
+    request: PromptRequest
+    sample_idx: int
+    turn: int = 0
+    response_ids: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    min_response_tokens: int = 0  # drawn once at admission (long-tail workload), not per window
+    observation: list[int] = field(default_factory=list)  # per response token: 1 = environment's (episodes)
+    turn_start: int = 0  # where the policy's current turn starts in `response_ids` (episodes)
+    tool_calls: int = 0
+
+
+@dataclass
+class _Parked:
+    """An episode waiting for its tool call's observation, with the segment that ends in the call."""
+
+    sequence: _Sequence
+    segment: Segment
+    observing: asyncio.Task
+
+
+class Generator:
+    def __init__(self, engine: Engine, prompts: Mailbox, segments: Mailbox, params: SamplingParams,
+                 window_tokens: int, max_response_tokens: int, max_windows: int, max_inflight: int,
+                 generator_id: str = "gen-0", long_tail: tuple[float, int] = (0.0, 0),
+                 episodes: Episodes | None = None):
+        self.engine = engine
+        self.prompts = prompts
+        self.segments = segments
+        self.params = params
+        self.window_tokens = window_tokens
+        self.max_response_tokens = max_response_tokens
+        self.max_windows = max_windows
+        self.max_inflight = max_inflight
+        self.generator_id = generator_id
+        self.long_tail = long_tail  # (fraction, tokens): the long-tail benchmark workload
+        self.inflight: list[_Sequence] = []
+        self.episodes = episodes  # a task with an environment: each sample is an episode of turns
+        self.parked: list[_Parked] = []  # episodes waiting for an observation (they hold their slot)
+        self.samples_left: dict[str, int] = {}  # prompt id -> samples not yet finished
+        self._pending_update: tuple[Delivery, object, asyncio.Future] | None = None
+        self.weight_group: WeightGroup | None = None  # the distributed path, when this generator is on another host
+        self._emitting: asyncio.Future | None = None  # the previous window's segments being sent
+        self._last_group_size = 1  # samples of the last prompt taken (admission asks when it fits)
+        self._running = False
+        self._admitting = True  # False once draining: in-flight sequences finish, nothing new starts
+        self._started = time.monotonic()
+        # admit_s: taking prompts while sequences are running; prepare_s: building a window's inputs
+        # and turning its outputs into segments (the generator's own work between windows).
+        self.timing = {"generate_s": 0.0, "weight_update_s": 0.0, "wait_prompts_s": 0.0, "wait_mailbox_s": 0.0,
+                       "admit_s": 0.0, "prepare_s": 0.0}
+        self.counters = {"windows": 0, "tokens": 0, "segments": 0, "samples_finished": 0, "prompts_admitted": 0,
+                         "weight_updates": 0, "tool_calls": 0, "tool_errors": 0, "malformed_calls": 0,
+                         "observation_tokens": 0}
+
+    # --- weight updates (called by the learner) -------------------------------------------------
+
+    async def receive_weights(self, delivery: Delivery, payload=None) -> float:
+        """Take version `delivery.weight_version` between windows (at once if the engine updates
+        mid-window), by its path (`asyncrl.transport`): `payload` is the shared-memory layout (shm)
+        or the CUDA IPC handles; the group path receives by broadcast. Returns the seconds
+        generation paused for it."""
+        if not self._running:  # joining the pool (its loop starts after this) or stopped: load now
+            start = time.perf_counter()
+            await asyncio.to_thread(transport.load, self.engine, delivery, payload, self.weight_group)
+            return time.perf_counter() - start
+        if self.engine.updates_mid_window:
+            return await self._load(delivery, payload)
+        future = asyncio.get_running_loop().create_future()
+        self._pending_update = (delivery, payload, future)
+        return await future
+
+    async def _apply_pending_update(self) -> None:
+        if self._pending_update is None:
+            return
+        delivery, payload, future = self._pending_update
+        self._pending_update = None
+        try:
+            paused = await self._load(delivery, payload)
+        except Exception as exc:
+            future.set_exception(exc)
+            raise
+        future.set_result(paused)
+
+    async def _load(self, delivery: Delivery, payload) -> float:
+        start = time.perf_counter()
+        await asyncio.to_thread(transport.load, self.engine, delivery, payload, self.weight_group)
+        paused = time.perf_counter() - start
+        self.timing["weight_update_s"] += paused
+        self.counters["weight_updates"] += 1
+        return paused
+
+    # --- the loop --------------------------------------------------------------------------------
+
+    async def _admit(self) -> None:
+        """Fill free slots with whole prompts (all G samples together). A prompt that does not fit
+        goes back to the mailbox; the cap is exceeded only by a lone group larger than the cap."""
+        while self._admitting and self.held < self.max_inflight:
+            # Ask only when the last prompt's group would fit: a prompt that does not fit costs a
+            # get and a nack (two mailbox round trips) for nothing, every window.
+            if self.held and self.held + self._last_group_size > self.max_inflight:
+                return
+            # Wait for prompts only when idle; otherwise take what is there without blocking.
+            start = time.perf_counter()
+            requests = await self.prompts.get(1, timeout=0.0 if self.held else 0.2, consumer=self.generator_id)
+            if not self.held:
+                self.timing["wait_prompts_s"] += time.perf_counter() - start
+            if not requests:
+                return
+            request = requests[0]
+            samples = request.samples
+            self._last_group_size = len(samples)
+            if self.held and self.held + len(samples) > self.max_inflight:
+                await self.prompts.nack([request.prompt_id])
+                return
+            self.samples_left[request.prompt_id] = len(samples)
+            self.inflight += [_Sequence(request, i, min_response_tokens=long_tail_min_tokens(request.seed + i, *self.long_tail))
+                              for i in samples]
+            self.counters["prompts_admitted"] += 1
+
+    @property
+    def held(self) -> int:
+        """Sequences this generator holds: running, or waiting for an observation."""
+        return len(self.inflight) + len(self.parked)
+
+    async def step(self, overlap: bool = False) -> None:
+        """One turn: apply a pending update, take back episodes whose observation came, admit
+        prompts, generate a window, emit segments.
+
+        With `overlap` (the run loop) the segments are sent, and finished prompts acknowledged,
+        while the next window generates: the engine runs in a thread, so the event loop is free.
+        One emission is in flight at most, so order and mailbox backpressure are kept."""
+        await self._apply_pending_update()
+        segments, finished_prompts = self._observed()
+        start = time.perf_counter()
+        busy = bool(self.inflight)
+        await self._admit()
+        if busy:
+            self.timing["admit_s"] += time.perf_counter() - start
+        if self.inflight:
+            await self._window(segments, finished_prompts)
+        elif self.parked and not segments:  # every sequence waits for a tool: wait for the first answer
+            await asyncio.wait([p.observing for p in self.parked], timeout=0.2, return_when=asyncio.FIRST_COMPLETED)
+        if not segments and not finished_prompts:
+            return
+        await self.flush()
+        emission = self._emit(segments, finished_prompts)
+        if overlap:
+            self._emitting = asyncio.ensure_future(emission)
+        else:
+            await emission
+
+    async def _window(self, segments: list[Segment], finished_prompts: list[str]) -> None:
+        """Advance the running sequences by one engine window; their segments go to `segments`."""
+        start = time.perf_counter()
+        batch = self.inflight[: self.max_inflight]
+        inputs = [sequence_input(s.request.prompt_token_ids, s.request.seed + s.sample_idx, self.max_response_tokens,
+                                 s.response_ids, s.min_response_tokens) for s in batch]
+        version = self.engine.weight_version
+        self.timing["prepare_s"] += time.perf_counter() - start
+        start = time.perf_counter()
+        outputs = await self.engine.generate_window(inputs, self.window_tokens, self.params)
+        self.timing["generate_s"] += time.perf_counter() - start
+        self.counters["windows"] += 1
+        start = time.perf_counter()
+        still_running = []
+        for seq, out in zip(batch, outputs):
+            segment, called = self._advance(seq, out, version)
+            self.counters["tokens"] += len(segment.new_token_ids)
+            if segment.finished:
+                segments.append(segment)
+                self._finish(seq, finished_prompts)
+            elif called:  # the segment waits for its observation
+                turn = seq.response_ids[seq.turn_start:] + segment.new_token_ids.tolist()
+                observing = asyncio.ensure_future(self.episodes.observe(turn, Episode(seq.request.prompt_id,
+                                                                                      seq.sample_idx)))
+                self.parked.append(_Parked(seq, segment, observing))
+            else:
+                segments.append(segment)
+                self._extend(seq, segment)
+                still_running.append(seq)
+        # Continuations first, in their original order; sequences outside this batch keep theirs.
+        self.inflight = still_running + self.inflight[len(batch):]
+        self.timing["prepare_s"] += time.perf_counter() - start
+
+    def _advance(self, seq: _Sequence, out, version: int) -> tuple[Segment, bool]:
+        """The segment of one sequence's window, and whether its turn ended in a tool call (the
+        window is cut just after the token that completes the call)."""
+        tokens, logprobs, scored = out.token_ids, out.logprobs, out.scored
+        versions = out.versions if out.versions is not None else np.full(len(tokens), version, dtype=np.int32)
+        called = None if self.episodes is None else self.episodes.call_end(seq.response_ids[seq.turn_start:], tokens)
+        last_window = self.max_windows > 0 and seq.turn + 1 >= self.max_windows
+        if called is not None:
+            tokens, logprobs, versions = tokens[:called], logprobs[:called], versions[:called]
+            scored = None if scored is None else scored[:called]
+            finished = seq.tool_calls >= self.episodes.max_turns or last_window
+            reason = (FinishReason.MAX_TURNS if seq.tool_calls >= self.episodes.max_turns else
+                      FinishReason.MAX_LENGTH if last_window else FinishReason.TOOL_CALL)
+        else:
+            finished = out.finished or last_window
+            # The K-th window ends a response whether or not it reached EOS.
+            reason = out.finish_reason if out.finished or not finished else FinishReason.MAX_LENGTH
+        return self._segment(seq, tokens, logprobs, versions, scored, finished, reason), called is not None and not finished
+
+    def _segment(self, seq: _Sequence, tokens, logprobs, versions, scored, finished: bool,
+                 reason: FinishReason) -> Segment:
+        request = seq.request
+        return Segment(
+            prompt_id=request.prompt_id, sample_idx=seq.sample_idx, turn=seq.turn, group_id=request.prompt_id,
+            prompt_token_ids=request.prompt_token_ids,
+            prior_response_ids=np.asarray(seq.response_ids, dtype=np.int32),
+            prior_versions=np.asarray(seq.versions, dtype=np.int32),
+            prior_observation=np.asarray(seq.observation, dtype=np.uint8) if seq.tool_calls else None,
+            new_token_ids=tokens, new_logprobs=logprobs, new_versions=versions, new_scored=scored,
+            finished=finished, finish_reason=reason, data_source=request.data_source,
+            ground_truth=request.ground_truth, seed=request.seed + seq.sample_idx, generator_id=self.generator_id,
+            group_size=request.group_size)
+
+    def _extend(self, seq: _Sequence, segment: Segment) -> None:
+        """The sequence's context grows by a segment that continues."""
+        seq.response_ids += segment.new_token_ids.tolist()
+        seq.versions += segment.new_versions.tolist()
+        if self.episodes is not None:
+            seq.observation += observation_mask(segment).astype(np.uint8).tolist()
+        seq.turn += 1
+
+    def _finish(self, seq: _Sequence, finished_prompts: list[str]) -> None:
+        self.counters["samples_finished"] += 1
+        self.samples_left[seq.request.prompt_id] -= 1
+        if self.samples_left[seq.request.prompt_id] == 0:
+            del self.samples_left[seq.request.prompt_id]
+            finished_prompts.append(seq.request.prompt_id)
+
+    def _observed(self) -> tuple[list[Segment], list[str]]:
+        """Episodes whose observation came back: the segment that ended in the call gains the
+        observation's tokens (in the context, never trained: log-prob 0, unscored, marked as an
+        observation, the version of the call's last token) and the episode runs again, first in
+        line. With no room left for the observation and an answer, the episode ends at its call."""
+        segments, finished_prompts, resumed, waiting = [], [], [], []
+        for parked in self.parked:
+            if not parked.observing.done():
+                waiting.append(parked)
+                continue
+            seq, segment, observation = parked.sequence, parked.segment, _result(parked.observing)
+            self.counters["tool_calls"] += 1
+            self.counters["tool_errors"] += int(observation.error)
+            self.counters["malformed_calls"] += int(observation.malformed)
+            seq.tool_calls += 1
+            n, k = len(segment.new_token_ids), len(observation.token_ids)
+            if len(seq.response_ids) + n + k >= self.max_response_tokens:
+                segments.append(msgspec.structs.replace(segment, finished=True, finish_reason=FinishReason.MAX_LENGTH))
+                self._finish(seq, finished_prompts)
+                continue
+            last_version = int(segment.new_versions[-1]) if n else self.engine.weight_version
+            segment = msgspec.structs.replace(
+                segment, new_token_ids=np.concatenate([segment.new_token_ids, np.asarray(observation.token_ids, dtype=np.int32)]),
+                new_logprobs=np.concatenate([segment.new_logprobs, np.zeros(k, dtype=np.float32)]),
+                new_versions=np.concatenate([segment.new_versions, np.full(k, last_version, dtype=np.int32)]),
+                new_scored=np.concatenate([scored_mask(segment).astype(np.uint8), np.zeros(k, dtype=np.uint8)]),
+                new_observation=np.concatenate([np.zeros(n, dtype=np.uint8), np.ones(k, dtype=np.uint8)]))
+            self.counters["observation_tokens"] += k
+            segments.append(segment)
+            self._extend(seq, segment)
+            seq.turn_start = len(seq.response_ids)
+            resumed.append(seq)
+        self.parked = waiting
+        self.inflight = resumed + self.inflight
+        return segments, finished_prompts
+
+    async def _emit(self, segments: list[Segment], finished_prompts: list[str]) -> None:
+        # A prompt is acknowledged only after its last segments are in the mailbox.
+        await self.segments.put(segments)
+        self.counters["segments"] += len(segments)
+        if finished_prompts:
+            await self.prompts.ack(finished_prompts)
+
+    async def flush(self) -> None:
+        """Wait for the emission in flight (time blocked here is mailbox backpressure)."""
+        if self._emitting is not None:
+            start = time.perf_counter()
+            emitting, self._emitting = self._emitting, None
+            await emitting
+            self.timing["wait_mailbox_s"] += time.perf_counter() - start
+
+    async def run(self) -> None:
+        self._running = True
+        self._started = time.monotonic()
+        try:
+            while self._running:
+                await self.step(overlap=True)
+        finally:
+            await self.flush()
+
+    def stop(self) -> None:
+        self._running = False
+
+    async def drain(self, timeout_s: float) -> dict:
+        """Leave the pool: admit nothing new, let the sequences in flight finish (up to `timeout_s`),
+        hand back the prompts of any still unfinished (their work is regenerated elsewhere), stop."""
+        self._admitting = False
+        deadline = time.monotonic() + timeout_s
+        while self.held and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        handed_back = list(self.samples_left)
+        self._running = False
+        await self.flush()
+        if handed_back:
+            await self.prompts.nack(handed_back)
+            for parked in self.parked:
+                parked.observing.cancel()
+            self.inflight, self.parked, self.samples_left = [], [], {}
+        return {"generator_id": self.generator_id, "prompts_handed_back": len(handed_back)}
+
+    def stats(self) -> dict:
+        wall = max(time.monotonic() - self._started, 1e-9)
+        return {
+            **self.counters,
+            **self.timing,
+            "generator_id": self.generator_id,
+            "delivered_version": self.engine.weight_version,
+            "inflight_sequences": self.held,
+            "wall_s": wall,
+            "busy_fraction": self.timing["generate_s"] / wall,
+            "paused_for_weights_fraction": self.timing["weight_update_s"] / wall,
+        }
+
+
+def _result(observing: asyncio.Task) -> Observation:
+    """An observation task's answer; an environment that raised is an error observation."""
+    try:
+        return observing.result()
+    except Exception as exc:  # noqa: BLE001 - the episode goes on, told what happened
+        return Observation([], f"error: {type(exc).__name__}", True, False)
+
+
+def build_generator(model: ModelConfig, engine: EngineConfig, prompts: Mailbox, segments: Mailbox,
+                    generator_id: str, environment: EnvironmentConfig | None = None,
+                    environment_endpoint=None) -> Generator:
+    """A generator from its sections: the engine (embedded or SGLang) and its windows; with an
+    environment, each sample is an episode whose tool calls the endpoint answers."""
+    embedded = build_generator_engine(model, engine)
+    max_windows = engine.max_windows or math.ceil(engine.max_response_tokens / engine.window_tokens)
+    episodes = None
+    if environment is not None and environment.name:
+        from asyncrl.models import load_tokenizer
+
+        client = EnvironmentClient(environment_endpoint, environment.timeout_s, environment.retries)
+        episodes = build_episodes(environment, load_tokenizer(model), client)
+    return Generator(embedded, prompts, segments, sampling_params(engine), engine.window_tokens,
+                     engine.max_response_tokens, max_windows, engine.max_inflight_sequences, generator_id,
+                     long_tail=(engine.long_tail_fraction, engine.long_tail_tokens), episodes=episodes)
+
+
+class GeneratorActor(RoleShell, WeightGroupMember):
+    def __init__(self, model: ModelConfig, engine: EngineConfig, prompts: Mailbox, segments: Mailbox,
+                 generator_id: str, environment: EnvironmentConfig | None = None, environment_endpoint=None):
+        torch.set_num_threads(engine.threads)
+        self.inner = build_generator(model, engine, prompts, segments, generator_id, environment, environment_endpoint)
+
+    async def receive_weights(self, delivery: Delivery, payload=None) -> float:
+        return await self.inner.receive_weights(delivery, payload)
+
+    async def drain(self, timeout_s: float) -> dict:
+        return await self.inner.drain(timeout_s)

@@ -1,0 +1,38 @@
+"""Rank 1.. of a sharded policy learner (`policy.ranks`): a process of its own that holds its share
+of the weights, gradients and Adam's state, and runs each step with rank 0 (`actors.policy_learner`)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from asyncrl.config import AlgorithmConfig, EngineConfig, ModelConfig, PolicyConfig
+from asyncrl.learning.rank import build_policy_rank, learner_backend
+from asyncrl.sharding import join as join_ranks
+from asyncrl.weight_sync import node_address
+
+
+class PolicyRankActor:
+    """Rank 1.. of a sharded policy learner: builds its model, meets the other ranks, and runs what
+    rank 0 asks, in order (a sync actor: one call at a time)."""
+
+    METHODS = ("step", "snapshot", "state", "load")
+
+    def __init__(self, model: ModelConfig, algorithm: AlgorithmConfig, policy: PolicyConfig, engine: EngineConfig,
+                 seed: int, rendezvous: tuple[str, int], rank: int):
+        torch.set_num_threads(policy.threads)
+        self.rank = rank
+        parallel = join_ranks(*rendezvous, policy.ranks, rank, learner_backend(policy), policy.timeout_s)
+        self.inner, _ = build_policy_rank(model, algorithm, policy, engine, seed, parallel)
+
+    def call(self, method: str, *args):
+        if method not in self.METHODS:
+            raise ValueError(f"a policy rank has no method {method!r}")
+        return getattr(self.inner, method)(*args)
+
+    def stats(self) -> dict:
+        return {"rank": self.rank, "optimizer_steps": self.inner.optimizer_steps(), "node_ip": node_address()}
+
+    def pid(self) -> int:
+        return os.getpid()

@@ -1,0 +1,83 @@
+"""Trajectory recorder: writes the run's trajectory store (`asyncrl.store`) in its own process (the
+role and its Ray shell).
+
+The assembler sends the records of finished samples (kept or dropped) and the learner the batches
+it trained, both as msgspec bytes in calls nobody waits for, so recording never holds up
+generation or training. Rows are written every `flush_s` in a thread; files roll by size and age,
+and `close()` (at stop) closes the file in progress, so every sample that reached the recorder is
+in a closed file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+
+from actors.base import RoleShell
+from asyncrl.store import BATCH_RECORD_DECODER, BATCH_SCHEMA, RECORDS_DECODER, TRAJECTORY_SCHEMA, StoreWriter
+
+
+class TrajectoryRecorder:
+    def __init__(self, directory: str, max_file_bytes: int = 64 << 20, max_file_age_s: float = 600.0,
+                 flush_s: float = 5.0):
+        self.directory = directory
+        self.trajectories = StoreWriter(directory, "trajectories", TRAJECTORY_SCHEMA, max_file_bytes, max_file_age_s)
+        self.batches = StoreWriter(directory, "batches", BATCH_SCHEMA, max_file_bytes, max_file_age_s)
+        self.flush_s = flush_s
+        self._lock = asyncio.Lock()  # one writer thread at a time
+        self._running = False
+        self.counters = {"trajectories_received": 0, "batches_received": 0, "flushes": 0, "write_s": 0.0}
+
+    def add_trajectories(self, encoded: bytes) -> int:
+        records = RECORDS_DECODER.decode(encoded)
+        self.trajectories.append([msgspec.structs.asdict(r) for r in records])
+        self.counters["trajectories_received"] += len(records)
+        return len(records)
+
+    def add_batch(self, encoded: bytes) -> None:
+        record = BATCH_RECORD_DECODER.decode(encoded)
+        self.batches.append([msgspec.structs.asdict(record)])
+        self.counters["batches_received"] += 1
+
+    async def flush(self, close: bool = False) -> None:
+        async with self._lock:
+            start = time.perf_counter()
+            for writer in (self.trajectories, self.batches):
+                await asyncio.to_thread(writer.close if close else writer.flush)
+            self.counters["write_s"] += time.perf_counter() - start
+            self.counters["flushes"] += 1
+
+    async def run(self) -> None:
+        self._running = True
+        while self._running:
+            await asyncio.sleep(self.flush_s)
+            await self.flush()
+
+    def stop(self) -> None:
+        self._running = False
+
+    async def close(self) -> None:
+        """Write everything received and close the files in progress (the run is stopping)."""
+        self._running = False
+        await self.flush(close=True)
+
+    def stats(self) -> dict:
+        return {**self.counters, "trajectory_rows_written": self.trajectories.rows_written,
+                "batch_rows_written": self.batches.rows_written,
+                "files_closed": self.trajectories.files_closed + self.batches.files_closed}
+
+
+class RecorderActor(RoleShell):
+    def __init__(self, directory: str, max_file_mb: int, max_file_age_s: float):
+        self.inner = TrajectoryRecorder(directory, max_file_mb << 20, max_file_age_s)
+
+    def add_trajectories(self, encoded: bytes) -> int:
+        return self.inner.add_trajectories(encoded)
+
+    def add_batch(self, encoded: bytes) -> None:
+        self.inner.add_batch(encoded)
+
+    async def close(self) -> None:
+        await self.inner.close()

@@ -1,0 +1,234 @@
+"""Value learner: owns the value model (critic), trains it on finished trajectories at its own pace,
+and answers value requests for (E)GAE (the role, its builder, its Ray shell).
+
+* Trains only on **finished** trajectories (all windows), with targets from the critic λ
+  (1.0 = Monte-Carlo), `critic.batch_trajectories` per step, whenever that many have arrived.
+* Serves `V(s_t)` from a serving copy refreshed after each step, so a request never waits for a
+  training step and never sees half-updated weights; each answer carries the value version.
+* Warm-up (VC-PPO value pretraining): until `warmup_steps` value steps are done, `ready` is false
+  and the assembler (which asks) trains no policy rows, so the policy stays the frozen initial one.
+* With a reference policy (the PPO baseline's KL in the reward), also scores rows' tokens under
+  it (`reference_logprobs`): the reward of every token then needs it, as the value does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from actors.base import RoleShell, TrainingLoop
+from asyncrl import checkpoint
+from asyncrl.config import AlgorithmConfig, CriticConfig, EngineConfig, ModelConfig
+from asyncrl.engines.base import SamplingParams
+from asyncrl.generation import sampling_params
+from asyncrl.learning.scoring import response_logprobs
+from asyncrl.algo.warmup import warmup_finished
+from asyncrl.learning.value import ValueLossSettings, center_value_head, predict_values, value_step
+from asyncrl.mailbox import Mailbox, RecentIds
+from asyncrl.models import load_model, load_tokenizer, value_model_from_checkpoint, value_model_from_policy
+from asyncrl.schema import ScoredTrajectory
+
+
+@dataclass(frozen=True)
+class Warmup:
+    """The critic's pretraining under the frozen initial policy (`asyncrl.algo.warmup`)."""
+
+    max_steps: int = 0  # 0: no warm-up
+    min_steps: int = 0
+    patience: int = 3
+    min_gain: float = 0.01
+
+
+class ValueLearner(TrainingLoop):
+    def __init__(self, value_model, trajectories: Mailbox, settings: ValueLossSettings, lr: float,
+                 weight_decay: float, batch_trajectories: int, warmup: Warmup = Warmup(), pad_token_id: int = 0,
+                 reference=None, sampling: SamplingParams | None = None, center_head: bool = False):
+        """`warmup`: the value pretraining (no policy row trains until it is over); `center_head`:
+        start the critic's head at the mean return of the first batch (a fresh head, not a trained one)."""
+        self.model = value_model.eval()
+        # The frozen initial policy and the distribution the generators sample from (KL in the reward).
+        self.reference = None if reference is None else reference.eval().requires_grad_(False)
+        self.sampling = sampling or SamplingParams()
+        self.serving = copy.deepcopy(value_model).eval().requires_grad_(False)
+        self.trajectories = trajectories
+        self.settings = settings
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
+        self.batch_trajectories = batch_trajectories
+        self.warmup = warmup
+        self.center_head = center_head
+        self._explained: list[float] = []  # the fresh-value explained variance of each warm-up step
+        self._warmed_up = warmup.max_steps == 0
+        self.pad_token_id = pad_token_id
+        self.version = 0
+        self._seen = RecentIds(200_000)
+        self._pending: list[ScoredTrajectory] = []
+        self._serving_lock = asyncio.Lock()
+        self._train_lock = asyncio.Lock()  # a checkpoint waits for a step in progress
+        self._metrics: list[dict] = []
+        self._running = False
+        self._started = time.monotonic()
+        self.timing = {"train_s": 0.0, "serve_s": 0.0}
+        self.counters = {"value_steps": 0, "trajectories_trained": 0, "duplicate_trajectories": 0,
+                         "value_requests": 0, "rows_valued": 0, "rows_referenced": 0, "warmup_steps_taken": 0}
+        self.last: dict[str, float] = {}
+
+    @property
+    def ready(self) -> bool:
+        """The warm-up (value pretraining) is over: it learned what it could, or ran its longest."""
+        return self._warmed_up
+
+    async def values(self, rows: list[tuple[np.ndarray, np.ndarray]]) -> tuple[list[np.ndarray], int]:
+        """`V(s_t)` for the new tokens of each (context, new) row plus the state after its last
+        token (n + 1 values), and the value version used."""
+        start = time.perf_counter()
+        async with self._serving_lock:
+            version = self.version
+            out = await asyncio.to_thread(predict_values, self.serving, rows, self.pad_token_id,
+                                          self.settings.micro_batch_tokens, True)
+        self.timing["serve_s"] += time.perf_counter() - start
+        self.counters["value_requests"] += 1
+        self.counters["rows_valued"] += len(rows)
+        return out, version
+
+    async def reference_logprobs(self, rows: list[tuple[np.ndarray, np.ndarray]]) -> list[np.ndarray]:
+        """log π_ref of each (context, new) row's new tokens, under the generators' sampling settings."""
+        if self.reference is None:
+            raise RuntimeError("this value learner holds no reference policy (algorithm.kl_in_reward is off)")
+        p = self.sampling
+        start = time.perf_counter()
+        out = await asyncio.to_thread(response_logprobs, self.reference, rows, p.temperature, p.top_k, p.top_p,
+                                      self.pad_token_id, self.settings.micro_batch_tokens)
+        self.timing["serve_s"] += time.perf_counter() - start
+        self.counters["rows_referenced"] += len(rows)
+        return out
+
+    async def _train(self, batch: list[ScoredTrajectory]) -> dict:
+        start = time.perf_counter()
+        async with self._train_lock:
+            shift = None
+            if self.center_head and self.version == 0:
+                shift = await asyncio.to_thread(center_value_head, self.model, batch, self.settings.gamma,
+                                                self.pad_token_id, self.settings.micro_batch_tokens)
+            metrics = await asyncio.to_thread(value_step, self.model, self.optimizer, batch, self.settings,
+                                              self.pad_token_id)
+            async with self._serving_lock:
+                self.serving.load_state_dict(self.model.state_dict())
+                self.version += 1
+        if not self._warmed_up:
+            self._explained.append(metrics["value_explained_variance"])
+            self.counters["warmup_steps_taken"] = len(self._explained)
+            w = self.warmup
+            self._warmed_up = warmup_finished(self._explained, w.min_steps, w.max_steps, w.patience, w.min_gain)
+        elapsed = time.perf_counter() - start
+        self.timing["train_s"] += elapsed
+        self.counters["value_steps"] += 1
+        self.counters["trajectories_trained"] += len(batch)
+        record = {"value_step": self.version, **metrics, "value_train_s": elapsed, "value_ready": self.ready,
+                  **({"value_head_shift": shift} if shift is not None else {})}
+        self.last = record
+        self._metrics.append(record)
+        return record
+
+    async def step_once(self, timeout: float = 1.0) -> dict | None:
+        got = await self.trajectories.get(self.batch_trajectories, timeout=timeout)
+        for t in got:
+            if t.msg_id in self._seen:
+                self.counters["duplicate_trajectories"] += 1
+            else:
+                self._seen.add(t.msg_id)
+                self._pending.append(t)
+        # Held here from now on (a crash before training loses at most this partial batch).
+        if got:
+            await self.trajectories.ack([t.msg_id for t in got])
+        if len(self._pending) < self.batch_trajectories:
+            return None
+        batch, self._pending = self._pending[: self.batch_trajectories], self._pending[self.batch_trajectories:]
+        return await self._train(batch)
+
+    async def run(self) -> None:
+        self._running = True
+        self._started = time.monotonic()
+        while self._running:
+            await self.step_once()
+
+    # --- checkpoints -------------------------------------------------------------------------------
+
+    async def save_checkpoint_part(self, directory: str) -> None:
+        """Write the value model, optimizer and version into a checkpoint directory. The partial
+        batch held here is not saved: its trajectories were regenerated-or-trained policy samples
+        already, and the critic simply sees other ones."""
+        async with self._train_lock:  # between steps, the serving copy equals the model
+            await asyncio.to_thread(checkpoint.save_value_part, directory, self.model, self.optimizer, self.version,
+                                    dict(self.counters))
+
+    def load_checkpoint(self, directory: str) -> None:
+        from safetensors.torch import load_file
+
+        part = os.path.join(directory, "value")
+        state = load_file(os.path.join(part, "model.safetensors"))
+        self.model.load_state_dict(state)
+        self.serving.load_state_dict(state)
+        self.optimizer.load_state_dict(checkpoint.load_tensors(os.path.join(part, "optimizer.pt"))["optimizer"])
+        meta = checkpoint.load_json(os.path.join(part, "state.json"))
+        self.version = int(meta["version"])
+        self.counters.update({k: v for k, v in meta["counters"].items() if k in self.counters})
+        # A resumed critic was warmed up if it took its warm-up steps (or more) before the checkpoint.
+        self._warmed_up = self._warmed_up or self.version > self.counters["warmup_steps_taken"] or \
+            self.version >= self.warmup.max_steps
+
+    def stats(self) -> dict:
+        wall = max(time.monotonic() - self._started, 1e-9)
+        return {"value_version": self.version, "value_ready": self.ready, "pending_trajectories": len(self._pending),
+                **self.counters, **{f"value_{k}": v for k, v in self.timing.items()},
+                "value_busy_fraction": self.timing["train_s"] / wall, "last": self.last}
+
+
+def build_value_learner(model: ModelConfig, critic: CriticConfig, algorithm: AlgorithmConfig, engine: EngineConfig,
+                        seed: int, trajectories: Mailbox) -> ValueLearner:
+    """`algorithm`: γ, and whether the KL to the reference is a reward (then this learner holds the
+    reference policy and scores tokens under `engine`'s sampling settings)."""
+    torch.manual_seed(seed + 1)
+    tokenizer = load_tokenizer(model)
+    if critic.init_path:
+        value_model = value_model_from_checkpoint(critic.init_path, model, tokenizer)
+    else:
+        value_model = value_model_from_policy(load_model(model, tokenizer))
+    settings = ValueLossSettings(gamma=algorithm.gamma, lam=critic.lam, clip_low=critic.clip_low,
+                                 clip_high=critic.clip_high, grad_clip=critic.grad_clip,
+                                 micro_batch_tokens=critic.micro_batch_tokens)
+    reference = load_model(model, tokenizer).to(critic.device) if algorithm.kl_in_reward else None
+    warmup = Warmup(critic.warmup_steps, critic.warmup_min_steps, critic.warmup_patience, critic.warmup_min_gain)
+    return ValueLearner(value_model.to(critic.device), trajectories, settings, critic.lr, critic.weight_decay,
+                        critic.batch_trajectories, warmup, tokenizer.pad_token_id or 0, reference=reference,
+                        sampling=sampling_params(engine), center_head=critic.head_init == "mean_return" and not critic.init_path)
+
+
+class ValueLearnerActor(RoleShell):
+    def __init__(self, model: ModelConfig, critic: CriticConfig, algorithm: AlgorithmConfig, engine: EngineConfig,
+                 seed: int, trajectories: Mailbox, resume_from: str | None = None):
+        torch.set_num_threads(critic.threads)
+        self.inner = build_value_learner(model, critic, algorithm, engine, seed, trajectories)
+        if resume_from:
+            self.inner.load_checkpoint(resume_from)
+
+    async def save_checkpoint_part(self, directory: str) -> None:
+        await self.inner.save_checkpoint_part(directory)
+
+    async def values(self, rows):
+        return await self.inner.values(rows)
+
+    async def reference_logprobs(self, rows):
+        return await self.inner.reference_logprobs(rows)
+
+    def ready(self) -> bool:
+        """The warm-up (value pretraining) is over: the assembler may train policy rows."""
+        return self.inner.ready
+
+    def pop_metrics(self) -> list[dict]:
+        return self.inner.pop_metrics()

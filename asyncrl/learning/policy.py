@@ -1,0 +1,235 @@
+"""One policy optimisation step over a `TrainBatch`: collation, log-probs, loss, gradient.
+
+Algorithm-blind: advantages arrive with the batch (computed by the assembler with
+`asyncrl.algo`); this module sums fixed loss terms (clipped policy loss, optional KL to a
+reference, entropy, positive-example NLL) and steps the optimizer. Prompt tokens and
+earlier-window context carry no gradient: only `new_token_ids` of each row are scored, and of
+those only the tokens whose behaviour distribution the learner can score (`Segment.new_scored`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from asyncrl.algo.losses import (agg_loss, behaviour_weights, kl_penalty, positive_example_nll, ppo_policy_loss,
+                                 rollout_mismatch)
+from asyncrl.learning.rows import (Collated, autocast, clip_and_step, collate, device_of, mini_batch_rows,
+                                   rank_micro_batches, row_length, width_of)
+from asyncrl.learning.scoring import token_logprobs
+from asyncrl.schema import TrainSample
+from asyncrl.sharding import DataParallel
+
+
+@dataclass
+class PolicyLossSettings:
+    clip_low: float
+    clip_high: float
+    dual_clip: float | None
+    loss_agg: str
+    kl_coef: float
+    entropy_coef: float
+    temperature: float
+    grad_clip: float
+    micro_batch_tokens: int
+    nll_coef: float = 0.0
+    norm_constant: float | None = None
+    """Divisor of `seq-mean-token-sum-norm`: a fixed length (the run passes the response budget), so
+    the loss scale does not move with the batch's longest row."""
+    ppo_epochs: int = 1
+    mini_batches: int = 1
+    """Each batch is trained `ppo_epochs` times in `mini_batches` optimizer updates (DAPO/VAPO:
+    many updates per rollout step, so the clip acts as a trust region)."""
+    proximal_anchor: bool = True
+    """With more than one update per batch, clip around the proximal policy (the learner's weights
+    before the batch's first update; decoupled PPO, AReaL) and weight each token by the capped
+    importance ratio proximal/behaviour: tokens come from several versions."""
+    behaviour_weight_cap: float = 5.0
+    rollout_correction: str = "none"
+    """Rollout-training mismatch correction (`asyncrl.algo.losses.behaviour_weights`): when set, the
+    proximal log-probs are recomputed every batch and weight the loss with cap `rollout_is_cap`."""
+    rollout_is_cap: float = 2.0
+    precision: str = "fp32"
+    """bf16: forward and backward under bf16 autocast (the weights and Adam's state stay fp32)."""
+    kl_estimator: str = "low_var_kl"
+    # The sampling distribution of the generators, so the learner scores the distribution the
+    # tokens were drawn from (the same `filtered_logprobs` as the sampler).
+    top_k: int = 0
+    top_p: float = 1.0
+    logits_chunk_tokens: int = 0
+    """Project the vocabulary this many trained positions at a time, each chunk recomputed in the
+    backward (0: all at once, kept for the backward)."""
+
+
+def _micro_batch_weight(mode: str, mask: torch.Tensor, total_tokens: float, total_seqs: float) -> float:
+    """Scale of a micro-batch's aggregated loss so that the weighted sum is the global aggregate."""
+    if mode == "token-mean":
+        return float(mask.sum()) / total_tokens
+    if mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
+        return float((mask.sum(-1) > 0).sum()) / total_seqs
+    return 1.0
+
+
+def _trained_positions(collated: Collated, sl) -> torch.Tensor:
+    return (collated.response_mask[sl] > 0) | (collated.nll_mask[sl] > 0)
+
+
+def proximal_logprobs(model, collated: Collated, settings: PolicyLossSettings,
+                      parallel: DataParallel | None = None) -> torch.Tensor:
+    """log π_prox of every trained token: the current weights, before the batch's first update
+    (each rank scores its micro-batches; the sum over ranks fills every row)."""
+    out = torch.zeros(collated.targets.shape, device=collated.targets.device)
+    with torch.no_grad(), autocast(model, settings.precision):
+        for rows, ghost in rank_micro_batches(collated, settings.micro_batch_tokens, parallel):
+            sl = (rows, slice(0, width_of(collated.attention_mask, rows)))
+            logp, _ = token_logprobs(model, collated.input_ids[sl], collated.attention_mask[sl], collated.targets[sl],
+                                     settings.temperature, positions=_trained_positions(collated, sl),
+                                     top_k=settings.top_k, top_p=settings.top_p, chunk_tokens=settings.logits_chunk_tokens)
+            if not ghost:
+                out[sl] = logp.float()
+    if parallel is not None:
+        parallel.sum_tensor(out)
+    return out
+
+
+def _policy_update(model, optimizer, collated: Collated, settings: PolicyLossSettings, reference_model,
+                   proximal: torch.Tensor | None, weights: torch.Tensor | None = None,
+                   mismatch: list | None = None, parallel: DataParallel | None = None) -> dict[str, float]:
+    """One optimizer update over `collated` (micro-batched gradient accumulation). `weights`: the
+    behaviour correction per token; `mismatch`: where each micro-batch's rollout mismatch goes (the
+    first update, whose forward is at the weights the behaviour log-probs are compared with).
+    Sharded (`parallel`): each rank accumulates its micro-batches' gradients, each scaled by the
+    whole batch's totals, and the ranks' gradients are summed (`asyncrl.sharding`), so the update
+    is the one-rank update; the metric sums are summed over the ranks too."""
+    total_tokens = max(float(collated.response_mask.sum()), 1.0)
+    total_seqs = max(float((collated.response_mask.sum(-1) > 0).sum()), 1.0)
+    norm_constant = settings.norm_constant or float(collated.response_mask.shape[-1])
+    total_nll_tokens = float(collated.nll_mask.sum())
+    # Nothing to train (every token masked): the metrics are still computed (every record has the
+    # same fields), but no step is taken: an Adam step on zero gradients would still move the
+    # weights by its momentum.
+    nothing = not float(collated.response_mask.sum()) and not total_nll_tokens
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    sums: dict[str, float] = {}
+    for rows, ghost in rank_micro_batches(collated, settings.micro_batch_tokens, parallel):
+        sl = (rows, slice(0, width_of(collated.attention_mask, rows)))
+        mask = collated.response_mask[sl]
+        share = 0.0 if ghost else 1.0  # a ghost runs the collectives and counts for nothing
+        with autocast(model, settings.precision):
+            logp, entropy = token_logprobs(model, collated.input_ids[sl], collated.attention_mask[sl],
+                                           collated.targets[sl], settings.temperature, with_entropy=True,
+                                           positions=_trained_positions(collated, sl), top_k=settings.top_k,
+                                           top_p=settings.top_p, chunk_tokens=settings.logits_chunk_tokens)
+        pg_loss, metrics = ppo_policy_loss(
+            logp, collated.old_logprobs[sl], collated.advantages[sl], mask,
+            settings.clip_low, settings.clip_high, settings.dual_clip, settings.loss_agg, norm_constant,
+            proximal_logp=None if proximal is None else proximal[sl], behaviour_weight=None if weights is None else weights[sl],
+        )
+        if mismatch is not None and not ghost:
+            mismatch.append((rollout_mismatch(logp.detach(), collated.old_logprobs[sl], mask), float(mask.sum())))
+        loss = pg_loss
+        if settings.entropy_coef:
+            loss = loss - settings.entropy_coef * agg_loss(entropy, mask, settings.loss_agg, norm_constant)
+        # VAPO positive-example LM loss: already normalised by the batch's count of such tokens,
+        # so the micro-batch parts simply add up.
+        nll = positive_example_nll(logp, collated.nll_mask[sl], torch.ones(len(logp), device=logp.device),
+                                   normalizer=total_nll_tokens)
+        if settings.kl_coef and reference_model is not None:
+            with torch.no_grad():
+                ref_logp, _ = token_logprobs(reference_model, collated.input_ids[sl], collated.attention_mask[sl],
+                                             collated.targets[sl], settings.temperature, positions=mask > 0,
+                                             top_k=settings.top_k, top_p=settings.top_p,
+                                             chunk_tokens=settings.logits_chunk_tokens)
+            kl = agg_loss(kl_penalty(logp, ref_logp, settings.kl_estimator), mask, settings.loss_agg, norm_constant)
+            loss = loss + settings.kl_coef * kl
+            metrics["kl_ref"] = kl.item()
+        weight = _micro_batch_weight(settings.loss_agg, mask, total_tokens, total_seqs)
+        ((loss * weight + settings.nll_coef * nll) * share).backward()
+        sums["nll_positive"] = sums.get("nll_positive", 0.0) + nll.item() * share
+        token_share = float(mask.sum()) / total_tokens * share
+        metrics["entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1))
+        metrics["loss"] = loss.item()
+        for key, value in metrics.items():
+            sums[key] = sums.get(key, 0.0) + value * token_share
+    if parallel is not None:
+        sums = parallel.sum(sums)
+    # The batch's flag, set after the sum over ranks (every rank sees the whole batch: summed, two
+    # ranks counted a skipped update twice and the learner's update count fell behind Adam's).
+    sums["skipped_updates"] = float(nothing)
+    if nothing:
+        optimizer.zero_grad(set_to_none=True)
+        model.eval()
+        return {**sums, "grad_norm": 0.0}
+    grad_norm = clip_and_step(model, optimizer, settings.grad_clip)
+    return {**sums, "grad_norm": float(grad_norm)}
+
+
+def policy_step(model, optimizer, samples: list[TrainSample], settings: PolicyLossSettings,
+                reference_model=None, pad_token_id: int = 0, parallel: DataParallel | None = None) -> dict[str, float]:
+    """Train on one batch: `ppo_epochs` passes of `mini_batches` optimizer updates each (one update
+    by default). Returns metrics: the updates' mean, the first and last update's clip fraction and
+    approximate KL (the trust region at work), and the rollout-training mismatch. `parallel`: this
+    rank of a sharded learner (every rank calls it with the whole batch and trains its share)."""
+    # Rows sorted by length, micro-batches trimmed to their longest row: little padding with
+    # long-tailed lengths. The loss is a sum over rows, so their order does not change it.
+    samples = sorted(samples, key=lambda s: row_length(s.segment))
+    collated = collate(samples, pad_token_id).to(device_of(model))
+    if not settings.nll_coef:
+        collated.nll_mask.zero_()  # no logits wanted at NLL-only positions
+    minis = mini_batch_rows(len(samples), settings.mini_batches)
+    updates = settings.ppo_epochs * len(minis)
+    correcting = settings.rollout_correction != "none"
+    proximal = weights = None
+    if correcting or (settings.proximal_anchor and updates > 1):
+        proximal = proximal_logprobs(model, collated, settings, parallel)
+        mode, cap = ((settings.rollout_correction, settings.rollout_is_cap) if correcting
+                     else ("token_tis", settings.behaviour_weight_cap))
+        weights = behaviour_weights(proximal, collated.old_logprobs, collated.response_mask, mode, cap)
+        mismatch = rollout_mismatch(proximal, collated.old_logprobs, collated.response_mask)
+    parts: list = []
+    history = []
+    for _ in range(settings.ppo_epochs):
+        for rows in minis:
+            index = torch.as_tensor(rows, device=collated.input_ids.device)
+            part = collated if len(minis) == 1 else collated.select(rows)
+            prox = None if proximal is None else (proximal if len(minis) == 1 else proximal.index_select(0, index))
+            w = None if weights is None else (weights if len(minis) == 1 else weights.index_select(0, index))
+            history.append(_policy_update(model, optimizer, part, settings, reference_model, prox, w,
+                                          parts if proximal is None and not history else None, parallel))
+    if proximal is None:  # measured in the first update's forward, at the same weights
+        mismatch = _combine_mismatch(parts if parallel is None else [p for ps in parallel.gather(parts) for p in ps])
+    metrics = {k: float(np.mean([h.get(k, 0.0) for h in history])) for k in history[0]}
+    for key in ("clip_fraction", "approx_kl"):
+        metrics[f"{key}_first_update"], metrics[f"{key}_last_update"] = history[0][key], history[-1][key]
+    metrics["skipped_updates"] = float(sum(h["skipped_updates"] for h in history))
+    return {**metrics, **mismatch, "policy_updates": updates, "tokens_trained": float(collated.response_mask.sum()),
+            "rows_trained": len(samples)}
+
+
+def _combine_mismatch(parts: list[tuple[dict[str, float], float]]) -> dict[str, float]:
+    tokens = sum(n for _, n in parts) or 1.0
+    return {"rollout_kl_k1": sum(m["rollout_kl_k1"] * n for m, n in parts) / tokens,
+            "rollout_kl_k3": sum(m["rollout_kl_k3"] * n for m, n in parts) / tokens,
+            "rollout_ratio_max": max((m["rollout_ratio_max"] for m, n in parts if n), default=1.0),
+            "rollout_ratio_min": min((m["rollout_ratio_min"] for m, n in parts if n), default=1.0)}
+
+
+
+def loss_settings(algorithm, policy, engine) -> PolicyLossSettings:
+    """The policy loss of a run from its sections (`algorithm`, `policy`, `engine`): the learner
+    scores tokens under the distribution the generators sampled from (`engine`'s temperature,
+    top-k, top-p)."""
+    a, p, e = algorithm, policy, engine
+    return PolicyLossSettings(
+        clip_low=p.clip_low, clip_high=p.clip_high, dual_clip=p.dual_clip, loss_agg=p.loss_agg,
+        kl_coef=0.0 if a.kl_in_reward else a.kl_coef,  # in the reward: the value learner scores it
+        entropy_coef=p.entropy_coef, temperature=e.temperature, grad_clip=p.grad_clip,
+        micro_batch_tokens=p.micro_batch_tokens, nll_coef=a.nll_coef,
+        norm_constant=float(p.loss_norm_tokens or e.max_response_tokens), ppo_epochs=p.ppo_epochs,
+        mini_batches=p.mini_batches, proximal_anchor=p.proximal_anchor, behaviour_weight_cap=p.behaviour_weight_cap,
+        rollout_correction=p.rollout_correction, rollout_is_cap=p.rollout_is_cap, precision=p.precision,
+        kl_estimator=a.kl_estimator, top_k=e.top_k, top_p=e.top_p, logits_chunk_tokens=p.logits_chunk_tokens,
+    )

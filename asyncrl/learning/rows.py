@@ -1,0 +1,185 @@
+"""Training rows as padded tensors: a row is `context + new tokens` (prompt and earlier windows,
+then the tokens it trains), right-padded into `[B, L]`; micro-batches by token count; the
+optimizer step both learners share.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from asyncrl.algo.shaping import is_positive
+from asyncrl.schema import TrainSample, observation_mask, segment_row, scored_mask
+from asyncrl.sharding import DataParallel, parts_of_rank
+
+
+@dataclass
+class Collated:
+    """Right-padded rows: context (prompt + earlier windows) then this row's new tokens."""
+
+    input_ids: torch.Tensor  # [B, L]
+    attention_mask: torch.Tensor  # [B, L]
+    response_mask: torch.Tensor  # [B, L]: 1 where a position's *next* token is a trained new token
+    targets: torch.Tensor  # [B, L]: the next token at each position (0 where not trained)
+    old_logprobs: torch.Tensor  # [B, L], behaviour log-probs aligned with targets
+    advantages: torch.Tensor  # [B, L]
+    nll_mask: torch.Tensor  # [B, L]: every generated token of finished, positive rows (positive-example NLL)
+
+    def _tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.input_ids, self.attention_mask, self.response_mask, self.targets, self.old_logprobs,
+                self.advantages, self.nll_mask)
+
+    def select(self, rows: list[int]) -> "Collated":
+        index = torch.as_tensor(rows, dtype=torch.long, device=self.input_ids.device)
+        return Collated(*(t.index_select(0, index) for t in self._tensors()))
+
+    def to(self, device: torch.device | str) -> "Collated":
+        return Collated(*(t.to(device) for t in self._tensors()))
+
+
+@dataclass
+class RowLayout:
+    """Right-padded token rows `context + new`; row i's new tokens are scored at `slices[i]`
+    (the logits/hidden state at position p belong to the token at p+1)."""
+
+    input_ids: torch.Tensor  # [B, L]
+    attention_mask: torch.Tensor  # [B, L]
+    slices: list[slice]
+
+    def place(self, per_row: list[np.ndarray], dtype=torch.float32) -> torch.Tensor:
+        """Scatter one array per row (aligned with its new tokens) into a `[B, L]` tensor (on the
+        layout's device)."""
+        out = torch.zeros(self.input_ids.shape, dtype=dtype)
+        for i, (sl, values) in enumerate(zip(self.slices, per_row)):
+            out[i, sl] = torch.as_tensor(np.asarray(values), dtype=dtype)
+        return out.to(self.input_ids.device)
+
+    def gather(self, full: torch.Tensor) -> list[np.ndarray]:
+        return [full[i, sl].detach().float().cpu().numpy().copy() for i, sl in enumerate(self.slices)]
+
+
+def device_of(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def layout_rows(rows: list[tuple[np.ndarray, np.ndarray]], pad_token_id: int = 0, device="cpu") -> RowLayout:
+    """`rows` = (context ids, new ids) pairs, as tensors on `device`. A row needs at least one
+    context token."""
+    width = max(len(c) + len(n) for c, n in rows)
+    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    slices = []
+    for i, (context, new) in enumerate(rows):
+        c, n = len(context), len(new)
+        if c < 1:
+            raise ValueError("a row needs at least one context (prompt) token")
+        input_ids[i, :c] = torch.from_numpy(np.asarray(context, dtype=np.int64))
+        input_ids[i, c : c + n] = torch.from_numpy(np.asarray(new, dtype=np.int64))
+        attention_mask[i, : c + n] = 1
+        slices.append(slice(c - 1, c - 1 + n))
+    return RowLayout(input_ids.to(device), attention_mask.to(device), slices)
+
+
+def collate(samples: list[TrainSample], pad_token_id: int = 0) -> Collated:
+    """Samples as right-padded tensors. A token is trained where its loss mask is 1 and the engine
+    marked it scored (FIRE's hot first token and EOS held back by a minimum length were drawn from a
+    distribution the learner does not score)."""
+    layout = layout_rows([segment_row(s.segment) for s in samples], pad_token_id)
+    ones = [np.ones(len(s.segment.new_token_ids), dtype=np.float32) for s in samples]
+    loss_masks = [(m if s.loss_mask is None else s.loss_mask.astype(np.float32)) * scored_mask(s.segment)
+                  for s, m in zip(samples, ones)]
+    positive = [float(s.segment.finished and is_positive(s.correct, s.score)) for s in samples]
+    return Collated(
+        input_ids=layout.input_ids,
+        attention_mask=layout.attention_mask,
+        response_mask=layout.place(loss_masks),
+        targets=layout.place([s.segment.new_token_ids for s in samples], torch.long),
+        old_logprobs=layout.place([s.segment.new_logprobs for s in samples]),
+        advantages=layout.place([s.advantages for s in samples]),
+        # Every generated token of a positive row, never an environment's observation.
+        nll_mask=layout.place([(1.0 - observation_mask(s.segment)) * p for s, p in zip(samples, positive)]),
+    )
+
+
+def row_length(segment) -> int:
+    return len(segment.prompt_token_ids) + len(segment.prior_response_ids) + len(segment.new_token_ids)
+
+
+def width_of(attention_mask: torch.Tensor, rows: slice) -> int:
+    """Columns a micro-batch of right-padded rows needs (its longest row): a batch holding one long
+    row would otherwise pad every micro-batch to that length."""
+    return int(attention_mask[rows].sum(-1).max())
+
+
+def micro_batches(collated: Collated, max_tokens: int) -> list[slice]:
+    """Contiguous row ranges whose padded token count stays under `max_tokens` (at least one row)."""
+    return micro_batches_of(RowLayout(collated.input_ids, collated.attention_mask, []), max_tokens)
+
+
+def micro_batches_of(layout: RowLayout, max_tokens: int) -> list[slice]:
+    """Contiguous row ranges whose padded token count stays under `max_tokens` (at least one row)."""
+    lengths = layout.attention_mask.sum(-1).tolist()
+    slices, start, longest = [], 0, 0
+    for i, length in enumerate(lengths):
+        if i > start and max(longest, length) * (i - start + 1) > max_tokens:
+            slices.append(slice(start, i))
+            start, longest = i, 0
+        longest = max(longest, length)
+    slices.append(slice(start, len(lengths)))
+    return slices
+
+
+def rank_micro_batches(collated: Collated, max_tokens: int, parallel: DataParallel | None) -> list[tuple[slice, bool]]:
+    """This rank's micro-batches of `collated` as (rows, ghost): all of them on one rank; dealt
+    round-robin over the ranks of a sharded learner, each rank getting as many (a ghost, weighted
+    0, evens a short share: every rank runs the same number of forwards and backwards, as FSDP's
+    collectives require)."""
+    parts = micro_batches(collated, max_tokens)
+    return parts_of_rank(parts, parallel)
+
+
+def mini_batch_rows(n_rows: int, mini_batches: int) -> list[list[int]]:
+    """Rows (sorted by length) dealt round-robin into `mini_batches` updates: each update gets a
+    spread of lengths and stays sorted, so its micro-batches pad little."""
+    k = max(1, min(mini_batches, n_rows))
+    return [list(range(i, n_rows, k)) for i in range(k)]
+
+
+def length_sorted_chunks(rows: list[tuple[np.ndarray, np.ndarray]], max_tokens: int) -> Iterator[list[int]]:
+    """Indices of `rows` (context, new) in length order, in chunks whose padded token count stays
+    under `max_tokens` (at least one row each): inference over many rows with little padding."""
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]) + len(rows[i][1]))
+    start = 0
+    while start < len(order):
+        end, longest = start, 0
+        while end < len(order):
+            length = len(rows[order[end]][0]) + len(rows[order[end]][1])
+            if end > start and max(longest, length) * (end - start + 1) > max_tokens:
+                break
+            longest = max(longest, length)
+            end += 1
+        yield order[start:end]
+        start = end
+
+
+def clip_and_step(model, optimizer, grad_clip: float) -> torch.Tensor:
+    """Clip the gradient norm and step; a non-finite norm skips the step (no NaN reaches the weights)."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    if hasattr(grad_norm, "full_tensor"):  # sharded parameters: the norm over every rank's shard
+        grad_norm = grad_norm.full_tensor()
+    if math.isfinite(float(grad_norm)):
+        optimizer.step()
+    else:
+        optimizer.zero_grad(set_to_none=True)
+    model.eval()
+    return grad_norm
+
+
+def autocast(model, precision: str):
+    """bf16 autocast on the model's device (fp32 master weights: only the matmuls run in bf16)."""
+    return torch.autocast(device_type=device_of(model).type, dtype=torch.bfloat16, enabled=precision == "bf16")
+

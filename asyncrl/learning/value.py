@@ -1,0 +1,136 @@
+"""The value model's side: values for (E)GAE, and one critic update on finished trajectories."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from asyncrl.learning.rows import (clip_and_step, device_of, layout_rows, length_sorted_chunks, micro_batches_of,
+                                   row_length, width_of)
+from asyncrl.schema import ScoredTrajectory, observation_mask, segment_row
+
+
+@dataclass
+class ValueLossSettings:
+    gamma: float
+    lam: float  # critic λ (1.0: Monte-Carlo targets)
+    clip_low: float | None
+    clip_high: float | None
+    grad_clip: float
+    micro_batch_tokens: int
+
+
+def trajectory_rewards(trajectory: ScoredTrajectory) -> np.ndarray:
+    """Per-token rewards of a finished response: dense rewards (if any) plus the score on the last token."""
+    n = len(trajectory.segment.new_token_ids)
+    rewards = np.zeros(n, dtype=np.float32)
+    if trajectory.token_rewards is not None:
+        m = min(n, len(trajectory.token_rewards))
+        rewards[:m] = trajectory.token_rewards[:m]
+    if n:
+        rewards[-1] += trajectory.score
+    return rewards
+
+
+def predict_values(value_model, rows: list[tuple[np.ndarray, np.ndarray]], pad_token_id: int = 0,
+                   max_tokens: int = 4096, with_next: bool = False) -> list[np.ndarray]:
+    """`V(s_t)` for each new token of each (context, new) row: the state before the token. With
+    `with_next`, one more value per row: the state after its last token."""
+    by_index: dict[int, np.ndarray] = {}
+    with torch.no_grad():
+        for chunk in length_sorted_chunks(rows, max_tokens):
+            layout = layout_rows([rows[i] for i in chunk], pad_token_id, device_of(value_model))
+            values = value_model(layout.input_ids, layout.attention_mask).float().cpu()
+            for j, i in enumerate(chunk):
+                sl = layout.slices[j]
+                stop = sl.stop + 1 if with_next else sl.stop
+                by_index[i] = values[j, sl.start : stop].numpy().copy()
+    return [by_index[i] for i in range(len(rows))]
+
+
+def value_step(value_model, optimizer, trajectories: list[ScoredTrajectory], settings: ValueLossSettings,
+               pad_token_id: int = 0) -> dict[str, float]:
+    """One critic update on finished trajectories. Targets are GAE returns with the critic λ (λ=1:
+    Monte-Carlo returns, independent of the values); the loss is the clipped value loss around the
+    values recorded when each trajectory was valued for its advantages (the PPO recipe: the clip
+    bounds how far the critic moves from the values the policy was trained with). A trajectory
+    without recorded values (valued never: warm-up) is anchored at the pre-step values, where the
+    clip cannot act. Token-mean over the batch.
+
+    One forward per micro-batch: the pre-step values are that forward's own output (the weights
+    change only after every micro-batch), and GAE runs row by row, so a micro-batch's returns need
+    only its own rows. The explained variance is measured on those fresh values (the critic as it is
+    now); `value_explained_variance_recorded` on the recorded anchors (what the rows were valued with)."""
+    from asyncrl.algo.advantages import critic_returns
+    from asyncrl.algo.losses import value_loss
+
+    if not all(t.segment.finished for t in trajectories):
+        raise ValueError("the value model trains on finished trajectories only")
+    trajectories = sorted(trajectories, key=lambda t: row_length(t.segment))  # see policy_step
+    layout = layout_rows([segment_row(t.segment) for t in trajectories], pad_token_id, device_of(value_model))
+    chunks = [(rows, slice(0, width_of(layout.attention_mask, rows)))
+              for rows in micro_batches_of(layout, settings.micro_batch_tokens)]
+    # The critic values policy positions only: an observation is not an action (`gae` carries V and
+    # Â across it).
+    mask = layout.place([1.0 - observation_mask(t.segment).astype(np.float32) for t in trajectories])
+    rewards = layout.place([trajectory_rewards(t) for t in trajectories])
+    recorded = torch.tensor([t.values is not None for t in trajectories], device=mask.device)
+    placed = layout.place([t.values if t.values is not None else np.zeros(len(t.segment.new_token_ids))
+                           for t in trajectories])
+    fresh, anchors, returns = (torch.zeros(mask.shape, device=mask.device) for _ in range(3))
+    total_tokens = max(float(mask.sum()), 1.0)
+    value_model.train()
+    optimizer.zero_grad(set_to_none=True)
+    sums = {"value_loss": 0.0, "value_clip_fraction": 0.0}
+    for sl in chunks:
+        values = value_model(layout.input_ids[sl], layout.attention_mask[sl])
+        fresh[sl] = values.detach().float() * mask[sl]
+        anchors[sl] = torch.where(recorded[sl[0], None], placed[sl], fresh[sl]) * mask[sl]
+        # Positions run left to right through context then response; GAE walks only the masked ones.
+        returns[sl] = critic_returns(rewards[sl], anchors[sl], mask[sl], settings.gamma, settings.lam)
+        loss, metrics = value_loss(values, anchors[sl], returns[sl], mask[sl], settings.clip_low, settings.clip_high)
+        share = float(mask[sl].sum()) / total_tokens
+        (loss * share).backward()
+        sums["value_loss"] += loss.item() * share
+        sums["value_clip_fraction"] += metrics["value_clip_fraction"] * share
+    grad_norm = clip_and_step(value_model, optimizer, settings.grad_clip)
+    m = mask.bool()
+    return {**sums, "value_grad_norm": float(grad_norm),
+            "value_explained_variance": explained_variance(returns[m], fresh[m]),
+            "value_explained_variance_recorded": explained_variance(returns[m], anchors[m]),
+            "value_mean": float(fresh[m].mean()), "return_mean": float(returns[m].mean()),
+            "value_tokens": total_tokens, "value_trajectories": len(trajectories),
+            "value_anchor_recorded_fraction": float(recorded.float().mean())}
+
+
+def explained_variance(targets: torch.Tensor, predictions: torch.Tensor) -> float:
+    """1 − Var(targets − predictions) / Var(targets) (0 when the targets do not vary)."""
+    target_var = targets.var(unbiased=False)
+    if float(target_var) <= 1e-12:
+        return 0.0
+    return 1.0 - float((targets - predictions).var(unbiased=False) / target_var)
+
+
+def center_value_head(value_model, trajectories: list[ScoredTrajectory], gamma: float, pad_token_id: int = 0,
+                      max_tokens: int = 4096) -> float:
+    """Start a fresh critic at the mean Monte-Carlo return of `trajectories` (the initial policy's
+    first ones): its head's bias moves so that the mean value over their response tokens equals
+    their mean return. Returns the shift."""
+    from asyncrl.algo.advantages import critic_returns
+    from asyncrl.algo.warmup import mean_return_bias
+
+    rows = [segment_row(t.segment) for t in trajectories]
+    values = predict_values(value_model, rows, pad_token_id, max_tokens)
+    returns_sum, values_sum, tokens = 0.0, 0.0, 0
+    for t, v in zip(trajectories, values):
+        rewards = torch.from_numpy(trajectory_rewards(t)).double()[None]
+        mask = torch.ones_like(rewards)
+        returns_sum += float(critic_returns(rewards, torch.zeros_like(rewards), mask, gamma, 1.0).sum())
+        values_sum += float(np.sum(v))
+        tokens += len(v)
+    shift = mean_return_bias(returns_sum, values_sum, tokens)
+    with torch.no_grad():
+        value_model.head.bias.add_(shift)
+    return shift

@@ -1,0 +1,132 @@
+"""Retirement of prompts with no learning signal: the prompt source's record of each prompt's recent
+groups, which prompts sit out and until when, and the log of it (`retirements.jsonl`).
+
+A group's verdict (all correct / all wrong / mixed) comes from the rewards the assembler saw; a
+prompt whose last `after_groups` groups had no signal (solved, or with `unsolved` also all wrong)
+sits out until `epochs` datasets' worth of other prompts were issued, then comes back; one group
+with signal brings it back sooner. The rules are the pure functions of `asyncrl.algo.selection`.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+from asyncrl.algo.selection import group_verdict, retirement_reason
+
+# A sample's outcome as the assembler saw it: (issued prompt id, sample index, correct, score, failed).
+Outcome = tuple[str, int, "bool | None", float, bool]
+
+
+@dataclass
+class Retirement:
+    reason: str  # solved | unsolved | no_signal
+    until_issued: int  # skipped until the prompt source has issued this many prompts
+    since_version: int  # the delivered version when it was retired
+    times: int = 1  # retired again after a re-test without signal
+    issue_no: int = 0  # the issue of the group that retired it: older groups cannot bring it back
+
+
+class Retirements:
+    def __init__(self, group_size: int, after_groups: int = 0, epochs: int = 1, unsolved: bool = True,
+                 filter_metric: str = "acc"):
+        self.group_size = group_size
+        self.after_groups, self.epochs, self.unsolved, self.filter_metric = after_groups, epochs, unsolved, filter_metric
+        self._groups: collections.OrderedDict[str, dict[int, Outcome]] = collections.OrderedDict()
+        self.verdicts: dict[str, collections.deque] = {}  # example id -> its recent groups' verdicts
+        self.retired: dict[str, Retirement] = {}  # example id -> why and until when
+        self.issue_no: dict[str, int] = {}  # open prompt id -> its issue number (ordering verdicts)
+        self.log: collections.deque[dict] = collections.deque(maxlen=100)
+        self.counts = collections.Counter()  # retired / back / skipped / retests / by reason
+
+    @property
+    def enabled(self) -> bool:
+        return self.after_groups > 0
+
+    def issued(self, prompt_id: str, issue_no: int) -> None:
+        if self.enabled:
+            self.issue_no[prompt_id] = issue_no
+            while len(self.issue_no) > 4096:  # prompts whose groups never complete (work lost in a restart)
+                self.issue_no.pop(next(iter(self.issue_no)))
+
+    def note_outcome(self, outcome: Outcome, issued: int, examples: int, delivered_version: int) -> None:
+        """One sample's reward; when its group is complete, judge the prompt."""
+        prompt_id, idx = outcome[0], outcome[1]
+        group = self._groups.setdefault(prompt_id, {})
+        group[idx] = outcome
+        while len(self._groups) > 4096:  # groups that never complete (work lost in a restart)
+            self._groups.popitem(last=False)
+        if len(group) < self.group_size:
+            return
+        del self._groups[prompt_id]
+        members = [group[i] for i in sorted(group)]
+        verdict = group_verdict([m[2] for m in members], [m[3] for m in members], [m[4] for m in members],
+                                self.filter_metric)
+        issue_no = self.issue_no.pop(prompt_id, issued)
+        self._judge(prompt_id.rpartition("@")[0], verdict, issue_no, issued + self.epochs * examples, delivered_version)
+
+    def _judge(self, example_id: str, verdict: str | None, issue_no: int, until: int, delivered_version: int) -> None:
+        if not self.enabled:
+            return
+        recent = self.verdicts.setdefault(example_id, collections.deque(maxlen=self.after_groups))
+        recent.append(verdict)
+        reason = retirement_reason(list(recent), self.after_groups, self.unsolved)
+        previous = self.retired.get(example_id)
+        if reason is None:
+            # A group with signal issued no earlier than the retiring one: back in the rotation (a
+            # group issued before it and scored late says nothing newer).
+            if previous is not None and verdict is None and issue_no >= previous.issue_no:
+                del self.retired[example_id]
+                self.counts["back"] += 1
+                self._log(example_id, "back", previous.reason, delivered_version)
+            return
+        if previous is None:
+            self.retired[example_id] = Retirement(reason, until, delivered_version, issue_no=issue_no)
+            self.counts["retired"] += 1
+            self.counts[f"retired_{reason}"] += 1
+            self._log(example_id, "retired", reason, delivered_version, until)
+        elif issue_no >= previous.issue_no:  # a re-test without signal: another wait
+            previous.reason, previous.until_issued, previous.times = reason, until, previous.times + 1
+            previous.issue_no = issue_no
+
+    def _log(self, example_id: str, event: str, reason: str, delivered_version: int,
+             until_issued: int | None = None) -> None:
+        self.log.append({"seq": self.counts["retired"] + self.counts["back"], "prompt": example_id, "event": event,
+                         "reason": reason, "until_issued": until_issued, "delivered_version": delivered_version,
+                         "last_groups": self.after_groups})
+
+    def sits_out(self, example_id: str, issued: int) -> bool:
+        retired = self.retired.get(example_id)
+        return retired is not None and issued < retired.until_issued
+
+    def exhausted(self, examples: int) -> bool:
+        """Nothing left to learn from: every prompt is retired, as solved, or without a signal again
+        after being tried once more (DAPO learns nothing from a group that is all wrong)."""
+        return len(self.retired) == examples and all(r.reason == "solved" or r.times >= 2 for r in self.retired.values())
+
+    def to_retest(self, may_retest_solved: bool) -> str | None:
+        """Every prompt is retired: the one to try again (unsolved first; a solved one only when
+        `may_retest_solved`), or None."""
+        if not self.retired:
+            return None
+        unsolved = [k for k, r in self.retired.items() if r.reason != "solved" and r.times < 2]
+        if not unsolved and not may_retest_solved:
+            return None
+        self.counts["retests"] += 1
+        return min(unsolved or self.retired, key=lambda k: self.retired[k].until_issued)
+
+    def stats(self, examples: int, by_source: dict[str, list[str]]) -> dict:
+        return {"prompts_retired": len(self.retired), "prompts_retired_share": len(self.retired) / examples,
+                "retired_by_reason": dict(collections.Counter(r.reason for r in self.retired.values())),
+                "retirements": dict(self.counts),
+                "retired_sources": sorted(s for s, ids in by_source.items() if ids and all(i in self.retired for i in ids)),
+                "retirement_log": list(self.log), "all_prompts_retired": len(self.retired) == examples,
+                "all_prompts_exhausted": self.exhausted(examples)}
+
+    def snapshot(self) -> tuple[dict, dict]:
+        return ({k: (r.reason, r.until_issued, r.since_version, r.times, r.issue_no) for k, r in self.retired.items()},
+                {k: list(v) for k, v in self.verdicts.items()})
+
+    def restore(self, retired: dict, verdicts: dict) -> None:
+        self.retired = {k: Retirement(*v) for k, v in retired.items()}
+        self.verdicts = {k: collections.deque(v, maxlen=max(1, self.after_groups)) for k, v in verdicts.items()}

@@ -1,0 +1,108 @@
+"""What a run writes as it goes, the same for `asyncrl train` and the Serve `train` app: each learner
+step's record stamped with the run's counters (`metrics.jsonl`, and wandb), prompt retirements
+(`retirements.jsonl`), and the plots."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Callable
+
+# Fields every record gets from the system's status at the poll that drained it.
+RUN_FIELDS = ("samples_trained", "samples_dropped", "samples_generated", "tool_calls", "generator_busy_fraction",
+              "generator_paused_for_weights_fraction", "broadcast_s", "wall_time_s", "samples_per_s",
+              "prompts_retired_share")
+# The curve a run is watched by: the reward of everything generated (before dynamic sampling).
+REWARD_KEY = "reward_mean_generated"
+
+
+def samples_per_s(previous_poll: tuple[float, int] | None, wall_s: float, samples_trained: int) -> float | None:
+    """Throughput as every view shows it (progress bar, plot, status page): samples trained per
+    second since the previous poll that had new steps (`(wall_s, samples_trained)` then; None at
+    the first: the average since the start). None when the counter went back (a restart)."""
+    base_s, base_n = previous_poll if previous_poll is not None else (0.0, 0)
+    if samples_trained < base_n or wall_s <= base_s:
+        return None
+    return (samples_trained - base_n) / (wall_s - base_s)
+
+
+class RunRecords:
+    def __init__(self, run_dir: str, annotate: Callable[[dict], None] | None = None, wandb_run: Any = None,
+                 history_limit: int = 0):
+        self.run_dir = run_dir
+        self.annotate = annotate  # called on each record before it is written (e.g. evaluation)
+        self.wandb_run = wandb_run
+        self.history_limit = history_limit  # 0 = keep every record (the driver's summary needs them)
+        self.records: list[dict] = []
+        self.started = time.time()
+        self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
+        self._wandb_step = 0
+        self._previous_poll: tuple[float, int] | None = None
+        # Prompt retirement: events already written, and whether every prompt is retired with nothing
+        # left to learn from (`asyncrl train` stops, Serve reports it).
+        self._retirement_seq = -1
+        self.prompts_exhausted = False
+        self.retired_by_reason: dict[str, int] = {}
+        self.retired_share = 0.0
+        self.pool_events: list[dict] = []  # the newest generator joins, leaves and heals (status page)
+
+    def after_restart(self, step: int) -> None:
+        """The steps after the checkpoint a restart came back from are redone."""
+        self.records = [r for r in self.records if r["step"] <= step]
+        self._previous_poll = (time.time() - self.started, 1 << 62)  # the next poll's rate is unknown
+
+    def add(self, new: list[dict], status: dict, resumed: bool) -> list[dict]:
+        """Stamp, annotate and write new step records; returns the new retirement events."""
+        stamp = {"samples_trained": status["samples_trained"], "samples_dropped": status["samples_dropped"],
+                 "samples_generated": status["samples_generated"], "tool_calls": status["tool_calls"],
+                 "generator_busy_fraction": status["generator_busy_fraction"],
+                 "generator_paused_for_weights_fraction": status["generator_paused_for_weights_fraction"],
+                 "broadcast_s": status["last_broadcast"].get("total_s", 0.0),
+                 "wall_time_s": time.time() - self.started}
+        if self._previous_poll is None and resumed:  # counters restored: no rate until the next poll
+            self._previous_poll = (0.0, 1 << 62)
+        stamp["samples_per_s"] = samples_per_s(self._previous_poll, stamp["wall_time_s"], stamp["samples_trained"])
+        prompts = status.get("prompt_source", {})
+        stamp["prompts_retired_share"] = self.retired_share = prompts.get("prompts_retired_share", 0.0)
+        self.prompts_exhausted = bool(prompts.get("all_prompts_exhausted"))
+        self.retired_by_reason = dict(prompts.get("retired_by_reason", {}))
+        retirements = self._new_retirements(prompts.get("retirement_log", []))
+        self._previous_poll = (stamp["wall_time_s"], stamp["samples_trained"])
+        with open(self.metrics_path, "a") as metrics_file:
+            for record in new:
+                record.update(stamp)
+                if self.annotate is not None:
+                    self.annotate(record)
+                metrics_file.write(json.dumps(record) + "\n")
+                if self.wandb_run is not None and record["step"] > self._wandb_step:  # wandb steps only go up
+                    self.wandb_run.log(record, step=record["step"])
+                    self._wandb_step = record["step"]
+        self.records += new
+        if self.history_limit and len(self.records) > self.history_limit:
+            self.records = self.records[-self.history_limit:]
+        return retirements
+
+    def _new_retirements(self, log: list[dict]) -> list[dict]:
+        """Retirement events not seen before, appended to `retirements.jsonl` (which prompt, why)."""
+        new = [event for event in log if event["seq"] > self._retirement_seq]
+        if new:
+            self._retirement_seq = new[-1]["seq"]
+            with open(os.path.join(self.run_dir, "retirements.jsonl"), "a") as f:
+                for event in new:
+                    f.write(json.dumps(event) + "\n")
+        return new
+
+    def pool_event(self, event: dict) -> None:
+        """A generator joined, left or was healed: a line of `generators.jsonl`, and on the status."""
+        with open(os.path.join(self.run_dir, "generators.jsonl"), "a") as f:
+            f.write(json.dumps(event) + "\n")
+        self.pool_events = (self.pool_events + [event])[-50:]
+
+    def write_plots(self) -> None:
+        """The run's PNGs in its directory (the same for both entry points)."""
+        from asyncrl.plots import plot_curve, write_plots
+
+        plot_curve(self.records, os.path.join(self.run_dir, "reward_curve.png"), key=REWARD_KEY,
+                   title="reward of generated samples (before dynamic sampling)")
+        write_plots(self.records, self.run_dir)

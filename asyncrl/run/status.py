@@ -1,0 +1,72 @@
+"""The run's status as every view shows it (`/train/status`, the status page, Prometheus, the
+driver's summary): one summary of the roles' own stats."""
+
+from __future__ import annotations
+
+from asyncrl.ray_mailbox import ShardedMailbox
+
+
+def answered(calls: dict, timeout_s: float) -> list[dict]:
+    """The generators' stats that came back within `timeout_s`; one that did not is listed as
+    unresponsive (a hung or cut-off generator must not hang the status of the whole run)."""
+    import ray
+
+    ready, _ = ray.wait(list(calls.values()), num_returns=len(calls), timeout=timeout_s)
+    out = []
+    for gid, ref in calls.items():
+        try:
+            out.append(ray.get(ref) if ref in ready else {"generator_id": gid, "unresponsive": True})
+        except ray.exceptions.RayError:  # it died: the pool heals it
+            out.append({"generator_id": gid, "unresponsive": True})
+    return out
+
+
+def mailbox_actors(box) -> list:
+    """The actors behind a mailbox client (one, or one per shard)."""
+    return box.actors if isinstance(box, ShardedMailbox) else [box.actor]
+
+
+def reward_endpoint_table(reward, seen: dict[str, dict], own: dict[str, dict]) -> dict[str, dict]:
+    """One row per configured reward endpoint: its kind, where it runs, and, as the run's reward
+    router saw them, the version it last answered with, its rewards (by version) and failures. The
+    same under Serve (where the endpoints are applications, not actors of the run) as with actors,
+    whose own counters (e.g. a judge's pairs) come first."""
+    table = {}
+    for name, endpoint in reward.endpoints.items():
+        mine = own.get(name, {})
+        table[name] = {**mine, "kind": endpoint.kind,
+                       "where": f"serve app reward-{name}" if reward.use_serve else "actor",
+                       "version": str(mine.get("version", "")), "rewards": 0, "failed": 0, "versions": {},
+                       "last_error": "", "last_answer_at": 0.0, **seen.get(name, {})}
+    return table
+
+
+def summarize(learner: dict, all_generators: list[dict], assembler: dict, mailboxes: dict, wall_s: float) -> dict:
+    generators = [g for g in all_generators if not g.get("unresponsive")]
+    generated = sum(g["samples_finished"] for g in generators)
+    return {
+        "step": learner["step"],
+        "weight_version": learner["weight_version"],
+        "delivered_version": learner.get("delivered_version", 0),
+        "samples_generated": generated,
+        "tool_calls": sum(g.get("tool_calls", 0) for g in generators),  # episodes' calls answered
+        "tool_errors": sum(g.get("tool_errors", 0) for g in generators),
+        "samples_trained": learner["samples_trained"],
+        "stale_tokens_masked": learner.get("stale_tokens_masked", 0),
+        "steps_skipped": learner.get("steps_skipped", 0),
+        "samples_dropped": assembler.get("samples_dropped", 0),
+        "dropped_by_reason": {k.removeprefix("dropped_").removesuffix("_samples"): v for k, v in assembler.items()
+                              if k.startswith("dropped_") and k.endswith("_samples")},
+        "reward_mean": assembler.get("reward_mean_all", 0.0),
+        "generator_busy_fraction": sum(g["busy_fraction"] for g in generators) / max(len(generators), 1),
+        "generator_paused_for_weights_fraction": sum(g["paused_for_weights_fraction"] for g in generators) / max(len(generators), 1),
+        "learner_busy_fraction": learner["busy_fraction"],
+        "learner_wait_batch_s": learner.get("wait_batch_s", 0.0),
+        "learner_node": learner.get("node_ip", ""),
+        "last_broadcast": learner["last_broadcast"],
+        "last_checkpoint": learner.get("last_checkpoint", {}),
+        "queue_depths": {name: {"queued": s.queued, "leased": s.leased, "capacity": s.capacity} for name, s in mailboxes.items()},
+        "generators": all_generators,
+        "assembler": assembler,
+        "wall_time_s": wall_s,
+    }

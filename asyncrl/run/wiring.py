@@ -1,0 +1,345 @@
+"""One incarnation of a run as Ray actors: `System(config).start()` brings it up, `stop()` takes it
+down. `_start` is the map of a run, read top to bottom: the mailboxes, the roles (each given its
+config sections and its edges by keyword), the weight paths between the learner and the
+generators, then the loops, consumers first. The roles are `actors/`; their placement is
+`asyncrl.run.placement`; the status views are `asyncrl.run.status`. `asyncrl.run.Run` keeps a
+run alive across incarnations.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from actors.assembler import AssemblerActor
+from actors.environment import environment_actor
+from actors.policy_learner import CheckpointPolicy, PolicyLearnerActor
+from actors.policy_rank import PolicyRankActor
+from actors.prompt_source import PromptSourceActor
+from actors.recorder import RecorderActor
+from actors.reward_endpoint import reward_endpoint_actors
+from actors.value_learner import ValueLearnerActor
+from asyncrl import checkpoint, environments
+from asyncrl.algo.advantages import ADVANTAGES
+from asyncrl.config import Config
+from asyncrl.ray_mailbox import RayMailbox, ShardedMailbox, sum_stats
+from asyncrl.run.placement import LEARNER_NAME, ask, role_placement, spawn
+from asyncrl.run.pool import Pool
+from asyncrl.run.status import (
+    answered,
+    mailbox_actors,
+    reward_endpoint_table,
+    summarize,
+)
+from asyncrl.schema import PromptRequest, ScoredTrajectory, Segment, TrainBatch
+from asyncrl.sharding import rendezvous_store
+from asyncrl.staleness import open_prompts_bound
+from asyncrl.store import STORE_DIRNAME
+from asyncrl.weight_sync import free_port, node_address
+
+
+@dataclass
+class ResumePoint:
+    checkpoint: str
+    weight_version: int
+    incarnation: int  # how many times the run was resumed (batch ids stay unique across them)
+    saved_batches: list = field(default_factory=list)  # assembled, not yet trained
+    held_sample_ids: set = field(default_factory=set)  # samples inside those batches
+
+
+class System:
+    """`run_dir` enables checkpoints; with `resume=true` the system continues from the newest valid
+    checkpoint there. `max_steps`: the learner stops there (0: trains until stopped, as under Serve)."""
+
+    def __init__(self, config: Config, run_dir: str = "", max_steps: int = 0, name_actors: bool = True,
+                 num_generators: int | None = None, on_pool_event=lambda event: None):
+        """`num_generators`: the pool's size (default `cluster.num_generators`; a restarted run keeps
+        the size it was scaled to); `on_pool_event`: told of every join, leave and heal."""
+        self.config = config
+        self.run_dir = run_dir
+        self.max_steps = max_steps
+        self.name_actors = name_actors
+        self.resumed: dict[str, Any] = {}
+        self.actors: dict[str, Any] = {}
+        self.generators: dict[str, Any] = {}  # generator id -> actor (the pool: `asyncrl.run.pool`)
+        self.pool = Pool(self, config.cluster.num_generators if num_generators is None else num_generators,
+                         on_pool_event)
+        self.mailboxes: dict[str, Any] = {}
+        self.run_refs: dict[str, Any] = {}
+        self.weight_paths: dict[str, str] = {}  # generator id -> its weight path (`asyncrl.transport`)
+        self.pre_ppo: dict = {}
+        self.started_at = 0.0
+        self.placement_group = None  # cluster.placement colocated/spread: removed at stop
+        self._rank_store = None  # where a sharded learner's ranks meet (held for the run's life)
+        self._created: list[Any] = []  # every role actor made by start()
+        self._endpoints: dict[str, Any] = {}  # reward endpoint actors (none under Serve)
+        self.environment: Any = None  # the environment endpoint actor (a task with an environment)
+        self._last_value: dict = {}
+
+    def start(self) -> "System":
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()  # no half-started run left behind (a node dying while it started, say)
+            raise
+
+    def _start(self) -> "System":
+        cfg = self.config
+        environments.check(cfg.environment)
+        resume = self._resume_point()  # None for a fresh run
+        learning = cfg.mode == "train"  # mode=generate: generators, rewards and the store only
+        value_based = learning and ADVANTAGES[cfg.algorithm.estimator].kind == "value"
+        if cfg.trainer.record and not self.run_dir:
+            raise ValueError("trainer.record=true needs a run directory (trainer.run_dir)")
+        # The control plane (mailboxes, prompt source, assembler, reward endpoints, recorder) sits on
+        # this node, the run's own: on a cluster it does not share the fate of a generator's node.
+        here = {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
+                                                                      soft=True)}
+        self._mailboxes(value_based, here)
+        self._roles(resume, learning, value_based, here)
+        self._resume(resume)
+        if "learner" in self.actors:  # the generators join: each gets the learner's version first
+            self.pool.join(list(self.generators))
+            ray.get(self.actors["learner"].announce.remote())
+        # Pre-PPO selection (before the first prompt; a no-op when off or resumed).
+        self.pre_ppo = ray.get(self.actors["prompt_source"].prepare.remote(
+            cfg.model, cfg.engine, cfg.task, cfg.reward, cfg.trainer.seed, self._endpoints))
+        self._loops(resume)
+        self.started_at = time.time()
+        return self
+
+    def _mailboxes(self, value_based: bool, here: dict) -> None:
+        """Each owned by its consumer. Prompts: room for every prompt the staleness budget allows to
+        be open (stragglers hold leases), plus a queue ahead of the generators."""
+        cfg, cl = self.config, self.config.cluster
+        most = max(self.pool.target, cl.max_generators)  # room for the largest pool the run may scale to
+        prompts_ahead = max(2, 2 * most * math.ceil(cfg.engine.max_inflight_sequences / cfg.algorithm.group_size))
+        prompts_open = min(open_prompts_bound(cfg.algorithm.max_staleness_versions, cfg.trainer.prompts_per_step), 4096)
+        self.mailboxes = {
+            "prompts": RayMailbox.create(PromptRequest, capacity=prompts_ahead + prompts_open, lease_s=cl.lease_s,
+                                         placement=here),
+            # Generators -> assembler; several shards when many generators would saturate one actor.
+            "segments": (ShardedMailbox.create(Segment, cl.segment_shards, cl.mailbox_capacity, cl.lease_s,
+                                               key_attr="sample_id", placement=here) if cl.segment_shards > 1 else
+                         RayMailbox.create(Segment, capacity=cl.mailbox_capacity, lease_s=cl.lease_s, placement=here)),
+            "batches": RayMailbox.create(TrainBatch, capacity=2, lease_s=cl.lease_s, placement=here),
+        }
+        if value_based:  # assembler -> value learner
+            self.mailboxes["trajectories"] = RayMailbox.create(
+                ScoredTrajectory, capacity=max(4 * cfg.critic.batch_trajectories, 64), lease_s=cl.lease_s, placement=here)
+
+    def _roles(self, resume: "ResumePoint | None", learning: bool, value_based: bool, here: dict) -> None:
+        cfg, tr, boxes = self.config, self.config.trainer, self.mailboxes
+        # Reward endpoints: actors here, or the Serve applications `reward-<name>` (reward.use_serve).
+        self._endpoints = {} if cfg.reward.use_serve else reward_endpoint_actors(cfg.reward, cfg.model, cfg.task.reward, here)
+        # The environment a task's episodes act in: an endpoint of its own, here with the control plane.
+        self.environment = environment_actor(cfg.environment, here) if cfg.environment.name else None
+        self._created += [self.environment] if self.environment is not None else []
+        recorder = (self._spawn(RecorderActor, directory=os.path.join(self.run_dir, STORE_DIRNAME),
+                                max_file_mb=tr.record_file_mb, max_file_age_s=tr.record_file_age_s, placement=here)
+                    if tr.record else None)
+        prompt_source = self._spawn(
+            PromptSourceActor, model=cfg.model, task=cfg.task, algorithm=cfg.algorithm,
+            prompts_per_step=tr.prompts_per_step, seed=tr.seed, prompts=boxes["prompts"],
+            max_prompts=0 if learning else tr.total_steps * tr.prompts_per_step, placement=here)
+        ranks = cfg.policy.ranks if learning else 0
+        learners = [ask(cfg.policy.gpus, cfg.policy.resources)] * ranks
+        learners += [ask(cfg.critic.gpus, cfg.critic.resources)] if value_based else []
+        generator_options, learner_options, self.placement_group = role_placement(
+            cfg.cluster.placement, ask(cfg.engine.gpus, cfg.engine.resources), self.pool.target, learners)
+        value_learner = (self._spawn(
+            ValueLearnerActor, model=cfg.model, critic=cfg.critic, algorithm=cfg.algorithm, engine=cfg.engine,
+            seed=tr.seed, trajectories=boxes["trajectories"], resume_from=resume and resume.checkpoint,
+            placement=learner_options[ranks]) if value_based else None)
+        assembler = self._spawn(
+            AssemblerActor, model=cfg.model, algorithm=cfg.algorithm, engine=cfg.engine, reward=cfg.reward,
+            prompts_per_step=tr.prompts_per_step, segments=boxes["segments"], batches=boxes["batches"],
+            endpoints=self._endpoints, ledger=prompt_source, value_learner=value_learner,
+            trajectories=boxes.get("trajectories"), batch_prefix=f"batch-r{resume.incarnation if resume else 0}",
+            recorder=recorder, mode=cfg.mode, synchronous=tr.synchronous, placement=here)
+        for options in generator_options:
+            self._created.append(self.pool.spawn(self.pool.next_id(), options))
+        rank_actors, learner = self._learner(learning, prompt_source, assembler, value_learner, recorder,
+                                             learner_options[:ranks], ranks)
+        self.actors = {**({"learner": learner} if learner is not None else {}), "assembler": assembler,
+                       "prompt_source": prompt_source,
+                       **({"value_learner": value_learner} if value_learner is not None else {}),
+                       **({"recorder": recorder} if recorder is not None else {}),
+                       **{f"learner-rank-{i}": actor for i, actor in enumerate(rank_actors, 1)},
+                       **{f"reward-{name}": endpoint for name, endpoint in self._endpoints.items()},
+                       **({"environment": self.environment} if self.environment is not None else {})}
+
+    def _learner(self, learning: bool, prompt_source, assembler, value_learner, recorder, options: list[dict],
+                 ranks: int) -> tuple[list, Any]:
+        """The policy learner (and the other ranks of a sharded one, which meet rank 0 at a store this
+        process holds): `batches` -> optimizer step -> weights to the generators; both versions told
+        to the assembler (staleness) and the prompt source (admission); trained samples to the
+        ledger; checkpoints with the prompt source's and value learner's parts; batches to the store."""
+        if not learning:
+            return [], None
+        cfg, tr = self.config, self.config.trainer
+        rank_actors, rendezvous = [], None
+        if ranks > 1:
+            rendezvous = (node_address(), free_port(node_address()))
+            self._rank_store = rendezvous_store(*rendezvous)
+            rank_actors = [self._spawn(PolicyRankActor, model=cfg.model, algorithm=cfg.algorithm, policy=cfg.policy,
+                                       engine=cfg.engine, seed=tr.seed, rendezvous=rendezvous, rank=rank,
+                                       placement=options[rank]) for rank in range(1, ranks)]
+        learner = self._spawn(
+            PolicyLearnerActor, model=cfg.model, algorithm=cfg.algorithm, policy=cfg.policy, engine=cfg.engine,
+            seed=tr.seed, batches=self.mailboxes["batches"], listeners=[assembler, prompt_source], ledger=prompt_source,
+            checkpoint_parts=[prompt_source] + ([value_learner] if value_learner is not None else []),
+            checkpoints=CheckpointPolicy(self.run_dir, tr.checkpoint_every if self.run_dir else 0,
+                                         tr.checkpoint_every_s if self.run_dir else 0.0, tr.checkpoint_keep),
+            max_steps=self.max_steps, recorder=recorder, ranks=rank_actors, rendezvous=rendezvous,
+            delivery_timeout_s=self.config.cluster.generator_timeout_s,
+            placement=options[0], actor_name=LEARNER_NAME if self.name_actors else None)  # found by name
+        return rank_actors, learner
+
+    def _resume(self, resume: "ResumePoint | None") -> None:
+        """The learner's weights and optimizer (on every rank); the ledger says which prompts to
+        issue again; unsent batches go back in the mailbox."""
+        if resume is None:
+            return
+        if "learner" in self.actors:
+            ray.get(self.actors["learner"].resume.remote(resume.checkpoint))
+        self.resumed["reissued_prompts"] = ray.get(self.actors["prompt_source"].restore.remote(
+            resume.checkpoint, resume.held_sample_ids, resume.weight_version))
+        if resume.saved_batches:
+            batches = self.mailboxes["batches"]
+            ray.get(batches.actor.put.remote([(b.batch_id, batches.codec.encode(b)) for b in resume.saved_batches]))
+
+    def _loops(self, resume: "ResumePoint | None") -> None:
+        """Consumers first; the generators hold the learner's version already (they joined)."""
+        for name in ("recorder", "assembler", "value_learner"):
+            if name in self.actors:
+                self.run_refs[name] = self.actors[name].run.remote()
+        for gid in self.generators:
+            self.pool.start(gid)
+        if "learner" in self.actors:
+            self.run_refs["learner"] = self.actors["learner"].run.remote()
+        self.run_refs["prompt_source"] = self.actors["prompt_source"].run.remote()
+
+    def _spawn(self, shell: type, placement: dict | None = None, actor_name: str | None = None, **kwargs):
+        """`spawn`, remembering the actor: a start that fails midway kills what it made."""
+        actor = spawn(shell, placement=placement, actor_name=actor_name, **kwargs)
+        self._created.append(actor)
+        return actor
+
+    def _resume_point(self) -> "ResumePoint | None":
+        """With `resume=true`: the newest valid checkpoint of the run directory and what it holds."""
+        if not self.config.resume:
+            return None
+        if not self.run_dir:
+            raise ValueError("resume=true needs the run directory of the run to resume")
+        path, rejected = checkpoint.latest_valid(self.run_dir)
+        if path is None:
+            raise FileNotFoundError(f"resume=true: no valid checkpoint in {checkpoint.checkpoints_dir(self.run_dir)}"
+                                    + (f" (rejected: {'; '.join(rejected)})" if rejected else ""))
+        saved_batches, held = checkpoint.resumable_batches(checkpoint.load_batches(os.path.join(path, "batches.msgpack")))
+        learner_meta = checkpoint.load_json(os.path.join(path, "learner.json"))
+        point = ResumePoint(checkpoint=path, saved_batches=saved_batches, held_sample_ids=held,
+                            weight_version=learner_meta["weight_version"],
+                            incarnation=int(learner_meta.get("incarnation", 0)) + 1)
+        self.resumed = {"checkpoint": path, "rejected": rejected, "step": learner_meta["step"],
+                        "weight_version": point.weight_version, "saved_batches": len(saved_batches)}
+        return point
+
+    # --- while it runs ---------------------------------------------------------------------------------
+
+    def stop_learning(self, timeout_s: float = 120.0) -> None:
+        """End the policy learner's loop (a step in flight finishes first), so that a checkpoint and
+        the weights read afterwards are those of the last step the run reports."""
+        ray.get(self.actors["learner"].stop.remote())
+        ray.wait([self.run_refs["learner"]], timeout=timeout_s)
+
+    def checkpoint(self) -> str:
+        """Write a checkpoint now (between two learner steps); returns its path."""
+        return ray.get(self.actors["learner"].save_checkpoint.remote())
+
+    def ledger(self) -> dict:
+        return ray.get(self.actors["prompt_source"].ledger.remote())
+
+    def check_alive(self) -> list[str]:
+        """Raise the error of any role's loop that ended (a crash must not look like a slow run),
+        but a generator's: the generators whose loops ended are returned, for the pool to heal."""
+        done, _ = ray.wait(list(self.run_refs.values()), timeout=0, num_returns=len(self.run_refs))
+        dead = []
+        for ref in done:
+            name = next(k for k, v in self.run_refs.items() if v == ref)
+            if name.startswith("generator:"):
+                dead.append(name.removeprefix("generator:"))
+                continue
+            ray.get(ref)  # raises the actor's exception
+            raise RuntimeError(f"actor loop {name} stopped unexpectedly")
+        return dead
+
+    def status(self) -> dict:
+        learner = ray.get(self.actors["learner"].stats.remote())
+        generators = answered({gid: g.stats.remote() for gid, g in self.generators.items()}, timeout_s=5.0)
+        assembler = ray.get(self.actors["assembler"].stats.remote())
+        mailboxes = {name: sum_stats(ray.get([a.stats.remote() for a in mailbox_actors(box)]))
+                     for name, box in self.mailboxes.items()}
+        status = summarize(learner, generators, assembler, mailboxes, time.time() - self.started_at)
+        if "value_learner" in self.actors:
+            status["value_learner"] = ray.get(self.actors["value_learner"].stats.remote())
+        if "environment" in self.actors:
+            status["environment"] = ray.get(self.actors["environment"].stats.remote())
+        status["reward_endpoints"] = reward_endpoint_table(
+            self.config.reward, assembler.get("reward_router", {}).get("endpoints", {}),
+            {name.removeprefix("reward-"): ray.get(actor.stats.remote())
+             for name, actor in self.actors.items() if name.startswith("reward-")})
+        status["prompt_source"] = ray.get(self.actors["prompt_source"].stats.remote())
+        status["ledger"] = {**status["prompt_source"].pop("ledger"),
+                            "problems": status["prompt_source"].pop("ledger_problems")}
+        status["resumed"] = self.resumed
+        status["pre_ppo"] = self.pre_ppo
+        status["pool"] = {"target": self.pool.target, "generators": list(self.generators),
+                          "weight_paths": dict(self.weight_paths), "failed_deliveries": learner.get("failed_generators", {})}
+        return status
+
+    def pop_metrics(self) -> list[dict]:
+        """Policy-step records; with a value learner, each carries its latest value-step metrics."""
+        records = ray.get(self.actors["learner"].pop_metrics.remote())
+        if "value_learner" in self.actors:
+            value_records = ray.get(self.actors["value_learner"].pop_metrics.remote())
+            if value_records:
+                self._last_value = value_records[-1]
+            for record in records:
+                record.update(self._last_value)
+        return records
+
+    def weights(self) -> tuple[int, dict[str, torch.Tensor]]:
+        return ray.get(self.actors["learner"].weights.remote())
+
+    def stop(self, learner_grace_s: float = 60.0) -> None:
+        """Stop every loop and kill every actor. Once this returns, no checkpoint is committed any
+        more: the caller (a restart, a resume) may pick the newest one."""
+        stops = [a.stop.remote() for a in [*self.actors.values(), *self.generators.values()] if hasattr(a, "stop")]
+        ray.wait(stops, num_returns=len(stops), timeout=5)  # best effort: the actors are killed next
+        # The learner is the one writer of checkpoints: let its loop end first, so a checkpoint it is
+        # writing is committed or never started, never committed after a kill that landed late.
+        if "learner" in self.run_refs:
+            ray.wait([self.run_refs["learner"]], timeout=learner_grace_s)
+        # The store: the assembler sends its last records as its loop ends, then the recorder
+        # closes its files, so every record sent is in a whole file.
+        if "recorder" in self.actors:
+            ray.wait([self.run_refs["assembler"]], timeout=15)
+            ray.wait([self.actors["recorder"].close.remote()], timeout=60)
+        for actor in [*self.actors.values(), *self.generators.values(), *self._created,
+                      *(a for b in self.mailboxes.values() for a in mailbox_actors(b))]:
+            ray.kill(actor)
+        if self.placement_group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.placement_group)
+            self.placement_group = None
+        if self.run_refs:
+            ray.wait(list(self.run_refs.values()), num_returns=len(self.run_refs), timeout=15)

@@ -1,0 +1,86 @@
+"""What every Serve application of asyncrl shares: its config from the builder's args, and the
+guards in front of the routes that need a token (checked from the headers, before a body is read)."""
+
+import hmac
+import ipaddress
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from asyncrl.config import Config, compose
+
+# The admin token of this process's train controller (set in its __init__; one per process), and
+# the reward endpoint's token (set in RewardService.__init__). Set through this module, never a
+# copy: Serve pickles deployment classes by value, so a global bound in their module would be one.
+ADMIN_TOKEN = {"value": ""}
+REWARD_TOKEN = {"value": ""}
+MAX_ADMIN_BODY_BYTES = 1 << 20
+MAX_SCORE_BODY_BYTES = 16 << 20
+
+
+def config_from_args(args: dict[str, Any]) -> Config:
+    """Builder args (strings from `serve run` or the config file) -> a validated Config."""
+    overrides = args.get("overrides", "")
+    overrides = overrides.split() if isinstance(overrides, str) else list(overrides)
+    overrides += [f"{k}={v}" for k, v in args.items() if k != "overrides"]
+    return compose(overrides)
+
+
+def _route_path(request: Request) -> str:
+    """The path inside the application (Serve mounts it under its route prefix)."""
+    path, root = request.scope.get("path", ""), request.scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
+
+
+def _bearer_matches(request: Request, token: str) -> bool:
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
+
+
+def _from_loopback(request: Request) -> bool:
+    try:
+        return ipaddress.ip_address(request.client.host if request.client else "").is_loopback
+    except ValueError:
+        return False
+
+
+def _too_large(request: Request, limit: int) -> bool:
+    try:
+        return int(request.headers.get("content-length", "0")) > limit
+    except ValueError:
+        return True
+
+
+def _refuse(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"detail": message}, status_code=status)
+
+
+async def admin_guard(request: Request, call_next):
+    """Middleware of the train app: /admin routes check the token from the headers alone, before
+    the body is read (an unauthenticated caller makes the server parse nothing). Constant time."""
+    if _route_path(request).startswith("/admin"):
+        token = ADMIN_TOKEN["value"]
+        if not token:
+            return _refuse(403, "admin routes are disabled: set serve.admin_token or ASYNCRL_ADMIN_TOKEN")
+        if not _bearer_matches(request, token):
+            return _refuse(401, "missing or wrong admin token")
+        if _too_large(request, MAX_ADMIN_BODY_BYTES):
+            return _refuse(413, f"admin request body over {MAX_ADMIN_BODY_BYTES} bytes")
+    return await call_next(request)
+
+
+async def reward_guard(request: Request, call_next):
+    """Middleware of a reward app: POST /score runs untrusted code and models for its caller. With
+    a token set (serve.reward_token / ASYNCRL_REWARD_TOKEN) every call must carry it; with none,
+    only this machine may call. Checked from the headers, before the body is read."""
+    if request.method == "POST":
+        token = REWARD_TOKEN["value"]
+        if token and not _bearer_matches(request, token):
+            return _refuse(401, "missing or wrong reward token")
+        if not token and not _from_loopback(request):
+            return _refuse(403, "the reward endpoint runs submitted code: from other hosts it needs a token "
+                                "(set serve.reward_token or ASYNCRL_REWARD_TOKEN and send it as a bearer token)")
+        if _too_large(request, MAX_SCORE_BODY_BYTES):
+            return _refuse(413, f"score request body over {MAX_SCORE_BODY_BYTES} bytes")
+    return await call_next(request)

@@ -1,0 +1,107 @@
+"""The value-based recipes on the same surface as DAPO's (issue 30): settings an estimator cannot
+honour are refused at start-up, a fresh critic starts at the mean return, its warm-up ends when it
+stops learning, and dynamic sampling filters whole-response groups for PPO-family estimators."""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from actors.assembler import Assembler, Shaping
+from asyncrl.algo.warmup import mean_return_bias, warmup_finished
+from asyncrl.assembly.rows import ValueAdvantageSettings
+from asyncrl.assembly.values import ValueEdges, ValueEstimator
+from asyncrl.config import ConfigError, ModelConfig, compose
+from asyncrl.learning.value import center_value_head, predict_values
+from asyncrl.mailbox import InProcessMailbox
+from asyncrl.models import build_tiny_model, value_model_from_policy
+from asyncrl.schema import FinishReason, Reward, ScoredTrajectory, Segment, float32_array, int32_array
+
+
+def test_settings_an_estimator_cannot_honour_are_refused_with_the_reason():
+    with pytest.raises(ConfigError, match="cannot filter T-PPO's windows"):
+        compose(["algorithm=tppo", "algorithm.dynamic_sampling=true"])
+    with pytest.raises(ConfigError, match="max_refill_rounds"):
+        compose(["algorithm=vapo", "algorithm.max_refill_rounds=4"])
+    with pytest.raises(ConfigError, match="whiten_advantages shape"):
+        compose(["algorithm=dapo", "algorithm.whiten_advantages=true"])
+    with pytest.raises(ConfigError, match="critic.init_path"):
+        compose(["algorithm=grpo", "critic.init_path=/tmp/critic"])
+    # Honoured now: dynamic sampling on whole responses, and DAPO's length shaping, for any algorithm.
+    config = compose(["algorithm=vapo", "algorithm.dynamic_sampling=true", "algorithm.overlong_buffer_tokens=16"])
+    assert config.algorithm.dynamic_sampling and config.algorithm.overlong_buffer_tokens == 16
+
+
+def test_the_warm_up_ends_when_the_critic_stops_learning_and_is_bounded():
+    # min 2 steps, max 10, patience 2, gain 0.01 (hand-worked: the best before the last two steps
+    # against the best of the last two).
+    assert not warmup_finished([0.1], 2, 10, 2, 0.01)  # too few steps to judge
+    assert not warmup_finished([0.1, 0.3, 0.5], 2, 10, 2, 0.01)  # 0.5 > 0.1 + 0.01: still learning
+    assert warmup_finished([0.1, 0.3, 0.5, 0.505, 0.502], 2, 10, 2, 0.01)  # 0.505 < 0.5 + 0.01: done
+    assert not warmup_finished([0.1, 0.3, 0.5, 0.505, 0.52], 2, 10, 2, 0.01)  # 0.52 ≥ 0.51: learning
+    assert warmup_finished([0.0] * 10, 2, 10, 2, 0.01)  # the bound, learning or not
+    assert not warmup_finished([0.0, 0.0, 0.0], 4, 10, 2, 0.01)  # the minimum first
+
+
+def trajectory(i: int, n: int, score: float) -> ScoredTrajectory:
+    seg = Segment(prompt_id=f"p{i}", sample_idx=0, turn=0, group_id=f"p{i}", prompt_token_ids=int32_array([3, 4, 5]),
+                  prior_response_ids=int32_array([]), prior_versions=int32_array([]),
+                  new_token_ids=int32_array([6 + i] * n), new_logprobs=float32_array([-1.0] * n),
+                  new_versions=int32_array([0] * n), finished=True, finish_reason=FinishReason.EOS)
+    return ScoredTrajectory(segment=seg, score=score)
+
+
+def test_a_fresh_critic_starts_at_the_mean_return_of_its_first_batch():
+    # Returns to go with γ=1 and the score on the last token: every token of a response returns its
+    # score. Tokens: 4 at 1.0, 2 at 0.0 -> mean return 4/6.
+    assert mean_return_bias(4.0, 1.0, 6) == pytest.approx(0.5)
+    model = value_model_from_policy(build_tiny_model(ModelConfig(source="tiny", seed=2), 30))
+    batch = [trajectory(0, 4, 1.0), trajectory(1, 2, 0.0)]
+    shift = center_value_head(model, batch, gamma=1.0)
+    values = predict_values(model, [(t.segment.prompt_token_ids, t.segment.new_token_ids) for t in batch])
+    assert shift == pytest.approx(4 / 6, abs=1e-6)  # a zero head: its values were all 0
+    assert np.concatenate(values).mean() == pytest.approx(4 / 6, abs=1e-5)
+
+
+def group_member(pid: str, idx: int, token: int) -> Segment:
+    return Segment(prompt_id=pid, sample_idx=idx, turn=0, group_id=pid, group_size=2,
+                   prompt_token_ids=int32_array([5]), prior_response_ids=int32_array([]), prior_versions=int32_array([]),
+                   new_token_ids=int32_array([token]), new_logprobs=float32_array([-1.0]), new_versions=int32_array([0]),
+                   finished=True, finish_reason=FinishReason.EOS)
+
+
+def test_dynamic_sampling_drops_whole_response_groups_without_signal_for_the_ppo_family():
+    async def values(rows):
+        return [np.zeros(len(new) + 1, dtype=np.float32) for _, new in rows], 1
+
+    async def ready():
+        return True
+
+    async def score(requests):  # token 7 is correct
+        return [Reward(prompt_id=r.prompt_id, sample_idx=r.sample_idx, score=float(r.response_text == "7"),
+                       correct=r.response_text == "7", source="t") for r in requests]
+
+    settings = ValueAdvantageSettings(gamma=1.0, lam=1.0, length_adaptive_alpha=0.0, lambda_floor=False,
+                                      edge_mask_tokens=0, window_training=False, window_tokens=4)
+    estimator = ValueEstimator(edges=ValueEdges(values, ready, None), settings=settings, rows_per_batch=2,
+                               group_filter="acc")
+
+    async def main():
+        segments, batches, trajectories, events = (InProcessMailbox(100), InProcessMailbox(100),
+                                                   InProcessMailbox(100), [])
+        asm = Assembler(segments, batches, score, lambda ids: "".join(map(str, ids)), estimator, Shaping(4),
+                        trajectories=trajectories, events=lambda evs, outcomes: events.extend(evs))
+        await segments.put([group_member("solved", 0, 7), group_member("mixed", 0, 7), group_member("solved", 1, 7),
+                            group_member("mixed", 1, 3)])
+        for _ in range(3):
+            await asm.step(timeout=0.01)
+            await asyncio.sleep(0.01)
+        out = await batches.get(10, timeout=0.05)
+        learned = await trajectories.get(10, timeout=0.05)
+        return out, learned, events
+
+    out, learned, events = asyncio.run(main())
+    assert [sorted(s.segment.prompt_id for s in b.samples) for b in out] == [["mixed", "mixed"]]
+    drops = sorted(sid for ids, state, reason in events if state == "dropped" for sid in ids if reason == "no_signal")
+    assert drops == ["solved/0", "solved/1"]
+    assert len(learned) == 4  # the critic still learns from the group the policy skipped
