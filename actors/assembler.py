@@ -266,12 +266,12 @@ class Assembler:
         value-based estimator only: every window (T-PPO) or every finished response."""
         rows, to_score = [], []
         for seg in segments:
-            if seg.generator_id in self._retired or seg.sample_id in self._finished:
-                self.counters["segments_ignored"] += 1  # work of a generator that left, or of a finished sample
-                continue
             key = f"{seg.msg_id}@{seg.generator_id}"
             if key in self._seen:
                 self.counters["duplicate_segments"] += 1
+                continue
+            if seg.generator_id in self._retired or seg.sample_id in self._finished:
+                self.counters["segments_ignored"] += 1  # work of a generator that left, or of a finished sample
                 continue
             self._seen.add(key)
             self.counters["segments"] += 1

@@ -74,7 +74,7 @@ def record_only(config: Config, progress: bool = True) -> dict:
         wall = time.time() - started
         import ray
 
-        generators = ray.get([g.stats.remote() for g in system.generators])
+        generators = ray.get([g.stats.remote() for g in system.generators.values()])
         assembler = ray.get(system.actors["assembler"].stats.remote())
         ledger = system.ledger()
     finally:

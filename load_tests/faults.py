@@ -201,13 +201,13 @@ def fill_mailbox(run_dir: str, quick: bool) -> dict:
         mailbox = system.mailboxes["segments"].actor
         rss_before = {"segments_mailbox": rss_mb(mailbox), "assembler": rss_mb(system.actors["assembler"])}
         ray.get(endpoint.reconfigure.remote({"fault_delay_s": 2.0}))  # the consumer falls behind
-        depths, wait_before = [], ray.get(system.generators[0].stats.remote())["wait_mailbox_s"]
+        depths, wait_before = [], ray.get(next(iter(system.generators.values())).stats.remote())["wait_mailbox_s"]
         end = time.time() + (15 if quick else 60)
         while time.time() < end:
             s = ray.get(mailbox.stats.remote())
             depths.append(s.queued + s.leased)
             time.sleep(0.2)
-        wait_after = ray.get(system.generators[0].stats.remote())["wait_mailbox_s"]
+        wait_after = ray.get(next(iter(system.generators.values())).stats.remote())["wait_mailbox_s"]
         rss_after = {"segments_mailbox": rss_mb(mailbox), "assembler": rss_mb(system.actors["assembler"])}
         ray.get(endpoint.reconfigure.remote({"fault_delay_s": 0.0}))
         advance(sup, 3)

@@ -40,7 +40,7 @@ def processes(sup: Run) -> dict[str, int]:
     """role -> pid of every actor of the running system."""
     system = sup.system
     actors = {**{name: a for name, a in system.actors.items()},
-              **{f"generator-{i}": g for i, g in enumerate(system.generators)},
+              **{f"generator-{gid}": g for gid, g in system.generators.items()},
               **{f"mailbox-{name}": box.actor for name, box in system.mailboxes.items()}}
     refs = {name: a.pid.remote() for name, a in actors.items()}
     return {name: ray.get(ref, timeout=30) for name, ref in refs.items()}
@@ -58,7 +58,7 @@ def inject(sup: Run, kind: str) -> str:
         ray.kill(endpoint, no_restart=False)
         return "reward endpoint killed (restarted by Ray)"
     if kind == "kill_generator":
-        ray.kill(system.generators[0], no_restart=True)
+        ray.kill(next(iter(system.generators.values())), no_restart=True)
         return "generator killed"
     ray.kill(system.actors["learner"], no_restart=True)
     return "policy learner killed"

@@ -29,7 +29,7 @@ from asyncrl.weight_sync import free_port
 # The KL to the reference is in the reward (the PPO baseline): the value learner scores the reference.
 OVERRIDES = ("model=tiny task=tiny algorithm=ppo critic.warmup_steps=1 trainer.wandb_mode=disabled "
              "trainer.checkpoint_every=0 algorithm.kl_in_reward=true algorithm.kl_coef=0.05")
-TOOL_OVERRIDES = "model=tiny task=tiny_tool trainer.wandb_mode=disabled"
+TOOL_OVERRIDES = "model=tiny task=tiny_tool trainer.wandb_mode=disabled serve.follow_learner=false"
 ADMIN_TOKEN = "test-admin-token"
 APPS = {"train": "/train", "policy": "/v1", "reward-verifier": "/reward/verifier"}
 EXAMPLES = 8  # fuzzed examples per operation and generation mode (CI time); raise it for a deeper run
@@ -67,7 +67,7 @@ def apps(ray_session, cli_run, tmp_path_factory):
         {"name": "policy", "route_prefix": "/v1", "import_path": "asyncrl.serve.policy:build_policy",
          "args": {"overrides": OVERRIDES}},
         reward_app_config("verifier", OVERRIDES),
-        # A policy trained on the tiny tool task speaks its tool format (no learner: its own weights).
+        # A policy of the tiny tool task speaks its tool format (its own weights, not the train app's).
         {"name": "policy-tools", "route_prefix": "/tools/v1", "import_path": "asyncrl.serve.policy:build_policy",
          "args": {"overrides": TOOL_OVERRIDES}},
     ], timeout_s=300)
@@ -366,7 +366,7 @@ def test_every_admin_route_needs_the_token_and_checkpoint_writes_one(apps):
     """All routes under /train/admin refuse a missing or wrong token (compared in constant time)."""
     paths = httpx.get(f"{apps}/train/openapi.json", timeout=30).json()["paths"]  # what is deployed
     admin = sorted(p for p in paths if p.startswith("/admin/"))
-    assert admin == ["/admin/checkpoint", "/admin/reward_routes"]
+    assert admin == ["/admin/checkpoint", "/admin/generators", "/admin/reward_routes"]
     for path in admin:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": ADMIN_TOKEN}):
             r = httpx.post(f"{apps}/train{path}", json={"routes": []}, headers=headers, timeout=30)

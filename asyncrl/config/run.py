@@ -115,6 +115,9 @@ class ServeConfig:
     reward_token: str = ""
     """Bearer token for POST /reward/<name>/score (it runs submitted code); empty =
     ASYNCRL_REWARD_TOKEN; neither set = only callers on this machine (loopback) are served."""
+    follow_learner: bool = True
+    """The policy endpoint adopts the running learner's weights as they change; false = it serves
+    the model's own weights (a frozen reference beside a run, or a policy loaded from model.path)."""
 
 
 @dataclass

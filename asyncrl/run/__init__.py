@@ -34,6 +34,7 @@ from asyncrl.run.wiring import System
 
 RESTART_ATTEMPTS = 4
 RESTART_WAIT_S = 10.0
+EXHAUSTION_CHECK_S = 5.0  # how often a quiet run asks whether every prompt is retired
 
 
 class StallError(RuntimeError):
@@ -59,6 +60,7 @@ class Run:
         self.system: System | None = None
         self.last_status: dict = {}  # the status read at the last poll with new steps
         self.last_step_at = time.time()
+        self._exhaustion_checked_at = 0.0
         self._autoscale = {"at": time.monotonic(), "wait_batch_s": 0.0, "polls": 0, "batches_full": 0}
 
     def start(self) -> "Run":
@@ -102,11 +104,17 @@ class Run:
             return Poll(restart=restart)
         new = self.system.pop_metrics()
         if not new:
-            if time.time() - self.last_step_at > self.stall_timeout_s:
+            quiet_s = time.time() - self.last_step_at
+            if quiet_s > EXHAUSTION_CHECK_S and time.time() - self._exhaustion_checked_at > EXHAUSTION_CHECK_S:
+                # With every prompt retired no step comes: that is the run's end, not a stall.
+                self._exhaustion_checked_at = time.time()
+                self.log.note_prompts(self.system.status())
+            if quiet_s > self.stall_timeout_s and not self.log.prompts_exhausted:
                 status = self.system.status()
                 raise StallError(
                     f"no learner step for {self.stall_timeout_s:.0f}s at step {status['step']}; "
-                    f"samples dropped by reason: {status['dropped_by_reason']}, queues: {status['queue_depths']}")
+                    f"samples dropped by reason: {status['dropped_by_reason']}, queues: {status['queue_depths']}, "
+                    f"prompts: {_prompt_state(status)}")
             return Poll()
         self.last_step_at = time.time()
         self.last_status = self.system.status()
@@ -185,3 +193,10 @@ class Run:
 
     def write_plots(self) -> None:
         self.log.write_plots()
+
+
+def _prompt_state(status: dict) -> dict:
+    """What the prompt source says about why it issues nothing (a stall's first suspect)."""
+    prompts = status.get("prompt_source", {})
+    return {k: prompts.get(k) for k in ("issued", "budget", "delivered_version", "prompts_retired",
+                                        "all_prompts_retired", "all_prompts_exhausted", "reissue_pending")}

@@ -52,6 +52,14 @@ class RunRecords:
         self.records = [r for r in self.records if r["step"] <= step]
         self._previous_poll = (time.time() - self.started, 1 << 62)  # the next poll's rate is unknown
 
+    def note_prompts(self, status: dict) -> None:
+        """The prompt source's retirement figures (also read between steps: the last prompt may
+        retire after the last step a run will ever take)."""
+        prompts = status.get("prompt_source", {})
+        self.retired_share = prompts.get("prompts_retired_share", 0.0)
+        self.prompts_exhausted = bool(prompts.get("all_prompts_exhausted"))
+        self.retired_by_reason = dict(prompts.get("retired_by_reason", {}))
+
     def add(self, new: list[dict], status: dict, resumed: bool) -> list[dict]:
         """Stamp, annotate and write new step records; returns the new retirement events."""
         stamp = {"samples_trained": status["samples_trained"], "samples_dropped": status["samples_dropped"],
@@ -64,9 +72,8 @@ class RunRecords:
             self._previous_poll = (0.0, 1 << 62)
         stamp["samples_per_s"] = samples_per_s(self._previous_poll, stamp["wall_time_s"], stamp["samples_trained"])
         prompts = status.get("prompt_source", {})
-        stamp["prompts_retired_share"] = self.retired_share = prompts.get("prompts_retired_share", 0.0)
-        self.prompts_exhausted = bool(prompts.get("all_prompts_exhausted"))
-        self.retired_by_reason = dict(prompts.get("retired_by_reason", {}))
+        self.note_prompts(status)
+        stamp["prompts_retired_share"] = self.retired_share
         retirements = self._new_retirements(prompts.get("retirement_log", []))
         self._previous_poll = (stamp["wall_time_s"], stamp["samples_trained"])
         with open(self.metrics_path, "a") as metrics_file:

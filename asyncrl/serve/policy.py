@@ -48,7 +48,9 @@ class PolicyServer:
         self.engine, self.tokenizer = build_engine(config.model)
         self.poll_s = poll_s
         self.started_at = time.time()
-        self._task = asyncio.get_event_loop().create_task(self._follow_weights())
+        self._task = None
+        if config.serve.follow_learner:
+            self._task = asyncio.get_event_loop().create_task(self._follow_weights())
 
     async def _follow_weights(self) -> None:
         while True:
