@@ -172,6 +172,28 @@ def test_top_k_top_p_tokens_carry_the_logprob_of_the_truncated_distribution(loop
     assert np.median(gaps) > 0.05
 
 
+def test_top_logprobs_are_those_of_the_distribution_sampled_from(loop, engine, models):
+    """`SamplingParams.top_logprobs` as the policy endpoint asks for it: each position's most likely
+    tokens under the cut distribution (top-k 5 at T=0.8), -inf past the cut, as the embedded engine."""
+    from asyncrl.algo.sampling import filtered_logprobs
+
+    params = SamplingParams(temperature=0.8, top_k=5, top_logprobs=6)
+    outputs = generate(loop, engine, [sequence_input(p, seed=80 + i, max_response_tokens=12) for i, p in enumerate(PROMPTS)],
+                       12, params)
+    model = models[engine.weight_version]
+    for prompt, out in zip(PROMPTS, outputs):
+        assert out.top_ids.shape == out.top_logprobs.shape == (len(out.token_ids), 6)
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + out.token_ids.tolist()])).logits[0, len(prompt) - 1:-1]
+        expected = torch.topk(filtered_logprobs(logits, 0.8, 5), 6, dim=-1)
+        np.testing.assert_allclose(out.top_logprobs[:, :5], expected.values[:, :5].numpy(), atol=TOLERANCE, rtol=0)
+        assert np.isneginf(out.top_logprobs[:, 5]).all()  # the sixth is outside the cut: cannot be drawn
+        assert (np.sort(out.top_ids[:, :5], axis=1) == np.sort(expected.indices[:, :5].numpy(), axis=1)).all()
+        for row, token in enumerate(out.token_ids):  # the sampled token is among them, with its log-prob
+            (where,) = np.nonzero(out.top_ids[row, :5] == token)
+            assert len(where) == 1 and abs(out.top_logprobs[row, where[0]] - out.logprobs[row]) < TOLERANCE
+
+
 def test_greedy_windows_take_the_learners_argmax(loop, engine, models):
     outputs = generate(loop, engine, [sequence_input(p, seed=0, max_response_tokens=12) for p in PROMPTS], 12,
                        SamplingParams(greedy=True))
@@ -213,6 +235,12 @@ def test_fire_first_token_carries_the_hot_distributions_logprob(loop, engine, mo
         if len(rest):
             regular = learner_logprobs(model, prompt, out.token_ids, 1.0)[1:]
             np.testing.assert_allclose(out.logprobs[1:], regular, atol=TOLERANCE, rtol=0)
+        # Exact, but of the hot distribution: unscored, as the embedded engine marks it.
+        assert out.scored is not None and out.scored.tolist() == [0] + [1] * len(rest)
+    # A later window of the same responses has no first token: every token scored.
+    later = generate(loop, engine, [sequence_input(p, seed=30 + i, max_response_tokens=32, response_ids=o.token_ids)
+                                    for i, (p, o) in enumerate(zip(PROMPTS, outputs)) if not o.finished], 4, params)
+    assert all(o.scored is None for o in later)
 
 
 def test_eos_stops_a_window(loop, engine, models):
@@ -236,6 +264,9 @@ def test_a_minimum_length_holds_eos_back(loop, engine):
     assert any(o.finish_reason is FinishReason.EOS and len(o.token_ids) < 40 for o in without)
     for out in with_min:
         assert len(out.token_ids) > 40 and EOS not in out.token_ids[:40].tolist()
+        # EOS held back: those 40 positions were not drawn from the policy's distribution.
+        assert out.scored.tolist() == [0] * 40 + [1] * (len(out.token_ids) - 40)
+    assert all(o.scored is None for o in without)
 
 
 def test_an_update_mid_request_lands_at_once_and_later_tokens_follow_the_new_weights(loop, engine, models):
@@ -288,3 +319,58 @@ def test_nothing_cached_under_old_weights_is_reused(loop, engine, models):
     assert engine.counters["cached_tokens"] == cached  # new weights: nothing read
     assert (out.versions == engine.weight_version).all()
     check_against_learner(models, prompt, out, 1.0)
+
+
+def test_the_generator_role_loads_versions_before_and_while_it_runs(loop, engine, models):
+    """`actors.generator.Generator` on SGLang, as a generator actor runs it: a version delivered
+    before its loop starts (joining the pool) loads at once; one delivered while it runs lands
+    mid-window (`updates_mid_window`). Every token's recorded version is the one SGLang reported,
+    and its log-prob is the learner's under those weights."""
+    from actors.generator import Generator
+    from asyncrl.mailbox import InProcessMailbox
+    from asyncrl.schema import PromptRequest, int32_array
+    from asyncrl.weight_sync import Delivery
+
+    prompts, segments = InProcessMailbox(100, lease_s=600), InProcessMailbox(10_000, lease_s=600)
+    generator = Generator(engine, prompts, segments, SamplingParams(temperature=1.0), window_tokens=48,
+                          max_response_tokens=192, max_windows=0, max_inflight=8)
+    slots = SharedSlots()
+
+    async def deliver(model, version):
+        models[version] = model
+        return await generator.receive_weights(Delivery(version, "shm"), slots.write(model.named_parameters()))
+
+    async def scenario():
+        first = engine.weight_version + 1
+        await deliver(perturbed(models[engine.weight_version], seed=first), first)  # not running: loads now
+        assert engine.weight_version == first
+        await prompts.put([PromptRequest(prompt_id=f"g{i}", prompt_token_ids=int32_array(p), group_size=2, seed=90 + i)
+                           for i, p in enumerate(PROMPTS[:4])])
+        running = asyncio.ensure_future(generator.run())
+        while generator.counters["tokens"] == 0:
+            await asyncio.sleep(0.05)
+        paused = await deliver(perturbed(models[first], seed=first + 1), first + 1)  # mid-window
+        while generator.counters["samples_finished"] < 8:
+            await asyncio.sleep(0.1)
+        generator.stop()
+        await running
+        return first, paused
+
+    try:
+        first, paused = loop.run_until_complete(scenario())
+    finally:
+        slots.close()
+    got = loop.run_until_complete(segments.get(10_000, timeout=0.1))
+    assert generator.counters["weight_updates"] == 1 and paused < 30
+    versions = set()
+    for segment in got:
+        assert len(segment.new_versions) == len(segment.new_token_ids)
+        versions |= set(segment.new_versions.tolist())
+        check_against_learner(models, np.concatenate([segment.prompt_token_ids, segment.prior_response_ids]),
+                              _Out(segment.new_token_ids, segment.new_logprobs, segment.new_versions), 1.0)
+    assert versions == {first, first + 1}, "tokens of both versions: the second landed while the generator ran"
+
+
+class _Out:
+    def __init__(self, token_ids, logprobs, versions):
+        self.token_ids, self.logprobs, self.versions = token_ids, logprobs, versions

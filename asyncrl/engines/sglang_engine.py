@@ -79,6 +79,8 @@ class _Tokens:
             entries = sorted(entries, key=lambda e: -e[0])[:top_n]
             ids[row, :len(entries)] = [e[1] for e in entries]
             logprobs[row, :len(entries)] = [e[0] for e in entries]
+        # SGLang clamps the log-prob of a token the cut left out to float32's lowest value: -inf here.
+        logprobs[logprobs <= np.finfo(np.float32).min] = -np.inf
         return ids, logprobs
 
 
