@@ -273,7 +273,11 @@ def test_an_update_mid_request_lands_at_once_and_later_tokens_follow_the_new_wei
     """Shared-memory path (CPU). The update is applied while a long window runs; its requests are
     cut and continue under the new weights with nothing read from the cache of the old ones."""
     params = SamplingParams(temperature=1.0)
-    sequences = [sequence_input(PROMPTS[i % len(PROMPTS)], seed=60 + i, max_response_tokens=232) for i in range(12)]
+    # Twelve prompts that share no prefix: a continued request may read from the cache only what
+    # another continued request computed under the new weights, and with no shared prefix there is
+    # none of that either, so any cached token it reads would be one computed under the old weights.
+    sequences = [sequence_input([3 + i] + PROMPTS[i % len(PROMPTS)], seed=60 + i, max_response_tokens=232)
+                 for i in range(12)]
     start = time.perf_counter()
     warm = generate(loop, engine, sequences, 32, params)
     per_token = (time.perf_counter() - start) / 32
