@@ -19,6 +19,7 @@ Nothing here is unpickled: tensors are read with `torch.load(weights_only=True)`
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import json
@@ -193,9 +194,23 @@ def save_policy(model, tokenizer, directory: str, state_dict: dict[str, torch.Te
     own parameters are shards), or a copy of the weights. Tied weights are stored once."""
     if state_dict is not None:
         state_dict = retie(model, state_dict)
-    model.save_pretrained(directory, safe_serialization=True, state_dict=state_dict)
+    with _no_progress_bars():  # a bar per checkpoint buried a long run's log ("Writing model shards")
+        model.save_pretrained(directory, safe_serialization=True, state_dict=state_dict)
     tokenizer.save_pretrained(directory)
     _default_modes(directory)
+
+
+@contextlib.contextmanager
+def _no_progress_bars():
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def _default_modes(directory: str) -> None:

@@ -205,6 +205,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # `asyncrl train --help | head`: the reader left; that is not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 0
+
+
+def _main(argv: list[str] | None) -> int:
     args = parse(argv)
     from asyncrl.config import ConfigError
     from asyncrl.run.placement import RayStartError

@@ -29,7 +29,8 @@ README = os.path.join(ROOT, "README.md")
 # Commands run by default: seconds to minutes each on 2 cores. Everything else needs --all.
 SHORT = ("asyncrl train model=tiny", "asyncrl generate", "asyncrl data example", "load_tests/faults.py --quick")
 # The Serve block: run while `serve run` serves.
-WITH_SERVE = ("curl ", "serve status", "asyncrl eval --endpoint")
+WITH_SERVE = ("curl ", "serve status", "asyncrl eval --endpoint", "asyncrl scale")
+ADMIN_TOKEN = "secret"  # the README's scaling commands use it
 
 
 def _blocks(language: str) -> list[str]:
@@ -79,7 +80,7 @@ def run_serve_block(commands: list[str], limit_s: float, report: list) -> None:
     serve_run = next(c for c in commands if ".venv/bin/serve run" in c)
     # Its own process group: Ctrl-C reaches it as it would from a terminal.
     process = subprocess.Popen(serve_run, shell=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               start_new_session=True)
+                               start_new_session=True, env={**os.environ, "ASYNCRL_ADMIN_TOKEN": ADMIN_TOKEN})
     start = time.monotonic()
     try:
         ready = _wait_for_serve("http://127.0.0.1:8000/train/status", 600)

@@ -203,3 +203,11 @@ def test_data_example_writes_the_files_the_readme_trains_on(tmp_path, monkeypatc
     assert other.returncode == 2 and "pass --force" in other.stderr
     jsonl = asyncrl("data", "example", "--out", "small", "--format", "jsonl", "task.num_train_prompts=8", cwd=tmp_path)
     assert jsonl.returncode == 0 and len((tmp_path / "small" / "train.jsonl").read_text().splitlines()) == 8
+
+
+def test_help_into_a_pipe_that_closes_early_is_not_an_error(tmp_path):
+    """`asyncrl train --help | head -3`: the reader leaves after three lines; no traceback, exit 0."""
+    done = subprocess.run(["bash", "-o", "pipefail", "-c", f"'{sys.executable}' -m asyncrl.cli train --help | head -3"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert len(done.stdout.splitlines()) == 3

@@ -166,13 +166,14 @@ def test_saved_batches_keep_only_samples_that_end_in_them(tmp_path):
     assert [[(r.segment.sample_id, r.segment.turn) for r in b.samples] for b in kept] == [[("p/0", 0)], [("p/0", 1)]]
 
 
-def test_tied_weights_are_stored_once_and_reload_equal(tmp_path):
+def test_tied_weights_are_stored_once_and_reload_equal(tmp_path, capfd):
     """A policy whose output embedding is its input embedding (SmolLM2's) stores that matrix once,
     also from the learner's gathered weights (a copy per name), and loads back equal and tied. An
     older checkpoint that stored it twice is exported with it once."""
     import torch
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
 
     from asyncrl.models import build_tiny_tokenizer
     from asyncrl.sharding import full_weights
@@ -193,6 +194,9 @@ def test_tied_weights_are_stored_once_and_reload_equal(tmp_path):
 
     policy = str(tmp_path / "policy")
     checkpoint.save_policy(model, tokenizer, policy, state_dict=weights)
+    # Quietly: a progress bar per checkpoint was most of a long run's log; bars elsewhere stay on.
+    assert "Writing model shards" not in capfd.readouterr().err
+    assert hf_logging.is_progress_bar_enabled()
     assert "lm_head.weight" not in stored(policy) and "model.embed_tokens.weight" in stored(policy)
     assert os.path.getsize(os.path.join(policy, "model.safetensors")) < unique_bytes + 64 * 1024  # + the header
 

@@ -12,6 +12,7 @@ import ray
 
 from asyncrl.config import compose
 from asyncrl.run import Run
+from asyncrl.run.pool import autoscale_step
 
 OVERRIDES = ["model=tiny", "task=tiny", "algorithm=grpo", "trainer.wandb_mode=disabled", "trainer.checkpoint_every=0",
              "cluster.num_generators=2", "cluster.generator_timeout_s=30", "algorithm.max_staleness_versions=4"]
@@ -55,3 +56,42 @@ def test_a_killed_generator_is_replaced_while_the_learner_keeps_training(ray_ses
         assert len(ledger["trained_ids"]) == len(set(ledger["trained_ids"]))
     finally:
         run.stop()
+
+
+def test_a_hung_generator_is_detected_and_replaced(ray_session, tmp_path):
+    """A generator that stops answering (its process stopped, as a wedged engine or a half-dead
+    node would) is healed after `cluster.generator_timeout_s`: its leases go to the other
+    generator, a replacement joins, the learner goes on, and nothing is lost or trained twice."""
+    overrides = [o for o in OVERRIDES if not o.startswith("cluster.generator_timeout_s")]
+    run = Run(compose([*overrides, "cluster.generator_timeout_s=8", f"trainer.run_dir={tmp_path}"]), str(tmp_path)).start()
+    try:
+        poll_until(run, lambda: learner_step(run) >= 5)
+        victim = ray.get(run.system.generators["gen-0"].pid.remote())
+        os.kill(victim, signal.SIGSTOP)  # alive but silent: only the missing answers can tell
+        stopped_at = learner_step(run)
+        steps = poll_until(run, lambda: "gen-2" in run.system.generators and learner_step(run) >= stopped_at + 10)
+        assert steps == sorted(steps) and run.restarts == []
+        events = [json.loads(line) for line in open(tmp_path / "generators.jsonl")]
+        removed = [e for e in events if e["event"] == "removed"]
+        assert [e["generator"] for e in removed] == ["gen-0"] and removed[0]["reason"] == "no answer for 8s"
+        assert sorted(run.system.generators) == ["gen-1", "gen-2"]
+        run.system.stop_learning()
+        ledger = run.system.ledger()
+        assert ledger["problems"] == [] and ledger["counts"]["duplicates"] == 0
+    finally:
+        try:
+            os.kill(victim, signal.SIGCONT)  # if it is still there, let Ray's kill finish it
+        except (ProcessLookupError, UnboundLocalError):
+            pass
+        run.stop()
+
+
+def test_the_autoscaler_grows_on_a_waiting_learner_and_shrinks_on_waiting_batches():
+    """By hand: over half the window waiting for batches grows the pool by one, batches waiting at
+    most looks shrink it by one, within [low, high]; neither keeps it (and clamps it into range)."""
+    assert autoscale_step(2, 1, 4, learner_waiting=0.6, batches_waiting=0.0) == 3
+    assert autoscale_step(4, 1, 4, learner_waiting=0.9, batches_waiting=0.0) == 4  # at the top
+    assert autoscale_step(2, 1, 4, learner_waiting=0.1, batches_waiting=0.8) == 1
+    assert autoscale_step(1, 1, 4, learner_waiting=0.0, batches_waiting=1.0) == 1  # at the bottom
+    assert autoscale_step(3, 1, 4, learner_waiting=0.5, batches_waiting=0.5) == 3  # exactly half: no change
+    assert autoscale_step(6, 1, 4, learner_waiting=0.2, batches_waiting=0.2) == 4

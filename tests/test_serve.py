@@ -7,6 +7,8 @@ The train app runs PPO, so its records carry value-learner metrics, and they are
 those `asyncrl train` writes for the same overrides (one run monitor behind both)."""
 
 import json
+import subprocess
+import sys
 import threading
 import time
 
@@ -36,6 +38,7 @@ EXAMPLES = 8  # fuzzed examples per operation and generation mode (CI time); rai
 
 
 RUN_DIRS = {}  # "serve": the train app's run directory
+APP_CONFIGS: list[dict] = []  # the apps as deployed (a redeploy must name them all)
 
 
 def records_with_value_metrics(path) -> list[dict]:
@@ -61,7 +64,7 @@ def apps(ray_session, cli_run, tmp_path_factory):
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     run_dir = RUN_DIRS["serve"] = tmp_path_factory.mktemp("serve")
-    deploy_declaratively([
+    APP_CONFIGS[:] = [
         {"name": "train", "route_prefix": "/train", "import_path": "asyncrl.serve.train:build_train",
          "args": {"overrides": OVERRIDES, "trainer.run_dir": str(run_dir), "serve.admin_token": ADMIN_TOKEN}},
         {"name": "policy", "route_prefix": "/v1", "import_path": "asyncrl.serve.policy:build_policy",
@@ -70,7 +73,8 @@ def apps(ray_session, cli_run, tmp_path_factory):
         # A policy of the tiny tool task speaks its tool format (its own weights, not the train app's).
         {"name": "policy-tools", "route_prefix": "/tools/v1", "import_path": "asyncrl.serve.policy:build_policy",
          "args": {"overrides": TOOL_OVERRIDES}},
-    ], timeout_s=300)
+    ]
+    deploy_declaratively(APP_CONFIGS, timeout_s=300)
     yield f"http://127.0.0.1:{port}"
     for app in [*APPS, "policy-tools"]:
         serve.delete(app)
@@ -474,10 +478,19 @@ def test_the_generator_pool_scales_1_3_1_by_the_admin_route_while_it_trains(apps
         return status
 
     start = look()["step"]
-    for count in (3, 1):
-        r = httpx.post(f"{apps}/train/admin/generators", json={"count": count}, headers=headers, timeout=900)
-        assert r.status_code == 200, r.text
-        assert len(r.json()["generators"]) == count
+    for count, how in ((3, "cli"), (2, "route"), (1, "serve deploy")):
+        if how == "cli":
+            done = subprocess.run([sys.executable, "-m", "asyncrl.cli", "scale", str(count), "--endpoint", apps,
+                                   "--token", ADMIN_TOKEN], capture_output=True, text=True, timeout=900)
+            assert done.returncode == 0 and len(json.loads(done.stdout)["generators"]) == count, done.stderr
+        elif how == "route":
+            r = httpx.post(f"{apps}/train/admin/generators", json={"count": count}, headers=headers, timeout=900)
+            assert r.status_code == 200, r.text
+            assert len(r.json()["generators"]) == count
+        else:  # user_config changes in place: the train app is reconfigured, not restarted
+            train_app = {**APP_CONFIGS[0], "deployments": [{"name": "TrainController",
+                                                             "user_config": {"num_generators": count}}]}
+            deploy_declaratively([train_app, *APP_CONFIGS[1:]], timeout_s=600)
         for _ in range(8):
             status = look()
             time.sleep(1.0)
@@ -486,6 +499,7 @@ def test_the_generator_pool_scales_1_3_1_by_the_admin_route_while_it_trains(apps
     assert len(seen) >= 3 and all(d >= w - bound for views in seen.values() for d, w in views), seen
     events = [e["event"] for e in status["pool"]["events"]]
     assert events.count("joined") >= 2 and events.count("left") >= 2
+    assert {e["reason"] for e in status["pool"]["events"]} >= {"admin route", "serve deploy (user_config)"}
     assert status["ledger"]["problems"] == [] and status["ledger"]["duplicates"] == 0
     r = httpx.post(f"{apps}/train/admin/generators", json={"count": 0}, headers=headers, timeout=60)
     assert r.status_code == 422  # a pool of none is refused with a reason

@@ -21,6 +21,7 @@ import dataclasses
 import json
 import os
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -175,6 +176,8 @@ class Run:
                 time.sleep(RESTART_WAIT_S)
         event = {"reason": reason, "restart_s": time.perf_counter() - start, "at": time.time(),
                  **{k: self.system.resumed[k] for k in ("checkpoint", "step", "reissued_prompts", "saved_batches")}}
+        if cause is not None:  # where it failed, for whoever reads restarts.jsonl (the reason is one line)
+            event["error"] = "".join(traceback.format_exception(cause))[-4000:]
         self.restarts.append(event)
         return event
 

@@ -54,6 +54,10 @@ class ResumePoint:
     held_sample_ids: set = field(default_factory=set)  # samples inside those batches
 
 
+class RoleDied(RuntimeError):
+    """A role's loop ended (its error, with the role named): the run restarts from the checkpoint."""
+
+
 class System:
     """`run_dir` enables checkpoints; with `resume=true` the system continues from the newest valid
     checkpoint there. `max_steps`: the learner stops there (0: trains until stopped, as under Serve)."""
@@ -277,8 +281,11 @@ class System:
             if name.startswith("generator:"):
                 dead.append(name.removeprefix("generator:"))
                 continue
-            ray.get(ref)  # raises the actor's exception
-            raise RuntimeError(f"actor loop {name} stopped unexpectedly")
+            try:
+                ray.get(ref)
+            except Exception as exc:  # the loop's own error, named by its role
+                raise RoleDied(f"{name}'s loop ended: {type(exc).__name__}: {exc}") from exc
+            raise RoleDied(f"{name}'s loop stopped unexpectedly")
         return dead
 
     def status(self) -> dict:

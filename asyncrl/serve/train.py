@@ -171,6 +171,9 @@ class TrainController:
 
     def reconfigure(self, user_config: dict) -> None:
         """`serve deploy` with `user_config: {num_generators: N}` scales the pool in place."""
+        unknown = sorted(set(user_config) - {"num_generators"})
+        if unknown:  # a setting that would do nothing is refused (the deploy fails with this reason)
+            raise ValueError(f"unknown user_config key(s) {unknown} for the train application; it takes num_generators")
         count = user_config.get("num_generators")
         if count is not None and hasattr(self, "run"):
             self._scale(int(count), "serve deploy (user_config)")
