@@ -104,8 +104,10 @@ class System:
             raise ValueError("trainer.record=true needs a run directory (trainer.run_dir)")
         # The control plane (mailboxes, prompt source, assembler, reward endpoints, recorder) sits on
         # this node, the run's own: on a cluster it does not share the fate of a generator's node.
+        # Hard affinity: a soft one let a busy head's raylet spill a mailbox to a worker node (seen on
+        # the namespace cluster), and losing that node then cost a restart instead of a heal.
         here = {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
-                                                                      soft=True)}
+                                                                      soft=False)}
         self._mailboxes(value_based, here)
         self._roles(resume, learning, value_based, here)
         self._resume(resume)
@@ -158,6 +160,9 @@ class System:
         learners += [ask(cfg.critic.gpus, cfg.critic.resources)] if value_based else []
         generator_options, learner_options, self.placement_group = role_placement(
             cfg.cluster.placement, ask(cfg.engine.gpus, cfg.engine.resources), self.pool.target, learners)
+        # A learner that asks for nothing (no GPU, no resource) stays with the control plane: it holds
+        # the run's state, and on a cluster it must not share a generator's node's fate.
+        learner_options = [options or dict(here) for options in learner_options]
         value_learner = (self._spawn(
             ValueLearnerActor, model=cfg.model, critic=cfg.critic, algorithm=cfg.algorithm, engine=cfg.engine,
             seed=tr.seed, trajectories=boxes["trajectories"], resume_from=resume and resume.checkpoint,
