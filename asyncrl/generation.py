@@ -37,12 +37,9 @@ def build_engine(model: ModelConfig, policy: tuple | None = None, device: str = 
 def build_generator_engine(model: ModelConfig, engine: EngineConfig, seed: int = 0):
     """The engine a generator runs: the embedded one, or SGLang's (`engine.name=sglang`)."""
     if engine.name == "sglang":
-        from asyncrl.engines.sglang_engine import SGLangEngine
-        from asyncrl.models import load_tokenizer
+        from asyncrl.engines.sglang_launch import start_sglang  # imports SGLang: only in its venv
 
-        tokenizer = load_tokenizer(model)
-        eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-        return SGLangEngine(model.path, eos, engine.sglang_mem_fraction, engine.sglang_tp_size, seed)
+        return start_sglang(model, engine, seed)
     policy = load_policy(model)
     return build_engine(model, policy, engine.device, engine_dtype(engine.dtype, engine.device, policy[0]))[0]
 

@@ -18,7 +18,7 @@ from typing import Any, Awaitable, Callable, Iterable
 import torch
 
 from asyncrl.weight_sync import (BucketPlan, Delivery, SharedSlots, SharedVersion, WeightGroup, from_cuda_ipc,
-                                 shared_views, to_cuda_ipc)
+                                 to_cuda_ipc)
 
 PATHS = ("shm", "cuda_ipc", "group")
 
@@ -109,10 +109,12 @@ class WeightSender:
 
 
 def load(engine, delivery: Delivery, payload, group: WeightGroup | None) -> None:
-    """The generator's side: take `delivery.weight_version` into `engine` by its path (between windows)."""
+    """The generator's side: take `delivery.weight_version` into `engine` by its path (between
+    windows, or while they run where the engine takes updates mid-window: SGLang). On shm the
+    engine gets the slot's layout (`Engine.adopt_shared`): the embedded engine views it, SGLang's
+    scheduler maps the file itself."""
     if delivery.path == "shm":
-        views = shared_views(payload)
-        engine.adopt_weights(views, delivery.weight_version, keepalive=views)
+        engine.adopt_shared(payload, delivery.weight_version)
     elif delivery.path == "cuda_ipc":
         engine.update_weights(from_cuda_ipc(payload), delivery.weight_version)
     elif delivery.path == "group":

@@ -3,6 +3,7 @@ to the sample ledger afterwards.
 
     python load_tests/faults.py --quick              # every scenario, small sizes (a few minutes)
     python load_tests/faults.py kill_generator       # one scenario
+    .venv-sglang/bin/python load_tests/faults.py kill_generator --engine sglang_cpu   # SGLang generators
 
 Scenarios (tiny model, the real actors, mailboxes and gloo broadcast; checkpoints every 3 steps):
 
@@ -109,9 +110,13 @@ def rss_mb(actor) -> float:
     return psutil.Process(ray.get(actor.pid.remote())).memory_info().rss / 2**20
 
 
+# Overrides every scenario's run gets (`--engine`).
+EXTRA: list[str] = []
+
+
 def _start(overrides: list[str], run_dir: str) -> Run:
     shutil.rmtree(run_dir, ignore_errors=True)
-    config = compose(overrides + [f"trainer.run_dir={run_dir}"])
+    config = compose(overrides + EXTRA + [f"trainer.run_dir={run_dir}"])
     return Run(config, run_dir).start()
 
 
@@ -271,7 +276,10 @@ def main() -> int:
                         help=f"any of {list(SCENARIOS)} (default: all but the cluster ones, {list(ON_CLUSTER)})")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--run-dir", default="outputs/faults")
+    parser.add_argument("--engine", default="torch", choices=["torch", "sglang_cpu"],
+                        help="the generators' engine (sglang_cpu: run with .venv-sglang/bin/python)")
     args = parser.parse_args()
+    EXTRA[:] = [f"engine={args.engine}"]
     inside = bool(os.environ.get("RAY_ADDRESS"))  # re-run in the head's namespace, joined to the cluster
     if not inside and any(name not in ON_CLUSTER for name in args.scenarios):
         init_ray(compose(BASE))

@@ -22,6 +22,7 @@ import time
 import torch
 import torch.multiprocessing as mp
 
+from asyncrl.config import compose
 from asyncrl.weight_sync import (Delivery, SharedSlots, SharedVersion, WeightGroup, free_port, from_cuda_ipc, plan_buckets,
                                  shared_views, to_cuda_ipc)
 
@@ -42,13 +43,11 @@ def shapes_of(model_name: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]
     if model_name in ("0.5b", "1.5b"):
         config = AutoConfig.for_model(**(HALF_B if model_name == "0.5b" else ONE_HALF_B))
     elif model_name == "embedded":
-        from asyncrl.config import compose
         from asyncrl.models import load_policy
 
         model, _ = load_policy(compose([]).model)
         return {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
     elif model_name == "tiny":
-        from asyncrl.config import compose
         from asyncrl.models import load_policy
 
         model, _ = load_policy(compose(["model=tiny"]).model)
@@ -268,11 +267,19 @@ def measure(model_name: str, rounds: int, bucket_mb: int = 64) -> dict:
 
 
 def run(quick: bool = False, overrides: list[str] | None = None, step_seconds: dict[str, float] | None = None) -> dict:
-    """`overrides` are not used: the models are fixed by name (embedded, 0.5b; tiny with --quick;
-    with a GPU also 1.5b, whose CPU paths are measured too)."""
+    """The models are fixed by name (embedded, 0.5b; tiny with --quick; with a GPU also 1.5b, whose
+    CPU paths are measured too). With `engine=sglang_cpu` (.venv-sglang): SGLang's update paths
+    beside `shm`, on the embedded model (tiny with --quick)."""
     models = ("tiny", "embedded") if quick else ("embedded", "0.5b", *(("1.5b",) if torch.cuda.is_available() else ()))
     rounds = 3 if quick else 5
     out = {}
+    if overrides and compose(overrides).engine.name == "sglang":
+        from asyncrl.bench.sglang_bench import update_speed
+
+        for name, model in ((("tiny", ["model=tiny"]),) if quick else (("embedded", []),)):
+            out[name] = {"shm": measure_shm(name, rounds), **update_speed(compose([*overrides, *model]), rounds, memcpy_seconds)}
+            print(name, out[name], flush=True)
+        return out
     for name in models:
         out[name] = measure(name, rounds)
         step = (step_seconds or {}).get(name)

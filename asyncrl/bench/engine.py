@@ -5,7 +5,9 @@ generates exactly `new_tokens`: EOS is never sampled), paired rounds:
 * `engine_fp32`: the same engine in float32 (what bfloat16 brings, apart from the rest);
 * `generate`: transformers' `generate` on a float32 model, as a user calls it;
 * SGLang on this CPU, from `.venv-sglang` (its own benchmark, `engine=sglang_cpu`, run as a
-  subprocess); skipped with a message where that environment is absent.
+  subprocess); skipped with a message where that environment is absent. Run inside
+  `.venv-sglang` with `engine=sglang_cpu` (or `engine=sglang`), this benchmark is SGLang's own
+  (`asyncrl.bench.sglang_bench`: SGLang beside the embedded engine, tokens/s and first token).
 
 Each figure is also a share of the *decode ceiling* at that batch: the model's matmul FLOPs per
 token against this CPU's measured throughput for the model's own matmul shapes at that batch, in
@@ -47,6 +49,10 @@ NEVER = [-1]  # an EOS id no token has: every row runs its full length
 def run(quick: bool = False, overrides: list[str] | None = None) -> dict:
     load_start = os.getloadavg()[0]
     config = compose(overrides or [])
+    if config.engine.name == "sglang":  # SGLang beside the embedded engine (.venv-sglang)
+        from asyncrl.bench.sglang_bench import engine_speed
+
+        return engine_speed(config, quick)
     threads, device = config.engine.threads, config.engine.device
     torch.set_num_threads(threads)
     user_model, tokenizer = load_policy(config.model)  # float32, as a user loads it for `generate`
@@ -210,6 +216,10 @@ def sglang_figures(quick: bool, overrides: list[str]) -> dict:
 
 
 def report(result: dict) -> str:
+    if "setup" not in result:  # SGLang's own benchmark (engine=sglang_cpu)
+        from asyncrl.bench.sglang_bench import engine_report
+
+        return engine_report(result)
     s = result["setup"]
     lines = [f"engine dtype {s['dtype']} ({s['cpu_capability']}, native bf16: {s['native_bf16']}), {s['threads']} "
              f"thread(s), {s['new_tokens']} new tokens a row, median of {s['rounds']} paired rounds (load average "

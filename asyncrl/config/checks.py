@@ -20,6 +20,8 @@ RANGES = {
     "engine.top_k": ">= 0", "engine.first_token_temperature": "> 0", "engine.first_token_top_k": ">= 0",
     "engine.threads": ">= 1", "engine.long_tail_fraction": "[0, 1]", "engine.long_tail_tokens": ">= 0",
     "engine.sglang_mem_fraction": "(0, 1)", "engine.sglang_tp_size": ">= 1", "engine.gpus": ">= 0",
+    "engine.sglang_max_total_tokens": ">= 0", "engine.sglang_max_running_requests": ">= 0",
+    "engine.sglang_chunked_prefill_tokens": ">= 0",
     "algorithm.group_size": ">= 1", "algorithm.kl_coef": ">= 0", "algorithm.overlong_buffer_tokens": ">= 0",
     "algorithm.overlong_penalty_factor": ">= 0", "algorithm.max_staleness_versions": ">= 0",
     "algorithm.gamma": "(0, 1]", "algorithm.lam": "[0, 1]", "algorithm.length_adaptive_alpha": ">= 0",
@@ -197,8 +199,15 @@ def _placement_checks(config) -> list[tuple[bool, str]]:
         (e.device != "cuda" or e.gpus > 0, "a generator on CUDA (engine.device=cuda) needs engine.gpus > 0"),
         (p.device != "cuda" or p.gpus > 0, "policy.device=cuda needs policy.gpus > 0"),
         (c.device != "cuda" or c.gpus > 0, "critic.device=cuda needs critic.gpus > 0"),
-        (e.name != "sglang" or config.model.source == "hf",
-         "engine=sglang loads a Hugging Face directory: set model.source=hf model.path=<dir>"),
+        (e.name != "sglang" or e.device == "cuda" or e.gpus == 0,
+         f"engine.device=cpu with engine.gpus={e.gpus}: engine=sglang is the one-GPU preset; for SGLang on "
+         "CPU use engine=sglang_cpu"),
+        (e.name != "sglang" or e.device == "cuda" or e.sglang_max_total_tokens > 0,
+         "engine=sglang on CPU needs engine.sglang_max_total_tokens > 0: its KV cache is ordinary RAM "
+         "(engine=sglang_cpu sets 8192)"),
+        (e.name != "sglang" or not e.sglang_max_total_tokens or e.sglang_max_total_tokens > e.max_response_tokens,
+         f"engine.sglang_max_total_tokens={e.sglang_max_total_tokens} cannot hold one response of "
+         f"engine.max_response_tokens={e.max_response_tokens} and its prompt"),
         (p.weight_transport in ("auto", "shm", "cuda_ipc", "group"),
          "policy.weight_transport must be auto, shm, cuda_ipc or group"),
     ]

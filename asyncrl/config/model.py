@@ -45,7 +45,7 @@ class EngineConfig:
 
     name: str = "torch"
     """The generators' inference engine: torch (the embedded one, CPU or CUDA) | sglang (SGLang's
-    offline engine; model.source=hf)."""
+    offline engine, CUDA or CPU, in .venv-sglang: `make sglang`; presets engine=sglang, sglang_cpu)."""
     device: str = "cpu"
     """cpu | cuda: where the engine runs."""
     gpus: float = 0.0
@@ -62,10 +62,19 @@ class EngineConfig:
     casts cost more than the matmuls save), float32 elsewhere. Behaviour log-probs are those of
     the distribution sampled from either way; the gap to the learner's is `rollout_kl_*`."""
     sglang_mem_fraction: float = 0.5
-    """sglang: the share of the GPU's memory for weights and KV cache (mem_fraction_static); leave
-    room for a learner on the same GPU."""
+    """sglang: the share of the device's memory for weights and KV cache (mem_fraction_static): of
+    the GPU's (leave room for a learner on the same GPU), on CPU of the RAM free at start-up."""
     sglang_tp_size: int = 1
     """sglang: tensor-parallel ranks of each generator's engine."""
+    sglang_max_total_tokens: int = 0
+    """sglang: KV cache capacity in tokens (max_total_tokens); 0 = SGLang sizes it from
+    `sglang_mem_fraction` (a GPU). On CPU the KV cache is ordinary RAM: a cap is required
+    (engine=sglang_cpu: 8192 tokens)."""
+    sglang_max_running_requests: int = 0
+    """sglang: requests decoded at once (max_running_requests; 0 = SGLang's, from the KV capacity)."""
+    sglang_chunked_prefill_tokens: int = 0
+    """sglang: prefill in chunks of this many tokens (chunked_prefill_size; 0 = SGLang's default),
+    which bounds a long prompt's activation memory."""
     window_tokens: int = 32
     """W: new tokens per sequence per generator turn. A sequence cut at W continues next turn."""
     max_response_tokens: int = 64

@@ -83,8 +83,23 @@ class WindowOutput(msgspec.Struct, kw_only=True, frozen=True):
         return self.finish_reason is not FinishReason.WINDOW
 
 
+def scored_positions(prior: torch.Tensor, min_tokens: torch.Tensor, window_tokens: int, fire: bool) -> torch.Tensor | None:
+    """uint8 `[B, window]`: 0 at the positions whose distribution was not the policy's at the run's
+    settings: FIRE's first response token, and positions where EOS was held back (below a row's
+    minimum length). None when every position was. Both engines mark them so (`WindowOutput.scored`)."""
+    positions = prior[:, None] + torch.arange(window_tokens)[None, :]
+    unscored = positions < min_tokens[:, None]
+    if fire:
+        unscored |= positions == 0
+    return None if not bool(unscored.any()) else (~unscored).to(torch.uint8)
+
+
 class Engine(Protocol):
     """What a generator needs from an inference engine."""
+
+    updates_mid_window: bool
+    """True: a weight update is applied as it arrives, while windows run, and each token's version
+    comes back in `WindowOutput.versions` (SGLang). False: updates land between windows."""
 
     @property
     def weight_version(self) -> int:
@@ -102,3 +117,6 @@ class Engine(Protocol):
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load new weights (all or some parameters) and set the version."""
+
+    def adopt_shared(self, shared, version: int) -> None:
+        """Take a version from the node's shared memory (`asyncrl.weight_sync.SharedVersion`)."""

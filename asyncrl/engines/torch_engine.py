@@ -27,9 +27,10 @@ from asyncrl.algo.sampling import (
     step_logprobs,
 )
 from asyncrl.engines import llama_decoder
-from asyncrl.engines.base import SamplingParams, SequenceInput, WindowOutput
+from asyncrl.engines.base import SamplingParams, SequenceInput, WindowOutput, scored_positions
 from asyncrl.engines.kv_cache import CachedWindow, KeptCaches
 from asyncrl.schema import FinishReason
+from asyncrl.weight_sync import SharedVersion, shared_views
 
 
 def native_bf16(device: str = "cpu") -> bool:
@@ -61,6 +62,9 @@ class TorchEngine:
     """`dtype`: run a copy of `model` in this dtype (None: the model itself, as it is, so a caller
     that trains it is generating from its current weights). `max_kept_bytes`: the bound on KV
     caches kept between windows (one window's block at most; a larger one is not kept)."""
+
+    # Updates land between windows (the generator holds them until the window ends).
+    updates_mid_window = False
 
     def __init__(self, model: PreTrainedModel, eos_token_ids: Iterable[int], pad_token_id: int = 0,
                  dtype: torch.dtype | None = None, max_kept_bytes: int = 2 << 30):
@@ -158,6 +162,11 @@ class TorchEngine:
         replaced or modified in place (an optimizer step on a model the engine shares)."""
         return self._updates, tuple((p.data_ptr(), p._version) for p in self.model.parameters())
 
+    def adopt_shared(self, shared: SharedVersion, version: int) -> None:
+        """Adopt a version in the node's shared memory (`asyncrl.weight_sync.SharedSlots`) as views."""
+        views = shared_views(shared)
+        self.adopt_weights(views, version, keepalive=views)
+
     @torch.inference_mode()
     def generate_window_sync(
         self, sequences: list[SequenceInput], window_tokens: int, params: SamplingParams, on_step=None
@@ -230,7 +239,7 @@ class _Decoded:
     produced: torch.Tensor  # [B]
     reason: torch.Tensor  # [B]: -1 running, 0 eos, 1 max length
     complete: bool  # False when a stream's consumer stopped it
-    scored: torch.Tensor | None = None  # uint8 [B, W] (`_scored`), None when every position was
+    scored: torch.Tensor | None = None  # uint8 [B, W] (`scored_positions`), None when every position was
     top_ids: torch.Tensor | None = None  # [B, W, k] with `params.top_logprobs` = k
     top_logprobs: torch.Tensor | None = None
 
@@ -263,7 +272,7 @@ def _decode(window, rows: _Rows, window_tokens: int, params: SamplingParams, eos
     top_n = min(params.top_logprobs, logits.shape[-1])
     top_ids = torch.zeros((batch, window_tokens, top_n), dtype=torch.long, device=dev) if top_n else None
     top_lps = torch.zeros((batch, window_tokens, top_n), dtype=torch.float32, device=dev) if top_n else None
-    scored = _scored(rows.prior.cpu(), rows.min_tokens.cpu(), window_tokens, params.first_token_temperature is not None)
+    scored = scored_positions(rows.prior.cpu(), rows.min_tokens.cpu(), window_tokens, params.first_token_temperature is not None)
     for step in range(window_tokens):
         running = reason < 0
         if hold_eos:  # rows below their minimum length cannot sample EOS
@@ -306,16 +315,6 @@ def _sample(logits: torch.Tensor, rows: _Rows, step: int, params: SamplingParams
     tok, tok_lp = greedy_from_logprobs(dist) if params.greedy else sample_from_logprobs(dist, rows.seeds, positions)
     return tok, tok_lp, torch.topk(dist, top_n, dim=-1) if top_n else None
 
-
-def _scored(prior: torch.Tensor, min_tokens: torch.Tensor, window_tokens: int, fire: bool) -> torch.Tensor | None:
-    """uint8 `[B, window]`: 0 at the positions whose distribution was not the policy's at the run's
-    settings: FIRE's first response token, and positions where EOS was held back (below a row's
-    minimum length). None when every position was."""
-    positions = prior[:, None] + torch.arange(window_tokens)[None, :]
-    unscored = positions < min_tokens[:, None]
-    if fire:
-        unscored |= positions == 0
-    return None if not bool(unscored.any()) else (~unscored).to(torch.uint8)
 
 
 class _PaddedWindow:

