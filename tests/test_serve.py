@@ -496,7 +496,9 @@ def test_the_generator_pool_scales_1_3_1_by_the_admin_route_while_it_trains(apps
             time.sleep(1.0)
         assert len(status["pool"]["generators"]) == count and status["pool"]["target"] == count
     assert status["step"] > start  # it trained throughout
-    assert len(seen) >= 3 and all(d >= w - bound for views in seen.values() for d, w in views), seen
+    # Within the bound, plus one: the status reads the learner and then the generators, and the
+    # learner may take a step in between (as tests/test_pool.py allows).
+    assert len(seen) >= 3 and all(d >= w - bound - 1 for views in seen.values() for d, w in views), seen
     events = [e["event"] for e in status["pool"]["events"]]
     assert events.count("joined") >= 2 and events.count("left") >= 2
     assert {e["reason"] for e in status["pool"]["events"]} >= {"admin route", "serve deploy (user_config)"}
