@@ -165,6 +165,11 @@ class Assembler:
         """A ledger event (sent with the step's others); a final one here also completes the
         samples' records."""
         self._events.append((list(sample_ids), state, reason))
+        # A kept sample is recorded when its batch goes out: the staleness mask may still drop it.
+        if state != SampleState.AWAITING_TRAINING:
+            self._complete_records(sample_ids, state, reason)
+
+    def _complete_records(self, sample_ids: list[str], state: SampleState, reason: DropReason | None = None) -> None:
         status = RECORD_STATUS.get(state)
         if self.record is None or status is None:
             return
@@ -200,6 +205,8 @@ class Assembler:
                     self._drop_row(row.segment, DropReason.STALE)
                 else:
                     rows.append(row)
+            self._complete_records([r.segment.sample_id for r in rows if r.segment.finished],
+                                   SampleState.AWAITING_TRAINING)
             if not rows:
                 return
             rows, finished_stats = self.estimator.finish_batch(rows)

@@ -22,7 +22,7 @@ def seg(prompt, idx, turn, finished, tokens, version=0, G=2):
                    ground_truth="7", data_source="tiny")
 
 
-def make(settings=SETTINGS, prompts_per_batch=1):
+def make(settings=SETTINGS, prompts_per_batch=1, record=None):
     segments, batches = InProcessMailbox(100), InProcessMailbox(100)
     events = []  # ledger events (ids, state, reason)
 
@@ -33,7 +33,7 @@ def make(settings=SETTINGS, prompts_per_batch=1):
 
     asm = Assembler(segments, batches, score, lambda ids: "".join(str(i) for i in ids),
                     GroupEstimator(settings, prompts_per_batch, group_normalised), Shaping(max_response_tokens=8),
-                    max_staleness_versions=2, events=lambda evs, outcomes: events.extend(evs))
+                    max_staleness_versions=2, events=lambda evs, outcomes: events.extend(evs), record=record)
     return asm, segments, batches, events
 
 
@@ -79,7 +79,8 @@ def test_redelivered_segment_is_counted_once():
 
 def test_dynamic_sampling_drops_and_stale_tokens_are_masked_as_the_batch_leaves():
     async def main():
-        asm, segments, batches, dropped = make()
+        records = []  # what the trajectory store receives
+        asm, segments, batches, dropped = make(record=records.extend)
         await segments.put([seg("all-right", 0, 0, True, [7]), seg("all-right", 1, 0, True, [7])])
         await drain(asm, batches)
         asm.set_versions(5, 5)
@@ -100,6 +101,12 @@ def test_dynamic_sampling_drops_and_stale_tokens_are_masked_as_the_batch_leaves(
                          ("stale/0", "stale"), ("stale/1", "stale")]
         stats = asm.stats()
         assert stats["dropped_no_signal_samples"] == 2 and stats["dropped_stale_samples"] == 3
+        # The store agrees with the ledger: kept by the group, then masked stale, is recorded as stale.
+        await asm.step(timeout=0.01)
+        recorded = sorted((f"{r.prompt_id}/{r.sample_idx}", r.status, r.drop_reason) for r in records)
+        assert recorded == [("all-right/0", "dropped", "no_signal"), ("all-right/1", "dropped", "no_signal"),
+                            ("part/0", "dropped", "stale"), ("part/1", "kept", ""),
+                            ("stale/0", "dropped", "stale"), ("stale/1", "dropped", "stale")]
 
     asyncio.run(main())
 

@@ -15,13 +15,27 @@ def test_the_cpu_preset_runs_sglang_on_cpu_with_a_capped_kv_cache_and_the_learne
 
 
 def test_the_gpu_preset_leaves_the_kv_cache_to_sglangs_memory_fraction():
-    config = compose(["engine=sglang"])
+    config = compose(["engine=sglang", "engine.device=cuda"])
     assert config.engine.device == "cuda" and config.engine.sglang_max_total_tokens == 0
-    assert config.engine.gpus > 0 and config.policy.device == "cuda"
+    assert config.engine.gpus > 0 and config.policy.device == "cuda" and config.policy.precision == "bf16"
+
+
+def test_engine_sglang_picks_the_device_torch_sees_and_follows_an_explicit_one():
+    import torch
+
+    detected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert compose(["engine=sglang"]).engine.device == detected
+    # engine.device=cpu, engine=sglang_cpu and (here) plain engine=sglang are one configuration.
+    on_cpu = [compose(overrides) for overrides in (["engine=sglang", "engine.device=cpu"], ["engine=sglang_cpu"])]
+    assert on_cpu[0] == on_cpu[1]
+    e, p = on_cpu[0].engine, on_cpu[0].policy
+    assert (e.gpus, e.sglang_max_total_tokens, p.device, p.gpus, p.precision) == (0, 8192, "cpu", 0, "fp32")
+    # The preset leaves the response length to the task.
+    assert compose(["engine=sglang", "task=tiny"]).engine.max_response_tokens == compose(["task=tiny"]).engine.max_response_tokens
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["engine=sglang", "engine.device=cpu"], "for SGLang on CPU use engine=sglang_cpu"),
+    (["engine=sglang", "engine.device=cpu", "engine.gpus=0.5"], "SGLang on CPU takes no GPU"),
     (["engine=sglang_cpu", "engine.sglang_max_total_tokens=0"], "needs engine.sglang_max_total_tokens > 0"),
     (["engine=sglang_cpu", "engine.sglang_max_total_tokens=100", "engine.max_response_tokens=128"],
      "cannot hold one response"),

@@ -590,7 +590,7 @@ def test_roles_ask_ray_for_what_they_use(ray_session):
 
 
 def test_the_sglang_engine_group_composes_and_sets_the_mismatch_correction():
-    config = compose(["engine=sglang", "model.source=hf", "model.path=/models/qwen"])
+    config = compose(["engine=sglang", "engine.device=cuda", "model.source=hf", "model.path=/models/qwen"])
     assert config.engine.name == "sglang" and config.policy.rollout_correction == "token_tis"
     assert config.policy.precision == "bf16" and config.engine.gpus > 0
     assert compose([]).engine.name == "torch" and compose([]).policy.rollout_correction == "none"

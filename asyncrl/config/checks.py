@@ -200,11 +200,11 @@ def _placement_checks(config) -> list[tuple[bool, str]]:
         (p.device != "cuda" or p.gpus > 0, "policy.device=cuda needs policy.gpus > 0"),
         (c.device != "cuda" or c.gpus > 0, "critic.device=cuda needs critic.gpus > 0"),
         (e.name != "sglang" or e.device == "cuda" or e.gpus == 0,
-         f"engine.device=cpu with engine.gpus={e.gpus}: engine=sglang is the one-GPU preset; for SGLang on "
-         "CPU use engine=sglang_cpu"),
+         f"engine.device=cpu with engine.gpus={e.gpus}: SGLang on CPU takes no GPU (engine.gpus=0, "
+         "as engine=sglang sets on CPU)"),
         (e.name != "sglang" or e.device == "cuda" or e.sglang_max_total_tokens > 0,
          "engine=sglang on CPU needs engine.sglang_max_total_tokens > 0: its KV cache is ordinary RAM "
-         "(engine=sglang_cpu sets 8192)"),
+         "(engine=sglang sets 8192 on CPU)"),
         (e.name != "sglang" or not e.sglang_max_total_tokens or e.sglang_max_total_tokens > e.max_response_tokens,
          f"engine.sglang_max_total_tokens={e.sglang_max_total_tokens} cannot hold one response of "
          f"engine.max_response_tokens={e.max_response_tokens} and its prompt"),

@@ -47,6 +47,27 @@ REMOVED_BECAUSE = {
 }
 
 
+def detected_device() -> str:
+    """`cuda` where torch sees a GPU, else `cpu`: a preset's `engine.device` (`${detected_device:}`)."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def by_device(device: str, on_cuda, on_cpu):
+    """A preset's value that depends on the device (`${by_device:${engine.device},0.5,0}`): the
+    `engine=sglang` preset serves a GPU and this CPU alike, and follows `engine.device=cpu`."""
+    if device not in ("cuda", "cpu"):
+        raise ConfigError(f"engine.device must be cpu or cuda, not {device!r}")
+    return on_cuda if device == "cuda" else on_cpu
+
+
+# Registered once, before any config is resolved (to_object resolves the presets' interpolations).
+for _name, _resolver in (("detected_device", detected_device), ("by_device", by_device)):
+    if not OmegaConf.has_resolver(_name):
+        OmegaConf.register_new_resolver(_name, _resolver)
+
+
 def compose(overrides: list[str] | None = None, config_name: str = "config") -> Config:
     """Compose the Hydra config with overrides and validate it against the `Config` schema.
 
