@@ -244,16 +244,18 @@ async def generate_choices(engine, tokenizer, prompt_ids: list[list[int]], body:
     for index, out in enumerate(completions):
         text = out.text
         finish = "stop" if out.finish_reason is FinishReason.EOS else "length"
-        cuts = [text.find(s) for s in _stops(body.stop) if s and s in text]
-        if cuts:
-            text, finish = text[: min(cuts)], "stop"
+        stops = [s for s in _stops(body.stop) if s and s in text]
+        if stops:
+            text, finish = text[: min(text.find(s) for s in stops)], "stop"
+            # As a stream ends: at the token that completes the stop string (usage, log-probs).
+            out = _cut(out, tokenizer, lambda seen: any(s in seen for s in stops))
         calls, content = None, text
         if tool_format is not None:
             end, call = call_of(text, tool_format)
             if call is not None:  # the tokens past the call were sampled, not answered
                 text, finish, calls = text[:end], "tool_calls", [call]
                 content = content_before_call(text, tool_format)
-                out = _cut(out, tokenizer, tool_format)
+                out = _cut(out, tokenizer, lambda seen: tool_format.call_end(seen) is not None)
         choices.append({"index": index, "text": text, "content": content, "tool_calls": calls, "finish_reason": finish,
                         "token_logprobs": out.logprobs.tolist(),
                         "tokens": [tokenizer.decode([t]) for t in out.token_ids.tolist()],
@@ -264,11 +266,11 @@ async def generate_choices(engine, tokenizer, prompt_ids: list[list[int]], body:
     return choices
 
 
-def _cut(out, tokenizer, tool_format):
-    """A completion cut after the token that completes its call."""
+def _cut(out, tokenizer, reached):
+    """A completion cut after its first token whose text so far is `reached` (a stop string or a
+    tool call completed): the tokens past it were sampled, not returned."""
     ids = out.token_ids.tolist()
-    keep = next((k for k in range(1, len(ids) + 1) if tool_format.call_end(decode(tokenizer, ids[:k])) is not None),
-                len(ids))
+    keep = next((k for k in range(1, len(ids) + 1) if reached(decode(tokenizer, ids[:k]))), len(ids))
     return dataclasses.replace(out, token_ids=out.token_ids[:keep], logprobs=out.logprobs[:keep],
                                top_ids=None if out.top_ids is None else out.top_ids[:keep],
                                top_logprobs=None if out.top_logprobs is None else out.top_logprobs[:keep])

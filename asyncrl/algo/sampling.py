@@ -89,24 +89,35 @@ def filtered_logprobs(
     return torch.log_softmax(scaled, dim=-1)
 
 
+def _inverse_cdf_draw(mass: torch.Tensor, scores: torch.Tensor, seeds: torch.Tensor,
+                      positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One token per row drawn in proportion to `mass` `[B, V]` (unnormalised: the target and the
+    interval boundaries scale by the same sum). `scores` are the log-masses up to a constant per row
+    (-inf where the mass is zero). Returns `(tokens, their scores, the rows' total mass)`."""
+    # float32: a token's interval is off by at most a rounding step of the running sum (~6e-8);
+    # its reported log-prob is exact either way, so the PPO ratio is unaffected. (float64 costs
+    # 3x as much: 10 ms per step at batch 64 on a 49k vocabulary.)
+    cdf = torch.cumsum(mass, dim=-1)
+    total = cdf[:, -1]
+    target = (counter_uniform(seeds, positions) * total.double()).float()
+    # The first index whose cumulative mass exceeds the target: a token of zero probability has an
+    # empty interval and cannot be drawn (`right=True`).
+    tokens = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1).clamp(max=mass.shape[-1] - 1)
+    chosen = scores.gather(-1, tokens[:, None]).squeeze(-1)
+    # Rounding can put the target on the last boundary, past the last token of nonzero mass: take
+    # the most likely token instead.
+    stray = ~torch.isfinite(chosen)
+    if bool(stray.any()):
+        tokens = torch.where(stray, scores.argmax(-1), tokens)
+        chosen = scores.gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, chosen, total
+
+
 def sample_from_logprobs(
     logprobs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row. Returns `(tokens [B] int64, their log-probs [B] float32)`."""
-    # float32: a token's interval is off by at most a rounding step of the running sum (~6e-8);
-    # its reported log-prob is exact either way, so the PPO ratio is unaffected. (float64 costs
-    # 3x as much: 10 ms per step at batch 64 on a 49k vocabulary.)
-    cdf = torch.cumsum(logprobs.exp(), dim=-1)
-    target = (counter_uniform(seeds, positions) * cdf[:, -1].double()).float()
-    # The first index whose cumulative mass exceeds the target: a token of zero probability has an
-    # empty interval and cannot be drawn (`right=True`).
-    tokens = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1).clamp(max=logprobs.shape[-1] - 1)
-    token_lp = logprobs.gather(-1, tokens[:, None]).squeeze(-1)
-    # Rounding can put the target on the last boundary: take the most likely token instead.
-    stray = ~torch.isfinite(token_lp)
-    if bool(stray.any()):
-        tokens = torch.where(stray, logprobs.argmax(-1), tokens)
-        token_lp = logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+    tokens, token_lp, _ = _inverse_cdf_draw(logprobs.exp(), logprobs, seeds, positions)
     return tokens, token_lp.float()
 
 
@@ -114,24 +125,15 @@ def sample_from_logits(
     logits: torch.Tensor, temperature: float, seeds: torch.Tensor, positions: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`sample_from_logprobs(filtered_logprobs(logits, temperature), ...)` without top-k/top-p, in
-    fewer passes over `[B, V]`: the inverse CDF runs over `exp(x - max)` unnormalised (target and
-    interval boundaries scale by the same sum, so the draw is the same), and a token's log-prob is
-    `x - max - log(sum)`, the log-softmax at that entry. At batch 64 on a 49k vocabulary: 11.6 ms
-    a step against 19.3 ms (log-softmax, exp, cumulative sum: one `[B, V]` pass fewer)."""
+    fewer passes over `[B, V]`: the inverse CDF runs over `exp(x - max)` unnormalised, and a
+    token's log-prob is `x - max - log(sum)`, the log-softmax at that entry. At batch 64 on a 49k
+    vocabulary: 11.6 ms a step against 19.3 ms (log-softmax, exp, cumulative sum: one `[B, V]`
+    pass fewer)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     scaled = logits.float() / temperature
     top = scaled.amax(dim=-1, keepdim=True)
-    cdf = torch.cumsum((scaled - top).exp_(), dim=-1)
-    total = cdf[:, -1]
-    target = (counter_uniform(seeds, positions) * total.double()).float()
-    tokens = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1).clamp(max=logits.shape[-1] - 1)
-    chosen = scaled.gather(-1, tokens[:, None]).squeeze(-1)
-    # Rounding can put the target on the last boundary, past the last token of nonzero mass.
-    stray = ~torch.isfinite(chosen)
-    if bool(stray.any()):
-        tokens = torch.where(stray, scaled.argmax(-1), tokens)
-        chosen = scaled.gather(-1, tokens[:, None]).squeeze(-1)
+    tokens, chosen, total = _inverse_cdf_draw((scaled - top).exp_(), scaled, seeds, positions)
     return tokens, chosen - top.squeeze(-1) - total.log()
 
 
