@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     figures = {
         "config": args.config, "seconds_to_first_step": round(to_first_step, 1),
         "requests": len(answers), "failed": len(answers) - len(ok),
-        "weight_versions_seen": sorted(set(versions)), "first_version": versions[0] if versions else None,
+        "distinct_weight_versions": len(set(versions)), "first_version": versions[0] if versions else None,
         "last_version": versions[-1] if versions else None,
         "latency_p50_s": sorted(a["latency_s"] for a in ok)[len(ok) // 2] if ok else None,
         "learner_steps": [answers[0]["learner_step"], answers[-1]["learner_step"]] if answers else None,
