@@ -246,9 +246,11 @@ async def generate_choices(engine, tokenizer, prompt_ids: list[list[int]], body:
         finish = "stop" if out.finish_reason is FinishReason.EOS else "length"
         stops = [s for s in _stops(body.stop) if s and s in text]
         if stops:
-            text, finish = text[: min(text.find(s) for s in stops)], "stop"
-            # As a stream ends: at the token that completes the stop string (usage, log-probs).
+            # As a stream ends: at the token that completes the first stop string to appear
+            # (usage, log-probs), the text before the stop it completed.
             out = _cut(out, tokenizer, lambda seen: any(s in seen for s in stops))
+            seen = decode(tokenizer, out.token_ids.tolist())
+            text, finish = seen[: min(seen.find(s) for s in stops if s in seen)], "stop"
         calls, content = None, text
         if tool_format is not None:
             end, call = call_of(text, tool_format)

@@ -65,7 +65,7 @@ class TrajectoryRecord(msgspec.Struct, kw_only=True, frozen=True):
     values: list[float] | None = None  # V(s_t) used for the advantages (value-based algorithms)
     status: str = "kept"  # kept (sent to the learner) | dropped | recorded (mode=generate)
     drop_reason: str = ""
-    policy_version: int = 0  # the learner's version the assembler knew when the sample ended
+    policy_version: int = 0  # the learner's version the assembler knew at the sample's fate (kept: its batch left)
     recorded_at: float = 0.0
     # Per response token: 0 where the learner does not score it (FIRE's first token, a held-back
     # EOS, an observation); None: all scored.

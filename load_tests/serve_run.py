@@ -1,12 +1,12 @@
 """Load test: `serve run <config>` as a user starts it, the policy queried with the `openai` client
 while it trains, then stopped with Ctrl-C (SIGINT).
 
-    python load_tests/serve_run.py configs/serve.yaml [--seconds 240] [--out outputs/serve_run.json]
+    python load_tests/serve_run.py configs/serve.yaml [--seconds 120] [--out outputs/serve_run.json]
     .venv-sglang/bin/python load_tests/serve_run.py configs/serve_sglang.yaml   # SGLang generating
 
 `serve` is the one beside this Python (the same venv). Waits for the train application's first
 step (bounded by --start-timeout), then sends one chat completion a second until --seconds have
-passed, each answer's weight version read from the `x-asyncrl-weight-version` header beside the
+passed (Serve's log: <tmp>/serve_run.log), each answer's weight version read from the `x-asyncrl-weight-version` header beside the
 learner's step from /train/status. Prints and writes the figures; exits 1 when a request failed or
 the answering weight version never rose while the learner trained.
 """
@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -57,7 +58,10 @@ def query_while_training(seconds: float) -> list[dict]:
         except Exception as exc:  # counted: the target is none
             answer = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:200]}
         answer["latency_s"] = round(time.monotonic() - t0, 3)
-        answer["learner_step"] = httpx.get(f"{BASE}/train/status", timeout=10).json().get("step")
+        try:
+            answer["learner_step"] = httpx.get(f"{BASE}/train/status", timeout=10).json().get("step")
+        except (httpx.HTTPError, ValueError):
+            answer["learner_step"] = None
         answers.append(answer)
         time.sleep(max(0.0, 1.0 - (time.monotonic() - t0)))
     return answers
@@ -72,8 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     serve_bin = os.path.join(os.path.dirname(sys.executable), "serve")
     started = time.monotonic()
-    proc = subprocess.Popen([serve_bin, "run", args.config], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    # Serve's own log goes to a file (a pipe nobody reads would fill and block it).
+    log = open(os.path.join(tempfile.gettempdir(), "serve_run.log"), "w")
+    proc = subprocess.Popen([serve_bin, "run", args.config], stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
     try:
         to_first_step = wait_for_training(proc, args.start_timeout)
         answers = query_while_training(args.seconds)
@@ -85,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             stopped_rc = "killed after 120 s"
+        log.close()
     ok = [a for a in answers if a["ok"]]
     versions = [a["weight_version"] for a in ok]
     figures = {

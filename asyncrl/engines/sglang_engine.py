@@ -1,4 +1,4 @@
-"""SGLang behind the engine interface (`engine=sglang` on a GPU, `engine=sglang_cpu` on CPU).
+"""SGLang behind the engine interface (`engine=sglang`: on the GPU torch sees, else on the CPU).
 
 SGLang's offline `Engine` runs in the generator's process: its tokenizer manager on the
 generator's event loop, its scheduler and detokenizer in subprocesses. Built by
