@@ -308,7 +308,8 @@ class PolicyLearner(TrainingLoop):
                 **self.counters, **self.timing, "busy_fraction": self.timing["train_s"] / wall,
                 "wait_batch_fraction": self.timing["wait_batch_s"] / wall,
                 "last_broadcast": self.last_broadcast, "last_checkpoint": self.last_checkpoint,
-                "incarnation": self.incarnation, "optimizer_steps": self._adam_steps}
+                "incarnation": self.incarnation, "optimizer_steps": self._adam_steps,
+                "precision": self.policy.settings.precision}  # policy.precision=auto, as resolved
 
 
 # --- builders and shells ------------------------------------------------------------------------------

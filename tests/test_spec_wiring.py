@@ -554,7 +554,8 @@ def test_the_gpu_learners_settings_run_on_cpu_bf16_autocast_and_checkpointing():
                             advantages=float32_array([1.0, 1.0, 1.0]))]
         return learner, learner.policy.step(rows)  # the learner's own step
 
-    _, fp32 = step()
+    auto, fp32 = step()  # policy.precision=auto: the tiny model is too small for bf16 to pay
+    assert auto.policy.settings.precision == "fp32" and auto.stats()["precision"] == "fp32"
     learner, bf16 = step("policy.precision=bf16", "policy.gradient_checkpointing=true")
     assert learner.policy.settings.precision == "bf16" and learner.model.is_gradient_checkpointing
     assert all(p.dtype == torch.float32 for p in learner.model.parameters())  # master weights stay fp32

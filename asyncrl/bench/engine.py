@@ -37,7 +37,8 @@ import torch
 
 from asyncrl.config import compose
 from asyncrl.engines.base import SamplingParams
-from asyncrl.engines.torch_engine import TorchEngine, engine_dtype, native_bf16
+from asyncrl.engines.torch_engine import TorchEngine, engine_dtype
+from asyncrl.models import native_bf16
 from asyncrl.generation import sequence_input
 from asyncrl.models import load_policy
 from asyncrl.tasks import encode_prompt, load_examples

@@ -28,7 +28,8 @@ WORKLOADS = {
     # docs/benchmarks.md; the task itself now defaults to 2e-3).
     "tiny": ["model=tiny", "task=tiny", "algorithm=grpo", "policy.lr=3e-3"],
     # The embedded SmolLM2-135M-Instruct on arithmetic word problems: G=4, 4 prompts, 64 tokens.
-    "embedded": ["algorithm=grpo", "engine.temperature=1.0"],
+    # The learner in fp32 as TRL's (load_tests/trl_grpo.py: bf16=False), not policy.precision=auto.
+    "embedded": ["algorithm=grpo", "engine.temperature=1.0", "policy.precision=fp32"],
 }
 COMMON = ["trainer.wandb_mode=disabled", "trainer.checkpoint_every=0"]
 

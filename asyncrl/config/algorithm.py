@@ -122,8 +122,10 @@ class PolicyConfig:
     """Tokens per forward/backward chunk (gradient accumulation)."""
     device: str = "cpu"
     """cpu | cuda: where the policy learner trains."""
-    precision: str = "fp32"
-    """fp32 | bf16 (autocast: fp32 master weights and optimizer state, bf16 matmuls)."""
+    precision: str = "auto"
+    """auto | fp32 | bf16 (autocast: fp32 master weights and optimizer state, bf16 matmuls). auto:
+    bf16 where it is native (a CPU with AVX512-BF16 or AMX, a CUDA GPU) and the model has 10M+
+    parameters (the embedded model here; the tiny one stays fp32), the rule of `engine.dtype`."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (less memory for long responses, ~30% more compute)."""
     logits_chunk_tokens: int = 0

@@ -29,30 +29,16 @@ from asyncrl.algo.sampling import (
 from asyncrl.engines import llama_decoder
 from asyncrl.engines.base import SamplingParams, SequenceInput, WindowOutput, scored_positions
 from asyncrl.engines.kv_cache import CachedWindow, KeptCaches
+from asyncrl.models import bf16_pays
 from asyncrl.schema import FinishReason
 from asyncrl.weight_sync import SharedVersion, shared_views
 
 
-def native_bf16(device: str = "cpu") -> bool:
-    """Whether bfloat16 matrix products run natively: a CPU with AVX512-BF16 or AMX (elsewhere
-    torch emulates them, slower than float32), or a CUDA device that supports bfloat16."""
-    if device.startswith("cuda"):
-        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-
-
-# bfloat16 pays once matrix products dominate a forward: the embedded 135M model generates 2.6x
-# faster in it at batch 64, while the tiny 0.14M-parameter one is 16% slower (its windows are fixed
-# costs, and the casts add to them).
-BF16_MIN_PARAMETERS = 10_000_000
-
-
 def engine_dtype(name: str, device: str, model) -> torch.dtype:
     """`engine.dtype` as a torch dtype for `model`: auto = bfloat16 where it is native and the
-    model has at least `BF16_MIN_PARAMETERS` parameters, else float32."""
+    model has at least `BF16_MIN_PARAMETERS` parameters (`asyncrl.models.bf16_pays`), else float32."""
     if name == "auto":
-        large = sum(p.numel() for p in model.parameters()) >= BF16_MIN_PARAMETERS
-        return torch.bfloat16 if large and native_bf16(device) else torch.float32
+        return torch.bfloat16 if bf16_pays(model, device) else torch.float32
     if name not in ("float32", "bfloat16"):
         raise ValueError(f"engine dtype must be auto, float32 or bfloat16, got {name!r}")
     return getattr(torch, name)

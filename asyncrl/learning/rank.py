@@ -9,6 +9,7 @@ so every rank calls it, in the order rank 0 does; rank 0 alone gets the whole we
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch
 
@@ -18,7 +19,7 @@ from asyncrl import sharding
 from asyncrl.config import AlgorithmConfig, EngineConfig, ModelConfig, PolicyConfig
 from asyncrl.learning.policy import PolicyLossSettings, loss_settings, policy_step
 from asyncrl.learning.scoring import PolicyForward
-from asyncrl.models import load_model, load_tokenizer
+from asyncrl.models import bf16_pays, load_model, load_tokenizer
 from asyncrl.schema import TrainSample
 from asyncrl.sharding import DataParallel
 
@@ -91,9 +92,18 @@ def build_policy_rank(model: ModelConfig, algorithm: AlgorithmConfig, policy: Po
     if policy.gradient_checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     kl_coef = 0.0 if algorithm.kl_in_reward else algorithm.kl_coef  # in the reward: the value learner scores it
-    rank = PolicyRank(lm.to(policy.device), loss_settings(algorithm, policy, engine), policy.lr, policy.weight_decay,
+    settings = loss_settings(algorithm, policy, engine)
+    settings = dataclasses.replace(settings, precision=learner_precision(policy.precision, lm, policy.device))
+    rank = PolicyRank(lm.to(policy.device), settings, policy.lr, policy.weight_decay,
                       policy.warmup_steps, kl_coef, tokenizer.pad_token_id or 0, parallel)
     return rank, tokenizer
+
+
+def learner_precision(name: str, model, device: str) -> str:
+    """`policy.precision` for `model`: auto = bf16 where it pays (`bf16_pays`), else fp32."""
+    if name != "auto":
+        return name
+    return "bf16" if bf16_pays(model, device) else "fp32"
 
 
 def learner_backend(policy: PolicyConfig) -> str:
