@@ -20,9 +20,9 @@ def test_a_stop_string_ends_a_plain_call_where_it_ends_a_stream():
         return "".join(d.text for d in deltas), [t for d in deltas for t in d.tokens], [lp for d in deltas for lp in d.logprobs]
 
     async def main():
-        for seed in range(50):  # a sample with a character first seen after its start: the stop
+        for seed in range(100):  # a sample with a character first seen after its start (the stop), and 2 more
             full = await plain(max_tokens=12, seed=seed)
-            cut_at = next((i for i in range(1, len(full["text"])) if full["text"][i] not in full["text"][:i]), None)
+            cut_at = next((i for i in range(1, len(full["text"]) - 2) if full["text"][i] not in full["text"][:i]), None)
             if cut_at is not None:
                 break
         assert cut_at is not None
@@ -36,5 +36,10 @@ def test_a_stop_string_ends_a_plain_call_where_it_ends_a_stream():
         assert tokenizer.decode(tokens, skip_special_tokens=True).endswith(stop)
         assert not tokenizer.decode(tokens[:-1], skip_special_tokens=True).endswith(stop)
         assert cut["token_logprobs"] == logprobs == full["token_logprobs"][:n]
+        # Overlapping stops: one that starts earlier but completes later loses to the one completed first.
+        stops = [full["text"][cut_at - 1:cut_at + 2], stop]
+        both = await plain(max_tokens=12, seed=seed, stop=stops)
+        assert both["text"] == (await streamed(max_tokens=12, seed=seed, stop=stops))[0] == full["text"][:cut_at]
+        assert both["completion_tokens"] == n
 
     asyncio.run(main())
