@@ -116,6 +116,12 @@ def _watch(run: Run, config: Config, progress: bool) -> Ending:
                     _say(bar, f"stopping at step {run.step}: {ending.stop_reason}; see retirements.jsonl")
                     break
                 _show(bar, polled.records, run)
+                if _out_of_time(run, config):
+                    ending.stop_reason = f"the training time budget (trainer.max_train_s={config.trainer.max_train_s:g}) is spent"
+                    _say(bar, f"stopping at step {run.step}: {ending.stop_reason}")
+                    run.stop_learning()
+                    run.poll(check_health=False)  # the step in flight when the budget ran out
+                    break
         except KeyboardInterrupt:
             ending.interrupted = True
             _say(bar, "interrupted: finishing the step in flight, then saving and evaluating the last step "
@@ -200,6 +206,11 @@ def _sigint_deferred():
         signal.signal(signal.SIGINT, previous)
     if received:
         raise KeyboardInterrupt
+
+
+def _out_of_time(run: Run, config: Config) -> bool:
+    budget = config.trainer.max_train_s
+    return budget > 0 and time.time() - run.log.started >= budget
 
 
 def _reached_target(records: list[dict], config: Config) -> bool:

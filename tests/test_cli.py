@@ -123,6 +123,20 @@ def test_train_ctrl_c_resume_export_eval_as_a_user_runs_them(tmp_path):
     assert "eval: " in out.stderr and "sample/s" in out.stderr  # the progress bar
 
 
+def test_train_stops_when_its_time_budget_is_spent_then_checkpoints_and_evaluates(tmp_path):
+    """`trainer.max_train_s`: the run stops on time (not at its 100,000 steps), says why, and ends
+    as after a last step: a checkpoint of the step it stopped at and the held-out evaluation."""
+    run = tmp_path / "run"
+    out = asyncrl("train", "model=tiny", "task=tiny", "algorithm=grpo", f"trainer.run_dir={run}", "trainer.max_train_s=3",
+                  "trainer.total_steps=100000", "trainer.eval_samples=8", "trainer.wandb_mode=disabled", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert "trainer.max_train_s=3" in summary["stop_reason"] and "trainer.max_train_s=3" in out.stdout
+    assert 0 < summary["steps"] < 100000 and 3 <= summary["train_wall_s"] < 60
+    assert summary["eval_after"] is not None and not summary["interrupted"]
+    assert summary["last_checkpoint"].endswith(f"step_{summary['steps']:08d}")
+
+
 def test_a_ray_start_up_failure_is_one_line_and_exit_status_2(tmp_path):
     """A real failure of Ray's start (an object store larger than the machine): asyncrl says what
     happened and what to do in one line, with no traceback, and exits with 2."""

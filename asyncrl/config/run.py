@@ -48,6 +48,9 @@ class TrainerConfig:
     this (None = run all steps). Benchmarks use it for wall-clock to a target reward."""
     target_window: int = 20
     """Steps averaged for `target_reward`."""
+    max_train_s: float = 0.0
+    """Stop `asyncrl train` once training has run this many seconds (0 = no limit), then checkpoint
+    and evaluate as after the last step: how algorithms are compared at equal wall-clock."""
     synchronous: bool = False
     """Synchronous baseline: issue a batch of prompts, wait for all of it, train, wait for the new
     weights to reach the generators, repeat (no staleness). Windows are whole responses
