@@ -29,6 +29,7 @@ from asyncrl.engines.base import SamplingParams
 from asyncrl.generation import sampling_params
 from asyncrl.learning.scoring import response_logprobs
 from asyncrl.algo.warmup import warmup_finished
+from asyncrl.learning.rank import learner_precision
 from asyncrl.learning.value import ValueLossSettings, center_value_head, predict_values, value_step
 from asyncrl.mailbox import Mailbox, RecentIds
 from asyncrl.models import load_model, load_tokenizer, value_model_from_checkpoint, value_model_from_policy
@@ -90,7 +91,7 @@ class ValueLearner(TrainingLoop):
         async with self._serving_lock:
             version = self.version
             out = await asyncio.to_thread(predict_values, self.serving, rows, self.pad_token_id,
-                                          self.settings.micro_batch_tokens, True)
+                                          self.settings.micro_batch_tokens, True, self.settings.precision)
         self.timing["serve_s"] += time.perf_counter() - start
         self.counters["value_requests"] += 1
         self.counters["rows_valued"] += len(rows)
@@ -114,7 +115,8 @@ class ValueLearner(TrainingLoop):
             shift = None
             if self.center_head and self.version == 0:
                 shift = await asyncio.to_thread(center_value_head, self.model, batch, self.settings.gamma,
-                                                self.pad_token_id, self.settings.micro_batch_tokens)
+                                                self.pad_token_id, self.settings.micro_batch_tokens,
+                                                self.settings.precision)
             metrics = await asyncio.to_thread(value_step, self.model, self.optimizer, batch, self.settings,
                                               self.pad_token_id)
             async with self._serving_lock:
@@ -186,7 +188,8 @@ class ValueLearner(TrainingLoop):
         wall = max(time.monotonic() - self._started, 1e-9)
         return {"value_version": self.version, "value_ready": self.ready, "pending_trajectories": len(self._pending),
                 **self.counters, **{f"value_{k}": v for k, v in self.timing.items()},
-                "value_busy_fraction": self.timing["train_s"] / wall, "last": self.last}
+                "value_busy_fraction": self.timing["train_s"] / wall, "last": self.last,
+                "value_precision": self.settings.precision}  # critic.precision=auto, as resolved
 
 
 def build_value_learner(model: ModelConfig, critic: CriticConfig, algorithm: AlgorithmConfig, engine: EngineConfig,
@@ -201,7 +204,8 @@ def build_value_learner(model: ModelConfig, critic: CriticConfig, algorithm: Alg
         value_model = value_model_from_policy(load_model(model, tokenizer))
     settings = ValueLossSettings(gamma=algorithm.gamma, lam=critic.lam, clip_low=critic.clip_low,
                                  clip_high=critic.clip_high, grad_clip=critic.grad_clip,
-                                 micro_batch_tokens=critic.micro_batch_tokens)
+                                 micro_batch_tokens=critic.micro_batch_tokens,
+                                 precision=learner_precision(critic.precision, value_model, critic.device))
     reference = load_model(model, tokenizer).to(critic.device) if algorithm.kl_in_reward else None
     warmup = Warmup(critic.warmup_steps, critic.warmup_min_steps, critic.warmup_patience, critic.warmup_min_gain)
     return ValueLearner(value_model.to(critic.device), trajectories, settings, critic.lr, critic.weight_decay,

@@ -169,7 +169,10 @@ class ValueModel(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).float()
+        # The head in its own dtype even under bf16 autocast: a value is one dot product, and bf16
+        # would round it to ~3 significant digits.
+        with torch.autocast(hidden.device.type, enabled=False):
+            return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).float()
 
 
 def value_model_from_policy(policy: PreTrainedModel) -> ValueModel:

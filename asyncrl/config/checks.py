@@ -191,6 +191,7 @@ def _placement_checks(config) -> list[tuple[bool, str]]:
         (p.device in ("cpu", "cuda"), "policy.device must be cpu or cuda"),
         (c.device in ("cpu", "cuda"), "critic.device must be cpu or cuda"),
         (p.precision in ("auto", "fp32", "bf16"), "policy.precision must be auto, fp32 or bf16"),
+        (c.precision in ("auto", "fp32", "bf16"), "critic.precision must be auto, fp32 or bf16"),
         (config.cluster.placement in ("any", "colocated", "spread"), "cluster.placement must be any, colocated or spread"),
         (config.cluster.min_generators <= config.cluster.max_generators,
          "cluster.min_generators must be <= cluster.max_generators"),

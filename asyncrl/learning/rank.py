@@ -100,7 +100,7 @@ def build_policy_rank(model: ModelConfig, algorithm: AlgorithmConfig, policy: Po
 
 
 def learner_precision(name: str, model, device: str) -> str:
-    """`policy.precision` for `model`: auto = bf16 where it pays (`bf16_pays`), else fp32."""
+    """`policy.precision` or `critic.precision` for `model`: auto = bf16 where it pays (`bf16_pays`), else fp32."""
     if name != "auto":
         return name
     return "bf16" if bf16_pays(model, device) else "fp32"

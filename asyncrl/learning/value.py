@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from asyncrl.learning.rows import (clip_and_step, device_of, layout_rows, length_sorted_chunks, micro_batches_of,
+from asyncrl.learning.rows import (autocast, clip_and_step, device_of, layout_rows, length_sorted_chunks, micro_batches_of,
                                    row_length, width_of)
 from asyncrl.schema import ScoredTrajectory, observation_mask, segment_row
 
@@ -20,6 +20,7 @@ class ValueLossSettings:
     clip_high: float | None
     grad_clip: float
     micro_batch_tokens: int
+    precision: str = "fp32"  # bf16: forward passes under bf16 autocast (`critic.precision`, resolved)
 
 
 def trajectory_rewards(trajectory: ScoredTrajectory) -> np.ndarray:
@@ -35,11 +36,11 @@ def trajectory_rewards(trajectory: ScoredTrajectory) -> np.ndarray:
 
 
 def predict_values(value_model, rows: list[tuple[np.ndarray, np.ndarray]], pad_token_id: int = 0,
-                   max_tokens: int = 4096, with_next: bool = False) -> list[np.ndarray]:
+                   max_tokens: int = 4096, with_next: bool = False, precision: str = "fp32") -> list[np.ndarray]:
     """`V(s_t)` for each new token of each (context, new) row: the state before the token. With
     `with_next`, one more value per row: the state after its last token."""
     by_index: dict[int, np.ndarray] = {}
-    with torch.no_grad():
+    with torch.no_grad(), autocast(value_model, precision):
         for chunk in length_sorted_chunks(rows, max_tokens):
             layout = layout_rows([rows[i] for i in chunk], pad_token_id, device_of(value_model))
             values = value_model(layout.input_ids, layout.attention_mask).float().cpu()
@@ -85,7 +86,8 @@ def value_step(value_model, optimizer, trajectories: list[ScoredTrajectory], set
     optimizer.zero_grad(set_to_none=True)
     sums = {"value_loss": 0.0, "value_clip_fraction": 0.0}
     for sl in chunks:
-        values = value_model(layout.input_ids[sl], layout.attention_mask[sl])
+        with autocast(value_model, settings.precision):
+            values = value_model(layout.input_ids[sl], layout.attention_mask[sl]).float()
         fresh[sl] = values.detach().float() * mask[sl]
         anchors[sl] = torch.where(recorded[sl[0], None], placed[sl], fresh[sl]) * mask[sl]
         # Positions run left to right through context then response; GAE walks only the masked ones.
@@ -114,7 +116,7 @@ def explained_variance(targets: torch.Tensor, predictions: torch.Tensor) -> floa
 
 
 def center_value_head(value_model, trajectories: list[ScoredTrajectory], gamma: float, pad_token_id: int = 0,
-                      max_tokens: int = 4096) -> float:
+                      max_tokens: int = 4096, precision: str = "fp32") -> float:
     """Start a fresh critic at the mean Monte-Carlo return of `trajectories` (the initial policy's
     first ones): its head's bias moves so that the mean value over their response tokens equals
     their mean return. Returns the shift."""
@@ -122,7 +124,7 @@ def center_value_head(value_model, trajectories: list[ScoredTrajectory], gamma: 
     from asyncrl.algo.warmup import mean_return_bias
 
     rows = [segment_row(t.segment) for t in trajectories]
-    values = predict_values(value_model, rows, pad_token_id, max_tokens)
+    values = predict_values(value_model, rows, pad_token_id, max_tokens, precision=precision)
     returns_sum, values_sum, tokens = 0.0, 0.0, 0
     for t, v in zip(trajectories, values):
         rewards = torch.from_numpy(trajectory_rewards(t)).double()[None]
