@@ -97,46 +97,40 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
 
 
 def _watch(run: Run, config: Config, progress: bool) -> Ending:
-    """Poll until the last step, the target reward, nothing left to learn, or Ctrl-C; then the
-    final checkpoint, status and weights (a second Ctrl-C skips them)."""
+    """Poll until the last step, the target reward, the time budget, nothing left to learn, or
+    Ctrl-C; then the final checkpoint, status and weights (a second Ctrl-C skips them)."""
     ending = Ending()
     bar = _progress(config.trainer.total_steps, progress, run.resumed)
     try:
-        try:
+        with _first_sigint_noted(lambda: _say(bar, "interrupted: finishing the step in flight, then saving and "
+                                                   "evaluating the last step (Ctrl-C again to skip)")) as interrupted:
             while run.step < config.trainer.total_steps and not _reached_target(run.records, config):
                 time.sleep(0.5)
+                if interrupted:
+                    break
                 polled = run.poll()
                 if polled.restart is not None:
                     _say(bar, f"restarted in {polled.restart['restart_s']:.1f}s from step {polled.restart['step']} "
                               f"after {polled.restart['reason']}")
-                if run.log.prompts_exhausted:
-                    reasons = ", ".join(f"{n} {why}" for why, n in sorted(run.log.retired_by_reason.items()))
-                    ending.stop_reason = (f"every prompt is retired ({reasons}): no group has a learning signal "
-                                          f"left (solved, or all wrong again when tried once more)")
-                    _say(bar, f"stopping at step {run.step}: {ending.stop_reason}; see retirements.jsonl")
-                    break
                 _show(bar, polled.records, run)
-                if _out_of_time(run, config):
-                    ending.stop_reason = f"the training time budget (trainer.max_train_s={config.trainer.max_train_s:g}) is spent"
+                ending.stop_reason = _stop_reason(run, config)
+                if ending.stop_reason:
                     _say(bar, f"stopping at step {run.step}: {ending.stop_reason}")
-                    run.stop_learning()
-                    run.poll(check_health=False)  # the step in flight when the budget ran out
                     break
-        except KeyboardInterrupt:
-            ending.interrupted = True
-            _say(bar, "interrupted: finishing the step in flight, then saving and evaluating the last step "
-                      "(Ctrl-C again to skip)")
-            run.stop_learning()
-            run.poll(check_health=False)  # the steps done meanwhile
-            _say(bar, f"stopped after step {run.step}")
-        if bar is not None:
-            bar.close()
-        if config.trainer.checkpoint_every and run.records:
-            # The final step's checkpoint (waits for one the learner is writing, if any).
-            ending.last_checkpoint = run.checkpoint()
-            print(f"checkpoint: {ending.last_checkpoint}", flush=True)
-        ending.final_status = run.system.status()
-        ending.weights = run.weights()
+            if interrupted or ending.stop_reason:
+                ending.interrupted = bool(interrupted)
+                run.stop_learning()
+                run.poll(check_health=False)  # the steps done meanwhile
+            if interrupted:
+                _say(bar, f"stopped after step {run.step}")
+            if bar is not None:
+                bar.close()
+            if config.trainer.checkpoint_every and run.records:
+                # The final step's checkpoint (waits for one the learner is writing, if any).
+                ending.last_checkpoint = run.checkpoint()
+                print(f"checkpoint: {ending.last_checkpoint}", flush=True)
+            ending.final_status = run.system.status()
+            ending.weights = run.weights()
     except KeyboardInterrupt:  # a second Ctrl-C: stop now; a checkpoint being written is never half there
         ending.interrupted = True
         print("\nstopping without the final checkpoint and evaluation", flush=True)
@@ -144,6 +138,41 @@ def _watch(run: Run, config: Config, progress: bool) -> Ending:
         if bar is not None:
             bar.close()
     return ending
+
+
+def _stop_reason(run: Run, config: Config) -> str:
+    """Why the run stops before its last step ("" while it goes on)."""
+    if run.log.prompts_exhausted:
+        reasons = ", ".join(f"{n} {why}" for why, n in sorted(run.log.retired_by_reason.items()))
+        return (f"every prompt is retired ({reasons}): no group has a learning signal left (solved, or all "
+                f"wrong again when tried once more); see retirements.jsonl")
+    if config.trainer.max_train_s > 0 and time.time() - run.log.started >= config.trainer.max_train_s:
+        return f"the training time budget (trainer.max_train_s={config.trainer.max_train_s:g}) is spent"
+    return ""
+
+
+@contextlib.contextmanager
+def _first_sigint_noted(say):
+    """The first Ctrl-C is noted (a list that becomes true) and said at once; the loop stops at its
+    next turn, so no KeyboardInterrupt lands inside a call to the actors, half sent or half read
+    (a CI run once hung after Ctrl-C in the `ray.get` that followed one). A second one raises it."""
+    noted: list[bool] = []
+
+    def handler(signum, frame):
+        if noted:
+            raise KeyboardInterrupt
+        noted.append(True)
+        say()
+
+    try:
+        previous = signal.signal(signal.SIGINT, handler)
+    except ValueError:  # not the main thread: Ctrl-C is not ours to handle
+        yield noted
+        return
+    try:
+        yield noted
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _evaluate_after(config, engine, tokenizer, eval_prompts, ending: Ending, steps: int, wall: float,
@@ -206,11 +235,6 @@ def _sigint_deferred():
         signal.signal(signal.SIGINT, previous)
     if received:
         raise KeyboardInterrupt
-
-
-def _out_of_time(run: Run, config: Config) -> bool:
-    budget = config.trainer.max_train_s
-    return budget > 0 and time.time() - run.log.started >= budget
 
 
 def _reached_target(records: list[dict], config: Config) -> bool:

@@ -113,3 +113,21 @@ def test_the_head_in_chunks_gives_the_same_logprobs_entropy_and_gradients(top_k,
     with torch.no_grad():  # no backward to keep anything for: chunks without the recompute
         nograd, _ = token_logprobs(model, c.input_ids, c.attention_mask, c.targets, 0.7, positions=m, chunk_tokens=5)
     assert bool((nograd[m] != 0).all())
+
+
+def test_rows_are_laid_out_and_values_placed_at_each_rows_new_token_positions():
+    """Hand-built: contexts of 2, 1 and 3 tokens with 2, 0 and 1 new tokens; a value for new token
+    j of a row sits at the position before it (its logits predict it)."""
+    from asyncrl.learning.rows import layout_rows
+
+    layout = layout_rows([(np.array([5, 6]), np.array([7, 8])), (np.array([9]), np.array([], dtype=np.int64)),
+                          (np.array([1, 2, 3]), np.array([4]))], pad_token_id=0)
+    assert layout.input_ids.tolist() == [[5, 6, 7, 8], [9, 0, 0, 0], [1, 2, 3, 4]]
+    assert layout.attention_mask.tolist() == [[1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 1]]
+    placed = layout.place([np.array([0.5, 1.5]), np.array([]), np.array([2.5])])
+    assert placed.tolist() == [[0, 0.5, 1.5, 0], [0, 0, 0, 0], [0, 0, 2.5, 0]]
+    assert layout.place([np.array([3, 4]), np.array([]), np.array([5])], torch.long).dtype == torch.long
+    with pytest.raises(ValueError, match="3 values for 3|2 values for 3"):
+        layout.place([np.array([1.0]), np.array([]), np.array([2.0])])
+    with pytest.raises(ValueError, match="at least one context"):
+        layout_rows([(np.array([], dtype=np.int64), np.array([1]))])

@@ -52,11 +52,26 @@ class RowLayout:
 
     def place(self, per_row: list[np.ndarray], dtype=torch.float32) -> torch.Tensor:
         """Scatter one array per row (aligned with its new tokens) into a `[B, L]` tensor (on the
-        layout's device)."""
+        layout's device): one indexed write for every row (a write per row cost ~10 µs each, a
+        fifth of a tiny learner step's collation at 64 rows)."""
+        rows, columns = self._positions()
+        values = np.concatenate([np.asarray(v).reshape(-1) for v in per_row]) if per_row else np.zeros(0)
+        if len(values) != len(rows):
+            raise ValueError(f"{len(values)} values for {len(rows)} new-token positions")
         out = torch.zeros(self.input_ids.shape, dtype=dtype)
-        for i, (sl, values) in enumerate(zip(self.slices, per_row)):
-            out[i, sl] = torch.as_tensor(np.asarray(values), dtype=dtype)
+        out[torch.from_numpy(rows), torch.from_numpy(columns)] = torch.as_tensor(values, dtype=dtype)
         return out.to(self.input_ids.device)
+
+    def _positions(self) -> tuple[np.ndarray, np.ndarray]:
+        """(row, column) of every new-token position, rows in order (computed once per layout)."""
+        if getattr(self, "_cached_positions", None) is None:
+            lengths = np.array([sl.stop - sl.start for sl in self.slices], dtype=np.int64)
+            rows = np.repeat(np.arange(len(self.slices), dtype=np.int64), lengths)
+            starts = np.array([sl.start for sl in self.slices], dtype=np.int64)
+            # Column = the row's start + the position within the row.
+            within = np.arange(len(rows), dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+            self._cached_positions = (rows, np.repeat(starts, lengths) + within)
+        return self._cached_positions
 
     def gather(self, full: torch.Tensor) -> list[np.ndarray]:
         return [full[i, sl].detach().float().cpu().numpy().copy() for i, sl in enumerate(self.slices)]
@@ -69,19 +84,16 @@ def device_of(model) -> torch.device:
 def layout_rows(rows: list[tuple[np.ndarray, np.ndarray]], pad_token_id: int = 0, device="cpu") -> RowLayout:
     """`rows` = (context ids, new ids) pairs, as tensors on `device`. A row needs at least one
     context token."""
-    width = max(len(c) + len(n) for c, n in rows)
-    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    slices = []
-    for i, (context, new) in enumerate(rows):
-        c, n = len(context), len(new)
-        if c < 1:
-            raise ValueError("a row needs at least one context (prompt) token")
-        input_ids[i, :c] = torch.from_numpy(np.asarray(context, dtype=np.int64))
-        input_ids[i, c : c + n] = torch.from_numpy(np.asarray(new, dtype=np.int64))
-        attention_mask[i, : c + n] = 1
-        slices.append(slice(c - 1, c - 1 + n))
-    return RowLayout(input_ids.to(device), attention_mask.to(device), slices)
+    if any(len(context) < 1 for context, _ in rows):
+        raise ValueError("a row needs at least one context (prompt) token")
+    lengths = [len(c) + len(n) for c, n in rows]
+    input_ids = np.full((len(rows), max(lengths)), pad_token_id, dtype=np.int64)
+    attention_mask = (np.arange(max(lengths))[None, :] < np.array(lengths)[:, None]).astype(np.int64)
+    for i, (context, new) in enumerate(rows):  # numpy row writes: a tenth of torch's per-call cost
+        input_ids[i, :len(context)] = context
+        input_ids[i, len(context):lengths[i]] = new
+    slices = [slice(len(c) - 1, len(c) - 1 + len(n)) for c, n in rows]
+    return RowLayout(torch.from_numpy(input_ids).to(device), torch.from_numpy(attention_mask).to(device), slices)
 
 
 def collate(samples: list[TrainSample], pad_token_id: int = 0) -> Collated:
