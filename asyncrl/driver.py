@@ -102,11 +102,12 @@ def _watch(run: Run, config: Config, progress: bool) -> Ending:
     ending = Ending()
     bar = _progress(config.trainer.total_steps, progress, run.resumed)
     try:
-        with _first_sigint_noted(lambda: _say(bar, "interrupted: finishing the step in flight, then saving and "
-                                                   "evaluating the last step (Ctrl-C again to skip)")) as interrupted:
+        with _sigint_noted() as ctrl_c:
             while run.step < config.trainer.total_steps and not _reached_target(run.records, config):
                 time.sleep(0.5)
-                if interrupted:
+                if ctrl_c.noted:
+                    _say(bar, "interrupted: finishing the step in flight, then saving and evaluating the last "
+                              "step (Ctrl-C again to skip)")
                     break
                 polled = run.poll()
                 if polled.restart is not None:
@@ -115,14 +116,13 @@ def _watch(run: Run, config: Config, progress: bool) -> Ending:
                 _show(bar, polled.records, run)
                 ending.stop_reason = _stop_reason(run, config)
                 if ending.stop_reason:
-                    _say(bar, f"stopping at step {run.step}: {ending.stop_reason}")
                     break
-            if interrupted or ending.stop_reason:
-                ending.interrupted = bool(interrupted)
+            ctrl_c.loop_over = True  # from here a Ctrl-C skips what is left, as a second one does
+            ending.interrupted = ctrl_c.noted
+            if ending.interrupted or ending.stop_reason:
                 run.stop_learning()
                 run.poll(check_health=False)  # the steps done meanwhile
-            if interrupted:
-                _say(bar, f"stopped after step {run.step}")
+                _say(bar, f"stopped after step {run.step}" + (f": {ending.stop_reason}" if ending.stop_reason else ""))
             if bar is not None:
                 bar.close()
             if config.trainer.checkpoint_every and run.records:
@@ -151,28 +151,38 @@ def _stop_reason(run: Run, config: Config) -> str:
     return ""
 
 
+@dataclass
+class _CtrlC:
+    noted: bool = False  # a first Ctrl-C came while the loop ran
+    loop_over: bool = False  # the loop ended: a Ctrl-C now raises KeyboardInterrupt
+
+
 @contextlib.contextmanager
-def _first_sigint_noted(say):
-    """The first Ctrl-C is noted (a list that becomes true) and said at once; the loop stops at its
-    next turn, so no KeyboardInterrupt lands inside a call to the actors, half sent or half read
-    (a CI run once hung after Ctrl-C in the `ray.get` that followed one). A second one raises it."""
-    noted: list[bool] = []
+def _sigint_noted():
+    """While the watch loop runs, a first Ctrl-C is only noted (the loop stops at its next turn),
+    so no KeyboardInterrupt lands inside a call to the actors, half sent or half read (a CI run
+    once hung after Ctrl-C in the `ray.get` that followed one). A second one, or one after the
+    loop, raises it. A SIGINT the process was started ignoring (`cmd &` in a script) stays ignored."""
+    state = _CtrlC()
 
     def handler(signum, frame):
-        if noted:
+        if state.noted or state.loop_over:
             raise KeyboardInterrupt
-        noted.append(True)
-        say()
+        state.noted = True  # only a flag: printing here could re-enter a write in progress
 
+    previous = signal.getsignal(signal.SIGINT)
+    installed = False
+    if previous is not signal.SIG_IGN:
+        try:
+            signal.signal(signal.SIGINT, handler)
+            installed = True
+        except ValueError:  # not the main thread: Ctrl-C is not ours to handle
+            pass
     try:
-        previous = signal.signal(signal.SIGINT, handler)
-    except ValueError:  # not the main thread: Ctrl-C is not ours to handle
-        yield noted
-        return
-    try:
-        yield noted
+        yield state
     finally:
-        signal.signal(signal.SIGINT, previous)
+        if installed:
+            signal.signal(signal.SIGINT, previous)
 
 
 def _evaluate_after(config, engine, tokenizer, eval_prompts, ending: Ending, steps: int, wall: float,

@@ -135,6 +135,10 @@ def test_train_stops_when_its_time_budget_is_spent_then_checkpoints_and_evaluate
     assert 0 < summary["steps"] < 100000 and 3 <= summary["train_wall_s"] < 60
     assert summary["eval_after"] is not None and not summary["interrupted"]
     assert summary["last_checkpoint"].endswith(f"step_{summary['steps']:08d}")
+    assert f"stopped after step {summary['steps']}: the training time budget" in out.stdout
+    from asyncrl.config import ConfigError, compose
+    with pytest.raises(ConfigError, match="max_train_s"):
+        compose(["mode=generate", "trainer.record=true", "trainer.max_train_s=60"])
 
 
 def test_a_ray_start_up_failure_is_one_line_and_exit_status_2(tmp_path):

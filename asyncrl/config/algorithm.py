@@ -196,9 +196,10 @@ class CriticConfig:
     device: str = "cpu"
     """cpu | cuda: where the value learner trains."""
     precision: str = "auto"
-    """auto | fp32 | bf16 (autocast, fp32 master weights): the value learner's forward passes, for
-    values served and for its steps. auto: the rule of `policy.precision` (bf16 for the embedded
-    model on a CPU with native bf16; the tiny one stays fp32)."""
+    """auto | fp32 | bf16 (autocast, fp32 master weights, the scalar head in fp32): the value
+    learner's forward passes, for values served and for its steps. auto: the rule of
+    `policy.precision` (bf16 where it is native, a CPU with AVX512-BF16 or AMX or a CUDA GPU, and
+    the model has 10M+ parameters; the tiny one stays fp32)."""
     gpus: float = 0.0
     """GPUs the value learner asks Ray for."""
     resources: dict[str, float] = field(default_factory=dict)

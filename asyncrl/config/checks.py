@@ -230,6 +230,8 @@ def _mode_checks(config) -> list[tuple[bool, str]]:
          "offline.statuses must be among kept, dropped, recorded"),
         (config.policy.ranks == 1 or config.mode == "train",
          "policy.ranks > 1 shards the online learner; mode=learn and mode=generate run one rank"),
+        (config.trainer.max_train_s == 0 or config.mode == "train",
+         "trainer.max_train_s bounds an online run (mode=train); mode=learn and mode=generate stop by their steps"),
     ]
 
 

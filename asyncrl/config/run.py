@@ -50,7 +50,10 @@ class TrainerConfig:
     """Steps averaged for `target_reward`."""
     max_train_s: float = 0.0
     """Stop `asyncrl train` once training has run this many seconds (0 = no limit), then checkpoint
-    and evaluate as after the last step: how algorithms are compared at equal wall-clock."""
+    and evaluate as after the last step: how algorithms are compared at equal wall-clock. The
+    clock starts when the run's actors are up (model loading and the first evaluation excluded)
+    and includes periodic evaluations and restarts; a `resume=true` run starts it again. Refused
+    with `mode=generate`/`mode=learn`; the Serve apps train until stopped."""
     synchronous: bool = False
     """Synchronous baseline: issue a batch of prompts, wait for all of it, train, wait for the new
     weights to reach the generators, repeat (no staleness). Windows are whole responses

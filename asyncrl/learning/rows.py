@@ -55,9 +55,11 @@ class RowLayout:
         layout's device): one indexed write for every row (a write per row cost ~10 µs each, a
         fifth of a tiny learner step's collation at 64 rows)."""
         rows, columns = self._positions()
-        values = np.concatenate([np.asarray(v).reshape(-1) for v in per_row]) if per_row else np.zeros(0)
-        if len(values) != len(rows):
-            raise ValueError(f"{len(values)} values for {len(rows)} new-token positions")
+        arrays = [np.asarray(v).reshape(-1) for v in per_row]
+        if [len(a) for a in arrays] != [sl.stop - sl.start for sl in self.slices]:
+            raise ValueError(f"values per row {[len(a) for a in arrays]} do not match the rows' new tokens "
+                             f"{[sl.stop - sl.start for sl in self.slices]}")
+        values = np.concatenate(arrays) if arrays else np.zeros(0)
         out = torch.zeros(self.input_ids.shape, dtype=dtype)
         out[torch.from_numpy(rows), torch.from_numpy(columns)] = torch.as_tensor(values, dtype=dtype)
         return out.to(self.input_ids.device)
