@@ -54,7 +54,14 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
     wandb_run = _init_wandb(config, run_dir)
     evals: list[dict] = []
 
+    ctrl_c = _CtrlC()
+
     def evaluate_every(record: dict) -> None:
+        # Not once the run is stopping: when evaluation is slower than training (a tiny model,
+        # eval_every=3, a loaded machine) a poll's backlog of due evaluations would hold the stop
+        # for minutes; the final evaluation follows anyway.
+        if ctrl_c.noted or ctrl_c.loop_over:
+            return
         if config.trainer.eval_every and record["step"] % config.trainer.eval_every == 0:
             version, weights = run.weights()
             engine.update_weights(weights.items(), version)
@@ -71,7 +78,7 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
             r = run.resumed
             print(f"resumed from {r['checkpoint']} at step {r['step']} ({r['reissued_prompts']} prompts to regenerate, "
                   f"{r['saved_batches']} saved batches)", flush=True)
-        ending = _watch(run, config, progress)
+        ending = _watch(run, config, progress, ctrl_c)
     finally:
         with _sigint_deferred():  # the actors must not be left running
             run.stop()
@@ -96,13 +103,13 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
     return summary
 
 
-def _watch(run: Run, config: Config, progress: bool) -> Ending:
+def _watch(run: Run, config: Config, progress: bool, ctrl_c: "_CtrlC") -> Ending:
     """Poll until the last step, the target reward, the time budget, nothing left to learn, or
     Ctrl-C; then the final checkpoint, status and weights (a second Ctrl-C skips them)."""
     ending = Ending()
     bar = _progress(config.trainer.total_steps, progress, run.resumed)
     try:
-        with _sigint_noted() as ctrl_c:
+        with _sigint_noted(ctrl_c):
             while run.step < config.trainer.total_steps and not _reached_target(run.records, config):
                 time.sleep(0.5)
                 if ctrl_c.noted:
@@ -158,12 +165,11 @@ class _CtrlC:
 
 
 @contextlib.contextmanager
-def _sigint_noted():
+def _sigint_noted(state: "_CtrlC"):
     """While the watch loop runs, a first Ctrl-C is only noted (the loop stops at its next turn),
-    so no KeyboardInterrupt lands inside a call to the actors, half sent or half read (a CI run
-    once hung after Ctrl-C in the `ray.get` that followed one). A second one, or one after the
-    loop, raises it. A SIGINT the process was started ignoring (`cmd &` in a script) stays ignored."""
-    state = _CtrlC()
+    so no KeyboardInterrupt lands inside a call to the actors, half sent or half read; the
+    periodic evaluations still due are skipped from then on (`evaluate_every`). A second one, or
+    one after the loop, raises it. A SIGINT the process was started ignoring (`cmd &` in a script) stays ignored."""
 
     def handler(signum, frame):
         if state.noted or state.loop_over:
