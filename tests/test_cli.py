@@ -70,8 +70,12 @@ def test_throughput_rates_between_polls():
 def interrupt_after(command: list[str], metrics, steps: int, cwd) -> tuple[int, str]:
     """Run `command`, and once `metrics` has `steps` records send Ctrl-C as a terminal does
     (SIGINT to the whole process group); its exit status and output."""
+    # SIGINT back to its default in the child, as a terminal's foreground job has it: a suite started
+    # in the background (`make test &`, a CI runner) passes SIGINT on ignored, and `asyncrl train`
+    # rightly leaves an ignored SIGINT ignored.
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd,
-                               start_new_session=True)
+                               start_new_session=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and process.poll() is None:
         if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
