@@ -87,8 +87,8 @@ def value_step(value_model, optimizer, trajectories: list[ScoredTrajectory], set
     sums = {"value_loss": 0.0, "value_clip_fraction": 0.0}
     for sl in chunks:
         with autocast(value_model, settings.precision):
-            values = value_model(layout.input_ids[sl], layout.attention_mask[sl]).float()
-        fresh[sl] = values.detach().float() * mask[sl]
+            values = value_model(layout.input_ids[sl], layout.attention_mask[sl])  # float32 (the head's)
+        fresh[sl] = values.detach() * mask[sl]
         anchors[sl] = torch.where(recorded[sl[0], None], placed[sl], fresh[sl]) * mask[sl]
         # Positions run left to right through context then response; GAE walks only the masked ones.
         returns[sl] = critic_returns(rewards[sl], anchors[sl], mask[sl], settings.gamma, settings.lam)
