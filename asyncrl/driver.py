@@ -104,7 +104,7 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
 
 
 def _watch(run: Run, config: Config, progress: bool, ctrl_c: "_CtrlC") -> Ending:
-    """Poll until the last step, the target reward, the time budget, nothing left to learn, or
+    """Poll until the last step, the target reward, the time or sample budget, nothing left to learn, or
     Ctrl-C; then the final checkpoint, status and weights (a second Ctrl-C skips them)."""
     ending = Ending()
     bar = _progress(config.trainer.total_steps, progress, run.resumed)
@@ -155,6 +155,9 @@ def _stop_reason(run: Run, config: Config) -> str:
                 f"wrong again when tried once more); see retirements.jsonl")
     if config.trainer.max_train_s > 0 and time.time() - run.log.started >= config.trainer.max_train_s:
         return f"the training time budget (trainer.max_train_s={config.trainer.max_train_s:g}) is spent"
+    budget = config.trainer.max_generated_samples
+    if budget and run.records and run.records[-1]["samples_generated"] >= budget:
+        return f"the sample budget (trainer.max_generated_samples={budget}) is spent"
     return ""
 
 

@@ -145,6 +145,27 @@ def test_train_stops_when_its_time_budget_is_spent_then_checkpoints_and_evaluate
         compose(["mode=generate", "trainer.record=true", "trainer.max_train_s=60"])
 
 
+def test_train_stops_when_its_sample_budget_is_spent(tmp_path):
+    """`trainer.max_generated_samples`: the run stops at the first step after the generators have
+    finished that many samples (how methods are compared at equal samples), says why, and evaluates."""
+    run = tmp_path / "run"
+    out = asyncrl("train", "model=tiny", "task=tiny", "algorithm=dapo", f"trainer.run_dir={run}",
+                  "trainer.max_generated_samples=2000", "trainer.total_steps=100000", "trainer.eval_samples=8",
+                  "trainer.checkpoint_every=0", "trainer.wandb_mode=disabled", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert "trainer.max_generated_samples=2000" in summary["stop_reason"] and summary["eval_after"] is not None
+    assert 0 < summary["steps"] < 100000 and summary["final_status"]["samples_generated"] >= 2000
+    assert records[0]["samples_generated"] < 2000 and records[-1]["step"] == summary["steps"]
+    assert f"stopped after step {summary['steps']}: the sample budget" in out.stdout
+    from asyncrl.config import ConfigError, compose
+    with pytest.raises(ConfigError, match="max_generated_samples"):
+        compose(["mode=generate", "trainer.record=true", "trainer.max_generated_samples=100"])
+    with pytest.raises(ConfigError, match="max_generated_samples"):
+        compose(["trainer.max_generated_samples=-1"])
+
+
 def test_a_ray_start_up_failure_is_one_line_and_exit_status_2(tmp_path):
     """A real failure of Ray's start (an object store larger than the machine): asyncrl says what
     happened and what to do in one line, with no traceback, and exits with 2."""

@@ -494,15 +494,15 @@ def test_the_generator_pool_scales_1_3_1_by_the_admin_route_while_it_trains(apps
         for _ in range(8):
             status = look()
             time.sleep(1.0)
-        assert len(status["pool"]["generators"]) == count and status["pool"]["target"] == count
-    assert status["step"] > start  # it trained throughout
+        assert len(status["pool"]["generators"]) == count and status["pool"]["target"] == count, status["pool"]
+    assert status["step"] > start, status  # it trained throughout
     # Within the bound, plus one: the status reads the learner and then the generators, and the
     # learner may take a step in between (as tests/test_pool.py allows).
     assert len(seen) >= 3 and all(d >= w - bound - 1 for views in seen.values() for d, w in views), seen
     events = [e["event"] for e in status["pool"]["events"]]
-    assert events.count("joined") >= 2 and events.count("left") >= 2
-    assert {e["reason"] for e in status["pool"]["events"]} >= {"admin route", "serve deploy (user_config)"}
-    assert status["ledger"]["problems"] == [] and status["ledger"]["duplicates"] == 0
+    assert events.count("joined") >= 2 and events.count("left") >= 2, status["pool"]["events"]
+    assert {e["reason"] for e in status["pool"]["events"]} >= {"admin route", "serve deploy (user_config)"}, status["pool"]
+    assert status["ledger"]["problems"] == [] and status["ledger"]["duplicates"] == 0, status["ledger"]
     r = httpx.post(f"{apps}/train/admin/generators", json={"count": 0}, headers=headers, timeout=60)
     assert r.status_code == 422  # a pool of none is refused with a reason
     r = httpx.post(f"{apps}/train/admin/generators", json={"count": 3}, timeout=60)

@@ -49,7 +49,7 @@ RANGES = {
     "trainer.total_steps": ">= 1", "trainer.prompts_per_step": ">= 1", "trainer.eval_every": ">= 0",
     "trainer.checkpoint_every": ">= 0", "trainer.checkpoint_every_s": ">= 0", "trainer.checkpoint_keep": ">= 1", "trainer.max_restarts": ">= 0",
     "trainer.eval_samples": ">= 1", "trainer.target_window": ">= 1", "trainer.stall_timeout_s": "> 0",
-    "trainer.max_train_s": ">= 0",
+    "trainer.max_train_s": ">= 0", "trainer.max_generated_samples": ">= 0",
     "trainer.record_file_mb": ">= 1", "trainer.record_file_age_s": "> 0",
     "cluster.num_generators": ">= 1", "cluster.object_store_mb": ">= 64", "cluster.segment_shards": ">= 1",
     "cluster.mailbox_capacity": ">= 1", "cluster.lease_s": "> 0", "cluster.generator_timeout_s": "> 0",
@@ -232,6 +232,9 @@ def _mode_checks(config) -> list[tuple[bool, str]]:
          "policy.ranks > 1 shards the online learner; mode=learn and mode=generate run one rank"),
         (config.trainer.max_train_s == 0 or config.mode == "train",
          "trainer.max_train_s bounds an online run (mode=train); mode=learn and mode=generate stop by their steps"),
+        (config.trainer.max_generated_samples == 0 or config.mode == "train",
+         "trainer.max_generated_samples bounds an online run (mode=train); mode=learn and mode=generate stop "
+         "by their steps"),
     ]
 
 

@@ -54,6 +54,11 @@ class TrainerConfig:
     clock starts when the run's actors are up (model loading and the first evaluation excluded)
     and includes periodic evaluations and restarts; a `resume=true` run starts it again. Refused
     with `mode=generate`/`mode=learn`; the Serve apps train until stopped."""
+    max_generated_samples: int = 0
+    """Stop `asyncrl train` at the first step after the generators have finished this many samples
+    (0 = no limit), then checkpoint and evaluate as after a last step: how algorithms are compared at
+    an equal number of generated samples (DAPO's dynamic sampling generates more per step than it
+    trains). Refused with `mode=generate`/`mode=learn`."""
     synchronous: bool = False
     """Synchronous baseline: issue a batch of prompts, wait for all of it, train, wait for the new
     weights to reach the generators, repeat (no staleness). Windows are whole responses
