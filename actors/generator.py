@@ -190,6 +190,11 @@ class Generator:
             await self._window(segments, finished_prompts)
         elif self.parked and not segments:  # every sequence waits for a tool: wait for the first answer
             await asyncio.wait([p.observing for p in self.parked], timeout=0.2, return_when=asyncio.FIRST_COMPLETED)
+        elif not self._admitting and not segments:
+            # Draining with nothing left to run: nothing above awaited anything, so without this
+            # the loop would spin and starve drain(), stats() and receive_weights() on this event
+            # loop (each scale-down then hung until the pool's timeout).
+            await asyncio.sleep(0.05)
         if not segments and not finished_prompts:
             return
         await self.flush()

@@ -1,6 +1,7 @@
 """Generator with in-process mailboxes and the tiny engine: windows, continuations, identity, acks."""
 
 import asyncio
+import threading
 
 import numpy as np
 
@@ -63,6 +64,34 @@ def test_continuations_have_priority_and_inflight_is_capped():
         assert all(s.turn == 2 for s in gen.inflight)
 
     asyncio.run(main())
+
+
+def test_a_generator_drained_while_it_holds_sequences_finishes_them_and_its_loop_ends():
+    """drain() while the run loop holds sequences: they finish, every sample is sent and every
+    prompt acknowledged, nothing is handed back, and the loop ends. (A drained loop with nothing
+    left to run once spun without yielding and starved drain() itself: under load each scale-down
+    hung until the pool's timeout.) In a thread, so a starved event loop fails the test, not the suite."""
+    seen = {}
+
+    async def main():
+        gen, prompts, segments = make_generator(window=3, max_tokens=8, max_inflight=4)
+        await prompts.put([request(0), request(1)])
+        loop = asyncio.ensure_future(gen.run())
+        while not gen.held:
+            await asyncio.sleep(0.001)
+        seen["held_at_drain"] = gen.held
+        seen["drained"] = await gen.drain(30.0)
+        await asyncio.wait_for(loop, 10.0)
+        seen["finished"] = {s.sample_id for s in await segments.get(1000, timeout=0.1) if s.finished}
+        seen["prompts"] = await prompts.stats()
+
+    thread = threading.Thread(target=asyncio.run, args=(main(),), daemon=True)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive(), f"drain() did not return: {seen}"
+    assert seen["held_at_drain"] == 4 and seen["drained"]["prompts_handed_back"] == 0
+    assert len(seen["finished"]) == 4  # 2 prompts x G=2, each finished once
+    assert seen["prompts"].acked_total == 2 and seen["prompts"].leased == 0
 
 
 def test_max_windows_finishes_a_response():

@@ -106,6 +106,8 @@ class Pool:
         timeout = self.system.config.cluster.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
         try:
             drained = ray.get(handle.drain.remote(timeout), timeout=timeout + 60)
+        except ray.exceptions.GetTimeoutError:  # it hangs: heal instead, named as what it is
+            return self.heal(gid, f"{reason}; it did not finish draining within {timeout + 60:g} s")
         except ray.exceptions.RayError as exc:  # it died meanwhile: heal instead
             return self.heal(gid, f"{reason}; it died while draining ({type(exc).__name__})")
         self._forget(gid)
