@@ -92,6 +92,7 @@ class Generator:
         self._emitting: asyncio.Future | None = None  # the previous window's segments being sent
         self._last_group_size = 1  # samples of the last prompt taken (admission asks when it fits)
         self._running = False
+        self._loop_ended: asyncio.Event | None = None  # set once run() has sent its last emission
         self._admitting = True  # False once draining: in-flight sequences finish, nothing new starts
         self._started = time.monotonic()
         # admit_s: taking prompts while sequences are running; prepare_s: building a window's inputs
@@ -339,12 +340,14 @@ class Generator:
 
     async def run(self) -> None:
         self._running = True
+        self._loop_ended = asyncio.Event()
         self._started = time.monotonic()
         try:
             while self._running:
                 await self.step(overlap=True)
         finally:
             await self.flush()
+            self._loop_ended.set()
 
     def stop(self) -> None:
         self._running = False
@@ -356,8 +359,12 @@ class Generator:
         deadline = time.monotonic() + timeout_s
         while self.held and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        handed_back = list(self.samples_left)
         self._running = False
+        if self._loop_ended is not None:
+            # The loop's turn in progress ends (a window at most) and its last segments are sent
+            # before this returns: the pool kills the actor next, and would lose them.
+            await self._loop_ended.wait()
+        handed_back = list(self.samples_left)
         await self.flush()
         if handed_back:
             await self.prompts.nack(handed_back)

@@ -157,7 +157,9 @@ def test_train_stops_when_its_sample_budget_is_spent(tmp_path):
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert "trainer.max_generated_samples=2000" in summary["stop_reason"] and summary["eval_after"] is not None
     assert 0 < summary["steps"] < 100000 and summary["final_status"]["samples_generated"] >= 2000
-    assert records[0]["samples_generated"] < 2000 and records[-1]["step"] == summary["steps"]
+    # it stopped at the poll that saw the budget spent: at most that poll's stamp and the stop's own
+    over = {r["samples_generated"] for r in records if r["samples_generated"] >= 2000}
+    assert len(over) <= 2 and records[-1]["step"] == summary["steps"], over
     assert f"stopped after step {summary['steps']}: the sample budget" in out.stdout
     from asyncrl.config import ConfigError, compose
     with pytest.raises(ConfigError, match="max_generated_samples"):

@@ -74,13 +74,14 @@ def test_a_generator_drained_while_it_holds_sequences_finishes_them_and_its_loop
     seen = {}
 
     async def main():
-        gen, prompts, segments = make_generator(window=3, max_tokens=8, max_inflight=4)
+        gen, prompts, segments = make_generator(window=3, max_tokens=24, max_inflight=4)
         await prompts.put([request(0), request(1)])
         loop = asyncio.ensure_future(gen.run())
         while not gen.held:
             await asyncio.sleep(0.001)
         seen["held_at_drain"] = gen.held
         seen["drained"] = await gen.drain(30.0)
+        seen["loop_done_at_return"] = loop.done()  # its last segments were sent before drain() returned
         await asyncio.wait_for(loop, 10.0)
         seen["finished"] = {s.sample_id for s in await segments.get(1000, timeout=0.1) if s.finished}
         seen["prompts"] = await prompts.stats()
@@ -89,7 +90,7 @@ def test_a_generator_drained_while_it_holds_sequences_finishes_them_and_its_loop
     thread.start()
     thread.join(60)
     assert not thread.is_alive(), f"drain() did not return: {seen}"
-    assert seen["held_at_drain"] == 4 and seen["drained"]["prompts_handed_back"] == 0
+    assert seen["held_at_drain"] == 4 and seen["drained"]["prompts_handed_back"] == 0 and seen["loop_done_at_return"]
     assert len(seen["finished"]) == 4  # 2 prompts x G=2, each finished once
     assert seen["prompts"].acked_total == 2 and seen["prompts"].leased == 0
 

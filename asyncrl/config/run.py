@@ -55,10 +55,13 @@ class TrainerConfig:
     and includes periodic evaluations and restarts; a `resume=true` run starts it again. Refused
     with `mode=generate`/`mode=learn`; the Serve apps train until stopped."""
     max_generated_samples: int = 0
-    """Stop `asyncrl train` at the first step after the generators have finished this many samples
-    (0 = no limit), then checkpoint and evaluate as after a last step: how algorithms are compared at
-    an equal number of generated samples (DAPO's dynamic sampling generates more per step than it
-    trains). Refused with `mode=generate`/`mode=learn`."""
+    """Stop `asyncrl train` once the generators have finished this many samples (0 = no limit), then
+    checkpoint and evaluate as after a last step: how algorithms are compared at an equal number of
+    generated samples (DAPO's dynamic sampling generates more per step than it trains). Checked at
+    each poll of the driver (0.5 s), so a run overshoots by what was generated meanwhile and while
+    it stops: compare `final_status.samples_generated` in `summary.json`. The count is that of the
+    generators running now (one that leaves takes its count with it; a restart or `resume=true`
+    counts from 0). Refused with `mode=generate`/`mode=learn`; the Serve apps train until stopped."""
     synchronous: bool = False
     """Synchronous baseline: issue a batch of prompts, wait for all of it, train, wait for the new
     weights to reach the generators, repeat (no staleness). Windows are whole responses
