@@ -191,11 +191,6 @@ class Generator:
             await self._window(segments, finished_prompts)
         elif self.parked and not segments:  # every sequence waits for a tool: wait for the first answer
             await asyncio.wait([p.observing for p in self.parked], timeout=0.2, return_when=asyncio.FIRST_COMPLETED)
-        elif not self._admitting and not segments:
-            # Draining with nothing left to run: nothing above awaited anything, so without this
-            # the loop would spin and starve drain(), stats() and receive_weights() on this event
-            # loop (each scale-down then hung until the pool's timeout).
-            await asyncio.sleep(0.05)
         if not segments and not finished_prompts:
             return
         await self.flush()
@@ -343,7 +338,9 @@ class Generator:
         self._loop_ended = asyncio.Event()
         self._started = time.monotonic()
         try:
-            while self._running:
+            # A draining generator's loop ends once it holds nothing: turning on with nothing to
+            # run would await nothing and starve drain(), stats() and receive_weights().
+            while self._running and (self._admitting or self.held):
                 await self.step(overlap=True)
         finally:
             await self.flush()
@@ -356,14 +353,15 @@ class Generator:
         """Leave the pool: admit nothing new, let the sequences in flight finish (up to `timeout_s`),
         hand back the prompts of any still unfinished (their work is regenerated elsewhere), stop."""
         self._admitting = False
-        deadline = time.monotonic() + timeout_s
-        while self.held and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        if self._loop_ended is not None:  # the loop ends by itself once its sequences finish
+            try:
+                await asyncio.wait_for(self._loop_ended.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                # Stop it: its turn in progress ends (a window at most) and its last segments are
+                # sent before this returns, since the pool kills the actor next.
+                self._running = False
+                await self._loop_ended.wait()
         self._running = False
-        if self._loop_ended is not None:
-            # The loop's turn in progress ends (a window at most) and its last segments are sent
-            # before this returns: the pool kills the actor next, and would lose them.
-            await self._loop_ended.wait()
         handed_back = list(self.samples_left)
         await self.flush()
         if handed_back:
