@@ -30,6 +30,7 @@ from asyncrl.generation import sampling_params
 from asyncrl.learning.scoring import response_logprobs
 from asyncrl.algo.warmup import warmup_finished
 from asyncrl.learning.rank import learner_precision
+from asyncrl.learning.rows import adamw
 from asyncrl.learning.value import ValueLossSettings, center_value_head, predict_values, value_step
 from asyncrl.mailbox import Mailbox, RecentIds
 from asyncrl.models import load_model, load_tokenizer, value_model_from_checkpoint, value_model_from_policy
@@ -59,7 +60,7 @@ class ValueLearner(TrainingLoop):
         self.serving = copy.deepcopy(value_model).eval().requires_grad_(False)
         self.trajectories = trajectories
         self.settings = settings
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
+        self.optimizer = adamw(self.model.parameters(), lr, weight_decay)
         self.batch_trajectories = batch_trajectories
         self.warmup = warmup
         self.center_head = center_head

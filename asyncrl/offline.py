@@ -40,6 +40,7 @@ from asyncrl.config import Config, to_dict
 from asyncrl.evaluation import greedy_accuracy, progress_bar
 from asyncrl.generation import sampling_params
 from asyncrl.learning.dqo import DQOSettings, dqo_step
+from asyncrl.learning.rows import adamw
 from asyncrl.learning.scoring import response_logprobs
 from asyncrl.mailbox import InProcessMailbox
 from asyncrl.models import load_model, load_tokenizer
@@ -223,8 +224,8 @@ def learn_dqo(config: Config, records: list[TrajectoryRecord], run_dir: str, pro
     settings = DQOSettings(beta=a.kl_coef, gamma=a.gamma, lam=a.lam, importance_clip=a.importance_clip,
                            temperature=params.temperature, grad_clip=p.grad_clip, value_grad_clip=config.critic.grad_clip,
                            micro_batch_tokens=p.micro_batch_tokens)
-    policy_opt = torch.optim.AdamW(policy.parameters(), lr=p.lr, weight_decay=p.weight_decay)
-    value_opt = torch.optim.AdamW(value_model.parameters(), lr=config.critic.lr, weight_decay=config.critic.weight_decay)
+    policy_opt = adamw(policy.parameters(), p.lr, p.weight_decay)
+    value_opt = adamw(value_model.parameters(), config.critic.lr, config.critic.weight_decay)
     batch, order, step = config.offline.batch_trajectories, list(range(len(trajectories))), 0
     rng = random.Random(tr.seed)
     started = time.time()

@@ -133,3 +133,26 @@ def test_rows_are_laid_out_and_values_placed_at_each_rows_new_token_positions():
         layout.place([np.array([1.0]), np.array([]), np.array([2.0, 3.0])])
     with pytest.raises(ValueError, match="at least one context"):
         layout_rows([(np.array([], dtype=np.int64), np.array([1]))])
+
+
+def test_the_learners_adamw_is_fused_and_steps_as_the_reference_adamw():
+    """`adamw` (every learner's optimizer): one fused kernel over plain parameters, the same update as
+    torch's reference AdamW to float rounding."""
+    from asyncrl.learning.rows import adamw
+
+    model = build_tiny_model(ModelConfig(source="tiny", seed=3), 30)
+    reference = copy.deepcopy(model)
+    fused, plain = adamw(model.parameters(), 1e-2, 0.1), torch.optim.AdamW(reference.parameters(), lr=1e-2,
+                                                                            weight_decay=0.1)
+    assert fused.defaults["fused"] and not plain.defaults["fused"]
+    start = [p.detach().clone() for p in model.parameters()]
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        for a, b in zip(model.parameters(), reference.parameters()):
+            a.grad = torch.randn(a.shape, generator=generator)
+            b.grad = a.grad.clone()
+        fused.step()
+        plain.step()
+    for (name, a), b in zip(model.named_parameters(), reference.parameters()):
+        assert torch.allclose(a, b, atol=1e-6), name
+    assert all(not torch.equal(a, s) for a, s in zip(model.parameters(), start))  # every tensor moved

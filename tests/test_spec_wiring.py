@@ -6,12 +6,13 @@ several updates per batch, the Dr.GRPO constant, the pairwise path, the KL estim
 from __future__ import annotations
 
 import asyncio
+import copy
 
 import numpy as np
 import pytest
 import torch
 
-from asyncrl.algo.losses import behaviour_weights, kl_penalty, ppo_policy_loss
+from asyncrl.algo.losses import behaviour_weights, kl_penalty, ppo_policy_loss, rollout_mismatch
 from asyncrl.algo.sampling import filtered_logprobs, step_logprobs
 from asyncrl.assembly.rows import ValueAdvantageSettings, with_whole_response
 from asyncrl.config import ConfigError, ModelConfig, compose
@@ -330,6 +331,50 @@ def test_epochs_and_mini_batches_take_several_updates_and_the_clip_engages():
     assert next(iter(optimizer.state.values()))["step"] == 4
     assert metrics["approx_kl_first_update"] == pytest.approx(0.0, abs=1e-5)
     assert metrics["clip_fraction_last_update"] > 0  # the trust region at work within the batch
+
+
+@pytest.mark.parametrize("epochs, minis, correction", [(1, 2, "none"), (2, 2, "none"), (2, 1, "none"),
+                                                        (1, 1, "token_tis"), (1, 2, "sequence_mis")])
+def test_the_first_update_anchors_on_its_own_forward_as_on_a_separate_proximal_one(epochs, minis, correction):
+    """π_prox is the weights before the batch's first update: the step takes the first update's rows'
+    log-probs from that update's own forward (and scores only the other rows beforehand). The same
+    weights and metrics as scoring every row in a forward of its own first, then training each update
+    against it (`_policy_update` with the proximal log-probs given)."""
+    from asyncrl.learning.policy import _behaviour_correction, _policy_update, proximal_logprobs
+    from asyncrl.learning.rows import mini_batch_rows, row_length
+
+    rng = np.random.default_rng(1)
+    rows = [TrainSample(segment=segment(rng.integers(3, 30, n).tolist(), pid=f"p{i}"), score=1.0,
+                        advantages=float32_array(rng.normal(size=n))) for i, n in enumerate([3, 6, 4, 7, 5, 2, 6, 8])]
+    start = tiny_policy()
+    collated = collate(rows)
+    with torch.no_grad():  # behaviour log-probs off the learner's by up to a nat: the weights matter
+        logp, _ = token_logprobs(start, collated.input_ids, collated.attention_mask, collated.targets, 1.0)
+    rows = [TrainSample(segment=segment(r.segment.new_token_ids.tolist(), pid=r.segment.prompt_id,
+                                        logprobs=(logp[i, 2:2 + len(r.advantages)].numpy()
+                                                  + rng.uniform(-1.0, 1.0, len(r.advantages))).tolist()),
+                        score=1.0, advantages=r.advantages) for i, r in enumerate(rows)]
+    settings = loss_settings(ppo_epochs=epochs, mini_batches=minis, rollout_correction=correction,
+                             behaviour_weight_cap=1.5, rollout_is_cap=1.5)
+    model, reference = copy.deepcopy(start), copy.deepcopy(start)
+    metrics = policy_step(model, torch.optim.Adam(model.parameters(), lr=3e-2), rows, settings)
+
+    optimizer = torch.optim.Adam(reference.parameters(), lr=3e-2)
+    ordered = collate(sorted(rows, key=lambda r: row_length(r.segment)))
+    proximal = proximal_logprobs(reference, ordered, settings)
+    weights_correction = _behaviour_correction(settings, epochs * minis)
+    assert weights_correction is not None
+    history = [_policy_update(reference, optimizer, ordered.select(part), settings, None, proximal[part],
+                              weights_correction)[0]
+               for _ in range(epochs) for part in mini_batch_rows(len(rows), minis)]
+    for (name, got), want in zip(model.named_parameters(), reference.parameters()):
+        assert torch.allclose(got, want, atol=1e-6), name
+    assert metrics["behaviour_weight_mean"] == pytest.approx(np.mean([h["behaviour_weight_mean"] for h in history]),
+                                                             rel=1e-5)
+    assert metrics["clip_fraction_last_update"] == pytest.approx(history[-1]["clip_fraction"], abs=1e-6)
+    whole = rollout_mismatch(proximal, ordered.old_logprobs, ordered.response_mask)
+    for key in ("rollout_kl_k1", "rollout_kl_k3", "rollout_ratio_max", "rollout_ratio_min"):
+        assert metrics[key] == pytest.approx(whole[key], rel=1e-5), key
 
 
 # --- 9. the Dr.GRPO constant ----------------------------------------------------------------------

@@ -95,11 +95,14 @@ def proximal_logprobs(model, collated: Collated, settings: PolicyLossSettings,
 
 
 def _policy_update(model, optimizer, collated: Collated, settings: PolicyLossSettings, reference_model,
-                   proximal: torch.Tensor | None, weights: torch.Tensor | None = None,
-                   mismatch: list | None = None, parallel: DataParallel | None = None) -> dict[str, float]:
-    """One optimizer update over `collated` (micro-batched gradient accumulation). `weights`: the
-    behaviour correction per token; `mismatch`: where each micro-batch's rollout mismatch goes (the
-    first update, whose forward is at the weights the behaviour log-probs are compared with).
+                   proximal: torch.Tensor | None, correction: tuple[str, float] | None = None,
+                   mismatch: list | None = None,
+                   parallel: DataParallel | None = None) -> tuple[dict[str, float], torch.Tensor | None]:
+    """One optimizer update over `collated` (micro-batched gradient accumulation). `correction`: the
+    behaviour weights' (mode, cap), anchored on `proximal` (log π_prox); with no `proximal`, these
+    weights are π_prox (the batch's first update): each micro-batch anchors on its own log-probs,
+    returned (every row, summed over the ranks) for the later updates. `mismatch`: where each
+    micro-batch's rollout mismatch goes (the first update's forward is at the proximal weights).
     Sharded (`parallel`): each rank accumulates its micro-batches' gradients, each scaled by the
     whole batch's totals, and the ranks' gradients are summed (`asyncrl.sharding`), so the update
     is the one-rank update; the metric sums are summed over the ranks too."""
@@ -111,6 +114,8 @@ def _policy_update(model, optimizer, collated: Collated, settings: PolicyLossSet
     # same fields), but no step is taken: an Adam step on zero gradients would still move the
     # weights by its momentum.
     nothing = not float(collated.response_mask.sum()) and not total_nll_tokens
+    own = None if correction is None or proximal is not None else torch.zeros(collated.targets.shape,
+                                                                              device=collated.targets.device)
     model.train()
     optimizer.zero_grad(set_to_none=True)
     sums: dict[str, float] = {}
@@ -123,10 +128,16 @@ def _policy_update(model, optimizer, collated: Collated, settings: PolicyLossSet
                                            collated.targets[sl], settings.temperature, with_entropy=True,
                                            positions=_trained_positions(collated, sl), top_k=settings.top_k,
                                            top_p=settings.top_p, chunk_tokens=settings.logits_chunk_tokens)
+        anchor = weights = None
+        if correction is not None:
+            anchor = logp.detach().float() if own is not None else proximal[sl]
+            weights = behaviour_weights(anchor, collated.old_logprobs[sl], mask, *correction)
+            if own is not None and not ghost:
+                own[sl] = anchor
         pg_loss, metrics = ppo_policy_loss(
             logp, collated.old_logprobs[sl], collated.advantages[sl], mask,
             settings.clip_low, settings.clip_high, settings.dual_clip, settings.loss_agg, norm_constant,
-            proximal_logp=None if proximal is None else proximal[sl], behaviour_weight=None if weights is None else weights[sl],
+            proximal_logp=anchor, behaviour_weight=weights,
         )
         if mismatch is not None and not ghost:
             mismatch.append((rollout_mismatch(logp.detach(), collated.old_logprobs[sl], mask), float(mask.sum())))
@@ -138,12 +149,7 @@ def _policy_update(model, optimizer, collated: Collated, settings: PolicyLossSet
         nll = positive_example_nll(logp, collated.nll_mask[sl], torch.ones(len(logp), device=logp.device),
                                    normalizer=total_nll_tokens)
         if settings.kl_coef and reference_model is not None:
-            with torch.no_grad():
-                ref_logp, _ = token_logprobs(reference_model, collated.input_ids[sl], collated.attention_mask[sl],
-                                             collated.targets[sl], settings.temperature, positions=mask > 0,
-                                             top_k=settings.top_k, top_p=settings.top_p,
-                                             chunk_tokens=settings.logits_chunk_tokens)
-            kl = agg_loss(kl_penalty(logp, ref_logp, settings.kl_estimator), mask, settings.loss_agg, norm_constant)
+            kl = _reference_kl(reference_model, collated, sl, logp, settings, norm_constant)
             loss = loss + settings.kl_coef * kl
             metrics["kl_ref"] = kl.item()
         weight = _micro_batch_weight(settings.loss_agg, mask, total_tokens, total_seqs)
@@ -156,15 +162,39 @@ def _policy_update(model, optimizer, collated: Collated, settings: PolicyLossSet
             sums[key] = sums.get(key, 0.0) + value * token_share
     if parallel is not None:
         sums = parallel.sum(sums)
+        if own is not None:
+            parallel.sum_tensor(own)
     # The batch's flag, set after the sum over ranks (every rank sees the whole batch: summed, two
     # ranks counted a skipped update twice and the learner's update count fell behind Adam's).
     sums["skipped_updates"] = float(nothing)
     if nothing:
         optimizer.zero_grad(set_to_none=True)
         model.eval()
-        return {**sums, "grad_norm": 0.0}
+        return {**sums, "grad_norm": 0.0}, own
     grad_norm = clip_and_step(model, optimizer, settings.grad_clip)
-    return {**sums, "grad_norm": float(grad_norm)}
+    return {**sums, "grad_norm": float(grad_norm)}, own
+
+
+def _reference_kl(reference_model, collated: Collated, sl, logp: torch.Tensor, settings: PolicyLossSettings,
+                  norm_constant: float) -> torch.Tensor:
+    """The KL penalty to the frozen reference over micro-batch `sl`'s trained tokens."""
+    mask = collated.response_mask[sl]
+    with torch.no_grad():
+        ref_logp, _ = token_logprobs(reference_model, collated.input_ids[sl], collated.attention_mask[sl],
+                                     collated.targets[sl], settings.temperature, positions=mask > 0,
+                                     top_k=settings.top_k, top_p=settings.top_p, chunk_tokens=settings.logits_chunk_tokens)
+    return agg_loss(kl_penalty(logp, ref_logp, settings.kl_estimator), mask, settings.loss_agg, norm_constant)
+
+
+def _behaviour_correction(settings: PolicyLossSettings, updates: int) -> tuple[str, float] | None:
+    """The behaviour weights' (mode, cap) a batch trains with: the rollout correction when one is
+    set; with several updates and the proximal anchor, the capped ratio proximal/behaviour (tokens
+    come from several versions); none otherwise (the clip anchors on the behaviour log-probs)."""
+    if settings.rollout_correction != "none":
+        return settings.rollout_correction, settings.rollout_is_cap
+    if settings.proximal_anchor and updates > 1:
+        return "token_tis", settings.behaviour_weight_cap
+    return None
 
 
 def policy_step(model, optimizer, samples: list[TrainSample], settings: PolicyLossSettings,
@@ -179,34 +209,43 @@ def policy_step(model, optimizer, samples: list[TrainSample], settings: PolicyLo
     collated = collate(samples, pad_token_id).to(device_of(model))
     if not settings.nll_coef:
         collated.nll_mask.zero_()  # no logits wanted at NLL-only positions
+    device = collated.input_ids.device
     minis = mini_batch_rows(len(samples), settings.mini_batches)
-    updates = settings.ppo_epochs * len(minis)
-    correcting = settings.rollout_correction != "none"
-    proximal = weights = None
-    if correcting or (settings.proximal_anchor and updates > 1):
-        proximal = proximal_logprobs(model, collated, settings, parallel)
-        mode, cap = ((settings.rollout_correction, settings.rollout_is_cap) if correcting
-                     else ("token_tis", settings.behaviour_weight_cap))
-        weights = behaviour_weights(proximal, collated.old_logprobs, collated.response_mask, mode, cap)
-        mismatch = rollout_mismatch(proximal, collated.old_logprobs, collated.response_mask)
-    parts: list = []
+    correction = _behaviour_correction(settings, settings.ppo_epochs * len(minis))
+    # π_prox is the weights before the batch's first update, at which that update's forward runs:
+    # its rows anchor on their own log-probs there, and only the other rows are scored beforehand
+    # (a forward over half the batch saved with two mini-batches, all of it with one).
+    rest = torch.as_tensor([row for rows in minis[1:] for row in rows], dtype=torch.long, device=device)
+    proximal = None
+    if correction is not None:
+        proximal = torch.zeros(collated.targets.shape, device=device)
+        if len(rest):
+            proximal[rest] = proximal_logprobs(model, collated.select(rest.tolist()), settings, parallel)
+    parts: list = []  # the first update's rollout mismatch, micro-batch by micro-batch
     history = []
     for _ in range(settings.ppo_epochs):
         for rows in minis:
-            index = torch.as_tensor(rows, device=collated.input_ids.device)
+            index = torch.as_tensor(rows, dtype=torch.long, device=device)
             part = collated if len(minis) == 1 else collated.select(rows)
-            prox = None if proximal is None else (proximal if len(minis) == 1 else proximal.index_select(0, index))
-            w = None if weights is None else (weights if len(minis) == 1 else weights.index_select(0, index))
-            history.append(_policy_update(model, optimizer, part, settings, reference_model, prox, w,
-                                          parts if proximal is None and not history else None, parallel))
-    if proximal is None:  # measured in the first update's forward, at the same weights
-        mismatch = _combine_mismatch(parts if parallel is None else [p for ps in parallel.gather(parts) for p in ps])
+            first = not history
+            prox = None if proximal is None or first else proximal.index_select(0, index)
+            metrics, own = _policy_update(model, optimizer, part, settings, reference_model, prox, correction,
+                                          parts if first else None, parallel)
+            if own is not None:
+                proximal.index_copy_(0, index, own)
+            history.append(metrics)
+    if parallel is not None:
+        parts = [p for ps in parallel.gather(parts) for p in ps]
+    if proximal is not None and len(rest):  # the other rows' mismatch, at the same weights
+        mask = collated.response_mask.index_select(0, rest)
+        parts.append((rollout_mismatch(proximal.index_select(0, rest), collated.old_logprobs.index_select(0, rest),
+                                       mask), float(mask.sum())))
     metrics = {k: float(np.mean([h.get(k, 0.0) for h in history])) for k in history[0]}
     for key in ("clip_fraction", "approx_kl"):
         metrics[f"{key}_first_update"], metrics[f"{key}_last_update"] = history[0][key], history[-1][key]
     metrics["skipped_updates"] = float(sum(h["skipped_updates"] for h in history))
-    return {**metrics, **mismatch, "policy_updates": updates, "tokens_trained": float(collated.response_mask.sum()),
-            "rows_trained": len(samples)}
+    return {**metrics, **_combine_mismatch(parts), "policy_updates": settings.ppo_epochs * len(minis),
+            "tokens_trained": float(collated.response_mask.sum()), "rows_trained": len(samples)}
 
 
 def _combine_mismatch(parts: list[tuple[dict[str, float], float]]) -> dict[str, float]:

@@ -18,6 +18,7 @@ from typing import Any
 from asyncrl import sharding
 from asyncrl.config import AlgorithmConfig, EngineConfig, ModelConfig, PolicyConfig
 from asyncrl.learning.policy import PolicyLossSettings, loss_settings, policy_step
+from asyncrl.learning.rows import adamw
 from asyncrl.learning.scoring import PolicyForward
 from asyncrl.models import bf16_pays, load_model, load_tokenizer
 from asyncrl.schema import TrainSample
@@ -40,7 +41,7 @@ class PolicyRank:
         self.model = PolicyForward(self.lm).eval()
         if parallel is not None:
             sharding.shard(self.model, self.lm, parallel)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
+        self.optimizer = adamw(self.model.parameters(), lr, weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0)
 
