@@ -29,15 +29,17 @@ def test_half_billion_model_shapes_without_allocating():
 
 def test_the_learner_benchmark_times_the_learners_own_step_in_each_precision():
     result = learner.run(quick=True)
-    assert {"cpu_fp32", "cpu_bf16", "precision"} <= set(result)
+    assert {"cpu_fp32", "cpu_bf16", "precision", "optimizer"} <= set(result)
+    optimizer = result["optimizer"]
+    assert optimizer["parameters"] > 0 and optimizer["adamw_default_s"] > 0 and optimizer["adamw_fused_s"] > 0
     for name, r in result.items():
-        if name != "precision":  # the steps' timings; "precision" is bf16 against fp32
+        if name not in ("precision", "optimizer"):  # the steps' timings; the others: bf16 against fp32, AdamW
             assert r["trained_tokens_per_s"] > 0 and r["policy_updates"] >= 1 and r["rounds"] == 2
     assert result["cpu_fp32"]["speedup_over_cpu_fp32"] == 1.0
     gap = result["precision"]
     assert gap["trained_tokens"] > 0 and 0 <= gap["logprob_gap_mean"] <= gap["logprob_gap_max"]
     assert 0.9 < gap["grad_cosine_bf16_fp32"] <= 1.0 + 1e-6  # bf16 autocast points the same way
-    assert "| cpu, bf16 |" in learner.report(result)
+    assert "| cpu, bf16 |" in learner.report(result) and "fused (the learners')" in learner.report(result)
 
 
 def test_mailbox_across_ray_msgspec_and_pickle(ray_session):

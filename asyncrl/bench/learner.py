@@ -1,7 +1,8 @@
 """Policy learner speed: trained tokens/s of the learner's own step (`PolicyRank.step`: log-probs,
 the algorithm's loss, backward, clip, AdamW) on a fixed synthetic batch, fp32 against bf16 autocast
 on the CPU and, on a machine with CUDA, on the GPU. Paired rounds (each variant once per round).
-Then how close bf16 is to fp32 on the model's own samples (`asyncrl.bench.learner_precision`).
+Then the optimizer's step alone, torch's default AdamW against the fused one the learners use, and
+how close bf16 is to fp32 on the model's own samples (`asyncrl.bench.learner_precision`).
 
 The batch: `rows` responses of `response` tokens after a `prompt`-token prompt, random token ids
 (the speed of a step does not depend on what the tokens say)."""
@@ -19,6 +20,7 @@ from asyncrl.bench.learner_precision import precision_gap
 from asyncrl.config import compose
 from asyncrl.learning.policy import loss_settings
 from asyncrl.learning.rank import PolicyRank
+from asyncrl.learning.rows import adamw
 from asyncrl.models import load_model, load_tokenizer
 from asyncrl.schema import (
     FinishReason,
@@ -43,6 +45,24 @@ def synthetic_batch(rows: int, prompt: int, response: int, vocab: int, seed: int
         out.append(TrainSample(segment=segment, score=float(i % 2), correct=bool(i % 2),
                                advantages=float32_array(rng.normal(size=response))))
     return out
+
+
+def optimizer_seconds(model, rounds: int) -> dict:
+    """AdamW's step over `model`'s parameters (random gradients): torch's default implementation
+    against the fused one every learner uses (`asyncrl.learning.rows.adamw`), paired rounds."""
+    parameters = list(model.parameters())
+    for parameter in parameters:
+        parameter.grad = torch.randn_like(parameter)
+    variants = {"adamw_default": torch.optim.AdamW(parameters, lr=1e-6), "adamw_fused": adamw(parameters, 1e-6, 0.0)}
+    seconds: dict[str, list[float]] = {name: [] for name in variants}
+    for round_ in range(rounds + 1):  # round 0 allocates the states
+        for name, optimizer in variants.items():
+            start = time.perf_counter()
+            optimizer.step()
+            if round_:
+                seconds[name].append(time.perf_counter() - start)
+    return {"parameters": sum(p.numel() for p in parameters),
+            **{f"{name}_s": statistics.median(s) for name, s in seconds.items()}}
 
 
 def run(quick: bool = False, overrides: list[str] | None = None) -> dict:
@@ -75,11 +95,12 @@ def run(quick: bool = False, overrides: list[str] | None = None) -> dict:
     tokens = rows * response
     base = statistics.median(seconds[("cpu", "fp32")])
     del ranks  # their models and Adam states: the precision check loads its own
+    optimizer = optimizer_seconds(load_model(config.model, tokenizer), rounds)
     torch.manual_seed(0)
     lm = load_model(config.model, tokenizer)
     gap = precision_gap(config, lm, tokenizer, loss_settings(config.algorithm, config.policy, config.engine),
                         *((8, 16) if quick else (16, 64)))
-    return {"precision": gap, **{f"{device}_{precision}": {
+    return {"precision": gap, "optimizer": optimizer, **{f"{device}_{precision}": {
         "seconds_per_step_median": statistics.median(s), "trained_tokens_per_s": tokens / statistics.median(s),
         "speedup_over_cpu_fp32": base / statistics.median(s), "rows": rows, "prompt_tokens": prompt,
         "response_tokens": response, "rounds": rounds, "policy_updates": metrics["policy_updates"],
@@ -90,9 +111,12 @@ def run(quick: bool = False, overrides: list[str] | None = None) -> dict:
 def report(result: dict) -> str:
     lines = ["| device, precision | s / step | trained tokens/s | vs CPU fp32 |", "|---|---|---|---|"]
     for name, r in result.items():
-        if name != "precision":
+        if name not in ("precision", "optimizer"):
             lines.append(f"| {name.replace('_', ', ')} | {r['seconds_per_step_median']:.2f} | "
                          f"{r['trained_tokens_per_s']:.0f} | {r['speedup_over_cpu_fp32']:.2f}x |")
+    o = result["optimizer"]
+    lines.append(f"AdamW step over {o['parameters'] / 1e6:.1f}M parameters: default {o['adamw_default_s'] * 1e3:.1f} ms, "
+                 f"fused (the learners') {o['adamw_fused_s'] * 1e3:.1f} ms")
     g = result["precision"]
     lines += [f"bf16 autocast against fp32 on {g['rows']} sampled responses ({g['trained_tokens']} trained tokens):",
               f"  log-prob gap mean {g['logprob_gap_mean']:.4f}, p99 {g['logprob_gap_p99']:.4f}, max {g['logprob_gap_max']:.4f}",
