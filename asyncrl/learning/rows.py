@@ -182,7 +182,7 @@ def length_sorted_chunks(rows: list[tuple[np.ndarray, np.ndarray]], max_tokens: 
 
 
 def adamw(parameters, lr: float, weight_decay: float) -> torch.optim.AdamW:
-    """The learners' optimizer: AdamW, fused (one kernel over every parameter: 0.19 s against 0.63 s
+    """The learners' optimizer: AdamW, fused (one kernel over every parameter: 0.16 s against 0.65 s
     a step for the embedded model's 135M fp32 parameters on one CPU thread) where the parameters are
     plain tensors; FSDP2's sharded ones (DTensors) take the default implementation."""
     parameters = list(parameters)
