@@ -496,9 +496,17 @@ def test_the_generator_pool_scales_1_3_1_by_the_admin_route_while_it_trains(apps
             time.sleep(1.0)
         assert len(status["pool"]["generators"]) == count and status["pool"]["target"] == count, status["pool"]
     assert status["step"] > start, status  # it trained throughout
-    # Within the bound, plus one: the status reads the learner and then the generators, and the
-    # learner may take a step in between (as tests/test_pool.py allows).
-    assert len(seen) >= 3 and all(d >= w - bound - 1 for views in seen.values() for d, w in views), seen
+    # The hard bound holds at the step: no trained token is staler than `bound` (the learner masks
+    # the others). A generator's delivered version may trail the learner's by the admission budget
+    # (`bound`: prompts are admitted for versions the generators hold), plus the batches assembled
+    # before it fell behind (the batches mailbox holds 2), plus one for the status reading the learner
+    # and the generators at different moments. On a loaded machine the last two happen (CI,
+    # 2026-11-25: a lag above bound + 1 at ~4 versions a second).
+    records = httpx.get(f"{apps}/train/metrics", timeout=30).json()
+    staleness = [r["staleness_max"] for r in records if "staleness_max" in r]
+    assert staleness and max(staleness) <= bound, staleness
+    behind = {gid: [(d, w) for d, w in views if d < w - bound - 2 - 1] for gid, views in seen.items()}
+    assert len(seen) >= 3 and not any(behind.values()), (behind, seen)
     events = [e["event"] for e in status["pool"]["events"]]
     assert events.count("joined") >= 2 and events.count("left") >= 2, status["pool"]["events"]
     assert {e["reason"] for e in status["pool"]["events"]} >= {"admin route", "serve deploy (user_config)"}, status["pool"]
