@@ -3,8 +3,10 @@
 Each turn advances every in-flight sequence by at most one window. Unfinished sequences continue
 next turn and have priority; new prompts fill freed slots (a prompt's G samples are admitted
 together). Every token is tagged with the weight version that produced it. Weight updates are
-applied between windows, or at once where the engine takes them while windows run
-(`Engine.updates_mid_window`: SGLang, which reports each token's version).
+applied between windows: at once when no window runs (an idle generator waiting for prompts must
+not hold the version that would admit them), else when the window ends; or at once where the
+engine takes them while windows run (`Engine.updates_mid_window`: SGLang, which reports each
+token's version).
 
 A `PromptRequest` is acknowledged only when all of its samples (G, or those it names) have emitted their final
 segment, so a generator that dies mid-prompt loses nothing: the lease expires, another generator
@@ -14,6 +16,7 @@ regenerates the prompt with the same seeds, and the assembler drops segment ids 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -88,12 +91,14 @@ class Generator:
         self.parked: list[_Parked] = []  # episodes waiting for an observation (they hold their slot)
         self.samples_left: dict[str, int] = {}  # prompt id -> samples not yet finished
         self._pending_update: tuple[Delivery, object, asyncio.Future] | None = None
+        self._engine_lock = asyncio.Lock()  # held by a window and by a weight load: never both at once
         self.weight_group: WeightGroup | None = None  # the distributed path, when this generator is on another host
         self._emitting: asyncio.Future | None = None  # the previous window's segments being sent
         self._last_group_size = 1  # samples of the last prompt taken (admission asks when it fits)
         self._running = False
         self._loop_ended: asyncio.Event | None = None  # set once run() has sent its last emission
         self._admitting = True  # False once draining: in-flight sequences finish, nothing new starts
+        self.idle_wait_s = 0.2  # an idle generator's wait for a prompt, per mailbox call (then its loop turns)
         self._started = time.monotonic()
         # admit_s: taking prompts while sequences are running; prepare_s: building a window's inputs
         # and turning its outputs into segments (the generator's own work between windows).
@@ -114,7 +119,10 @@ class Generator:
             start = time.perf_counter()
             await asyncio.to_thread(transport.load, self.engine, delivery, payload, self.weight_group)
             return time.perf_counter() - start
-        if self.engine.updates_mid_window:
+        if self.engine.updates_mid_window or not self._engine_lock.locked():
+            # No window runs (the lock is taken below without yielding): the next one waits for
+            # this load. An idle generator would otherwise hold the version until a prompt came,
+            # and the prompts come only once every generator holds it (the admission budget).
             return await self._load(delivery, payload)
         future = asyncio.get_running_loop().create_future()
         self._pending_update = (delivery, payload, future)
@@ -134,7 +142,9 @@ class Generator:
 
     async def _load(self, delivery: Delivery, payload) -> float:
         start = time.perf_counter()
-        await asyncio.to_thread(transport.load, self.engine, delivery, payload, self.weight_group)
+        # An engine that updates mid-window loads beside the window it runs.
+        async with contextlib.nullcontext() if self.engine.updates_mid_window else self._engine_lock:
+            await asyncio.to_thread(transport.load, self.engine, delivery, payload, self.weight_group)
         paused = time.perf_counter() - start
         self.timing["weight_update_s"] += paused
         self.counters["weight_updates"] += 1
@@ -143,30 +153,36 @@ class Generator:
     # --- the loop --------------------------------------------------------------------------------
 
     async def _admit(self) -> None:
-        """Fill free slots with whole prompts (all G samples together). A prompt that does not fit
-        goes back to the mailbox; the cap is exceeded only by a lone group larger than the cap."""
+        """Fill free slots with whole prompts (all G samples together), as many as fit in one
+        mailbox call. A prompt that does not fit goes back to the mailbox; the cap is exceeded
+        only by a lone group larger than the cap."""
         while self._admitting and self.held < self.max_inflight:
+            free = self.max_inflight - self.held
             # Ask only when the last prompt's group would fit: a prompt that does not fit costs a
             # get and a nack (two mailbox round trips) for nothing, every window.
-            if self.held and self.held + self._last_group_size > self.max_inflight:
+            if self.held and self._last_group_size > free:
                 return
+            asked = max(1, free // self._last_group_size)
             # Wait for prompts only when idle; otherwise take what is there without blocking.
             start = time.perf_counter()
-            requests = await self.prompts.get(1, timeout=0.0 if self.held else 0.2, consumer=self.generator_id)
+            requests = await self.prompts.get(asked, timeout=0.0 if self.held else self.idle_wait_s, consumer=self.generator_id)
             if not self.held:
                 self.timing["wait_prompts_s"] += time.perf_counter() - start
-            if not requests:
+            returned = []
+            for request in requests:
+                samples = request.samples
+                self._last_group_size = len(samples)
+                if returned or (self.held and self.held + len(samples) > self.max_inflight):
+                    returned.append(request.prompt_id)
+                    continue
+                self.samples_left[request.prompt_id] = len(samples)
+                self.inflight += [_Sequence(request, i, min_response_tokens=long_tail_min_tokens(request.seed + i, *self.long_tail))
+                                  for i in samples]
+                self.counters["prompts_admitted"] += 1
+            if returned:
+                await self.prompts.nack(returned)
+            if returned or len(requests) < asked:  # full, or the mailbox had no more just now
                 return
-            request = requests[0]
-            samples = request.samples
-            self._last_group_size = len(samples)
-            if self.held and self.held + len(samples) > self.max_inflight:
-                await self.prompts.nack([request.prompt_id])
-                return
-            self.samples_left[request.prompt_id] = len(samples)
-            self.inflight += [_Sequence(request, i, min_response_tokens=long_tail_min_tokens(request.seed + i, *self.long_tail))
-                              for i in samples]
-            self.counters["prompts_admitted"] += 1
 
     @property
     def held(self) -> int:
@@ -207,10 +223,11 @@ class Generator:
         inputs = [sequence_input(s.request.prompt_token_ids, s.request.seed + s.sample_idx, self.max_response_tokens,
                                  s.response_ids, s.min_response_tokens, key=sample_id(s.request.prompt_id, s.sample_idx))
                   for s in batch]
-        version = self.engine.weight_version
         self.timing["prepare_s"] += time.perf_counter() - start
-        start = time.perf_counter()
-        outputs = await self.engine.generate_window(inputs, self.window_tokens, self.params)
+        async with self._engine_lock:
+            start = time.perf_counter()
+            version = self.engine.weight_version
+            outputs = await self.engine.generate_window(inputs, self.window_tokens, self.params)
         self.timing["generate_s"] += time.perf_counter() - start
         self.counters["windows"] += 1
         start = time.perf_counter()

@@ -217,14 +217,22 @@ class PromptSource:
                 await self.out.put([self.reissue[0]])
                 self.reissue.popleft()
                 continue
-            if self.issued >= self.budget or (self.max_prompts and self.issued >= self.max_prompts):
+            requests = self._admissible()
+            if requests:
+                await self.out.put(requests)
+            else:  # no budget, or every prompt is retired: wait for a verdict, or a new version
                 await self._wait_for_budget()
-                continue
+
+    def _admissible(self) -> list[PromptRequest]:
+        """The prompts the budget allows now, at most one step's (one mailbox call for them)."""
+        requests = []
+        while (len(requests) < self.prompts_per_step and self.issued < self.budget
+               and not (self.max_prompts and self.issued >= self.max_prompts)):
             request = self.next_request()
-            if request is None:  # every prompt is retired: wait for a verdict, or a new version
-                await self._wait_for_budget()
-                continue
-            await self.out.put([request])
+            if request is None:
+                break
+            requests.append(request)
+        return requests
 
     def stop(self) -> None:
         self._running = False

@@ -12,6 +12,7 @@ from asyncrl.mailbox import InProcessMailbox
 from asyncrl.config import ModelConfig
 from asyncrl.models import build_tiny_model, build_tiny_tokenizer
 from asyncrl.schema import FinishReason, PromptRequest, int32_array
+from asyncrl.weight_sync import Delivery, SharedSlots
 
 
 def make_generator(window=3, max_tokens=8, max_windows=0, max_inflight=4):
@@ -93,6 +94,43 @@ def test_a_generator_drained_while_it_holds_sequences_finishes_them_and_its_loop
     assert seen["held_at_drain"] == 4 and seen["drained"]["prompts_handed_back"] == 0 and seen["loop_done_at_return"]
     assert len(seen["finished"]) == 4  # 2 prompts x G=2, each finished once
     assert seen["prompts"].acked_total == 2 and seen["prompts"].leased == 0
+
+
+def test_an_idle_generator_loads_a_delivered_version_at_once():
+    """A generator waiting for prompts loads a version delivered to it at once, not when its wait
+    ends: the prompts it waits for are admitted only once every generator holds the newest version
+    (the admission budget), so holding the version until a prompt came stalled the run (the tiny
+    task waited for the end of each 0.2 s wait). The next window runs on the loaded version."""
+    seen = {}
+
+    async def main():
+        gen, prompts, segments = make_generator(window=3, max_tokens=6)
+        gen.idle_wait_s = 600.0  # its wait for a prompt outlasts the test
+        loop = asyncio.ensure_future(gen.run())
+        while not gen._running:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.05)  # in its wait for a prompt
+        version = gen.engine.weight_version + 1
+        newer = build_tiny_model(ModelConfig(source="tiny", seed=2), len(build_tiny_tokenizer()))
+        delivery = gen.receive_weights(Delivery(version, "shm"), SharedSlots().write(newer.named_parameters()))
+        try:
+            await asyncio.wait_for(delivery, 30.0)
+        except asyncio.TimeoutError:
+            seen["timed_out"] = True
+        seen["version"] = (gen.engine.weight_version, version)
+        seen["waits_ended"] = gen.timing["wait_prompts_s"]  # 0 while the first wait has not ended
+        await prompts.put([request(0)])
+        got = await segments.get(10, timeout=30.0)
+        seen["token_versions"] = {int(v) for seg in got for v in seg.new_versions}
+        loop.cancel()
+
+    thread = threading.Thread(target=asyncio.run, args=(main(),), daemon=True)
+    thread.start()
+    thread.join(120)
+    assert not thread.is_alive() and "timed_out" not in seen, f"the version was not loaded while idle: {seen}"
+    version = seen["version"][1]
+    assert seen["version"] == (version, version) and seen["waits_ended"] == 0.0
+    assert seen["token_versions"] == {version}
 
 
 def test_max_windows_finishes_a_response():
