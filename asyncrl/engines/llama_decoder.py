@@ -61,6 +61,9 @@ class LlamaDecoder:
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        # A bool, not compared per call: traced by torch.compile with dynamic shapes, the comparison
+        # of two int attributes is symbolic, and SDPA's `enable_gqa` takes only a real bool.
+        self.grouped_query = self.kv_heads != self.heads
 
     @property
     def layers(self) -> int:
@@ -112,7 +115,7 @@ class LlamaDecoder:
         kv[0, rows, :, start:end] = k
         kv[1, rows, :, start:end] = v
         out = F.scaled_dot_product_attention(q, kv[0, rows, :, :end], kv[1, rows, :, :end], attn_mask=mask,
-                                             enable_gqa=self.kv_heads != self.heads)
+                                             enable_gqa=self.grouped_query)
         hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(b, width, self.heads * self.head_dim))
         mlp = layer.mlp
         x = _rms_norm(hidden, layer.post_attention_layernorm)
