@@ -8,6 +8,9 @@ weight version would mean compiling again). Each variant decodes `--tokens` toke
 the figure is the median of the second half (the first three calls compile). Prints one table, all variants of one run side by side.
 
     python load_tests/engine_compile.py [--batches 1 16 64] [--context 128] [--tokens 24]
+
+On 2 cores compiling the embedded model takes 2-4 minutes a batch size and variant: ~35 minutes in
+all (`--batches 1` alone: ~5). `--model tiny` checks the script in seconds.
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ import time
 import torch
 
 
-def decode_seconds(decoder, forward, batch: int, context: int, tokens: int) -> tuple[float, float]:
+def decode_seconds(decoder, forward, batch: int, context: int, tokens: int) -> tuple[float, float, torch.Tensor]:
     """(the first three decode calls' seconds: compiling, and compiling again once the width is
-    seen to change; the median decode step of the second half)."""
+    seen to change; the median decode step of the second half; the last step's logits). The
+    tokens are the same for every variant, so the logits compare."""
     block = decoder.new_block(batch, context + tokens)
     block.valid[:, :context] = True
     rows = slice(0, batch)
@@ -36,9 +40,50 @@ def decode_seconds(decoder, forward, batch: int, context: int, tokens: int) -> t
             block.valid[:, column] = True
             token = torch.randint(0, vocab, (batch, 1), generator=generator)
             start = time.perf_counter()
-            forward(token, torch.full((batch, 1), column), block, rows, column)
+            logits = forward(token, torch.full((batch, 1), column), block, rows, column)
             times.append(time.perf_counter() - start)
-    return sum(times[:3]), statistics.median(times[len(times) // 2:])
+    return sum(times[:3]), statistics.median(times[len(times) // 2:]), logits
+
+
+def measure(model_preset: str, batches: list[int], context: int, tokens: int) -> dict:
+    """{(variant, batch): (compiling s, decode step s, max |logit - eager logit|)}."""
+    import torch._dynamo
+    import torch._inductor.config as inductor
+
+    from asyncrl.config import compose
+    from asyncrl.engines.llama_decoder import LlamaDecoder
+    from asyncrl.models import load_policy
+
+    torch.set_num_threads(1)  # as a generator runs (engine.threads)
+    model, _ = load_policy(compose([f"model={model_preset}"]).model)
+    decoder = LlamaDecoder(model.to(torch.bfloat16).eval())
+    rows, eager_logits = {}, {}
+    for variant in VARIANTS:
+        inductor.freezing = variant.endswith("weights")
+        for batch in batches:
+            torch._dynamo.reset()  # each batch compiles afresh (and within dynamo's recompile limit)
+            forward = decoder.forward if variant == "eager" else torch.compile(decoder.forward, dynamic=True)
+            first, step, logits = decode_seconds(decoder, forward, batch, context, tokens)
+            eager_logits.setdefault(batch, logits)
+            rows[variant, batch] = (first, step, float((logits - eager_logits[batch]).abs().max()))
+            print(f"{variant}, batch {batch}: first three calls {first:.1f} s, decode step {step * 1e3:.1f} ms, "
+                  f"logits within {rows[variant, batch][2]:.3g} of eager", flush=True)
+    inductor.freezing = False
+    return rows
+
+
+def report(rows: dict, batches: list[int]) -> str:
+    lines = ["| batch | eager ms/token step | compiled | compiled, frozen weights | first three calls (compiling): compiled, frozen |",
+             "|---|---|---|---|---|"]
+    for batch in batches:
+        eager = rows["eager", batch][1]
+        cells = [f"{rows[v, batch][1] * 1e3:.1f} ({eager / rows[v, batch][1]:.2f}x)" for v in VARIANTS[1:]]
+        lines.append(f"| {batch} | {eager * 1e3:.1f} | {cells[0]} | {cells[1]} | "
+                     f"{rows[VARIANTS[1], batch][0]:.1f} s, {rows[VARIANTS[2], batch][0]:.1f} s |")
+    return "\n".join(lines)
+
+
+VARIANTS = ("eager", "compiled", "compiled, frozen weights")
 
 
 def main() -> None:
@@ -50,34 +95,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.tokens < 8:
         parser.error("--tokens must be at least 8 (three calls compile; the median is over the second half)")
-
-    import torch._dynamo
-    import torch._inductor.config as inductor
-
-    from asyncrl.config import compose
-    from asyncrl.engines.llama_decoder import LlamaDecoder
-    from asyncrl.models import load_policy
-
-    torch.set_num_threads(1)  # as a generator runs (engine.threads)
-    model, _ = load_policy(compose([f"model={args.model}"]).model)
-    decoder = LlamaDecoder(model.to(torch.bfloat16).eval())
-    rows = {}
-    for variant in ("eager", "compiled", "compiled, frozen weights"):
-        inductor.freezing = variant.endswith("weights")
-        for batch in args.batches:
-            torch._dynamo.reset()  # each batch compiles afresh (and within dynamo's recompile limit)
-            forward = decoder.forward if variant == "eager" else torch.compile(decoder.forward, dynamic=True)
-            first, step = decode_seconds(decoder, forward, batch, args.context, args.tokens)
-            rows[variant, batch] = (first, step)
-            print(f"{variant}, batch {batch}: first three calls {first:.1f} s, decode step {step * 1e3:.1f} ms", flush=True)
-    print("\n| batch | eager ms/token step | compiled | compiled, frozen weights | first three calls (compiling): compiled, frozen |")
-    print("|---|---|---|---|---|")
-    for batch in args.batches:
-        eager = rows["eager", batch][1]
-        cells = [f"{rows[v, batch][1] * 1e3:.1f} ({eager / rows[v, batch][1]:.2f}x)"
-                 for v in ("compiled", "compiled, frozen weights")]
-        print(f"| {batch} | {eager * 1e3:.1f} | {cells[0]} | {cells[1]} | "
-              f"{rows['compiled', batch][0]:.1f} s, {rows['compiled, frozen weights', batch][0]:.1f} s |")
+    rows = measure(args.model, args.batches, args.context, args.tokens)
+    print()
+    print(report(rows, args.batches))
 
 
 if __name__ == "__main__":

@@ -49,3 +49,19 @@ def test_mailbox_across_ray_msgspec_and_pickle(ray_session):
         assert row[key] > 0
     assert row["segment_bytes"] > 256 * 4 and row["ray_ratio_msgspec_over_pickle_median"] > 0
     assert "256 tokens" in mailbox.report(result)
+
+
+def test_the_compile_benchmark_times_the_engines_own_decode_step_eager_and_compiled():
+    """`load_tests/engine_compile.py` on the tiny model: every variant decodes the same tokens to
+    the same logits (a compiled step that computed something else would not be a comparison)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "load_tests"))
+    import engine_compile
+
+    rows = engine_compile.measure("tiny", [2], context=16, tokens=8)
+    assert set(rows) == {(variant, 2) for variant in engine_compile.VARIANTS}
+    for compiling_s, step_s, logit_gap in rows.values():
+        assert compiling_s > 0 and step_s > 0 and logit_gap < 0.05  # bf16 logits of a tiny random model
+    assert "| 2 |" in engine_compile.report(rows, [2])
