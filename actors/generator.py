@@ -94,7 +94,8 @@ class Generator:
         self._engine_lock = asyncio.Lock()  # held by a window and by a weight load: never both at once
         self.weight_group: WeightGroup | None = None  # the distributed path, when this generator is on another host
         self._emitting: asyncio.Future | None = None  # the previous window's segments being sent
-        self._last_group_size = 1  # samples of the last prompt taken (admission asks when it fits)
+        # Samples of the last prompt taken (admission asks for as many as fit); none yet: ask for one.
+        self._last_group_size = max_inflight
         self._running = False
         self._loop_ended: asyncio.Event | None = None  # set once run() has sent its last emission
         self._admitting = True  # False once draining: in-flight sequences finish, nothing new starts
@@ -117,11 +118,11 @@ class Generator:
         generation paused for it."""
         if not self._running:  # joining the pool (its loop starts after this) or stopped: load now
             start = time.perf_counter()
-            await asyncio.to_thread(transport.load, self.engine, delivery, payload, self.weight_group)
+            async with self._engine_lock:  # stopped: after the last window, if it still runs
+                await asyncio.to_thread(transport.load, self.engine, delivery, payload, self.weight_group)
             return time.perf_counter() - start
         if self.engine.updates_mid_window or not self._engine_lock.locked():
-            # No window runs (the lock is taken below without yielding): the next one waits for
-            # this load. An idle generator would otherwise hold the version until a prompt came,
+            # No window runs: the next one waits for this load (the lock's waiters go in turn). An idle generator would otherwise hold the version until a prompt came,
             # and the prompts come only once every generator holds it (the admission budget).
             return await self._load(delivery, payload)
         future = asyncio.get_running_loop().create_future()

@@ -228,6 +228,8 @@ class AsyncMailboxBase(Generic[T]):
                     if result is not None:
                         accepted += int(result)
                         break
+                    # Full: the items placed so far are visible to the waiting getters first.
+                    self._changed.notify_all()
                     await self._wait(deadline, what="put")
             self._changed.notify_all()
         return accepted

@@ -58,17 +58,20 @@ def measure(model_preset: str, batches: list[int], context: int, tokens: int) ->
     model, _ = load_policy(compose([f"model={model_preset}"]).model)
     decoder = LlamaDecoder(model.to(torch.bfloat16).eval())
     rows, eager_logits = {}, {}
-    for variant in VARIANTS:
-        inductor.freezing = variant.endswith("weights")
-        for batch in batches:
-            torch._dynamo.reset()  # each batch compiles afresh (and within dynamo's recompile limit)
-            forward = decoder.forward if variant == "eager" else torch.compile(decoder.forward, dynamic=True)
-            first, step, logits = decode_seconds(decoder, forward, batch, context, tokens)
-            eager_logits.setdefault(batch, logits)
-            rows[variant, batch] = (first, step, float((logits - eager_logits[batch]).abs().max()))
-            print(f"{variant}, batch {batch}: first three calls {first:.1f} s, decode step {step * 1e3:.1f} ms, "
-                  f"logits within {rows[variant, batch][2]:.3g} of eager", flush=True)
-    inductor.freezing = False
+    try:
+        for variant in VARIANTS:
+            inductor.freezing = variant.endswith("weights")
+            for batch in batches:
+                torch._dynamo.reset()  # each batch compiles afresh (and within dynamo's recompile limit)
+                forward = decoder.forward if variant == "eager" else torch.compile(decoder.forward, dynamic=True)
+                first, step, logits = decode_seconds(decoder, forward, batch, context, tokens)
+                eager_logits.setdefault(batch, logits)
+                rows[variant, batch] = (first, step, float((logits - eager_logits[batch]).abs().max()))
+                print(f"{variant}, batch {batch}: first three calls {first:.1f} s, decode step {step * 1e3:.1f} ms, "
+                      f"logits within {rows[variant, batch][2]:.3g} of eager", flush=True)
+    finally:
+        inductor.freezing = False
+        torch._dynamo.reset()
     return rows
 
 

@@ -79,6 +79,26 @@ def test_backpressure_put_waits_until_ack():
     run(main())
 
 
+def test_a_put_blocked_by_a_full_mailbox_shows_what_it_placed_to_a_waiting_getter():
+    """A put of several messages that fills the mailbox partway waits for room; the messages it
+    placed before waiting reach a getter already waiting (it would otherwise wait for the whole
+    put, which waits for an ack that may come only after the getter's work)."""
+
+    async def main():
+        box = InProcessMailbox(capacity=3, lease_s=60)
+        await box.put(msgs(1, 2))
+        assert [m.msg_id for m in await box.get(2)] == ["1", "2"]  # leased: one slot left
+        waiting = asyncio.ensure_future(box.get(5, timeout=10.0))
+        await asyncio.sleep(0.01)
+        putting = asyncio.ensure_future(box.put(msgs(3, 4)))  # "3" fills the box; "4" waits for room
+        got = await asyncio.wait_for(waiting, 5.0)
+        assert [m.msg_id for m in got] == ["3"] and not putting.done()
+        await box.ack(["1"])
+        assert await asyncio.wait_for(putting, 5.0) == 2
+
+    run(main())
+
+
 def test_killed_consumer_messages_come_back():
     async def main():
         box = InProcessMailbox(capacity=10, lease_s=0.2)
