@@ -118,12 +118,12 @@ class Generator:
         generation paused for it."""
         if not self._running:  # joining the pool (its loop starts after this) or stopped: load now
             start = time.perf_counter()
-            async with self._engine_lock:  # stopped: after the last window, if it still runs
-                await asyncio.to_thread(transport.load, self.engine, delivery, payload, self.weight_group)
+            await self._load_engine(delivery, payload)  # stopped: after a last window still running
             return time.perf_counter() - start
         if self.engine.updates_mid_window or not self._engine_lock.locked():
-            # No window runs: the next one waits for this load (the lock's waiters go in turn). An idle generator would otherwise hold the version until a prompt came,
-            # and the prompts come only once every generator holds it (the admission budget).
+            # No window runs: the next one waits for this load (the lock's waiters go in turn). An
+            # idle generator would otherwise hold the version until a prompt came, and the prompts
+            # come only once every generator holds it (the admission budget).
             return await self._load(delivery, payload)
         future = asyncio.get_running_loop().create_future()
         self._pending_update = (delivery, payload, future)
@@ -141,11 +141,14 @@ class Generator:
             raise
         future.set_result(paused)
 
-    async def _load(self, delivery: Delivery, payload) -> float:
-        start = time.perf_counter()
-        # An engine that updates mid-window loads beside the window it runs.
+    async def _load_engine(self, delivery: Delivery, payload) -> None:
+        # An engine that updates mid-window loads beside the window it runs; the others between two.
         async with contextlib.nullcontext() if self.engine.updates_mid_window else self._engine_lock:
             await asyncio.to_thread(transport.load, self.engine, delivery, payload, self.weight_group)
+
+    async def _load(self, delivery: Delivery, payload) -> float:
+        start = time.perf_counter()
+        await self._load_engine(delivery, payload)
         paused = time.perf_counter() - start
         self.timing["weight_update_s"] += paused
         self.counters["weight_updates"] += 1

@@ -67,6 +67,22 @@ def test_continuations_have_priority_and_inflight_is_capped():
     asyncio.run(main())
 
 
+def test_prompts_taken_together_that_do_not_fit_go_back_to_the_mailbox():
+    """Admission asks for as many prompts as the last group size says fit, in one call; a prompt
+    of another size that does not fit goes back (nacked, first in line), with every one after it."""
+
+    async def main():
+        gen, prompts, _ = make_generator(max_inflight=4)
+        await prompts.put([request(0, G=1), request(1, G=3), request(2, G=3), request(3, G=1)])
+        await gen._admit()  # asks for 1 (no group size known), then for 3 (1 + 3 + 3 > 4)
+        assert sorted(gen.samples_left) == ["p0", "p1"] and gen.held == 4
+        stats = await prompts.stats()
+        assert stats.leased == 2 and stats.queued == 2
+        assert [r.prompt_id for r in await prompts.get(5, timeout=0.1)] == ["p2", "p3"]  # order kept
+
+    asyncio.run(main())
+
+
 def test_a_generator_drained_while_it_holds_sequences_finishes_them_and_its_loop_ends():
     """drain() while the run loop holds sequences: they finish, every sample is sent and every
     prompt acknowledged, nothing is handed back, and the loop ends. (A drained loop with nothing
@@ -112,11 +128,14 @@ def test_an_idle_generator_loads_a_delivered_version_at_once():
         await asyncio.sleep(0.05)  # in its wait for a prompt
         version = gen.engine.weight_version + 1
         newer = build_tiny_model(ModelConfig(source="tiny", seed=2), len(build_tiny_tokenizer()))
-        delivery = gen.receive_weights(Delivery(version, "shm"), SharedSlots().write(newer.named_parameters()))
+        slots = SharedSlots()
+        delivery = gen.receive_weights(Delivery(version, "shm"), slots.write(newer.named_parameters()))
         try:
             await asyncio.wait_for(delivery, 30.0)
         except asyncio.TimeoutError:
             seen["timed_out"] = True
+        finally:
+            slots.close()
         seen["version"] = (gen.engine.weight_version, version)
         seen["waits_ended"] = gen.timing["wait_prompts_s"]  # 0 while the first wait has not ended
         await prompts.put([request(0)])
