@@ -6,9 +6,9 @@ retries what it was answering; `reconfigure` swaps its settings while the run tr
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from typing import Any
 
+import msgspec
 import ray
 
 from asyncrl.config import EnvironmentConfig
@@ -18,7 +18,7 @@ from asyncrl.environments.tools import Episode, build_environment
 
 class EnvironmentEndpoint:
     def __init__(self, config: dict):
-        self.config = EnvironmentConfig(**config)
+        self.config = msgspec.convert(config, EnvironmentConfig)
         self.environment = build_environment(self.config)
         self.calls = self.errors = 0
         self.fault_delay_s = 0.0  # load tests: a slow or hung environment
@@ -38,7 +38,7 @@ class EnvironmentEndpoint:
         """New settings (a field of `EnvironmentConfig`, or `fault_delay_s`), in place."""
         self.fault_delay_s = float(changes.pop("fault_delay_s", self.fault_delay_s))
         if changes:
-            self.config = dataclasses.replace(self.config, **changes)
+            self.config = msgspec.convert({**msgspec.to_builtins(self.config), **changes}, EnvironmentConfig)
             self.environment = build_environment(self.config)
         return self.stats()
 
@@ -49,4 +49,4 @@ class EnvironmentEndpoint:
 def environment_actor(config: EnvironmentConfig, placement: dict | None = None) -> Any:
     return ray.remote(EnvironmentEndpoint).options(num_cpus=0, max_concurrency=64, max_restarts=-1,
                                                    max_task_retries=3, **(placement or {})).remote(
-        dataclasses.asdict(config))
+        msgspec.to_builtins(config))

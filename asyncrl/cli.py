@@ -26,7 +26,7 @@ def _generate(args: argparse.Namespace) -> int:
           f"in {time.perf_counter() - start:.1f}s")
     examples = load_examples(config.task.name, "eval", args.n, config.task.seed, config.task.eval_path)[: args.n]
     prompts = [encode_prompt(ex, tokenizer, config.model.use_chat_template) for ex in examples]
-    params = SamplingParams(temperature=config.engine.temperature, top_p=config.engine.top_p, top_k=config.engine.top_k)
+    params = SamplingParams.of(config.sampling)
     start = time.perf_counter()
     completions = complete(engine, tokenizer, prompts, [config.trainer.seed + i for i in range(len(prompts))],
                            config.engine.max_response_tokens, params, batch_size=len(prompts))
@@ -154,8 +154,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                            formatter_class=argparse.RawDescriptionHelpFormatter,
                            description="Train for trainer.total_steps and exit (Ctrl-C stops cleanly, checkpointed).")
     train.add_argument("-h", "--help", action=_TrainHelp, help="show this help, every config group and field, and exit")
+    train.add_argument("--config-dir", default=None,
+                       help="a directory of your own recipes, searched before asyncrl's (whose groups stay available)")
+    train.add_argument("--config-name", default="config", help="the primary recipe (a YAML of --config-dir)")
+    train.add_argument("--cfg", action="store_true", help="print the composed config as YAML and exit")
     train.add_argument("overrides", nargs="*", help="Hydra overrides: group=option, section.field=value (listed below)")
-    train.set_defaults(func=lambda a: __import__("asyncrl.driver", fromlist=["x"]).train_cli(a.overrides))
+    train.set_defaults(func=lambda a: __import__("asyncrl.driver", fromlist=["x"]).train_cli(
+        a.overrides, a.config_dir, a.config_name, a.cfg))
 
     ev = sub.add_parser("eval", help="pass@1 and pass@k on held-out prompts (a checkpoint, the model, or a live endpoint)")
     ev.add_argument("--checkpoint", default="", help="a run directory, an asyncrl checkpoint or a Hugging Face directory")

@@ -160,7 +160,7 @@ def sample_endpoint(url: str, model: str, examples: list[Example], n: int, tempe
 def score(examples: list[Example], texts: list[list[str]]) -> list[list[bool]]:
     """Each response checked against its example's answer (sample j of a task with an answer per
     episode: the episode's, `episode_truth`)."""
-    from asyncrl.environments.tools import episode_truth
+    from asyncrl.rewards.verifiers import episode_truth
 
     return [[score_response(ex.data_source, t, episode_truth(ex.ground_truth, ex.prompt_id, j), "zero_one")[1]
              for j, t in enumerate(samples)] for ex, samples in zip(examples, texts)]

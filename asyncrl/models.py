@@ -49,7 +49,7 @@ BF16_MIN_PARAMETERS = 10_000_000
 
 
 def bf16_pays(model: torch.nn.Module, device: str) -> bool:
-    """The `auto` rule of `engine.dtype` and `policy.precision`: bfloat16 where it is native and
+    """The `auto` rule of `engine.dtype` and `policy.compute.precision`: bfloat16 where it is native and
     the model has at least `BF16_MIN_PARAMETERS` parameters."""
     return sum(p.numel() for p in model.parameters()) >= BF16_MIN_PARAMETERS and native_bf16(device)
 

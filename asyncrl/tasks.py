@@ -55,9 +55,9 @@ def tiny_seq_examples(split: str) -> list[Example]:
 
 def tiny_tool_examples(split: str) -> list[Example]:
     """"d:" -> a digit drawn per episode that nothing in the prompt reveals (the `lookup` tool's
-    answer, `asyncrl.environments.tools.episode_secret`): right only by calling the tool (`?`) and
+    answer, `asyncrl.rewards.verifiers.episode_secret`): right only by calling the tool (`?`) and
     copying what it returns. Guessing is right one time in ten."""
-    from asyncrl.environments.tools import EPISODE_TRUTH
+    from asyncrl.rewards.verifiers import EPISODE_TRUTH
 
     return [Example(f"tiny_tool-{split}-{d}", [{"role": "user", "content": f"{d}:"}], EPISODE_TRUTH, "tiny_tool")
             for d in range(10)]

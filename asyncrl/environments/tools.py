@@ -8,23 +8,12 @@
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 
 from asyncrl.environments.formats import ToolCall
+from asyncrl.rewards.verifiers import EPISODE_TRUTH, episode_secret, episode_truth
 
-EPISODE_TRUTH = "episode"  # a task's ground truth where each episode has its own answer (the lookup tool's)
-
-
-def episode_truth(ground_truth: str, prompt_id: str, sample_idx: int) -> str:
-    """The answer a sample is checked against: its episode's own where the task says so."""
-    return episode_secret(prompt_id, sample_idx) if ground_truth == EPISODE_TRUTH else ground_truth
-
-
-def episode_secret(prompt_id: str, sample_idx: int) -> str:
-    """The tiny tool task's answer of one episode: a digit drawn from its identity (the verifier and
-    the lookup tool compute the same; a regenerated episode keeps it)."""
-    return str(zlib.crc32(f"{prompt_id}/{sample_idx}".encode()) % 10)
+__all__ = ["EPISODE_TRUTH", "Episode", "LookupTool", "PythonTool", "episode_secret", "episode_truth"]
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from asyncrl.algo.shaping import is_positive
+from asyncrl.config import Optimizer
 from asyncrl.schema import TrainSample, observation_mask, segment_row, scored_mask
 from asyncrl.sharding import DataParallel, parts_of_rank
 
@@ -190,6 +191,14 @@ def adamw(parameters, lr: float, weight_decay: float) -> torch.optim.AdamW:
     return torch.optim.AdamW(parameters, lr=lr, weight_decay=weight_decay, fused=fused or None)
 
 
+def build_optimizer(parameters, optimizer: Optimizer) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """A learner's `optimizer` section: AdamW (`adamw`) and its linear learning-rate warm-up over
+    `warmup_steps` learner steps (the learner steps the schedule once per batch it trains)."""
+    adam = adamw(parameters, optimizer.lr, optimizer.weight_decay)
+    warmup = optimizer.warmup_steps
+    return adam, torch.optim.lr_scheduler.LambdaLR(adam, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0)
+
+
 def clip_and_step(model, optimizer, grad_clip: float) -> torch.Tensor:
     """Clip the gradient norm and step; a non-finite norm skips the step (no NaN reaches the weights)."""
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
@@ -204,6 +213,9 @@ def clip_and_step(model, optimizer, grad_clip: float) -> torch.Tensor:
 
 
 def autocast(model, precision: str):
-    """bf16 autocast on the model's device (fp32 master weights: only the matmuls run in bf16)."""
+    """bf16 autocast on the model's device (fp32 master weights: only the matmuls run in bf16).
+    `precision` is resolved (fp32 | bf16): `auto` is the builder's to decide (`learner_precision`)."""
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"precision {precision!r} is not resolved: fp32 or bf16 (auto is decided by the builder)")
     return torch.autocast(device_type=device_of(model).type, dtype=torch.bfloat16, enabled=precision == "bf16")
 

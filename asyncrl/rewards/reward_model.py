@@ -10,12 +10,12 @@ reward with that reason. Pairwise verdicts are taken in both orders and averaged
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from asyncrl.algo.shaping import prm_dense_rewards, symmetrized_preference
+from asyncrl.config import GenerativeJudgeEndpoint, ProcessRewardEndpoint, ScalarRewardEndpoint
 from asyncrl.schema import PairRequest, Reward, RewardRequest
 
 from asyncrl.rewards.verifier import failed, not_applicable
@@ -69,16 +69,6 @@ def without_judge_addressing(text: str) -> tuple[str, bool]:
     return ("\n".join(kept_lines).rstrip() if found else text), found
 
 
-@dataclass
-class JudgeSettings:
-    mode: str = "pointwise"  # pointwise (against the reference) | pairwise (against the reference as the anchor)
-    max_text_chars: int = 2000  # each of prompt/reference/response is cut to its last N characters
-    max_tokens: int = 1024
-    min_verdict_mass: float = 1e-3
-    batch_size: int = 8
-    use_chat_template: bool = True
-
-
 def _verdict_ids(tokenizer, words: list[str]) -> list[list[int]]:
     """First token ids of each verdict word (with and without a leading space, any case), keeping
     only ids that spell the word's start and belong to no other verdict word."""
@@ -104,31 +94,44 @@ def _verdict_ids(tokenizer, words: list[str]) -> list[list[int]]:
 class GenerativeJudge:
     name = "genrm"
 
-    def __init__(self, model, tokenizer, settings: JudgeSettings | None = None, version: str = "1"):
+    MAX_TEXT_CHARS = 2000  # each of prompt/reference/response is cut to its last N characters
+    MAX_TOKENS = 1024  # the judge's prompt is cut to its last N tokens
+    BATCH_SIZE = 8
+
+    def __init__(self, model, tokenizer, endpoint: GenerativeJudgeEndpoint | None = None,
+                 use_chat_template: bool = True):
         self.model = model.eval()
         self.tokenizer = tokenizer
-        self.settings = settings or JudgeSettings()
-        self.version = version
+        self.endpoint = endpoint or GenerativeJudgeEndpoint()
+        self.use_chat_template = use_chat_template
         self.counters = {"judged": 0, "no_verdict": 0, "pairs": 0, "inconsistent_pairs": 0}
 
-    def reconfigure(self, settings: JudgeSettings, version: str) -> None:
-        self.settings, self.version = settings, version
+    @property
+    def version(self) -> str:
+        return self.endpoint.version
+
+    def reconfigure(self, endpoint: GenerativeJudgeEndpoint) -> bool:
+        """In place unless the judge's model changes (then the endpoint builds a new judge)."""
+        if endpoint.model_path != self.endpoint.model_path:
+            return False
+        self.endpoint = endpoint
+        return True
 
     def _encode(self, text: str) -> list[int]:
-        if self.settings.use_chat_template and getattr(self.tokenizer, "chat_template", None):
+        if self.use_chat_template and getattr(self.tokenizer, "chat_template", None):
             ids = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                                      tokenize=True, return_dict=False)
         else:
             ids = self.tokenizer.encode(text + "\nAnswer:", add_special_tokens=False)
-        return list(ids)[-self.settings.max_tokens:]
+        return list(ids)[-self.MAX_TOKENS:]
 
     @torch.no_grad()
     def verdict_probabilities(self, texts: list[str], words: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """P(words[0]) / P(any verdict word) at the next token of each prompt, and the verdict mass."""
         ids_per_word = _verdict_ids(self.tokenizer, words)
         p_first, mass = [], []
-        for start in range(0, len(texts), self.settings.batch_size):
-            encoded = [self._encode(t) for t in texts[start : start + self.settings.batch_size]]
+        for start in range(0, len(texts), self.BATCH_SIZE):
+            encoded = [self._encode(t) for t in texts[start : start + self.BATCH_SIZE]]
             width = max(len(e) for e in encoded)
             pad = self.tokenizer.pad_token_id or 0
             input_ids = torch.full((len(encoded), width), pad, dtype=torch.long)
@@ -146,7 +149,7 @@ class GenerativeJudge:
         return np.concatenate(p_first), np.concatenate(mass)
 
     def _cut(self, text: str) -> str:
-        return quote(text[-self.settings.max_text_chars:])
+        return quote(text[-self.MAX_TEXT_CHARS:])
 
     def compare(self, pairs: list[PairRequest]) -> list[dict]:
         """p(first ≻ second) for each pair, symmetrised over both orders, with the raw verdicts and
@@ -166,7 +169,7 @@ class GenerativeJudge:
         p, consistent = symmetrized_preference(p_ab, p_ba)
         out = []
         for i in range(n):
-            ok = bool(mass[i] >= self.settings.min_verdict_mass and mass[n + i] >= self.settings.min_verdict_mass)
+            ok = bool(mass[i] >= self.endpoint.min_verdict_mass and mass[n + i] >= self.endpoint.min_verdict_mass)
             addressed = [side for side, (_, hit) in zip(("first", "second"), cleaned[i]) if hit]
             out.append({"p_first": float(p[i]) if ok else 0.5, "consistent": bool(consistent[i]), "failed": not ok,
                         "p_first_forward": float(p_ab[i]), "p_first_swapped": float(p_ba[i]),
@@ -182,7 +185,7 @@ class GenerativeJudge:
             if not r.ground_truth:
                 rewards[i] = not_applicable(r, self.name, self.version, "no reference answer to judge against")
         try:
-            if self.settings.mode == "pointwise":
+            if self.endpoint.judge_mode == "pointwise":
                 def text(r: RewardRequest, response: str) -> str:
                     return POINTWISE_TEMPLATE.format(prompt=self._cut(r.prompt_text), reference=self._cut(r.ground_truth),
                                                      response=self._cut(response))
@@ -198,7 +201,7 @@ class GenerativeJudge:
                 for j, i in enumerate(flagged):
                     again = {"p": float(probs[len(usable) + j]), "mass": float(mass[len(usable) + j])}
                     verdicts[i] = {**min(verdicts[i], again, key=lambda v: v["p"]), "addresses_judge": True}
-            elif self.settings.mode == "pairwise":
+            elif self.endpoint.judge_mode == "pairwise":
                 # GenRM with ground truth as the anchor: p(response ≻ reference) in [0, 1], 0.5 = as good.
                 compared = self.compare([PairRequest(prompt_text=r.prompt_text, first=r.response_text,
                                                      second=r.ground_truth) for r in usable])
@@ -206,7 +209,7 @@ class GenerativeJudge:
                              **({"addresses_judge": True} if "first" in c["addresses_judge"] else {})}
                             for c in compared]
             else:
-                raise ValueError(f"unknown judge mode {self.settings.mode!r}")
+                raise ValueError(f"unknown judge mode {self.endpoint.judge_mode!r}")
         except Exception as exc:  # the judge failing must not lose samples
             return [rewards.get(i) or failed(r, self.name, self.version, exc) for i, r in enumerate(requests)]
         it = iter(verdicts)
@@ -215,14 +218,14 @@ class GenerativeJudge:
                 continue
             v = next(it)
             self.counters["judged"] += 1
-            if v["mass"] < self.settings.min_verdict_mass:
+            if v["mass"] < self.endpoint.min_verdict_mass:
                 self.counters["no_verdict"] += 1
                 rewards[i] = failed(r, self.name, self.version,
                                     f"judge gave no verdict (verdict-token mass {v['mass']:.2e})")
                 continue
             rewards[i] = Reward(prompt_id=r.prompt_id, sample_idx=r.sample_idx, score=v["p"], correct=v["p"] > 0.5,
                                 source=self.name, source_version=self.version,
-                                details={"judge_mode": self.settings.mode, **{k: v[k] for k in v if k != "p"}},
+                                details={"judge_mode": self.endpoint.judge_mode, **{k: v[k] for k in v if k != "p"}},
                                 suspicious=["addresses_judge"] if v.get("addresses_judge") else [])
         return [rewards[i] for i in range(len(requests))]
 
@@ -238,14 +241,26 @@ class ScalarRewardModel:
 
     name = "bt_rm"
 
-    def __init__(self, path: str, sigmoid: bool = False, max_tokens: int = 2048, version: str = "1"):
+    MAX_TOKENS = 2048
+
+    def __init__(self, endpoint: ScalarRewardEndpoint):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1).eval()
+        self.endpoint = endpoint
+        self.tokenizer = AutoTokenizer.from_pretrained(endpoint.model_path)
+        self.model = AutoModelForSequenceClassification.from_pretrained(endpoint.model_path, num_labels=1).eval()
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id or 0
-        self.sigmoid, self.max_tokens, self.version = sigmoid, max_tokens, version
+
+    @property
+    def version(self) -> str:
+        return self.endpoint.version
+
+    def reconfigure(self, endpoint: ScalarRewardEndpoint) -> bool:
+        if endpoint.model_path != self.endpoint.model_path:
+            return False
+        self.endpoint = endpoint
+        return True
 
     @torch.no_grad()
     def score(self, requests: list[RewardRequest]) -> list[Reward]:
@@ -253,9 +268,9 @@ class ScalarRewardModel:
         for r in requests:
             try:
                 ids = self.tokenizer.encode(r.prompt_text + "\n" + r.response_text, add_special_tokens=False)
-                ids = torch.tensor([ids[-self.max_tokens:] or [self.model.config.pad_token_id]])
+                ids = torch.tensor([ids[-self.MAX_TOKENS:] or [self.model.config.pad_token_id]])
                 logit = float(self.model(input_ids=ids).logits[0, 0])
-                score = float(torch.sigmoid(torch.tensor(logit))) if self.sigmoid else logit
+                score = float(torch.sigmoid(torch.tensor(logit))) if self.endpoint.sigmoid else logit
                 out.append(Reward(prompt_id=r.prompt_id, sample_idx=r.sample_idx, score=score, source=self.name,
                                   source_version=self.version, details={"logit": logit}))
             except Exception as exc:
@@ -270,12 +285,24 @@ class ProcessRewardModel:
 
     name = "prm"
 
-    def __init__(self, path: str, max_tokens: int = 4096, version: str = "1"):
+    MAX_TOKENS = 4096
+
+    def __init__(self, endpoint: ProcessRewardEndpoint):
         from transformers import AutoModelForTokenClassification, AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1).eval()
-        self.max_tokens, self.version = max_tokens, version
+        self.endpoint = endpoint
+        self.tokenizer = AutoTokenizer.from_pretrained(endpoint.model_path)
+        self.model = AutoModelForTokenClassification.from_pretrained(endpoint.model_path, num_labels=1).eval()
+
+    @property
+    def version(self) -> str:
+        return self.endpoint.version
+
+    def reconfigure(self, endpoint: ProcessRewardEndpoint) -> bool:
+        if endpoint.model_path != self.endpoint.model_path:
+            return False
+        self.endpoint = endpoint
+        return True
 
     def line_structure(self, token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(line-end mask, neutral mask) over response tokens: a line ends at a token containing a
@@ -303,7 +330,7 @@ class ProcessRewardModel:
                 if max(response) >= self.model.config.vocab_size:
                     raise ValueError("response token ids exceed the PRM's vocabulary (tokenizers differ)")
                 prompt = self.tokenizer.encode(r.prompt_text, add_special_tokens=False)
-                ids = (prompt + response)[-self.max_tokens:]
+                ids = (prompt + response)[-self.MAX_TOKENS:]
                 scores = self.model(input_ids=torch.tensor([ids])).logits[0, :, 0].float()
                 response_scores = torch.zeros(len(response))
                 kept = min(len(response), len(ids))

@@ -7,11 +7,16 @@ an endpoint can call it from any thread; every failure mode becomes a failing ve
 
 from __future__ import annotations
 
+import typing
+import zlib
 from dataclasses import dataclass, field
 
+from asyncrl.config.reward import VerifierKind
 from asyncrl.rewards.math import MATH_TIMEOUT_S, math_correct, score_from_correct
 
-VERIFIER_KINDS = ("math", "code", "format", "tiny", "tiny_seq", "tiny_tool")
+# The kinds `verify` checks (`none`: no rule applies, a hybrid route falls through to a judge).
+VERIFIER_KINDS = tuple(kind for kind in typing.get_args(VerifierKind) if kind != "none")
+EPISODE_TRUTH = "episode"  # a task's ground truth where each episode has its own answer (the lookup tool's)
 MAX_RESPONSE_CHARS = 256 << 10  # longer responses are judged on their tail / rejected for code
 
 
@@ -21,6 +26,17 @@ class Verdict:
     correct: bool
     details: dict = field(default_factory=dict)
     suspicious: list[str] = field(default_factory=list)  # reward-hacking conduct seen (code: early_exit, ...)
+
+
+def episode_truth(ground_truth: str, prompt_id: str, sample_idx: int) -> str:
+    """The answer a sample is checked against: its episode's own where the task says so."""
+    return episode_secret(prompt_id, sample_idx) if ground_truth == EPISODE_TRUTH else ground_truth
+
+
+def episode_secret(prompt_id: str, sample_idx: int) -> str:
+    """The tiny tool task's answer of one episode: a digit drawn from its identity (the verifier and
+    the lookup tool compute the same; a regenerated episode keeps it)."""
+    return str(zlib.crc32(f"{prompt_id}/{sample_idx}".encode()) % 10)
 
 
 def kind_for(data_source: str) -> str:

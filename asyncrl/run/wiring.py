@@ -26,8 +26,7 @@ from actors.prompt_source import PromptSourceActor
 from actors.recorder import RecorderActor
 from actors.reward_endpoint import reward_endpoint_actors
 from actors.value_learner import ValueLearnerActor
-from asyncrl import checkpoint, environments
-from asyncrl.algo.advantages import ADVANTAGES
+from asyncrl import checkpoint
 from asyncrl.config import Config
 from asyncrl.ray_mailbox import RayMailbox, ShardedMailbox, sum_stats
 from asyncrl.run.placement import LEARNER_NAME, ask, role_placement, spawn
@@ -96,10 +95,9 @@ class System:
 
     def _start(self) -> "System":
         cfg = self.config
-        environments.check(cfg.environment)
         resume = self._resume_point()  # None for a fresh run
         learning = cfg.mode == "train"  # mode=generate: generators, rewards and the store only
-        value_based = learning and ADVANTAGES[cfg.algorithm.estimator].kind == "value"
+        value_based = learning and cfg.algorithm.value_based
         if cfg.trainer.record and not self.run_dir:
             raise ValueError("trainer.record=true needs a run directory (trainer.run_dir)")
         # The control plane (mailboxes, prompt source, assembler, reward endpoints, recorder) sits on
@@ -116,7 +114,7 @@ class System:
             ray.get(self.actors["learner"].announce.remote())
         # Pre-PPO selection (before the first prompt; a no-op when off or resumed).
         self.pre_ppo = ray.get(self.actors["prompt_source"].prepare.remote(
-            cfg.model, cfg.engine, cfg.task, cfg.reward, cfg.trainer.seed, self._endpoints))
+            cfg.model, cfg.engine, cfg.sampling, cfg.task, cfg.reward, cfg.trainer.seed, self._endpoints))
         self._loops(resume)
         self.started_at = time.time()
         return self
@@ -155,16 +153,16 @@ class System:
             PromptSourceActor, model=cfg.model, task=cfg.task, algorithm=cfg.algorithm,
             prompts_per_step=tr.prompts_per_step, seed=tr.seed, prompts=boxes["prompts"],
             max_prompts=0 if learning else tr.total_steps * tr.prompts_per_step, placement=here)
-        ranks = cfg.policy.ranks if learning else 0
-        learners = [ask(cfg.policy.gpus, cfg.policy.resources)] * ranks
-        learners += [ask(cfg.critic.gpus, cfg.critic.resources)] if value_based else []
+        ranks = cfg.policy.compute.ranks if learning else 0
+        learners = [ask(cfg.policy.compute.gpus, cfg.policy.compute.resources)] * ranks
+        learners += [ask(cfg.critic.compute.gpus, cfg.critic.compute.resources)] if value_based else []
         generator_options, learner_options, self.placement_group = role_placement(
             cfg.cluster.placement, ask(cfg.engine.gpus, cfg.engine.resources), self.pool.target, learners)
         # A learner that asks for nothing (no GPU, no resource) stays with the control plane: it holds
         # the run's state, and on a cluster it must not share a generator's node's fate.
         learner_options = [options or dict(here) for options in learner_options]
         value_learner = (self._spawn(
-            ValueLearnerActor, model=cfg.model, critic=cfg.critic, algorithm=cfg.algorithm, engine=cfg.engine,
+            ValueLearnerActor, model=cfg.model, critic=cfg.critic, algorithm=cfg.algorithm, sampling=cfg.sampling,
             seed=tr.seed, trajectories=boxes["trajectories"], resume_from=resume and resume.checkpoint,
             placement=learner_options[ranks]) if value_based else None)
         assembler = self._spawn(
@@ -199,11 +197,11 @@ class System:
             rendezvous = (node_address(), free_port(node_address()))
             self._rank_store = rendezvous_store(*rendezvous)
             rank_actors = [self._spawn(PolicyRankActor, model=cfg.model, algorithm=cfg.algorithm, policy=cfg.policy,
-                                       engine=cfg.engine, seed=tr.seed, rendezvous=rendezvous, rank=rank,
+                                       engine=cfg.engine, sampling=cfg.sampling, seed=tr.seed, rendezvous=rendezvous, rank=rank,
                                        placement=options[rank]) for rank in range(1, ranks)]
         learner = self._spawn(
             PolicyLearnerActor, model=cfg.model, algorithm=cfg.algorithm, policy=cfg.policy, engine=cfg.engine,
-            seed=tr.seed, batches=self.mailboxes["batches"], listeners=[assembler, prompt_source], ledger=prompt_source,
+            sampling=cfg.sampling, seed=tr.seed, batches=self.mailboxes["batches"], listeners=[assembler, prompt_source], ledger=prompt_source,
             checkpoint_parts=[prompt_source] + ([value_learner] if value_learner is not None else []),
             checkpoints=CheckpointPolicy(self.run_dir, tr.checkpoint_every if self.run_dir else 0,
                                          tr.checkpoint_every_s if self.run_dir else 0.0, tr.checkpoint_keep),
