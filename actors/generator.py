@@ -286,7 +286,7 @@ class Generator:
             new_token_ids=tokens, new_logprobs=logprobs, new_versions=versions, new_scored=scored,
             finished=finished, finish_reason=reason, data_source=request.data_source,
             ground_truth=request.ground_truth, seed=request.seed + seq.sample_idx, generator_id=self.generator_id,
-            group_size=request.group_size)
+            group_size=request.group_size, row=request.row if finished else None)
 
     def _extend(self, seq: _Sequence, segment: Segment) -> None:
         """The sequence's context grows by a segment that continues."""
@@ -422,7 +422,7 @@ def build_generator(model: ModelConfig, engine: EngineConfig, sampling: Sampling
     embedded = build_generator_engine(model, engine)
     max_windows = engine.max_windows or math.ceil(engine.max_response_tokens / engine.window_tokens)
     episodes = None
-    if environment is not None and environment.name:
+    if environment is not None and environment.enabled:
         from asyncrl.models import load_tokenizer
 
         client = EnvironmentClient(environment_endpoint, environment.timeout_s, environment.retries)

@@ -44,7 +44,8 @@ from asyncrl.models import load_tokenizer
 from asyncrl.retirement import Outcome, Retirements
 from asyncrl.schema import Codec, DropReason, PromptRequest, SampleState
 from asyncrl.staleness import admission_budget
-from asyncrl.tasks import Example, encode_prompt, load_examples
+from asyncrl.datafiles import drop_overlong, load_examples
+from asyncrl.tasks import Example, encode_prompt
 
 
 class CursorSnapshot(msgspec.Struct, kw_only=True):
@@ -198,6 +199,7 @@ class PromptSource:
             data_source=example.data_source,
             ground_truth=example.ground_truth,
             prompt_text=example.text,
+            row=example.row,
             seed=(self.seed * 1_000_003 + self.issued) * 1024,
         )
         self.ledger.admit(request)
@@ -282,8 +284,9 @@ def build_prompt_source(model: ModelConfig, task: TaskConfig, algorithm: Algorit
     """`max_prompts` > 0: issue that many prompts and no more, with no staleness budget (there is no
     learner: `mode=generate`)."""
     tokenizer = load_tokenizer(model)
-    examples = load_examples(task.name, "train", task.num_train_prompts, task.seed, task.path)
+    examples = load_examples(task, "train")
     tokens = [encode_prompt(ex, tokenizer, model.use_chat_template) for ex in examples]
+    examples, tokens = drop_overlong(examples, tokens, task.max_prompt_length, "train")
     curriculum = [(stage.start_step, list(stage.data_sources)) for stage in task.curriculum]
     staleness = NO_BOUND if max_prompts else algorithm.max_staleness_versions
     retirements = Retirements(algorithm.group_size, task.retire_after_groups, task.retire_epochs,

@@ -41,9 +41,11 @@ from asyncrl.learning.rows import build_optimizer
 from asyncrl.learning.scoring import response_logprobs
 from asyncrl.mailbox import InProcessMailbox
 from asyncrl.models import load_model, load_tokenizer
-from asyncrl.schema import Reward, RewardRequest, ScoredTrajectory, Segment, float32_array, int32_array
+from asyncrl.schema import (Reward, RewardRequest, ScoredTrajectory, Segment, float32_array, ground_truth_text,
+                            int32_array)
 from asyncrl.store import BatchRecord, TrajectoryRecord, read_trajectories, reward_of, segments_of
-from asyncrl.tasks import encode_prompt, file_examples, score_response
+from asyncrl.datafiles import file_examples, read_rows
+from asyncrl.tasks import encode_prompt, score_response
 
 
 # --- mode=generate -----------------------------------------------------------------------------------
@@ -110,8 +112,8 @@ def offline_records(config: Config) -> list[TrajectoryRecord]:
 def labelled_records(path: str, config: Config) -> list[TrajectoryRecord]:
     """Rows of a jsonl/parquet file: verl's prompt layout plus `response` (text) and an optional
     `score` (else the task's verifier scores the response against the ground truth)."""
-    rows = _rows(path)
-    examples = file_examples(path)
+    rows = read_rows(path)
+    examples = file_examples(path, distinct_ids=False)
     tokenizer = load_tokenizer(config.model)
     out = []
     for i, (row, example) in enumerate(zip(rows, examples)):
@@ -127,21 +129,12 @@ def labelled_records(path: str, config: Config) -> list[TrajectoryRecord]:
         out.append(TrajectoryRecord(
             sample_id=f"{example.prompt_id}/{i}", prompt_id=example.prompt_id, sample_idx=0,
             group_id=f"{example.prompt_id}/{i}", group_size=1, data_source=example.data_source,
-            ground_truth=example.ground_truth, prompt_text=example.text, response_text=row["response"],
+            ground_truth=ground_truth_text(example.ground_truth), prompt_text=example.text, response_text=row["response"],
             prompt_token_ids=prompt_ids, response_token_ids=response_ids,
             behaviour_logprobs=[], token_versions=[0] * len(response_ids), window_ends=[len(response_ids)],
             finish_reason="eos", seed=0, generator_id="file", score=score, correct=correct,
             reward_source="file" if "score" in row else "verifier", status="recorded"))
     return out
-
-
-def _rows(path: str) -> list[dict]:
-    if path.endswith(".parquet"):
-        import pyarrow.parquet as pq
-
-        return pq.read_table(path).to_pylist()
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def reference_logprobs(records: list[TrajectoryRecord], config: Config, reference=None) -> list[np.ndarray]:

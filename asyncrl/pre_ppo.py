@@ -18,7 +18,8 @@ from asyncrl.engines.base import SamplingParams
 from asyncrl.generation import build_engine, complete_async
 from asyncrl.rewards.hybrid import RewardRouter
 from asyncrl.schema import Reward, RewardRequest
-from asyncrl.tasks import Example, encode_prompt, file_examples
+from asyncrl.datafiles import file_examples
+from asyncrl.tasks import Example, encode_prompt
 
 # Suffix of a selected train prompt's second copy: prompt ids stay unique in the prompt source.
 REPEAT_SUFFIX = "#hard"

@@ -29,14 +29,15 @@ def main() -> None:
 
     from asyncrl.config import compose
     from asyncrl.models import load_policy
-    from asyncrl.tasks import load_examples, score_response
+    from asyncrl.datafiles import load_examples
+    from asyncrl.tasks import score_response
 
     torch.set_num_threads(args.threads)
     config = compose(json.loads(args.overrides))
     a, p, e, t = config.algorithm, config.policy, config.engine, config.task
     model, tokenizer = load_policy(config.model)
     tokenizer.padding_side = "left"
-    examples = load_examples(t.name, "train", t.num_train_prompts, t.seed, t.path)
+    examples = load_examples(t, "train")
     rows = [{"prompt": ex.messages if config.model.use_chat_template else ex.text,
              "ground_truth": ex.ground_truth, "data_source": ex.data_source} for ex in examples]
     dataset = Dataset.from_list(rows * 200)  # epochs, as asyncrl's prompt source cycles

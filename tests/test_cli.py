@@ -200,7 +200,7 @@ def test_train_help_lists_every_config_group_and_field_with_its_docstring(tmp_pa
     assert "  algorithm.advantage.lam: a number in [0, 1]  (type=gae)\n" in text
     assert "      Learner steps before `asyncrl train` exits (serve runs until stopped).\n" in text
     assert "      Bounded refill (verl's max_num_gen_batches): after this many generation rounds …\n" in text
-    assert "  reward.endpoints.<name>.kind: one of verifier, genrm, bt, prm\n" in text
+    assert "  reward.endpoints.<name>.kind: one of verifier, genrm, bt, prm, python, openai\n" in text
     assert "  reward.routes[i].combine: one of first, mix\n" in text
     assert "docs/" in text
 
@@ -212,11 +212,20 @@ def test_data_example_writes_the_files_the_readme_trains_on(tmp_path, monkeypatc
 
     from asyncrl.config import compose
     from asyncrl.evaluation import held_out
-    from asyncrl.tasks import arithmetic_examples, load_examples
+    from asyncrl.datafiles import load_examples
+    from asyncrl.tasks import arithmetic_examples
 
     out = asyncrl("data", "example", "--out", "data", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "wrote data/train.parquet: 512" in out.stdout and "wrote data/test.parquet: 64" in out.stdout
+    # A reward file beside the data, in verl's signature, and the command that trains with it.
+    assert "custom_reward_function.path=data/reward.py" in out.stdout
+    from asyncrl.rewards.user_function import detect_signature, load_function
+
+    compute_score = load_function(str(tmp_path / "data" / "reward.py"), "compute_score")
+    assert detect_signature(compute_score, "auto") == "verl"
+    assert compute_score("arithmetic", "so \\boxed{12}", "12", {})["score"] == 1.0
+    assert compute_score("arithmetic", "so \\boxed{13}", "12", {})["score"] == 0.0
     table = pq.read_table(tmp_path / "data" / "train.parquet")
     assert set(table.column_names) == {"data_source", "prompt", "reward_model", "extra_info"}
     first = table.to_pylist()[0]
@@ -225,7 +234,7 @@ def test_data_example_writes_the_files_the_readme_trains_on(tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)  # the README's relative paths
     config = compose(["task=file", "task.path=data/train.parquet", "task.eval_path=data/test.parquet"])
     t = config.task
-    train = load_examples(t.name, "train", t.num_train_prompts, t.seed, t.path)
+    train = load_examples(t, "train")
     builtin = arithmetic_examples("train", 512, 0)
     assert [(e.text, e.ground_truth, e.data_source) for e in train] == \
         [(e.text, e.ground_truth, e.data_source) for e in builtin]

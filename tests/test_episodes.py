@@ -4,6 +4,7 @@ observations are the environment's, turn by turn, with per-token versions)."""
 
 import asyncio
 import copy
+import os
 
 import numpy as np
 import pytest
@@ -215,3 +216,27 @@ def test_the_critic_values_policy_positions_only_gae_carries_across_an_observati
     (trained,) = value_rows([row], [values], [Outcome(1.0, True)], gae, window_tokens=8)
     np.testing.assert_allclose(trained.advantages, [0.35, 0.5, 0.0, 0.0, 0.6], atol=1e-6)
     assert collate([trained]).response_mask.sum() == 3  # the observation is never trained
+
+
+def test_the_documented_environment_class_loads_by_its_path_and_answers(tmp_path):
+    """docs/environments.md's complete example, as a user copies it into a file: built with its
+    options from `environment.class_path`, and it answers calls (an error is an observation)."""
+    import re
+
+    from asyncrl.config import compose
+    from asyncrl.environments.formats import ToolCall
+    from asyncrl.environments.tools import Episode, build_environment
+
+    doc = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "environments.md")).read()
+    (tmp_path / "my_env.py").write_text(re.findall(r"```python\n(.*?)```", doc, re.S)[1])
+    config = compose(["model=tiny", "task=tiny_tool", "environment.name=",
+                      f"environment.class_path={tmp_path}/my_env.py:Calculator", "environment.options={digits: 3}"])
+    calculator = build_environment(config.environment)
+    episode = Episode("p", 0)
+    assert calculator.step(ToolCall("calculator", {"expression": "12 * 7"}), episode) == ("84", False)
+    assert calculator.step(ToolCall("calculator", {"expression": "2 / 3"}), episode) == ("0.667", False)
+    assert calculator.step(ToolCall("calculator", {"expression": "__import__('os')"}), episode)[1] is True
+    assert calculator.calls == {("p", 0): 3}
+    with pytest.raises(ValueError, match="has no class 'Calculatr'.*Calculator"):
+        build_environment(compose(["model=tiny", "task=tiny_tool", "environment.name=",
+                                   f"environment.class_path={tmp_path}/my_env.py:Calculatr"]).environment)

@@ -20,7 +20,7 @@ from asyncrl.rewards.verifiers import verify
 from asyncrl.schema import PairRequest, RewardRequest, int32_array
 
 from asyncrl.config import GenerativeJudgeEndpoint
-from asyncrl.rewards.reward_model import GenerativeJudge, quote
+from asyncrl.rewards.judge import GenerativeJudge, LocalVerdicts, quote
 
 
 def request(text, truth="42", source="math", idx=0, prompt="What is 6 times 7?", token_ids=None):
@@ -74,7 +74,7 @@ def test_bad_input_becomes_a_recorded_failure_not_a_crash():
 @pytest.fixture(scope="module")
 def embedded_judge(embedded_policy):
     model, tokenizer = embedded_policy
-    return GenerativeJudge(model, tokenizer, GenerativeJudgeEndpoint(judge_mode="pairwise", version="test"))
+    return GenerativeJudge(LocalVerdicts(model, tokenizer), GenerativeJudgeEndpoint(judge_mode="pairwise", version="test"))
 
 
 def test_pairwise_judge_is_position_symmetric(embedded_judge):
@@ -277,7 +277,7 @@ def test_pre_ppo_scores_candidates_through_the_reward_router():
     retried (the router's retries), and the selection uses the answer of the retry."""
     from asyncrl.config import compose
     from asyncrl.pre_ppo import select_prompts
-    from asyncrl.tasks import encode_prompt, load_examples
+    from asyncrl.tasks import encode_prompt, tiny_examples
 
     config = compose(["model=tiny", "task=tiny", "task.pre_ppo_fraction=0.2"])
     endpoint = RewardEndpoint("verifier", {"kind": "verifier"}, None, "zero_one")
@@ -290,7 +290,7 @@ def test_pre_ppo_scores_candidates_through_the_reward_router():
         return await endpoint.score(requests)
 
     router = RewardRouter([RouteConfig(endpoints=["verifier"])], call, timeout_s=30, retries=2)
-    train = load_examples("tiny", "train", 10, 0)
+    train = tiny_examples("train")
     tokens = [encode_prompt(ex, build_tiny_tokenizer(), False) for ex in train]
     chosen, _, report = asyncio.run(select_prompts(train, tokens, config.model, config.engine, config.task, router, 0))
     assert calls[:2] == ["verifier", "verifier"] and router.counters["retries"] == 1

@@ -25,7 +25,7 @@ PACKAGES = ("asyncrl", "actors")
 # Layer of each module (prefix match, longest first). A module may import its own layer or lower.
 LAYERS = {
     # Definitions: the typed config, the messages, the pure algorithms.
-    0: ["asyncrl.config", "asyncrl.schema", "asyncrl.algo"],
+    0: ["asyncrl.config", "asyncrl.schema", "asyncrl.wire", "asyncrl.algo"],
     # Plumbing: moving and keeping things, blind to what they mean.
     1: ["asyncrl.mailbox", "asyncrl.ray_mailbox", "asyncrl.ledger", "asyncrl.weight_sync", "asyncrl.transport",
         "asyncrl.checkpoint", "asyncrl.store", "asyncrl.sharding", "asyncrl.metrics", "asyncrl.plots",
@@ -33,7 +33,7 @@ LAYERS = {
     # The domain: models and engines, tasks, rewards, environments, assembly, learning.
     2: ["asyncrl.engines", "asyncrl.models", "asyncrl.tasks", "asyncrl.rewards", "asyncrl.assembly",
         "asyncrl.learning", "asyncrl.generation", "asyncrl.openai_api", "asyncrl.openai_tools", "asyncrl.retirement",
-        "asyncrl.environments"],
+        "asyncrl.environments", "asyncrl.datafiles", "asyncrl.user_code"],
     3: ["actors", "asyncrl.pre_ppo", "asyncrl.evaluation"],
     4: ["asyncrl.run"],
     5: ["asyncrl.driver", "asyncrl.serve", "asyncrl.cli", "asyncrl.bench", "asyncrl.offline", "asyncrl.config_help"],

@@ -18,7 +18,7 @@ from asyncrl.algo.shaping import filter_metric, group_has_signal
 from asyncrl.assembly.decisions import Decision, ReadyBatch, Scored
 from asyncrl.assembly.rows import reward_to_go, undiscounted_rewards
 from asyncrl.config import DynamicSampling
-from asyncrl.schema import DropReason, PairRequest, Reward, TrainSample
+from asyncrl.schema import DropReason, PairRequest, Reward, TrainSample, ground_truth_text
 from asyncrl.tasks import reference_response
 
 JudgeFn = Callable[[list[PairRequest]], Awaitable[list[dict]]]
@@ -170,7 +170,8 @@ class PairwiseStrategy(GroupStrategy):
         pairs = judged_pairs(len(members), self.anchor == "reference")
         reference = reference_response(first.data_source, first.ground_truth)
         requests = [PairRequest(prompt_text=prompt, first=texts[i], second=reference if j is None else texts[j],
-                                ground_truth="" if j is None else first.ground_truth) for i, j in pairs]
+                                ground_truth="" if j is None else ground_truth_text(first.ground_truth))
+                    for i, j in pairs]
         verdicts = await self.judge(requests) if requests else []
         decision.counters["pairs_judged"] += len(verdicts)
         decision.counters["pairs_inconsistent"] += sum(not v["consistent"] for v in verdicts)

@@ -64,6 +64,7 @@ def merge_segments(segments: list[Segment]) -> Segment:
         finish_reason=last.finish_reason,
         data_source=last.data_source,
         ground_truth=last.ground_truth,
+        row=last.row,
         seed=last.seed,
         generator_id=last.generator_id,
         group_size=last.group_size,

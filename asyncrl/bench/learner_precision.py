@@ -23,12 +23,13 @@ from asyncrl.learning.rows import collate
 from asyncrl.learning.scoring import PolicyForward
 from asyncrl.models import eos_token_ids
 from asyncrl.schema import Segment, TrainSample, float32_array, int32_array
-from asyncrl.tasks import encode_prompt, load_examples
+from asyncrl.datafiles import load_examples
+from asyncrl.tasks import encode_prompt
 
 
 def sampled_batch(config, lm, tokenizer, rows: int, response: int, seed: int = 0) -> list[TrainSample]:
     engine = TorchEngine(lm, eos_token_ids(lm, tokenizer), tokenizer.pad_token_id or 0)
-    examples = load_examples(config.task.name, "eval", rows, config.task.seed, config.task.eval_path)
+    examples = load_examples(config.task, "eval", rows)
     prompts = [encode_prompt(ex, tokenizer, config.model.use_chat_template) for ex in examples][:rows]
     outs = engine.generate_window_sync([sequence_input(p, seed + i, response) for i, p in enumerate(prompts)],
                                        response, SamplingParams.of(config.sampling))

@@ -20,8 +20,9 @@ from asyncrl.config.learner import (Compute, CriticConfig, CriticWarmup, Optimiz
                                     PolicyLoss, ValueLoss)
 from asyncrl.config.model import EngineConfig, ModelConfig, SamplingConfig
 from asyncrl.config.names import FOREIGN, RENAMED
-from asyncrl.config.reward import (Endpoint, GenerativeJudgeEndpoint, ProcessRewardEndpoint, RewardConfig, RouteConfig,
-                                   ScalarRewardEndpoint, VerifierEndpoint)
+from asyncrl.config.reward import (Endpoint, GenerativeJudgeEndpoint, OpenAIJudgeEndpoint, ProcessRewardEndpoint,
+                                   PythonRewardEndpoint, RewardConfig, RouteConfig, ScalarRewardEndpoint,
+                                   VerifierEndpoint)
 from asyncrl.config.run import ClusterConfig, Config, DQOConfig, OfflineConfig, ServeConfig, TrainerConfig
 from asyncrl.config.task import CurriculumStage, EnvironmentConfig, TaskConfig
 
@@ -29,8 +30,8 @@ __all__ = [
     "Advantage", "AlgorithmConfig", "ClusterConfig", "Compute", "Config", "ConfigError", "CriticConfig",
     "CriticWarmup", "CurriculumStage", "DQOConfig", "DrGRPOAdvantage", "DynamicSampling", "Endpoint", "EngineConfig",
     "EnvironmentConfig", "FOREIGN", "GAEAdvantage", "GRPOAdvantage", "GenerativeJudgeEndpoint", "KLPenalty",
-    "ModelConfig", "NO_BOUND", "OfflineConfig", "Optimizer", "OverlongShaping", "PairwiseAdvantage", "PolicyCompute",
-    "PolicyConfig", "PolicyLoss", "ProcessRewardEndpoint", "RENAMED", "RLOOAdvantage", "ReinforcePlusPlusAdvantage",
+    "ModelConfig", "NO_BOUND", "OfflineConfig", "OpenAIJudgeEndpoint", "Optimizer", "OverlongShaping", "PairwiseAdvantage", "PolicyCompute",
+    "PolicyConfig", "PolicyLoss", "ProcessRewardEndpoint", "PythonRewardEndpoint", "RENAMED", "RLOOAdvantage", "ReinforcePlusPlusAdvantage",
     "RewardConfig", "RouteConfig", "SamplingConfig", "ScalarRewardEndpoint", "ServeConfig", "TaskConfig",
     "TrainerConfig", "ValueLoss", "VerifierEndpoint", "compose", "config_dir", "config_from_dict", "config_groups",
     "route_checks", "to_dict", "to_yaml", "validate",

@@ -27,6 +27,8 @@ def _algorithm_checks(config) -> list[tuple[bool, str]]:
         (e.long_tail_tokens <= e.max_response_tokens, "engine.long_tail_tokens must be <= engine.max_response_tokens"),
         (a.overlong.buffer_tokens < e.max_response_tokens,
          "algorithm.overlong.buffer_tokens must be < engine.max_response_tokens"),
+        (not (config.environment.name and config.environment.class_path),
+         "environment.name and environment.class_path name two environments: set one"),
         (gae is None or not gae.kl_in_reward or a.kl.coef > 0,
          "algorithm.advantage.kl_in_reward needs algorithm.kl.coef > 0"),
         (gae is None or not gae.window_training or not any(route.dense for route in config.reward.routes),
@@ -109,9 +111,10 @@ def _reward_checks(config) -> list[tuple[bool, str]]:
     for name, e in r.endpoints.items():
         # A process reward model scores every response token; an episode's observations are the
         # environment's, and its rewards would land on them.
-        checks.append((not isinstance(e, ProcessRewardEndpoint) or not config.environment.name,
+        checks.append((not isinstance(e, ProcessRewardEndpoint) or not config.environment.enabled,
                        f"reward.endpoints.{name}: a process reward model (prm) cannot score episodes with an "
-                       f"environment (environment.name={config.environment.name}): its token rewards would fall "
+                       f"environment (environment.name={config.environment.name or config.environment.class_path}): "
+                       f"its token rewards would fall "
                        f"on the observations"))
     checks += route_checks(r.routes, set(r.endpoints))
     if isinstance(advantage, PairwiseAdvantage):

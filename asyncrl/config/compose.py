@@ -264,7 +264,7 @@ def _apply_foreign(merged: DictConfig, key: str, value, line: str, said: list[st
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"{line}: {exc}") from exc
     for ours, ours_value in assignments:
-        assign(merged, ours, ours_value, line)
+        assign(merged, ours, ours_value, line, add=entry.adds)
     said.append(foreign_notice(key, entry, assignments))
 
 

@@ -98,6 +98,7 @@ class Foreign:
     ours: tuple[str, ...] = ()
     convert: Callable[[Any], tuple] | None = None
     refused: str = ""
+    adds: bool = False  # it adds entries to mappings (a reward endpoint of its own)
 
     def translate(self, value) -> list[tuple[str, Any]]:
         values = self.convert(value) if self.convert else (value,) * len(self.ours)
@@ -136,6 +137,15 @@ FOREIGN: dict[str, Foreign] = {
     "data.max_response_length": _verl("engine.max_response_tokens"),
     f"{_ARO}.rollout.response_length": _verl("engine.max_response_tokens"),
     "data.train_batch_size": _verl("trainer.prompts_per_step"),
+    "data.prompt_key": _verl("task.prompt_key"),
+    "data.max_prompt_length": _verl("task.max_prompt_length"),
+    "data.filter_overlong_prompts": _refused(
+        "verl", "asyncrl drops prompts longer than task.max_prompt_length whenever that is set (0: keep all)"),
+    # verl's custom reward function becomes a `kind: python` endpoint, scoring every data source.
+    "custom_reward_function.path": Foreign("verl", ("reward.endpoints.custom", "reward.routes"),
+                                           lambda v: ({"kind": "python", "path": v},
+                                                      [{"match": "*", "endpoints": ["custom"]}]), adds=True),
+    "custom_reward_function.name": _verl("reward.endpoints.custom.function"),
     "algorithm.adv_estimator": _verl("algorithm.advantage.type", convert=_choice(_ADVANTAGES, "algorithm.adv_estimator")),
     "algorithm.gamma": _verl("algorithm.advantage.gamma"),
     "algorithm.lam": _verl("algorithm.advantage.lam"),

@@ -8,7 +8,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from asyncrl.config.fields import KindVariant, NonNegativeFloat, NonNegativeInt, PositiveFloat, Section, UnitFloat
+from asyncrl.config.fields import (KindVariant, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, Section,
+                                   UnitFloat)
 
 VerifierKind = Literal["math", "code", "format", "tiny", "tiny_seq", "tiny_tool", "none"]
 
@@ -71,7 +72,54 @@ class ProcessRewardEndpoint(EndpointBase, tag="prm", kw_only=True):
     """A local HF directory (required)."""
 
 
-Endpoint = VerifierEndpoint | GenerativeJudgeEndpoint | ScalarRewardEndpoint | ProcessRewardEndpoint
+class PythonRewardEndpoint(EndpointBase, tag="python", kw_only=True):
+    """A reward function of your own, in a file or a module: verl's per-sample
+    `compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs)` or TRL's
+    batched `fn(prompts, completions, **columns)` (docs/rewards.md). It runs in worker processes of
+    the endpoint, each call with a timeout: a hang is killed, not waited for."""
+
+    path: str
+    """A `.py` file, or a module on the path (`package.module`)."""
+    function: str = "compute_score"
+    """The function's name in it."""
+    signature: Literal["auto", "verl", "trl"] = "auto"
+    """verl (per sample: data_source, solution_str, ground_truth, extra_info) | trl (per batch:
+    prompts, completions, columns) | auto (from the parameter names; said at start-up)."""
+    workers: PositiveInt = 2
+    """Worker processes calling the function (a process, not a thread, so that a call past its
+    timeout can be ended and a CPU-bound scorer runs beside the endpoint's event loop)."""
+    call_timeout_s: PositiveFloat = 30.0
+    """A call (one sample; with trl, one batch) that takes longer is killed: a failed reward."""
+
+
+class OpenAIJudgeEndpoint(EndpointBase, tag="openai", kw_only=True):
+    """A generative judge behind an OpenAI-compatible API (a vLLM or SGLang server, a hosted model,
+    another asyncrl policy endpoint): pointwise against the reference, or pairwise, as the built-in
+    judge; its verdict read from the top log-probs of the first token when the server gives them,
+    else from the reply's first word."""
+
+    base_url: str
+    """The API's base URL, e.g. http://127.0.0.1:8000/v1."""
+    model: str
+    """The model name the server serves."""
+    api_key_env: str = ""
+    """The environment variable holding the API key (empty: no key). The key itself never appears
+    in the config, the logs or the records."""
+    judge_mode: Literal["pointwise", "pairwise"] = "pointwise"
+    """pointwise (Yes/No against the reference) | pairwise (the reference as the anchor)."""
+    min_verdict_mass: UnitFloat = 1e-3
+    """A verdict whose words carry less probability than this (or a reply that is neither) is no
+    verdict: a failed reward."""
+    max_concurrency: PositiveInt = 8
+    """Requests in flight at once."""
+    request_timeout_s: PositiveFloat = 60.0
+    """One request slower than this is retried, then its reward fails."""
+    retries: NonNegativeInt = 2
+    """Retries of a request that failed or timed out (with backoff)."""
+
+
+Endpoint = (VerifierEndpoint | GenerativeJudgeEndpoint | ScalarRewardEndpoint | ProcessRewardEndpoint
+            | PythonRewardEndpoint | OpenAIJudgeEndpoint)
 """An entry of `reward.endpoints`: one of these by its `kind`."""
 
 

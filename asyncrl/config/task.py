@@ -4,7 +4,7 @@ section whole; evaluation reads the held-out part."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -25,10 +25,20 @@ class TaskConfig(Section):
 
     name: Literal["tiny", "tiny_seq", "tiny_tool", "arithmetic", "arithmetic_tool", "file"] = "arithmetic"
     """tiny | tiny_seq | tiny_tool | arithmetic | arithmetic_tool | file."""
-    path: str = ""
-    """file: a local jsonl or parquet in verl's layout."""
-    eval_path: str = ""
-    """file: the held-out prompts (same layout); empty = no held-out evaluation."""
+    path: str | list[str] = ""
+    """file: the training prompts in verl's layout: a jsonl or parquet file, a glob, a directory
+    written by `datasets`' `save_to_disk`, or a list of them (their rows in that order)."""
+    eval_path: str | list[str] = ""
+    """file: the held-out prompts (same forms); empty = no held-out evaluation."""
+    prompt_key: str = "prompt"
+    """The column holding the prompt: chat messages, or a plain string (TRL's `prompt`)."""
+    answer_key: str = ""
+    """The column holding the ground truth; empty = verl's `reward_model.ground_truth`. TRL-style
+    data names it `answer` or `solution`. A non-string value (a dict of tests, a list) reaches the
+    reward function as it is."""
+    max_prompt_length: NonNegativeInt = 0
+    """Prompts longer than this many tokens (chat template applied) are dropped at start-up and the
+    count is printed (verl's `filter_overlong_prompts`); 0 = keep every prompt."""
     num_train_prompts: PositiveInt = 512
     """Built-in tasks: prompts generated for training (and a disjoint held-out set)."""
     num_eval_prompts: PositiveInt = 64
@@ -70,6 +80,11 @@ class EnvironmentConfig(Section):
     """The environment a task's episodes act in (multi-turn tool use): the generators run each sample
     as an episode, and the environment endpoint answers its tool calls. Empty `name`: single-turn."""
 
+    class_path: str = ""
+    """An environment of your own: `package.module:Class` or `path/to/file.py:Class`, implementing
+    the environment protocol (docs/environments.md); instead of `name`."""
+    options: dict[str, Any] = msgspec.field(default_factory=dict)
+    """class_path: keyword arguments the class is built with."""
     name: Literal["", "python", "lookup"] = ""
     """"" (no environment: one turn) | python (runs the model's code in the sandbox) | lookup (the
     tiny tool task's tool)."""
@@ -90,3 +105,8 @@ class EnvironmentConfig(Section):
     """An observation is cut to this many characters (a program that prints megabytes fills no context)."""
     allow_unisolated: bool = False
     """python: where no namespace can be made, run code with rlimits alone instead of refusing."""
+
+    @property
+    def enabled(self) -> bool:
+        """Episodes act in an environment (a built-in by `name`, or a class of the user's)."""
+        return bool(self.name or self.class_path)

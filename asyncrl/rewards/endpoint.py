@@ -16,8 +16,8 @@ import time
 
 import msgspec
 
-from asyncrl.config import (Endpoint, GenerativeJudgeEndpoint, ModelConfig, ProcessRewardEndpoint, ScalarRewardEndpoint,
-                            VerifierEndpoint)
+from asyncrl.config import (Endpoint, GenerativeJudgeEndpoint, ModelConfig, OpenAIJudgeEndpoint, ProcessRewardEndpoint,
+                            PythonRewardEndpoint, ScalarRewardEndpoint, VerifierEndpoint)
 from asyncrl.config.reward import EndpointBase
 from asyncrl.schema import PairRequest, Reward, RewardRequest
 
@@ -40,7 +40,7 @@ def _verifier(endpoint: VerifierEndpoint, model: ModelConfig | None, default_sty
 
 def _generative_judge(endpoint: GenerativeJudgeEndpoint, model: ModelConfig | None, default_style: str):
     from asyncrl.models import load_model, load_tokenizer
-    from asyncrl.rewards.reward_model import GenerativeJudge
+    from asyncrl.rewards.judge import GenerativeJudge, LocalVerdicts
 
     if endpoint.model_path:
         judge_model = ModelConfig(source="hf", path=endpoint.model_path)
@@ -49,8 +49,23 @@ def _generative_judge(endpoint: GenerativeJudgeEndpoint, model: ModelConfig | No
     else:
         judge_model = model
     tokenizer = load_tokenizer(judge_model)
-    return GenerativeJudge(load_model(judge_model, tokenizer), tokenizer, endpoint,
-                           use_chat_template=model.use_chat_template if model is not None else True)
+    verdicts = LocalVerdicts(load_model(judge_model, tokenizer), tokenizer,
+                             use_chat_template=model.use_chat_template if model is not None else True,
+                             model_path=endpoint.model_path)
+    return GenerativeJudge(verdicts, endpoint)
+
+
+def _openai_judge(endpoint: OpenAIJudgeEndpoint, model: ModelConfig | None, default_style: str):
+    from asyncrl.rewards.judge import GenerativeJudge
+    from asyncrl.rewards.openai_judge import OpenAIVerdicts
+
+    return GenerativeJudge(OpenAIVerdicts(endpoint), endpoint)
+
+
+def _python_reward(endpoint: PythonRewardEndpoint, model: ModelConfig | None, default_style: str):
+    from asyncrl.rewards.user_function import PythonReward
+
+    return PythonReward(endpoint)
 
 
 def _scalar_reward_model(endpoint: ScalarRewardEndpoint, model: ModelConfig | None, default_style: str):
@@ -67,7 +82,8 @@ def _process_reward_model(endpoint: ProcessRewardEndpoint, model: ModelConfig | 
 
 # The one mapping from an endpoint's kind to what builds its scorer (a `Scorer`: `score`, `version`,
 # `reconfigure` in place or False to be rebuilt; a judge also `compare`s pairs).
-SCORERS = {"verifier": _verifier, "genrm": _generative_judge, "bt": _scalar_reward_model, "prm": _process_reward_model}
+SCORERS = {"verifier": _verifier, "genrm": _generative_judge, "bt": _scalar_reward_model, "prm": _process_reward_model,
+           "python": _python_reward, "openai": _openai_judge}
 
 
 def build_scorer(endpoint: Endpoint, model: ModelConfig | None, default_style: str):
@@ -97,10 +113,13 @@ class RewardEndpoint:
         if user_config.get("kind", current["kind"]) != current["kind"]:
             current = {}  # another kind: its own settings, from its defaults
         new = endpoint_config({**current, **user_config})
-        scorer = self.scorer
-        if new.kind != self.config.kind or not scorer.reconfigure(new):
+        old = self.scorer
+        scorer = old
+        if new.kind != self.config.kind or not old.reconfigure(new):
             scorer = build_scorer(new, self.model, self.default_style)  # built first, then swapped
         self.config, self.scorer = new, scorer
+        if scorer is not old and hasattr(old, "close"):
+            old.close()  # its worker processes or connections (calls still on it finish or fail)
         self.counters["reconfigurations"] += 1
 
     async def score(self, requests: list[RewardRequest]) -> list[Reward]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from asyncrl.config import VerifierEndpoint
 from asyncrl.rewards.sandbox import SandboxLimits
 from asyncrl.rewards.verifiers import episode_truth, kind_for, verify
-from asyncrl.schema import Reward, RewardRequest
+from asyncrl.schema import Reward, RewardRequest, has_ground_truth
 
 
 def not_applicable(req: RewardRequest, source: str, version: str, why: str) -> Reward:
@@ -56,7 +56,7 @@ class Verifier:
             if kind == "none":  # no rule checks this data source (e.g. open-ended chat): a judge should
                 rewards.append(not_applicable(req, self.name, self.version, f"no verifier for {req.data_source!r}"))
                 continue
-            if not req.ground_truth and kind != "format":
+            if not has_ground_truth(req.ground_truth) and kind != "format":
                 rewards.append(not_applicable(req, self.name, self.version, "no ground truth to verify against"))
                 continue
             truth = episode_truth(req.ground_truth, req.prompt_id, req.sample_idx)

@@ -27,6 +27,7 @@ from actors.recorder import RecorderActor
 from actors.reward_endpoint import reward_endpoint_actors
 from actors.value_learner import ValueLearnerActor
 from asyncrl import checkpoint
+from asyncrl.datafiles import check_prompts
 from asyncrl.config import Config
 from asyncrl.ray_mailbox import RayMailbox, ShardedMailbox, sum_stats
 from asyncrl.run.placement import LEARNER_NAME, ask, role_placement, spawn
@@ -95,6 +96,7 @@ class System:
 
     def _start(self) -> "System":
         cfg = self.config
+        check_prompts(cfg)  # the task's data: refused here, naming the rows, before any role starts
         resume = self._resume_point()  # None for a fresh run
         learning = cfg.mode == "train"  # mode=generate: generators, rewards and the store only
         value_based = learning and cfg.algorithm.value_based
@@ -144,7 +146,7 @@ class System:
         # Reward endpoints: actors here, or the Serve applications `reward-<name>` (reward.use_serve).
         self._endpoints = {} if cfg.reward.use_serve else reward_endpoint_actors(cfg.reward, cfg.model, cfg.task.reward, here)
         # The environment a task's episodes act in: an endpoint of its own, here with the control plane.
-        self.environment = environment_actor(cfg.environment, here) if cfg.environment.name else None
+        self.environment = environment_actor(cfg.environment, here) if cfg.environment.enabled else None
         self._created += [self.environment] if self.environment is not None else []
         recorder = (self._spawn(RecorderActor, directory=os.path.join(self.run_dir, STORE_DIRNAME),
                                 max_file_mb=tr.record_file_mb, max_file_age_s=tr.record_file_age_s, placement=here)
