@@ -285,7 +285,7 @@ def build_prompt_source(model: ModelConfig, task: TaskConfig, algorithm: Algorit
     learner: `mode=generate`)."""
     tokenizer = load_tokenizer(model)
     examples = load_examples(task, "train")
-    tokens = [encode_prompt(ex, tokenizer, model.use_chat_template) for ex in examples]
+    tokens = [encode_prompt(ex, tokenizer, model.use_chat_template, task.chat_template_kwargs) for ex in examples]
     examples, tokens = drop_overlong(examples, tokens, task.max_prompt_length, "train")
     curriculum = [(stage.start_step, list(stage.data_sources)) for stage in task.curriculum]
     staleness = NO_BOUND if max_prompts else algorithm.max_staleness_versions

@@ -26,7 +26,7 @@ def _generate(args: argparse.Namespace) -> int:
     print(f"loaded {config.model.name} ({sum(p.numel() for p in engine.model.parameters()) / 1e6:.1f}M params) "
           f"in {time.perf_counter() - start:.1f}s")
     examples = load_examples(config.task, "eval", args.n)[: args.n]
-    prompts = [encode_prompt(ex, tokenizer, config.model.use_chat_template) for ex in examples]
+    prompts = [encode_prompt(ex, tokenizer, config.model.use_chat_template, config.task.chat_template_kwargs) for ex in examples]
     params = SamplingParams.of(config.sampling)
     start = time.perf_counter()
     completions = complete(engine, tokenizer, prompts, [config.trainer.seed + i for i in range(len(prompts))],

@@ -42,7 +42,7 @@ def held_out(config: Config, max_prompts: int | None = None) -> list[Example]:
         from asyncrl.models import load_tokenizer
 
         tokenizer = load_tokenizer(config.model)
-        tokens = [encode_prompt(ex, tokenizer, config.model.use_chat_template) for ex in examples]
+        tokens = [encode_prompt(ex, tokenizer, config.model.use_chat_template, config.task.chat_template_kwargs) for ex in examples]
         examples, _ = drop_overlong(examples, tokens, config.task.max_prompt_length, "held-out")
     return examples[: max_prompts or len(examples)]
 
@@ -59,7 +59,7 @@ def respond(config: Config, engine, tokenizer, examples: list[Example], n: int, 
     """n completions per example from a local engine: whole responses, or whole episodes where the
     task has an environment (`config.environment`; run in this process), sample j of an example
     being the episode (its prompt id, j)."""
-    prompts = [encode_prompt(ex, tokenizer, config.model.use_chat_template) for ex in examples for _ in range(n)]
+    prompts = [encode_prompt(ex, tokenizer, config.model.use_chat_template, config.task.chat_template_kwargs) for ex in examples for _ in range(n)]
     if not config.environment.enabled:
         return complete(engine, tokenizer, prompts, seeds, config.engine.max_response_tokens, params,
                         on_batch=on_batch)

@@ -119,7 +119,8 @@ def labelled_records(path: str, config: Config) -> list[TrajectoryRecord]:
     for i, (row, example) in enumerate(zip(rows, examples)):
         if "response" not in row:
             raise ValueError(f"{path}: row {i} has no `response` field (a labelled response)")
-        prompt_ids = encode_prompt(example, tokenizer, config.model.use_chat_template)
+        prompt_ids = encode_prompt(example, tokenizer, config.model.use_chat_template,
+                                   config.task.chat_template_kwargs)
         response_ids = tokenizer.encode(row["response"], add_special_tokens=False) + [tokenizer.eos_token_id]
         if "score" in row:
             score, correct = float(row["score"]), row.get("correct")

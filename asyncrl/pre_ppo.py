@@ -70,7 +70,7 @@ async def select_prompts(train: list[Example], train_tokens: list[list[int]], mo
     """Generate with the initial policy, score through `router`, select (see the module docstring)."""
     embedded, tokenizer = build_engine(model)
     pool = file_examples(task.pre_ppo_pool_path) if task.pre_ppo_pool_path else list(train)
-    pool_tokens = [encode_prompt(ex, tokenizer, model.use_chat_template) for ex in pool]
+    pool_tokens = [encode_prompt(ex, tokenizer, model.use_chat_template, task.chat_template_kwargs) for ex in pool]
     k = task.pre_ppo_samples
     completions = await complete_async(embedded, tokenizer, [t for t in pool_tokens for _ in range(k)],
                                        [seed * 7919 + i for i in range(len(pool) * k)],

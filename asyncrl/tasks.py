@@ -152,8 +152,10 @@ def reference_response(data_source: str, ground_truth) -> str:
     return ground_truth_text(ground_truth)
 
 
-def encode_prompt(example: Example, tokenizer, use_chat_template: bool) -> list[int]:
-    """Prompt token ids: the chat template with a generation prompt, or the raw user text."""
+def encode_prompt(example: Example, tokenizer, use_chat_template: bool, template_kwargs: dict | None = None) -> list[int]:
+    """Prompt token ids: the chat template with a generation prompt (and `task.chat_template_kwargs`),
+    or the raw user text."""
     if use_chat_template:
-        return list(tokenizer.apply_chat_template(example.messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+        return list(tokenizer.apply_chat_template(example.messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False, **(template_kwargs or {})))
     return tokenizer.encode(example.text, add_special_tokens=False)

@@ -14,6 +14,7 @@ def ray_session():
 
     if not ray.is_initialized():
         ray.init(
+            address="local",  # a new instance of our own, whatever else runs on the machine
             num_cpus=16,  # logical CPUs: actors reserve little; real threads are budgeted per actor
             include_dashboard=False,
             object_store_memory=256 * 2**20,

@@ -257,3 +257,9 @@ def test_episode_settings_a_run_cannot_honour_are_refused():
     with pytest.raises(ConfigError, match="environment.tool_format=xml"):
         compose(["model=tiny", "task=tiny_tool", "environment.tool_format=xml"])
     compose(["model=tiny", "task=tiny_tool"])
+
+
+def test_the_docs_table_of_foreign_names_is_the_code_s():
+    from asyncrl.config.names import foreign_table
+
+    assert foreign_table() in open(os.path.join(os.path.dirname(config_dir()), "docs", "config.md")).read()

@@ -66,7 +66,7 @@ def run(quick: bool = False, overrides: list[str] | None = None) -> dict:
     batches = (1, 4) if quick else (1, 16, 64, 256) if device == "cuda" else (1, 16, 64)
     rounds = 1 if quick else 3
     examples = load_examples(config.task, "eval", max(batches))
-    prompts = [encode_prompt(ex, tokenizer, config.model.use_chat_template) for ex in examples]
+    prompts = [encode_prompt(ex, tokenizer, config.model.use_chat_template, config.task.chat_template_kwargs) for ex in examples]
     setup = {"dtype": str(dtype).removeprefix("torch."), "threads": threads, "device": device, "new_tokens": new_tokens,
              "rounds": rounds, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "native_bf16": native_bf16(device),
              "mean_prompt_tokens": float(np.mean([len(p) for p in prompts[:max(batches)]]))}

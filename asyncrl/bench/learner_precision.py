@@ -30,7 +30,7 @@ from asyncrl.tasks import encode_prompt
 def sampled_batch(config, lm, tokenizer, rows: int, response: int, seed: int = 0) -> list[TrainSample]:
     engine = TorchEngine(lm, eos_token_ids(lm, tokenizer), tokenizer.pad_token_id or 0)
     examples = load_examples(config.task, "eval", rows)
-    prompts = [encode_prompt(ex, tokenizer, config.model.use_chat_template) for ex in examples][:rows]
+    prompts = [encode_prompt(ex, tokenizer, config.model.use_chat_template, config.task.chat_template_kwargs) for ex in examples][:rows]
     outs = engine.generate_window_sync([sequence_input(p, seed + i, response) for i, p in enumerate(prompts)],
                                        response, SamplingParams.of(config.sampling))
     advantages = np.random.default_rng(seed).normal(size=len(prompts))

@@ -76,7 +76,7 @@ def engine_speed(config: Config, quick: bool) -> dict:
     batches = (1, 4) if quick else (1, 16, 64)
     rounds = 1 if quick else 3
     examples = load_examples(config.task, "eval", max(batches))
-    prompts = [encode_prompt(ex, tokenizer, config.model.use_chat_template) for ex in examples]
+    prompts = [encode_prompt(ex, tokenizer, config.model.use_chat_template, config.task.chat_template_kwargs) for ex in examples]
     params = SamplingParams(temperature=1.0)
     results = {}
     try:

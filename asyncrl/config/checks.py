@@ -27,6 +27,8 @@ def _algorithm_checks(config) -> list[tuple[bool, str]]:
         (e.long_tail_tokens <= e.max_response_tokens, "engine.long_tail_tokens must be <= engine.max_response_tokens"),
         (a.overlong.buffer_tokens < e.max_response_tokens,
          "algorithm.overlong.buffer_tokens must be < engine.max_response_tokens"),
+        (config.model.source != "hf" or bool(config.model.path),
+         "model.source=hf needs model.path: the Hugging Face directory to load"),
         (not (config.environment.name and config.environment.class_path),
          "environment.name and environment.class_path name two environments: set one"),
         (gae is None or not gae.kl_in_reward or a.kl.coef > 0,

