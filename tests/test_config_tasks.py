@@ -263,3 +263,15 @@ def test_the_docs_table_of_foreign_names_is_the_code_s():
     from asyncrl.config.names import foreign_table
 
     assert foreign_table() in open(os.path.join(os.path.dirname(config_dir()), "docs", "config.md")).read()
+
+
+def test_a_config_directory_without_a_primary_recipe_adds_its_options_first(tmp_path):
+    (tmp_path / "task").mkdir()
+    # An option of the package's name (task=tiny) is replaced by the user's; a new one is added.
+    (tmp_path / "task" / "tiny.yaml").write_text("defaults:\n  - arithmetic\n  - _self_\nnum_train_prompts: 7\n")
+    (tmp_path / "task" / "mine.yaml").write_text("num_train_prompts: 9\n")
+    assert compose(["task=tiny"], user_dir=str(tmp_path)).task.num_train_prompts == 7
+    assert compose(["task=mine"], user_dir=str(tmp_path)).task.num_train_prompts == 9
+    assert compose(["task=tiny"]).task.num_train_prompts != 7
+    with pytest.raises(ConfigError, match="no such directory"):
+        compose([], user_dir=str(tmp_path / "absent"))

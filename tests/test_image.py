@@ -2,9 +2,8 @@
 Dockerfile's COPY lines make, installed by the Dockerfile's own `pip install` lines into a fresh
 environment, imports every module and every Serve application of configs/serve*.yaml and trains.
 
-The fresh environment sees this environment's packages as plain path entries, standing in for the
-SGLang image's (torch, transformers, ...): pip counts them as installed and adds nothing, and no .pth
-of theirs runs, so the checkout's editable asyncrl stays out."""
+The fresh environment sees this environment's packages, standing in for the SGLang image's (torch,
+transformers, ...): pip counts them as installed and adds nothing (`venv_over_this_one`)."""
 
 from __future__ import annotations
 
@@ -13,8 +12,6 @@ import os
 import shlex
 import shutil
 import subprocess
-import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -67,16 +64,11 @@ def test_the_dockerfile_copies_every_top_level_path_the_package_reads():
 
 
 @pytest.mark.slow
-def test_the_tree_the_dockerfile_copies_installs_imports_every_app_and_trains(tmp_path):
+def test_the_tree_the_dockerfile_copies_installs_imports_every_app_and_trains(tmp_path, venv_over_this_one):
     tree = build_tree(tmp_path / "image")
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    python = venv / "bin" / "python"
-    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             check=True, capture_output=True, text=True).stdout.strip()
-    Path(purelib, "base-image.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    python = venv_over_this_one / "python"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "ASYNCRL_CONFIG_DIR")}
-    env["PATH"] = f"{venv / 'bin'}:{env['PATH']}"  # `pip` and `python` are the fresh environment's, as in the image
+    env["PATH"] = f"{venv_over_this_one}:{env['PATH']}"  # `pip` and `python` are the fresh environment's, as in the image
     _, _, runs = dockerfile()
     for run in runs:
         if run not in IMAGE_ONLY:
@@ -101,7 +93,8 @@ def test_the_tree_the_dockerfile_copies_installs_imports_every_app_and_trains(tm
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
-    assert lines[-1].startswith(str(venv)), lines  # the installed copy, not the checkout's
+    # `serve run` in WORKDIR imports the tree's copy (its --app-dir is "."), `asyncrl` the installed one.
+    assert lines[-1].startswith(str(tree)), lines
     assert sorted(line.split()[0] for line in lines[:-1]) == sorted(path for path, _ in apps)
     assert all(line.split()[1] == "Application" for line in lines[:-1])
 

@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import sysconfig
 import tomllib
 from pathlib import Path
 
@@ -57,23 +56,12 @@ def test_ci_installs_pinned_versions_that_the_floors_admit():
             assert version(name).split("+")[0] == pins[name]
 
 
-def fresh_venv(where: Path, site_dirs: list[str]) -> Path:
-    """A new venv that sees `site_dirs` as plain path entries: the packages installed there count as
-    installed for pip, but no .pth of theirs runs, so the checkout's editable asyncrl stays out."""
-    subprocess.run([sys.executable, "-m", "venv", str(where)], check=True)
-    python = where / "bin" / "python"
-    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             check=True, capture_output=True, text=True).stdout.strip()
-    Path(purelib, "dependencies.pth").write_text("\n".join(site_dirs) + "\n")
-    return python
-
-
 @pytest.mark.slow
-def test_a_wheel_installed_elsewhere_trains_and_takes_a_config_directory(tmp_path):
+def test_a_wheel_installed_elsewhere_trains_and_takes_a_config_directory(tmp_path, venv_over_this_one):
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
                     str(tmp_path / "dist"), str(ROOT)], check=True)
     wheel = next((tmp_path / "dist").glob("asyncrl-*.whl"))
-    python = fresh_venv(tmp_path / "venv", [sysconfig.get_paths()["purelib"]])
+    python = venv_over_this_one / "python"
     # --no-index: every dependency must already be satisfied by what CI tested, at the wheel's floors.
     subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-index", str(wheel)], check=True)
     elsewhere = tmp_path / "elsewhere"
@@ -85,7 +73,7 @@ def test_a_wheel_installed_elsewhere_trains_and_takes_a_config_directory(tmp_pat
                             "print(asyncrl.__file__, actors.__file__, f.config_dir())"],
                            cwd=elsewhere, env=env, check=True, capture_output=True, text=True).stdout.split()
     assert all(p.startswith(str(tmp_path / "venv")) for p in where), where
-    asyncrl = tmp_path / "venv" / "bin" / "asyncrl"
+    asyncrl = venv_over_this_one / "asyncrl"
     run = subprocess.run([str(asyncrl), "train", "--config-dir", "mine", "model=tiny", "task=tiny_short",
                           "trainer.total_steps=3", "trainer.run_dir=run", "trainer.wandb_mode=disabled"],
                          cwd=elsewhere, env=env, capture_output=True, text=True, timeout=900)

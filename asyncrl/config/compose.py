@@ -122,6 +122,14 @@ def _hydra_compose(config_name: str, group_lines: list[str], user_dir: str | Non
 
     primary = user_dir or config_dir()
     extra = [f"hydra.searchpath=[file://{config_dir()}]"] if user_dir else []
+    package_primary = os.path.join(config_dir(), f"{config_name}.yaml")
+    if user_dir and not os.path.isfile(os.path.join(user_dir, f"{config_name}.yaml")) and os.path.isfile(package_primary):
+        # Hydra looks the primary recipe up in --config-dir only: the package's is stored under a name
+        # of its own (the same name would make it a schema of the file), the user's options still first.
+        from hydra.core.config_store import ConfigStore
+
+        config_name = f"asyncrl_package_{config_name}"
+        ConfigStore.instance().store(name=config_name, node=OmegaConf.load(package_primary))
     try:
         with initialize_config_dir(config_dir=str(primary), version_base=None, job_name="asyncrl"):
             return hydra_compose(config_name=config_name, overrides=group_lines + extra)
