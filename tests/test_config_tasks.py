@@ -275,3 +275,11 @@ def test_a_config_directory_without_a_primary_recipe_adds_its_options_first(tmp_
     assert compose(["task=tiny"]).task.num_train_prompts != 7
     with pytest.raises(ConfigError, match="no such directory"):
         compose([], user_dir=str(tmp_path / "absent"))
+
+
+def test_a_serve_app_s_overrides_string_splits_as_a_shell_does():
+    from asyncrl.serve.guards import config_from_args
+
+    config = config_from_args({"overrides": "model=tiny 'task.chat_template_kwargs={enable_thinking: false}'",
+                               "trainer.total_steps": "7"})
+    assert config.task.chat_template_kwargs == {"enable_thinking": False} and config.trainer.total_steps == 7

@@ -4,6 +4,7 @@ turn-end id in `generation_config.json`; trained, served and exported with `mode
 export loading in transformers."""
 
 import json
+import shlex
 
 import httpx
 import pytest
@@ -85,7 +86,7 @@ def test_a_qwen3_directory_trains_serves_and_exports(ray_session, tmp_path):
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
         deploy_declaratively([{"name": "qwen-policy", "route_prefix": "/v1", "import_path": "asyncrl.serve.policy:build_policy",
-                               "args": {"overrides": " ".join([*overrides, f"model.path={out}", "serve.follow_learner=false"])}}],
+                               "args": {"overrides": shlex.join([*overrides, f"model.path={out}", "serve.follow_learner=false"])}}],
                              timeout_s=300)
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).json()
         assert models["data"][0]["id"] == "export"  # the exported directory's name
