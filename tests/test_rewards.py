@@ -292,7 +292,7 @@ def test_pre_ppo_scores_candidates_through_the_reward_router():
     router = RewardRouter([RouteConfig(endpoints=["verifier"])], call, timeout_s=30, retries=2)
     train = tiny_examples("train")
     tokens = [encode_prompt(ex, build_tiny_tokenizer(), False) for ex in train]
-    chosen, _, report = asyncio.run(select_prompts(train, tokens, config.model, config.engine, config.task, router, 0))
+    chosen, _, report = asyncio.run(select_prompts(train, tokens, config.model, config.engine, config.sampling, config.task, router, 0))
     assert calls[:2] == ["verifier", "verifier"] and router.counters["retries"] == 1
     assert report["candidates"] == 10 and report["failed_rewards"] == 0 and report["selected"] >= 1
     assert report["responses_per_candidate"] == config.task.pre_ppo_samples

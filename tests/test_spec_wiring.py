@@ -18,6 +18,7 @@ from asyncrl.assembly.rows import with_whole_response
 from asyncrl.config import (ConfigError, CriticConfig, DynamicSampling, GAEAdvantage, KLPenalty, ModelConfig, Optimizer,
                             OverlongShaping, PolicyCompute, PolicyConfig, PolicyLoss, SamplingConfig, ValueLoss, compose)
 from asyncrl.config.fields import replaced
+from asyncrl.config.learner import Compute
 from asyncrl.learning.policy import Objective, policy_step
 from asyncrl.learning.rows import collate
 from asyncrl.learning.scoring import token_logprobs
@@ -276,7 +277,8 @@ def test_at_step_zero_every_ratio_is_one_under_the_engines_own_sampling():
 
 def test_value_clipping_acts_around_the_values_recorded_at_scoring():
     windows = segment([20, 21, 22, 23])
-    critic = CriticConfig(loss=ValueLoss(lam=1.0, clip_low=0.5, clip_high=0.6), optimizer=Optimizer(grad_clip=1e9))
+    critic = CriticConfig(loss=ValueLoss(lam=1.0, clip_low=0.5, clip_high=0.6), optimizer=Optimizer(grad_clip=1e9),
+                          compute=Compute(precision="fp32"))
 
     def value_grads(trajectory, clip=True):
         torch.manual_seed(0)
@@ -470,7 +472,7 @@ def test_kl_estimators_are_selectable():
 
 def test_tppo_refuses_process_rewards_it_cannot_credit():
     with pytest.raises(ConfigError, match="process rewards"):
-        compose(["algorithm=tppo", "+reward.endpoints.prm={kind: prm}",
+        compose(["algorithm=tppo", "+reward.endpoints.prm={kind: prm, model_path: prm_dir}",
                  "reward.routes=[{match: '*', endpoints: [verifier], dense: [prm]}]"])
 
 

@@ -187,10 +187,12 @@ def _conversion_message(data: dict, detail: str) -> str:
     """msgspec's error (`... - at $.a.b`) as one line naming the field, with the field's own words."""
     match = re.search(r" - at `\$\.?([^`]*)`", detail)
     where = match.group(1) if match else ""
-    parts = [p for p in re.split(r"\.|\[(\d+)\]", where) if p]
+    parts = [p for p in re.split(r"\.|\[(\d+|\.\.\.)\]", where) if p]
     node, kind, path = data, Config, ""
     try:
         for part in parts:
+            if part == "...":  # msgspec does not name the mapping's key: the first entry that fails
+                part = _failing_entry(node, schema.child(kind, node, next(iter(node), ""), path))
             kind = schema.child(kind, node, part, path)
             node = node[int(part)] if isinstance(node, list) else node[part]
             path = f"{path}.{part}" if path else part
@@ -206,6 +208,15 @@ def _conversion_message(data: dict, detail: str) -> str:
     if missing:
         return f"{path}.{missing.group(1)} is required"
     return schema.value_error(path, kind, node) or f"invalid config: {detail}"
+
+
+def _failing_entry(mapping: dict, entry_type) -> str:
+    for key, value in mapping.items():
+        try:
+            msgspec.convert(value, entry_type)
+        except msgspec.ValidationError:
+            return key
+    return next(iter(mapping))
 
 
 def _leaves(data, prefix: str = ""):

@@ -260,7 +260,32 @@ def migrate(data: dict) -> dict:
         value = _pop(data, old)
         if value is not _MISSING and new is not None:
             _put(data, new, value)
+    _split_flat_endpoints(data)
     return data
+
+
+def _split_flat_endpoints(data: dict) -> None:
+    """Endpoints were one record with every kind's fields: each keeps only its kind's. A field of
+    another kind is dropped where it holds that kind's default; set otherwise, the schema refuses it."""
+    from typing import get_args
+
+    import msgspec
+
+    from asyncrl.config.reward import Endpoint
+
+    owned, defaults = {}, {}
+    for variant in get_args(Endpoint):
+        info = msgspec.inspect.type_info(variant)
+        owned[info.tag] = {f.name for f in info.fields} | {"kind"}
+        for f in info.fields:
+            if f.default is not msgspec.NODEFAULT:
+                defaults.setdefault(f.name, []).append(f.default)
+    endpoints = (data.get("reward") or {}).get("endpoints")
+    for endpoint in (endpoints or {}).values():
+        if isinstance(endpoint, dict) and endpoint.get("kind") in owned:
+            for name in [n for n in endpoint if n not in owned[endpoint["kind"]]
+                         and (endpoint[n] in defaults.get(n, []) or endpoint[n] == "")]:
+                endpoint.pop(name)
 
 
 _MISSING = object()
