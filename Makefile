@@ -7,7 +7,7 @@ STAMP := $(VENV)/.asyncrl-installed
 # files it publishes (its GSM8K and maths scorers) as a user brings them.
 VERL_VERSION := 0.9.1
 
-.PHONY: setup demo generate test clean bench-venv sglang test-sglang
+.PHONY: setup demo generate test clean bench-venv sglang test-sglang gpu-wheels
 
 setup: $(STAMP)
 
@@ -32,7 +32,13 @@ test: setup
 	$(VENV)/bin/python -m pytest -q --durations=15
 
 clean:
-	rm -rf $(VENV) .venv-bench $(SGLANG_VENV) outputs
+	rm -rf $(VENV) .venv-bench $(SGLANG_VENV) outputs .whl
+
+# The GPU check's wheels for a lent GPU machine that reaches no registry (docs/gpu.md): what
+# load_tests/gpu_check.py imports beyond torch, transformers, safetensors, numpy and pyarrow, for
+# CPython 3.12 on manylinux x86-64, at this venv's versions, in at most 60 MiB (no Ray).
+gpu-wheels: setup
+	$(PY) load_tests/gpu_wheels.py .whl
 
 # The benchmarks' own environment: asyncrl's packages (seen through a .pth) plus TRL, which asyncrl
 # itself never depends on (`asyncrl bench trl`).
