@@ -7,7 +7,7 @@ STAMP := $(VENV)/.asyncrl-installed
 # files it publishes (its GSM8K and maths scorers) as a user brings them.
 VERL_VERSION := 0.9.1
 
-.PHONY: setup demo generate test clean bench-venv sglang test-sglang lock floors
+.PHONY: setup demo generate test clean bench-venv sglang test-sglang lock floors gpu-wheels
 
 setup: $(STAMP)
 
@@ -33,7 +33,7 @@ test: setup
 	$(VENV)/bin/python -m pytest -q --durations=15
 
 clean:
-	rm -rf $(VENV) .venv-bench $(SGLANG_VENV) $(FLOORS_VENV) outputs
+	rm -rf $(VENV) .venv-bench $(SGLANG_VENV) $(FLOORS_VENV) outputs .whl
 
 # After the suite passed in .venv: pin what it ran on (the editable asyncrl itself left out).
 lock: setup
@@ -54,6 +54,12 @@ floors:
 	$(FLOORS_VENV)/bin/python -m pip list 2>/dev/null | grep -iE '^(torch|ray|transformers|msgspec|hydra-core|openai|pyarrow|numpy) '
 	$(FLOORS_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_packaging.py tests/test_config_tasks.py \
 	    tests/test_algo.py tests/test_user_reward.py tests/test_datafiles.py tests/test_openai_judge.py tests/test_model_dirs.py
+
+# The GPU check's wheels for a lent GPU machine that reaches no registry (docs/gpu.md): what
+# load_tests/gpu_check.py imports beyond torch, transformers, safetensors, numpy and pyarrow, for
+# CPython 3.12 on manylinux x86-64, at this venv's versions, in at most 60 MiB (no Ray).
+gpu-wheels: setup
+	$(PY) load_tests/gpu_wheels.py .whl
 
 # The benchmarks' own environment: asyncrl's packages (seen through a .pth) plus TRL, which asyncrl
 # itself never depends on (`asyncrl bench trl`).
