@@ -129,8 +129,18 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 
 def _export(args: argparse.Namespace) -> int:
-    from asyncrl.checkpoint import export_hf
+    from asyncrl import lora
+    from asyncrl.checkpoint import export_hf, policy_dir
 
+    source = policy_dir(args.source)
+    if lora.is_adapter_dir(source):
+        out = lora.export(source, args.out, args.adapter)
+        how = "peft's PeftModel.from_pretrained(base, dir)" if args.adapter else "transformers' from_pretrained"
+        print(f"exported to {out} (load it with {how})")
+        return 0
+    if args.adapter:
+        raise FileNotFoundError(f"{source} holds a full fine-tune (model.lora_rank=0): no adapter to export; "
+                                f"drop --adapter for the model")
     print(f"exported to {export_hf(args.source, args.out)} (load it with transformers' from_pretrained)")
     return 0
 
@@ -214,6 +224,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     export = sub.add_parser("export", help="copy a checkpoint's policy out as a Hugging Face directory")
     export.add_argument("source", help="a run directory (its newest valid checkpoint) or a checkpoint directory")
     export.add_argument("out", help="the directory to write (safetensors, config, tokenizer)")
+    export.add_argument("--adapter", action="store_true",
+                        help="a LoRA run's adapter alone, in peft's format (default: the merged model)")
     export.set_defaults(func=_export, overrides=[])
 
     scale = sub.add_parser("scale", help="set the number of generators of a running service (serve run)")

@@ -286,6 +286,10 @@ def train_cli(overrides: list[str], config_dir: str | None = None, config_name: 
     if print_config:
         print(to_yaml(config), end="")
         return 0
+    if config.model.lora_rank:  # against the model itself: a module it lacks is refused here, in one line
+        from asyncrl import lora
+
+        lora.check_targets(config.model)
     if config.mode != "train":  # the recording and offline modes have drivers of their own
         from asyncrl import offline
 

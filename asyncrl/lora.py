@@ -236,3 +236,17 @@ def merged_model(directory: str):
             weight = weights[module + ".weight"]
             weight.copy_(merge(weight, adapter[module + _A], adapter[module + _B], scaling))
     return lm, tokenizer
+
+
+def export(policy_dir: str, out_dir: str, adapter_only: bool) -> str:
+    """`asyncrl export` of a LoRA checkpoint's policy: the merged model as a Hugging Face directory,
+    or (`adapter_only`) the adapter in peft's format with the tokenizer and the base's settings."""
+    import shutil
+
+    if adapter_only:
+        shutil.copytree(policy_dir, out_dir, dirs_exist_ok=True)
+        return out_dir
+    lm, tokenizer = merged_model(policy_dir)
+    lm.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir

@@ -58,13 +58,30 @@ class BucketPlan(msgspec.Struct, frozen=True):
         return sum(b.nbytes for b in self.buckets)
 
 
+class AdapterSpec(msgspec.Struct, frozen=True):
+    """A version sent as a LoRA adapter (`asyncrl.lora`): its tensors are `<module>.lora_A` and
+    `<module>.lora_B`, merged by the generator as W0 + (alpha / rank) * B @ A."""
+
+    rank: int
+    alpha: float
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
 class Delivery(msgspec.Struct, frozen=True):
     """How one version reaches one generator: its path (`asyncrl.transport`), and for `group` the
-    bucket plan."""
+    bucket plan. `adapter`: the tensors are a LoRA adapter. `delta_base` (`policy.weight_delta`):
+    None when deltas are off; -1 for a whole version in the engine's dtype (kept as the engine's
+    own copy, which later deltas change); else the version the tensors are a delta from
+    (`asyncrl.weights_delta`)."""
 
     weight_version: int
     path: str
     plan: BucketPlan | None = None
+    adapter: AdapterSpec | None = None
+    delta_base: int | None = None
 
 
 class WeightTransferError(RuntimeError):
@@ -170,7 +187,8 @@ class SharedSlots:
         self.count = count
         self._files: list[str] = []
         self._maps: list[torch.Tensor] = []
-        self._tensors: list[TensorSlot] = []
+        self._capacity = 0  # bytes of each file: a smaller version (a delta) reuses them
+        self._fresh = True  # the next write goes to new files
         self._next = 0
         self._generation = 0
         self.closed = False  # after `close`, until `open`: a late write would leave files behind
@@ -190,6 +208,7 @@ class SharedSlots:
             self._files.append(path)
             self._maps.append(_map_file(path, nbytes, writable=True))
         self._generation += 1
+        self._capacity, self._fresh = nbytes, False
 
     def write(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> SharedVersion:
         """Copy a version's tensors into the next slot; what a generator on this node maps."""
@@ -197,9 +216,8 @@ class SharedSlots:
             raise WeightTransferError("shared weight slots are closed (the learner stopped)")
         named = [(name, t.detach()) for name, t in named_tensors]
         tensors, nbytes = shared_layout(named)
-        if tensors != self._tensors or not self._maps:
+        if self._fresh or not self._maps or nbytes > self._capacity:
             self._allocate(nbytes)
-            self._tensors = tensors
         index = self._next
         self._next = (self._next + 1) % self.count
         buffer = self._maps[index]
@@ -211,7 +229,7 @@ class SharedSlots:
 
     def invalidate(self) -> None:
         """A generator may still view either slot (a delivery failed): the next version goes to new files."""
-        self._tensors = []
+        self._fresh = True
 
     def open(self) -> None:
         self.closed = False
