@@ -95,17 +95,20 @@ def tensor_slot(name: str, tensor: torch.Tensor, offset: int) -> TensorSlot:
 
 
 def plan_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> BucketPlan:
-    """Group tensors, in order, into buckets of at most `bucket_bytes` (a larger tensor gets its own)."""
+    """Group tensors, in order, into buckets of at most `bucket_bytes` (a larger tensor gets its own).
+    Each offset is a multiple of its tensor's element size (a receiver views the bytes as that
+    dtype): tensors of mixed sizes, a delta's int32 indices after bf16 values, get padding."""
     buckets: list[Bucket] = []
     slots: list[TensorSlot] = []
     used = 0
     for name, tensor in named_tensors:
         nbytes = tensor.numel() * tensor.element_size()
-        if slots and used + nbytes > bucket_bytes:
+        aligned = -(-used // tensor.element_size()) * tensor.element_size()
+        if slots and aligned + nbytes > bucket_bytes:
             buckets.append(Bucket(used, slots))
-            slots, used = [], 0
-        slots.append(tensor_slot(name, tensor, used))
-        used += nbytes
+            slots, aligned = [], 0
+        slots.append(tensor_slot(name, tensor, aligned))
+        used = aligned + nbytes
     if slots:
         buckets.append(Bucket(used, slots))
     return BucketPlan(buckets)
