@@ -50,8 +50,15 @@ def _eval(args: argparse.Namespace) -> int:
     # checkpoint's weights (what --checkpoint means).
     derived, weights = [], []
     if args.checkpoint:
+        from asyncrl import lora
+
         derived += evaluation.run_overrides(args.checkpoint)
-        weights = ["model.source=hf", f"model.path={policy_dir(args.checkpoint)}"]
+        path = policy_dir(args.checkpoint)
+        if lora.is_adapter_dir(path):  # a LoRA run's: the merged model, written aside
+            import tempfile
+
+            path = lora.export(path, tempfile.mkdtemp(prefix="asyncrl-eval-"), adapter_only=False)
+        weights = ["model.source=hf", f"model.path={path}"]
     if args.endpoint:
         derived += evaluation.endpoint_overrides(args.endpoint)
     named = {o.split("=", 1)[0].lstrip("+~") for o in args.overrides}
