@@ -123,6 +123,20 @@ def test_a_merged_engine_scores_as_the_learner_after_three_updates_in_a_row():
         sender.slots.close()
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_learner_step_moves_the_adapter_alone_in_either_precision(precision):
+    config = compose([*LORA, f"policy.compute.precision={precision}", "policy.optimizer.lr=0.01"])
+    rank, _ = build_policy_rank(config.model, config.algorithm, config.policy, config.engine, config.sampling, 0)
+    assert rank.objective.policy.compute.precision == precision
+    before = {n: p.detach().clone() for n, p in rank.lm.named_parameters()}
+    metrics = rank.step(synthetic_batch(4, 6, 6, rank.lm.config.vocab_size))
+    assert np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+    moved = {n for n, p in rank.lm.named_parameters() if not torch.equal(p, before[n])}
+    assert moved and all(lora.is_adapter(n) for n in moved)  # the base weights never move
+    assert {id(p) for group in rank.optimizer.param_groups for p in group["params"]} == {
+        id(p) for n, p in rank.lm.named_parameters() if lora.is_adapter(n)}
+
+
 def test_a_target_module_the_model_lacks_is_refused_at_start_up_naming_those_it_has(capsys):
     from asyncrl.cli import main
 
@@ -225,6 +239,6 @@ def test_the_tiny_task_reaches_0_9_with_lora(ray_session, tmp_path):
     assert summary["reached_target"], rewards[-20:]
     assert summary["eval_after"]["accuracy"] >= 0.9, summary["eval_after"]
     lm, _ = load_policy(config.model)
-    adapter_bytes = sum(4 * 16 * (m.in_features + m.out_features) for n, m in lm.named_modules()
-                        if n in lora.adaptable_modules(lm))
+    adapted = set(lora.adaptable_modules(lm))
+    adapter_bytes = sum(4 * 16 * (m.in_features + m.out_features) for n, m in lm.named_modules() if n in adapted)
     assert summary["final_status"]["last_broadcast"]["bytes"] == adapter_bytes

@@ -26,8 +26,10 @@ generator's event loop, its scheduler and detokenizer in subprocesses. Built by
   distribution as the sampled token's (after the cut: -inf for a token it leaves out).
 * A LoRA version (`load_adapter`) is merged here, in the generator's process, into the base weights
   of its modules (read once from the model directory SGLang loaded), and the merged modules go
-  through the same weight update: SGLang 0.5.23's own LoRA path needs CUDA on this CPU build (its
-  torch_native backend pins memory), and a merged model decodes at the base model's speed.
+  through the same weight update. SGLang 0.5.23's own LoRA backends are GPU kernels (triton, csgmv,
+  triton_v2, uno_cublas) or Ascend's, and its `torch_native` one pins host memory for every batch
+  (`pin_memory=True`), which raises without a CUDA driver; a merged model also decodes at the base
+  model's speed.
 """
 
 from __future__ import annotations
