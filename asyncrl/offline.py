@@ -29,7 +29,7 @@ import torch
 from actors.assembler import Assembler
 from actors.policy_learner import CheckpointPolicy, LearnerEdges, build_policy_learner
 from actors.value_learner import build_value_learner
-from asyncrl import checkpoint
+from asyncrl import checkpoint, lora
 from asyncrl.algo.shaping import shaped_score
 from asyncrl.assembly.rows import merge_segments
 from asyncrl.assembly.strategies import build_strategy
@@ -205,6 +205,7 @@ def learn_dqo(config: Config, records: list[TrajectoryRecord], run_dir: str, pro
     tr = config.trainer
     tokenizer = load_tokenizer(config.model)
     policy, reference = load_model(config.model, tokenizer), load_model(config.model, tokenizer).requires_grad_(False)
+    peft_model = lora.wrap(policy, config.model) if config.model.lora_rank else None  # the adapter trains alone
     value_model = _value_model(config, tokenizer)
     engine = TorchEngine(policy, eos_token_ids(policy, tokenizer), tokenizer.pad_token_id or 0)
     before = greedy_accuracy(config, engine, tokenizer, progress="eval before" if progress else "")
@@ -213,7 +214,7 @@ def learn_dqo(config: Config, records: list[TrajectoryRecord], run_dir: str, pro
     records = with_behaviour(records, reference_logp, config)
     trajectories = [scored_trajectory(r, config) for r in records]
     sections = (config.policy, config.critic, config.sampling)
-    policy_opt, _ = build_optimizer(policy.parameters(), config.policy.optimizer)
+    policy_opt, _ = build_optimizer([p for p in policy.parameters() if p.requires_grad], config.policy.optimizer)
     value_opt, _ = build_optimizer(value_model.parameters(), config.critic.optimizer)
     batch, order, step = config.offline.batch_trajectories, list(range(len(trajectories))), 0
     rng = random.Random(tr.seed)
@@ -234,7 +235,8 @@ def learn_dqo(config: Config, records: list[TrajectoryRecord], run_dir: str, pro
                 bar.update(1)
     after = greedy_accuracy(config, engine, tokenizer, progress="eval after" if progress else "")
     print(f"held-out accuracy after {step} DQO updates: {after['accuracy']:.3f}", flush=True)
-    path = _save(run_dir, step, policy, tokenizer, value_model, value_opt, {"algorithm": "dqo"})
+    path = _save(run_dir, step, policy, tokenizer, value_model, value_opt, {"algorithm": "dqo"},
+                 (peft_model, config.model) if peft_model is not None else None)
     return {"run_dir": run_dir, "mode": "learn", "algorithm": "dqo", "trajectories": len(trajectories),
             "steps": step, "eval_before": before, "eval_after": after, "train_wall_s": time.time() - started,
             "last_checkpoint": path}
@@ -403,10 +405,16 @@ def _value_model(config: Config, tokenizer):
     return value_model_from_policy(load_model(config.model, tokenizer))
 
 
-def _save(run_dir: str, step: int, policy, tokenizer, value_model, value_optimizer, meta: dict) -> str:
-    """A checkpoint in the online layout: `policy/` (Hugging Face) and `value/` (the value model)."""
+def _save(run_dir: str, step: int, policy, tokenizer, value_model, value_optimizer, meta: dict,
+          adapter: tuple | None = None) -> str:
+    """A checkpoint in the online layout: `policy/` (Hugging Face; with `adapter`, LoRA's peft model
+    and settings, the adapter alone in peft's format) and `value/` (the value model)."""
     tmp = checkpoint.begin(run_dir, step)
-    checkpoint.save_policy(policy, tokenizer, os.path.join(tmp, "policy"))
+    if adapter is None:
+        checkpoint.save_policy(policy, tokenizer, os.path.join(tmp, "policy"))
+    else:
+        lora.save_adapter(os.path.join(tmp, "policy"), adapter[0], {n: p.detach() for n, p in policy.named_parameters()
+                                                                    if lora.is_adapter(n)}, adapter[1], tokenizer)
     checkpoint.save_value_part(tmp, value_model, value_optimizer, step, {})
     checkpoint.save_json({"step": step, "weight_version": step, "mode": "learn", **meta}, os.path.join(tmp, "learner.json"))
     return checkpoint.commit(tmp, step, 1)

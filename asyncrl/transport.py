@@ -17,8 +17,9 @@ from typing import Any, Awaitable, Callable, Iterable
 
 import torch
 
-from asyncrl.weight_sync import (BucketPlan, Delivery, SharedSlots, SharedVersion, WeightGroup, from_cuda_ipc,
-                                 to_cuda_ipc)
+from asyncrl.weight_sync import (AdapterSpec, BucketPlan, Delivery, SharedSlots, SharedVersion, WeightGroup,
+                                 from_cuda_ipc, plan_buckets, shared_views, to_cuda_ipc)
+from asyncrl.weights_delta import DeltaTracker
 
 PATHS = ("shm", "cuda_ipc", "group")
 
@@ -49,6 +50,9 @@ class Staged:
     shared: SharedVersion | None = None  # shm
     whole: dict[str, torch.Tensor] | None = None  # group (and the tensors behind the CUDA IPC handles)
     handles: dict | None = None  # cuda_ipc
+    plan: BucketPlan | None = None  # a delta's own plan (the sender's fixed one otherwise)
+    delta_base: int | None = None  # `Delivery.delta_base`
+    delta: dict | None = None  # a delta's counts (`asyncrl.weights_delta.encode`)
 
 
 class WeightSender:
@@ -57,10 +61,18 @@ class WeightSender:
     Generators come and go (an elastic pool): each has its path, and each generator on another
     node its own group with the learner (two members), so a generator that dies, hangs or leaves
     breaks no one else's delivery, and one that joins needs no one else to meet again. The price:
-    the learner sends the bytes once per remote generator instead of one broadcast to all."""
+    the learner sends the bytes once per remote generator instead of one broadcast to all.
 
-    def __init__(self, plan: BucketPlan):
+    What a version is: every weight; with `adapter` a LoRA adapter (`asyncrl.lora`); with `delta`
+    (`policy.weight_delta`) what changed since the version every generator holds, in the engine's
+    dtype (`asyncrl.weights_delta`)."""
+
+    def __init__(self, plan: BucketPlan, adapter: AdapterSpec | None = None, delta: DeltaTracker | None = None,
+                 bucket_bytes: int = 64 << 20):
         self.plan = plan
+        self.adapter = adapter
+        self.delta = delta
+        self.bucket_bytes = bucket_bytes
         self.paths: dict[str, str] = {}  # generator id -> its path
         self.groups: dict[str, WeightGroup] = {}  # generator id -> its group (rank 0: the learner)
         self.slots = SharedSlots()  # the shm path's two files (made at the first delivery)
@@ -79,6 +91,11 @@ class WeightSender:
         group and CUDA IPC paths."""
         paths = set(self.paths.values() if paths is None else paths)
         staged = Staged(version, whole=whole)
+        if self.delta is not None:
+            pieces, staged.delta_base, staged.delta = self.delta.stage(
+                version, whole.items() if whole is not None else parameters)
+            staged.whole, staged.plan = dict(pieces), plan_buckets(pieces, self.bucket_bytes)
+            whole = staged.whole
         if "shm" in paths:
             staged.shared = self.slots.write(whole.items() if whole is not None else parameters)
             self.last_shared = Staged(version, shared=staged.shared)
@@ -90,11 +107,15 @@ class WeightSender:
     def delivery(self, staged: Staged, path: str) -> tuple[Delivery, object]:
         """What a generator on `path` is sent: the delivery notice and its payload."""
         payload = {"shm": staged.shared, "cuda_ipc": staged.handles, "group": None}[path]
-        return Delivery(staged.version, path, self.plan if path == "group" else None), payload
+        plan = (staged.plan or self.plan) if path == "group" else None
+        return Delivery(staged.version, path, plan, self.adapter, staged.delta_base), payload
+
+    def bytes_of(self, staged: Staged) -> int:
+        return (staged.plan or self.plan).total_bytes
 
     def send_group(self, staged: Staged, generator_id: str) -> dict[str, float]:
         """Send the version to one remote generator over its group (it receives at the same time)."""
-        return self.groups[generator_id].send(self.plan, staged.whole, staged.version)
+        return self.groups[generator_id].send(staged.plan or self.plan, staged.whole, staged.version)
 
     def remove(self, generator_id: str) -> None:
         self.paths.pop(generator_id, None)
@@ -103,26 +124,41 @@ class WeightSender:
             group.close()
 
     def failed(self) -> None:
-        """A delivery failed: a generator may still view the slot the next version would take."""
+        """A delivery failed: a generator may still view the slot the next version would take (and,
+        with deltas, may not hold the version the next delta would start from)."""
         self.slots.invalidate()
         self.last_shared = None
+        if self.delta is not None:
+            self.delta.reset()
 
 
 def load(engine, delivery: Delivery, payload, group: WeightGroup | None) -> None:
     """The generator's side: take `delivery.weight_version` into `engine` by its path (between
     windows, or while they run where the engine takes updates mid-window: SGLang). On shm the
     engine gets the slot's layout (`Engine.adopt_shared`): the embedded engine views it, SGLang's
-    scheduler maps the file itself."""
+    scheduler maps the file itself. An adapter is merged by the engine (`Engine.load_adapter`), a
+    delta applied to its own weights (`Engine.apply_delta`); a whole version in delta mode is
+    copied (later deltas write into it), never viewed."""
+    version = delivery.weight_version
+    if delivery.path == "shm" and delivery.adapter is None and delivery.delta_base is None:
+        engine.adopt_shared(payload, version)
+        return
     if delivery.path == "shm":
-        engine.adopt_shared(payload, delivery.weight_version)
+        named = shared_views(payload)
     elif delivery.path == "cuda_ipc":
-        engine.update_weights(from_cuda_ipc(payload), delivery.weight_version)
+        named = from_cuda_ipc(payload)
     elif delivery.path == "group":
         if group is None:
             raise RuntimeError("a group delivery, but this generator joined no weight group")
-        engine.update_weights(group.receive(delivery.plan, delivery.weight_version), delivery.weight_version)
+        named = group.receive(delivery.plan, version)
     else:
         raise ValueError(f"unknown weight path {delivery.path!r}")
+    if delivery.adapter is not None:
+        engine.load_adapter(named, delivery.adapter, version)
+    elif delivery.delta_base is not None and delivery.delta_base >= 0:
+        engine.apply_delta(named, delivery.delta_base, version)
+    else:
+        engine.update_weights(named, version)
 
 
 class GeneratorPool:
@@ -174,12 +210,16 @@ class GeneratorPool:
             handle.receive_weights.remote(*self.sender.delivery(staged, paths[gid])), self.timeout_s))
             for gid, handle in generators.items()}
         self._waiting.update(receivers)
-        timing = {"bytes": float(self.sender.plan.total_bytes)}
+        timing = {"bytes": float(self.sender.bytes_of(staged))}
+        if staged.delta is not None:
+            timing.update({f"delta_{key}": float(value) for key, value in staged.delta.items()})
         for gid in [gid for gid, path in paths.items() if path == "group"]:
             try:
                 timing = await asyncio.to_thread(self.sender.send_group, staged, gid)
             except Exception as exc:  # its group broke (the peer gone): it leaves; the others go on
                 self._fail(gid, exc)
+            if staged.delta is not None:
+                timing.update({f"delta_{key}": float(value) for key, value in staged.delta.items()})
         results = await asyncio.gather(*receivers.values(), return_exceptions=True)
         for gid in receivers:
             self._waiting.pop(gid, None)
@@ -201,8 +241,12 @@ class GeneratorPool:
         """`generator_id` joins: the current version first, then every later one. Returns that version."""
         async with self._lock:
             self.sender.paths[generator_id] = path
-            shared = self.sender.last_shared if path == "shm" else None
+            shared = self.sender.last_shared if path == "shm" and self.sender.delta is None else None
+            if self.sender.delta is not None:  # a whole version for it, then for every generator
+                self.sender.delta.reset()
             version, _, _ = await self._deliver({generator_id: handle}, staged=shared)
+            if self.sender.delta is not None:
+                self.sender.delta.reset()
             if generator_id in self.failed:
                 raise RuntimeError(f"{generator_id} could not load version {version}: {self.failed[generator_id]}")
             self.generators[generator_id] = handle

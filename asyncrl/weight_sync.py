@@ -58,13 +58,30 @@ class BucketPlan(msgspec.Struct, frozen=True):
         return sum(b.nbytes for b in self.buckets)
 
 
+class AdapterSpec(msgspec.Struct, frozen=True):
+    """A version sent as a LoRA adapter (`asyncrl.lora`): its tensors are `<module>.lora_A` and
+    `<module>.lora_B`, merged by the generator as W0 + (alpha / rank) * B @ A."""
+
+    rank: int
+    alpha: float
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
 class Delivery(msgspec.Struct, frozen=True):
     """How one version reaches one generator: its path (`asyncrl.transport`), and for `group` the
-    bucket plan."""
+    bucket plan. `adapter`: the tensors are a LoRA adapter. `delta_base` (`policy.weight_delta`):
+    None when deltas are off; -1 for a whole version in the engine's dtype (kept as the engine's
+    own copy, which later deltas change); else the version the tensors are a delta from
+    (`asyncrl.weights_delta`)."""
 
     weight_version: int
     path: str
     plan: BucketPlan | None = None
+    adapter: AdapterSpec | None = None
+    delta_base: int | None = None
 
 
 class WeightTransferError(RuntimeError):
@@ -78,17 +95,20 @@ def tensor_slot(name: str, tensor: torch.Tensor, offset: int) -> TensorSlot:
 
 
 def plan_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> BucketPlan:
-    """Group tensors, in order, into buckets of at most `bucket_bytes` (a larger tensor gets its own)."""
+    """Group tensors, in order, into buckets of at most `bucket_bytes` (a larger tensor gets its own).
+    Each offset is a multiple of its tensor's element size (a receiver views the bytes as that
+    dtype): tensors of mixed sizes, a delta's int32 indices after bf16 values, get padding."""
     buckets: list[Bucket] = []
     slots: list[TensorSlot] = []
     used = 0
     for name, tensor in named_tensors:
         nbytes = tensor.numel() * tensor.element_size()
-        if slots and used + nbytes > bucket_bytes:
+        aligned = -(-used // tensor.element_size()) * tensor.element_size()
+        if slots and aligned + nbytes > bucket_bytes:
             buckets.append(Bucket(used, slots))
-            slots, used = [], 0
-        slots.append(tensor_slot(name, tensor, used))
-        used += nbytes
+            slots, aligned = [], 0
+        slots.append(tensor_slot(name, tensor, aligned))
+        used = aligned + nbytes
     if slots:
         buckets.append(Bucket(used, slots))
     return BucketPlan(buckets)
@@ -170,7 +190,8 @@ class SharedSlots:
         self.count = count
         self._files: list[str] = []
         self._maps: list[torch.Tensor] = []
-        self._tensors: list[TensorSlot] = []
+        self._capacity = 0  # bytes of each file: a smaller version (a delta) reuses them
+        self._fresh = True  # the next write goes to new files
         self._next = 0
         self._generation = 0
         self.closed = False  # after `close`, until `open`: a late write would leave files behind
@@ -190,6 +211,7 @@ class SharedSlots:
             self._files.append(path)
             self._maps.append(_map_file(path, nbytes, writable=True))
         self._generation += 1
+        self._capacity, self._fresh = nbytes, False
 
     def write(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> SharedVersion:
         """Copy a version's tensors into the next slot; what a generator on this node maps."""
@@ -197,9 +219,8 @@ class SharedSlots:
             raise WeightTransferError("shared weight slots are closed (the learner stopped)")
         named = [(name, t.detach()) for name, t in named_tensors]
         tensors, nbytes = shared_layout(named)
-        if tensors != self._tensors or not self._maps:
+        if self._fresh or not self._maps or nbytes > self._capacity:
             self._allocate(nbytes)
-            self._tensors = tensors
         index = self._next
         self._next = (self._next + 1) % self.count
         buffer = self._maps[index]
@@ -211,7 +232,7 @@ class SharedSlots:
 
     def invalidate(self) -> None:
         """A generator may still view either slot (a delivery failed): the next version goes to new files."""
-        self._tensors = []
+        self._fresh = True
 
     def open(self) -> None:
         self.closed = False

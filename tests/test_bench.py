@@ -33,13 +33,18 @@ def test_the_learner_benchmark_times_the_learners_own_step_in_each_precision():
     optimizer = result["optimizer"]
     assert optimizer["parameters"] > 0 and optimizer["adamw_default_s"] > 0 and optimizer["adamw_fused_s"] > 0
     for name, r in result.items():
-        if name not in ("precision", "optimizer"):  # the steps' timings; the others: bf16 against fp32, AdamW
+        if name not in ("precision", "optimizer", "lora_memory"):  # the steps' timings; the others: bf16 against fp32, AdamW
             assert r["trained_tokens_per_s"] > 0 and r["policy_updates"] >= 1 and r["rounds"] == 2
     assert result["cpu_fp32"]["speedup_over_cpu_fp32"] == 1.0
     gap = result["precision"]
     assert gap["trained_tokens"] > 0 and 0 <= gap["logprob_gap_mean"] <= gap["logprob_gap_max"]
     assert 0.9 < gap["grad_cosine_bf16_fp32"] <= 1.0 + 1e-6  # bf16 autocast points the same way
     assert "| cpu, bf16 |" in learner.report(result) and "fused (the learners')" in learner.report(result)
+    # LoRA (rank 32 on every linear layer) against full fine-tuning: fewer trained parameters, less Adam state.
+    memory = result["lora_memory"]
+    assert 0 < memory["lora_r32"]["trainable_parameters"] < memory["full"]["trainable_parameters"]
+    assert memory["lora_r32"]["optimizer_state_mb"] <= memory["full"]["optimizer_state_mb"]
+    assert "lora_r32: " in learner.report(result)
 
 
 def test_mailbox_across_ray_msgspec_and_pickle(ray_session):

@@ -119,3 +119,57 @@ def test_a_sharded_step_is_the_one_rank_step_and_saves_the_same_state(tmp_path):
     single.step(_batch())
     for name, tensor in single.snapshot().items():
         torch.testing.assert_close(resumed.snapshot()[name], tensor, rtol=1e-4, atol=1e-5)
+
+
+LORA_MODEL = ModelConfig(source="tiny", seed=3, lora_rank=4, lora_alpha=8)
+
+
+def _lora_rank(parallel=None) -> PolicyRank:
+    from asyncrl import lora
+
+    torch.manual_seed(0)
+    lm = build_tiny_model(LORA_MODEL, 30)
+    return PolicyRank(lm, _settings(), parallel=parallel, peft_model=lora.wrap(lm, LORA_MODEL), model_config=LORA_MODEL)
+
+
+def _lora_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    parallel = join("127.0.0.1", port, world, rank, "gloo", timeout_s=120)
+    policy = _lora_rank(parallel)
+    metrics = [policy.step(_batch()) for _ in range(2)]
+    out = {"metrics": metrics, "delivered": policy.delivered(), "snapshot": policy.snapshot(), "state": policy.state(),
+           "sharded": type(next(p for p in policy.model.parameters() if p.requires_grad)).__name__}
+    if rank == 0:
+        with open(os.path.join(out_dir, "lora.pkl"), "wb") as f:
+            pickle.dump(out, f)
+    leave()
+
+
+def test_lora_over_two_ranks_is_the_one_rank_lora_step_and_keeps_the_adapter_alone(tmp_path):
+    """FSDP2 over LoRA (frozen base weights beside the adapter in each unit): the adapter the
+    generators get, the merged weights and the checkpoint state are the one-rank learner's."""
+    from asyncrl import lora
+
+    single = _lora_rank()
+    metrics = [single.step(_batch()) for _ in range(2)]
+    port = free_port()
+    store = rendezvous_store("127.0.0.1", port)  # noqa: F841 (held while the ranks meet)
+    mp.spawn(_lora_worker, args=(2, port, str(tmp_path)), nprocs=2)
+    with open(tmp_path / "lora.pkl", "rb") as f:
+        sharded = pickle.load(f)
+    assert sharded["sharded"] == "DTensor"
+    assert sharded["metrics"][-1]["loss"] == pytest.approx(metrics[-1]["loss"], rel=1e-3, abs=1e-6)
+    delivered = single.delivered()
+    assert sorted(delivered) == sorted(sharded["delivered"]) and all(n.endswith((".lora_A", ".lora_B")) for n in delivered)
+    assert any(float(t.abs().max()) > 0 for n, t in delivered.items() if n.endswith(".lora_B"))  # it trained
+    for name, tensor in [*delivered.items(), *single.snapshot().items()]:
+        torch.testing.assert_close({**sharded["delivered"], **sharded["snapshot"]}[name], tensor, rtol=1e-4, atol=1e-5)
+    weights, optimizer, scheduler = sharded["state"]
+    assert weights and all(lora.is_adapter(name) for name in weights)  # no base weight in a checkpoint
+    resumed = _lora_rank()
+    resumed.load(weights, optimizer, scheduler)
+    assert resumed.optimizer_steps() == single.optimizer_steps() == 4
+    resumed.step(_batch())
+    single.step(_batch())
+    for name, tensor in single.delivered().items():
+        torch.testing.assert_close(resumed.delivered()[name], tensor, rtol=1e-4, atol=1e-5)

@@ -29,11 +29,11 @@ LAYERS = {
     # Plumbing: moving and keeping things, blind to what they mean.
     1: ["asyncrl.mailbox", "asyncrl.ray_mailbox", "asyncrl.ledger", "asyncrl.weight_sync", "asyncrl.transport",
         "asyncrl.checkpoint", "asyncrl.store", "asyncrl.sharding", "asyncrl.metrics", "asyncrl.plots",
-        "asyncrl.staleness"],
+        "asyncrl.staleness", "asyncrl.weights_delta"],
     # The domain: models and engines, tasks, rewards, environments, assembly, learning.
     2: ["asyncrl.engines", "asyncrl.models", "asyncrl.tasks", "asyncrl.rewards", "asyncrl.assembly",
         "asyncrl.learning", "asyncrl.generation", "asyncrl.openai_api", "asyncrl.openai_tools", "asyncrl.retirement",
-        "asyncrl.environments", "asyncrl.datafiles", "asyncrl.user_code"],
+        "asyncrl.environments", "asyncrl.datafiles", "asyncrl.user_code", "asyncrl.lora"],
     3: ["actors", "asyncrl.pre_ppo", "asyncrl.evaluation"],
     4: ["asyncrl.run"],
     5: ["asyncrl.driver", "asyncrl.serve", "asyncrl.cli", "asyncrl.bench", "asyncrl.offline", "asyncrl.config_help"],

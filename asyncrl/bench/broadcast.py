@@ -288,6 +288,9 @@ def run(quick: bool = False, overrides: list[str] | None = None, step_seconds: d
                 path["learner_step_s"] = step
                 path["fraction_of_step"] = path["seconds_per_update_median"] / step
         print(name, out[name], flush=True)
+    from asyncrl.bench import lora_broadcast  # full against LoRA and delta versions (`asyncrl bench lora`)
+
+    out["updates"] = lora_broadcast.run(quick)
     return out
 
 
@@ -296,6 +299,8 @@ def report(result: dict) -> str:
     lines = ["| model | path | parameters | bytes | s / update | GB/s | copy s | copy GB/s | share of copy bandwidth |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, paths in result.items():
+        if name == "updates":
+            continue
         for path, r in paths.items():
             if not isinstance(r, dict):
                 continue
@@ -303,4 +308,8 @@ def report(result: dict) -> str:
                          f"{r['seconds_per_update_median']:.3f} | {r['bytes_per_s_median'] / 1e9:.2f} | "
                          f"{r['memcpy_s_median']:.3f} | {r['memcpy_bytes_per_s_median'] / 1e9:.2f} | "
                          f"{100 * r['memcpy_bandwidth_share']:.0f}% |")
+    if "updates" in result:
+        from asyncrl.bench.lora_broadcast import report_lines
+
+        lines += ["", *report_lines(result["updates"])]
     return "\n".join(lines)

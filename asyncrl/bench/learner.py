@@ -64,6 +64,61 @@ def optimizer_seconds(model, rounds: int) -> dict:
             **{f"{name}_s": statistics.median(s) for name, s in seconds.items()}}
 
 
+def step_memory(overrides: list[str], rows: int = 16, prompt: int = 64, response: int = 192) -> dict:
+    """Peak memory and time of one `PolicyRank.step` (as the learner builds its rank) on the synthetic
+    batch, after a warm-up step (Adam's state is allocated there), in this process: call it in a
+    fresh one (`fresh_process`). Peak resident memory is `ru_maxrss`; the model load's own peak is
+    reported apart, so the difference is what the step adds."""
+    import resource
+
+    from asyncrl.learning.rank import build_policy_rank
+
+    config = compose(overrides)
+    torch.set_num_threads(config.policy.compute.threads)
+    rank, _ = build_policy_rank(config.model, config.algorithm, config.policy, config.engine, config.sampling,
+                                config.trainer.seed)
+    batch = synthetic_batch(rows, prompt, response, rank.lm.config.vocab_size)
+    loaded_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    rank.step(batch)
+    start = time.perf_counter()
+    metrics = rank.step(batch)
+    seconds = time.perf_counter() - start
+    return {"overrides": overrides, "model_loaded_peak_mb": round(loaded_mb),
+            "step_peak_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+            "step_s": round(seconds, 2), "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
+            "trainable_parameters": sum(p.numel() for p in rank.model.parameters() if p.requires_grad),
+            "optimizer_state_mb": round(sum(t.numel() * t.element_size() for s in rank.optimizer.state.values()
+                                            for t in s.values() if torch.is_tensor(t)) / 2**20)}
+
+
+def _step_memory_into(overrides: list[str], sizes: tuple, queue) -> None:
+    queue.put(step_memory(overrides, *sizes))
+
+
+def fresh_process(overrides: list[str], sizes: tuple = (16, 64, 192)) -> dict:
+    """`step_memory` in a process of its own (spawned: its peak is its own)."""
+    import multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    proc = context.Process(target=_step_memory_into, args=(overrides, sizes, queue))
+    proc.start()
+    result = queue.get(timeout=3600)
+    proc.join(timeout=60)
+    return result
+
+
+def lora_memory(quick: bool, overrides: list[str]) -> dict:
+    """The learner's memory and step time with LoRA (rank 32, every linear layer) against full
+    fine-tuning, each in a fresh process (--quick: in this one, the tiny model; its peaks are not
+    apart)."""
+    sizes = (8, 16, 16) if quick else (16, 64, 192)
+    base = (["model=tiny", "task=tiny"] if quick else []) + list(overrides)
+    measure = (lambda o: step_memory(o, *sizes)) if quick else (lambda o: fresh_process(o, sizes))
+    return {name: measure(base + extra) for name, extra in
+            (("full", []), ("lora_r32", ["model.lora_rank=32", "model.target_modules=all-linear"]))}
+
+
 def run(quick: bool = False, overrides: list[str] | None = None) -> dict:
     config = compose((["model=tiny", "task=tiny"] if quick else []) + list(overrides or []))
     torch.set_num_threads(config.policy.compute.threads)
@@ -101,7 +156,8 @@ def run(quick: bool = False, overrides: list[str] | None = None) -> dict:
     gap = precision_gap(config, lm, tokenizer,
                         policy_objective(config.algorithm, config.policy, config.engine, config.sampling, lm),
                         *((8, 16) if quick else (16, 64)))
-    return {"precision": gap, "optimizer": optimizer, **{f"{device}_{precision}": {
+    memory = lora_memory(quick, list(overrides or []))
+    return {"precision": gap, "optimizer": optimizer, "lora_memory": memory, **{f"{device}_{precision}": {
         "seconds_per_step_median": statistics.median(s), "trained_tokens_per_s": tokens / statistics.median(s),
         "speedup_over_cpu_fp32": base / statistics.median(s), "rows": rows, "prompt_tokens": prompt,
         "response_tokens": response, "rounds": rounds, "policy_updates": metrics["policy_updates"],
@@ -112,12 +168,16 @@ def run(quick: bool = False, overrides: list[str] | None = None) -> dict:
 def report(result: dict) -> str:
     lines = ["| device, precision | s / step | trained tokens/s | vs CPU fp32 |", "|---|---|---|---|"]
     for name, r in result.items():
-        if name not in ("precision", "optimizer"):
+        if name not in ("precision", "optimizer", "lora_memory"):
             lines.append(f"| {name.replace('_', ', ')} | {r['seconds_per_step_median']:.2f} | "
                          f"{r['trained_tokens_per_s']:.0f} | {r['speedup_over_cpu_fp32']:.2f}x |")
     o = result["optimizer"]
     lines.append(f"AdamW step over {o['parameters'] / 1e6:.1f}M parameters: default {o['adamw_default_s'] * 1e3:.1f} ms, "
                  f"fused (the learners') {o['adamw_fused_s'] * 1e3:.1f} ms")
+    for name, m in result.get("lora_memory", {}).items():
+        lines.append(f"{name}: {m['trainable_parameters'] / 1e6:.2f}M trained parameters, Adam state "
+                     f"{m['optimizer_state_mb']} MB, model loaded {m['model_loaded_peak_mb']} MB, step peak "
+                     f"{m['step_peak_mb']} MB, step {m['step_s']:.2f} s")
     g = result["precision"]
     lines += [f"bf16 autocast against fp32 on {g['rows']} sampled responses ({g['trained_tokens']} trained tokens):",
               f"  log-prob gap mean {g['logprob_gap_mean']:.4f}, p99 {g['logprob_gap_p99']:.4f}, max {g['logprob_gap_max']:.4f}",

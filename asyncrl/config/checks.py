@@ -52,6 +52,25 @@ def _algorithm_checks(config) -> list[tuple[bool, str]]:
          "trainer.synchronous needs algorithm.max_staleness_versions=0"),
         (config.task.pre_ppo_fraction == 0 or config.task.pre_ppo_endpoint in config.reward.endpoints,
          "task.pre_ppo_endpoint must name an entry of reward.endpoints"),
+        *_lora_checks(config),
+    ]
+
+
+def _lora_checks(config) -> list[tuple[bool, str]]:
+    """LoRA and delta updates (`asyncrl.lora`, `asyncrl.weights_delta`). Whether the model has the
+    target modules is checked against the model itself at start-up (`asyncrl.lora.check_targets`)."""
+    m, p = config.model, config.policy
+    targets = m.target_modules
+    return [
+        (isinstance(targets, list) or targets == "all-linear",
+         f"model.target_modules={targets}: all-linear, or a list of module names (e.g. [q_proj, v_proj])"),
+        (not isinstance(targets, list) or bool(targets), "model.target_modules must name at least one module"),
+        (not (m.lora_rank and p.weight_delta),
+         "policy.weight_delta sends the changed weights of a full fine-tune; with model.lora_rank > 0 every "
+         "update is the adapter alone already: set one of them"),
+        (not p.weight_delta or config.engine.name == "torch",
+         "policy.weight_delta needs the embedded engine (engine=torch), which keeps its own weights to apply "
+         "changes to; SGLang takes whole versions"),
     ]
 
 

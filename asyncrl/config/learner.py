@@ -118,6 +118,11 @@ class PolicyConfig(Section):
     weight_transport: Literal["auto", "shm", "cuda_ipc", "group"] = "auto"
     """How weights reach each generator: auto (shared memory on the learner's node, CUDA IPC on its
     GPU, a torch.distributed group for other nodes) | shm | cuda_ipc | group (forced)."""
+    weight_delta: bool = False
+    """Full fine-tuning: send each generator only what changed since the version it holds, in the
+    engine's dtype (unchanged tensors left out; a tensor with few changed values as their indices
+    and values), instead of every weight. The embedded engine only. Off by default: see whether it
+    pays (docs/benchmarks.md, "Delta weight updates")."""
 
 
 class ValueLoss(Section):

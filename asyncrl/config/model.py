@@ -49,6 +49,16 @@ class ModelConfig(Section):
     """The weights' dtype as loaded (the learners keep fp32 master weights; see `policy.compute.precision`)."""
     use_chat_template: bool = True
     """Wrap task prompts in the tokenizer's chat template (instruct models)."""
+    lora_rank: NonNegativeInt = 0
+    """LoRA: the rank r of the adapters the policy learner trains (through peft) instead of every
+    weight; 0 = off (full fine-tuning). The generators then receive the adapter only (A and B per
+    module, and the scale alpha / r) and merge it into the base weights they hold."""
+    lora_alpha: PositiveFloat = 32.0
+    """LoRA's alpha: the adapter's output is scaled by alpha / r."""
+    target_modules: str | list[str] = "all-linear"
+    """LoRA: the modules that get adapters, by name (e.g. [q_proj, v_proj]: every module whose name
+    ends so), or all-linear (every linear layer but the output head). A name the model does not
+    have is refused at start-up, naming the ones it has."""
 
     def directory_name(self) -> str:
         """What `name` defaults to: the model directory's name, the embedded model's, or `tiny`."""

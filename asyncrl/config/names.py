@@ -178,6 +178,9 @@ FOREIGN: dict[str, Foreign] = {
     f"{_ARO}.actor.grad_clip": _verl("policy.optimizer.grad_clip"),
     f"{_ARO}.model.path": _verl("model.source", "model.path", convert=lambda v: ("hf", v)),
     f"{_ARO}.model.enable_gradient_checkpointing": _verl("policy.compute.gradient_checkpointing"),
+    f"{_ARO}.model.lora_rank": _verl("model.lora_rank"),
+    f"{_ARO}.model.lora_alpha": _verl("model.lora_alpha"),
+    f"{_ARO}.model.target_modules": _verl("model.target_modules"),
     f"{_ARO}.rollout.temperature": _verl("sampling.temperature"),
     f"{_ARO}.rollout.top_p": _verl("sampling.top_p"),
     f"{_ARO}.rollout.top_k": _verl("sampling.top_k", convert=lambda v: (max(int(v), 0),)),  # verl: -1 = off

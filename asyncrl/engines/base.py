@@ -118,3 +118,7 @@ class Engine(Protocol):
 
     def adopt_shared(self, shared, version: int) -> None:
         """Take a version from the node's shared memory (`asyncrl.weight_sync.SharedVersion`)."""
+
+    def load_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], adapter, version: int) -> None:
+        """Take a LoRA version: `<module>.lora_A`, `<module>.lora_B` (`asyncrl.weight_sync.AdapterSpec`
+        says the scale), merged into the base weights of those modules, never into an earlier version."""

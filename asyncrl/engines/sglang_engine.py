@@ -24,6 +24,12 @@ generator's event loop, its scheduler and detokenizer in subprocesses. Built by
   leaves them out.
 * Top log-probs (`SamplingParams.top_logprobs`) are SGLang's `top_logprobs_num`, from the same
   distribution as the sampled token's (after the cut: -inf for a token it leaves out).
+* A LoRA version (`load_adapter`) is merged here, in the generator's process, into the base weights
+  of its modules (read once from the model directory SGLang loaded), and the merged modules go
+  through the same weight update. SGLang 0.5.23's own LoRA backends are GPU kernels (triton, csgmv,
+  triton_v2, uno_cublas) or Ascend's, and its `torch_native` one pins host memory for every batch
+  (`pin_memory=True`), which raises without a CUDA driver; a merged model also decodes at the base
+  model's speed.
 """
 
 from __future__ import annotations
@@ -104,6 +110,8 @@ class SGLangEngine:
         self.io = io_struct
         self.serializer = MultiprocessingSerializer
         self.tp_size = int(server_args["tp_size"])
+        self.model_path = server_args["model_path"]
+        self._lora = None  # `asyncrl.lora.AdapterMerger`, from the first adapter on
         self.truncation = TruncatedSampling.to_str()
         # The initial version as an integer string: SGLang's default is "default", and every
         # token's weight-version span carries it.
@@ -245,6 +253,16 @@ class SGLangEngine:
         requests run. Called from a worker thread: SGLang's calls are coroutines on its loop."""
         self._run(self._load(list(named_tensors), version))
 
+    def load_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], adapter, version: int) -> None:
+        """A LoRA version: merged here into the base of its modules (`asyncrl.lora.AdapterMerger`),
+        then loaded like any version (only the adapted modules' weights)."""
+        from asyncrl.lora import AdapterMerger, adapter_modules
+
+        tensors = {name: t.clone() for name, t in named_tensors}
+        if self._lora is None:
+            self._lora = AdapterMerger(_read_weights(self.model_path, [m + ".weight" for m in adapter_modules(tensors)]))
+        self._run(self._load(list(self._lora.merged(tensors, adapter.scaling)), version))
+
     def adopt_shared(self, shared: SharedVersion, version: int) -> None:
         """Load a version from the node's shared-memory slot (`asyncrl.weight_sync.SharedSlots`):
         SGLang's scheduler maps the file and copies from it (`sglang_scheduler.load_shared`)."""
@@ -296,6 +314,23 @@ class SGLangEngine:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+def _read_weights(directory: str, names: list[str]) -> dict[str, torch.Tensor]:
+    """Tensors of a Hugging Face directory by name, read from its safetensors files."""
+    import glob
+    import os
+
+    from safetensors import safe_open
+
+    out = {}
+    for path in sorted(glob.glob(os.path.join(directory, "*.safetensors"))):
+        with safe_open(path, "pt") as f:
+            out.update({name: f.get_tensor(name) for name in names if name in f.keys()})
+    missing = sorted(set(names) - set(out))
+    if missing:
+        raise KeyError(f"{directory} has no weights {missing[:3]}: the adapter names modules the model lacks")
+    return out
 
 
 async def _succeed(call, what: str) -> None:

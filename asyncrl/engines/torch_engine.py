@@ -29,9 +29,11 @@ from asyncrl.algo.sampling import (
 from asyncrl.engines import llama_decoder
 from asyncrl.engines.base import SamplingParams, SequenceInput, WindowOutput, scored_positions
 from asyncrl.engines.kv_cache import CachedWindow, KeptCaches
+from asyncrl.lora import AdapterMerger, adapter_modules
 from asyncrl.models import bf16_pays
 from asyncrl.schema import FinishReason
-from asyncrl.weight_sync import SharedVersion, shared_views
+from asyncrl import weights_delta
+from asyncrl.weight_sync import AdapterSpec, SharedVersion, WeightTransferError, shared_views
 
 
 def engine_dtype(name: str, device: str, model) -> torch.dtype:
@@ -69,6 +71,7 @@ class TorchEngine:
         self._version = 0
         self._updates = 0  # weight loads through this engine (part of the stamp kept caches carry)
         self._shared = None  # what adopted shared-memory weights view (kept alive while in use)
+        self._lora: AdapterMerger | None = None  # the base of adapted modules, from the first adapter on
         # Weight updates and generation never overlap: updates land between windows.
         self._lock = threading.Lock()
 
@@ -123,6 +126,27 @@ class TorchEngine:
                 else:
                     state[name].copy_(tensor)
             self._shared = None
+            self._version = version
+
+    def load_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], adapter: AdapterSpec,
+                     version: int) -> None:
+        """A LoRA version (`asyncrl.lora`): its adapter merged into the unmerged base of its modules,
+        a copy taken at the first adapter (a LoRA run sends nothing else, so the weights are the
+        base then). Merging once per version was faster than LoRA in the forward (docs/benchmarks.md)."""
+        tensors = dict(named_tensors)
+        if self._lora is None:
+            self._lora = AdapterMerger.of(dict(self.model.named_parameters()), adapter_modules(tensors))
+        self.update_weights(self._lora.merged(tensors, adapter.scaling), version)
+
+    def apply_delta(self, named_tensors: Iterable[tuple[str, torch.Tensor]], base_version: int, version: int) -> None:
+        """What changed since `base_version` (`asyncrl.weights_delta`), written into the engine's own weights."""
+        with self._lock:
+            if self._version != base_version or self._shared is not None:
+                raise WeightTransferError(f"a delta from version {base_version}, but the engine holds version "
+                                          f"{self._version}{' as shared views' if self._shared is not None else ''}")
+            self._updates += 1
+            self.kept.clear()
+            weights_delta.apply({name: p.data for name, p in self.model.named_parameters()}, named_tensors)
             self._version = version
 
     def adopt_weights(self, named_views: Iterable[tuple[str, torch.Tensor]], version: int, keepalive) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 import torch
 
-from asyncrl import sharding
+from asyncrl import checkpoint, lora, sharding
 from asyncrl.config import AlgorithmConfig, EngineConfig, ModelConfig, PolicyConfig, SamplingConfig
 from asyncrl.learning.policy import Objective, policy_step
 from asyncrl.learning.rows import build_optimizer
@@ -22,14 +22,23 @@ from asyncrl.learning.scoring import PolicyForward
 from asyncrl.models import bf16_pays, load_model, load_tokenizer
 from asyncrl.schema import TrainSample
 from asyncrl.sharding import DataParallel
+from asyncrl.weight_sync import AdapterSpec
 
 # The policy's parameters inside `PolicyForward` (the module the optimizer and FSDP see).
 PREFIX = "lm."
 
 
 class PolicyRank:
-    def __init__(self, lm, objective: Objective, pad_token_id: int = 0, parallel: DataParallel | None = None):
+    """`peft_model`: LoRA's `PeftModel` around `lm` (`asyncrl.lora.wrap`; `model_config` its settings):
+    the optimizer then holds the adapter only, the generators receive it alone (`delivered`), a
+    checkpoint keeps it alone, and `snapshot` is the merged weights."""
+
+    def __init__(self, lm, objective: Objective, pad_token_id: int = 0, parallel: DataParallel | None = None,
+                 peft_model=None, model_config: ModelConfig | None = None):
         self.lm = lm.eval()
+        self.peft_model, self.model_config = peft_model, model_config
+        self.adapter = (AdapterSpec(model_config.lora_rank, model_config.lora_alpha) if peft_model is not None
+                        else None)
         self.objective = objective
         self.pad_token_id = pad_token_id
         self.parallel = parallel
@@ -39,7 +48,8 @@ class PolicyRank:
         self.model = PolicyForward(self.lm).eval()
         if parallel is not None:
             sharding.shard(self.model, self.lm, parallel)
-        self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), objective.policy.optimizer)
+        self.optimizer, self.scheduler = build_optimizer([p for p in self.model.parameters() if p.requires_grad],
+                                                         objective.policy.optimizer)
 
     def step(self, samples: list[TrainSample]) -> dict[str, float]:
         metrics = policy_step(self.model, self.optimizer, samples, self.objective, self.reference, self.pad_token_id,
@@ -53,18 +63,63 @@ class PolicyRank:
         return self.lm.named_parameters()
 
     def snapshot(self) -> dict[str, torch.Tensor]:
-        """The parameters by name, a copy: whole on rank 0 (on CPU when sharded), {} on the others."""
+        """The parameters by name, a copy: whole on rank 0 (on CPU when sharded), {} on the others.
+        With LoRA, a plain model's weights (the adapter merged)."""
         if self.parallel is None:
-            return {name: p.detach().clone() for name, p in self.lm.named_parameters()}
+            state = {name: p.detach() for name, p in self.lm.named_parameters()}
+        else:
+            full = sharding.full_weights(self.model, self.parallel)
+            state = {name: full[PREFIX + name] for name in self.names} if full else {}
+        if self.adapter is not None:
+            return lora.merged_weights(state, self.adapter.scaling) if state else {}
+        return {name: t.clone() for name, t in state.items()} if self.parallel is None else state
+
+    def delivered_parameters(self):
+        """(name, tensor) of what the generators receive, live (for planning transfers and the shm
+        path): every parameter, or with LoRA the adapter (`asyncrl.lora.adapter_tensors`)."""
+        named = self.lm.named_parameters()
+        return named if self.adapter is None else lora.adapter_tensors(named)
+
+    def delivered(self) -> dict[str, torch.Tensor]:
+        """A copy of what the generators receive (whole on rank 0, {} on the others): every
+        parameter, or with LoRA the adapter alone."""
+        if self.adapter is None:
+            return self.snapshot()
+        if self.parallel is None:
+            return {name: t.detach().clone() for name, t in self.delivered_parameters()}
         full = sharding.full_weights(self.model, self.parallel)
-        return {name: full[PREFIX + name] for name in self.names} if full else {}
+        return dict(lora.adapter_tensors((name.removeprefix(PREFIX), t) for name, t in full.items()))
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict, dict]:
         """(weights with buffers by the model's own names, optimizer state by parameter name,
         scheduler state) for a checkpoint: whole on rank 0."""
         full = sharding.full_weights(self.model, self.parallel)
-        weights = {name.removeprefix(PREFIX): t for name, t in full.items()}
+        weights = {name.removeprefix(PREFIX): t for name, t in full.items()
+                   if self.adapter is None or lora.is_adapter(name)}  # LoRA: the adapter alone
         return weights, sharding.optimizer_state(self.model, self.optimizer, self.parallel), self.scheduler.state_dict()
+
+    def save_policy(self, directory: str, weights: dict[str, torch.Tensor], tokenizer) -> None:
+        """The policy part of a checkpoint from `state()`'s weights: a Hugging Face directory, or with
+        LoRA the adapter in peft's format (`asyncrl.lora.save_adapter`)."""
+        if self.adapter is None:
+            checkpoint.save_policy(self.lm, tokenizer, directory, state_dict=weights)
+        else:
+            lora.save_adapter(directory, self.peft_model, weights, self.model_config, tokenizer)
+
+    def read_policy(self, directory: str) -> dict[str, torch.Tensor]:
+        """The weights a checkpoint's policy part holds, checked against this rank's model."""
+        if self.adapter is None:
+            return checkpoint.read_policy_weights(self.lm, directory)
+        if not lora.is_adapter_dir(directory):
+            raise checkpoint.CorruptCheckpoint(f"{directory}: model.lora_rank={self.adapter.rank}, but this "
+                                               f"checkpoint holds no LoRA adapter (a full fine-tune's?)")
+        weights = lora.read_adapter(directory)
+        expected = {name for name, _ in self.lm.named_parameters() if lora.is_adapter(name)}
+        if set(weights) != expected or any(weights[n].shape != p.shape for n, p in self.lm.named_parameters()
+                                           if n in weights):
+            raise checkpoint.CorruptCheckpoint(f"{directory}: the adapter does not fit model.lora_rank="
+                                               f"{self.adapter.rank}, model.target_modules={self.model_config.target_modules}")
+        return weights
 
     def load(self, weights: dict[str, torch.Tensor], optimizer_state: dict, scheduler_state: dict) -> None:
         """Rank 0 passes what it read; the others pass {} for the weights and the optimizer state
@@ -88,8 +143,9 @@ def build_policy_rank(model: ModelConfig, algorithm: AlgorithmConfig, policy: Po
     lm = load_model(model, tokenizer)
     if policy.compute.gradient_checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    peft_model = lora.wrap(lm, model) if model.lora_rank else None
     rank = PolicyRank(lm.to(policy.compute.device), policy_objective(algorithm, policy, engine, sampling, lm),
-                      tokenizer.pad_token_id or 0, parallel)
+                      tokenizer.pad_token_id or 0, parallel, peft_model, model)
     return rank, tokenizer
 
 

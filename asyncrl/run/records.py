@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 # Fields every record gets from the system's status at the poll that drained it.
 RUN_FIELDS = ("samples_trained", "samples_dropped", "samples_generated", "tool_calls", "generator_busy_fraction",
-              "generator_paused_for_weights_fraction", "broadcast_s", "wall_time_s", "samples_per_s",
+              "generator_paused_for_weights_fraction", "broadcast_s", "broadcast_bytes", "wall_time_s", "samples_per_s",
               "prompts_retired_share")
 # The curve a run is watched by: the reward of everything generated (before dynamic sampling).
 REWARD_KEY = "reward_mean_generated"
@@ -67,7 +67,11 @@ class RunRecords:
                  "generator_busy_fraction": status["generator_busy_fraction"],
                  "generator_paused_for_weights_fraction": status["generator_paused_for_weights_fraction"],
                  "broadcast_s": status["last_broadcast"].get("total_s", 0.0),
+                 "broadcast_bytes": status["last_broadcast"].get("bytes", 0.0),
                  "wall_time_s": time.time() - self.started}
+        if "delta_elements" in status["last_broadcast"]:  # policy.weight_delta: the share of values that changed
+            stamp["delta_changed_fraction"] = (status["last_broadcast"]["delta_elements_changed"]
+                                               / max(status["last_broadcast"]["delta_elements"], 1.0))
         if self._previous_poll is None and resumed:  # counters restored: no rate until the next poll
             self._previous_poll = (0.0, 1 << 62)
         stamp["samples_per_s"] = samples_per_s(self._previous_poll, stamp["wall_time_s"], stamp["samples_trained"])
