@@ -116,6 +116,7 @@ class Assembler:
         # The other numbers a reward function returns beside its score, per data source (as verl
         # logs them): (source, name) -> [sum, count] since the last batch.
         self._extra_since_batch: dict[tuple[str, str], list[float]] = collections.defaultdict(lambda: [0.0, 0])
+        self._last_extra: dict[str, float] = {}
 
     def set_versions(self, weight_version: int, delivered_version: int) -> None:
         """The learner's versions (the one conduit); the staleness mask reads one of them."""
@@ -227,8 +228,9 @@ class Assembler:
             # The share of rewards that came with a sign of reward hacking: a user sees it begin.
             self._last_generated = {"reward_mean_generated": total / n, "accuracy_generated": correct / n,
                                     "reward_suspicious_share_generated": suspicious / n}
-        extra = {f"reward_extra/{source}/{name}": s / k for (source, name), (s, k) in self._extra_since_batch.items()}
-        return {**self._last_generated, **extra}
+            self._last_extra = {f"reward_extra/{source}/{name}": s / k
+                                for (source, name), (s, k) in self._extra_since_batch.items()}
+        return {**self._last_generated, **self._last_extra}
 
     def _note_scored(self, reward: Reward, data_source: str = "") -> None:
         self._outcomes.append((reward.prompt_id, reward.sample_idx, reward.correct, reward.score, reward.failed))

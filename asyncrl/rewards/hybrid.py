@@ -60,6 +60,8 @@ def combine_rewards(request: RewardRequest, route: RouteConfig, by_endpoint: dic
         score, correct, failed = chosen.score, chosen.correct, chosen.failed
         source, versions = chosen.source, [chosen.source_version]
         details = {"route": route.match, "chosen": chosen.source, **{f"{chosen.source}.{k}": v for k, v in chosen.details.items()}}
+        if chosen.details.get("extra"):  # a user function's other numbers, averaged into the step records
+            details["extra"] = chosen.details["extra"]
         if failed:
             details["error"] = str(chosen.details.get("error", "failed"))
     else:  # mix
@@ -73,6 +75,9 @@ def combine_rewards(request: RewardRequest, route: RouteConfig, by_endpoint: dic
         source = "mix(" + ",".join(f"{r.source}:{w:g}" for w, r in weighted) + ")"
         versions = [r.source_version for _, r in weighted]
         details = {"route": route.match, **{f"{r.source}.score": r.score for _, r in weighted}}
+        extra = {f"{r.source}.{k}": v for _, r in weighted for k, v in (r.details.get("extra") or {}).items()}
+        if extra:
+            details["extra"] = extra
         if failed:
             details["error"] = "; ".join(str(r.details.get("error", "")) for r in primary)[:500]
     token_rewards = None
