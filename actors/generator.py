@@ -426,7 +426,7 @@ def build_generator(model: ModelConfig, engine: EngineConfig, prompts: Mailbox, 
         from asyncrl.models import load_tokenizer
 
         client = EnvironmentClient(environment_endpoint, environment.timeout_s, environment.retries)
-        episodes = build_episodes(environment, load_tokenizer(model), client)
+        episodes = build_episodes(environment, load_tokenizer(model), client, use_chat_template=model.use_chat_template)
     return Generator(embedded, prompts, segments, sampling_params(engine), engine.window_tokens,
                      engine.max_response_tokens, max_windows, engine.max_inflight_sequences, generator_id,
                      long_tail=(engine.long_tail_fraction, engine.long_tail_tokens), episodes=episodes)

@@ -225,8 +225,17 @@ def reference_response(data_source: str, ground_truth: str) -> str:
     return ground_truth
 
 
-def encode_prompt(example: Example, tokenizer, use_chat_template: bool) -> list[int]:
-    """Prompt token ids: the chat template with a generation prompt, or the raw user text."""
+def encode_prompt(example: Example, tokenizer, use_chat_template: bool, environment=None) -> list[int]:
+    """Prompt token ids: the chat template with a generation prompt, or the raw user text. With an
+    environment (`EnvironmentConfig` with a name), the template lists its tools, as the policy
+    endpoint's prompt does (`asyncrl.environments.templates.ChatTemplate.prompt`)."""
+    if use_chat_template and environment is not None and environment.name:
+        from asyncrl.environments.formats import FORMATS
+        from asyncrl.environments.templates import ChatTemplate, encode
+        from asyncrl.environments.tools import tool_specs
+
+        render = ChatTemplate(tokenizer, FORMATS[environment.tool_format]())
+        return encode(tokenizer, render.prompt(example.messages, tool_specs(environment)))
     if use_chat_template:
         return list(tokenizer.apply_chat_template(example.messages, add_generation_prompt=True, tokenize=True, return_dict=False))
     return tokenizer.encode(example.text, add_special_tokens=False)

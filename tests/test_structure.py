@@ -22,6 +22,7 @@ LAYERS = {
     1: ["asyncrl.mailbox", "asyncrl.ray_mailbox", "asyncrl.engines", "asyncrl.models", "asyncrl.ledger", "asyncrl.weight_sync",
         "asyncrl.transport", "asyncrl.checkpoint", "asyncrl.tasks", "asyncrl.rewards", "asyncrl.assembly",
         "asyncrl.learning", "asyncrl.generation", "asyncrl.metrics", "asyncrl.plots", "asyncrl.openai_api", "asyncrl.openai_tools",
+        "asyncrl.openai_choices", "asyncrl.openai_responses",
         "asyncrl.store", "asyncrl.sharding", "asyncrl.retirement", "asyncrl.environments"],
     2: ["actors", "asyncrl.pre_ppo", "asyncrl.evaluation"],
     3: ["asyncrl.run"],

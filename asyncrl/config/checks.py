@@ -56,6 +56,8 @@ RANGES = {
     "cluster.drain_timeout_s": ">= 0", "cluster.min_generators": ">= 1", "cluster.max_generators": ">= 1",
     "cluster.autoscale_every_s": "> 0",
     "offline.epochs": ">= 1", "offline.batch_trajectories": ">= 1",
+    "serve.max_batch_sequences": ">= 1", "serve.batch_window_tokens": ">= 1", "serve.max_kv_mb": ">= 1",
+    "serve.max_response_tokens": ">= 1", "serve.max_body_mb": ">= 1",
 }
 
 ENDPOINT_KINDS = ("verifier", "genrm", "bt", "prm")

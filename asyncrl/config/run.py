@@ -132,6 +132,22 @@ class ServeConfig:
     follow_learner: bool = True
     """The policy endpoint adopts the running learner's weights as they change; false = it serves
     the model's own weights (a frozen reference beside a run, or a policy loaded from model.path)."""
+    max_batch_sequences: int = 64
+    """Policy endpoint, embedded engine: sequences (requests x n choices) decoded together in one
+    engine window; more wait for a later window. A request with more is refused (400)."""
+    batch_window_tokens: int = 16
+    """Policy endpoint, embedded engine: tokens per sequence per engine window. Between windows,
+    finished and abandoned requests leave, waiting ones join and weight updates land."""
+    max_kv_mb: int = 1024
+    """Policy endpoint, embedded engine: the KV cache one window may allocate (every sequence's
+    keys and values at the window's width). Requests wait for room; one that could never fit is
+    refused (400)."""
+    max_response_tokens: int = 4096
+    """Policy endpoint: the most tokens a choice may generate. A chat request with no length gets
+    what is left of the context, up to this; one that asks for more is refused (400)."""
+    max_body_mb: int = 4
+    """Policy endpoint: request bodies over this are refused with 413 before they are read
+    (declared lengths at once, chunked bodies as they arrive)."""
 
 
 @dataclass

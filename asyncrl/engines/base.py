@@ -27,6 +27,16 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
     # Report the this-many most likely tokens at each position with their log-probs under the
     # distribution sampled from (OpenAI's top_logprobs); 0 = none. Reporting only: same samples.
     top_logprobs: int = 0
+    # OpenAI's penalties on tokens already in the response and its per-token logit bias, as
+    # (token id, bias) pairs: applied to the logits before the temperature (`penalised_logits`), so
+    # the log-probs reported are those of the adjusted distribution. The policy endpoint sets them.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
     def __post_init__(self) -> None:
         if self.temperature <= 0:

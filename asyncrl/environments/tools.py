@@ -37,6 +37,8 @@ class Episode:
 
 class LookupTool:
     name = "lookup"
+    spec = {"name": "lookup", "description": "The answer of this episode: a digit.",
+            "parameters": {"type": "object", "properties": {}}}
 
     def step(self, call: ToolCall, episode: Episode) -> tuple[str, bool]:
         """(observation text, error)."""
@@ -50,6 +52,9 @@ class PythonTool:
     failed)."""
 
     name = "python"
+    spec = {"name": "python", "description": "Run a Python program; what it prints comes back.",
+            "parameters": {"type": "object", "properties": {"code": {"type": "string", "description": "the program"}},
+                           "required": ["code"]}}
 
     def __init__(self, wall_s: float = 5.0, memory_mb: int = 256, allow_unisolated: bool = False):
         from asyncrl.rewards.sandbox import SandboxLimits
@@ -72,6 +77,13 @@ class PythonTool:
 
 
 ENVIRONMENTS: dict[str, type] = {"lookup": LookupTool, "python": PythonTool}
+
+
+def tool_specs(config) -> list[dict]:
+    """The tools an `EnvironmentConfig` offers, as OpenAI `tools` entries: what a prompt lists."""
+    if not config.name:
+        return []
+    return [{"type": "function", "function": ENVIRONMENTS[config.name].spec}]
 
 
 def build_environment(config):
