@@ -75,10 +75,8 @@ class Prepared:
 
 
 def _feed(choices: list[ChoiceText], batch) -> list[Delta]:
-    by_row: dict[int, list] = {}
-    for step in batch:
-        by_row.setdefault(step.row, []).append(step)
-    return [choices[row].feed(steps) for row, steps in sorted(by_row.items())]
+    """A delta per token, in the order sampled (a stream sends each token as its own chunk)."""
+    return [choices[step.row].feed([step]) for step in batch if not choices[step.row].done]
 
 
 async def deltas(prepared: Prepared, steps):
