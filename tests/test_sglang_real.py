@@ -378,3 +378,69 @@ def test_the_generator_role_loads_versions_before_and_while_it_runs(loop, engine
 class _Out:
     def __init__(self, token_ids, logprobs, versions):
         self.token_ids, self.logprobs, self.versions = token_ids, logprobs, versions
+
+
+# --- the policy endpoint on SGLang -------------------------------------------------------------------
+
+
+def stream_rows(loop, engine, sequences, params, during=None, drop_after=None):
+    """A job's streamed tokens per row (`SGLangSteps`, what the policy endpoint reads); `during` runs
+    once the first tokens came (an update), `drop_after` = (row, tokens) drops that row then."""
+    async def collect():
+        steps, rows, ran, dropped = engine.stream(sequences, params), {}, False, False
+        try:
+            async for batch in steps:
+                for s in batch:
+                    rows.setdefault(s.row, []).append(s)
+                if during is not None and not ran:
+                    ran = True
+                    await during()
+                if drop_after is not None and not dropped and len(rows.get(drop_after[0], [])) >= drop_after[1]:
+                    steps.drop([drop_after[0]])
+                    dropped = True
+        finally:
+            steps.close()
+        return rows, dropped
+
+    return loop.run_until_complete(collect())
+
+
+def test_the_endpoint_streams_sglangs_tokens_with_the_learners_logprobs_across_an_update(loop, engine, models):
+    """Streamed sequences (the policy endpoint's): every token's log-prob is the learner's under the
+    weights of the version SGLang gave it; an update that lands mid-stream cuts the requests, which
+    continue under the new weights; each row ends with a reason."""
+    params = SamplingParams(temperature=1.0)
+    sequences = [sequence_input([4 + i] + PROMPTS[i], seed=120 + i, max_response_tokens=160) for i in range(4)]
+    old = engine.weight_version
+    new_model = perturbed(models[old], seed=old + 1)
+
+    async def update():
+        await asyncio.sleep(0.5)
+        version = engine.weight_version + 1
+        models[version] = new_model
+        await asyncio.to_thread(_load, engine, new_model, version, "tensors")
+
+    rows, _ = stream_rows(loop, engine, sequences, params, during=update)
+    versions = set()
+    for i, sequence in enumerate(sequences):
+        steps = rows[i]
+        assert steps[-1].finish is not None and all(s.finish is None for s in steps[:-1])
+        out = _Out(np.asarray([s.token for s in steps]), np.asarray([s.logprob for s in steps], dtype=np.float32),
+                   np.asarray([s.version for s in steps]))
+        versions |= set(out.versions.tolist())
+        check_against_learner(models, sequence.prompt_ids, out, 1.0)
+    assert versions == {old, old + 1}
+    assert not engine._inflight  # noqa: SLF001 - every request came back
+
+
+def test_a_dropped_row_is_aborted_and_the_others_go_on_with_penalties_and_bias(loop, engine):
+    bias = SamplingParams(temperature=1.0, logit_bias=((7, 100.0),))
+    sequences = [sequence_input(p, seed=140 + i, max_response_tokens=200) for i, p in enumerate(PROMPTS[:2])]
+    rows, dropped = stream_rows(loop, engine, sequences, bias, drop_after=(0, 5))
+    assert all(s.token == 7 for s in rows[1]) and len(rows[1]) == 200  # the bias, honoured by SGLang
+    assert dropped and len(rows[0]) < 200  # row 0 stopped soon after it was dropped
+    assert not engine._inflight  # noqa: SLF001
+    penalised = SamplingParams(temperature=0.01, presence_penalty=2.0)  # near-greedy, repeating punished
+    rows, _ = stream_rows(loop, engine, [sequence_input(PROMPTS[0], seed=1, max_response_tokens=20)], penalised)
+    tokens = [s.token for s in rows[0]]
+    assert len(set(tokens)) == len(tokens)

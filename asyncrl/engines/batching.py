@@ -260,7 +260,7 @@ class JobSteps:
                 break
             if isinstance(steps, BaseException):
                 raise steps
-            return steps
+            return steps + drain(job.queue)
         raise StopAsyncIteration
 
     def drop(self, rows: list[int]) -> None:
@@ -272,6 +272,15 @@ class JobSteps:
             self.batcher.counters["jobs_left"] += 1
         self.job.closed = True
         self.batcher._wake.set()
+
+
+def drain(queue: asyncio.Queue) -> list[StepToken]:
+    """The steps already waiting behind the one taken (a consumer that fell behind reads them in
+    one go), up to the first item that is not steps (an end or an error), which stays queued."""
+    steps = []
+    while not queue.empty() and isinstance(queue._queue[0], list):  # noqa: SLF001 - peek, asyncio has no API
+        steps += queue.get_nowait()
+    return steps
 
 
 def _ids(tokens: list[int]):

@@ -16,7 +16,7 @@ import asyncio
 import uuid
 
 from asyncrl.engines.base import SamplingParams, SequenceInput
-from asyncrl.engines.batching import StepToken
+from asyncrl.engines.batching import StepToken, drain
 from asyncrl.schema import FinishReason
 
 
@@ -37,11 +37,8 @@ class SGLangSteps:
             item = await self.queue.get()
             if isinstance(item, BaseException):
                 raise item
-            if item is not None:
-                steps = item
-                while not self.queue.empty() and isinstance(self.queue._queue[0], list):  # noqa: SLF001
-                    steps = steps + self.queue.get_nowait()
-                return steps
+            if item is not None:  # None: a row ended
+                return item + drain(self.queue)
         raise StopAsyncIteration
 
     def drop(self, rows: list[int]) -> None:
