@@ -15,6 +15,7 @@ from asyncrl.config import Config, compose
 # copy: Serve pickles deployment classes by value, so a global bound in their module would be one.
 ADMIN_TOKEN = {"value": ""}
 REWARD_TOKEN = {"value": ""}
+BODY_LIMIT = {"value": 0}  # the policy endpoint's body limit in bytes (set in PolicyServer.__init__)
 MAX_ADMIN_BODY_BYTES = 1 << 20
 MAX_SCORE_BODY_BYTES = 16 << 20
 
@@ -98,16 +99,16 @@ class BodyTooLarge(HTTPException):
 
 
 class BodyLimit:
-    """ASGI middleware: a request body over `limit["value"]` bytes is refused with 413 before it is
-    parsed: at once when its declared length is over (the body is never read), else (a chunked
+    """ASGI middleware: a request body over `BODY_LIMIT["value"]` bytes is refused with 413 before it
+    is parsed: at once when its declared length is over (the body is never read), else (a chunked
     body) as soon as the bytes read pass the limit. `refuse(exc)` is the 413 response. The limit is
-    read per request from a mapping the replica sets (Serve pickles the app's module by value)."""
+    read per request from this module (see ADMIN_TOKEN on why not a copy)."""
 
-    def __init__(self, app, limit: dict, refuse):
-        self.app, self.limit, self.refuse = app, limit, refuse
+    def __init__(self, app, refuse):
+        self.app, self.refuse = app, refuse
 
     async def __call__(self, scope, receive, send):
-        limit = self.limit.get("value", 0)
+        limit = BODY_LIMIT["value"]
         if scope["type"] != "http" or not limit:
             return await self.app(scope, receive, send)
         try:

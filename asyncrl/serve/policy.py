@@ -32,17 +32,14 @@ from asyncrl.config import Config
 from asyncrl.openai_api import (ChatCompletionRequest, CompletionRequest, OpenAIError, describe_invalid_request,
                                 openai_error)
 from asyncrl.run.placement import LEARNER_NAME, NAMESPACE
+from asyncrl.serve import guards
 from asyncrl.serve.guards import BodyLimit, BodyTooLarge, config_from_args
 from asyncrl.serve.policy_requests import Prepared, answer, chat_prompt, events
 
 VERSION_HEADER = "x-asyncrl-weight-version"
-# The body limit of this process's policy replica (set in its __init__; one per process). Set
-# through this module, never a copy: Serve pickles deployment classes by value.
-BODY_LIMIT = {"value": 0}
 
 policy_api = FastAPI(title="asyncrl policy")
-policy_api.add_middleware(BodyLimit, limit=BODY_LIMIT,
-                          refuse=lambda exc: openai_error(413, str(exc.detail), None, "request_too_large"))
+policy_api.add_middleware(BodyLimit, refuse=lambda exc: openai_error(413, str(exc.detail), None, "request_too_large"))
 
 
 @policy_api.exception_handler(RequestValidationError)
@@ -69,7 +66,7 @@ class PolicyServer:
         from asyncrl.openai_tools import tool_format
         from asyncrl.serve.policy_engine import build_policy_engine
 
-        BODY_LIMIT["value"] = config.serve.max_body_mb << 20
+        guards.BODY_LIMIT["value"] = config.serve.max_body_mb << 20  # through the module: one per process
         torch.set_num_threads(config.engine.threads)  # an engine beside the run's: its thread budget
         self.config = config
         self.policy = build_policy_engine(config)
@@ -143,4 +140,7 @@ class PolicyServer:
 
 
 def build_policy(args: dict[str, Any]) -> serve.Application:
-    return PolicyServer.bind(config_from_args(args))
+    """The application; its replica asks Ray for what a generator asks (its engine is of that kind)."""
+    config = config_from_args(args)
+    options = {"num_cpus": 0, "num_gpus": config.engine.gpus, "resources": dict(config.engine.resources)}
+    return PolicyServer.options(ray_actor_options=options).bind(config)
