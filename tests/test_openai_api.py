@@ -262,3 +262,42 @@ def test_detokenising_and_building_answers_run_off_the_event_loop():
     answer = asyncio.run(main())
     assert len(answer["choices"]) == 64 and answer["usage"]["completion_tokens"] > 10_000
     assert where["calls"] > 50_000 and where["on_loop"] == 0, where
+
+
+def test_a_model_with_qwen25s_template_is_prompted_through_it(smol_tokenizer, tmp_path):
+    """A tiny random Llama over SmolLM2's vocabulary whose tokenizer carries Qwen2.5's chat template
+    (`model.source=hf`): the endpoint's prompt for a conversation with tools and an earlier call is
+    the template's own rendering, token for token (its tools section, the call, the tool turn)."""
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from chat_templates import QWEN25
+
+    tokenizer = copy.deepcopy(smol_tokenizer)
+    tokenizer.chat_template = QWEN25
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=2048,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id or 0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    server = server_of(f"model.source=hf", f"model.path={tmp_path}", "model.name=qwen-tiny",
+                       "model.use_chat_template=true", "environment.tool_format=chatml")
+    messages = [{"role": "user", "content": "What is 6 * 7?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+    reply = call(chat(server, messages=messages, tools=TOOLS, max_completion_tokens=2))
+    rendered = [{**m, "tool_calls": [{"type": "function", "function": {"name": "lookup", "arguments": {}}}]}
+                if m.get("tool_calls") else m for m in messages]
+    expected = tokenizer.apply_chat_template(rendered, tools=TOOLS, add_generation_prompt=True, tokenize=True,
+                                             return_dict=False)
+    assert reply["usage"]["prompt_tokens"] == len(expected) and reply["usage"]["completion_tokens"] <= 2
+    forced = call(chat(server, messages=messages[:1], tools=TOOLS, tool_choice={"type": "function", "function": {
+        "name": "lookup"}}, max_completion_tokens=1))
+    start = tokenizer.encode('<tool_call>\n{"name": "lookup", "arguments": ', add_special_tokens=False)
+    prompt = tokenizer.apply_chat_template(messages[:1], tools=TOOLS, add_generation_prompt=True, tokenize=True,
+                                           return_dict=False)
+    # The call's start is written for the model: the answer's tokens, not the prompt's.
+    assert forced["usage"]["prompt_tokens"] == len(prompt)
+    assert forced["usage"]["completion_tokens"] == len(start) + 1

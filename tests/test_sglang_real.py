@@ -444,3 +444,41 @@ def test_a_dropped_row_is_aborted_and_the_others_go_on_with_penalties_and_bias(l
     rows, _ = stream_rows(loop, engine, [sequence_input(PROMPTS[0], seed=1, max_response_tokens=20)], penalised)
     tokens = [s.token for s in rows[0]]
     assert len(set(tokens)) == len(tokens)
+
+
+def test_the_policy_endpoint_answers_from_sglang(loop, engine, tiny):
+    """The `policy` application's class on SGLang (`engine=sglang`), given this module's engine: a
+    chat answer and its stream agree for one seed, their log-probs are those SGLang reported, and
+    lengths, `n` and tool calls behave as on the embedded engine."""
+    import json
+
+    from asyncrl.openai_api import ChatCompletionRequest
+    from asyncrl.serve.policy import PolicyServer
+    from asyncrl.serve.policy_engine import SGLangPolicy
+
+    config = compose(["engine=sglang_cpu", "model.source=hf", f"model.path={tiny[0]}", "model.name=tiny-qwen2",
+                      "model.use_chat_template=false", "environment.tool_format=tiny", "serve.follow_learner=false"])
+    server = PolicyServer.func_or_class.__bases__[0](config, policy=SGLangPolicy(config, engine))
+    body = {"messages": [{"role": "user", "content": "5:"}], "max_completion_tokens": 24, "seed": 4,
+            "temperature": 1.0, "logprobs": True, "logit_bias": {str(EOS): -100}}
+
+    async def ask(**fields):
+        response = await server.chat_completions(ChatCompletionRequest(**{**body, **fields}))
+        if fields.get("stream"):
+            return [json.loads(c[6:]) async for c in response.body_iterator if c != "data: [DONE]\n\n"]
+        return json.loads(response.body)
+
+    plain = loop.run_until_complete(ask())
+    chunks = loop.run_until_complete(ask(stream=True))
+    assert plain["usage"]["completion_tokens"] == 24 and plain["choices"][0]["finish_reason"] == "length"
+    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert streamed == plain["choices"][0]["message"]["content"]  # one seed, one sample, streamed or not
+    entries = [e for c in chunks if c["choices"][0].get("logprobs") for e in c["choices"][0]["logprobs"]["content"]]
+    assert [e["logprob"] for e in entries] == pytest.approx([e["logprob"] for e in plain["choices"][0]["logprobs"]["content"]],
+                                                            abs=1e-5)
+    two = loop.run_until_complete(ask(n=2))
+    assert len(two["choices"]) == 2 and two["usage"]["completion_tokens"] == 48
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}]
+    called = loop.run_until_complete(ask(tools=tools, tool_choice="required", logprobs=False))
+    assert called["choices"][0]["finish_reason"] == "tool_calls"
+    assert not engine._inflight  # noqa: SLF001 - nothing left running

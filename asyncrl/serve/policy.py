@@ -60,7 +60,8 @@ async def _body_too_large(request: Request, exc: BodyTooLarge) -> JSONResponse:
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
 @serve.ingress(policy_api)
 class PolicyServer:
-    def __init__(self, config: Config, poll_s: float = 1.0):
+    def __init__(self, config: Config, poll_s: float = 1.0, policy=None):
+        """`policy`: an engine already built (`asyncrl.serve.policy_engine`), else one of the run's kind."""
         from asyncrl.environments.templates import renderer
         from asyncrl.models import load_tokenizer
         from asyncrl.openai_tools import tool_format
@@ -69,7 +70,7 @@ class PolicyServer:
         guards.BODY_LIMIT["value"] = config.serve.max_body_mb << 20  # through the module: one per process
         torch.set_num_threads(config.engine.threads)  # an engine beside the run's: its thread budget
         self.config = config
-        self.policy = build_policy_engine(config)
+        self.policy = policy if policy is not None else build_policy_engine(config)
         self.tokenizer = load_tokenizer(config.model)
         self.format = tool_format(config.environment.tool_format)
         # The conversation's pieces as training renders an episode's (a model without a tool template:

@@ -71,11 +71,12 @@ class EmbeddedPolicy:
 class SGLangPolicy:
     """SGLang's engine: every sequence a request of its own, batched by SGLang's scheduler."""
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, engine=None):
+        """`engine`: an `SGLangEngine` already started for `config.model` (else one is)."""
         from asyncrl.engines.sglang_launch import start_sglang
         from asyncrl.models import load_tokenizer
 
-        self.engine = start_sglang(config.model, config.engine, config.trainer.seed)
+        self.engine = engine if engine is not None else start_sglang(config.model, config.engine, config.trainer.seed)
         self.vocab_size = len(load_tokenizer(config.model))
         self.max_positions = config.engine.sglang_max_total_tokens or (1 << 62)
 

@@ -43,6 +43,7 @@ class Prepared:
     choices: list[ChoiceText]
     sequences: list
     params: object
+    start_tokens: int = 0  # the start of a required call, written for the model: its answer's, not the prompt's
 
     @classmethod
     def of(cls, server, body, prompt_ids: list[list[int]], chat: bool, start: str = "") -> "Prepared":
@@ -60,7 +61,7 @@ class Prepared:
         choices = [ChoiceText(i, server.tokenizer, stops_of(body), reader, start, start_tokens, alternatives=bool(asked))
                    for i in range(len(prompts))]
         sequences = [sequence_input(ids, seed, max_tokens) for ids, seed in zip(prompts, seeds)]
-        return cls(body, chat, prompt_ids, asked, choices, sequences, params)
+        return cls(body, chat, prompt_ids, asked, choices, sequences, params, start_tokens)
 
     def start(self, policy):
         """The request's steps from the engine; refused (400) when it can never fit its bounds."""
@@ -71,7 +72,7 @@ class Prepared:
 
     @property
     def prompt_tokens(self) -> int:
-        return sum(len(ids) for ids in self.prompt_ids)  # each prompt once, however many choices
+        return sum(len(ids) - self.start_tokens for ids in self.prompt_ids)  # each prompt once, however many choices
 
 
 def _feed(choices: list[ChoiceText], batch) -> list[Delta]:
