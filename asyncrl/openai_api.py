@@ -28,6 +28,7 @@ N most likely tokens per position as well, with the sampled one) and `logprobs` 
 from __future__ import annotations
 
 import random
+import re
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
@@ -246,7 +247,7 @@ def sampling_of(body: _Sampling, top_logprobs: int, vocab_size: int) -> Sampling
     greedy = body.temperature < GREEDY_BELOW_TEMPERATURE
     bias = []
     for key, value in (body.logit_bias or {}).items():
-        if not key.isdigit() or int(key) >= vocab_size:
+        if not re.fullmatch(r"[0-9]{1,9}", key) or int(key) >= vocab_size:
             raise OpenAIError(400, f"logit_bias: {key!r} is not a token id of this model (0..{vocab_size - 1})",
                               "logit_bias")
         bias.append((int(key), float(value)))

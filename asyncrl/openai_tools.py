@@ -172,7 +172,7 @@ class CallReader:
         if function.strict:
             try:
                 jsonschema.validate(call.arguments, function.parameters)
-            except jsonschema.ValidationError:
+            except Exception:  # noqa: BLE001 - invalid, or a schema no call can satisfy (an unresolvable $ref)
                 return None
         return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                 "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}

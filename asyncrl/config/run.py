@@ -133,8 +133,8 @@ class ServeConfig:
     """The policy endpoint adopts the running learner's weights as they change; false = it serves
     the model's own weights (a frozen reference beside a run, or a policy loaded from model.path)."""
     max_batch_sequences: int = 64
-    """Policy endpoint, embedded engine: sequences (requests x n choices) decoded together in one
-    engine window; more wait for a later window. A request with more is refused (400)."""
+    """Policy endpoint: sequences (requests x n choices) the embedded engine decodes together in one
+    window (more wait for a later one). One request with more is refused (400), on SGLang too."""
     batch_window_tokens: int = 16
     """Policy endpoint, embedded engine: tokens per sequence per engine window. Between windows,
     finished and abandoned requests leave, waiting ones join and weight updates land."""

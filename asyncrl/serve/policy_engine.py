@@ -79,6 +79,7 @@ class SGLangPolicy:
         self.engine = engine if engine is not None else start_sglang(config.model, config.engine, config.trainer.seed)
         self.vocab_size = len(load_tokenizer(config.model))
         self.max_positions = config.engine.sglang_max_total_tokens or (1 << 62)
+        self.max_rows = config.serve.max_batch_sequences
 
     @property
     def weight_version(self) -> int:
@@ -92,6 +93,9 @@ class SGLangPolicy:
         from asyncrl.engines.batching import TooLarge
 
         positions = sum(len(s.prompt_ids) + s.max_response_tokens for s in sequences)
+        if len(sequences) > self.max_rows:
+            raise TooLarge(f"{len(sequences)} sequences (prompts x n) in one request; at most {self.max_rows} "
+                           "(serve.max_batch_sequences)")
         if positions > self.max_positions:
             raise TooLarge(f"{len(sequences)} sequence(s) need {positions} token positions of KV cache; SGLang's "
                            f"holds {self.max_positions} (engine.sglang_max_total_tokens)")
@@ -101,7 +105,7 @@ class SGLangPolicy:
         await asyncio.to_thread(self.engine.update_weights, named, version)
 
     def stats(self) -> dict:
-        return dict(self.engine.counters)
+        return {"running_sequences": len(self.engine._inflight), **self.engine.counters}  # noqa: SLF001
 
 
 def build_policy_engine(config: Config) -> EmbeddedPolicy | SGLangPolicy:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+import jinja2
+
 from asyncrl.engines.batching import TooLarge
 from asyncrl.generation import sequence_input
 from asyncrl.openai_api import (OpenAIError, check_model_name, choice_seeds, logprobs_asked, response_tokens,
@@ -27,7 +29,10 @@ def chat_prompt(server, body) -> tuple[list[int], str]:
         check_tools(body)
     except ToolsError as exc:
         raise OpenAIError(400, str(exc), exc.param) from exc
-    ids = conversation_ids(body, server.render, server.tokenizer)
+    try:
+        ids = conversation_ids(body, server.render, server.tokenizer)
+    except jinja2.TemplateError as exc:  # the model's own template refuses the conversation (a role it has not)
+        raise OpenAIError(400, f"the model's chat template cannot render these messages: {exc}", "messages") from exc
     start = forced_start(body, server.format) if body.tools else ""
     return ids + (encode(server.tokenizer, start) if start else []), start
 
