@@ -90,7 +90,9 @@ class WindowBatcher:
         self._wake = asyncio.Event()
         self._update: tuple[Callable[[], None], asyncio.Future] | None = None
         self._task: asyncio.Task | None = None
-        self.counters: Counter = Counter()
+        # jobs taken, jobs whose caller left before their end, tokens sampled, windows, rows over them.
+        self.counters: Counter = Counter(dict.fromkeys(("jobs", "jobs_left", "tokens", "windows", "window_rows",
+                                                        "generate_ms"), 0))
 
     @property
     def weight_version(self) -> int:

@@ -57,6 +57,14 @@ async def _body_too_large(request: Request, exc: BodyTooLarge) -> JSONResponse:
     return openai_error(413, str(exc.detail), None, "request_too_large")
 
 
+async def until_disconnected(request: Request | None) -> None:
+    """Returns once the client of `request` has gone (never without a request: a direct call)."""
+    if request is None:
+        await asyncio.Event().wait()
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
 @serve.ingress(policy_api)
 class PolicyServer:
@@ -115,27 +123,40 @@ class PolicyServer:
                 "weight_errors": self.weight_errors, **self.policy.stats()}
 
     @policy_api.post("/completions")
-    async def completions(self, body: CompletionRequest):
+    async def completions(self, body: CompletionRequest, request: Request = None):
         body.refuse_unhonoured()
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
         # Tokenising long prompts takes a while: off the event loop, which serves everyone.
         ids = await asyncio.to_thread(lambda: [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts])
-        return await self._respond(Prepared.of(self, body, ids, chat=False))
+        return await self._respond(Prepared.of(self, body, ids, chat=False), request)
 
     @policy_api.post("/chat/completions")
-    async def chat_completions(self, body: ChatCompletionRequest):
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request = None):
         body.refuse_unhonoured()
         ids, start = await asyncio.to_thread(chat_prompt, self, body)
-        return await self._respond(Prepared.of(self, body, [ids], chat=True, start=start))
+        return await self._respond(Prepared.of(self, body, [ids], chat=True, start=start), request)
 
-    async def _respond(self, prepared: Prepared):
+    async def _respond(self, prepared: Prepared, request: Request | None):
         request_id = f"{'chatcmpl' if prepared.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         steps = prepared.start(self.policy)  # a request that cannot fit is refused here
         if prepared.body.stream:
             version = self.policy.weight_version
             return StreamingResponse(events(prepared, steps, request_id, self.config.model.name, version),
                                      media_type="text/event-stream", headers={VERSION_HEADER: str(version)})
-        payload = await answer(prepared, steps, request_id, self.config.model.name, self.policy.weight_version)
+        work = asyncio.ensure_future(answer(prepared, steps, request_id, self.config.model.name,
+                                            self.policy.weight_version))
+        # A client gone before its answer: the answer is cancelled and its sequences freed (a stream
+        # is cancelled by Starlette itself when its client goes).
+        gone = asyncio.ensure_future(until_disconnected(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+        if not work.done() or work.cancelled():
+            return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
+        payload = work.result()
         encoded = await asyncio.to_thread(json.dumps, payload)  # megabytes for many choices with log-probs
         return Response(encoded, media_type="application/json", headers={VERSION_HEADER: str(payload["weight_version"])})
 
