@@ -301,3 +301,43 @@ def test_a_model_with_qwen25s_template_is_prompted_through_it(smol_tokenizer, tm
     # The call's start is written for the model: the answer's tokens, not the prompt's.
     assert forced["usage"]["prompt_tokens"] == len(prompt)
     assert forced["usage"]["completion_tokens"] == len(start) + 1
+
+
+def test_the_models_configured_template_and_the_tasks_template_options_render_the_endpoints_prompt(tmp_path):
+    """`model.chat_template` (a file) on a model without a template of its own, and
+    `task.chat_template_kwargs`: the endpoint renders every piece through them (the prompt with its
+    tools, the tool turn and the next generation prompt, as Qwen3's `enable_thinking=false` writes an
+    empty thought after each), and its prompt is the one training's episodes start from."""
+    from asyncrl.environments.tools import tool_specs
+    from asyncrl.serve.policy_requests import chat_prompt
+    from asyncrl.tasks import Example, encode_prompt
+
+    # In the tiny alphabet: the tools' names and ":", the turns' text, "=" as the generation prompt,
+    # "##" after it when thinking is off.
+    (tmp_path / "think.jinja").write_text(
+        "{% if tools %}{% for t in tools %}{{ t['function']['name'] }}{% endfor %}:{% endif %}"
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}={% if enable_thinking is defined and not enable_thinking %}##{% endif %}{% endif %}")
+    template = ["model.use_chat_template=true", f"model.chat_template={tmp_path}/think.jinja"]
+    server = server_of(*template, "task.chat_template_kwargs={enable_thinking: false}")
+    dig = [{"type": "function", "function": {"name": "dig", "parameters": {"type": "object", "properties": {}}}}]
+
+    def prompt(server, messages, tools=None):
+        request = ChatCompletionRequest(messages=messages, **({"tools": tools} if tools else {}))
+        return server.tokenizer.decode(chat_prompt(server, request)[0])
+
+    assert prompt(server, [{"role": "user", "content": "3:"}]) == "3:=##"
+    assert prompt(server_of(*template), [{"role": "user", "content": "3:"}]) == "3:="
+    episode = prompt(server, [{"role": "user", "content": "3:"},
+                              {"role": "assistant", "content": "", "tool_calls": [
+                                  {"id": "c1", "type": "function", "function": {"name": "dig", "arguments": "{}"}}]},
+                              {"role": "tool", "tool_call_id": "c1", "content": "7"}], dig)
+    assert episode.startswith("dig:3:=##") and episode.endswith("7=##")
+    reply = call(chat(server, max_completion_tokens=1))
+    assert reply["usage"]["prompt_tokens"] == len("3:=##")
+    # Training's prompt for the same conversation, with the task's tools, is the endpoint's.
+    example = Example("p0", [{"role": "user", "content": "3:"}], "7", "tiny_tool")
+    trained = encode_prompt(example, server.tokenizer, True, server.config.task.chat_template_kwargs,
+                            server.config.environment)
+    assert trained == chat_prompt(server, ChatCompletionRequest(messages=example.messages,
+                                                                tools=tool_specs(server.config.environment)))[0]

@@ -75,15 +75,16 @@ class Episodes:
         return Observation(self.tokenizer.encode(rendered, add_special_tokens=False), text, error, malformed)
 
 
-def build_episodes(environment, tokenizer, call_environment: CallEnvironment, *,
-                   use_chat_template: bool) -> Episodes | None:
-    """The episodes of `environment` (an `EnvironmentConfig`; None when its name is empty: one turn),
-    their observations rendered by the model's chat template where it uses one."""
-    if not environment.name:
+def build_episodes(environment, tokenizer, call_environment: CallEnvironment, *, use_chat_template: bool,
+                   template_kwargs: dict | None = None) -> Episodes | None:
+    """The episodes of `environment` (an `EnvironmentConfig`; None when it has none: one turn), their
+    observations rendered by the model's chat template where it uses one, with `template_kwargs`
+    (`task.chat_template_kwargs`) as the prompts are."""
+    if not environment.enabled:
         return None
     fmt = FORMATS[environment.tool_format]()
     return Episodes(fmt, call_environment, tokenizer, environment.max_turns, environment.max_observation_chars,
-                    renderer(tokenizer, fmt, use_chat_template))
+                    renderer(tokenizer, fmt, use_chat_template, template_kwargs))
 
 
 class EnvironmentClient:

@@ -45,12 +45,14 @@ def function_tools(tools: list[dict] | None) -> list[dict]:
 
 
 class ChatTemplate:
-    """The pieces of conversations in `tokenizer`'s chat template, for tools in `fmt`."""
+    """The pieces of conversations in `tokenizer`'s chat template, for tools in `fmt`; every
+    rendering passes `template_kwargs` (`task.chat_template_kwargs`, e.g. Qwen3's `enable_thinking`)."""
 
-    def __init__(self, tokenizer, fmt: ToolFormat):
+    def __init__(self, tokenizer, fmt: ToolFormat, template_kwargs: dict | None = None):
         if not getattr(tokenizer, "chat_template", None):
             raise TemplateError("model.use_chat_template=true but the tokenizer has no chat template")
         self.tokenizer, self.format = tokenizer, fmt
+        self.template_kwargs = dict(template_kwargs or {})
         user = [{"role": "user", "content": "x"}]
         # A template that writes tools renders a prompt with them differently from one without.
         self.knows_tools = self._render(user, [_PROBE_TOOL], True) != self._render(user, None, True)
@@ -62,7 +64,7 @@ class ChatTemplate:
 
     def _render(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=generation_prompt,
-                                                  tokenize=False)
+                                                  tokenize=False, **self.template_kwargs)
 
     def _turns(self, messages: list[dict]) -> list[dict]:
         """Messages as this template takes them: the fallback writes tool answers as user turns."""
@@ -128,8 +130,9 @@ class PlainText:
         return content + "".join(self.format.call_text(c) for c in calls)
 
 
-def renderer(tokenizer, fmt: ToolFormat, use_chat_template: bool) -> ChatTemplate | PlainText:
-    return ChatTemplate(tokenizer, fmt) if use_chat_template else PlainText(fmt)
+def renderer(tokenizer, fmt: ToolFormat, use_chat_template: bool,
+             template_kwargs: dict | None = None) -> ChatTemplate | PlainText:
+    return ChatTemplate(tokenizer, fmt, template_kwargs) if use_chat_template else PlainText(fmt)
 
 
 def encode(tokenizer, text: str) -> list[int]:

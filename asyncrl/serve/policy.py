@@ -81,9 +81,12 @@ class PolicyServer:
         self.policy = policy if policy is not None else build_policy_engine(config)
         self.tokenizer = load_tokenizer(config.model)
         self.format = tool_format(config.environment.tool_format)
-        # The conversation's pieces as training renders an episode's (a model without a tool template:
-        # the documented fallback, `asyncrl.environments.templates`).
-        self.render = renderer(self.tokenizer, self.format, config.model.use_chat_template)
+        # The conversation's pieces as training renders an episode's, with the run's template options
+        # (`task.chat_template_kwargs`) and the model's template (`model.chat_template`, through
+        # load_tokenizer); a model without a tool template: the documented fallback
+        # (`asyncrl.environments.templates`).
+        self.render = renderer(self.tokenizer, self.format, config.model.use_chat_template,
+                               config.task.chat_template_kwargs)
         self.poll_s = poll_s
         self.started_at = time.time()
         self.weight_errors = 0
