@@ -78,7 +78,7 @@ def test_an_episode_and_the_endpoint_make_the_same_context(qwen):
     render = ChatTemplate(qwen, ChatMLTools())
     environment = EnvironmentConfig(name="python", allow_unisolated=True)
     episodes = Episodes(ChatMLTools(), LocalEnvironment(PythonTool(allow_unisolated=True)), qwen, 2, 512, render)
-    prompt = encode_prompt(Example("q", QUESTION, "42", "arithmetic_tool"), qwen, True, environment)
+    prompt = encode_prompt(Example("q", QUESTION, "42", "arithmetic_tool"), qwen, True, environment=environment)
     sampled = encode(qwen, render.assistant("", [ToolCall("python", {"code": "print(6 * 7)"})]))
     assert episodes.call_end([], sampled + encode(qwen, " and more")) == len(sampled)  # cut just after the call
     observation = asyncio.run(episodes.observe(sampled, Episode("q", 0)))
@@ -102,7 +102,7 @@ def test_smollm2s_own_template_has_no_tools_and_gets_the_documented_fallback(smo
     assert conversation_ids(body, render, smol_tokenizer) == whole(smol_tokenizer, fallback, None)
     assert render.observation("42").startswith("<|im_end|>\n<|im_start|>user\n<tool_response>\n42")
     environment = EnvironmentConfig(name="python")
-    prompt = encode_prompt(Example("q", QUESTION, "42", "arithmetic_tool"), smol_tokenizer, True, environment)
+    prompt = encode_prompt(Example("q", QUESTION, "42", "arithmetic_tool"), smol_tokenizer, True, environment=environment)
     assert prompt == whole(smol_tokenizer, fallback[:2], None)  # training lists the tools the same way
 
 
@@ -114,3 +114,21 @@ def test_a_template_that_does_not_write_content_as_it_is_is_refused(smol_tokeniz
     tokenizer.chat_template = None
     with pytest.raises(TemplateError, match="no chat template"):
         ChatTemplate(tokenizer, ChatMLTools())
+
+
+def test_an_environment_class_of_the_users_lists_its_spec_in_the_prompt(qwen, tmp_path):
+    """`environment.class_path`: a class with a `spec` attribute has its tool listed through the
+    template, as a built-in's is; one without lists none (its prompts say how to call it)."""
+    (tmp_path / "env.py").write_text(
+        "class Calculator:\n"
+        "    spec = {'name': 'calculator', 'description': 'arithmetic',\n"
+        "            'parameters': {'type': 'object', 'properties': {'expression': {'type': 'string'}}}}\n"
+        "    def step(self, call, episode):\n        return '0', False\n\n"
+        "class Silent:\n    def step(self, call, episode):\n        return '0', False\n")
+    example = Example("q", QUESTION, "42", "arithmetic_tool")
+    listed = tool_specs(EnvironmentConfig(class_path=f"{tmp_path}/env.py:Calculator"))
+    assert [t["function"]["name"] for t in listed] == ["calculator"]
+    prompt = encode_prompt(example, qwen, True, environment=EnvironmentConfig(class_path=f"{tmp_path}/env.py:Calculator"))
+    assert prompt == whole(qwen, QUESTION, listed) and '"name": "calculator"' in qwen.decode(prompt)
+    silent = EnvironmentConfig(class_path=f"{tmp_path}/env.py:Silent")
+    assert tool_specs(silent) == [] and encode_prompt(example, qwen, True, environment=silent) == whole(qwen, QUESTION, None)
