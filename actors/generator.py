@@ -416,9 +416,10 @@ def _result(observing: asyncio.Task) -> Observation:
 
 def build_generator(model: ModelConfig, engine: EngineConfig, sampling: SamplingConfig, prompts: Mailbox,
                     segments: Mailbox, generator_id: str, environment: EnvironmentConfig | None = None,
-                    environment_endpoint=None) -> Generator:
+                    environment_endpoint=None, template_kwargs: dict | None = None) -> Generator:
     """A generator from its sections: the engine (embedded or SGLang) and its windows; with an
-    environment, each sample is an episode whose tool calls the endpoint answers."""
+    environment, each sample is an episode whose tool calls the endpoint answers, its observations
+    rendered by the chat template with `template_kwargs` (`task.chat_template_kwargs`) as the prompts were."""
     embedded = build_generator_engine(model, engine)
     max_windows = engine.max_windows or math.ceil(engine.max_response_tokens / engine.window_tokens)
     episodes = None
@@ -426,7 +427,8 @@ def build_generator(model: ModelConfig, engine: EngineConfig, sampling: Sampling
         from asyncrl.models import load_tokenizer
 
         client = EnvironmentClient(environment_endpoint, environment.timeout_s, environment.retries)
-        episodes = build_episodes(environment, load_tokenizer(model), client)
+        episodes = build_episodes(environment, load_tokenizer(model), client, use_chat_template=model.use_chat_template,
+                                  template_kwargs=template_kwargs)
     return Generator(embedded, prompts, segments, SamplingParams.of(sampling), engine.window_tokens,
                      engine.max_response_tokens, max_windows, engine.max_inflight_sequences, generator_id,
                      long_tail=(engine.long_tail_fraction, engine.long_tail_tokens), episodes=episodes)
@@ -435,10 +437,10 @@ def build_generator(model: ModelConfig, engine: EngineConfig, sampling: Sampling
 class GeneratorActor(RoleShell, WeightGroupMember):
     def __init__(self, model: ModelConfig, engine: EngineConfig, sampling: SamplingConfig, prompts: Mailbox,
                  segments: Mailbox, generator_id: str, environment: EnvironmentConfig | None = None,
-                 environment_endpoint=None):
+                 environment_endpoint=None, template_kwargs: dict | None = None):
         torch.set_num_threads(engine.threads)
         self.inner = build_generator(model, engine, sampling, prompts, segments, generator_id, environment,
-                                     environment_endpoint)
+                                     environment_endpoint, template_kwargs)
 
     async def receive_weights(self, delivery: Delivery, payload=None) -> float:
         return await self.inner.receive_weights(delivery, payload)

@@ -36,8 +36,8 @@ import torch
 
 from actors.base import RoleShell
 from asyncrl.algo.selection import curriculum_sources
-from asyncrl.config import (NO_BOUND, AlgorithmConfig, EngineConfig, ModelConfig, RewardConfig, RouteConfig,
-                            SamplingConfig, TaskConfig)
+from asyncrl.config import (NO_BOUND, AlgorithmConfig, EngineConfig, EnvironmentConfig, ModelConfig, RewardConfig,
+                            RouteConfig, SamplingConfig, TaskConfig)
 from asyncrl.ledger import LedgerSnapshot, SampleLedger
 from asyncrl.mailbox import Mailbox
 from asyncrl.models import load_tokenizer
@@ -280,12 +280,14 @@ class PromptSource:
 
 
 def build_prompt_source(model: ModelConfig, task: TaskConfig, algorithm: AlgorithmConfig, prompts_per_step: int,
-                        seed: int, prompts: Mailbox, max_prompts: int = 0) -> PromptSource:
+                        seed: int, prompts: Mailbox, max_prompts: int = 0,
+                        environment: EnvironmentConfig | None = None) -> PromptSource:
     """`max_prompts` > 0: issue that many prompts and no more, with no staleness budget (there is no
-    learner: `mode=generate`)."""
+    learner: `mode=generate`). `environment`: the prompts list its tools (a task with episodes)."""
     tokenizer = load_tokenizer(model)
     examples = load_examples(task, "train")
-    tokens = [encode_prompt(ex, tokenizer, model.use_chat_template, task.chat_template_kwargs) for ex in examples]
+    tokens = [encode_prompt(ex, tokenizer, model.use_chat_template, task.chat_template_kwargs, environment)
+              for ex in examples]
     examples, tokens = drop_overlong(examples, tokens, task.max_prompt_length, "train")
     curriculum = [(stage.start_step, list(stage.data_sources)) for stage in task.curriculum]
     staleness = NO_BOUND if max_prompts else algorithm.max_staleness_versions
@@ -298,9 +300,10 @@ def build_prompt_source(model: ModelConfig, task: TaskConfig, algorithm: Algorit
 
 class PromptSourceActor(RoleShell):
     def __init__(self, model: ModelConfig, task: TaskConfig, algorithm: AlgorithmConfig, prompts_per_step: int,
-                 seed: int, prompts: Mailbox, max_prompts: int = 0):
+                 seed: int, prompts: Mailbox, max_prompts: int = 0, environment: EnvironmentConfig | None = None):
         torch.set_num_threads(1)
-        self.inner = build_prompt_source(model, task, algorithm, prompts_per_step, seed, prompts, max_prompts)
+        self.inner = build_prompt_source(model, task, algorithm, prompts_per_step, seed, prompts, max_prompts,
+                                         environment)
         self.restored = False
 
     async def prepare(self, model: ModelConfig, engine: EngineConfig, sampling: SamplingConfig, task: TaskConfig,

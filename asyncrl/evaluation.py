@@ -59,14 +59,17 @@ def respond(config: Config, engine, tokenizer, examples: list[Example], n: int, 
     """n completions per example from a local engine: whole responses, or whole episodes where the
     task has an environment (`config.environment`; run in this process), sample j of an example
     being the episode (its prompt id, j)."""
-    prompts = [encode_prompt(ex, tokenizer, config.model.use_chat_template, config.task.chat_template_kwargs) for ex in examples for _ in range(n)]
+    prompts = [encode_prompt(ex, tokenizer, config.model.use_chat_template, config.task.chat_template_kwargs,
+                             config.environment) for ex in examples for _ in range(n)]
     if not config.environment.enabled:
         return complete(engine, tokenizer, prompts, seeds, config.engine.max_response_tokens, params,
                         on_batch=on_batch)
     from asyncrl.environments.episodes import LocalEnvironment, build_episodes, complete_episodes
     from asyncrl.environments.tools import Episode, build_environment
 
-    episodes = build_episodes(config.environment, tokenizer, LocalEnvironment(build_environment(config.environment)))
+    episodes = build_episodes(config.environment, tokenizer, LocalEnvironment(build_environment(config.environment)),
+                              use_chat_template=config.model.use_chat_template,
+                              template_kwargs=config.task.chat_template_kwargs)
     identities = [Episode(ex.prompt_id, j) for ex in examples for j in range(n)]
     return complete_episodes(engine, tokenizer, episodes, prompts, seeds, identities,
                              config.engine.max_response_tokens, params, on_batch=on_batch)

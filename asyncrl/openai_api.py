@@ -1,34 +1,42 @@
-"""OpenAI-compatible request/response schemas for the policy endpoint (pydantic, as FastAPI wants).
+"""OpenAI-compatible requests to the policy endpoint (pydantic, as FastAPI wants), and what each
+field asks of the engine.
 
 Bad requests raise `OpenAIError` (or fail validation), which the app turns into a 4xx with an
-OpenAI-style body `{"error": {"message", "type", "param", "code"}}`.
+OpenAI-style body `{"error": {"message", "type", "param", "code"}}`. Every field OpenAI defines is
+either honoured or refused by name: a request never gets silently less than it asked for.
+
+* Honoured: sampling (`temperature`, `top_p`, `seed`, `n`, `stop`), the length
+  (`max_completion_tokens`, or its older name `max_tokens`; chat without one: what is left of the
+  context, capped at `serve.max_response_tokens`; legacy completions without one: 16, as OpenAI's),
+  `presence_penalty`, `frequency_penalty`, `logit_bias`, log-probs, streaming with usage, tools
+  (`asyncrl.openai_tools`).
+* Accepted because they ask for nothing the answer must show: `user`, `safety_identifier`,
+  `prompt_cache_key`, `parallel_tool_calls` (at most one call per choice satisfies either value),
+  and the defaults of the fields below.
+* Refused unless at their default (400 naming the field): `response_format` other than text,
+  `store`, `metadata`, `service_tier` other than auto/default, `modalities` other than text,
+  `reasoning_effort`, `verbosity`, `audio`, `prediction`, `web_search_options`, the legacy
+  `functions`/`function_call`; completions' `echo`, `suffix`, `best_of` other than n. Any field
+  OpenAI does not define is refused by name too.
 
 OpenAI's conventions kept here: `n` choices of one `seed` are independent samples, each with its
 own seed hashed from (seed, index), so neighbouring seeds share none; `logprobs` (completions: the
 N most likely tokens per position as well, with the sampled one) and `logprobs` + `top_logprobs`
-(chat) report log-probs under the distribution the engine sampled from; a stream with
-`stream_options: {include_usage: true}` ends with a chunk of empty `choices` and the `usage`.
+(chat) report log-probs under the distribution the engine sampled from (after penalties and bias).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import math
 import random
-import time
-from dataclasses import dataclass
-from typing import Annotated, Literal
+import re
+from typing import Annotated, Any, Literal
 
-import numpy as np
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from asyncrl.algo.sampling import choice_seed
 from asyncrl.engines.base import SamplingParams
-from asyncrl.generation import complete_async, decode, sequence_input
-from asyncrl.openai_tools import AssistantToolCall, ToolSpec, call_of, content_before_call
-from asyncrl.schema import FinishReason
+from asyncrl.openai_tools import AssistantToolCall, ToolChoice, ToolSpec
 
 
 class OpenAIError(Exception):
@@ -62,30 +70,39 @@ def check_model_name(requested: str | None, served: str) -> None:
 
 MAX_STOP_CHARS = 256
 StopText = Annotated[str, StringConstraints(max_length=MAX_STOP_CHARS)]
-# One request's token positions (prompts x n x (prompt + max_tokens)): what its KV cache and
-# logits hold at once. Larger requests are refused with 400 before anything is generated.
-MAX_REQUEST_POSITIONS = 1 << 17
+# A prompt longer than any context is refused before it is tokenized (the body limit,
+# serve.max_body_mb, comes first: before the body is read).
+MAX_PROMPT_CHARS = 1 << 20
+MAX_PROMPTS = 32
+PromptText = Annotated[str, StringConstraints(min_length=1, max_length=MAX_PROMPT_CHARS)]
+# The legacy completions API's default length (OpenAI's and vLLM's).
+COMPLETIONS_DEFAULT_TOKENS = 16
 
-
-def check_request_size(prompt_ids: list[list[int]], n: int, max_tokens: int) -> None:
-    positions = n * sum(len(ids) + max_tokens for ids in prompt_ids)
-    if positions > MAX_REQUEST_POSITIONS:
-        raise OpenAIError(400, f"request too large: {len(prompt_ids)} prompt(s) x n={n} x (prompt + max_tokens) is "
-                               f"{positions} token positions; the limit is {MAX_REQUEST_POSITIONS}", "max_tokens")
+# Fields accepted because they ask for nothing the answer shows; fields refused unless at their default.
+_ACCEPTED = {"user", "safety_identifier", "prompt_cache_key", "parallel_tool_calls"}
+_DEFAULTS: dict[str, tuple] = {
+    "store": (None, False), "metadata": (None, {}), "service_tier": (None, "auto", "default"),
+    "modalities": (None, ["text"]), "reasoning_effort": (None,), "verbosity": (None,), "audio": (None,),
+    "prediction": (None,), "web_search_options": (None,), "functions": (None,), "function_call": (None,),
+    "response_format": (None, {"type": "text"}), "echo": (None, False), "suffix": (None, ""),
+}
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # padding against side channels: nothing to pad here
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """What chat and legacy completions share. Unknown fields are kept (`extra`) to be refused by name."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     stream: bool = False
-    max_tokens: int = Field(16, ge=1, le=4096)
+    max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=16)
@@ -93,44 +110,87 @@ class _Sampling(BaseModel):
     # At most 4 stop strings, as in OpenAI's API, each short: every one is searched in every delta.
     stop: StopText | Annotated[list[StopText], Field(max_length=4)] | None = None
     stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(None, max_length=300)
 
-
-# Request size limits: a prompt longer than any context is refused before it is tokenized.
-MAX_PROMPT_CHARS = 1 << 20
-MAX_PROMPTS = 32
-
-
-PromptText = Annotated[str, StringConstraints(min_length=1, max_length=MAX_PROMPT_CHARS)]
+    def refuse_unhonoured(self) -> None:
+        """A 400 naming the first field this endpoint would not honour (see the module's lists)."""
+        for name, value in (self.model_extra or {}).items():
+            if name in _ACCEPTED:
+                continue
+            if name not in _DEFAULTS:
+                raise OpenAIError(400, f"Unrecognized request argument supplied: {name}", name)
+            if value not in _DEFAULTS[name]:
+                raise OpenAIError(400, f"{name}={value!r} is not supported by this endpoint (the policy "
+                                       f"generates plain text)", name)
 
 
 class CompletionRequest(_Sampling):
     prompt: PromptText | Annotated[list[PromptText], Field(min_length=1, max_length=MAX_PROMPTS)]
     # The N most likely tokens per position (and the sampled one); 0: the sampled token's alone.
     logprobs: int | None = Field(None, ge=0, le=5)
+    best_of: int | None = Field(None, ge=1, le=16)
+
+    def refuse_unhonoured(self) -> None:
+        super().refuse_unhonoured()
+        if self.best_of is not None and self.best_of != self.n:
+            raise OpenAIError(400, "best_of other than n is not supported (every sample is returned)", "best_of")
+
+
+class ContentPart(BaseModel):
+    """One part of a message's `content`: text is read; any other kind is refused by name."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
+
+    @model_validator(mode="after")
+    def _text_only(self) -> "ContentPart":
+        if self.type != "text" or self.text is None:
+            raise ValueError(f"a content part of type {self.type!r} is not supported: this endpoint reads text "
+                             f"parts ({{\"type\": \"text\", \"text\": ...}}) only")
+        return self
 
 
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | Annotated[list[ContentPart], Field(max_length=256)] | None = Field(None, max_length=MAX_PROMPT_CHARS)
     tool_calls: list[AssistantToolCall] | None = Field(None, max_length=16)  # an assistant's calls
     tool_call_id: str | None = Field(None, max_length=128)  # a tool's answer: to which call
-    name: str | None = Field(None, max_length=64)
+    name: str | None = Field(None, max_length=64)  # a participant's name (templates mostly leave it out)
+    refusal: str | None = Field(None, max_length=MAX_PROMPT_CHARS)  # an assistant's earlier refusal, as text
 
     @model_validator(mode="after")
     def _has_content(self) -> "ChatMessage":
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+        if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.refusal)):
             raise ValueError("content is required (an assistant message may give tool_calls instead)")
         if self.tool_calls and self.role != "assistant":
             raise ValueError("only an assistant message has tool_calls")
         return self
 
+    @property
+    def text(self) -> str:
+        """The content as one text (parts joined, as OpenAI concatenates them); developer is system."""
+        if isinstance(self.content, list):
+            return "".join(part.text or "" for part in self.content)
+        return self.content if self.content is not None else (self.refusal or "")
+
+    @property
+    def template_role(self) -> str:
+        return "system" if self.role == "developer" else self.role
+
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(..., min_length=1, max_length=256)
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[ToolSpec] | None = Field(None, max_length=64)  # in the trained tool format (openai_tools)
-    tool_choice: str | None = None  # auto (the default with tools) or none
+    tools: list[ToolSpec] | None = Field(None, max_length=64)
+    tool_choice: ToolChoice | None = None
 
 
 def logprobs_asked(body: _Sampling, chat: bool) -> int | None:
@@ -145,8 +205,35 @@ def logprobs_asked(body: _Sampling, chat: bool) -> int | None:
     return (body.top_logprobs or 0) if body.logprobs else None
 
 
-def _stops(stop: str | list[str] | None) -> list[str]:
-    return [stop] if isinstance(stop, str) else list(stop or [])
+def requested_tokens(body: _Sampling) -> tuple[int | None, str]:
+    """The length a request names (None: none) and the field that named it."""
+    newer = getattr(body, "max_completion_tokens", None)
+    if newer is not None and body.max_tokens is not None and newer != body.max_tokens:
+        raise OpenAIError(400, f"max_completion_tokens={newer} and max_tokens={body.max_tokens} disagree: "
+                               "send one (max_tokens is its older name)", "max_completion_tokens")
+    if newer is not None:
+        return newer, "max_completion_tokens"
+    return body.max_tokens, "max_tokens"
+
+
+def response_tokens(body: _Sampling, prompt_ids: list[list[int]], context: int, cap: int, chat: bool) -> int:
+    """How many tokens each choice may generate: the request's own length, or by default (chat)
+    what is left of the context after the longest prompt, at most `cap`. A prompt that leaves no
+    room, or a length over the cap or the context, is a 400 naming the field."""
+    asked, param = requested_tokens(body)
+    longest = max(len(ids) for ids in prompt_ids)
+    if any(not ids for ids in prompt_ids):
+        raise OpenAIError(400, "the prompt is empty", "messages" if chat else "prompt")
+    if asked is None and not chat:
+        asked = COMPLETIONS_DEFAULT_TOKENS
+    if asked is not None and asked > cap:
+        raise OpenAIError(400, f"{param}={asked} is over this endpoint's limit of {cap} tokens "
+                               "(serve.max_response_tokens)", param)
+    left = context - longest
+    if left < 1 or (asked is not None and asked > left):
+        raise OpenAIError(400, f"prompt ({longest} tokens) + {param} ({asked if asked is not None else 1}) exceeds the "
+                               f"model's context of {context} tokens", param)
+    return asked if asked is not None else min(left, cap)
 
 
 # Below this, logits / temperature overflows float32 (found by fuzzing: 5e-324 gave NaN
@@ -154,236 +241,27 @@ def _stops(stop: str | list[str] | None) -> list[str]:
 GREEDY_BELOW_TEMPERATURE = 1e-3
 
 
-def _params(body: _Sampling, top_logprobs: int = 0) -> SamplingParams:
+def sampling_of(body: _Sampling, top_logprobs: int, vocab_size: int) -> SamplingParams:
+    """The engine's sampling settings for a request; a `logit_bias` key that is not a token id of
+    this vocabulary is a 400."""
     greedy = body.temperature < GREEDY_BELOW_TEMPERATURE
+    bias = []
+    for key, value in (body.logit_bias or {}).items():
+        if not re.fullmatch(r"[0-9]{1,9}", key) or int(key) >= vocab_size:
+            raise OpenAIError(400, f"logit_bias: {key!r} is not a token id of this model (0..{vocab_size - 1})",
+                              "logit_bias")
+        bias.append((int(key), float(value)))
     return SamplingParams(temperature=1.0 if greedy else body.temperature, top_p=body.top_p, greedy=greedy,
-                          top_logprobs=top_logprobs)
+                          top_logprobs=top_logprobs, presence_penalty=body.presence_penalty,
+                          frequency_penalty=body.frequency_penalty, logit_bias=tuple(sorted(bias)))
 
 
-def _choice_seeds(body: _Sampling, prompts: int) -> list[int]:
+def choice_seeds(body: _Sampling, prompts: int) -> list[int]:
     """Each choice's sampling seed, prompt-major: choice k of every prompt has seed (seed, k)."""
     seed = body.seed if body.seed is not None else random.randrange(1 << 40)
     return [choice_seed(seed, k) for _ in range(prompts) for k in range(body.n)]
 
 
-def _alternatives(tokenizer, ids, logprobs) -> list[tuple[str, float]]:
-    """(token text, log-prob) of a position's most likely tokens, most likely first; a token the
-    sampler's top-p left out (-inf: it cannot be drawn, and JSON has no -inf) is not listed."""
-    return [(tokenizer.decode([int(i)]), float(lp)) for i, lp in zip(ids, logprobs) if math.isfinite(lp)]
-
-
-@dataclass
-class Delta:
-    """One streamed piece of a choice: its new text, the tokens behind it, their log-probs and
-    alternatives (`alternatives[j]`: `_alternatives` of `tokens[j]`), and how the choice ended."""
-
-    index: int
-    text: str
-    tokens: list[int]
-    logprobs: list[float]
-    alternatives: list[list[tuple[str, float]]]
-    finish: str | None
-
-
-async def stream_choices(engine, tokenizer, prompt_ids: list[list[int]], body: _Sampling, top_logprobs: int = 0):
-    """n samples per prompt, streamed token by token as the engine samples them (one decode loop;
-    counter-based seeds: the samples are those of `generate_choices`). Yields `Delta`s; finish is
-    set on a choice's last one. Text stops at a stop string; decoding stops once every choice has
-    ended."""
-    stops = [s for s in _stops(body.stop) if s]
-    longest_stop = max((len(s) for s in stops), default=0)
-    # Incremental detokenisation: each step decodes a few tokens around the new ones (from
-    # `prefix`, a token boundary before them), not the whole text so far.
-    prompts = [ids for ids in prompt_ids for _ in range(body.n)]
-    rows = [{"prompt": np.asarray(ids, dtype=np.int32), "seed": seed, "ids": [], "text": "",
-             "prefix": 0, "read": 0, "done": False} for ids, seed in zip(prompts, _choice_seeds(body, len(prompt_ids)))]
-    inputs = [sequence_input(r["prompt"], r["seed"], body.max_tokens, []) for r in rows]
-    steps = engine.stream_window(inputs, body.max_tokens, _params(body, top_logprobs))
-    try:
-        async for step in steps:
-            for i, token, logprob, reason, top in step:
-                row = rows[i]
-                if row["done"]:
-                    continue  # ended at a stop string while others go on
-                row["ids"].append(token)
-                finish = None
-                if reason is not None:  # WINDOW cannot happen (one window of max_tokens); as length
-                    finish = "stop" if reason is FinishReason.EOS else "length"
-                before = decode(tokenizer, row["ids"][row["prefix"]:row["read"]])
-                after = decode(tokenizer, row["ids"][row["prefix"]:])
-                new = after[len(before):] if after.startswith(before) else after
-                if new.endswith("\ufffd") and finish is None:
-                    new = ""  # an incomplete multi-byte character: wait for the rest
-                else:
-                    row["prefix"], row["read"] = row["read"], len(row["ids"])
-                text = row["text"] + new
-                # A stop string can only end inside the new text: search from where it could start.
-                start = max(0, len(row["text"]) - longest_stop + 1)
-                cuts = [text.find(s, start) for s in stops if s in text[start:]]
-                if cuts:
-                    text, finish = text[: min(cuts)], "stop"
-                delta = text[len(row["text"]):]
-                row["text"] = text
-                row["done"] = finish is not None
-                alternatives = [_alternatives(tokenizer, *top)] if top is not None else []
-                yield Delta(i, delta, [token], [logprob], alternatives, finish)
-            if all(r["done"] for r in rows):
-                return
-    finally:
-        await steps.aclose()
-
-
-async def generate_choices(engine, tokenizer, prompt_ids: list[list[int]], body: _Sampling,
-                           top_logprobs: int = 0, tool_format=None) -> list[dict]:
-    """n samples per prompt in one engine call; text cut at the first stop string, or just after
-    a tool call in `tool_format` (a request with tools): then the choice has `tool_calls`."""
-    prompts = [ids for ids in prompt_ids for _ in range(body.n)]
-    seeds = _choice_seeds(body, len(prompt_ids))
-    completions = await complete_async(engine, tokenizer, prompts, seeds, body.max_tokens, _params(body, top_logprobs))
-    choices = []
-    for index, out in enumerate(completions):
-        text = out.text
-        finish = "stop" if out.finish_reason is FinishReason.EOS else "length"
-        stops = [s for s in _stops(body.stop) if s and s in text]
-        if stops:
-            # As a stream ends: at the token that completes the first stop string to appear
-            # (usage, log-probs), the text before the stop it completed.
-            out = _cut(out, tokenizer, lambda seen: any(s in seen for s in stops))
-            seen = decode(tokenizer, out.token_ids.tolist())
-            text, finish = seen[: min(seen.find(s) for s in stops if s in seen)], "stop"
-        calls, content = None, text
-        if tool_format is not None:
-            end, call = call_of(text, tool_format)
-            if call is not None:  # the tokens past the call were sampled, not answered
-                text, finish, calls = text[:end], "tool_calls", [call]
-                content = content_before_call(text, tool_format)
-                out = _cut(out, tokenizer, lambda seen: tool_format.call_end(seen) is not None)
-        choices.append({"index": index, "text": text, "content": content, "tool_calls": calls, "finish_reason": finish,
-                        "token_logprobs": out.logprobs.tolist(),
-                        "tokens": [tokenizer.decode([t]) for t in out.token_ids.tolist()],
-                        "alternatives": [_alternatives(tokenizer, ids, lps) for ids, lps in
-                                         zip(out.top_ids.tolist(), out.top_logprobs.tolist())] if top_logprobs else [],
-                        "completion_tokens": len(out.token_ids), "prompt_tokens": len(prompt_ids[index // body.n]),
-                        "first_of_prompt": index % body.n == 0})
-    return choices
-
-
-def _cut(out, tokenizer, reached):
-    """A completion cut after its first token whose text so far is `reached` (a stop string or a
-    tool call completed): the tokens past it were sampled, not returned."""
-    ids = out.token_ids.tolist()
-    keep = next((k for k in range(1, len(ids) + 1) if reached(decode(tokenizer, ids[:k]))), len(ids))
-    return dataclasses.replace(out, token_ids=out.token_ids[:keep], logprobs=out.logprobs[:keep],
-                               top_ids=None if out.top_ids is None else out.top_ids[:keep],
-                               top_logprobs=None if out.top_logprobs is None else out.top_logprobs[:keep])
-
-
-def logprob_entries(tokens: list[str], logprobs: list[float], alternatives: list[list[tuple[str, float]]]) -> list[dict]:
-    """Chat-style log-prob entries of the sampled tokens, each with its `top_logprobs` (empty when
-    none were asked for)."""
-    def entry(token: str, logprob: float) -> dict:
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
-
-    return [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in (alternatives[j] if alternatives else [])]}
-            for j, (t, lp) in enumerate(zip(tokens, logprobs))]
-
-
-def completion_logprobs(tokens: list[str], logprobs: list[float], alternatives: list[list[tuple[str, float]]],
-                        asked: int) -> dict:
-    """The completions API's `logprobs` object. With `logprobs=N` > 0, `top_logprobs` maps each
-    position's N most likely tokens, and the sampled one, to their log-probs (OpenAI: "up to
-    logprobs+1 elements")."""
-    top = None
-    if asked:
-        top = [{**dict(alts), token: lp} for token, lp, alts in zip(tokens, logprobs, alternatives)]
-    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top, "text_offset": None}
-
-
-def _usage(choices: list[dict]) -> dict:
-    prompt = sum(c["prompt_tokens"] for c in choices if c["first_of_prompt"])  # each prompt once, not per sample
-    completion = sum(c["completion_tokens"] for c in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def completion_response(request_id: str, model: str, choices: list[dict], version: int,
-                        asked: int | None = None) -> dict:
-    """`asked`: what `logprobs_asked` returned (None: no log-probs)."""
-    return {
-        "id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-        "weight_version": version,
-        "choices": [{"index": c["index"], "text": c["text"], "finish_reason": c["finish_reason"],
-                     "logprobs": completion_logprobs(c["tokens"], c["token_logprobs"], c["alternatives"], asked)
-                     if asked is not None else None}
-                    for c in choices],
-        "usage": _usage(choices),
-    }
-
-
-def chat_response(request_id: str, model: str, choices: list[dict], version: int, asked: int | None = None) -> dict:
-    return {
-        "id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "weight_version": version,
-        "choices": [{"index": c["index"], "message": {"role": "assistant", "content": c["content"],
-                                                      **({"tool_calls": c["tool_calls"]} if c["tool_calls"] else {})},
-                     "finish_reason": c["finish_reason"],
-                     "logprobs": {"content": logprob_entries(c["tokens"], c["token_logprobs"], c["alternatives"])}
-                     if asked is not None else None}
-                    for c in choices],
-        "usage": _usage(choices),
-    }
-
-
-def stream_chunk(request_id: str, model: str, version: int, chat: bool, index: int, delta: str,
-                 finish: str | None, logprobs: dict | None = None, first: bool = False) -> dict:
-    """One server-sent chunk. In chat, a choice's first delta carries the role (and no text), as
-    OpenAI's do; later deltas carry only content."""
-    created = int(time.time())
-    if chat:
-        message = {"role": "assistant", "content": ""} if first else {"content": delta}
-        return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                "weight_version": version,
-                "choices": [{"index": index, "delta": message, "finish_reason": finish, "logprobs": logprobs}]}
-    return {"id": request_id, "object": "text_completion", "created": created, "model": model, "weight_version": version,
-            "choices": [{"index": index, "text": delta, "finish_reason": finish, "logprobs": logprobs}]}
-
-
-def usage_chunk(request_id: str, model: str, version: int, chat: bool, prompt_ids: list[list[int]],
-                completion_tokens: int) -> dict:
-    """A stream's last chunk with `stream_options.include_usage`: no choices, the request's usage
-    (each prompt counted once, as in `_usage`)."""
-    prompt = sum(len(ids) for ids in prompt_ids)
-    return {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": int(time.time()), "model": model, "weight_version": version, "choices": [],
-            "usage": {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt + completion_tokens}}
-
-
-async def stream_events(engine, tokenizer, prompt_ids: list[list[int]], body: _Sampling, chat: bool,
-                        request_id: str, model: str, version: int, asked: int | None):
-    """Server-sent events of a streamed request: in chat, each choice's role first; then a chunk
-    per text delta of a choice as its tokens are sampled; with `include_usage`, every chunk carries
-    `usage: null` and a last chunk the usage (OpenAI's shape); then `data: [DONE]`."""
-    include_usage = body.stream_options is not None and body.stream_options.include_usage
-
-    def event(chunk: dict) -> str:
-        if include_usage:
-            chunk["usage"] = None
-        return f"data: {json.dumps(chunk)}\n\n"
-
-    if chat:
-        for index in range(len(prompt_ids) * body.n):
-            yield event(stream_chunk(request_id, model, version, True, index, "", None, first=True))
-    completion_tokens = 0
-    async for d in stream_choices(engine, tokenizer, prompt_ids, body, asked or 0):
-        completion_tokens += len(d.tokens)
-        lp = None
-        if asked is not None:
-            texts = [tokenizer.decode([t]) for t in d.tokens]
-            lp = ({"content": logprob_entries(texts, d.logprobs, d.alternatives)} if chat
-                  else completion_logprobs(texts, d.logprobs, d.alternatives, asked))
-        if d.text or d.finish or lp:
-            yield event(stream_chunk(request_id, model, version, chat, d.index, d.text, d.finish, lp))
-    if include_usage:
-        usage = usage_chunk(request_id, model, version, chat, prompt_ids, completion_tokens)
-        yield f"data: {json.dumps(usage)}\n\n"
-    yield "data: [DONE]\n\n"
+def stops_of(body: _Sampling) -> list[str]:
+    stop: Any = body.stop
+    return [s for s in ([stop] if isinstance(stop, str) else list(stop or [])) if s]

@@ -1,13 +1,15 @@
 """OpenAI's tool calling on the policy endpoint (`tools`, `tool_choice`, assistant `tool_calls`,
-role `tool`), written and read in the tool format the policy is trained in
-(`environment.tool_format`, `asyncrl.environments.formats`): an outside agent framework drives the
-live policy as its episodes do, and sees its calls as OpenAI `tool_calls`.
+role `tool`), written and read as the policy is trained: the conversation rendered in pieces by
+the model's chat template (`asyncrl.environments.templates`, the same pieces a training episode
+is made of), calls read in the tool format of the run (`environment.tool_format`).
 
-The conversation is rendered as training renders an episode: an assistant's call as the format
-writes it, a tool's answer as the format's observation (ChatML: a user turn holding a
-`<tool_response>`), the tools listed in a system message. A choice whose text holds a call is cut
-just after it and answered with `tool_calls` and `finish_reason: "tool_calls"`; a call the format
-cannot read is left as text.
+* `tool_choice`: `auto` (the default with tools), `none` (no tools in the prompt, no call read),
+  `required` and a named function. The last two are honoured by writing the start of the call
+  for the model (the format's opening, and the function's name: `ToolFormat.call_start`); the
+  rest of the call is the model's own, so a call it cannot finish comes back as text.
+* A choice whose text holds a call of an offered function is cut just after it and answered with
+  `tool_calls` and `finish_reason: "tool_calls"`. A function with `strict: true` gets only calls
+  whose arguments validate against its parameters' JSON schema; any other call stays text.
 """
 
 from __future__ import annotations
@@ -16,20 +18,27 @@ import json
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, Field
+import jsonschema
+from pydantic import BaseModel, ConfigDict, Field
 
 from asyncrl.environments.formats import FORMATS, Malformed, ToolCall, ToolFormat
+from asyncrl.environments.templates import encode
 
 FunctionName = Field(..., pattern=r"^[A-Za-z0-9_-]{1,64}$")
 
 
 class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     name: str = FunctionName
     description: str = Field("", max_length=4096)
     parameters: dict = Field(default_factory=dict)
+    strict: bool | None = None
 
 
 class ToolSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     type: Literal["function"]
     function: FunctionSpec
 
@@ -45,6 +54,18 @@ class AssistantToolCall(BaseModel):
     function: FunctionCall
 
 
+class NamedFunction(BaseModel):
+    name: str = FunctionName
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["auto", "none", "required"] | NamedToolChoice
+
+
 class ToolsError(ValueError):
     """A request whose tools or tool messages cannot be used: (message, param)."""
 
@@ -57,17 +78,27 @@ def tool_format(name: str) -> ToolFormat:
     return FORMATS[name]()
 
 
-def uses_tools(body) -> bool:
-    """The request lists tools (and does not forbid them), or its conversation holds tool turns."""
-    listed = bool(body.tools) and body.tool_choice != "none"
-    return listed or any(m.role == "tool" or m.tool_calls for m in body.messages)
+def offered(body) -> list[ToolSpec]:
+    """The tools a request lets the model call (none with `tool_choice: "none"`)."""
+    return [] if body.tool_choice == "none" else list(body.tools or [])
 
 
 def check_tools(body) -> None:
-    if body.tool_choice not in (None, "auto", "none"):
-        raise ToolsError(f"tool_choice={body.tool_choice!r} is not supported: use auto or none", "tool_choice")
-    if body.tools and body.stream:
-        raise ToolsError("stream with tools is not supported: ask without stream", "stream")
+    """Refuse what cannot be honoured: a tool choice naming no offered tool, a strict function
+    whose parameters are not a JSON schema, an earlier call whose arguments are not a JSON object."""
+    names = {t.function.name for t in body.tools or []}
+    choice = body.tool_choice
+    if choice == "required" and not names:
+        raise ToolsError("tool_choice=required needs tools", "tool_choice")
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+        raise ToolsError(f"tool_choice names {choice.function.name!r}, which is not in tools", "tool_choice")
+    for i, tool in enumerate(body.tools or []):
+        if tool.function.strict:
+            try:
+                jsonschema.validators.validator_for(tool.function.parameters).check_schema(tool.function.parameters)
+            except jsonschema.SchemaError as exc:
+                raise ToolsError(f"tools[{i}].function.parameters is not a JSON schema: {exc.message}",
+                                 f"tools[{i}].function.parameters") from exc
     for i, message in enumerate(body.messages):
         for call in message.tool_calls or []:
             try:
@@ -79,62 +110,73 @@ def check_tools(body) -> None:
                 raise ToolsError(f"messages[{i}].tool_calls: arguments must be a JSON object", f"messages[{i}].tool_calls")
 
 
-def conversation(body, fmt: ToolFormat) -> list[dict]:
-    """The request's messages as role/content turns a chat template renders: the tools listed in
-    the system message; an assistant's calls written as the format writes them; a tool's answer
-    as the user turn that carries it."""
-    turns, tools = [], [t.function.model_dump() for t in body.tools or []] if body.tool_choice != "none" else []
-    prompt = fmt.tools_prompt(tools) if tools else ""
-    for message in body.messages:
-        if message.role == "tool":
-            turns.append({"role": "user", "content": fmt.response_message(message.content or "")})
-        elif message.role == "assistant" and message.tool_calls:
-            calls = "".join(fmt.call_text(ToolCall(c.function.name, json.loads(c.function.arguments)))
-                            for c in message.tool_calls)
-            turns.append({"role": "assistant", "content": (message.content or "") + calls})
-        else:
-            turns.append({"role": message.role, "content": message.content or ""})
-    if prompt:
-        if turns and turns[0]["role"] == "system":
-            turns[0] = {"role": "system", "content": f"{turns[0]['content']}\n\n{prompt}"}
-        else:
-            turns.insert(0, {"role": "system", "content": prompt})
-    return turns
+def _turn(message) -> dict:
+    turn = {"role": message.template_role, "content": message.text}
+    if message.tool_call_id is not None:
+        turn["tool_call_id"] = message.tool_call_id
+    return turn
 
 
-def plain_conversation(body, fmt: ToolFormat) -> str:
-    """The conversation as one text, for a model with no chat template (the tiny model): the
-    prompt's turns joined by lines as a task's prompt is, then every later turn as an episode
-    continues: the assistant's text and calls, each tool's answer as the format's observation."""
-    messages, head = body.messages, []
-    while messages and messages[0].role in ("system", "user"):
-        head.append(messages[0].content or "")
-        messages = messages[1:]
-    text = "\n".join(head)
-    for message in messages:
-        if message.role == "tool":
-            text += fmt.observation(message.content or "")
-        else:
-            text += (message.content or "") + "".join(
-                fmt.call_text(ToolCall(c.function.name, json.loads(c.function.arguments))) for c in message.tool_calls or [])
-    return text
+def conversation_ids(body, render, tokenizer) -> list[int]:
+    """The request's context as an episode's: the prompt (with the offered tools), then for each
+    earlier assistant turn its text and the continuation that follows it, each piece encoded on
+    its own (`asyncrl.environments.templates`). A conversation that ends with an assistant turn is
+    continued from it."""
+    messages = body.messages
+    first = next((i for i, m in enumerate(messages) if m.role == "assistant"), len(messages))
+    tools = [t.model_dump(exclude_none=True) for t in offered(body)]
+    ids = encode(tokenizer, render.prompt([_turn(m) for m in messages[:first]], tools))
+    i = first
+    while i < len(messages):
+        message = messages[i]
+        calls = [ToolCall(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
+        ids += encode(tokenizer, render.assistant(message.text, calls))
+        end = next((j for j in range(i + 1, len(messages)) if messages[j].role == "assistant"), len(messages))
+        if end > i + 1:
+            ids += encode(tokenizer, render.continuation([_turn(m) for m in messages[i + 1:end]]))
+        i = end
+    return ids
 
 
-def call_of(text: str, fmt: ToolFormat) -> tuple[int, dict | None]:
-    """Where a choice's text ends when it holds a call (the characters kept), and the call as an
-    OpenAI `tool_calls` entry (None when the format cannot read it: the text stays as it is)."""
-    end = fmt.call_end(text)
-    if end is None:
-        return len(text), None
-    call = fmt.parse(text[:end])
-    if isinstance(call, Malformed):
-        return len(text), None
-    return end, {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                 "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
+def forced_start(body, fmt: ToolFormat) -> str:
+    """The text written for the model before it samples: the start of a call when the request
+    requires one (`required`, or a named function), else nothing."""
+    choice = body.tool_choice
+    if isinstance(choice, NamedToolChoice):
+        return fmt.call_start(choice.function.name)
+    return fmt.call_start(None) if choice == "required" else ""
 
 
-def content_before_call(text: str, fmt: ToolFormat) -> str | None:
-    """The assistant's words before its call (None when there are none, as OpenAI sends)."""
-    opening = getattr(fmt, "opening", None)
-    before = text[: text.rfind(opening)] if opening and opening in text else ""
-    return before.strip() or None
+class CallReader:
+    """Reads a choice's call in the tool format, for the functions a request offers."""
+
+    def __init__(self, fmt: ToolFormat, tools: list[ToolSpec]):
+        self.format = fmt
+        self.functions = {t.function.name: t.function for t in tools}
+
+    def end(self, text: str) -> int | None:
+        return self.format.call_end(text)
+
+    def pending_from(self, text: str) -> int:
+        """Where text that may still turn into a call starts (held back from a stream)."""
+        return self.format.pending_from(text)
+
+    def read(self, text: str) -> dict | None:
+        """The call that `text` (cut just after it) holds, as an OpenAI `tool_calls` entry; None when
+        the format cannot read it, it names a function not offered, or a strict function's
+        arguments do not validate."""
+        call = self.format.parse(text)
+        if isinstance(call, Malformed) or call.name not in self.functions:
+            return None
+        function = self.functions[call.name]
+        if function.strict:
+            try:
+                jsonschema.validate(call.arguments, function.parameters)
+            except Exception:  # noqa: BLE001 - invalid, or a schema no call can satisfy (an unresolvable $ref)
+                return None
+        return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
+
+    def content_before(self, text: str) -> str | None:
+        """The assistant's words before its call (None when there are none, as OpenAI sends)."""
+        return text[: self.format.pending_from(text)].strip() or None

@@ -152,9 +152,18 @@ def reference_response(data_source: str, ground_truth) -> str:
     return ground_truth_text(ground_truth)
 
 
-def encode_prompt(example: Example, tokenizer, use_chat_template: bool, template_kwargs: dict | None = None) -> list[int]:
+def encode_prompt(example: Example, tokenizer, use_chat_template: bool, template_kwargs: dict | None = None,
+                  environment=None) -> list[int]:
     """Prompt token ids: the chat template with a generation prompt (and `task.chat_template_kwargs`),
-    or the raw user text."""
+    or the raw user text. With an environment (an `EnvironmentConfig` that has one), the template
+    lists its tools, as the policy endpoint's prompt does (`asyncrl.environments.templates.ChatTemplate.prompt`)."""
+    if use_chat_template and environment is not None and environment.enabled:
+        from asyncrl.environments.formats import FORMATS
+        from asyncrl.environments.templates import ChatTemplate, encode
+        from asyncrl.environments.tools import tool_specs
+
+        render = ChatTemplate(tokenizer, FORMATS[environment.tool_format](), template_kwargs)
+        return encode(tokenizer, render.prompt(example.messages, tool_specs(environment)))
     if use_chat_template:
         return list(tokenizer.apply_chat_template(example.messages, add_generation_prompt=True, tokenize=True,
                                                   return_dict=False, **(template_kwargs or {})))

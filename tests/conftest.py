@@ -47,6 +47,16 @@ def embedded_policy():
 
 
 @pytest.fixture(scope="session")
+def smol_tokenizer():
+    """The embedded model's tokenizer (SmolLM2: ChatML special tokens, its own chat template), read
+    from the GGUF file once for the session (~10 s)."""
+    from asyncrl.config import compose
+    from asyncrl.models import load_tokenizer
+
+    return load_tokenizer(compose([]).model)
+
+
+@pytest.fixture(scope="session")
 def solved_dapo_run(ray_session, tmp_path_factory):
     """DAPO on the tiny task until it is solved (issue 16's run), recording its trajectory store:
     one run that the saturation tests and the store tests both read. Returns (config, summary, run dir)."""

@@ -19,6 +19,7 @@ from asyncrl.engines.base import SamplingParams
 from asyncrl.engines.torch_engine import TorchEngine
 from asyncrl.environments.episodes import EnvironmentClient, Episodes, LocalEnvironment
 from asyncrl.environments.formats import ChatMLTools, Malformed, ToolCall, TinyTools
+from asyncrl.environments.templates import ChatTemplate
 from asyncrl.environments.tools import Episode, LookupTool, episode_secret
 from asyncrl.learning.rows import collate
 from asyncrl.learning.scoring import response_logprobs
@@ -49,18 +50,16 @@ def test_a_turn_ends_just_after_the_token_that_completes_the_call(tok):
 
 
 @pytest.fixture(scope="module")
-def smol():
-    from asyncrl.config import compose
-    from asyncrl.models import load_tokenizer
-
-    return load_tokenizer(compose([]).model)  # the embedded model's (SmolLM2, ChatML)
+def smol(smol_tokenizer):
+    return smol_tokenizer  # the embedded model's (SmolLM2, ChatML)
 
 
 def test_a_chatml_call_split_over_windows_ends_at_its_last_token_and_its_answer_is_encoded_once(smol):
     """`</tool_call>` is five tokens of SmolLM2's vocabulary: a call completed in the second window
-    keeps that window up to the token that completes it; the observation is the rendering encoded
-    once (special tokens included), after the policy's tokens as sampled."""
-    episodes = Episodes(ChatMLTools(), LocalEnvironment(LookupTool()), smol, 2, 512)
+    keeps that window up to the token that completes it; the observation is the chat template's
+    rendering encoded once (special tokens included), after the policy's tokens as sampled."""
+    render = ChatTemplate(smol, ChatMLTools())
+    episodes = Episodes(ChatMLTools(), LocalEnvironment(LookupTool()), smol, 2, 512, render)
     text = 'Sure. <tool_call>{"name": "lookup", "arguments": {}}</tool_call> and more'
     turn = smol.encode(text, add_special_tokens=False)
     end = next(k for k in range(len(turn)) if smol.decode(turn[:k]).endswith("</tool_call>"))
@@ -69,7 +68,7 @@ def test_a_chatml_call_split_over_windows_ends_at_its_last_token_and_its_answer_
     assert episodes.call_end(first, second) == 3
     observation = asyncio.run(episodes.observe(turn[:end], Episode("p", 1)))
     assert observation.text == episode_secret("p", 1) and not observation.error
-    assert observation.token_ids == smol.encode(ChatMLTools().observation(observation.text), add_special_tokens=False)
+    assert observation.token_ids == smol.encode(render.observation(observation.text), add_special_tokens=False)
     assert observation.token_ids[0] == smol.convert_tokens_to_ids("<|im_end|>")  # a special token, not its text
     malformed = asyncio.run(episodes.observe(smol.encode('<tool_call>{"name": oops}</tool_call>',
                                                          add_special_tokens=False), Episode("p", 1)))

@@ -1,45 +1,343 @@
-"""The policy endpoint's sampling functions on a real tiny engine (no Serve): a plain call and a
-stream of the same seed end at a stop string alike, text, tokens, log-probs and usage."""
+"""The policy endpoint's request handling on a real tiny engine, without Serve (the application's
+class called as its routes call it): stop strings in streams and plain answers, lengths, the
+fields it honours or refuses by name, penalties and logit bias, content parts and roles, tool
+choices, and the batcher that runs concurrent requests in shared engine windows. The same
+endpoint behind Serve, with real clients: tests/test_policy_endpoint.py."""
 
 import asyncio
+import json
+import threading
+
+import numpy as np
+import pytest
 
 from asyncrl.config import compose
-from asyncrl.generation import build_engine
-from asyncrl.openai_api import CompletionRequest, generate_choices, stream_choices
+from asyncrl.engines.base import SamplingParams
+from asyncrl.engines.batching import TooLarge, WindowBatcher
+from asyncrl.generation import build_generator_engine, sequence_input
+from asyncrl.openai_api import ChatCompletionRequest, CompletionRequest, OpenAIError
+from asyncrl.serve.policy import PolicyServer
+
+TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "the episode's digit",
+                                           "parameters": {"type": "object", "properties": {}}}}]
+# The tiny vocabulary's <pad>, <eos>, <bos>: a choice runs to its length, one character per token.
+NO_EOS = {"0": -100, "1": -100, "2": -100}
 
 
-def test_a_stop_string_ends_a_plain_call_where_it_ends_a_stream():
-    engine, tokenizer = build_engine(compose(["model=tiny"]).model)
-    prompt = [tokenizer.encode("2:3")]
+def server_of(*overrides):
+    """The `policy` application's class itself (Serve wraps it; its routes are its methods)."""
+    config = compose(["model=tiny", "task=tiny_tool", "serve.follow_learner=false", *overrides])
+    return PolicyServer.func_or_class.__bases__[0](config)
 
-    async def plain(**fields):
-        return (await generate_choices(engine, tokenizer, prompt, CompletionRequest(prompt="2:3", **fields)))[0]
 
-    async def streamed(**fields):
-        deltas = [d async for d in stream_choices(engine, tokenizer, prompt, CompletionRequest(prompt="2:3", **fields))]
-        return "".join(d.text for d in deltas), [t for d in deltas for t in d.tokens], [lp for d in deltas for lp in d.logprobs]
+@pytest.fixture(scope="module")
+def server():
+    return server_of()
+
+
+def call(coroutine):
+    return asyncio.run(coroutine)
+
+
+async def chat(server, **fields):
+    response = await server.chat_completions(ChatCompletionRequest(**{"messages": [{"role": "user", "content": "5:"}],
+                                                                      **fields}))
+    if fields.get("stream"):
+        return [json.loads(c[6:]) for c in [chunk async for chunk in response.body_iterator] if c != "data: [DONE]\n\n"]
+    return json.loads(response.body)
+
+
+async def completion(server, **fields):
+    response = await server.completions(CompletionRequest(**fields))
+    if fields.get("stream"):
+        return [json.loads(c[6:]) for c in [chunk async for chunk in response.body_iterator] if c != "data: [DONE]\n\n"]
+    return json.loads(response.body)
+
+
+def test_a_stop_string_ends_a_stream_where_it_ends_a_plain_answer_and_none_of_it_is_streamed(server):
+    async def main():
+        for seed in range(200):  # a sample with a two-character stretch first seen after its start
+            full = await completion(server, prompt="2:3", max_tokens=12, seed=seed, logit_bias=NO_EOS, logprobs=0)
+            text = full["choices"][0]["text"]
+            cut = next((i for i in range(1, len(text) - 3) if text[i:i + 2] not in text[:i + 1]), None)
+            if cut is not None:
+                break
+        stop = text[cut:cut + 2]  # two tokens: the stream must hold the first back until it knows
+        plain = await completion(server, prompt="2:3", max_tokens=12, seed=seed, logit_bias=NO_EOS, logprobs=0, stop=stop)
+        chunks = await completion(server, prompt="2:3", max_tokens=12, seed=seed, logit_bias=NO_EOS, logprobs=0,
+                                  stop=stop, stream=True)
+        streamed = "".join(c["choices"][0]["text"] for c in chunks)
+        choice = plain["choices"][0]
+        assert choice["text"] == streamed == text[:cut] and choice["finish_reason"] == "stop"
+        assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+        # The tokens up to the one that completes the stop string, no further, in both.
+        assert plain["usage"]["completion_tokens"] == cut + 2 == len(choice["logprobs"]["tokens"])
+        assert sum(len(c["choices"][0]["logprobs"]["tokens"]) for c in chunks) == cut + 2
+        assert choice["logprobs"]["token_logprobs"] == full["choices"][0]["logprobs"]["token_logprobs"][:cut + 2]
+
+    call(main())
+
+
+def test_lengths_max_completion_tokens_and_the_default(server):
+    async def main():
+        asked = await chat(server, max_completion_tokens=40, logit_bias=NO_EOS)
+        assert asked["usage"]["completion_tokens"] == 40 and asked["choices"][0]["finish_reason"] == "length"
+        older = await chat(server, max_tokens=7, logit_bias=NO_EOS)
+        assert older["usage"]["completion_tokens"] == 7
+        # Chat with no length: what is left of the context (128 positions, a 2-token prompt).
+        default = await chat(server, logit_bias=NO_EOS)
+        assert default["usage"]["completion_tokens"] == 126
+        capped = await chat(server_of("serve.max_response_tokens=50"), logit_bias=NO_EOS)
+        assert capped["usage"]["completion_tokens"] == 50
+        # Legacy completions keep OpenAI's default of 16.
+        assert (await completion(server, prompt="5:", logit_bias=NO_EOS))["usage"]["completion_tokens"] == 16
+        for fields, param in [({"max_completion_tokens": 5, "max_tokens": 6}, "max_completion_tokens"),
+                              ({"max_completion_tokens": 5000}, "max_completion_tokens"),
+                              ({"max_tokens": 127}, "max_tokens")]:
+            with pytest.raises(OpenAIError) as refused:
+                await chat(server, **fields)
+            assert refused.value.status == 400 and refused.value.param == param, refused.value.message
+
+    call(main())
+
+
+def test_every_field_is_honoured_or_refused_by_name(server):
+    async def main():
+        for fields, param in [({"response_format": {"type": "json_object"}}, "response_format"),
+                              ({"store": True}, "store"), ({"reasoning_effort": "high"}, "reasoning_effort"),
+                              ({"audio": {"voice": "alloy"}}, "audio"), ({"top_k": 5}, "top_k"),
+                              ({"functions": [{"name": "f"}]}, "functions"), ({"service_tier": "flex"}, "service_tier"),
+                              ({"logit_bias": {"99999": 1}}, "logit_bias"), ({"tool_choice": "required"}, "tool_choice"),
+                              ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+                               "tool_choice")]:
+            with pytest.raises(OpenAIError) as refused:
+                await chat(server, max_tokens=2, **fields)
+            assert refused.value.status == 400 and refused.value.param == param, (fields, refused.value.message)
+        # What changes nothing in the answer is accepted, and so are the defaults of the refused fields.
+        ok = await chat(server, max_tokens=2, user="u", parallel_tool_calls=False, store=False, service_tier="auto",
+                        response_format={"type": "text"}, prompt_cache_key="k", metadata=None, seed=3)
+        assert ok["choices"][0]["finish_reason"] in ("stop", "length")
+        with pytest.raises(OpenAIError, match="echo"):
+            await completion(server, prompt="5:", echo=True)
+
+    call(main())
+
+
+def test_penalties_and_logit_bias_are_honoured(server):
+    async def main():
+        # Greedy, the random tiny policy repeats itself; a presence penalty of 2 forbids it in practice.
+        plain = await chat(server, temperature=0, max_tokens=20, logit_bias=NO_EOS, logprobs=True)
+        penalised = await chat(server, temperature=0, max_tokens=20, logit_bias=NO_EOS, presence_penalty=2.0,
+                               logprobs=True)
+        tokens = [e["token"] for e in plain["choices"][0]["logprobs"]["content"]]
+        distinct = [e["token"] for e in penalised["choices"][0]["logprobs"]["content"]]
+        assert len(set(tokens)) < len(tokens) and len(set(distinct)) == len(distinct) == 20
+        # A bias of +100 on one token: every sample is it, with a log-prob of ~0 (the adjusted distribution).
+        forced = await chat(server, max_tokens=5, logit_bias={"5": 100}, logprobs=True, seed=1)
+        entries = forced["choices"][0]["logprobs"]["content"]
+        assert forced["choices"][0]["message"]["content"] == "22222" and all(e["logprob"] > -1e-3 for e in entries)
+
+    call(main())
+
+
+def test_developer_role_and_content_parts_read_as_system_and_text(server):
+    async def main():
+        as_text = await chat(server, messages=[{"role": "system", "content": "1"}, {"role": "user", "content": "5:"}],
+                             max_tokens=4, seed=9, logprobs=True)
+        as_parts = await chat(server, messages=[{"role": "developer", "content": [{"type": "text", "text": "1"}]},
+                                                {"role": "user", "content": [{"type": "text", "text": "5"},
+                                                                              {"type": "text", "text": ":"}]}],
+                              max_tokens=4, seed=9, logprobs=True)
+        assert as_parts["choices"] == as_text["choices"] and as_parts["usage"] == as_text["usage"]
+
+    call(main())
+    with pytest.raises(ValueError, match="image_url"):
+        ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+
+
+def test_tool_choice_auto_none_required_and_named_and_streamed_tool_calls(server):
+    """The tiny format: a turn that starts with a non-digit is a call of the lookup tool."""
+    async def main():
+        kinds = {(await chat(server, tools=TOOLS, max_tokens=3, seed=s))["choices"][0]["finish_reason"]
+                 for s in range(12)}
+        assert kinds == {"tool_calls", "stop", "length"} or "tool_calls" in kinds and len(kinds) > 1
+        for choice in ("required", {"type": "function", "function": {"name": "lookup"}}):
+            reply = await chat(server, tools=TOOLS, tool_choice=choice, max_tokens=3, seed=1)
+            (made,) = reply["choices"][0]["message"]["tool_calls"]
+            assert reply["choices"][0]["finish_reason"] == "tool_calls" and made["function"]["name"] == "lookup"
+            assert reply["choices"][0]["message"]["content"] is None
+        for seed in range(12):  # none: never a call, whatever the first character
+            reply = await chat(server, tools=TOOLS, tool_choice="none", max_tokens=3, seed=seed)
+            assert "tool_calls" not in reply["choices"][0]["message"]
+        chunks = await chat(server, tools=TOOLS, tool_choice="required", max_tokens=3, stream=True)
+        deltas = [c["choices"][0] for c in chunks]
+        assert deltas[0]["delta"]["role"] == "assistant"
+        (streamed,) = [d["delta"]["tool_calls"] for d in deltas if d["delta"].get("tool_calls")]
+        assert streamed[0]["index"] == 0 and streamed[0]["function"] == {"name": "lookup", "arguments": "{}"}
+        assert deltas[-1]["finish_reason"] == "tool_calls"
+
+    call(main())
+
+
+def test_concurrent_requests_share_engine_windows_and_get_the_samples_they_get_alone():
+    engine = build_generator_engine(compose(["model=tiny"]).model, compose(["model=tiny"]).engine)
+    batcher = WindowBatcher(engine, max_rows=64, window_tokens=8, max_positions=1 << 20)
+    hot, cold = SamplingParams(temperature=1.0), SamplingParams(temperature=0.5)
+
+    async def job(seed, params, max_tokens=30, n=2, leave_after=None):
+        steps = batcher.stream([sequence_input([5, 6, 7], seed * 10 + k, max_tokens) for k in range(n)], params)
+        tokens = {}
+        try:
+            async for batch in steps:
+                for s in batch:
+                    tokens.setdefault(s.row, []).append(s.token)
+                if leave_after is not None and sum(map(len, tokens.values())) >= leave_after:
+                    break
+        finally:
+            steps.close()
+        return tokens
 
     async def main():
-        for seed in range(100):  # a sample with a character first seen after its start (the stop), and 2 more
-            full = await plain(max_tokens=12, seed=seed)
-            cut_at = next((i for i in range(1, len(full["text"]) - 2) if full["text"][i] not in full["text"][:i]), None)
-            if cut_at is not None:
-                break
-        assert cut_at is not None
-        stop = full["text"][cut_at]
-        cut = await plain(max_tokens=12, seed=seed, stop=stop)
-        text, tokens, logprobs = await streamed(max_tokens=12, seed=seed, stop=stop)
-        assert cut["text"] == text == full["text"][:cut_at] and cut["finish_reason"] == "stop"
-        # The tokens up to the one that completes the stop string, no further.
-        n = len(tokens)
-        assert cut["completion_tokens"] == n < full["completion_tokens"]
-        assert tokenizer.decode(tokens, skip_special_tokens=True).endswith(stop)
-        assert not tokenizer.decode(tokens[:-1], skip_special_tokens=True).endswith(stop)
-        assert cut["token_logprobs"] == logprobs == full["token_logprobs"][:n]
-        # Overlapping stops: one that starts earlier but completes later loses to the one completed first.
-        stops = [full["text"][cut_at - 1:cut_at + 2], stop]
-        both = await plain(max_tokens=12, seed=seed, stop=stops)
-        assert both["text"] == (await streamed(max_tokens=12, seed=seed, stop=stops))[0] == full["text"][:cut_at]
-        assert both["completion_tokens"] == n
+        alone = [await job(s, hot if s % 2 else cold) for s in range(6)]
+        windows = batcher.counters["windows"]
+        endless = SamplingParams(temperature=1.0, logit_bias=((0, -100.0), (1, -100.0), (2, -100.0)))
+        together = await asyncio.gather(*(job(s, hot if s % 2 else cold) for s in range(6)),
+                                        job(99, endless, max_tokens=120, leave_after=20))  # one leaves early
+        assert list(together[:6]) == alone  # settings differ: they take turns; samples are the same
+        assert batcher.counters["windows"] - windows < sum(
+            -(-len(t) // 8) for a in alone for t in a.values())  # fewer windows than rows run alone
+        await asyncio.sleep(0.2)
+        assert batcher.stats()["running_sequences"] == 0 and batcher.counters["jobs_left"] == 1
 
     asyncio.run(main())
+
+
+def test_the_kv_block_a_window_allocates_stays_within_the_bound():
+    """Rows with a long kept cache and new rows with a long prompt in one window would need their sum
+    as its width (about twice what each row needs): the batcher admits only what fits the bound."""
+    config = compose(["model=tiny", "model.max_positions=512"])
+    engine = build_generator_engine(config.model, config.engine)
+    bound = 3000
+    batcher = WindowBatcher(engine, max_rows=64, window_tokens=16, max_positions=bound)
+    with pytest.raises(TooLarge):
+        batcher.check([sequence_input([5] * 100, 0, 100)] * 20)  # 20 x 215 positions alone
+
+    async def job(prompt_len, seed, delay):
+        await asyncio.sleep(delay)
+        steps = batcher.stream([sequence_input([5] * prompt_len, seed, 60)], SamplingParams())
+        try:
+            return sum([len(batch) async for batch in steps])
+        finally:
+            steps.close()
+
+    async def main():
+        # Short prompts running long, then long prompts joining while they run.
+        return await asyncio.gather(*[job(4, s, 0.0) for s in range(8)], *[job(300, s, 0.05) for s in range(8)])
+
+    produced = asyncio.run(main())
+    assert all(n >= 1 for n in produced)
+    assert 0 < engine.largest_block_positions <= bound
+
+
+def test_detokenising_and_building_answers_run_off_the_event_loop():
+    """64 greedy choices of 200 tokens (the tiny policy never ends a greedy answer) with 5 alternatives
+    each: some 75,000 detokenisations, and a body of megabytes. None of it runs on the event loop
+    that serves every other request (before: all of it did, and the loop paused for seconds)."""
+    heavy = server_of("model.max_positions=512")
+    decode, where = heavy.tokenizer.decode, {"loop": None, "on_loop": 0, "calls": 0}
+
+    def watched(*args, **kwargs):  # the real tokenizer's decode, counted by thread
+        where["calls"] += 1
+        where["on_loop"] += threading.get_ident() == where["loop"]
+        return decode(*args, **kwargs)
+
+    heavy.tokenizer.decode = watched
+
+    async def main():
+        where["loop"] = threading.get_ident()
+        response = await heavy.completions(CompletionRequest(prompt=["1:", "2:", "3:", "4:"], n=16, max_tokens=200,
+                                                             logprobs=5, temperature=0, stop=["=+=", "j-j"]))
+        return json.loads(response.body)
+
+    answer = asyncio.run(main())
+    assert len(answer["choices"]) == 64 and answer["usage"]["completion_tokens"] > 10_000
+    assert where["calls"] > 50_000 and where["on_loop"] == 0, where
+
+
+def test_a_model_with_qwen25s_template_is_prompted_through_it(smol_tokenizer, tmp_path):
+    """A tiny random Llama over SmolLM2's vocabulary whose tokenizer carries Qwen2.5's chat template
+    (`model.source=hf`): the endpoint's prompt for a conversation with tools and an earlier call is
+    the template's own rendering, token for token (its tools section, the call, the tool turn)."""
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from chat_templates import QWEN25
+
+    tokenizer = copy.deepcopy(smol_tokenizer)
+    tokenizer.chat_template = QWEN25
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=2048,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id or 0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    server = server_of(f"model.source=hf", f"model.path={tmp_path}", "model.name=qwen-tiny",
+                       "model.use_chat_template=true", "environment.tool_format=chatml")
+    messages = [{"role": "user", "content": "What is 6 * 7?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+    reply = call(chat(server, messages=messages, tools=TOOLS, max_completion_tokens=2))
+    rendered = [{**m, "tool_calls": [{"type": "function", "function": {"name": "lookup", "arguments": {}}}]}
+                if m.get("tool_calls") else m for m in messages]
+    expected = tokenizer.apply_chat_template(rendered, tools=TOOLS, add_generation_prompt=True, tokenize=True,
+                                             return_dict=False)
+    assert reply["usage"]["prompt_tokens"] == len(expected) and reply["usage"]["completion_tokens"] <= 2
+    forced = call(chat(server, messages=messages[:1], tools=TOOLS, tool_choice={"type": "function", "function": {
+        "name": "lookup"}}, max_completion_tokens=1))
+    start = tokenizer.encode('<tool_call>\n{"name": "lookup", "arguments": ', add_special_tokens=False)
+    prompt = tokenizer.apply_chat_template(messages[:1], tools=TOOLS, add_generation_prompt=True, tokenize=True,
+                                           return_dict=False)
+    # The call's start is written for the model: the answer's tokens, not the prompt's.
+    assert forced["usage"]["prompt_tokens"] == len(prompt)
+    assert forced["usage"]["completion_tokens"] == len(start) + 1
+
+
+def test_the_models_configured_template_and_the_tasks_template_options_render_the_endpoints_prompt(tmp_path):
+    """`model.chat_template` (a file) on a model without a template of its own, and
+    `task.chat_template_kwargs`: the endpoint renders every piece through them (the prompt with its
+    tools, the tool turn and the next generation prompt, as Qwen3's `enable_thinking=false` writes an
+    empty thought after each), and its prompt is the one training's episodes start from."""
+    from asyncrl.environments.tools import tool_specs
+    from asyncrl.serve.policy_requests import chat_prompt
+    from asyncrl.tasks import Example, encode_prompt
+
+    # In the tiny alphabet: the tools' names and ":", the turns' text, "=" as the generation prompt,
+    # "##" after it when thinking is off.
+    (tmp_path / "think.jinja").write_text(
+        "{% if tools %}{% for t in tools %}{{ t['function']['name'] }}{% endfor %}:{% endif %}"
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}={% if enable_thinking is defined and not enable_thinking %}##{% endif %}{% endif %}")
+    template = ["model.use_chat_template=true", f"model.chat_template={tmp_path}/think.jinja"]
+    server = server_of(*template, "task.chat_template_kwargs={enable_thinking: false}")
+    dig = [{"type": "function", "function": {"name": "dig", "parameters": {"type": "object", "properties": {}}}}]
+
+    def prompt(server, messages, tools=None):
+        request = ChatCompletionRequest(messages=messages, **({"tools": tools} if tools else {}))
+        return server.tokenizer.decode(chat_prompt(server, request)[0])
+
+    assert prompt(server, [{"role": "user", "content": "3:"}]) == "3:=##"
+    assert prompt(server_of(*template), [{"role": "user", "content": "3:"}]) == "3:="
+    episode = prompt(server, [{"role": "user", "content": "3:"},
+                              {"role": "assistant", "content": "", "tool_calls": [
+                                  {"id": "c1", "type": "function", "function": {"name": "dig", "arguments": "{}"}}]},
+                              {"role": "tool", "tool_call_id": "c1", "content": "7"}], dig)
+    assert episode.startswith("dig:3:=##") and episode.endswith("7=##")
+    reply = call(chat(server, max_completion_tokens=1))
+    assert reply["usage"]["prompt_tokens"] == len("3:=##")
+    # Training's prompt for the same conversation, with the task's tools, is the endpoint's.
+    example = Example("p0", [{"role": "user", "content": "3:"}], "7", "tiny_tool")
+    trained = encode_prompt(example, server.tokenizer, True, server.config.task.chat_template_kwargs,
+                            server.config.environment)
+    assert trained == chat_prompt(server, ChatCompletionRequest(messages=example.messages,
+                                                                tools=tool_specs(server.config.environment)))[0]

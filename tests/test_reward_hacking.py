@@ -18,7 +18,6 @@ from fastapi.testclient import TestClient
 
 from asyncrl.serve import guards, reward as reward_app, train as train_app
 from asyncrl.bench.hostile import ADD_ASSERTS, HOSTILE_CODE
-from asyncrl.openai_api import MAX_REQUEST_POSITIONS, OpenAIError, check_request_size
 from asyncrl.rewards.code import plan_assert
 from asyncrl.rewards.hybrid import combine_rewards
 from asyncrl.config import RouteConfig
@@ -250,8 +249,19 @@ def test_admin_and_score_routes_check_the_token_before_the_body(monkeypatch):
     assert huge.status_code == 413
 
 
-def test_policy_requests_are_bounded_by_token_positions():
-    check_request_size([[1] * 100], n=16, max_tokens=4096)  # 67,136 positions: served
-    with pytest.raises(OpenAIError, match="request too large") as refused:
-        check_request_size([[1] * 100] * 32, n=16, max_tokens=4096)
-    assert refused.value.status == 400 and str(MAX_REQUEST_POSITIONS) in refused.value.message
+def test_policy_requests_are_bounded_by_their_kv_cache():
+    """The policy endpoint refuses a request whose sequences could never fit one window's bounds:
+    more sequences than a window holds, or a KV block over the bound at their longest."""
+    from asyncrl.config import compose
+    from asyncrl.engines.batching import TooLarge, WindowBatcher
+    from asyncrl.generation import build_generator_engine, sequence_input
+
+    config = compose(["model=tiny"])
+    batcher = WindowBatcher(build_generator_engine(config.model, config.engine), max_rows=64, window_tokens=16,
+                            max_positions=1 << 17)
+    batcher.check([sequence_input([1] * 100, 0, 4096)] * 16)  # 16 x 4,211 positions: served
+    with pytest.raises(TooLarge, match="KV cache") as refused:
+        batcher.check([sequence_input([1] * 100, 0, 4096)] * 32)
+    assert str(1 << 17) in str(refused.value)
+    with pytest.raises(TooLarge, match="a window holds 64"):
+        batcher.check([sequence_input([1], 0, 4)] * 65)

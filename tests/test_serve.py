@@ -527,7 +527,8 @@ def test_the_policy_endpoint_speaks_openai_tools_in_the_trained_tool_format(apps
     """`tools` in, `tool_calls` out (the tiny tool format: a turn that starts with a non-digit is a
     call of the lookup tool); an agent's follow-up with the call and the tool's answer is rendered
     as an episode is in training ("5:" + the call "?" + the observation "=7": five tokens); tool
-    requests the endpoint cannot honour are 400s with the field named."""
+    requests the endpoint cannot honour are 400s with the field named. (Tool choices, streamed
+    calls and agent frameworks: tests/test_openai_api.py, tests/test_policy_endpoint.py.)"""
     client = openai.OpenAI(base_url=f"{apps}/tools/v1", api_key="unused")
     tools = [{"type": "function", "function": {"name": "lookup", "description": "the episode's digit",
                                                "parameters": {"type": "object", "properties": {}}}}]
@@ -551,11 +552,10 @@ def test_the_policy_endpoint_speaks_openai_tools_in_the_trained_tool_format(apps
     reply = client.chat.completions.create(model="tiny", messages=follow_up, max_tokens=1, temperature=0.0)
     assert reply.usage.prompt_tokens == 5  # "5:?=7", exactly as the episode's context
     url = f"{apps}/tools/v1/chat/completions"
-    bad = {"tool_choice": ("required", "tool_choice"), "stream": (True, "stream")}
-    for field, (value, param) in bad.items():
-        r = httpx.post(url, json={"messages": [{"role": "user", "content": "5:"}], "tools": tools, field: value},
-                       timeout=60)
-        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    unknown = {"type": "function", "function": {"name": "search"}}  # not among the tools
+    r = httpx.post(url, json={"messages": [{"role": "user", "content": "5:"}], "tools": tools, "tool_choice": unknown},
+                   timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
     broken = [*follow_up[:1], {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
                                                                      "function": {"name": "lookup", "arguments": "{nope"}}]}]
     r = httpx.post(url, json={"messages": broken, "tools": tools}, timeout=60)

@@ -32,7 +32,8 @@ LAYERS = {
         "asyncrl.staleness", "asyncrl.weights_delta"],
     # The domain: models and engines, tasks, rewards, environments, assembly, learning.
     2: ["asyncrl.engines", "asyncrl.models", "asyncrl.tasks", "asyncrl.rewards", "asyncrl.assembly",
-        "asyncrl.learning", "asyncrl.generation", "asyncrl.openai_api", "asyncrl.openai_tools", "asyncrl.retirement",
+        "asyncrl.learning", "asyncrl.generation", "asyncrl.openai_api", "asyncrl.openai_tools",
+        "asyncrl.openai_choices", "asyncrl.openai_responses", "asyncrl.retirement",
         "asyncrl.environments", "asyncrl.datafiles", "asyncrl.user_code", "asyncrl.lora"],
     3: ["actors", "asyncrl.pre_ppo", "asyncrl.evaluation"],
     4: ["asyncrl.run"],

@@ -89,6 +89,20 @@ def filtered_logprobs(
     return torch.log_softmax(scaled, dim=-1)
 
 
+def penalised_logits(logits: torch.Tensor, counts: torch.Tensor | None, presence: float, frequency: float,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    """OpenAI's presence / frequency penalties and `logit_bias`, on raw logits `[B, V]` before the
+    temperature: `logit[j] - frequency * c[j] - presence * (c[j] > 0) + bias[j]`, where `c[j]` `[B, V]`
+    counts token j in the row's response so far (`counts`; None: no penalty). The distribution
+    sampled from, and so the reported log-probs, are those of the adjusted logits."""
+    out = logits.float()
+    if counts is not None and (presence or frequency):
+        out = out - frequency * counts - presence * (counts > 0).float()
+    if bias is not None:
+        out = out + bias
+    return out
+
+
 def _inverse_cdf_draw(mass: torch.Tensor, scores: torch.Tensor, seeds: torch.Tensor,
                       positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One token per row drawn in proportion to `mass` `[B, V]` (unnormalised: the target and the

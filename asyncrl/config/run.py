@@ -134,6 +134,22 @@ class ServeConfig(Section):
     follow_learner: bool = True
     """The policy endpoint adopts the running learner's weights as they change; false = it serves
     the model's own weights (a frozen reference beside a run, or a policy loaded from model.path)."""
+    max_batch_sequences: PositiveInt = 64
+    """Policy endpoint: sequences (requests x n choices) the embedded engine decodes together in one
+    window (more wait for a later one). One request with more is refused (400), on SGLang too."""
+    batch_window_tokens: PositiveInt = 16
+    """Policy endpoint, embedded engine: tokens per sequence per engine window. Between windows,
+    finished and abandoned requests leave, waiting ones join and weight updates land."""
+    max_kv_mb: PositiveInt = 1024
+    """Policy endpoint, embedded engine: the KV cache one window may allocate (every sequence's
+    keys and values at the window's width). Requests wait for room; one that could never fit is
+    refused (400)."""
+    max_response_tokens: PositiveInt = 4096
+    """Policy endpoint: the most tokens a choice may generate. A chat request with no length gets
+    what is left of the context, up to this; one that asks for more is refused (400)."""
+    max_body_mb: PositiveInt = 4
+    """Policy endpoint: request bodies over this are refused with 413 before they are read
+    (declared lengths at once, chunked bodies as they arrive)."""
 
 
 class DQOConfig(Section):

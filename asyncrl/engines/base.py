@@ -7,7 +7,7 @@ at the window is continued by a later call that passes the tokens generated so f
 
 from __future__ import annotations
 
-from typing import Iterable, Protocol
+from typing import Annotated, Iterable, Protocol
 
 import msgspec
 import numpy as np
@@ -30,11 +30,23 @@ class SamplingParams(SamplingConfig, frozen=True):
     top_logprobs: NonNegativeInt = 0
     """Report the this-many most likely tokens at each position with their log-probs under the
     distribution sampled from (OpenAI's top_logprobs); 0 = none. Reporting only: same samples."""
+    presence_penalty: Annotated[float, msgspec.Meta(ge=-2, le=2)] = 0.0
+    """OpenAI's penalty on tokens already in the response (once each); applied to the logits before
+    the temperature (`penalised_logits`), so the log-probs reported are the adjusted distribution's.
+    The policy endpoint sets it, as it does the two below."""
+    frequency_penalty: Annotated[float, msgspec.Meta(ge=-2, le=2)] = 0.0
+    """OpenAI's penalty on tokens already in the response, by how often each occurred."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """OpenAI's per-token logit bias, as (token id, bias) pairs."""
 
     @classmethod
     def of(cls, sampling: SamplingConfig, **request) -> "SamplingParams":
         """A run's `sampling` section as a request's parameters (`request`: greedy, top_logprobs)."""
         return cls(**msgspec.structs.asdict(sampling), **request)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
 
 class SequenceInput(msgspec.Struct, kw_only=True, frozen=True):

@@ -73,6 +73,13 @@ class KeptCaches:
         self.stats["dropped_not_in_flight"] += len(entries)
         return out
 
+    def reusable(self, keys: list[str | None], contexts: list[np.ndarray], stamp) -> list[int]:
+        """The tokens each row's kept cache would give it (0: none), as `take` would; nothing changes."""
+        if stamp != self._stamp:
+            return [0] * len(keys)
+        entries = [self._entries.get(k) if k is not None else None for k in keys]
+        return [len(e.tokens) if e is not None and e.continues(c) else 0 for e, c in zip(entries, contexts)]
+
     def keep(self, entries: dict[str, KeptKV], stamp, block_bytes: int) -> None:
         if block_bytes > self.max_bytes:
             self.stats["dropped_over_bound"] += len(entries)

@@ -214,7 +214,8 @@ class SGLangEngine:
             self.counters["continued"] += 1
             self.counters["continued_cached_tokens"] += cached_tokens
 
-    def _sampling(self, max_new: int, min_new: int, seed: int, setting: tuple[float, int, float]) -> dict:
+    def _sampling(self, max_new: int, min_new: int, seed: int, setting: tuple[float, int, float],
+                  adjust: SamplingParams | None = None) -> dict:
         """SGLang's sampling parameters (`sglang.srt.sampling.sampling_params.SamplingParams`). Its
         own top-k / top-p stay off: `TruncatedSampling` cuts the logits (`custom_params`)."""
         from asyncrl.engines.sglang_scheduler import truncation
@@ -222,6 +223,9 @@ class SGLangEngine:
         temperature, top_k, top_p = setting
         sampling = {"max_new_tokens": max_new, "min_new_tokens": min(min_new, max_new), "temperature": temperature,
                     "stop_token_ids": self.eos_token_ids, "sampling_seed": seed}
+        if adjust is not None and adjust.adjusts_logits:  # the policy endpoint's penalties and bias
+            sampling.update(presence_penalty=adjust.presence_penalty, frequency_penalty=adjust.frequency_penalty,
+                            logit_bias={str(i): b for i, b in adjust.logit_bias} or None)
         if temperature > 0 and (top_k > 0 or top_p < 1.0):
             sampling["custom_params"] = truncation(temperature, top_k, top_p)
         return sampling
@@ -243,8 +247,21 @@ class SGLangEngine:
                 self._idle.set()
 
     def stream_window(self, sequences, window_tokens, params):
-        raise NotImplementedError("SGLangEngine does not stream windows: the policy endpoint (serve) answers from the "
-                                  "embedded engine; SGLang serves the generators (generate_window)")
+        raise NotImplementedError("SGLangEngine streams whole responses (`stream`, the policy endpoint's); "
+                                  "generators advance windows (generate_window)")
+
+    def stream(self, sequences: list[SequenceInput], params: SamplingParams):
+        """Whole responses of `sequences`, streamed as SGLang samples them (the policy endpoint):
+        `asyncrl.engines.sglang_stream.SGLangSteps`. Continuous batching is SGLang's own."""
+        from asyncrl.engines.sglang_stream import SGLangSteps
+
+        self._bind()
+        return SGLangSteps(self, sequences, params)
+
+    @property
+    def context_tokens(self) -> int:
+        """The model's context length, as SGLang's tokenizer manager checks it."""
+        return int(self.engine.tokenizer_manager.context_len)
 
     # --- weights ----------------------------------------------------------------------------------
 

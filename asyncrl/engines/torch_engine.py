@@ -22,6 +22,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from asyncrl.algo.sampling import (
     greedy_from_logprobs,
+    penalised_logits,
     sample_from_logits,
     sample_from_logprobs,
     step_logprobs,
@@ -66,8 +67,10 @@ class TorchEngine:
             raise ValueError("an engine needs at least one EOS token id")
         self.pad_token_id = pad_token_id
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 1 << 30))
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.decoder = llama_decoder.LlamaDecoder(model) if llama_decoder.supports(model) else None
         self.kept = KeptCaches(max_kept_bytes)
+        self.largest_block_positions = 0  # rows x columns of the largest KV block a window allocated
         self._version = 0
         self._updates = 0  # weight loads through this engine (part of the stamp kept caches carry)
         self._shared = None  # what adopted shared-memory weights view (kept alive while in use)
@@ -167,6 +170,17 @@ class TorchEngine:
             self._shared = keepalive
             self._version = version
 
+    def window_positions(self, sequences: list[SequenceInput], window_tokens: int) -> int:
+        """The token positions (rows x columns) of the KV block a window over `sequences` allocates
+        now: what a caller bounds before it asks (`CachedWindow`: the longest kept cache plus the
+        longest suffix plus the window; transformers' forward: the longest context plus the window)."""
+        contexts = [np.concatenate([s.prompt_ids, s.response_ids]) for s in sequences]
+        if self.decoder is None:
+            return len(sequences) * (max(len(c) for c in contexts) + window_tokens)
+        kept = self.kept.reusable([s.key for s in sequences], contexts, self.weights_stamp())
+        columns = max(kept) + max(len(c) - k for c, k in zip(contexts, kept)) + window_tokens - 1
+        return len(sequences) * columns
+
     def weights_stamp(self) -> tuple:
         """Changes whenever the weights may have: a load through the engine, or any parameter
         replaced or modified in place (an optimizer step on a model the engine shares)."""
@@ -202,7 +216,10 @@ class TorchEngine:
             order = sorted(range(len(sequences)), key=lambda i: suffix[i], reverse=True)
             window = CachedWindow(self.decoder, [contexts[i] for i in order], [kept[i] for i in order],
                                   window_tokens, self.pad_token_id)
-        decoded = _decode(window, rows.select(order), window_tokens, params, self.eos_token_ids, on_step, order)
+            self.largest_block_positions = max(self.largest_block_positions, window.block.valid.numel())
+        adjust = _LogitAdjust.of([sequences[i] for i in order], params, self.vocab_size, self.device)
+        decoded = _decode(window, rows.select(order), window_tokens, params, self.eos_token_ids, on_step, order,
+                          adjust)
         outputs = decoded.outputs()
         if self.decoder is not None and decoded.complete:
             keep = {sequences[i].key: window.kept(row, outputs[row].token_ids) for row, i in enumerate(order)
@@ -268,8 +285,44 @@ class _Decoded:
                 for row, (n, code) in enumerate(zip(self.produced.tolist(), self.reason.tolist()))]
 
 
+@dataclass
+class _LogitAdjust:
+    """OpenAI's penalties and logit bias for a window (`SamplingParams.adjusts_logits`): each row's
+    token counts in its response so far `[B, V]` (None without a penalty), the bias `[V]`."""
+
+    counts: torch.Tensor | None
+    bias: torch.Tensor | None
+    params: SamplingParams
+
+    @classmethod
+    def of(cls, sequences: list[SequenceInput], params: SamplingParams, vocab: int, device) -> "_LogitAdjust | None":
+        if not params.adjusts_logits:
+            return None
+        counts = None
+        if params.presence_penalty or params.frequency_penalty:
+            counts = torch.zeros((len(sequences), vocab), dtype=torch.float32, device=device)
+            for row, s in enumerate(sequences):
+                if len(s.response_ids):
+                    ids = torch.as_tensor(s.response_ids.astype(np.int64), device=device)
+                    counts[row].index_add_(0, ids, torch.ones(len(ids), device=device))
+        bias = None
+        if params.logit_bias:
+            bias = torch.zeros(vocab, dtype=torch.float32, device=device)
+            ids, values = zip(*params.logit_bias)
+            bias[torch.tensor(ids, device=device)] = torch.tensor(values, dtype=torch.float32, device=device)
+        return cls(counts, bias, params)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        p = self.params
+        return penalised_logits(logits, self.counts, p.presence_penalty, p.frequency_penalty, self.bias)
+
+    def count(self, tokens: torch.Tensor, running: torch.Tensor) -> None:
+        if self.counts is not None:
+            self.counts.scatter_add_(1, tokens[:, None], running.float()[:, None])
+
+
 def _decode(window, rows: _Rows, window_tokens: int, params: SamplingParams, eos_ids: torch.Tensor, on_step,
-            order: list[int]) -> _Decoded:
+            order: list[int], adjust: _LogitAdjust | None = None) -> _Decoded:
     """The sampling loop: one token per running row per step, until every row ended or filled
     its window. `window.start()` gives the first logits, `window.step(tokens)` the next."""
     batch, dev = len(rows.prior), rows.prior.device
@@ -285,6 +338,8 @@ def _decode(window, rows: _Rows, window_tokens: int, params: SamplingParams, eos
     scored = scored_positions(rows.prior.cpu(), rows.min_tokens.cpu(), window_tokens, params.first_token_temperature is not None)
     for step in range(window_tokens):
         running = reason < 0
+        if adjust is not None:
+            logits = adjust.apply(logits)
         if hold_eos:  # rows below their minimum length cannot sample EOS
             early = (rows.prior + step < rows.min_tokens)[:, None]
             logits[:, eos_ids] = torch.where(early, float("-inf"), logits[:, eos_ids])
@@ -294,6 +349,8 @@ def _decode(window, rows: _Rows, window_tokens: int, params: SamplingParams, eos
         tokens[:, step] = torch.where(running, tok, tokens[:, step])
         logprobs[:, step] = torch.where(running, tok_lp, logprobs[:, step])
         produced += running.long()
+        if adjust is not None:
+            adjust.count(tok, running)
         hit_eos = running & torch.isin(tok, eos_ids)
         # Out of response budget or context: MAX_LENGTH. A row that merely fills the window
         # stays running and is reported as WINDOW.

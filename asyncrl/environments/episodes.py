@@ -4,7 +4,9 @@ that answer adds to the context.
 
 Token-exact by construction: the policy's tokens are kept as sampled (a turn is cut after the token
 that completes the call, never decoded and encoded again); the observation is encoded once, from
-the format's rendering of the environment's text, and appended after them.
+the chat template's rendering of the environment's text (`asyncrl.environments.templates`: the
+turn's end, the tool turn, the next generation prompt), and appended after them. The prompt lists
+the environment's tools through the same template (`asyncrl.tasks.encode_prompt`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import numpy as np
 import ray
 
 from asyncrl.environments.formats import FORMATS, Malformed, ToolCall, ToolFormat
+from asyncrl.environments.templates import ChatTemplate, PlainText, renderer
 from asyncrl.environments.tools import Episode
 
 # (call, episode) -> (observation text, error): the environment endpoint (`EnvironmentClient`) or
@@ -38,9 +41,11 @@ class Episodes:
     `max_observation_chars`)."""
 
     def __init__(self, tool_format: ToolFormat, call_environment: CallEnvironment, tokenizer, max_turns: int,
-                 max_observation_chars: int):
+                 max_observation_chars: int, render: ChatTemplate | PlainText | None = None):
         self.format, self.call_environment, self.tokenizer = tool_format, call_environment, tokenizer
         self.max_turns, self.max_observation_chars = max_turns, max_observation_chars
+        # The observation's text: the chat template's tool turn (a model without one: the format's).
+        self.render = render if render is not None else PlainText(tool_format)
 
     def _text(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=False)
@@ -66,16 +71,20 @@ class Episodes:
             text, error = await self.call_environment(call, episode)
             malformed = False
         text = text[: self.max_observation_chars]
-        rendered = self.format.observation(text)
+        rendered = self.render.observation(text)
         return Observation(self.tokenizer.encode(rendered, add_special_tokens=False), text, error, malformed)
 
 
-def build_episodes(environment, tokenizer, call_environment: CallEnvironment) -> Episodes | None:
-    """The episodes of `environment` (an `EnvironmentConfig`; None when it has none: one turn)."""
+def build_episodes(environment, tokenizer, call_environment: CallEnvironment, *, use_chat_template: bool,
+                   template_kwargs: dict | None = None) -> Episodes | None:
+    """The episodes of `environment` (an `EnvironmentConfig`; None when it has none: one turn), their
+    observations rendered by the model's chat template where it uses one, with `template_kwargs`
+    (`task.chat_template_kwargs`) as the prompts are."""
     if not environment.enabled:
         return None
-    return Episodes(FORMATS[environment.tool_format](), call_environment, tokenizer, environment.max_turns,
-                    environment.max_observation_chars)
+    fmt = FORMATS[environment.tool_format]()
+    return Episodes(fmt, call_environment, tokenizer, environment.max_turns, environment.max_observation_chars,
+                    renderer(tokenizer, fmt, use_chat_template, template_kwargs))
 
 
 class EnvironmentClient:

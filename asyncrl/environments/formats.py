@@ -1,5 +1,8 @@
 """Tool-call formats: where a policy's turn ends (the stop string), how its call is read, and how
-the environment's answer is written back into the context (pure functions).
+the environment's answer is written where the model's chat template has no say (pure functions).
+With a chat template, the context around a call comes from the template
+(`asyncrl.environments.templates`); a format supplies the call syntax and, for a template that
+ignores tools, the documented fallback (its tools prompt, its tool-answer message).
 
 The observation's tokens are appended to the episode exactly as the tokenizer encodes the rendered
 text, once; the policy's own tokens are never decoded and encoded again: the tokens trained are
@@ -34,7 +37,15 @@ class ToolFormat(Protocol):
     def parse(self, turn_text: str) -> ToolCall | Malformed: ...
 
     def observation(self, text: str) -> str:
-        """The rendered observation: what follows the call in the context, up to the next turn."""
+        """A model without a chat template: what follows the call in the context, up to the next turn."""
+
+    def call_start(self, name: str | None) -> str:
+        """The text that starts a call (of function `name`, or of any): what the policy endpoint
+        writes for the model when a request requires a call."""
+
+    def pending_from(self, text: str) -> int:
+        """Where text that may still become a call starts (its opening, or a prefix of the opening
+        at the end); `len(text)` when none can."""
 
     def call_text(self, call: ToolCall) -> str:
         """How the policy writes `call` (an outside agent's earlier calls, rendered back)."""
@@ -81,7 +92,18 @@ class ChatMLTools:
         return ToolCall(call["name"], arguments)
 
     def observation(self, text: str) -> str:
-        return f"<|im_end|>\n<|im_start|>user\n{self.response_message(text)}<|im_end|>\n<|im_start|>assistant\n"
+        return f"\n{self.response_message(text)}\n"
+
+    def call_start(self, name: str | None) -> str:
+        return self.opening + (f'\n{{"name": {json.dumps(name)}, "arguments": ' if name is not None else "\n")
+
+    def pending_from(self, text: str) -> int:
+        at = text.find(self.opening)
+        if at >= 0:
+            return at
+        partial = next((k for k in range(min(len(self.opening) - 1, len(text)), 0, -1)
+                        if text.endswith(self.opening[:k])), 0)
+        return len(text) - partial
 
     def response_message(self, text: str) -> str:
         """A tool's answer as the content of the user turn that carries it."""
@@ -119,6 +141,12 @@ class TinyTools:
 
     def response_message(self, text: str) -> str:
         return self.observation(text)
+
+    def call_start(self, name: str | None) -> str:
+        return "?"
+
+    def pending_from(self, text: str) -> int:
+        return 0 if text and not text[0].isdigit() else len(text)  # the first character decides
 
     def tools_prompt(self, tools: list[dict]) -> str:
         return ""

@@ -17,7 +17,7 @@ from asyncrl.rewards.verifiers import EPISODE_TRUTH, episode_secret, episode_tru
 from asyncrl.user_code import load_attribute, split_class_path
 
 __all__ = ["EPISODE_TRUTH", "ENVIRONMENTS", "Environment", "Episode", "LookupTool", "PythonTool", "build_environment",
-           "episode_secret", "episode_truth"]
+           "episode_secret", "episode_truth", "tool_specs"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,8 @@ class Episode:
 
 class LookupTool:
     name = "lookup"
+    spec = {"name": "lookup", "description": "The answer of this episode: a digit.",
+            "parameters": {"type": "object", "properties": {}}}
 
     def step(self, call: ToolCall, episode: Episode) -> tuple[str, bool]:
         """(observation text, error)."""
@@ -43,6 +45,9 @@ class PythonTool:
     failed)."""
 
     name = "python"
+    spec = {"name": "python", "description": "Run a Python program; what it prints comes back.",
+            "parameters": {"type": "object", "properties": {"code": {"type": "string", "description": "the program"}},
+                           "required": ["code"]}}
 
     def __init__(self, wall_s: float = 5.0, memory_mb: int = 256, allow_unisolated: bool = False):
         from asyncrl.rewards.sandbox import SandboxLimits
@@ -74,6 +79,7 @@ class Environment(Protocol):
         observation too; the episode goes on."""
 
 
+_BUILT_IN: dict[str, type] = {"lookup": LookupTool, "python": PythonTool}
 # The built-in environments by `environment.name`.
 ENVIRONMENTS: dict[str, Callable[[EnvironmentConfig], Environment]] = {
     "lookup": lambda config: LookupTool(),
@@ -92,3 +98,15 @@ def build_environment(config: EnvironmentConfig) -> Environment:
                             f"method (docs/environments.md)")
         return environment
     return ENVIRONMENTS[config.name](config)
+
+
+def tool_specs(config: EnvironmentConfig) -> list[dict]:
+    """The tools an `EnvironmentConfig` offers, as OpenAI `tools` entries: what a prompt lists through
+    the chat template. A class of the user's lists its class attribute `spec` (one function's
+    `{"name", "description", "parameters"}`, or a list of them) where it has one, else nothing."""
+    if config.class_path:
+        spec = getattr(load_attribute(*split_class_path(config.class_path), what="class"), "spec", None)
+    else:
+        spec = _BUILT_IN[config.name].spec if config.name else None
+    specs = [] if spec is None else spec if isinstance(spec, list) else [spec]
+    return [{"type": "function", "function": s} for s in specs]

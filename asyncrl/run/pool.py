@@ -56,7 +56,8 @@ class Pool:
         cfg, boxes = self.system.config, self.system.mailboxes
         handle = spawn(GeneratorActor, model=cfg.model, engine=cfg.engine, sampling=cfg.sampling, prompts=boxes["prompts"],
                        segments=boxes["segments"], generator_id=gid, environment=cfg.environment,
-                       environment_endpoint=self.system.environment, placement=placement)
+                       environment_endpoint=self.system.environment,
+                       template_kwargs=cfg.task.chat_template_kwargs, placement=placement)
         self.system.generators[gid] = handle
         return handle
 

@@ -154,7 +154,8 @@ class System:
         prompt_source = self._spawn(
             PromptSourceActor, model=cfg.model, task=cfg.task, algorithm=cfg.algorithm,
             prompts_per_step=tr.prompts_per_step, seed=tr.seed, prompts=boxes["prompts"],
-            max_prompts=0 if learning else tr.total_steps * tr.prompts_per_step, placement=here)
+            max_prompts=0 if learning else tr.total_steps * tr.prompts_per_step, environment=cfg.environment,
+            placement=here)
         ranks = cfg.policy.compute.ranks if learning else 0
         learners = [ask(cfg.policy.compute.gpus, cfg.policy.compute.resources)] * ranks
         learners += [ask(cfg.critic.compute.gpus, cfg.critic.compute.resources)] if value_based else []

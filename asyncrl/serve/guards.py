@@ -6,7 +6,7 @@ import ipaddress
 import shlex
 from typing import Any
 
-from fastapi import Request
+from fastapi import HTTPException, Request
 from fastapi.responses import JSONResponse
 
 from asyncrl.config import Config, compose
@@ -16,6 +16,7 @@ from asyncrl.config import Config, compose
 # copy: Serve pickles deployment classes by value, so a global bound in their module would be one.
 ADMIN_TOKEN = {"value": ""}
 REWARD_TOKEN = {"value": ""}
+BODY_LIMIT = {"value": 0}  # the policy endpoint's body limit in bytes (set in PolicyServer.__init__)
 MAX_ADMIN_BODY_BYTES = 1 << 20
 MAX_SCORE_BODY_BYTES = 16 << 20
 
@@ -86,3 +87,47 @@ async def reward_guard(request: Request, call_next):
         if _too_large(request, MAX_SCORE_BODY_BYTES):
             return _refuse(413, f"score request body over {MAX_SCORE_BODY_BYTES} bytes")
     return await call_next(request)
+
+
+
+class BodyTooLarge(HTTPException):
+    """A request body over the limit, raised as it is read: FastAPI passes an HTTPException raised
+    while it reads a body through (any other error there becomes a 400), so the app's handler for
+    this class answers 413 and nothing parses the body."""
+
+    def __init__(self, limit: int):
+        super().__init__(413, f"request body over {limit} bytes")
+        self.limit = limit
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `BODY_LIMIT["value"]` bytes is refused with 413 before it
+    is parsed: at once when its declared length is over (the body is never read), else (a chunked
+    body) as soon as the bytes read pass the limit. `refuse(exc)` is the 413 response. The limit is
+    read per request from this module (see ADMIN_TOKEN on why not a copy)."""
+
+    def __init__(self, app, refuse):
+        self.app, self.refuse = app, refuse
+
+    async def __call__(self, scope, receive, send):
+        limit = BODY_LIMIT["value"]
+        if scope["type"] != "http" or not limit:
+            return await self.app(scope, receive, send)
+        try:
+            declared = int(dict(scope.get("headers") or []).get(b"content-length", b"0"))
+        except ValueError:
+            declared = limit + 1
+        if declared > limit:
+            return await self.refuse(BodyTooLarge(limit))(scope, receive, send)
+        read = 0
+
+        async def counted():
+            nonlocal read
+            message = await receive()
+            if message["type"] == "http.request":
+                read += len(message.get("body", b""))
+                if read > limit:
+                    raise BodyTooLarge(limit)
+            return message
+
+        await self.app(scope, counted, send)

@@ -1,33 +1,45 @@
 """The `policy` application: OpenAI-compatible completions from the latest weights, tagged with
 the weight version that answered (`weight_version` field, `x-asyncrl-weight-version` header).
 
-The endpoint pulls new weights from the learner (a named actor) when its version moves, instead of
-joining the weight delivery: Serve replicas come and go independently of the run.
+It generates on the run's own engine (`asyncrl.serve.policy_engine`: the embedded engine batched
+across requests, or SGLang), and pulls new weights from the learner (a named actor) when its
+version moves, instead of joining the weight delivery: Serve replicas come and go independently of
+the run, and a query must never hold a generator's delivery.
+
+Abuse is bounded before it costs: a body over `serve.max_body_mb` is a 413 before it is read
+(`guards.BodyLimit`); tokenising, detokenising and building answers run off the event loop; a
+request whose client goes away is cancelled and its sequences leave the engine at the next window;
+a request's KV cache is checked against the bound before it is admitted. `GET /health` answers
+from the loop alone, with the engine's load.
 
 No `from __future__ import annotations` here (see `asyncrl.serve.train`).
 """
 
 import asyncio
+import json
 import time
 import uuid
 from typing import Any
 
 import ray
+import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
 from asyncrl.config import Config
-from asyncrl.generation import build_engine
-from asyncrl.openai_api import (ChatCompletionRequest, CompletionRequest, OpenAIError, chat_response,
-                                completion_response, describe_invalid_request, openai_error)
+from asyncrl.openai_api import (ChatCompletionRequest, CompletionRequest, OpenAIError, describe_invalid_request,
+                                openai_error)
 from asyncrl.run.placement import LEARNER_NAME, NAMESPACE
-from asyncrl.serve.guards import config_from_args
+from asyncrl.serve import guards
+from asyncrl.serve.guards import BodyLimit, BodyTooLarge, config_from_args
+from asyncrl.serve.policy_requests import Prepared, answer, chat_prompt, events
 
 VERSION_HEADER = "x-asyncrl-weight-version"
 
 policy_api = FastAPI(title="asyncrl policy")
+policy_api.add_middleware(BodyLimit, refuse=lambda exc: openai_error(413, str(exc.detail), None, "request_too_large"))
 
 
 @policy_api.exception_handler(RequestValidationError)
@@ -40,14 +52,44 @@ async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
     return openai_error(exc.status, exc.message, exc.param, exc.code)
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=64)
+@policy_api.exception_handler(BodyTooLarge)
+async def _body_too_large(request: Request, exc: BodyTooLarge) -> JSONResponse:
+    return openai_error(413, str(exc.detail), None, "request_too_large")
+
+
+async def until_disconnected(request: Request | None) -> None:
+    """Returns once the client of `request` has gone (never without a request: a direct call)."""
+    if request is None:
+        await asyncio.Event().wait()
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
 @serve.ingress(policy_api)
 class PolicyServer:
-    def __init__(self, config: Config, poll_s: float = 1.0):
+    def __init__(self, config: Config, poll_s: float = 1.0, policy=None):
+        """`policy`: an engine already built (`asyncrl.serve.policy_engine`), else one of the run's kind."""
+        from asyncrl.environments.templates import renderer
+        from asyncrl.models import load_tokenizer
+        from asyncrl.openai_tools import tool_format
+        from asyncrl.serve.policy_engine import build_policy_engine
+
+        guards.BODY_LIMIT["value"] = config.serve.max_body_mb << 20  # through the module: one per process
+        torch.set_num_threads(config.engine.threads)  # an engine beside the run's: its thread budget
         self.config = config
-        self.engine, self.tokenizer = build_engine(config.model)
+        self.policy = policy if policy is not None else build_policy_engine(config)
+        self.tokenizer = load_tokenizer(config.model)
+        self.format = tool_format(config.environment.tool_format)
+        # The conversation's pieces as training renders an episode's, with the run's template options
+        # (`task.chat_template_kwargs`) and the model's template (`model.chat_template`, through
+        # load_tokenizer); a model without a tool template: the documented fallback
+        # (`asyncrl.environments.templates`).
+        self.render = renderer(self.tokenizer, self.format, config.model.use_chat_template,
+                               config.task.chat_template_kwargs)
         self.poll_s = poll_s
         self.started_at = time.time()
+        self.weight_errors = 0
         self._task = None
         if config.serve.follow_learner:
             self._task = asyncio.get_event_loop().create_task(self._follow_weights())
@@ -57,12 +99,14 @@ class PolicyServer:
             try:
                 learner = ray.get_actor(LEARNER_NAME, namespace=NAMESPACE)
                 version = await learner.weight_version.remote()
-                if version > self.engine.weight_version:
+                if version > self.policy.weight_version:
                     version, weights = await learner.weights.remote()
-                    await asyncio.to_thread(self.engine.update_weights, weights.items(), version)
+                    await self.policy.load(weights.items(), version)
                     del weights  # not held while waiting for the next version: a second copy of the model
             except ValueError:
                 pass  # no learner running (yet): serve the weights we have
+            except ray.exceptions.RayError:
+                self.weight_errors += 1  # a learner restarting: the next poll finds the new one
             await asyncio.sleep(self.poll_s)
 
     @policy_api.get("/models")
@@ -70,67 +114,58 @@ class PolicyServer:
         t = self.config.task
         # `task` and `max_response_tokens` let `asyncrl eval --endpoint` score the task this policy learns.
         return {"object": "list", "data": [{"id": self.config.model.name, "object": "model", "owned_by": "asyncrl",
-                                            "weight_version": self.engine.weight_version, "started_at": self.started_at,
+                                            "weight_version": self.policy.weight_version, "started_at": self.started_at,
                                             "task": {"name": t.name, "seed": t.seed, "num_eval_prompts": t.num_eval_prompts,
                                                      "eval_path": t.eval_path or t.path},
                                             "max_response_tokens": self.config.engine.max_response_tokens}]}
 
+    @policy_api.get("/health")
+    async def health(self) -> dict:
+        """Liveness, the weight version and the engine's load (requests, sequences, KV block)."""
+        return {"ok": True, "engine": self.config.engine.name, "weight_version": self.policy.weight_version,
+                "weight_errors": self.weight_errors, **self.policy.stats()}
+
     @policy_api.post("/completions")
-    async def completions(self, body: CompletionRequest) -> JSONResponse:
+    async def completions(self, body: CompletionRequest, request: Request = None):
+        body.refuse_unhonoured()
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-        # Tokenising a long prompt takes a while: off the event loop, which serves everyone.
+        # Tokenising long prompts takes a while: off the event loop, which serves everyone.
         ids = await asyncio.to_thread(lambda: [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts])
-        return await self._respond(body, ids, chat=False)
+        return await self._respond(Prepared.of(self, body, ids, chat=False), request)
 
     @policy_api.post("/chat/completions")
-    async def chat_completions(self, body: ChatCompletionRequest) -> JSONResponse:
-        from asyncrl.openai_tools import (ToolsError, check_tools, conversation, plain_conversation, tool_format,
-                                          uses_tools)
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request = None):
+        body.refuse_unhonoured()
+        ids, start = await asyncio.to_thread(chat_prompt, self, body)
+        return await self._respond(Prepared.of(self, body, [ids], chat=True, start=start), request)
 
-        fmt = None
-        if uses_tools(body):  # in the tool format the policy is trained in
-            try:
-                check_tools(body)
-            except ToolsError as exc:
-                raise OpenAIError(400, str(exc), exc.param) from exc
-            fmt = tool_format(self.config.environment.tool_format)
-        if self.config.model.use_chat_template:
-            messages = (conversation(body, fmt) if fmt is not None else
-                        [{"role": m.role, "content": m.content} for m in body.messages])
-            ids = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, add_generation_prompt=True,
-                                          tokenize=True, return_dict=False)
-        else:
-            text = (plain_conversation(body, fmt) if fmt is not None else
-                    "\n".join(m.content for m in body.messages))
-            ids = await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=False)
-        calls = fmt if fmt is not None and body.tools and body.tool_choice != "none" else None
-        return await self._respond(body, [list(ids)], chat=True, tool_format=calls)
-
-    async def _respond(self, body, prompt_ids: list[list[int]], chat: bool, tool_format=None) -> JSONResponse:
-        from asyncrl.openai_api import (check_model_name, check_request_size, generate_choices, logprobs_asked,
-                                        stream_events)
-
-        check_model_name(body.model, self.config.model.name)
-        check_request_size(prompt_ids, body.n, body.max_tokens)
-        asked = logprobs_asked(body, chat)  # alternatives per token, or None: no log-probs
-        limit = self.engine.max_positions
-        for ids in prompt_ids:
-            if not ids:
-                raise OpenAIError(400, "the prompt is empty", "prompt")
-            if len(ids) + body.max_tokens > limit:
-                raise OpenAIError(400, f"prompt ({len(ids)} tokens) + max_tokens ({body.max_tokens}) exceeds the "
-                                       f"model's context of {limit} tokens", "max_tokens")
-        version = self.engine.weight_version
-        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        if body.stream:
-            events = stream_events(self.engine, self.tokenizer, prompt_ids, body, chat, request_id,
-                                   self.config.model.name, version, asked)
-            return StreamingResponse(events, media_type="text/event-stream", headers={VERSION_HEADER: str(version)})
-        choices = await generate_choices(self.engine, self.tokenizer, prompt_ids, body, asked or 0, tool_format)
-        build = chat_response if chat else completion_response
-        payload = build(request_id, self.config.model.name, choices, version, asked)
-        return JSONResponse(payload, headers={VERSION_HEADER: str(version)})
+    async def _respond(self, prepared: Prepared, request: Request | None):
+        request_id = f"{'chatcmpl' if prepared.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        steps = prepared.start(self.policy)  # a request that cannot fit is refused here
+        if prepared.body.stream:
+            version = self.policy.weight_version
+            return StreamingResponse(events(prepared, steps, request_id, self.config.model.name, version),
+                                     media_type="text/event-stream", headers={VERSION_HEADER: str(version)})
+        work = asyncio.ensure_future(answer(prepared, steps, request_id, self.config.model.name,
+                                            self.policy.weight_version))
+        # A client gone before its answer: the answer is cancelled and its sequences freed (a stream
+        # is cancelled by Starlette itself when its client goes).
+        gone = asyncio.ensure_future(until_disconnected(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+        if not work.done() or work.cancelled():
+            return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
+        payload = work.result()
+        encoded = await asyncio.to_thread(json.dumps, payload)  # megabytes for many choices with log-probs
+        return Response(encoded, media_type="application/json", headers={VERSION_HEADER: str(payload["weight_version"])})
 
 
 def build_policy(args: dict[str, Any]) -> serve.Application:
-    return PolicyServer.bind(config_from_args(args))
+    """The application; its replica asks Ray for what a generator asks (its engine is of that kind)."""
+    config = config_from_args(args)
+    options = {"num_cpus": 0, "num_gpus": config.engine.gpus, "resources": dict(config.engine.resources)}
+    return PolicyServer.options(ray_actor_options=options).bind(config)

@@ -1,0 +1,291 @@
+"""Continuous batching of independent requests on the embedded engine (the policy endpoint).
+
+Requests arrive one by one over HTTP; each is a job of rows (its prompts x n choices). One loop
+runs engine windows of `window_tokens` over the rows of every job in flight: a window is one
+engine call, so 16 concurrent clients cost about one client's decode steps, not 16 times as
+many. Between two windows the loop drops the rows that ended (EOS, length, a stop string or a
+tool call found by the caller, a client gone), applies a pending weight update, and admits waiting
+jobs. Invariants, held here:
+
+* **Bounded.** A window's rows never exceed `max_rows`, and the KV block it allocates (the
+  engine's own count, `TorchEngine.window_positions`: rows x (longest kept cache + longest
+  suffix + window)) never exceeds `max_positions`. A job is refused (`TooLarge`) when its rows
+  alone could exceed it over their whole response; otherwise it waits until it fits. The oldest
+  job in flight is always served, so the loop never stalls.
+* **One version per window.** Weight updates land between windows; every token carries the
+  version of its window (`StepToken.version`).
+* **A job left is freed.** Closing a job's stream (its client gone, or done) drops its rows at the
+  next window boundary; a window whose rows are all dropped stops at its next decode step.
+* **Same samples.** Counter-based seeds: a row's tokens do not depend on which rows share its
+  windows or where windows cut it (`asyncrl.algo.sampling`).
+
+Rows batch together only under equal sampling settings (one `SamplingParams` per engine call; the
+alternatives asked for are the most any of them asks). Settings differ: their jobs take turns,
+window by window, oldest first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+import msgspec
+
+from asyncrl.engines.base import SamplingParams, SequenceInput
+from asyncrl.schema import FinishReason
+
+
+class TooLarge(ValueError):
+    """A job whose rows could never fit in one window's bounds."""
+
+
+@dataclass(frozen=True)
+class StepToken:
+    """One token of one row of a job: `finish` is EOS or MAX_LENGTH on its row's last token (None
+    while it goes on); `top`: None, or `(ids, logprobs)` of that position's most likely tokens."""
+
+    row: int
+    token: int
+    logprob: float
+    finish: FinishReason | None
+    top: tuple[list[int], list[float]] | None
+    version: int
+
+
+@dataclass(eq=False)
+class _Row:
+    job: "_Job"
+    index: int
+    sequence: SequenceInput
+    response: list[int] = field(default_factory=list)
+    done: bool = False
+
+
+@dataclass(eq=False)
+class _Job:
+    params: SamplingParams
+    queue: asyncio.Queue
+    rows: list[_Row] = field(default_factory=list)
+    closed: bool = False
+    started: bool = False
+
+    @property
+    def group(self) -> SamplingParams:
+        return msgspec.structs.replace(self.params, top_logprobs=0)
+
+    def live_rows(self) -> list[_Row]:
+        return [] if self.closed else [r for r in self.rows if not r.done]
+
+
+class WindowBatcher:
+    """Continuous batching over `engine` (a `TorchEngine`); see the module's invariants."""
+
+    def __init__(self, engine, max_rows: int, window_tokens: int, max_positions: int):
+        self.engine, self.max_rows, self.window_tokens, self.max_positions = engine, max_rows, window_tokens, max_positions
+        self._jobs: list[_Job] = []  # in arrival order: those running first, then those waiting
+        self._wake = asyncio.Event()
+        self._update: tuple[Callable[[], None], asyncio.Future] | None = None
+        self._task: asyncio.Task | None = None
+        # jobs taken, jobs whose caller left before their end, tokens sampled, windows, rows over them.
+        self.counters: Counter = Counter(dict.fromkeys(("jobs", "jobs_left", "tokens", "windows", "window_rows",
+                                                        "generate_ms"), 0))
+
+    @property
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    @property
+    def context_tokens(self) -> int:
+        return self.engine.max_positions
+
+    def check(self, sequences: list[SequenceInput]) -> None:
+        """Refuse a job that could never run: more rows than a window holds, or a KV block over the
+        bound at its longest (every row at its longest prompt plus its whole response and a window)."""
+        if len(sequences) > self.max_rows:
+            raise TooLarge(f"{len(sequences)} sequences (prompts x n) in one request; a window holds "
+                           f"{self.max_rows} (serve.max_batch_sequences)")
+        longest = max(len(s.prompt_ids) + s.max_response_tokens for s in sequences)
+        positions = len(sequences) * (longest + self.window_tokens - 1)
+        if positions > self.max_positions:
+            raise TooLarge(f"{len(sequences)} sequence(s) x (longest prompt + max_tokens + window "
+                           f"{self.window_tokens}) is {positions} token positions of KV cache; the bound is "
+                           f"{self.max_positions} (serve.max_kv_mb)")
+
+    def stream(self, sequences: list[SequenceInput], params: SamplingParams) -> "JobSteps":
+        """Start a job: its tokens as they are sampled, a list per decode step (`JobSteps`)."""
+        self.check(sequences)
+        job = _Job(params, asyncio.Queue())
+        job.rows = [_Row(job, i, msgspec.structs.replace(s, key=f"{uuid.uuid4().hex}/{i}"))
+                    for i, s in enumerate(sequences)]
+        self._jobs.append(job)
+        self.counters["jobs"] += 1
+        self._start()
+        return JobSteps(self, job)
+
+    async def load(self, apply: Callable[[], None]) -> None:
+        """Run `apply` (a weight load into the engine) between two windows; returns once done."""
+        future = asyncio.get_running_loop().create_future()
+        if self._update is not None:  # a newer version replaces one not yet applied
+            self._update[1].set_result(None)
+        self._update = (apply, future)
+        self._start()
+        self._wake.set()
+        await future
+
+    def stats(self) -> dict:
+        live = [j for j in self._jobs if j.live_rows()]
+        return {"running_requests": sum(j.started for j in live), "waiting_requests": sum(not j.started for j in live),
+                "running_sequences": sum(len(j.live_rows()) for j in live if j.started),
+                "largest_kv_block_positions": self.engine.largest_block_positions,
+                "kv_bound_positions": self.max_positions, **self.counters}
+
+    # --- the loop ---------------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        if self._task is None or self._task.done():  # (a new event loop: a new wake-up for it)
+            self._wake = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._run())
+        self._wake.set()
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            await self._apply_update()
+            self._jobs = [j for j in self._jobs if j.live_rows()]
+            rows, params = self._plan()
+            if not rows:
+                continue
+            self._wake.set()  # more windows follow while rows are left
+            try:
+                await self._window(rows, params)
+            except Exception as exc:  # the engine failed: the jobs of this window fail with it
+                for job in {r.job for r in rows}:
+                    job.queue.put_nowait(exc)
+                    for row in job.rows:
+                        row.done = True
+
+    async def _apply_update(self) -> None:
+        if self._update is None:
+            return
+        (apply, future), self._update = self._update, None
+        try:
+            await asyncio.to_thread(apply)
+            future.set_result(None)
+        except Exception as exc:  # the follower reports it; the old weights keep serving
+            future.set_exception(exc)
+
+    def _plan(self) -> tuple[list[_Row], SamplingParams | None]:
+        """This window's rows: the jobs of the oldest job's settings, oldest first, while they fit."""
+        if not self._jobs:
+            return [], None
+        group = self._jobs[0].group
+        rows: list[_Row] = []
+        top = 0
+        for job in self._jobs:
+            if job.group != group:
+                continue
+            candidate = rows + job.live_rows()
+            window = self._window_tokens(candidate)
+            if rows and (len(candidate) > self.max_rows or
+                         self.engine.window_positions(self._inputs(candidate), window) > self.max_positions):
+                continue  # waits for a later window (a smaller job behind it may still fit)
+            rows, top = candidate, max(top, job.params.top_logprobs)
+            job.started = True
+        return rows, msgspec.structs.replace(group, top_logprobs=top)
+
+    def _window_tokens(self, rows: list[_Row]) -> int:
+        return min(self.window_tokens, max(r.sequence.max_response_tokens - len(r.response) for r in rows))
+
+    @staticmethod
+    def _inputs(rows: list[_Row]) -> list[SequenceInput]:
+        return [msgspec.structs.replace(r.sequence, response_ids=_ids(r.response)) for r in rows]
+
+    async def _window(self, rows: list[_Row], params: SamplingParams) -> None:
+        loop, version, window = asyncio.get_running_loop(), self.engine.weight_version, self._window_tokens(rows)
+
+        def on_step(items: list[tuple]) -> bool:  # the engine's thread
+            loop.call_soon_threadsafe(self._dispatch, rows, items, version)
+            return any(not r.done and not r.job.closed for r in rows)
+
+        start = time.perf_counter()
+        outputs = await asyncio.to_thread(self.engine.generate_window_sync, self._inputs(rows), window, params, on_step)
+        self.counters["windows"] += 1
+        self.counters["window_rows"] += len(rows)
+        self.counters["generate_ms"] += int(1000 * (time.perf_counter() - start))
+        for row, out in zip(rows, outputs):
+            row.response += out.token_ids.tolist()
+            if out.finish_reason is not FinishReason.WINDOW:
+                row.done = True
+        for job in {r.job for r in rows}:
+            if not job.live_rows():
+                job.queue.put_nowait(None)
+
+    def _dispatch(self, rows: list[_Row], items: list[tuple], version: int) -> None:
+        """One decode step's tokens to their jobs (on the loop, in order)."""
+        by_job: dict[_Job, list[StepToken]] = {}
+        for index, token, logprob, reason, top in items:
+            row = rows[index]
+            if row.done or row.job.closed:
+                continue
+            finish = None if reason is None or reason is FinishReason.WINDOW else reason
+            if top is not None and row.job.params.top_logprobs < len(top[0]):
+                k = row.job.params.top_logprobs
+                top = (top[0][:k], top[1][:k])
+            by_job.setdefault(row.job, []).append(StepToken(row.index, token, logprob, finish,
+                                                            top if row.job.params.top_logprobs else None, version))
+            self.counters["tokens"] += 1
+        for job, steps in by_job.items():
+            job.queue.put_nowait(steps)
+
+
+class JobSteps:
+    """A job's steps (async iterator of `list[StepToken]`), ending when every row has ended or was
+    dropped. `drop(rows)`: stop generating those rows (a stop string or a tool call found);
+    `close()`: the caller is gone, every row is freed at the next window boundary."""
+
+    def __init__(self, batcher: WindowBatcher, job: _Job):
+        self.batcher, self.job = batcher, job
+
+    def __aiter__(self) -> "JobSteps":
+        return self
+
+    async def __anext__(self) -> list[StepToken]:
+        job = self.job
+        while job.live_rows() or not job.queue.empty():
+            steps = await job.queue.get()
+            if steps is None:
+                break
+            if isinstance(steps, BaseException):
+                raise steps
+            return steps + drain(job.queue)
+        raise StopAsyncIteration
+
+    def drop(self, rows: list[int]) -> None:
+        for i in rows:
+            self.job.rows[i].done = True
+
+    def close(self) -> None:
+        if self.job.live_rows():
+            self.batcher.counters["jobs_left"] += 1
+        self.job.closed = True
+        self.batcher._wake.set()
+
+
+def drain(queue: asyncio.Queue) -> list[StepToken]:
+    """The steps already waiting behind the one taken (a consumer that fell behind reads them in
+    one go), up to the first item that is not steps (an end or an error), which stays queued."""
+    steps = []
+    while not queue.empty() and isinstance(queue._queue[0], list):  # noqa: SLF001 - peek, asyncio has no API
+        steps += queue.get_nowait()
+    return steps
+
+
+def _ids(tokens: list[int]):
+    import numpy as np
+
+    return np.asarray(tokens, dtype=np.int32)
