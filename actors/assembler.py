@@ -9,11 +9,15 @@ the prompt source in one call per step), the counters, the trajectory store, the
 shaping is applied here, once, when a reward arrives.
 
 Segments are deduplicated by id (`prompt/sample/turn`, per generator), so a redelivered segment is
-counted once; a sample is scored once; a group or row is emitted or dropped once. A sample's
-windows come from one generator: when a generator is retired (it died, hung or left the pool,
-`retire_generator`), its partial samples are dropped here and its later segments ignored, and the
-generator that takes the prompt over regenerates those samples from their first window (the same
-seeds); segments of a sample already finished are ignored, whoever sends them.
+counted once; a sample is scored once; a group or row is emitted or dropped once. One copy of a
+sample is kept: a sample's windows are merged per generator (its copy), and the first copy to
+finish is the sample; the others are discarded then, and later segments of a finished sample are
+ignored, whoever sends them. Two copies exist when a prompt's lease ran out while its generator
+still worked on it, or when a generator left the pool (`retire_generator`: it died, hung or was
+drained) and its unacknowledged prompts went to another, which regenerates them from their first
+window. A retired generator's segments are still taken: the samples it finished (of prompts it may
+have acknowledged already, so nobody makes them again) count, and a partial copy of it waits until
+another copy of its sample finishes.
 
 With a recorder (`trainer.record=true`), every finished sample's record (`asyncrl.store`) is sent
 when its fate here is known: kept (sent to the learner), dropped (with the reason) or recorded
@@ -105,9 +109,11 @@ class Assembler:
         self.synchronous = synchronous
         self.weight_version = 0
         self._seen = RecentIds(200_000)
-        self._parts: dict[str, list[Segment]] = collections.defaultdict(list)  # sample id -> segments
+        # sample id -> generator id -> that generator's windows of it so far (its copy)
+        self._copies: dict[str, dict[str, list[Segment]]] = collections.defaultdict(dict)
+        self._row_copy: dict[str, str] = {}  # windows as rows (T-PPO): sample id -> the copy whose windows train
         self._finished = RecentIds(200_000)  # samples merged here: later segments of them are ignored
-        self._retired: set[str] = set()  # generators that left the pool: their segments are ignored
+        self._retired: set[str] = set()  # generators that left the pool
         self._tasks: set[asyncio.Task] = set()
         self._batch_index = 0
         self._running = False
@@ -273,51 +279,74 @@ class Assembler:
         value-based estimator only: every window (T-PPO) or every finished response."""
         rows, to_score = [], []
         for seg in segments:
-            key = f"{seg.msg_id}@{seg.generator_id}"
+            key = seg.msg_id  # per generator: each copy's windows are counted once
             if key in self._seen:
                 self.counters["duplicate_segments"] += 1
                 continue
-            if seg.generator_id in self._retired or seg.sample_id in self._finished:
-                self.counters["segments_ignored"] += 1  # work of a generator that left, or of a finished sample
+            if seg.sample_id in self._finished:
+                self.counters["segments_ignored"] += 1  # another copy of this sample finished first
+                continue
+            copies = self._copies[seg.sample_id]
+            parts = copies.setdefault(seg.generator_id, [])
+            if seg.turn != len(parts):  # a copy's windows arrive in order from turn 0, or not at all
+                self.counters["segments_out_of_order"] += 1
+                if not parts:
+                    del copies[seg.generator_id]
+                    if not copies:
+                        del self._copies[seg.sample_id]
                 continue
             self._seen.add(key)
             self.counters["segments"] += 1
-            self._parts[seg.sample_id].append(seg)
-            if self.estimator.row_kind == "windows":
+            parts.append(seg)
+            if self.estimator.row_kind == "windows" and (self._is_row_copy(seg) or seg.finished):
                 rows.append(seg)
             if seg.finished:
-                parts = self._parts.pop(seg.sample_id)
-                self._finished.add(seg.sample_id)
-                merged = merge_segments(parts)
-                self._event([merged.sample_id], SampleState.AWAITING_REWARD)
-                if self.estimator.row_kind == "responses":
-                    rows.append(merged)
-                # An episode is judged on its final turn (what the policy answered after its last
-                # observation), so an answer the tool printed is not the policy's answer.
-                request = RewardRequest(
-                    prompt_id=merged.prompt_id, sample_idx=merged.sample_idx,
-                    response_text=self.decode(merged.new_token_ids[final_turn_start(merged.new_observation):].tolist()),
-                    ground_truth=merged.ground_truth, data_source=merged.data_source,
-                    prompt_text=self.decode(merged.prompt_token_ids.tolist()),
-                    response_token_ids=merged.new_token_ids)
-                to_score.append((merged, request))
-                if self.record is not None:
-                    ends = np.cumsum([len(p.new_token_ids) for p in parts]).tolist()
-                    transcript = (self.decode(merged.new_token_ids.tolist()) if merged.new_observation is not None
-                                  else request.response_text)  # an episode's: every turn and observation
-                    self._unrecorded[merged.sample_id] = _Unrecorded(merged, ends, request.prompt_text, transcript)
+                self._finish(seg, rows, to_score)
         return rows, to_score
 
+    def _is_row_copy(self, seg: Segment) -> bool:
+        """Windows as rows: only one copy's windows train (the first to start; when its generator
+        left, the next copy that starts)."""
+        owner = self._row_copy.get(seg.sample_id)
+        if owner is None or (owner in self._retired and owner != seg.generator_id and seg.turn == 0):
+            self._row_copy[seg.sample_id] = owner = seg.generator_id
+        return owner == seg.generator_id
+
+    def _finish(self, seg: Segment, rows: list[Segment], to_score: list[tuple[Segment, RewardRequest]]) -> None:
+        """`seg` finishes its copy: that copy is the sample (merged, scored); the others are discarded."""
+        copies = self._copies.pop(seg.sample_id)
+        parts = copies.pop(seg.generator_id)
+        self.counters["copies_discarded"] += len(copies)
+        self._row_copy.pop(seg.sample_id, None)
+        self._finished.add(seg.sample_id)
+        merged = merge_segments(parts)
+        self._event([merged.sample_id], SampleState.AWAITING_REWARD)
+        if self.estimator.row_kind == "responses":
+            rows.append(merged)
+        # An episode is judged on its final turn (what the policy answered after its last
+        # observation), so an answer the tool printed is not the policy's answer.
+        request = RewardRequest(
+            prompt_id=merged.prompt_id, sample_idx=merged.sample_idx,
+            response_text=self.decode(merged.new_token_ids[final_turn_start(merged.new_observation):].tolist()),
+            ground_truth=merged.ground_truth, data_source=merged.data_source,
+            prompt_text=self.decode(merged.prompt_token_ids.tolist()),
+            response_token_ids=merged.new_token_ids)
+        to_score.append((merged, request))
+        if self.record is not None:
+            ends = np.cumsum([len(p.new_token_ids) for p in parts]).tolist()
+            transcript = (self.decode(merged.new_token_ids.tolist()) if merged.new_observation is not None
+                          else request.response_text)  # an episode's: every turn and observation
+            self._unrecorded[merged.sample_id] = _Unrecorded(merged, ends, request.prompt_text, transcript)
+
     def retire_generator(self, generator_id: str) -> int:
-        """A generator left the pool: drop its partial samples (the generator taking its prompts over
-        regenerates them from the first window) and ignore whatever of it is still on its way.
-        Returns how many partial samples were dropped."""
+        """A generator left the pool. Nothing of it is dropped: what it finished counts (its segments
+        may still be on their way), and its partial copies wait for another copy of their sample to
+        finish (its unacknowledged prompts go to another generator). Returns how many partial
+        copies it leaves."""
         self._retired.add(generator_id)
-        lost = [sid for sid, parts in self._parts.items() if parts and parts[0].generator_id == generator_id]
-        for sid in lost:
-            del self._parts[sid]
-        self.counters["samples_restarted"] += len(lost)
-        return len(lost)
+        partial = sum(generator_id in copies for copies in self._copies.values())
+        self.counters["generators_retired"] += 1
+        return partial
 
     async def step(self, timeout: float = 0.5) -> None:
         # Backpressure: while many scoring/valuing tasks are pending, stop taking segments.
@@ -367,7 +396,7 @@ class Assembler:
             **self.counters,
             "reward_mean_all": self.rewards_sum / scored if scored else 0.0,
             "weight_version": self.weight_version,
-            "partial_samples": len(self._parts),
+            "partial_samples": len(self._copies),
             "scoring_tasks": len(self._tasks),
             "unrecorded_samples": len(self._unrecorded),
             "last_reward_failure": self.last_reward_failure,

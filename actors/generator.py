@@ -10,7 +10,14 @@ token's version).
 
 A `PromptRequest` is acknowledged only when all of its samples (G, or those it names) have emitted their final
 segment, so a generator that dies mid-prompt loses nothing: the lease expires, another generator
-regenerates the prompt with the same seeds, and the assembler drops segment ids it already has.
+regenerates the prompt with the same seeds, and the assembler keeps one copy of each sample. While
+it works on a prompt the generator renews the prompt's lease (every quarter of `lease_s`), so work
+that takes longer than a lease (a long chain of thought, a slow tool) is not handed to a second
+generator; a prompt whose lease it holds again (it expired and came back to it) is not started twice.
+
+Liveness: `stats()` reports how long the oldest engine call in progress (a window, a weight load)
+has run (`engine_call_s`). A generator whose engine is wedged still answers `stats` (the engine runs
+in a thread), so the pool heals on this age, not on the answer alone (`asyncrl.run.pool`).
 """
 
 from __future__ import annotations
@@ -75,7 +82,7 @@ class Generator:
     def __init__(self, engine: Engine, prompts: Mailbox, segments: Mailbox, params: SamplingParams,
                  window_tokens: int, max_response_tokens: int, max_windows: int, max_inflight: int,
                  generator_id: str = "gen-0", long_tail: tuple[float, int] = (0.0, 0),
-                 episodes: Episodes | None = None):
+                 episodes: Episodes | None = None, lease_s: float = 600.0):
         self.engine = engine
         self.prompts = prompts
         self.segments = segments
@@ -100,6 +107,12 @@ class Generator:
         self._loop_ended: asyncio.Event | None = None  # set once run() has sent its last emission
         self._admitting = True  # False once draining: in-flight sequences finish, nothing new starts
         self.idle_wait_s = 0.2  # an idle generator's wait for a prompt, per mailbox call (then its loop turns)
+        self.renew_every_s = lease_s / 4  # the prompts' leases are renewed this often while it holds them
+        self._engine_calls: dict[int, float] = {}  # engine calls in progress (windows, loads) -> when each began
+        self._calls = 0
+        # Load tests: `inject_fault` makes weight loads or windows hang (a wedged engine) while the
+        # generator keeps answering.
+        self.faults = {"load_hang_s": 0.0, "window_hang_s": 0.0}
         self._started = time.monotonic()
         # admit_s: taking prompts while sequences are running; prepare_s: building a window's inputs
         # and turning its outputs into segments (the generator's own work between windows).
@@ -107,7 +120,7 @@ class Generator:
                        "admit_s": 0.0, "prepare_s": 0.0}
         self.counters = {"windows": 0, "tokens": 0, "segments": 0, "samples_finished": 0, "prompts_admitted": 0,
                          "weight_updates": 0, "tool_calls": 0, "tool_errors": 0, "malformed_calls": 0,
-                         "observation_tokens": 0}
+                         "observation_tokens": 0, "leases_renewed": 0, "leases_lost": 0, "prompts_held_again": 0}
 
     # --- weight updates (called by the learner) -------------------------------------------------
 
@@ -144,7 +157,35 @@ class Generator:
     async def _load_engine(self, delivery: Delivery, payload) -> None:
         # An engine that updates mid-window loads beside the window it runs; the others between two.
         async with contextlib.nullcontext() if self.engine.updates_mid_window else self._engine_lock:
-            await asyncio.to_thread(transport.load, self.engine, delivery, payload, self.weight_group)
+            with self._engine_call():
+                await self._hang("load_hang_s")
+                await asyncio.to_thread(transport.load, self.engine, delivery, payload, self.weight_group)
+
+    @contextlib.contextmanager
+    def _engine_call(self):
+        """An engine call in progress (its age is the liveness the pool reads)."""
+        self._calls += 1
+        call = self._calls
+        self._engine_calls[call] = time.monotonic()
+        try:
+            yield
+        finally:
+            del self._engine_calls[call]
+
+    async def _hang(self, fault: str) -> None:
+        """Load tests: wait while the fault is set, up to its seconds (clearing it ends the wait)."""
+        start = time.monotonic()
+        while self.faults[fault] and time.monotonic() - start < self.faults[fault]:
+            await asyncio.sleep(0.1)
+
+    def inject_fault(self, **faults: float) -> dict:
+        """Load tests: `load_hang_s` (a weight load hangs that long), `window_hang_s` (each window
+        does); 0 clears. The generator goes on answering meanwhile, as one with a wedged engine does."""
+        unknown = sorted(set(faults) - set(self.faults))
+        if unknown:
+            raise ValueError(f"unknown fault(s) {unknown}; the generator takes {sorted(self.faults)}")
+        self.faults.update({k: float(v) for k, v in faults.items()})
+        return dict(self.faults)
 
     async def _load(self, delivery: Delivery, payload) -> float:
         start = time.perf_counter()
@@ -174,6 +215,12 @@ class Generator:
                 self.timing["wait_prompts_s"] += time.perf_counter() - start
             returned = []
             for request in requests:
+                if request.prompt_id in self.samples_left:
+                    # Its lease expired and it came back to this generator, which still works on it:
+                    # the lease is held again, the work goes on (starting it over would make a second
+                    # copy of its samples).
+                    self.counters["prompts_held_again"] += 1
+                    continue
                 samples = request.samples
                 self._last_group_size = len(samples)
                 if returned or (self.held and self.held + len(samples) > self.max_inflight):
@@ -184,7 +231,7 @@ class Generator:
                                   for i in samples]
                 self.counters["prompts_admitted"] += 1
             if returned:
-                await self.prompts.nack(returned)
+                await self.prompts.nack(returned, consumer=self.generator_id)
             if returned or len(requests) < asked:  # full, or the mailbox had no more just now
                 return
 
@@ -231,7 +278,9 @@ class Generator:
         async with self._engine_lock:
             start = time.perf_counter()
             version = self.engine.weight_version
-            outputs = await self.engine.generate_window(inputs, self.window_tokens, self.params)
+            with self._engine_call():
+                await self._hang("window_hang_s")
+                outputs = await self.engine.generate_window(inputs, self.window_tokens, self.params)
         self.timing["generate_s"] += time.perf_counter() - start
         self.counters["windows"] += 1
         start = time.perf_counter()
@@ -358,14 +407,28 @@ class Generator:
         self._running = True
         self._loop_ended = asyncio.Event()
         self._started = time.monotonic()
+        renewing = asyncio.ensure_future(self._renew_leases())
         try:
             # A draining generator's loop ends once it holds nothing: turning on with nothing to
             # run would await nothing and starve drain(), stats() and receive_weights().
             while self._running and (self._admitting or self.held):
                 await self.step(overlap=True)
         finally:
+            renewing.cancel()
             await self.flush()
             self._loop_ended.set()
+
+    async def _renew_leases(self) -> None:
+        """While the loop runs: renew the leases of the prompts this generator works on (beside the
+        windows: the engine runs in a thread, so a window longer than a lease is covered too)."""
+        while True:
+            await asyncio.sleep(self.renew_every_s)
+            held = list(self.samples_left)
+            if held:
+                renewed = await self.prompts.renew(held, consumer=self.generator_id)
+                self.counters["leases_renewed"] += len(renewed)
+                # Lost: another generator took it (the assembler keeps one copy of each sample).
+                self.counters["leases_lost"] += len(set(held) - set(renewed))
 
     def stop(self) -> None:
         self._running = False
@@ -386,20 +449,28 @@ class Generator:
         handed_back = list(self.samples_left)
         await self.flush()
         if handed_back:
-            await self.prompts.nack(handed_back)
+            await self.prompts.nack(handed_back, consumer=self.generator_id)
             for parked in self.parked:
                 parked.observing.cancel()
             self.inflight, self.parked, self.samples_left = [], [], {}
         return {"generator_id": self.generator_id, "prompts_handed_back": len(handed_back)}
 
+    def held_samples(self) -> list[str]:
+        """Ids of the samples this generator works on (running, or waiting for an observation)."""
+        return sorted(sample_id(s.request.prompt_id, s.sample_idx)
+                      for s in [*self.inflight, *(p.sequence for p in self.parked)])
+
     def stats(self) -> dict:
-        wall = max(time.monotonic() - self._started, 1e-9)
+        now = time.monotonic()
+        wall = max(now - self._started, 1e-9)
         return {
             **self.counters,
             **self.timing,
             "generator_id": self.generator_id,
             "delivered_version": self.engine.weight_version,
             "inflight_sequences": self.held,
+            # The age of the oldest engine call in progress (0: none runs): the pool's liveness.
+            "engine_call_s": now - min(self._engine_calls.values()) if self._engine_calls else 0.0,
             "wall_s": wall,
             "busy_fraction": self.timing["generate_s"] / wall,
             "paused_for_weights_fraction": self.timing["weight_update_s"] / wall,
@@ -416,7 +487,7 @@ def _result(observing: asyncio.Task) -> Observation:
 
 def build_generator(model: ModelConfig, engine: EngineConfig, prompts: Mailbox, segments: Mailbox,
                     generator_id: str, environment: EnvironmentConfig | None = None,
-                    environment_endpoint=None) -> Generator:
+                    environment_endpoint=None, lease_s: float = 600.0) -> Generator:
     """A generator from its sections: the engine (embedded or SGLang) and its windows; with an
     environment, each sample is an episode whose tool calls the endpoint answers."""
     embedded = build_generator_engine(model, engine)
@@ -429,14 +500,23 @@ def build_generator(model: ModelConfig, engine: EngineConfig, prompts: Mailbox, 
         episodes = build_episodes(environment, load_tokenizer(model), client)
     return Generator(embedded, prompts, segments, sampling_params(engine), engine.window_tokens,
                      engine.max_response_tokens, max_windows, engine.max_inflight_sequences, generator_id,
-                     long_tail=(engine.long_tail_fraction, engine.long_tail_tokens), episodes=episodes)
+                     long_tail=(engine.long_tail_fraction, engine.long_tail_tokens), episodes=episodes,
+                     lease_s=lease_s)
 
 
 class GeneratorActor(RoleShell, WeightGroupMember):
     def __init__(self, model: ModelConfig, engine: EngineConfig, prompts: Mailbox, segments: Mailbox,
-                 generator_id: str, environment: EnvironmentConfig | None = None, environment_endpoint=None):
+                 generator_id: str, environment: EnvironmentConfig | None = None, environment_endpoint=None,
+                 lease_s: float = 600.0):
         torch.set_num_threads(engine.threads)
-        self.inner = build_generator(model, engine, prompts, segments, generator_id, environment, environment_endpoint)
+        self.inner = build_generator(model, engine, prompts, segments, generator_id, environment, environment_endpoint,
+                                     lease_s)
+
+    def inject_fault(self, **faults: float) -> dict:
+        return self.inner.inject_fault(**faults)
+
+    def held_samples(self) -> list[str]:
+        return self.inner.held_samples()
 
     async def receive_weights(self, delivery: Delivery, payload=None) -> float:
         return await self.inner.receive_weights(delivery, payload)

@@ -38,8 +38,13 @@ class TrainerConfig:
     """How many of the newest checkpoints to keep (a commit is atomic; 2 also keeps a fallback for a
     checkpoint damaged on disk)."""
     max_restarts: int = 3
-    """When a role that holds unrecoverable state dies, restart the run from the newest checkpoint
-    this many times at most (`asyncrl train` and the Serve `train` app); 0 = fail at the first death."""
+    """When a role that holds unrecoverable state dies (or any other error ends a poll of the run),
+    restart the run from the newest checkpoint, this many times at most within any
+    `restart_window_s` (`asyncrl train` fails past it; the Serve `train` app waits until the window
+    allows the next); 0 = fail at the first death."""
+    restart_window_s: float = 3600.0
+    """The window `max_restarts` counts restarts in (restarts.jsonl keeps them across processes): a
+    budget per hour, so a run of days is not ended by a few restarts spread over its life."""
     stall_timeout_s: float = 600.0
     """`asyncrl train` fails if no learner step happens for this long (e.g. dynamic sampling
     dropping every group of a task the policy has solved), naming the drop counts."""
@@ -132,6 +137,11 @@ class ServeConfig:
     follow_learner: bool = True
     """The policy endpoint adopts the running learner's weights as they change; false = it serves
     the model's own weights (a frozen reference beside a run, or a policy loaded from model.path)."""
+    resume_run: bool = True
+    """The `train` app continues the run of its run directory when that has a valid checkpoint (a
+    controller Serve replaced, a redeploy, a restarted cluster), as `resume=true` does; without
+    `trainer.run_dir` that directory is `outputs/serve-<app name>`, the same at every start.
+    false: every start is a new run (in a new timestamped directory unless trainer.run_dir is set)."""
 
 
 @dataclass

@@ -58,7 +58,15 @@ class TaskConfig:
     retire_epochs: int = 1
     """How long a retired prompt sits out: until this many datasets' worth of other prompts were issued."""
     retire_unsolved: bool = True
-    """Retire prompts whose groups are all wrong too (DAPO learns nothing from them)."""
+    """Retire prompts whose groups are all wrong too (DAPO learns nothing from them), for a while:
+    they come back as the policy moves (`unsolved_retry_versions`)."""
+    unsolved_retry_versions: int = 4
+    """An unsolved prompt sits out this many policy versions, then is tried again; each retry that
+    is all wrong again doubles the wait (4, 8, 16, ... versions). When nothing else can be issued it
+    is tried at once."""
+    unsolved_max_retries: int = 8
+    """An unsolved prompt all wrong through this many retries is given up for good (counted apart:
+    `prompts_given_up`); 0 = never. A run is done only when every prompt is solved or given up."""
     retest_every_s: float = 30.0
     """When every prompt is retired (a service that keeps running), the prompt retired longest is
     tried again this often: a swapped reward or a changed policy can bring prompts back."""

@@ -2,7 +2,11 @@
 the weight version that answered (`weight_version` field, `x-asyncrl-weight-version` header).
 
 The endpoint pulls new weights from the learner (a named actor) when its version moves, instead of
-joining the weight delivery: Serve replicas come and go independently of the run.
+joining the weight delivery: Serve replicas come and go independently of the run. A version is
+read with the learner's incarnation id (`weight_tag`): a run restarted from its checkpoint, or a
+new run, starts another line of versions whose numbers may be lower than the one served, and the
+endpoint takes it (`follows`), where comparing numbers alone would serve the dead line's weights
+until the new counter overtook them.
 
 No `from __future__ import annotations` here (see `asyncrl.serve.train`).
 """
@@ -40,6 +44,17 @@ async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
     return openai_error(exc.status, exc.message, exc.param, exc.code)
 
 
+def follows(served: tuple[str, int], learner: tuple[str, int]) -> bool:
+    """Whether the endpoint takes the learner's weights: `(incarnation id, version)` served and the
+    learner's. The same incarnation: a newer version. Another one: any version (a restart from a
+    checkpoint rolls back, a new run starts again at 0), once the endpoint follows a learner at
+    all; the model's own weights ("") give way to any version above them."""
+    (served_line, served_version), (line, version) = served, learner
+    if line == served_line or not served_line:
+        return version > served_version
+    return True
+
+
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=64)
 @serve.ingress(policy_api)
 class PolicyServer:
@@ -47,6 +62,7 @@ class PolicyServer:
         self.config = config
         self.engine, self.tokenizer = build_engine(config.model)
         self.poll_s = poll_s
+        self.incarnation = ""  # the learner incarnation whose weights are served ("": the model's own)
         self.started_at = time.time()
         self._task = None
         if config.serve.follow_learner:
@@ -56,13 +72,16 @@ class PolicyServer:
         while True:
             try:
                 learner = ray.get_actor(LEARNER_NAME, namespace=NAMESPACE)
-                version = await learner.weight_version.remote()
-                if version > self.engine.weight_version:
+                incarnation, version = await learner.weight_tag.remote()
+                if follows((self.incarnation, self.engine.weight_version), (incarnation, version)):
                     version, weights = await learner.weights.remote()
                     await asyncio.to_thread(self.engine.update_weights, weights.items(), version)
+                    self.incarnation = incarnation
                     del weights  # not held while waiting for the next version: a second copy of the model
             except ValueError:
                 pass  # no learner running (yet): serve the weights we have
+            except ray.exceptions.RayError:
+                pass  # the learner went away meanwhile (a restart): the next look finds the new one
             await asyncio.sleep(self.poll_s)
 
     @policy_api.get("/models")
@@ -70,7 +89,8 @@ class PolicyServer:
         t = self.config.task
         # `task` and `max_response_tokens` let `asyncrl eval --endpoint` score the task this policy learns.
         return {"object": "list", "data": [{"id": self.config.model.name, "object": "model", "owned_by": "asyncrl",
-                                            "weight_version": self.engine.weight_version, "started_at": self.started_at,
+                                            "weight_version": self.engine.weight_version,
+                                            "weight_incarnation": self.incarnation, "started_at": self.started_at,
                                             "task": {"name": t.name, "seed": t.seed, "num_eval_prompts": t.num_eval_prompts,
                                                      "eval_path": t.eval_path or t.path},
                                             "max_response_tokens": self.config.engine.max_response_tokens}]}
