@@ -344,3 +344,8 @@ class PromptSourceActor(RoleShell):
     def ledger(self) -> dict:
         return {"counts": self.inner.ledger.state_counts(), "problems": self.inner.ledger.check(),
                 "trained_ids": self.inner.ledger.trained_ids()}
+
+    def open_samples(self) -> dict[str, list[str]]:
+        """The ids of the samples in flight and awaiting their reward (a drained run's check)."""
+        return {state.value: self.inner.ledger.open_ids(state)
+                for state in (SampleState.IN_FLIGHT, SampleState.AWAITING_REWARD)}

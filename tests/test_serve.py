@@ -81,6 +81,18 @@ def apps(ray_session, cli_run, tmp_path_factory):
     serve.shutdown()  # the next module starts Serve on its own port
 
 
+def test_the_policy_endpoint_follows_a_restarted_learner_to_a_lower_version():
+    """Issue 44 (4): the endpoint took only versions greater than its own, so after a restart from
+    a checkpoint (or a new run) it served the dead run's weights until the new counter overtook
+    them. A version is read with its learner's incarnation now."""
+    from asyncrl.serve.policy import follows
+
+    assert follows(("", 0), ("a", 5)) and not follows(("", 0), ("a", 0))  # the model's own weights
+    assert follows(("a", 5), ("a", 6)) and not follows(("a", 6), ("a", 6)) and not follows(("a", 6), ("a", 5))
+    assert follows(("a", 60), ("b", 48))  # restarted from the step-48 checkpoint: a rollback
+    assert follows(("a", 60), ("c", 0))  # a new run
+
+
 def test_status_and_openai_client_see_rising_weight_version(apps):
     client = openai.OpenAI(base_url=f"{apps}/v1", api_key="unused")
     seen = []

@@ -274,6 +274,11 @@ class Run:
     def stop_learning(self) -> None:
         self.system.stop_learning()
 
+    def drain(self, timeout_s: float = 120.0) -> dict:
+        """Issue nothing more, let the work in flight end, and say what the ledger shows then
+        (`System.drain`): a drained run has nothing in flight that no generator holds."""
+        return self.system.drain(timeout_s)
+
     def checkpoint(self) -> str:
         return self.system.checkpoint()
 

@@ -169,6 +169,15 @@ class TrainController:
             self.failure = None
             return
 
+    def drain(self, timeout_s: float = 120.0) -> dict:
+        """Through a deployment handle (no route): issue nothing more, let the work in flight end,
+        and return what the ledger shows (`Run.drain`; the run trains no more after it)."""
+        return self.run.drain(timeout_s)
+
+    def pid(self) -> int:
+        """Through a deployment handle: this replica's process (a load test kills it)."""
+        return os.getpid()
+
     def inject_poll_errors(self, count: int) -> int:
         """Load tests, through a deployment handle (no route): the run's next `count` polls raise."""
         self.run.inject_poll_errors = int(count)
