@@ -10,14 +10,11 @@ shaping is applied here, once, when a reward arrives.
 
 Segments are deduplicated by id (`prompt/sample/turn`, per generator), so a redelivered segment is
 counted once; a sample is scored once; a group or row is emitted or dropped once. One copy of a
-sample is kept: a sample's windows are merged per generator (its copy), and the first copy to
-finish is the sample; the others are discarded then, and later segments of a finished sample are
-ignored, whoever sends them. Two copies exist when a prompt's lease ran out while its generator
-still worked on it, or when a generator left the pool (`retire_generator`: it died, hung or was
-drained) and its unacknowledged prompts went to another, which regenerates them from their first
-window. A retired generator's segments are still taken: the samples it finished (of prompts it may
-have acknowledged already, so nobody makes them again) count, and a partial copy of it waits until
-another copy of its sample finishes.
+sample is kept (`asyncrl.assembly.copies`): two exist when a prompt's lease ran out while its
+generator still worked on it, or when a generator left the pool (`retire_generator`) and its
+unacknowledged prompts went to another; the first copy to finish is the sample. A retired
+generator's segments are still taken: the samples it finished (of prompts it may have
+acknowledged, so nobody makes them again) count.
 
 With a recorder (`trainer.record=true`), every finished sample's record (`asyncrl.store`) is sent
 when its fate here is known: kept (sent to the learner), dropped (with the reason) or recorded
@@ -38,13 +35,14 @@ import torch
 
 from actors.base import RoleShell
 from asyncrl.algo.shaping import shaped_score
+from asyncrl.assembly.copies import SampleCopies
 from asyncrl.assembly.decisions import Decision, Estimator, ReadyBatch, Scored
 from asyncrl.assembly.rows import merge_segments
 from asyncrl.assembly.strategies import build_estimator
 from asyncrl.assembly.values import ValueEdges
 from asyncrl.config import AlgorithmConfig, EngineConfig, ModelConfig, RewardConfig, RouteConfig, route_checks
 from asyncrl.generation import decode
-from asyncrl.mailbox import Mailbox, RecentIds
+from asyncrl.mailbox import Mailbox
 from asyncrl.models import load_tokenizer
 from asyncrl.rewards.hybrid import RewardRouter, build_reward_router
 from asyncrl.schema import (DropReason, Reward, RewardRequest, SampleState, Segment, TrainBatch, final_turn_start,
@@ -108,12 +106,7 @@ class Assembler:
         # the synchronous baseline's batches against the weights every generator holds.
         self.synchronous = synchronous
         self.weight_version = 0
-        self._seen = RecentIds(200_000)
-        # sample id -> generator id -> that generator's windows of it so far (its copy)
-        self._copies: dict[str, dict[str, list[Segment]]] = collections.defaultdict(dict)
-        self._row_copy: dict[str, str] = {}  # windows as rows (T-PPO): sample id -> the copy whose windows train
-        self._finished = RecentIds(200_000)  # samples merged here: later segments of them are ignored
-        self._retired: set[str] = set()  # generators that left the pool
+        self._copies = SampleCopies()  # one copy of each sample
         self._tasks: set[asyncio.Task] = set()
         self._batch_index = 0
         self._running = False
@@ -279,46 +272,15 @@ class Assembler:
         value-based estimator only: every window (T-PPO) or every finished response."""
         rows, to_score = [], []
         for seg in segments:
-            key = seg.msg_id  # per generator: each copy's windows are counted once
-            if key in self._seen:
-                self.counters["duplicate_segments"] += 1
-                continue
-            if seg.sample_id in self._finished:
-                self.counters["segments_ignored"] += 1  # another copy of this sample finished first
-                continue
-            copies = self._copies[seg.sample_id]
-            parts = copies.setdefault(seg.generator_id, [])
-            if seg.turn != len(parts):  # a copy's windows arrive in order from turn 0, or not at all
-                self.counters["segments_out_of_order"] += 1
-                if not parts:
-                    del copies[seg.generator_id]
-                    if not copies:
-                        del self._copies[seg.sample_id]
-                continue
-            self._seen.add(key)
-            self.counters["segments"] += 1
-            parts.append(seg)
-            if self.estimator.row_kind == "windows" and (self._is_row_copy(seg) or seg.finished):
+            taken, parts = self._copies.add(seg)
+            if taken and self.estimator.row_kind == "windows" and self._copies.is_row(seg):
                 rows.append(seg)
-            if seg.finished:
-                self._finish(seg, rows, to_score)
+            if parts is not None:
+                self._finish(parts, rows, to_score)
         return rows, to_score
 
-    def _is_row_copy(self, seg: Segment) -> bool:
-        """Windows as rows: only one copy's windows train (the first to start; when its generator
-        left, the next copy that starts)."""
-        owner = self._row_copy.get(seg.sample_id)
-        if owner is None or (owner in self._retired and owner != seg.generator_id and seg.turn == 0):
-            self._row_copy[seg.sample_id] = owner = seg.generator_id
-        return owner == seg.generator_id
-
-    def _finish(self, seg: Segment, rows: list[Segment], to_score: list[tuple[Segment, RewardRequest]]) -> None:
-        """`seg` finishes its copy: that copy is the sample (merged, scored); the others are discarded."""
-        copies = self._copies.pop(seg.sample_id)
-        parts = copies.pop(seg.generator_id)
-        self.counters["copies_discarded"] += len(copies)
-        self._row_copy.pop(seg.sample_id, None)
-        self._finished.add(seg.sample_id)
+    def _finish(self, parts: list[Segment], rows: list[Segment], to_score: list[tuple[Segment, RewardRequest]]) -> None:
+        """A copy finished first: it is the sample (merged, to be scored)."""
         merged = merge_segments(parts)
         self._event([merged.sample_id], SampleState.AWAITING_REWARD)
         if self.estimator.row_kind == "responses":
@@ -343,10 +305,8 @@ class Assembler:
         may still be on their way), and its partial copies wait for another copy of their sample to
         finish (its unacknowledged prompts go to another generator). Returns how many partial
         copies it leaves."""
-        self._retired.add(generator_id)
-        partial = sum(generator_id in copies for copies in self._copies.values())
         self.counters["generators_retired"] += 1
-        return partial
+        return self._copies.retire(generator_id)
 
     async def step(self, timeout: float = 0.5) -> None:
         # Backpressure: while many scoring/valuing tasks are pending, stop taking segments.
@@ -394,6 +354,7 @@ class Assembler:
         scored = self.counters["samples_scored"]
         return {
             **self.counters,
+            **self._copies.counters,
             "reward_mean_all": self.rewards_sum / scored if scored else 0.0,
             "weight_version": self.weight_version,
             "partial_samples": len(self._copies),

@@ -9,15 +9,11 @@ engine takes them while windows run (`Engine.updates_mid_window`: SGLang, which 
 token's version).
 
 A `PromptRequest` is acknowledged only when all of its samples (G, or those it names) have emitted their final
-segment, so a generator that dies mid-prompt loses nothing: the lease expires, another generator
-regenerates the prompt with the same seeds, and the assembler keeps one copy of each sample. While
-it works on a prompt the generator renews the prompt's lease (every quarter of `lease_s`), so work
-that takes longer than a lease (a long chain of thought, a slow tool) is not handed to a second
-generator; a prompt whose lease it holds again (it expired and came back to it) is not started twice.
-
-Liveness: `stats()` reports how long the oldest engine call in progress (a window, a weight load)
-has run (`engine_call_s`). A generator whose engine is wedged still answers `stats` (the engine runs
-in a thread), so the pool heals on this age, not on the answer alone (`asyncrl.run.pool`).
+segment, so a generator that dies mid-prompt loses nothing: its leases go back, another generator
+regenerates the prompt with the same seeds, and the assembler keeps one copy of each sample. The
+leases of the prompts it works on are renewed (every quarter of `lease_s`), so work longer than a
+lease is not handed to a second generator; a prompt leased to it again is not started twice.
+`stats()` reports the age of its oldest engine call in progress (`engine_call_s`): its liveness.
 """
 
 from __future__ import annotations
@@ -36,23 +32,11 @@ from actors.base import RoleShell, WeightGroupMember
 from asyncrl import transport
 from asyncrl.config import EngineConfig, EnvironmentConfig, ModelConfig
 from asyncrl.engines.base import Engine, SamplingParams, long_tail_min_tokens
-from asyncrl.environments.episodes import (
-    EnvironmentClient,
-    Episodes,
-    Observation,
-    build_episodes,
-)
+from asyncrl.environments.episodes import EnvironmentClient, Episodes, build_episodes, observation_of
 from asyncrl.environments.tools import Episode
-from asyncrl.generation import build_generator_engine, sampling_params, sequence_input
-from asyncrl.mailbox import Mailbox
-from asyncrl.schema import (
-    FinishReason,
-    PromptRequest,
-    Segment,
-    observation_mask,
-    sample_id,
-    scored_mask,
-)
+from asyncrl.generation import EngineCalls, build_generator_engine, sampling_params, sequence_input
+from asyncrl.mailbox import Mailbox, keep_leases
+from asyncrl.schema import FinishReason, PromptRequest, Segment, observation_mask, sample_id, scored_mask
 from asyncrl.weight_sync import Delivery, WeightGroup
 
 
@@ -108,19 +92,14 @@ class Generator:
         self._admitting = True  # False once draining: in-flight sequences finish, nothing new starts
         self.idle_wait_s = 0.2  # an idle generator's wait for a prompt, per mailbox call (then its loop turns)
         self.renew_every_s = lease_s / 4  # the prompts' leases are renewed this often while it holds them
-        self._engine_calls: dict[int, float] = {}  # engine calls in progress (windows, loads) -> when each began
-        self._calls = 0
-        # Load tests: `inject_fault` makes weight loads or windows hang (a wedged engine) while the
-        # generator keeps answering.
-        self.faults = {"load_hang_s": 0.0, "window_hang_s": 0.0}
+        self.engine_calls = EngineCalls()  # windows and loads in progress: the pool's liveness
         self._started = time.monotonic()
-        # admit_s: taking prompts while sequences are running; prepare_s: building a window's inputs
-        # and turning its outputs into segments (the generator's own work between windows).
+        # admit_s: taking prompts while running; prepare_s: a window's inputs and segments (its own work).
         self.timing = {"generate_s": 0.0, "weight_update_s": 0.0, "wait_prompts_s": 0.0, "wait_mailbox_s": 0.0,
                        "admit_s": 0.0, "prepare_s": 0.0}
-        self.counters = {"windows": 0, "tokens": 0, "segments": 0, "samples_finished": 0, "prompts_admitted": 0,
-                         "weight_updates": 0, "tool_calls": 0, "tool_errors": 0, "malformed_calls": 0,
-                         "observation_tokens": 0, "leases_renewed": 0, "leases_lost": 0, "prompts_held_again": 0}
+        self.counters = dict.fromkeys(("windows", "tokens", "segments", "samples_finished", "prompts_admitted",
+                                       "weight_updates", "tool_calls", "tool_errors", "malformed_calls", "observation_tokens",
+                                       "leases_renewed", "leases_lost", "prompts_held_again"), 0)
 
     # --- weight updates (called by the learner) -------------------------------------------------
 
@@ -157,35 +136,8 @@ class Generator:
     async def _load_engine(self, delivery: Delivery, payload) -> None:
         # An engine that updates mid-window loads beside the window it runs; the others between two.
         async with contextlib.nullcontext() if self.engine.updates_mid_window else self._engine_lock:
-            with self._engine_call():
-                await self._hang("load_hang_s")
+            async with self.engine_calls.call("load"):
                 await asyncio.to_thread(transport.load, self.engine, delivery, payload, self.weight_group)
-
-    @contextlib.contextmanager
-    def _engine_call(self):
-        """An engine call in progress (its age is the liveness the pool reads)."""
-        self._calls += 1
-        call = self._calls
-        self._engine_calls[call] = time.monotonic()
-        try:
-            yield
-        finally:
-            del self._engine_calls[call]
-
-    async def _hang(self, fault: str) -> None:
-        """Load tests: wait while the fault is set, up to its seconds (clearing it ends the wait)."""
-        start = time.monotonic()
-        while self.faults[fault] and time.monotonic() - start < self.faults[fault]:
-            await asyncio.sleep(0.1)
-
-    def inject_fault(self, **faults: float) -> dict:
-        """Load tests: `load_hang_s` (a weight load hangs that long), `window_hang_s` (each window
-        does); 0 clears. The generator goes on answering meanwhile, as one with a wedged engine does."""
-        unknown = sorted(set(faults) - set(self.faults))
-        if unknown:
-            raise ValueError(f"unknown fault(s) {unknown}; the generator takes {sorted(self.faults)}")
-        self.faults.update({k: float(v) for k, v in faults.items()})
-        return dict(self.faults)
 
     async def _load(self, delivery: Delivery, payload) -> float:
         start = time.perf_counter()
@@ -216,9 +168,7 @@ class Generator:
             returned = []
             for request in requests:
                 if request.prompt_id in self.samples_left:
-                    # Its lease expired and it came back to this generator, which still works on it:
-                    # the lease is held again, the work goes on (starting it over would make a second
-                    # copy of its samples).
+                    # Its lease expired and came back to it, still at work on it: no second copy.
                     self.counters["prompts_held_again"] += 1
                     continue
                 samples = request.samples
@@ -278,8 +228,7 @@ class Generator:
         async with self._engine_lock:
             start = time.perf_counter()
             version = self.engine.weight_version
-            with self._engine_call():
-                await self._hang("window_hang_s")
+            async with self.engine_calls.call("window"):
                 outputs = await self.engine.generate_window(inputs, self.window_tokens, self.params)
         self.timing["generate_s"] += time.perf_counter() - start
         self.counters["windows"] += 1
@@ -362,7 +311,7 @@ class Generator:
             if not parked.observing.done():
                 waiting.append(parked)
                 continue
-            seq, segment, observation = parked.sequence, parked.segment, _result(parked.observing)
+            seq, segment, observation = parked.sequence, parked.segment, observation_of(parked.observing)
             self.counters["tool_calls"] += 1
             self.counters["tool_errors"] += int(observation.error)
             self.counters["malformed_calls"] += int(observation.malformed)
@@ -407,7 +356,8 @@ class Generator:
         self._running = True
         self._loop_ended = asyncio.Event()
         self._started = time.monotonic()
-        renewing = asyncio.ensure_future(self._renew_leases())
+        renewing = asyncio.ensure_future(keep_leases(  # beside the windows (the engine runs in a thread)
+            self.prompts, lambda: list(self.samples_left), self.generator_id, self.renew_every_s, self.counters))
         try:
             # A draining generator's loop ends once it holds nothing: turning on with nothing to
             # run would await nothing and starve drain(), stats() and receive_weights().
@@ -417,18 +367,6 @@ class Generator:
             renewing.cancel()
             await self.flush()
             self._loop_ended.set()
-
-    async def _renew_leases(self) -> None:
-        """While the loop runs: renew the leases of the prompts this generator works on (beside the
-        windows: the engine runs in a thread, so a window longer than a lease is covered too)."""
-        while True:
-            await asyncio.sleep(self.renew_every_s)
-            held = list(self.samples_left)
-            if held:
-                renewed = await self.prompts.renew(held, consumer=self.generator_id)
-                self.counters["leases_renewed"] += len(renewed)
-                # Lost: another generator took it (the assembler keeps one copy of each sample).
-                self.counters["leases_lost"] += len(set(held) - set(renewed))
 
     def stop(self) -> None:
         self._running = False
@@ -456,33 +394,20 @@ class Generator:
         return {"generator_id": self.generator_id, "prompts_handed_back": len(handed_back)}
 
     def held_samples(self) -> list[str]:
-        """Ids of the samples this generator works on (running, or waiting for an observation)."""
-        return sorted(sample_id(s.request.prompt_id, s.sample_idx)
-                      for s in [*self.inflight, *(p.sequence for p in self.parked)])
+        """Ids of the samples it works on (running, or waiting for an observation)."""
+        return sorted(sample_id(q.request.prompt_id, q.sample_idx) for q in [*self.inflight, *(p.sequence for p in self.parked)])
 
     def stats(self) -> dict:
-        now = time.monotonic()
-        wall = max(now - self._started, 1e-9)
+        wall = max(time.monotonic() - self._started, 1e-9)
         return {
-            **self.counters,
-            **self.timing,
+            **self.counters, **self.timing,
             "generator_id": self.generator_id,
             "delivered_version": self.engine.weight_version,
             "inflight_sequences": self.held,
-            # The age of the oldest engine call in progress (0: none runs): the pool's liveness.
-            "engine_call_s": now - min(self._engine_calls.values()) if self._engine_calls else 0.0,
-            "wall_s": wall,
+            "engine_call_s": self.engine_calls.oldest_s(), "wall_s": wall,  # (the oldest window or load: liveness)
             "busy_fraction": self.timing["generate_s"] / wall,
             "paused_for_weights_fraction": self.timing["weight_update_s"] / wall,
         }
-
-
-def _result(observing: asyncio.Task) -> Observation:
-    """An observation task's answer; an environment that raised is an error observation."""
-    try:
-        return observing.result()
-    except Exception as exc:  # noqa: BLE001 - the episode goes on, told what happened
-        return Observation([], f"error: {type(exc).__name__}", True, False)
 
 
 def build_generator(model: ModelConfig, engine: EngineConfig, prompts: Mailbox, segments: Mailbox,
@@ -500,8 +425,7 @@ def build_generator(model: ModelConfig, engine: EngineConfig, prompts: Mailbox, 
         episodes = build_episodes(environment, load_tokenizer(model), client)
     return Generator(embedded, prompts, segments, sampling_params(engine), engine.window_tokens,
                      engine.max_response_tokens, max_windows, engine.max_inflight_sequences, generator_id,
-                     long_tail=(engine.long_tail_fraction, engine.long_tail_tokens), episodes=episodes,
-                     lease_s=lease_s)
+                     (engine.long_tail_fraction, engine.long_tail_tokens), episodes, lease_s)
 
 
 class GeneratorActor(RoleShell, WeightGroupMember):
@@ -509,17 +433,18 @@ class GeneratorActor(RoleShell, WeightGroupMember):
                  generator_id: str, environment: EnvironmentConfig | None = None, environment_endpoint=None,
                  lease_s: float = 600.0):
         torch.set_num_threads(engine.threads)
-        self.inner = build_generator(model, engine, prompts, segments, generator_id, environment, environment_endpoint,
-                                     lease_s)
+        self.inner = build_generator(model, engine, prompts, segments, generator_id, environment,
+                                     environment_endpoint, lease_s)
 
     def inject_fault(self, **faults: float) -> dict:
-        return self.inner.inject_fault(**faults)
-
-    def held_samples(self) -> list[str]:
-        return self.inner.held_samples()
+        """Load tests: weight loads or windows hang (`EngineCalls`) while the generator answers."""
+        return self.inner.engine_calls.inject(**faults)
 
     async def receive_weights(self, delivery: Delivery, payload=None) -> float:
         return await self.inner.receive_weights(delivery, payload)
 
     async def drain(self, timeout_s: float) -> dict:
         return await self.inner.drain(timeout_s)
+
+    def held_samples(self) -> list[str]:
+        return self.inner.held_samples()

@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from typing import Generic, Iterable, Protocol, Sequence, TypeVar
+from typing import Callable, Generic, Iterable, Protocol, Sequence, TypeVar
 
 import msgspec
 
@@ -339,3 +339,17 @@ class InProcessMailbox(AsyncMailboxBase[M]):
 
     async def get(self, max_n: int, timeout: float | None = None, consumer: str = "") -> list[M]:
         return [item for _, item in await self._get_items(max_n, timeout, consumer)]
+
+
+async def keep_leases(mailbox: Mailbox, held: Callable[[], list[str]], consumer: str, every_s: float,
+                      counters: dict) -> None:
+    """Renew, every `every_s` until cancelled, the leases `consumer` holds on the ids `held()`
+    returns (work that outlives a lease); counts `leases_renewed` and `leases_lost` (taken by
+    another consumer meanwhile) in `counters`."""
+    while True:
+        await asyncio.sleep(every_s)
+        ids = held()
+        if ids:
+            renewed = await mailbox.renew(ids, consumer=consumer)
+            counters["leases_renewed"] += len(renewed)
+            counters["leases_lost"] += len(set(ids) - set(renewed))

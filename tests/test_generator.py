@@ -116,12 +116,12 @@ def test_the_run_loop_renews_the_leases_of_the_prompts_it_works_on():
         prompts._core.lease_s = 0.4
         gen.renew_every_s = 0.1
         await prompts.put([request(0)])
-        gen.inject_fault(window_hang_s=1.5)  # each window takes 1.5 s: almost four leases
+        gen.engine_calls.inject(window_hang_s=1.5)  # each window takes 1.5 s: almost four leases
         loop = asyncio.ensure_future(gen.run())
         await asyncio.sleep(1.0)
         assert await prompts.get(5, timeout=0.5, consumer="other") == []  # still leased to gen-0
         assert gen.stats()["engine_call_s"] > 0.5  # the window's age, what the pool's liveness reads
-        gen.inject_fault(window_hang_s=0.0)
+        gen.engine_calls.inject(window_hang_s=0.0)
         while gen.samples_left or not gen.counters["samples_finished"]:
             await asyncio.sleep(0.05)
         gen.stop()
