@@ -39,6 +39,7 @@ class Retirement:
     issue_no: int = 0  # the issue of the group that retired it: older groups cannot bring it back
     until_version: int = 0  # unsolved: skipped until the delivered version reaches this
     given_up: bool = False  # unsolved after `max_retries` retries: retired for good
+    retrying: bool = False  # unsolved: a retry is out, its verdict not in (one retry at a time)
 
     @property
     def solved(self) -> bool:
@@ -68,6 +69,10 @@ class Retirements:
             self.issue_no[prompt_id] = issue_no
             while len(self.issue_no) > 4096:  # prompts whose groups never complete (work lost in a restart)
                 self.issue_no.pop(next(iter(self.issue_no)))
+            retired = self.retired.get(prompt_id.rpartition("@")[0])
+            if retired is not None and not retired.solved:
+                # One retry out at a time: two at the same version would spend two retries on one look.
+                retired.retrying = True
 
     def note_outcome(self, outcome: Outcome, issued: int, examples: int, delivered_version: int) -> None:
         """One sample's reward; when its group is complete, judge the prompt."""
@@ -92,6 +97,8 @@ class Retirements:
         recent.append(verdict)
         reason = retirement_reason(list(recent), self.after_groups, self.unsolved)
         previous = self.retired.get(example_id)
+        if previous is not None:
+            previous.retrying = False
         if reason is None:
             # A group with signal issued no earlier than the retiring one: back in the rotation (a
             # group issued before it and scored late says nothing newer).
@@ -135,7 +142,7 @@ class Retirements:
             return False
         if retired.solved:
             return issued < retired.until_issued
-        return retired.given_up or delivered_version < retired.until_version
+        return retired.given_up or retired.retrying or delivered_version < retired.until_version
 
     def exhausted(self, examples: int) -> bool:
         """Nothing left to learn from: every prompt is retired, as solved or given up (all wrong
@@ -150,10 +157,11 @@ class Retirements:
         if not self.retired:
             return None
         parked = [k for k, r in self.retired.items() if not r.solved and not r.given_up]
-        if parked:
+        ready = [k for k in parked if not self.retired[k].retrying]
+        if ready:
             self.counts["retests"] += 1
-            return min(parked, key=lambda k: self.retired[k].until_version)
-        if not may_retest_solved:
+            return min(ready, key=lambda k: self.retired[k].until_version)
+        if parked or not may_retest_solved:  # a retry is out: its verdict first
             return None
         self.counts["retests"] += 1
         return min(self.retired, key=lambda k: (self.retired[k].until_issued, self.retired[k].until_version))

@@ -128,6 +128,19 @@ def test_when_every_prompt_sits_out_the_unsolved_are_retried_at_once_each_retry_
     assert src.next_request() is not None and src.retirements.counts["retests"] == 7
 
 
+def test_a_parked_prompt_has_one_retry_out_at_a_time():
+    """Two retries issued before the first's verdict came would spend two retries on one look at
+    the same policy (the prompt source issues several prompts per call)."""
+    src = source(n=2)
+    for request in [src.next_request() for _ in range(4)]:
+        group(src, request, [False, False])
+    first, second = src.next_request(), src.next_request()
+    assert {first.prompt_id[:2], second.prompt_id[:2]} == {"q0", "q1"}
+    assert src.next_request() is None  # both retries are out
+    group(src, first, [False, False])
+    assert src.next_request().prompt_id[:2] == first.prompt_id[:2]
+
+
 def seg(prompt, idx, first_token):
     return Segment(prompt_id=prompt, sample_idx=idx, turn=0, group_id=prompt, group_size=2,
                    prompt_token_ids=int32_array([5]), prior_response_ids=int32_array([]), prior_versions=int32_array([]),
