@@ -74,7 +74,9 @@ def test_a_hung_generator_is_detected_and_replaced(ray_session, tmp_path):
         assert steps == sorted(steps) and run.restarts == []
         events = [json.loads(line) for line in open(tmp_path / "generators.jsonl")]
         removed = [e for e in events if e["event"] == "removed"]
-        assert [e["generator"] for e in removed] == ["gen-0"] and removed[0]["reason"] == "no answer for 8s"
+        # Silent: its stats go unanswered, and the learner's delivery to it times out (the same bound).
+        assert [e["generator"] for e in removed] == ["gen-0"], removed
+        assert removed[0]["reason"] == "no answer for 8s" or "weight delivery failed" in removed[0]["reason"], removed
         assert sorted(run.system.generators) == ["gen-1", "gen-2"]
         run.system.stop_learning()
         ledger = run.system.ledger()
