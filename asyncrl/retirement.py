@@ -49,7 +49,7 @@ class Retirement:
 
 class Retirements:
     def __init__(self, group_size: int, after_groups: int = 0, epochs: int = 1, unsolved: bool = True,
-                 filter_metric: str = "acc", retry_versions: int = 4, max_retries: int = 32):
+                 filter_metric: str = "acc", retry_versions: int = 4, max_retries: int = 64):
         self.group_size = group_size
         self.after_groups, self.epochs, self.unsolved, self.filter_metric = after_groups, epochs, unsolved, filter_metric
         self.retry_versions, self.max_retries = retry_versions, max_retries

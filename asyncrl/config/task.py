@@ -64,11 +64,12 @@ class TaskConfig:
     """An unsolved prompt sits out this many policy versions, then is tried again; each retry that
     is all wrong again doubles the wait, up to 16 times this (4, 8, 16, 32, 64, 64, ... versions).
     When nothing else can be issued (the policy no longer moves) it is tried at once."""
-    unsolved_max_retries: int = 32
+    unsolved_max_retries: int = 64
     """An unsolved prompt all wrong through this many retries is given up for good (counted apart:
     `prompts_given_up`); 0 = never. A run is done only when every prompt is solved or given up.
-    Sized for the retries at once when nothing else can be issued: 32 groups of 32 samples find an
-    answer the policy gives 0.1% of the time with probability 0.64, one it gives 0.3% with 0.95."""
+    Sized for the retries at once when nothing else can be issued (a policy that no longer moves,
+    whose hard prompts the tiny task ends at 0.03-0.3%): 64 groups of 32 samples find an answer
+    the policy gives 0.1% of the time with probability 0.87, one it gives 0.03% with 0.46."""
     retest_every_s: float = 30.0
     """When every prompt is retired (a service that keeps running), the prompt retired longest is
     tried again this often: a swapped reward or a changed policy can bring prompts back."""
