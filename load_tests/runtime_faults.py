@@ -190,7 +190,7 @@ def restart_budget(run_dir: str, quick: bool, extra: list[str]) -> dict:
             while time.time() < start + i * (window / budget + 3):
                 timeline.watch(1)
             recovered.append(_kill_learner(run, timeline))
-        for _ in range(budget + 1):  # a burst: the last one finds the budget spent
+        for _ in range(budget + 3):  # a burst: one finds the budget spent (the window slides meanwhile)
             try:
                 recovered.append(_kill_learner(run, timeline))
             except RestartBudgetSpent as spent:

@@ -509,6 +509,11 @@ def test_the_generator_pool_scales_1_3_1_by_the_admin_route_while_it_trains(apps
             train_app = {**APP_CONFIGS[0], "deployments": [{"name": "TrainController",
                                                              "user_config": {"num_generators": count}}]}
             deploy_declaratively([train_app, *APP_CONFIGS[1:]], timeout_s=600)
+            # reconfigure returns at once and scales in the background (a drain outlasts Serve's
+            # wait for reconfigure and its health checks): the pool gets there soon after.
+            deadline = time.time() + 300
+            while len(look()["pool"]["generators"]) != count and time.time() < deadline:
+                time.sleep(1.0)
         for _ in range(8):
             status = look()
             time.sleep(1.0)
