@@ -264,7 +264,7 @@ class Run:
             except Exception as exc:  # a checkpoint it could not load, a bad setting: not one to retry
                 raise RunFailed(f"the run could not restart after {reason}: {type(exc).__name__}: {exc}",
                                 attempted=True) from exc
-        event = {"reason": reason, "restart_s": time.perf_counter() - start, "at": time.time(),
+        event = {"reason": reason, "restart_s": time.perf_counter() - start, "at": now,  # when it was tried
                  **{k: self.system.resumed[k] for k in ("checkpoint", "step", "reissued_prompts", "saved_batches")}}
         if cause is not None:  # where it failed, for whoever reads restarts.jsonl (the reason is one line)
             event["error"] = "".join(traceback.format_exception(cause))[-4000:]
