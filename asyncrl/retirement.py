@@ -10,7 +10,7 @@ pure functions of `asyncrl.algo.selection`.
 * **Unsolved** (all wrong, or equal scores; with `unsolved`): the prompt the policy cannot do
   today is the one it should learn next, and the policy keeps moving, so it comes back as the
   policy moves: after `retry_versions` policy versions, then twice as many after each retry that is
-  all wrong again (the wait doubles, up to 16 times the first). After `max_retries` such retries it
+  all wrong again (the wait doubles, up to 4 times the first). After `max_retries` such retries it
   is given up for good, counted apart (`given_up`). When nothing else can be issued (every prompt sits out) the one due
   soonest is retried at once, and that retry counts too: a policy that no longer moves gives a
   hard prompt its remaining retries at once, then the run ends.
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from asyncrl.algo.selection import group_verdict, retirement_reason
 
-MAX_DOUBLINGS = 4  # an unsolved prompt's wait grows to at most 2**4 = 16 times `retry_versions`
+MAX_DOUBLINGS = 2  # an unsolved prompt's wait grows to at most 2**2 = 4 times `retry_versions`
 # A sample's outcome as the assembler saw it: (issued prompt id, sample index, correct, score, failed).
 Outcome = tuple[str, int, "bool | None", float, bool]
 
@@ -49,7 +49,7 @@ class Retirement:
 
 class Retirements:
     def __init__(self, group_size: int, after_groups: int = 0, epochs: int = 1, unsolved: bool = True,
-                 filter_metric: str = "acc", retry_versions: int = 4, max_retries: int = 64):
+                 filter_metric: str = "acc", retry_versions: int = 2, max_retries: int = 64):
         self.group_size = group_size
         self.after_groups, self.epochs, self.unsolved, self.filter_metric = after_groups, epochs, unsolved, filter_metric
         self.retry_versions, self.max_retries = retry_versions, max_retries
@@ -124,7 +124,7 @@ class Retirements:
                 previous.given_up = True
                 self.counts["given_up"] += 1
                 self._log(example_id, "given_up", reason, delivered_version, None, previous)
-            else:  # the wait doubles with each retry all wrong again, up to 16 times the first
+            else:  # the wait doubles with each retry all wrong again, up to 4 times the first
                 previous.until_version = delivered_version + self.retry_versions * 2 ** min(retries, MAX_DOUBLINGS)
                 self._log(example_id, "retried", reason, delivered_version, None, previous)
 

@@ -60,10 +60,10 @@ class TaskConfig:
     retire_unsolved: bool = True
     """Retire prompts whose groups are all wrong too (DAPO learns nothing from them), for a while:
     they come back as the policy moves (`unsolved_retry_versions`)."""
-    unsolved_retry_versions: int = 4
+    unsolved_retry_versions: int = 2
     """An unsolved prompt sits out this many policy versions, then is tried again; each retry that
-    is all wrong again doubles the wait, up to 16 times this (4, 8, 16, 32, 64, 64, ... versions).
-    When nothing else can be issued (the policy no longer moves) it is tried at once."""
+    is all wrong again doubles the wait, up to 4 times this (2, 4, 8, 8, ... versions). When nothing
+    else can be issued (the policy no longer moves) it is tried at once."""
     unsolved_max_retries: int = 64
     """An unsolved prompt all wrong through this many retries is given up for good (counted apart:
     `prompts_given_up`); 0 = never. A run is done only when every prompt is solved or given up.
