@@ -304,7 +304,9 @@ def main() -> int:
                 init_ray(compose(BASE))
             run_dir = args.run_dir if inside else os.path.join(args.run_dir, name)
             result = SCENARIOS[name](run_dir, args.quick)
-        results[name] = {**result, "scenario_s": round(time.time() - start, 1)}
+        # The machine's load (other jobs share its cores): every time here is read against it.
+        results[name] = {**result, "scenario_s": round(time.time() - start, 1),
+                         "load_avg_1m": round(os.getloadavg()[0], 1), "cpus": os.cpu_count()}
         print(json.dumps({name: results[name]}), flush=True)
     os.makedirs(args.run_dir, exist_ok=True)
     with open(os.path.join(args.run_dir, "faults.json"), "w") as f:
