@@ -30,11 +30,11 @@ import torch
 
 from actors.base import RoleShell, WeightGroupMember
 from asyncrl import transport
-from asyncrl.config import EngineConfig, EnvironmentConfig, ModelConfig
+from asyncrl.config import EngineConfig, EnvironmentConfig, ModelConfig, SamplingConfig
 from asyncrl.engines.base import Engine, SamplingParams, long_tail_min_tokens
 from asyncrl.environments.episodes import EnvironmentClient, Episodes, build_episodes, observation_of
 from asyncrl.environments.tools import Episode
-from asyncrl.generation import EngineCalls, build_generator_engine, sampling_params, sequence_input
+from asyncrl.generation import EngineCalls, build_generator_engine, sequence_input
 from asyncrl.mailbox import Mailbox, keep_leases
 from asyncrl.schema import FinishReason, PromptRequest, Segment, observation_mask, sample_id, scored_mask
 from asyncrl.weight_sync import Delivery, WeightGroup
@@ -284,7 +284,7 @@ class Generator:
             new_token_ids=tokens, new_logprobs=logprobs, new_versions=versions, new_scored=scored,
             finished=finished, finish_reason=reason, data_source=request.data_source,
             ground_truth=request.ground_truth, seed=request.seed + seq.sample_idx, generator_id=self.generator_id,
-            group_size=request.group_size)
+            group_size=request.group_size, row=request.row if finished else None)
 
     def _extend(self, seq: _Sequence, segment: Segment) -> None:
         """The sequence's context grows by a segment that continues."""
@@ -410,30 +410,30 @@ class Generator:
         }
 
 
-def build_generator(model: ModelConfig, engine: EngineConfig, prompts: Mailbox, segments: Mailbox,
-                    generator_id: str, environment: EnvironmentConfig | None = None,
+def build_generator(model: ModelConfig, engine: EngineConfig, sampling: SamplingConfig, prompts: Mailbox,
+                    segments: Mailbox, generator_id: str, environment: EnvironmentConfig | None = None,
                     environment_endpoint=None, lease_s: float = 600.0) -> Generator:
     """A generator from its sections: the engine (embedded or SGLang) and its windows; with an
     environment, each sample is an episode whose tool calls the endpoint answers."""
     embedded = build_generator_engine(model, engine)
     max_windows = engine.max_windows or math.ceil(engine.max_response_tokens / engine.window_tokens)
     episodes = None
-    if environment is not None and environment.name:
+    if environment is not None and environment.enabled:
         from asyncrl.models import load_tokenizer
 
         client = EnvironmentClient(environment_endpoint, environment.timeout_s, environment.retries)
         episodes = build_episodes(environment, load_tokenizer(model), client)
-    return Generator(embedded, prompts, segments, sampling_params(engine), engine.window_tokens,
+    return Generator(embedded, prompts, segments, SamplingParams.of(sampling), engine.window_tokens,
                      engine.max_response_tokens, max_windows, engine.max_inflight_sequences, generator_id,
                      (engine.long_tail_fraction, engine.long_tail_tokens), episodes, lease_s)
 
 
 class GeneratorActor(RoleShell, WeightGroupMember):
-    def __init__(self, model: ModelConfig, engine: EngineConfig, prompts: Mailbox, segments: Mailbox,
-                 generator_id: str, environment: EnvironmentConfig | None = None, environment_endpoint=None,
-                 lease_s: float = 600.0):
+    def __init__(self, model: ModelConfig, engine: EngineConfig, sampling: SamplingConfig, prompts: Mailbox,
+                 segments: Mailbox, generator_id: str, environment: EnvironmentConfig | None = None,
+                 environment_endpoint=None, lease_s: float = 600.0):
         torch.set_num_threads(engine.threads)
-        self.inner = build_generator(model, engine, prompts, segments, generator_id, environment,
+        self.inner = build_generator(model, engine, sampling, prompts, segments, generator_id, environment,
                                      environment_endpoint, lease_s)
 
     def inject_fault(self, **faults: float) -> dict:
