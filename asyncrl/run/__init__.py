@@ -26,7 +26,6 @@ checkpoint, a start that failed) raises `RunFailed`.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import time
@@ -34,6 +33,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import msgspec
 from ray.exceptions import RayError
 
 from asyncrl import checkpoint
@@ -249,7 +249,7 @@ class Run:
             raise RestartBudgetSpent(f"the run cannot restart before {time.strftime('%H:%M:%S', time.localtime(retry_at))} "
                                      f"({budget}) after: {reason}", retry_at, reason) from cause
         self.restart_times.append(now)  # an attempt spends the budget, whether or not it starts
-        resumed = dataclasses.replace(self.config, resume=True)
+        resumed = msgspec.structs.replace(self.config, resume=True)
         for attempt in range(RESTART_ATTEMPTS):
             try:
                 self.system = System(resumed, self.run_dir, self.max_steps, num_generators=self.system.pool.target,

@@ -19,7 +19,6 @@ at runtime, and string annotations would turn request bodies into query paramete
 """
 
 import asyncio
-import dataclasses
 import json
 import logging
 import os
@@ -27,6 +26,7 @@ import threading
 import time
 from typing import Any
 
+import msgspec
 from fastapi import FastAPI, HTTPException
 from fastapi.responses import HTMLResponse
 from pydantic import BaseModel, Field
@@ -98,7 +98,7 @@ def serve_run(config: Config, app_name: str) -> tuple[str, Config]:
         return resolve_run_dir(config.trainer.run_dir, config.resume, prefix="serve-"), config
     run_dir = config.trainer.run_dir or os.path.join("outputs", f"serve-{app_name}")
     resume = config.resume or latest_valid(run_dir)[0] is not None
-    return run_dir, dataclasses.replace(config, resume=resume)
+    return run_dir, msgspec.structs.replace(config, resume=resume)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=100, health_check_period_s=10)
