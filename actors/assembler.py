@@ -9,11 +9,12 @@ the prompt source in one call per step), the counters, the trajectory store, the
 shaping is applied here, once, when a reward arrives.
 
 Segments are deduplicated by id (`prompt/sample/turn`, per generator), so a redelivered segment is
-counted once; a sample is scored once; a group or row is emitted or dropped once. A sample's
-windows come from one generator: when a generator is retired (it died, hung or left the pool,
-`retire_generator`), its partial samples are dropped here and its later segments ignored, and the
-generator that takes the prompt over regenerates those samples from their first window (the same
-seeds); segments of a sample already finished are ignored, whoever sends them.
+counted once; a sample is scored once; a group or row is emitted or dropped once. One copy of a
+sample is kept (`asyncrl.assembly.copies`): two exist when a prompt's lease ran out while its
+generator still worked on it, or when a generator left the pool (`retire_generator`) and its
+unacknowledged prompts went to another; the first copy to finish is the sample. A retired
+generator's segments are still taken: the samples it finished (of prompts it may have
+acknowledged, so nobody makes them again) count.
 
 With a recorder (`trainer.record=true`), every finished sample's record (`asyncrl.store`) is sent
 when its fate here is known: kept (sent to the learner), dropped (with the reason) or recorded
@@ -34,6 +35,7 @@ import torch
 
 from actors.base import RoleShell
 from asyncrl.algo.shaping import shaped_score
+from asyncrl.assembly.copies import SampleCopies
 from asyncrl.assembly.decisions import AssemblyStrategy, Decision, ReadyBatch, Scored
 from asyncrl.assembly.rows import merge_segments
 from asyncrl.assembly.strategies import build_strategy
@@ -41,7 +43,7 @@ from asyncrl.assembly.values import ValueEdges
 from asyncrl.config import (NO_BOUND, AlgorithmConfig, EngineConfig, ModelConfig, OverlongShaping, RewardConfig,
                             RouteConfig, route_checks)
 from asyncrl.generation import decode
-from asyncrl.mailbox import Mailbox, RecentIds
+from asyncrl.mailbox import Mailbox
 from asyncrl.models import load_tokenizer
 from asyncrl.rewards.hybrid import RewardRouter, build_reward_router
 from asyncrl.schema import (DropReason, Reward, RewardRequest, SampleState, Segment, TrainBatch, final_turn_start,
@@ -97,10 +99,7 @@ class Assembler:
         # the synchronous baseline's batches against the weights every generator holds.
         self.synchronous = synchronous
         self.weight_version = 0
-        self._seen = RecentIds(200_000)
-        self._parts: dict[str, list[Segment]] = collections.defaultdict(list)  # sample id -> segments
-        self._finished = RecentIds(200_000)  # samples merged here: later segments of them are ignored
-        self._retired: set[str] = set()  # generators that left the pool: their segments are ignored
+        self._copies = SampleCopies()  # one copy of each sample
         self._tasks: set[asyncio.Task] = set()
         self._batch_index = 0
         self._running = False
@@ -277,51 +276,41 @@ class Assembler:
         value-based strategy only: every window (T-PPO) or every finished response."""
         rows, to_score = [], []
         for seg in segments:
-            key = f"{seg.msg_id}@{seg.generator_id}"
-            if key in self._seen:
-                self.counters["duplicate_segments"] += 1
-                continue
-            if seg.generator_id in self._retired or seg.sample_id in self._finished:
-                self.counters["segments_ignored"] += 1  # work of a generator that left, or of a finished sample
-                continue
-            self._seen.add(key)
-            self.counters["segments"] += 1
-            self._parts[seg.sample_id].append(seg)
-            if self.strategy.row_kind == "windows":
+            taken, parts = self._copies.add(seg)
+            if taken and self.strategy.row_kind == "windows" and self._copies.is_row(seg):
                 rows.append(seg)
-            if seg.finished:
-                parts = self._parts.pop(seg.sample_id)
-                self._finished.add(seg.sample_id)
-                merged = merge_segments(parts)
-                self._event([merged.sample_id], SampleState.AWAITING_REWARD)
-                if self.strategy.row_kind == "responses":
-                    rows.append(merged)
-                # An episode is judged on its final turn (what the policy answered after its last
-                # observation), so an answer the tool printed is not the policy's answer.
-                request = RewardRequest(
-                    prompt_id=merged.prompt_id, sample_idx=merged.sample_idx,
-                    response_text=self.decode(merged.new_token_ids[final_turn_start(merged.new_observation):].tolist()),
-                    ground_truth=merged.ground_truth, data_source=merged.data_source,
-                    prompt_text=self.decode(merged.prompt_token_ids.tolist()),
-                    response_token_ids=merged.new_token_ids, row=merged.row)
-                to_score.append((merged, request))
-                if self.record is not None:
-                    ends = np.cumsum([len(p.new_token_ids) for p in parts]).tolist()
-                    transcript = (self.decode(merged.new_token_ids.tolist()) if merged.new_observation is not None
-                                  else request.response_text)  # an episode's: every turn and observation
-                    self._unrecorded[merged.sample_id] = _Unrecorded(merged, ends, request.prompt_text, transcript)
+            if parts is not None:
+                self._finish(parts, rows, to_score)
         return rows, to_score
 
+    def _finish(self, parts: list[Segment], rows: list[Segment], to_score: list[tuple[Segment, RewardRequest]]) -> None:
+        """A copy finished first: it is the sample (merged, to be scored)."""
+        merged = merge_segments(parts)
+        self._event([merged.sample_id], SampleState.AWAITING_REWARD)
+        if self.strategy.row_kind == "responses":
+            rows.append(merged)
+        # An episode is judged on its final turn (what the policy answered after its last
+        # observation), so an answer the tool printed is not the policy's answer.
+        request = RewardRequest(
+            prompt_id=merged.prompt_id, sample_idx=merged.sample_idx,
+            response_text=self.decode(merged.new_token_ids[final_turn_start(merged.new_observation):].tolist()),
+            ground_truth=merged.ground_truth, data_source=merged.data_source,
+            prompt_text=self.decode(merged.prompt_token_ids.tolist()),
+            response_token_ids=merged.new_token_ids, row=merged.row)
+        to_score.append((merged, request))
+        if self.record is not None:
+            ends = np.cumsum([len(p.new_token_ids) for p in parts]).tolist()
+            transcript = (self.decode(merged.new_token_ids.tolist()) if merged.new_observation is not None
+                          else request.response_text)  # an episode's: every turn and observation
+            self._unrecorded[merged.sample_id] = _Unrecorded(merged, ends, request.prompt_text, transcript)
+
     def retire_generator(self, generator_id: str) -> int:
-        """A generator left the pool: drop its partial samples (the generator taking its prompts over
-        regenerates them from the first window) and ignore whatever of it is still on its way.
-        Returns how many partial samples were dropped."""
-        self._retired.add(generator_id)
-        lost = [sid for sid, parts in self._parts.items() if parts and parts[0].generator_id == generator_id]
-        for sid in lost:
-            del self._parts[sid]
-        self.counters["samples_restarted"] += len(lost)
-        return len(lost)
+        """A generator left the pool. Nothing of it is dropped: what it finished counts (its segments
+        may still be on their way), and its partial copies wait for another copy of their sample to
+        finish (its unacknowledged prompts go to another generator). Returns how many partial
+        copies it leaves."""
+        self.counters["generators_retired"] += 1
+        return self._copies.retire(generator_id)
 
     async def step(self, timeout: float = 0.5) -> None:
         # Backpressure: while many scoring/valuing tasks are pending, stop taking segments.
@@ -369,9 +358,10 @@ class Assembler:
         scored = self.counters["samples_scored"]
         return {
             **self.counters,
+            **self._copies.counters,
             "reward_mean_all": self.rewards_sum / scored if scored else 0.0,
             "weight_version": self.weight_version,
-            "partial_samples": len(self._parts),
+            "partial_samples": len(self._copies),
             "scoring_tasks": len(self._tasks),
             "unrecorded_samples": len(self._unrecorded),
             "last_reward_failure": self.last_reward_failure,

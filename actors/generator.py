@@ -9,8 +9,11 @@ engine takes them while windows run (`Engine.updates_mid_window`: SGLang, which 
 token's version).
 
 A `PromptRequest` is acknowledged only when all of its samples (G, or those it names) have emitted their final
-segment, so a generator that dies mid-prompt loses nothing: the lease expires, another generator
-regenerates the prompt with the same seeds, and the assembler drops segment ids it already has.
+segment, so a generator that dies mid-prompt loses nothing: its leases go back, another generator
+regenerates the prompt with the same seeds, and the assembler keeps one copy of each sample. The
+leases of the prompts it works on are renewed (every quarter of `lease_s`), so work longer than a
+lease is not handed to a second generator; a prompt leased to it again is not started twice.
+`stats()` reports the age of its oldest engine call in progress (`engine_call_s`): its liveness.
 """
 
 from __future__ import annotations
@@ -29,23 +32,11 @@ from actors.base import RoleShell, WeightGroupMember
 from asyncrl import transport
 from asyncrl.config import EngineConfig, EnvironmentConfig, ModelConfig, SamplingConfig
 from asyncrl.engines.base import Engine, SamplingParams, long_tail_min_tokens
-from asyncrl.environments.episodes import (
-    EnvironmentClient,
-    Episodes,
-    Observation,
-    build_episodes,
-)
+from asyncrl.environments.episodes import EnvironmentClient, Episodes, build_episodes, observation_of
 from asyncrl.environments.tools import Episode
-from asyncrl.generation import build_generator_engine, sequence_input
-from asyncrl.mailbox import Mailbox
-from asyncrl.schema import (
-    FinishReason,
-    PromptRequest,
-    Segment,
-    observation_mask,
-    sample_id,
-    scored_mask,
-)
+from asyncrl.generation import EngineCalls, build_generator_engine, sequence_input
+from asyncrl.mailbox import Mailbox, keep_leases
+from asyncrl.schema import FinishReason, PromptRequest, Segment, observation_mask, sample_id, scored_mask
 from asyncrl.weight_sync import Delivery, WeightGroup
 
 
@@ -75,7 +66,7 @@ class Generator:
     def __init__(self, engine: Engine, prompts: Mailbox, segments: Mailbox, params: SamplingParams,
                  window_tokens: int, max_response_tokens: int, max_windows: int, max_inflight: int,
                  generator_id: str = "gen-0", long_tail: tuple[float, int] = (0.0, 0),
-                 episodes: Episodes | None = None):
+                 episodes: Episodes | None = None, lease_s: float = 600.0):
         self.engine = engine
         self.prompts = prompts
         self.segments = segments
@@ -100,14 +91,15 @@ class Generator:
         self._loop_ended: asyncio.Event | None = None  # set once run() has sent its last emission
         self._admitting = True  # False once draining: in-flight sequences finish, nothing new starts
         self.idle_wait_s = 0.2  # an idle generator's wait for a prompt, per mailbox call (then its loop turns)
+        self.renew_every_s = lease_s / 4  # the prompts' leases are renewed this often while it holds them
+        self.engine_calls = EngineCalls()  # windows and loads in progress: the pool's liveness
         self._started = time.monotonic()
-        # admit_s: taking prompts while sequences are running; prepare_s: building a window's inputs
-        # and turning its outputs into segments (the generator's own work between windows).
+        # admit_s: taking prompts while running; prepare_s: a window's inputs and segments (its own work).
         self.timing = {"generate_s": 0.0, "weight_update_s": 0.0, "wait_prompts_s": 0.0, "wait_mailbox_s": 0.0,
                        "admit_s": 0.0, "prepare_s": 0.0}
-        self.counters = {"windows": 0, "tokens": 0, "segments": 0, "samples_finished": 0, "prompts_admitted": 0,
-                         "weight_updates": 0, "tool_calls": 0, "tool_errors": 0, "malformed_calls": 0,
-                         "observation_tokens": 0}
+        self.counters = dict.fromkeys(("windows", "tokens", "segments", "samples_finished", "prompts_admitted",
+                                       "weight_updates", "tool_calls", "tool_errors", "malformed_calls", "observation_tokens",
+                                       "leases_renewed", "leases_lost", "prompts_held_again"), 0)
 
     # --- weight updates (called by the learner) -------------------------------------------------
 
@@ -144,7 +136,8 @@ class Generator:
     async def _load_engine(self, delivery: Delivery, payload) -> None:
         # An engine that updates mid-window loads beside the window it runs; the others between two.
         async with contextlib.nullcontext() if self.engine.updates_mid_window else self._engine_lock:
-            await asyncio.to_thread(transport.load, self.engine, delivery, payload, self.weight_group)
+            async with self.engine_calls.call("load"):
+                await asyncio.to_thread(transport.load, self.engine, delivery, payload, self.weight_group)
 
     async def _load(self, delivery: Delivery, payload) -> float:
         start = time.perf_counter()
@@ -174,6 +167,10 @@ class Generator:
                 self.timing["wait_prompts_s"] += time.perf_counter() - start
             returned = []
             for request in requests:
+                if request.prompt_id in self.samples_left:
+                    # Its lease expired and came back to it, still at work on it: no second copy.
+                    self.counters["prompts_held_again"] += 1
+                    continue
                 samples = request.samples
                 self._last_group_size = len(samples)
                 if returned or (self.held and self.held + len(samples) > self.max_inflight):
@@ -184,7 +181,7 @@ class Generator:
                                   for i in samples]
                 self.counters["prompts_admitted"] += 1
             if returned:
-                await self.prompts.nack(returned)
+                await self.prompts.nack(returned, consumer=self.generator_id)
             if returned or len(requests) < asked:  # full, or the mailbox had no more just now
                 return
 
@@ -231,7 +228,8 @@ class Generator:
         async with self._engine_lock:
             start = time.perf_counter()
             version = self.engine.weight_version
-            outputs = await self.engine.generate_window(inputs, self.window_tokens, self.params)
+            async with self.engine_calls.call("window"):
+                outputs = await self.engine.generate_window(inputs, self.window_tokens, self.params)
         self.timing["generate_s"] += time.perf_counter() - start
         self.counters["windows"] += 1
         start = time.perf_counter()
@@ -313,7 +311,7 @@ class Generator:
             if not parked.observing.done():
                 waiting.append(parked)
                 continue
-            seq, segment, observation = parked.sequence, parked.segment, _result(parked.observing)
+            seq, segment, observation = parked.sequence, parked.segment, observation_of(parked.observing)
             self.counters["tool_calls"] += 1
             self.counters["tool_errors"] += int(observation.error)
             self.counters["malformed_calls"] += int(observation.malformed)
@@ -358,12 +356,15 @@ class Generator:
         self._running = True
         self._loop_ended = asyncio.Event()
         self._started = time.monotonic()
+        renewing = asyncio.ensure_future(keep_leases(  # beside the windows (the engine runs in a thread)
+            self.prompts, lambda: list(self.samples_left), self.generator_id, self.renew_every_s, self.counters))
         try:
             # A draining generator's loop ends once it holds nothing: turning on with nothing to
             # run would await nothing and starve drain(), stats() and receive_weights().
             while self._running and (self._admitting or self.held):
                 await self.step(overlap=True)
         finally:
+            renewing.cancel()
             await self.flush()
             self._loop_ended.set()
 
@@ -386,37 +387,32 @@ class Generator:
         handed_back = list(self.samples_left)
         await self.flush()
         if handed_back:
-            await self.prompts.nack(handed_back)
+            await self.prompts.nack(handed_back, consumer=self.generator_id)
             for parked in self.parked:
                 parked.observing.cancel()
             self.inflight, self.parked, self.samples_left = [], [], {}
         return {"generator_id": self.generator_id, "prompts_handed_back": len(handed_back)}
 
+    def held_samples(self) -> list[str]:
+        """Ids of the samples it works on (running, or waiting for an observation)."""
+        return sorted(sample_id(q.request.prompt_id, q.sample_idx) for q in [*self.inflight, *(p.sequence for p in self.parked)])
+
     def stats(self) -> dict:
         wall = max(time.monotonic() - self._started, 1e-9)
         return {
-            **self.counters,
-            **self.timing,
+            **self.counters, **self.timing,
             "generator_id": self.generator_id,
             "delivered_version": self.engine.weight_version,
             "inflight_sequences": self.held,
-            "wall_s": wall,
+            "engine_call_s": self.engine_calls.oldest_s(), "wall_s": wall,  # (the oldest window or load: liveness)
             "busy_fraction": self.timing["generate_s"] / wall,
             "paused_for_weights_fraction": self.timing["weight_update_s"] / wall,
         }
 
 
-def _result(observing: asyncio.Task) -> Observation:
-    """An observation task's answer; an environment that raised is an error observation."""
-    try:
-        return observing.result()
-    except Exception as exc:  # noqa: BLE001 - the episode goes on, told what happened
-        return Observation([], f"error: {type(exc).__name__}", True, False)
-
-
 def build_generator(model: ModelConfig, engine: EngineConfig, sampling: SamplingConfig, prompts: Mailbox,
                     segments: Mailbox, generator_id: str, environment: EnvironmentConfig | None = None,
-                    environment_endpoint=None, template_kwargs: dict | None = None) -> Generator:
+                    environment_endpoint=None, template_kwargs: dict | None = None, lease_s: float = 600.0) -> Generator:
     """A generator from its sections: the engine (embedded or SGLang) and its windows; with an
     environment, each sample is an episode whose tool calls the endpoint answers, its observations
     rendered by the chat template with `template_kwargs` (`task.chat_template_kwargs`) as the prompts were."""
@@ -431,19 +427,26 @@ def build_generator(model: ModelConfig, engine: EngineConfig, sampling: Sampling
                                   template_kwargs=template_kwargs)
     return Generator(embedded, prompts, segments, SamplingParams.of(sampling), engine.window_tokens,
                      engine.max_response_tokens, max_windows, engine.max_inflight_sequences, generator_id,
-                     long_tail=(engine.long_tail_fraction, engine.long_tail_tokens), episodes=episodes)
+                     (engine.long_tail_fraction, engine.long_tail_tokens), episodes, lease_s)
 
 
 class GeneratorActor(RoleShell, WeightGroupMember):
     def __init__(self, model: ModelConfig, engine: EngineConfig, sampling: SamplingConfig, prompts: Mailbox,
                  segments: Mailbox, generator_id: str, environment: EnvironmentConfig | None = None,
-                 environment_endpoint=None, template_kwargs: dict | None = None):
+                 environment_endpoint=None, template_kwargs: dict | None = None, lease_s: float = 600.0):
         torch.set_num_threads(engine.threads)
         self.inner = build_generator(model, engine, sampling, prompts, segments, generator_id, environment,
-                                     environment_endpoint, template_kwargs)
+                                     environment_endpoint, template_kwargs, lease_s)
+
+    def inject_fault(self, **faults: float) -> dict:
+        """Load tests: weight loads or windows hang (`EngineCalls`) while the generator answers."""
+        return self.inner.engine_calls.inject(**faults)
 
     async def receive_weights(self, delivery: Delivery, payload=None) -> float:
         return await self.inner.receive_weights(delivery, payload)
 
     async def drain(self, timeout_s: float) -> dict:
         return await self.inner.drain(timeout_s)
+
+    def held_samples(self) -> list[str]:
+        return self.inner.held_samples()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
@@ -100,6 +101,9 @@ class PolicyLearner(TrainingLoop):
         self._weights_lock = asyncio.Lock()  # held while the weights change: a copy taken under it is whole
         self._trained_ids = RecentIds(10_000)
         self.incarnation = 0  # how many times this run was resumed
+        # Names this learner's line of versions: a restart from a checkpoint, or another run, starts
+        # another line, whose version numbers may repeat or fall (the policy endpoint follows it).
+        self.incarnation_id = uuid.uuid4().hex[:12]
         self._adam_steps = 0  # Adam's step count as of the last finished step (see `train_on`)
         self._step_lock = asyncio.Lock()
         self.last_checkpoint: dict[str, Any] = {}
@@ -154,10 +158,12 @@ class PolicyLearner(TrainingLoop):
                      else None)
             return await asyncio.to_thread(self.sender.stage, version, self.policy.delivered_parameters(), whole, paths)
 
-    def _delivered_all(self, version: int, timing: dict) -> None:
-        self.timing["broadcast_s"] += timing["total_s"]
-        self.counters["broadcasts"] += 1
-        self.last_broadcast = timing
+    def _delivered_all(self, version: int, timing: dict | None) -> None:
+        """The pool's news: `version` is held by every generator (`timing`: of a delivery; None: a join)."""
+        if timing is not None:
+            self.timing["broadcast_s"] += timing["total_s"]
+            self.counters["broadcasts"] += 1
+            self.last_broadcast = timing
         self._delivered(version)
 
     def _request_delivery(self) -> None:
@@ -217,8 +223,10 @@ class PolicyLearner(TrainingLoop):
         if self.pool.generators:
             self._tell_listeners()
             self._request_delivery()
-        else:
+        elif not self.pool.had_members:  # no generator at all (mode=learn): nothing waits for a delivery
             self._delivered(self.weight_version)
+        else:  # every generator left or failed: this version reaches a generator when one joins
+            self._tell_listeners()
         return record
 
     def _skip(self, batch: TrainBatch) -> dict:
@@ -314,7 +322,8 @@ class PolicyLearner(TrainingLoop):
                 **self.counters, **self.timing, "busy_fraction": self.timing["train_s"] / wall,
                 "wait_batch_fraction": self.timing["wait_batch_s"] / wall,
                 "last_broadcast": self.last_broadcast, "last_checkpoint": self.last_checkpoint,
-                "incarnation": self.incarnation, "optimizer_steps": self._adam_steps,
+                "incarnation": self.incarnation, "incarnation_id": self.incarnation_id,
+                "optimizer_steps": self._adam_steps,
                 "precision": self.policy.objective.policy.compute.precision}  # precision=auto, as resolved
 
 
@@ -378,6 +387,10 @@ class PolicyLearnerActor(RoleShell):
     def leave_generator(self, generator_id: str) -> None:
         self.inner.pool.remove(generator_id)
 
+    def failed_generators(self) -> dict[str, str]:
+        """Generators whose weight delivery failed or timed out (they left the pool): the run heals them."""
+        return dict(self.inner.pool.failed)
+
     def announce(self) -> None:
         """Tell the listeners the versions (after the first generators joined)."""
         self.inner._delivered(self.inner.weight_version)
@@ -397,6 +410,10 @@ class PolicyLearnerActor(RoleShell):
 
     def weight_version(self) -> int:
         return self.inner.weight_version
+
+    def weight_tag(self) -> tuple[str, int]:
+        """(incarnation id, weight version): which line of versions, and where on it."""
+        return self.inner.incarnation_id, self.inner.weight_version
 
     def weight_group_address(self) -> tuple[str, int]:
         return self.inner.weight_group_address()

@@ -11,12 +11,13 @@ It keeps the ledger of samples (`asyncrl.ledger`): it admits every sample it iss
 assembler and the learner report how each one moves on and ends (the assembler in one call per
 step for all its events).
 
-It retires prompts with no learning signal (`asyncrl.retirement`): skipped for a while, then tried
-again. When every prompt is retired, those not solved (all wrong) are tried once more at once
-(nothing else can be issued, and the policy has changed since). When that too gave no signal,
-nothing is left to learn: nothing is generated for nothing and the status says so (`asyncrl
-train` stops there; a Serve run keeps serving the policy and tries the prompt retired longest again
-every `retest_every_s`, so a swapped reward or a changed policy brings prompts back). On resume,
+It retires prompts with no learning signal (`asyncrl.retirement`): a solved one sits out an epoch,
+an unsolved one comes back as the policy moves (after growing numbers of versions), up to a bound.
+When every prompt sits out, the unsolved one due soonest is tried at once (nothing else can be
+issued). When every prompt is solved or given up, nothing is left to learn: nothing is generated
+for nothing and the status says so (`asyncrl train` stops there; a Serve run keeps serving the
+policy and tries the prompt retired longest again every `retest_every_s`, so a swapped reward or a
+changed policy brings prompts back). On resume,
 the prompts whose samples were open at the checkpoint (and not in a saved batch) are issued again
 first, with their ids and seeds, outside the budget they were already counted in.
 """
@@ -60,8 +61,9 @@ class CursorSnapshot(msgspec.Struct, kw_only=True):
     # The prompt set when it differs from the task's (Pre-PPO selection), so a resume keeps it.
     examples: list[dict] | None = None
     prompt_token_ids: list[list[int]] | None = None
-    # Retired prompts (example id -> reason, until issued, since, times, issue number) and recent verdicts.
-    retired: dict[str, tuple[str, int, int, int, int]] = {}
+    # Retired prompts (example id -> reason, until issued, since, times, issue number, until version,
+    # given up) and recent verdicts. A checkpoint from before the last two has five.
+    retired: dict[str, list[str | int]] = {}
     verdicts: dict[str, list[str | None]] = {}
 
 
@@ -159,7 +161,7 @@ class PromptSource:
                 self.epoch, self.index = self.epoch + 1, 0
                 self._order = self._shuffle(self.epoch)
             example = self.examples[self._order[self.index]]
-            if self.retirements.sits_out(example.prompt_id, self.issued):
+            if self.retirements.sits_out(example.prompt_id, self.issued, self.delivered_version):
                 self.index += 1
                 retired_skips += 1
                 if retired_skips > len(self.examples):  # a whole pass: nothing to issue now
@@ -178,9 +180,10 @@ class PromptSource:
         return self._issue(position, f"{example.prompt_id}@{self.epoch}")
 
     def _retest(self) -> PromptRequest | None:
-        """Every prompt is retired. One retired without being solved is tried again at once (the
-        policy has changed since, and nothing else can be issued); when all are solved, the one
-        retired longest, once per `retest_every_s` (a service that keeps running)."""
+        """Every prompt sits out. An unsolved one (not given up) is tried again at once, the one due
+        soonest (nothing else can be issued; the retry counts towards its bound); when all are
+        solved or given up, the one retired longest, once per `retest_every_s` (a service that
+        keeps running)."""
         now = time.monotonic()
         example_id = self.retirements.to_retest(may_retest_solved=now - self._last_retest >= self.retest_every_s)
         if example_id is None:
@@ -292,7 +295,8 @@ def build_prompt_source(model: ModelConfig, task: TaskConfig, algorithm: Algorit
     curriculum = [(stage.start_step, list(stage.data_sources)) for stage in task.curriculum]
     staleness = NO_BOUND if max_prompts else algorithm.max_staleness_versions
     retirements = Retirements(algorithm.group_size, task.retire_after_groups, task.retire_epochs,
-                              task.retire_unsolved, algorithm.dynamic_sampling.metric)
+                              task.retire_unsolved, algorithm.dynamic_sampling.metric, task.unsolved_retry_versions,
+                              task.unsolved_max_retries)
     return PromptSource(examples, tokens, algorithm.group_size, prompts, seed, prompts_per_step, staleness,
                         curriculum, max_prompts=max_prompts, retirements=retirements,
                         retest_every_s=task.retest_every_s)
@@ -347,3 +351,8 @@ class PromptSourceActor(RoleShell):
     def ledger(self) -> dict:
         return {"counts": self.inner.ledger.state_counts(), "problems": self.inner.ledger.check(),
                 "trained_ids": self.inner.ledger.trained_ids()}
+
+    def open_samples(self) -> dict[str, list[str]]:
+        """The ids of the samples in flight and awaiting their reward (a drained run's check)."""
+        return {state.value: self.inner.ledger.open_ids(state)
+                for state in (SampleState.IN_FLIGHT, SampleState.AWAITING_REWARD)}

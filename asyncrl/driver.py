@@ -158,8 +158,9 @@ def _stop_reason(run: Run, config: Config) -> str:
     """Why the run stops before its last step ("" while it goes on)."""
     if run.log.prompts_exhausted:
         reasons = ", ".join(f"{n} {why}" for why, n in sorted(run.log.retired_by_reason.items()))
-        return (f"every prompt is retired ({reasons}): no group has a learning signal left (solved, or all "
-                f"wrong again when tried once more); see retirements.jsonl")
+        return (f"every prompt is retired ({reasons}): no group has a learning signal left (solved, or given up: "
+                f"all wrong through task.unsolved_max_retries={config.task.unsolved_max_retries} retries as the "
+                f"policy moved); see retirements.jsonl")
     if config.trainer.max_train_s > 0 and time.time() - run.log.started >= config.trainer.max_train_s:
         return f"the training time budget (trainer.max_train_s={config.trainer.max_train_s:g}) is spent"
     budget = config.trainer.max_generated_samples

@@ -9,6 +9,8 @@ and samples from the same distribution of the run (`SamplingParams.of(config.sam
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -111,3 +113,40 @@ async def complete_async(engine, tokenizer, prompts: list[Sequence[int]], seeds:
         outputs = await engine.generate_window(_inputs(prompts, seeds, max_tokens), max_tokens, params)
         return _completions(tokenizer, outputs)
     return await asyncio.to_thread(complete, engine, tokenizer, prompts, seeds, max_tokens, params, batch_size)
+
+
+class EngineCalls:
+    """A generator's engine calls in progress (windows, weight loads): the age of the oldest is its
+    liveness (`oldest_s`), since a generator whose engine is wedged in its thread still answers.
+    Load tests make the calls of a kind hang (`faults`: `window_hang_s`, `load_hang_s`; 0 clears,
+    and clearing ends a hang in progress)."""
+
+    def __init__(self):
+        self._started: dict[int, float] = {}
+        self._count = 0
+        self.faults = {"load_hang_s": 0.0, "window_hang_s": 0.0}
+
+    @contextlib.asynccontextmanager
+    async def call(self, kind: str):
+        """One engine call of `kind` (window | load), timed while it runs."""
+        self._count += 1
+        token = self._count
+        self._started[token] = time.monotonic()
+        try:
+            start, hang = time.monotonic(), f"{kind}_hang_s"
+            while self.faults[hang] and time.monotonic() - start < self.faults[hang]:
+                await asyncio.sleep(0.1)
+            yield
+        finally:
+            del self._started[token]
+
+    def oldest_s(self) -> float:
+        """How long the oldest call in progress has run (0: none runs)."""
+        return time.monotonic() - min(self._started.values()) if self._started else 0.0
+
+    def inject(self, **faults: float) -> dict:
+        unknown = sorted(set(faults) - set(self.faults))
+        if unknown:
+            raise ValueError(f"unknown fault(s) {unknown}; the generator takes {sorted(self.faults)}")
+        self.faults.update({k: float(v) for k, v in faults.items()})
+        return dict(self.faults)

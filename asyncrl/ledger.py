@@ -147,6 +147,11 @@ class SampleLedger:
             problems.append("dropped samples without a reason")
         return problems
 
+    def open_ids(self, state: SampleState | str) -> list[str]:
+        """Ids of the open samples in `state` (in_flight, awaiting_reward, awaiting_training)."""
+        state = SampleState(state)
+        return sorted(sid for sid, current in self._open.items() if current is state)
+
     def trained_ids(self) -> list[str]:
         """Ids of trained samples (the last `ended_window` ended ones)."""
         return [sid for sid, how in self._ended.items() if how == "trained"]

@@ -16,6 +16,10 @@ A mailbox is owned by its consumer. The guarantees, stated once here and enforce
 * **Lease owners.** A `get` may name its consumer; `release(consumer)` gives back at once every
   message that consumer holds (a generator that died or left): its work is delivered again now,
   not when the leases expire.
+* **Renewal.** A consumer still working on a message renews its lease (`renew`), so work that
+  takes longer than `lease_s` (a long chain of thought, a slow tool) is not delivered to a second
+  consumer while the first goes on. A lease that expired meanwhile is taken back if no one else took
+  the message; one another consumer took is lost to the renewer (it is not in the answer).
 
 Implementations behind one interface (`Mailbox`): `InProcessMailbox` (asyncio, one process) here;
 across processes `asyncrl.ray_mailbox`: `RayMailbox` (a client of a `MailboxActor`; messages cross
@@ -28,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from typing import Generic, Iterable, Protocol, Sequence, TypeVar
+from typing import Callable, Generic, Iterable, Protocol, Sequence, TypeVar
 
 import msgspec
 
@@ -45,6 +49,7 @@ class MailboxStats(msgspec.Struct, kw_only=True):
     delivered_total: int
     redelivered_total: int
     acked_total: int
+    renewed_total: int = 0
 
 
 class RecentIds:
@@ -138,6 +143,36 @@ class MailboxCore(Generic[T]):
         """Give back every message `consumer` holds (it died or left): delivered again at once."""
         return self.nack([mid for mid, owner in self._owners.items() if owner == consumer and mid in self._leased])
 
+    def renew(self, msg_ids: Iterable[str], now: float, consumer: str = "") -> list[str]:
+        """Extend the leases `consumer` holds on `msg_ids` to `now + lease_s`. A message whose lease
+        expired and that waits in the queue again is leased back to `consumer`. Returns the ids it
+        holds now; the others (acknowledged, or leased by another consumer) are not its to renew."""
+        held = []
+        taken_back = set()
+        for mid in msg_ids:
+            if mid in self._leased:
+                if self._owners.get(mid, "") != consumer:
+                    continue
+                item = self._leased[mid][0]
+            elif mid in self._queued_ids:
+                taken_back.add(mid)
+                continue
+            else:
+                continue
+            self._leased[mid] = (item, now + self.lease_s)
+            held.append(mid)
+        if taken_back:
+            back = [(mid, item) for mid, item in self._queue if mid in taken_back]
+            self._queue = collections.deque((mid, item) for mid, item in self._queue if mid not in taken_back)
+            for mid, item in back:
+                self._queued_ids.discard(mid)
+                self._leased[mid] = (item, now + self.lease_s)
+                if consumer:
+                    self._owners[mid] = consumer
+                held.append(mid)
+        self._stats["renewed_total"] += len(held)
+        return held
+
     def ack(self, msg_ids: Iterable[str]) -> int:
         """Acknowledge leased messages; unknown ids (already acked, expired-and-requeued) are ignored
         except that a queued message acknowledged late is removed from the queue: the consumer that
@@ -157,9 +192,11 @@ class MailboxCore(Generic[T]):
         self._stats["acked_total"] += n
         return n
 
-    def nack(self, msg_ids: Iterable[str]) -> int:
-        """Give leased messages back at once (the consumer could not process them)."""
-        returned = [(mid, self._leased.pop(mid)[0]) for mid in msg_ids if mid in self._leased]
+    def nack(self, msg_ids: Iterable[str], consumer: str = "") -> int:
+        """Give leased messages back at once (the consumer could not process them). With `consumer`,
+        only those it holds: a lease it lost to another consumer is not its to give back."""
+        returned = [(mid, self._leased.pop(mid)[0]) for mid in msg_ids
+                    if mid in self._leased and (not consumer or self._owners.get(mid, "") == consumer)]
         for mid, _ in returned:
             self._owners.pop(mid, None)
         for mid, item in reversed(returned):
@@ -185,6 +222,7 @@ class MailboxCore(Generic[T]):
             delivered_total=self._stats["delivered_total"],
             redelivered_total=self._stats["redelivered_total"],
             acked_total=self._stats["acked_total"],
+            renewed_total=self._stats["renewed_total"],
         )
 
     def _remember_acked(self, msg_id: str) -> None:
@@ -204,7 +242,10 @@ class Mailbox(Protocol[M]):
 
     async def ack(self, msg_ids: Iterable[str]) -> int: ...
 
-    async def nack(self, msg_ids: Iterable[str]) -> int: ...
+    async def nack(self, msg_ids: Iterable[str], consumer: str = "") -> int: ...
+
+    async def renew(self, msg_ids: Iterable[str], consumer: str = "") -> list[str]:
+        """Extend `consumer`'s leases on `msg_ids` (`MailboxCore.renew`); the ids it holds now."""
 
     async def release(self, consumer: str) -> int: ...
 
@@ -267,11 +308,15 @@ class AsyncMailboxBase(Generic[T]):
             self._changed.notify_all()
             return n
 
-    async def nack(self, msg_ids: Iterable[str]) -> int:
+    async def nack(self, msg_ids: Iterable[str], consumer: str = "") -> int:
         async with self._changed:
-            n = self._core.nack(list(msg_ids))
+            n = self._core.nack(list(msg_ids), consumer)
             self._changed.notify_all()
             return n
+
+    async def renew(self, msg_ids: Iterable[str], consumer: str = "") -> list[str]:
+        async with self._changed:
+            return self._core.renew(list(msg_ids), time.monotonic(), consumer)
 
     async def release(self, consumer: str) -> int:
         async with self._changed:
@@ -294,3 +339,17 @@ class InProcessMailbox(AsyncMailboxBase[M]):
 
     async def get(self, max_n: int, timeout: float | None = None, consumer: str = "") -> list[M]:
         return [item for _, item in await self._get_items(max_n, timeout, consumer)]
+
+
+async def keep_leases(mailbox: Mailbox, held: Callable[[], list[str]], consumer: str, every_s: float,
+                      counters: dict) -> None:
+    """Renew, every `every_s` until cancelled, the leases `consumer` holds on the ids `held()`
+    returns (work that outlives a lease); counts `leases_renewed` and `leases_lost` (taken by
+    another consumer meanwhile) in `counters`."""
+    while True:
+        await asyncio.sleep(every_s)
+        ids = held()
+        if ids:
+            renewed = await mailbox.renew(ids, consumer=consumer)
+            counters["leases_renewed"] += len(renewed)
+            counters["leases_lost"] += len(set(ids) - set(renewed))

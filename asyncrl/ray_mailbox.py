@@ -85,8 +85,11 @@ class RayMailbox(Generic[M]):
     async def ack(self, msg_ids: Iterable[str]) -> int:
         return await self.actor.ack.remote(list(msg_ids))
 
-    async def nack(self, msg_ids: Iterable[str]) -> int:
-        return await self.actor.nack.remote(list(msg_ids))
+    async def nack(self, msg_ids: Iterable[str], consumer: str = "") -> int:
+        return await self.actor.nack.remote(list(msg_ids), consumer)
+
+    async def renew(self, msg_ids: Iterable[str], consumer: str = "") -> list[str]:
+        return await self.actor.renew.remote(list(msg_ids), consumer)
 
     async def release(self, consumer: str) -> int:
         return await self.actor.release.remote(consumer)
@@ -161,20 +164,29 @@ class ShardedMailbox(Generic[M]):
                     out.append(self.codec.decode(data))
         return out
 
-    async def _route(self, method: str, msg_ids: Iterable[str]) -> int:
+    async def _route(self, method: str, msg_ids: Iterable[str], *args) -> int:
         by_shard: dict[int, list[str]] = collections.defaultdict(list)
         for msg_id in msg_ids:
             shard = self._delivered_by.pop(msg_id, None)
             if shard is not None:
                 by_shard[shard].append(msg_id)
-        counts = await asyncio.gather(*(getattr(self.shards[i], method)(ids) for i, ids in by_shard.items()))
+        counts = await asyncio.gather(*(getattr(self.shards[i], method)(ids, *args) for i, ids in by_shard.items()))
         return sum(counts)
 
     async def ack(self, msg_ids: Iterable[str]) -> int:
         return await self._route("ack", msg_ids)
 
-    async def nack(self, msg_ids: Iterable[str]) -> int:
-        return await self._route("nack", msg_ids)
+    async def nack(self, msg_ids: Iterable[str], consumer: str = "") -> int:
+        return await self._route("nack", msg_ids, consumer)
+
+    async def renew(self, msg_ids: Iterable[str], consumer: str = "") -> list[str]:
+        by_shard: dict[int, list[str]] = collections.defaultdict(list)
+        for msg_id in msg_ids:
+            shard = self._delivered_by.get(msg_id)
+            if shard is not None:
+                by_shard[shard].append(msg_id)
+        held = await asyncio.gather(*(self.shards[i].renew(ids, consumer) for i, ids in by_shard.items()))
+        return [msg_id for part in held for msg_id in part]
 
     async def release(self, consumer: str) -> int:
         return sum(await asyncio.gather(*(shard.release(consumer) for shard in self.shards)))

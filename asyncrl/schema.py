@@ -167,7 +167,10 @@ class Segment(msgspec.Struct, kw_only=True, frozen=True):
 
     @property
     def msg_id(self) -> str:
-        return segment_id(self.prompt_id, self.sample_idx, self.turn)
+        """Unique per window of one generator's copy of the sample: a producer's retry is dropped
+        as a duplicate, while two generators' copies (a prompt whose lease ran out, one handed over
+        by a generator that left) both reach the assembler, which keeps one."""
+        return f"{segment_id(self.prompt_id, self.sample_idx, self.turn)}@{self.generator_id}"
 
     @property
     def sample_id(self) -> str:

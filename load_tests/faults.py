@@ -22,12 +22,15 @@ Scenarios (tiny model, the real actors, mailboxes and gloo broadcast; checkpoint
                       dies while its generator holds sequences mid-window: healed in place; then
                       the learner is killed in the same run to compare
 * partition           (the same cluster) the worker's link goes down for 30 s
+* hang_delivery, lease_outlived, scale_down_slow, restart_budget, serve_poll_errors: faults of
+                      parts that stay alive (`load_tests/runtime_faults.py`, issue 44)
 
 The pool's scenarios (`load_tests/pool_faults.py`) also report the rate of trained samples before,
 the dip after and the seconds until training runs at full rate again.
-Each prints one JSON object: what was injected, the restart (if any), and the ledger after
-(admitted = in flight + awaiting + trained + dropped, no duplicates), and writes them all to
-`<run-dir>/faults.json`.
+Each prints one JSON object: what was injected, the restart (if any), and the ledger after a
+drain (`Run.drain`: nothing issued any more, the work in flight ended): admitted = in flight +
+awaiting + trained + dropped, no duplicates, and nothing in flight that no generator holds
+(`unaccounted`); and writes them all to `<run-dir>/faults.json`.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from asyncrl.config import compose  # noqa: E402
 from asyncrl.run.placement import init_ray  # noqa: E402
 from asyncrl.run import Run  # noqa: E402
-from load_tests import pool_faults  # noqa: E402
+from load_tests import pool_faults, runtime_faults  # noqa: E402
 
 BASE = ["model=tiny", "task=tiny", "algorithm=grpo", "trainer.prompts_per_step=2", "trainer.checkpoint_every=3",
         "trainer.checkpoint_keep=2", "trainer.max_restarts=5", "trainer.wandb_mode=disabled"]
@@ -98,12 +101,8 @@ def wait_restart(sup: Run, timeout_s: float = 120.0) -> dict:
 
 
 def ledger_report(sup: Run) -> dict:
-    ledger = sup.system.ledger()
-    counts = ledger["counts"]
-    return {"admitted": counts["admitted"], "in_flight": counts["in_flight"],
-            "awaiting": counts["awaiting_reward"] + counts["awaiting_training"], "trained": counts["trained"],
-            "dropped": counts["dropped"], "dropped_by_reason": counts["dropped_by_reason"],
-            "duplicates": counts["duplicates"], "balanced": not ledger["problems"], "problems": ledger["problems"]}
+    """The books after a drain (the scenario's end): `runtime_faults.drained_ledger`."""
+    return runtime_faults.drained_ledger(sup)
 
 
 def rss_mb(actor) -> float:
@@ -235,7 +234,7 @@ def _pool(scenario, overrides: list[str]):
         sup = _start(overrides, run_dir)
         try:
             advance(sup, 3)
-            return scenario(sup, quick)
+            return {**scenario(sup, quick), "ledger": ledger_report(sup)}
         finally:
             sup.stop()
 
@@ -249,8 +248,17 @@ node_loss = _pool(pool_faults.node_loss, CLUSTER)
 partition = _pool(pool_faults.partition, CLUSTER)
 
 
+def _runtime(scenario):
+    def run(run_dir: str, quick: bool) -> dict:
+        return scenario(run_dir, quick, EXTRA)
+
+    run.__name__ = scenario.__name__
+    return run
+
+
 SCENARIOS = {f.__name__: f for f in (kill_generator, scale, kill_learner, kill_value_learner, kill_reward,
-                                     hang_reward, fill_mailbox, node_loss, partition)}
+                                     hang_reward, fill_mailbox, node_loss, partition,
+                                     *map(_runtime, runtime_faults.SCENARIOS.values()))}
 ON_CLUSTER = ("node_loss", "partition")
 
 
@@ -296,13 +304,17 @@ def main() -> int:
                 init_ray(compose(BASE))
             run_dir = args.run_dir if inside else os.path.join(args.run_dir, name)
             result = SCENARIOS[name](run_dir, args.quick)
-        results[name] = {**result, "scenario_s": round(time.time() - start, 1)}
+        # The machine's load (other jobs share its cores): every time here is read against it.
+        results[name] = {**result, "scenario_s": round(time.time() - start, 1),
+                         "load_avg_1m": round(os.getloadavg()[0], 1), "cpus": os.cpu_count()}
         print(json.dumps({name: results[name]}), flush=True)
     os.makedirs(args.run_dir, exist_ok=True)
     with open(os.path.join(args.run_dir, "faults.json"), "w") as f:
         json.dump(results, f, indent=2)
-    bad = [n for n, r in results.items() if not r["ledger"]["balanced"] or r["ledger"]["duplicates"]]
-    print(f"{len(results)} scenarios; ledger unbalanced or duplicates in: {bad or 'none'}")
+    bad = [n for n, r in results.items()
+           if not r["ledger"]["balanced"] or r["ledger"]["duplicates"] or r["ledger"].get("unaccounted", 1)]
+    print(f"{len(results)} scenarios; ledger unbalanced, duplicates or samples in flight that no generator "
+          f"holds after the drain in: {bad or 'none'}")
     return 1 if bad else 0
 
 

@@ -83,6 +83,55 @@ def test_prompts_taken_together_that_do_not_fit_go_back_to_the_mailbox():
     asyncio.run(main())
 
 
+def test_a_prompt_leased_again_by_the_generator_that_holds_it_is_not_started_twice():
+    """Issue 44 (2): a prompt whose lease ran out came back to the generator still working on it:
+    it keeps its sequences and counts (the count of samples left was overwritten, and the generator
+    died on a KeyError when the second copy finished), and acknowledges the prompt once."""
+
+    async def main():
+        gen, prompts, segments = make_generator(window=2, max_tokens=6, max_inflight=4)
+        prompts._core.lease_s = 0.05
+        await prompts.put([request(0)])
+        await gen.step()  # p0's two samples: first window
+        await asyncio.sleep(0.1)  # the lease runs out (no renewal: no run loop here)
+        await gen._admit()  # the mailbox hands p0 back to the same generator
+        assert gen.counters["prompts_held_again"] == 1 and gen.held == 2 and gen.samples_left == {"p0": 2}
+        prompts._core.lease_s = 60
+        for _ in range(4):
+            await gen.step()
+        finished = [s for s in await segments.get(1000, timeout=0.1) if s.finished]
+        assert sorted(s.sample_id for s in finished) == ["p0/0", "p0/1"] and gen.samples_left == {}
+        stats = await prompts.stats()
+        assert stats.acked_total == 1 and stats.leased == 0 and stats.queued == 0
+
+    asyncio.run(main())
+
+
+def test_the_run_loop_renews_the_leases_of_the_prompts_it_works_on():
+    """A window longer than the prompt's lease (here a hung one): the lease is renewed beside it,
+    so the prompt is never delivered again while the generator works on it."""
+
+    async def main():
+        gen, prompts, segments = make_generator(window=2, max_tokens=4, max_inflight=4)
+        prompts._core.lease_s = 0.4
+        gen.renew_every_s = 0.1
+        await prompts.put([request(0)])
+        gen.engine_calls.inject(window_hang_s=1.5)  # each window takes 1.5 s: almost four leases
+        loop = asyncio.ensure_future(gen.run())
+        await asyncio.sleep(1.0)
+        assert await prompts.get(5, timeout=0.5, consumer="other") == []  # still leased to gen-0
+        assert gen.stats()["engine_call_s"] > 0.5  # the window's age, what the pool's liveness reads
+        gen.engine_calls.inject(window_hang_s=0.0)
+        while gen.samples_left or not gen.counters["samples_finished"]:
+            await asyncio.sleep(0.05)
+        gen.stop()
+        await asyncio.wait_for(loop, 10.0)
+        stats = await prompts.stats()
+        assert gen.counters["leases_renewed"] >= 3 and stats.redelivered_total == 0 and stats.acked_total == 1
+
+    asyncio.run(main())
+
+
 def test_a_generator_drained_while_it_holds_sequences_finishes_them_and_its_loop_ends():
     """drain() while the run loop holds sequences: they finish, every sample is sent and every
     prompt acknowledged, nothing is handed back, and the loop ends. (A drained loop with nothing

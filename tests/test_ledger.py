@@ -144,6 +144,27 @@ def test_resume_of_a_run_without_a_checkpoint_names_the_problem(tmp_path):
     assert checkpoint.resolve_run_dir("", resume=True, outputs=str(tmp_path)).endswith("run-a")
 
 
+def test_the_serve_train_app_continues_its_own_run_by_default(tmp_path, monkeypatch):
+    """Issue 44 (4): a Serve controller that was replaced (a failed health check) started a new
+    run from the base model in a new timestamped directory. Now its directory is the same at every
+    start and it resumes from the newest checkpoint there; `serve.resume_run=false` is the old way."""
+    from asyncrl.config import compose
+    from asyncrl.serve.train import serve_run
+
+    monkeypatch.chdir(tmp_path)
+    config = compose(["model=tiny", "task=tiny"])
+    run_dir, fresh = serve_run(config, "train")
+    assert run_dir == os.path.join("outputs", "serve-train") and not fresh.resume  # nothing to resume yet
+    write_checkpoint(tmp_path / run_dir, 3)
+    again, resumed = serve_run(config, "train")
+    assert again == run_dir and resumed.resume
+    given = compose(["model=tiny", "task=tiny", f"trainer.run_dir={tmp_path / 'mine'}"])
+    assert serve_run(given, "train")[1].resume is False  # no checkpoint there
+    off = compose(["model=tiny", "task=tiny", "serve.resume_run=false"])
+    new_dir, config_off = serve_run(off, "train")
+    assert new_dir.startswith(os.path.join("outputs", "serve-2")) and not config_off.resume
+
+
 def _row(sample: str, turn: int, finished: bool) -> TrainSample:
     prompt_id, idx = sample.split("/")
     seg = Segment(prompt_id=prompt_id, sample_idx=int(idx), turn=turn, group_id=prompt_id,

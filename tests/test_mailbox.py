@@ -284,3 +284,23 @@ def test_release_gives_back_what_one_consumer_holds_at_once():
         assert await box.release("gen-b") == 0
 
     asyncio.run(main())
+
+
+def test_a_renewed_lease_outlives_lease_s_and_one_lost_to_another_consumer_is_not_renewed():
+    """Issue 44 (2): work longer than a lease (a long chain of thought) renews it, so the message
+    is not delivered to a second consumer; one that expired meanwhile and waits in the queue is
+    taken back; one another consumer took is not the renewer's (nor its to give back)."""
+    core = MailboxCore(capacity=10, lease_s=10.0)
+    for mid in "abc":
+        core.offer(mid, mid)
+    assert [m for m, _ in core.take(3, now=0.0, consumer="gen-a")] == ["a", "b", "c"]
+    assert core.renew(["a", "b"], now=8.0, consumer="gen-a") == ["a", "b"]  # c is not renewed
+    assert core.take(5, now=15.0, consumer="gen-b") == [("c", "c")]  # c expired at 10: redelivered
+    assert core.take(5, now=17.9, consumer="gen-b") == []  # a and b held until 18
+    assert core.renew(["c"], now=16.0, consumer="gen-a") == []  # gen-b holds c now
+    assert core.nack(["c"], consumer="gen-a") == 0 and core.stats().leased == 3
+    assert [m for m, _ in core.take(5, now=18.0, consumer="gen-b")] == ["a", "b"]  # renewals stopped
+    core.expire_leases(now=40.0)  # everything expires; gen-a still works on a: it takes it back
+    assert core.renew(["a"], now=40.0, consumer="gen-a") == ["a"]
+    assert sorted(m for m, _ in core.take(5, now=41.0, consumer="gen-c")) == ["b", "c"]
+    assert core.stats().renewed_total == 3

@@ -1,6 +1,7 @@
 """Kill a running system after step k, resume it from its checkpoint, and check that nothing is
 counted twice or lost: the real actors, mailboxes, gloo broadcast and files."""
 
+import json
 import os
 import time
 
@@ -164,3 +165,53 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def test_the_restart_budget_counts_a_window_not_the_runs_life():
+    """Issue 44 (4): three restarts a week apart used to end a run at the fourth fault
+    (`max_restarts` per life). Now `max_restarts` counts the last `restart_window_s` only; when
+    spent, it says when the next is allowed; 0 restarts allowed is never."""
+    from asyncrl.run import restart_allowed_at
+
+    hour, day = 3600.0, 86400.0
+    week = [0.0, 2 * day, 4 * day]  # three restarts over four days
+    assert restart_allowed_at(week, now=6 * day, max_restarts=3, window_s=hour) is None
+    burst = [6 * day, 6 * day + 60, 6 * day + 120]  # three in two minutes
+    assert restart_allowed_at(week + burst, now=6 * day + 180, max_restarts=3, window_s=hour) == 6 * day + hour
+    assert restart_allowed_at(week + burst, now=6 * day + hour + 1, max_restarts=3, window_s=hour) is None
+    assert restart_allowed_at([], now=0.0, max_restarts=0, window_s=hour) == float("inf")
+
+
+def test_every_error_of_a_poll_restarts_the_run_and_a_spent_budget_says_when_it_may_again(ray_session, tmp_path):
+    """Issue 44 (4): an error raised in a poll outside the deaths `check_alive` sees (reading the
+    metrics, the status, healing the pool) escaped `Run.poll` and ended the run (under Serve the
+    controller was replaced and a fresh run began). Now it restarts the run from its checkpoint,
+    within the budget of the window; past it, `RestartBudgetSpent` names when the next restart is
+    allowed, and a later `Run` on the same directory (a replaced controller) counts those restarts."""
+    from asyncrl.run import RestartBudgetSpent, Run
+
+    overrides = ["model=tiny", "task=tiny", "algorithm=grpo", "trainer.prompts_per_step=2", "trainer.checkpoint_every=2",
+                 "trainer.max_restarts=1", "trainer.restart_window_s=600", "trainer.wandb_mode=disabled",
+                 f"trainer.run_dir={tmp_path}"]
+    run = Run(compose(overrides), str(tmp_path)).start()
+    try:
+        deadline = time.time() + 180
+        while run.step < 4 or checkpoint.latest_valid(str(tmp_path))[0] is None:
+            assert time.time() < deadline and run.poll().restart is None
+            time.sleep(0.2)
+        run.inject_poll_errors = 1
+        polled = run.poll()
+        assert polled.restart is not None and "InjectedFault" in polled.restart["reason"]
+        assert polled.restart["step"] >= 2 and run.restarts == [polled.restart]
+        while run.step < polled.restart["step"] + 2:  # it trains again
+            assert time.time() < deadline and run.poll().restart is None
+            time.sleep(0.2)
+        run.inject_poll_errors = 1
+        with pytest.raises(RestartBudgetSpent) as spent:
+            run.poll()
+        first_at = json.loads(open(tmp_path / "restarts.jsonl").readline())["at"]
+        assert abs(spent.value.retry_at - (first_at + 600)) < 1 and "InjectedFault" in spent.value.reason
+    finally:
+        run.stop()
+    later = Run(compose(overrides), str(tmp_path))  # e.g. the Serve controller that replaces this one
+    assert later.restart_times == [first_at]  # the refused restart spent nothing

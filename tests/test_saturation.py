@@ -32,11 +32,12 @@ def test_group_verdicts_and_when_they_retire_a_prompt():
     assert retirement_reason(["solved", "solved"], 0) is None
 
 
-def source(n=3, after=2, epochs=1):
+def source(n=3, after=2, epochs=1, retry_versions=4, max_retries=8):
     examples = [Example(prompt_id=f"q{i}", messages=[{"role": "user", "content": str(i)}], ground_truth="1",
                         data_source="d") for i in range(n)]
     return PromptSource(examples, [[5, i] for i in range(n)], 2, InProcessMailbox(100), seed=0,
-                        retirements=Retirements(2, after_groups=after, epochs=epochs))
+                        retirements=Retirements(2, after_groups=after, epochs=epochs, retry_versions=retry_versions,
+                                                max_retries=max_retries))
 
 
 def group(source, request, correct):
@@ -62,27 +63,83 @@ def test_a_solved_prompt_sits_out_a_dataset_of_issues_comes_back_and_all_retired
     assert "q0" not in src.retirements.retired and src.stats()["retirement_log"][-1]["event"] == "back"
 
 
-def test_when_every_prompt_is_retired_the_unsolved_get_one_more_try_then_nothing_is_generated():
-    src = source()
+def issue_until(src, prefix, limit=20):
+    """Issue prompts until one of `prefix` comes (None if it does not within `limit`)."""
+    for _ in range(limit):
+        request = src.next_request()
+        if request is not None and request.prompt_id.startswith(prefix):
+            return request
+    return None
+
+
+def test_an_unsolved_prompt_comes_back_as_the_policy_moves_waiting_longer_each_time_then_is_given_up():
+    """Issue 44 (9): a prompt all wrong twice was parked for the rest of the run once tried again;
+    now it comes back after 2, 4, 8 policy versions (`retry_versions=2`, doubling) and is given up
+    only after `max_retries=3` retries all wrong, counted apart. q3 always has a signal (so there
+    is something else to issue); q1 and q2 are solved. The run is not done while q0 is parked."""
+    src = source(n=4, retry_versions=2, max_retries=3)
+    for request in [src.next_request() for _ in range(8)]:
+        kind = request.prompt_id[:2]
+        group(src, request, {"q0": [False, False], "q3": [True, False]}.get(kind, [True, True]))
+    retired = src.retirements.retired
+    assert sorted(retired) == ["q0", "q1", "q2"] and retired["q0"].reason == "unsolved"
+    assert retired["q0"].until_version == 2 and not src.stats()["all_prompts_exhausted"]
+    assert src.stats()["prompts_parked"] == 1 and src.stats()["prompts_given_up"] == 0
+    waits, version = [], 0
+    for due in (2, 6, 14):  # each retry all wrong again: the wait doubles (2, 4, 8 versions)
+        for request in [src.next_request() for _ in range(6)]:  # the policy has not reached `due`
+            assert request.prompt_id[:2] != "q0", (version, due)
+            if request.prompt_id.startswith("q3"):
+                group(src, request, [True, False])
+        version = due
+        src.set_versions(version, version)
+        retry = issue_until(src, "q0@")
+        assert retry is not None, f"q0 did not come back at version {version}"
+        group(src, retry, [False, False])
+        waits.append(None if retired["q0"].given_up else retired["q0"].until_version - version)
+    assert waits == [4, 8, None]  # then given up: three retries all wrong
+    stats = src.stats()
+    assert stats["prompts_given_up"] == 1 and stats["retired_by_reason"] == {"solved": 2, "given_up": 1}
+    assert stats["retirement_log"][-1]["event"] == "given_up" and stats["retirement_log"][-1]["retries"] == 3
+    src.set_versions(10**6, 10**6)  # a given-up prompt is not issued again, however far the policy moves
+    assert issue_until(src, "q0@", limit=30) is None
+
+
+def test_when_every_prompt_sits_out_the_unsolved_are_retried_at_once_each_retry_counted():
+    """A policy that no longer moves (nothing else can be issued): the unsolved prompt due soonest
+    is tried at once, each retry counts towards the bound, so the run ends after the bound, not
+    at the first retry; then nothing is generated for nothing."""
+    src = source(max_retries=2)
     for request in [src.next_request() for _ in range(6)]:  # two groups of each prompt, all wrong
         group(src, request, [False, False])
     assert set(src.retirements.retired) == {"q0", "q1", "q2"} and src.stats()["all_prompts_retired"]
     assert src.stats()["retired_by_reason"] == {"unsolved": 3} and not src.stats()["all_prompts_exhausted"]
-    # Each is tried once more at once (the policy has changed since; nothing else can be issued),
-    # the one retired longest first, and the cursor stays where it was.
     position, tried = (src.epoch, src.index), []
-    for _ in range(3):
+    for _ in range(6):  # two retries each, all wrong again
         retest = src.next_request()
         tried.append(retest.prompt_id.split("@")[0])
-        group(src, retest, [False, False])  # all wrong again
-    assert sorted(tried) == ["q0", "q1", "q2"] and (src.epoch, src.index) == position
-    # Nothing left to learn: nothing is generated for nothing (asyncrl train stops here); a service
-    # tries the prompt retired longest again every retest_every_s.
+        assert not src.stats()["all_prompts_exhausted"] or len(tried) == 6
+        group(src, retest, [False, False])
+    assert sorted(tried) == ["q0", "q0", "q1", "q1", "q2", "q2"] and (src.epoch, src.index) == position
     assert src.stats()["all_prompts_exhausted"] and src.stats()["retired_sources"] == ["d"]
+    assert src.stats()["retired_by_reason"] == {"given_up": 3}
     src.retest_every_s = 3600.0
     assert src.next_request() is None and (src.epoch, src.index) == position
     src.retest_every_s = 0.0
-    assert src.next_request() is not None and src.retirements.counts["retests"] == 4
+    assert src.next_request() is not None and src.retirements.counts["retests"] == 7
+
+
+def test_a_parked_prompt_has_one_retry_out_at_a_time():
+    """Two retries issued before the first's verdict came would spend two retries on one look at
+    the same policy (the prompt source issues several prompts per call)."""
+    src = source(n=2)
+    for request in [src.next_request() for _ in range(4)]:
+        group(src, request, [False, False])
+    first, second = src.next_request(), src.next_request()
+    assert {first.prompt_id[:2], second.prompt_id[:2]} == {"q0", "q1"}
+    assert src.next_request() is None  # both retries are out
+    group(src, first, [False, False])
+    assert src.next_request().prompt_id[:2] == first.prompt_id[:2]
 
 
 def seg(prompt, idx, first_token):

@@ -50,7 +50,7 @@ def test_segment_round_trip_is_exact():
     seg = make_segment(n_new=4096)
     back = codec.decode(codec.encode(seg))
     assert_segments_equal(seg, back)
-    assert back.msg_id == "p7/2/1"
+    assert back.msg_id == "p7/2/1@"  # (prompt/sample/turn, per generator: this one names none)
     assert np.array_equal(back.response_ids, np.concatenate([seg.prior_response_ids, seg.new_token_ids]))
     # Float bits survive exactly (no text round trip).
     assert back.new_logprobs.tobytes() == seg.new_logprobs.tobytes()

@@ -81,6 +81,18 @@ def apps(ray_session, cli_run, tmp_path_factory):
     serve.shutdown()  # the next module starts Serve on its own port
 
 
+def test_the_policy_endpoint_follows_a_restarted_learner_to_a_lower_version():
+    """Issue 44 (4): the endpoint took only versions greater than its own, so after a restart from
+    a checkpoint (or a new run) it served the dead run's weights until the new counter overtook
+    them. A version is read with its learner's incarnation now."""
+    from asyncrl.serve.policy import follows
+
+    assert follows(("", 0), ("a", 5)) and not follows(("", 0), ("a", 0))  # the model's own weights
+    assert follows(("a", 5), ("a", 6)) and not follows(("a", 6), ("a", 6)) and not follows(("a", 6), ("a", 5))
+    assert follows(("a", 60), ("b", 48))  # restarted from the step-48 checkpoint: a rollback
+    assert follows(("a", 60), ("c", 0))  # a new run
+
+
 def test_status_and_openai_client_see_rising_weight_version(apps):
     client = openai.OpenAI(base_url=f"{apps}/v1", api_key="unused")
     seen = []
@@ -441,7 +453,8 @@ def test_fuzzed_routes_never_answer_5xx(apps, app):
     # The replicas that answered are the ones that started: nothing crashed and restarted.
     time.sleep(1.0)
     assert replica_identities(url) == before
-    assert httpx.get(f"{url}/train/healthz", timeout=60).json() == {"ok": True, "restarts": 0}
+    health = httpx.get(f"{url}/train/healthz", timeout=60).json()
+    assert health["ok"] is True and health["restarts"] == 0, health  # (it also names its run_dir)
 
 
 def test_the_status_page_does_not_grow_with_the_number_of_steps(apps):
@@ -497,6 +510,11 @@ def test_the_generator_pool_scales_1_3_1_by_the_admin_route_while_it_trains(apps
             train_app = {**APP_CONFIGS[0], "deployments": [{"name": "TrainController",
                                                              "user_config": {"num_generators": count}}]}
             deploy_declaratively([train_app, *APP_CONFIGS[1:]], timeout_s=600)
+            # reconfigure returns at once and scales in the background (a drain outlasts Serve's
+            # wait for reconfigure and its health checks): the pool gets there soon after.
+            deadline = time.time() + 300
+            while len(look()["pool"]["generators"]) != count and time.time() < deadline:
+                time.sleep(1.0)
         for _ in range(8):
             status = look()
             time.sleep(1.0)

@@ -42,8 +42,13 @@ class TrainerConfig(Section):
     """How many of the newest checkpoints to keep (a commit is atomic; 2 also keeps a fallback for a
     checkpoint damaged on disk)."""
     max_restarts: NonNegativeInt = 3
-    """When a role that holds unrecoverable state dies, restart the run from the newest checkpoint
-    this many times at most (`asyncrl train` and the Serve `train` app); 0 = fail at the first death."""
+    """When a role that holds unrecoverable state dies (or any other error ends a poll of the run),
+    restart the run from the newest checkpoint, this many times at most within any
+    `restart_window_s` (`asyncrl train` fails past it; the Serve `train` app waits until the window
+    allows the next); 0 = fail at the first death."""
+    restart_window_s: PositiveFloat = 3600.0
+    """The window `max_restarts` counts restarts in (restarts.jsonl keeps them across processes): a
+    budget per hour, so a run of days is not ended by a few restarts spread over its life."""
     stall_timeout_s: PositiveFloat = 600.0
     """`asyncrl train` fails if no learner step happens for this long (e.g. dynamic sampling
     dropping every group of a task the policy has solved), naming the drop counts."""
@@ -104,10 +109,12 @@ class ClusterConfig(Section):
     moves a few thousand segments a second; give many generators several."""
     lease_s: PositiveFloat = 600.0
     """A message taken from a mailbox and not acknowledged within this is delivered again (a
-    generator that dies or leaves gives its leases back at once)."""
+    generator that dies or leaves gives its leases back at once; a generator renews the leases of
+    the prompts it works on every quarter of this)."""
     generator_timeout_s: PositiveFloat = 120.0
-    """A generator that does not answer for this long (its stats, or a weight delivery) is healed:
-    its work goes back through the ledger to the others and a replacement joins."""
+    """A generator that does not answer for this long (its stats, or a weight delivery), or whose
+    engine call in progress (a window, a weight load) has run this long, is healed: its work goes
+    back through the ledger to the others and a replacement joins. It must exceed the longest window."""
     drain_timeout_s: NonNegativeFloat = 60.0
     """A generator leaving the pool finishes its sequences for up to this long, then hands the rest back."""
     autoscale: bool = False
@@ -150,6 +157,11 @@ class ServeConfig(Section):
     max_body_mb: PositiveInt = 4
     """Policy endpoint: request bodies over this are refused with 413 before they are read
     (declared lengths at once, chunked bodies as they arrive)."""
+    resume_run: bool = True
+    """The `train` app continues the run of its run directory when that has a valid checkpoint (a
+    controller Serve replaced, a redeploy, a restarted cluster), as `resume=true` does; without
+    `trainer.run_dir` that directory is `outputs/serve-<app name>`, the same at every start.
+    false: every start is a new run (in a new timestamped directory unless trainer.run_dir is set)."""
 
 
 class DQOConfig(Section):

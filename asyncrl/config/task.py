@@ -73,7 +73,18 @@ class TaskConfig(Section):
     retire_epochs: PositiveInt = 1
     """How long a retired prompt sits out: until this many datasets' worth of other prompts were issued."""
     retire_unsolved: bool = True
-    """Retire prompts whose groups are all wrong too (DAPO learns nothing from them)."""
+    """Retire prompts whose groups are all wrong too (DAPO learns nothing from them), for a while:
+    they come back as the policy moves (`unsolved_retry_versions`)."""
+    unsolved_retry_versions: PositiveInt = 2
+    """An unsolved prompt sits out this many policy versions, then is tried again; each retry that
+    is all wrong again doubles the wait, up to 4 times this (2, 4, 8, 8, ... versions). When nothing
+    else can be issued (the policy no longer moves) it is tried at once."""
+    unsolved_max_retries: NonNegativeInt = 64
+    """An unsolved prompt all wrong through this many retries is given up for good (counted apart:
+    `prompts_given_up`); 0 = never. A run is done only when every prompt is solved or given up.
+    Sized for the retries at once when nothing else can be issued (a policy that no longer moves,
+    whose hard prompts the tiny task ends at 0.03-0.3%): 64 groups of 32 samples find an answer
+    the policy gives 0.1% of the time with probability 0.87, one it gives 0.03% with 0.46."""
     retest_every_s: PositiveFloat = 30.0
     """When every prompt is retired (a service that keeps running), the prompt retired longest is
     tried again this often: a swapped reward or a changed policy can bring prompts back."""

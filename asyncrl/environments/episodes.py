@@ -35,6 +35,15 @@ class Observation:
     malformed: bool
 
 
+def observation_of(observing: "asyncio.Future") -> Observation:
+    """A finished observation task's answer; an environment that raised is an error observation
+    (the episode goes on, told what happened)."""
+    try:
+        return observing.result()
+    except Exception as exc:  # noqa: BLE001
+        return Observation([], f"error: {type(exc).__name__}", True, False)
+
+
 class Episodes:
     """A task's episodes: `tool_format` (its stop string, parser and rendering), the environment to
     ask, the tokenizer, and the budget (`max_turns` tool calls; observations cut to

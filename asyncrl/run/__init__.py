@@ -10,14 +10,22 @@ hangs is healed in place, its work re-issued through the ledger, while the learn
 on what the others produce; the pool grows and shrinks by hand (`scale`) or by policy
 (`cluster.autoscale`). Any other role holds state no other process has (the learner's weights and
 optimizer, the prompt source's cursor and ledger, the assembler's open groups, the value learner,
-a mailbox's queue): its death brings the whole system back from the newest valid checkpoint
-(`trainer.max_restarts` times at most), the one recovery that is exact for them
-(docs/architecture.md, checkpoints and resume). The cost is the steps since that checkpoint.
+a mailbox's queue): its death brings the whole system back from the newest valid checkpoint, the
+one recovery that is exact for them (docs/architecture.md, checkpoints and resume). The cost is
+the steps since that checkpoint.
+
+Every error of a poll takes that path, not only a death `check_alive` sees: an error healing the
+pool, reading the metrics or the status is a part of the run that failed, and a run of days must
+not end on one. Restarts are budgeted per window (`trainer.max_restarts` within any
+`trainer.restart_window_s`, an hour by default), counted from `restarts.jsonl`, so a run that
+restarted three times in a week is not one restart from its end, and a controller that replaces
+another (Serve) counts the restarts before it. A spent budget raises `RestartBudgetSpent`, which
+says when the next restart is allowed (Serve waits for it); a run that cannot restart at all (no
+checkpoint, a start that failed) raises `RunFailed`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import time
@@ -25,6 +33,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import msgspec
 from ray.exceptions import RayError
 
 from asyncrl import checkpoint
@@ -42,6 +51,40 @@ class StallError(RuntimeError):
     """No learner step for `trainer.stall_timeout_s`."""
 
 
+class RunFailed(RuntimeError):
+    """The run cannot come back: no checkpoint to restart from, or it could not start again
+    (`attempted`: a restart was tried, and spent the budget)."""
+
+    def __init__(self, message: str, attempted: bool = False):
+        super().__init__(message)
+        self.attempted = attempted
+
+
+class RestartBudgetSpent(RunFailed):
+    """`trainer.max_restarts` restarts within the last `trainer.restart_window_s`: the next one is
+    allowed at `retry_at` (a wall-clock time)."""
+
+    def __init__(self, message: str, retry_at: float, reason: str = ""):
+        super().__init__(message)
+        self.retry_at = retry_at
+        self.reason = reason  # what the refused restart was for
+
+
+class InjectedFault(RuntimeError):
+    """An error a load test injected into the poll (`Run.inject_poll_errors`)."""
+
+
+def restart_allowed_at(restart_times: list[float], now: float, max_restarts: int, window_s: float) -> float | None:
+    """None when a restart is allowed now (fewer than `max_restarts` in the last `window_s`), else
+    the time the oldest of them leaves the window. `max_restarts=0`: never (inf)."""
+    if max_restarts <= 0:
+        return float("inf")
+    recent = sorted(t for t in restart_times if t > now - window_s)
+    if len(recent) < max_restarts:
+        return None
+    return recent[-max_restarts] + window_s
+
+
 @dataclass
 class Poll:
     records: list[dict] = field(default_factory=list)  # new step records, as written
@@ -57,7 +100,10 @@ class Run:
         self.max_steps = max_steps  # the learner stops there (0: trains until stopped, as under Serve)
         self.stall_timeout_s = config.trainer.stall_timeout_s if stall_timeout_s is None else stall_timeout_s
         self.log = RunRecords(run_dir, annotate, wandb_run, history_limit)
-        self.restarts: list[dict[str, Any]] = []
+        self.restarts: list[dict[str, Any]] = []  # this process's restarts
+        # When restarts were tried (this process's and, from restarts.jsonl, earlier ones): the budget.
+        self.restart_times: list[float] = _earlier_restarts(run_dir, config.trainer.restart_window_s)
+        self.inject_poll_errors = 0  # load tests: the next N polls raise `InjectedFault`
         self.system: System | None = None
         self.last_status: dict = {}  # the status read at the last poll with new steps
         self.last_step_at = time.time()
@@ -82,27 +128,38 @@ class Run:
         return self.records[-1]["step"] if self.records else self.system.resumed.get("step", 0)
 
     def check(self) -> dict | None:
-        """None while every role's loop runs; after a death, the run restarted from the newest
-        checkpoint (the event, also in `restarts.jsonl`), or raise when it cannot recover."""
+        """None while every role's loop runs (generators that died or hung are healed in place);
+        after any other failure, the run restarted from the newest checkpoint (the event, also in
+        `restarts.jsonl`), or raise when it cannot recover (`RunFailed`)."""
         try:
             dead = self.system.check_alive()
-        except Exception as exc:  # a role's loop ended: its error, or ActorDiedError
-            restart = self.restart(f"{type(exc).__name__}: {exc}".splitlines()[0][:300], exc)
-        else:
             self.system.pool.check(dead)  # generators: healed in place, replaced while there is room
-            return None
-        self.log.after_restart(restart["step"])
-        with open(os.path.join(self.run_dir, "restarts.jsonl"), "a") as f:
-            f.write(json.dumps(restart) + "\n")
-        self.last_step_at = time.time()
-        return restart
+        except Exception as exc:  # a role's loop ended (its error, ActorDiedError), or the healing failed
+            return self.restart_after(exc)
+        return None
 
     def poll(self, check_health: bool = True) -> Poll:
-        """One look at the run; raises when it cannot recover, or `StallError` when it stalled.
-        `check_health=False`: only record the steps done (after the learner was stopped on purpose)."""
-        restart = self.check() if check_health else None
-        if restart is not None:
-            return Poll(restart=restart)
+        """One look at the run; raises when it cannot recover (`RunFailed`), or `StallError` when it
+        stalled. Any other error restarts the run. `check_health=False`: only record the steps done
+        (after the learner was stopped on purpose); errors then propagate."""
+        if check_health:
+            restart = self.check()
+            if restart is not None:
+                return Poll(restart=restart)
+        try:
+            return self._observe()
+        except StallError:
+            raise
+        except Exception as exc:
+            if not check_health:
+                raise
+            return Poll(restart=self.restart_after(exc))
+
+    def _observe(self) -> Poll:
+        """The new step records, stamped with the status; the prompts' state when the run is quiet."""
+        if self.inject_poll_errors > 0:
+            self.inject_poll_errors -= 1
+            raise InjectedFault("an error injected into the run's poll (load test)")
         new = self.system.pop_metrics()
         if not new:
             quiet_s = time.time() - self.last_step_at
@@ -123,6 +180,27 @@ class Run:
         if self.config.cluster.autoscale:
             self._autoscale_step(self.last_status)
         return Poll(records=new, retirements=retirements)
+
+    def restart_after(self, exc: BaseException, reason: str = "") -> dict:
+        """`exc` ended this incarnation: restart from the checkpoint, record it (`restarts.jsonl`);
+        raise `RunFailed` if it cannot. `reason`: the restart's (default: `exc` in one line)."""
+        reason = reason or f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        try:
+            restart = self.restart(reason, exc)
+        except RunFailed as failed:
+            # A refused restart (no checkpoint, the budget spent) spends no budget; a failed start does.
+            self._write_restart({"reason": reason, "at": time.time(), "failed": str(failed)[:500],
+                                 "attempted": failed.attempted})
+            raise
+        self.log.after_restart(restart["step"])
+        self._write_restart(restart)
+        self.last_step_at = time.time()
+        return restart
+
+    def _write_restart(self, event: dict) -> None:
+        if self.run_dir:
+            with open(os.path.join(self.run_dir, "restarts.jsonl"), "a") as f:
+                f.write(json.dumps(event) + "\n")
 
     def scale(self, count: int, reason: str = "admin") -> list[dict]:
         """Grow or shrink the generator pool to `count` (within `cluster.max_generators`)."""
@@ -152,17 +230,26 @@ class Run:
                                            f"{elapsed:.0f}s for batches")
 
     def restart(self, reason: str, cause: BaseException | None = None) -> dict:
-        """Bring the system back from the newest valid checkpoint; the event, or raise when it cannot."""
+        """Bring the system back from the newest valid checkpoint; the event. Raises
+        `RestartBudgetSpent` when the window's budget is spent (retry at its `retry_at`), `RunFailed`
+        when there is no checkpoint or the system could not start."""
         start = time.perf_counter()
         # Stop first: a learner still alive could otherwise commit newer checkpoints and prune the
         # one chosen below.
         self.system.stop()
         latest, _ = checkpoint.latest_valid(self.run_dir) if self.run_dir else (None, [])
-        if len(self.restarts) >= self.config.trainer.max_restarts or latest is None:
-            why = "no checkpoint to restart from" if latest is None else \
-                f"trainer.max_restarts={self.config.trainer.max_restarts} used up"
-            raise RuntimeError(f"the run cannot recover ({why}) from: {reason}") from cause
-        resumed = dataclasses.replace(self.config, resume=True)
+        if latest is None:
+            raise RunFailed(f"the run cannot recover (no checkpoint to restart from) from: {reason}") from cause
+        trainer, now = self.config.trainer, time.time()
+        retry_at = restart_allowed_at(self.restart_times, now, trainer.max_restarts, trainer.restart_window_s)
+        if retry_at is not None:
+            budget = f"trainer.max_restarts={trainer.max_restarts} within {trainer.restart_window_s:g}s used up"
+            if retry_at == float("inf"):
+                raise RunFailed(f"the run cannot recover ({budget}) from: {reason}") from cause
+            raise RestartBudgetSpent(f"the run cannot restart before {time.strftime('%H:%M:%S', time.localtime(retry_at))} "
+                                     f"({budget}) after: {reason}", retry_at, reason) from cause
+        self.restart_times.append(now)  # an attempt spends the budget, whether or not it starts
+        resumed = msgspec.structs.replace(self.config, resume=True)
         for attempt in range(RESTART_ATTEMPTS):
             try:
                 self.system = System(resumed, self.run_dir, self.max_steps, num_generators=self.system.pool.target,
@@ -172,9 +259,12 @@ class Run:
                 # A node that is dying may still take actors until Ray has marked it dead (its
                 # heartbeats time out): they die with it. Try again once that has happened.
                 if attempt == RESTART_ATTEMPTS - 1:
-                    raise RuntimeError(f"the run could not restart after {reason}: {exc}") from exc
+                    raise RunFailed(f"the run could not restart after {reason}: {exc}", attempted=True) from exc
                 time.sleep(RESTART_WAIT_S)
-        event = {"reason": reason, "restart_s": time.perf_counter() - start, "at": time.time(),
+            except Exception as exc:  # a checkpoint it could not load, a bad setting: not one to retry
+                raise RunFailed(f"the run could not restart after {reason}: {type(exc).__name__}: {exc}",
+                                attempted=True) from exc
+        event = {"reason": reason, "restart_s": time.perf_counter() - start, "at": now,  # when it was tried
                  **{k: self.system.resumed[k] for k in ("checkpoint", "step", "reissued_prompts", "saved_batches")}}
         if cause is not None:  # where it failed, for whoever reads restarts.jsonl (the reason is one line)
             event["error"] = "".join(traceback.format_exception(cause))[-4000:]
@@ -183,6 +273,11 @@ class Run:
 
     def stop_learning(self) -> None:
         self.system.stop_learning()
+
+    def drain(self, timeout_s: float = 120.0) -> dict:
+        """Issue nothing more, let the work in flight end, and say what the ledger shows then
+        (`System.drain`): a drained run has nothing in flight that no generator holds."""
+        return self.system.drain(timeout_s)
 
     def checkpoint(self) -> str:
         return self.system.checkpoint()
@@ -196,6 +291,26 @@ class Run:
 
     def write_plots(self) -> None:
         self.log.write_plots()
+
+
+def _earlier_restarts(run_dir: str, window_s: float) -> list[float]:
+    """When the restarts in `restarts.jsonl` within the last `window_s` were tried (a resumed run,
+    a Serve controller replacing another, keeps counting them)."""
+    path = os.path.join(run_dir, "restarts.jsonl") if run_dir else ""
+    if not path or not os.path.exists(path):
+        return []
+    since = time.time() - window_s
+    times = []
+    with open(path) as f:
+        for line in f:
+            try:
+                event = json.loads(line)
+                at = float(event.get("at", 0.0))
+            except (ValueError, AttributeError):
+                continue  # a line cut by a crash
+            if at > since and event.get("attempted", True):  # refused restarts spent nothing
+                times.append(at)
+    return times
 
 
 def _prompt_state(status: dict) -> dict:

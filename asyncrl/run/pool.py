@@ -7,11 +7,16 @@ or hung one is healed in place, its work re-issued through the ledger (none lost
   weights.
 * **Leave** (scaling down): it stops admitting prompts and finishes its sequences (up to
   `cluster.drain_timeout_s`); whatever is still unfinished is handed back.
-* **Heal** (its loop ended, or it did not answer for `cluster.generator_timeout_s`): the assembler
-  retires it first (its partial samples are dropped, anything of it still on its way is ignored),
-  then the prompts mailbox gives back its leases at once (another generator regenerates those
-  samples from their first window, with the same seeds), then the learner stops delivering to it,
-  and a replacement joins while there is room under the target.
+* **Heal** (its loop ended; the learner reports that a weight delivery to it failed or timed out;
+  or it is not live: its stats call went unanswered, or an engine call of it, a window or a weight
+  load, has run for `cluster.generator_timeout_s`): the assembler retires it first (what it
+  finished still counts; its partial samples wait for another copy), then the prompts mailbox gives
+  back its leases at once (another generator regenerates those samples from their first window,
+  with the same seeds), then the learner stops delivering to it, the actor is killed (its mappings
+  of the weights' shared-memory slots go with it), and a replacement joins while there is room
+  under the target. Liveness is progress, not an answer: a generator whose engine is wedged in its
+  thread still answers `stats`, and one whose delivery failed would otherwise go on generating on
+  frozen weights, every sample of it dropped as stale.
 
 Every change is an event: a line of `generators.jsonl` in the run directory and on the status page.
 """
@@ -56,8 +61,8 @@ class Pool:
         cfg, boxes = self.system.config, self.system.mailboxes
         handle = spawn(GeneratorActor, model=cfg.model, engine=cfg.engine, sampling=cfg.sampling, prompts=boxes["prompts"],
                        segments=boxes["segments"], generator_id=gid, environment=cfg.environment,
-                       environment_endpoint=self.system.environment,
-                       template_kwargs=cfg.task.chat_template_kwargs, placement=placement)
+                       environment_endpoint=self.system.environment, template_kwargs=cfg.task.chat_template_kwargs,
+                       lease_s=cfg.cluster.lease_s, placement=placement)
         self.system.generators[gid] = handle
         return handle
 
@@ -150,14 +155,16 @@ class Pool:
     # --- health -------------------------------------------------------------------------------------
 
     def check(self, dead: list[str]) -> list[dict]:
-        """Heal `dead` generators and those that stopped answering, then start replacements while
-        the pool is under its target (after a failed start, again `cluster.generator_timeout_s` later)."""
+        """Heal `dead` generators, those the learner could not deliver to and those that are not live,
+        then start replacements while the pool is under its target (after a failed start, again
+        `cluster.generator_timeout_s` later)."""
         with self._lock:
             return self._check(dead)
 
     def _check(self, dead: list[str]) -> list[dict]:
         events = [self.heal(gid, "its loop ended") for gid in dead if gid in self.system.generators]
-        events += [self.heal(gid, why) for gid, why in self._unresponsive()]
+        events += [self.heal(gid, f"its weight delivery failed ({why})") for gid, why in self._undelivered()]
+        events += [self.heal(gid, why) for gid, why in self._unresponsive() if gid in self.system.generators]
         now = time.monotonic()
         if len(self.system.generators) < self.target and now >= self._retry_at:
             added = self.add("replacement", self.target - len(self.system.generators))
@@ -166,8 +173,18 @@ class Pool:
                 self._retry_at = now + self.system.config.cluster.generator_timeout_s
         return events
 
+    def _undelivered(self) -> list[tuple[str, str]]:
+        """Generators of the pool that the learner reports a failed (or timed out) delivery to: it
+        dropped them, so they would keep generating on the version they hold, for ever."""
+        learner = self.system.actors.get("learner")
+        if learner is None or not self.system.generators:
+            return []
+        failed = ray.get(learner.failed_generators.remote(), timeout=60)
+        return [(gid, why) for gid, why in failed.items() if gid in self.system.generators]
+
     def _unresponsive(self) -> list[tuple[str, str]]:
-        """Generators whose stats call has been unanswered for `cluster.generator_timeout_s`."""
+        """Generators that are not live: a stats call unanswered, or an engine call (a window, a weight
+        load) running, for over `cluster.generator_timeout_s`."""
         now, limit = time.monotonic(), self.system.config.cluster.generator_timeout_s
         hung = []
         for gid, handle in self.system.generators.items():
@@ -178,10 +195,17 @@ class Pool:
                     self._last_ping[gid] = now
                 continue
             ready, _ = ray.wait([ping[0]], timeout=0)
-            if ready:
-                del self._pings[gid]
-            elif now - ping[1] > limit:
-                hung.append((gid, f"no answer for {limit:.0f}s"))
+            if not ready:
+                if now - ping[1] > limit:
+                    hung.append((gid, f"no answer for {limit:.0f}s"))
+                continue
+            del self._pings[gid]
+            try:
+                busy_s = ray.get(ping[0])["engine_call_s"]
+            except ray.exceptions.RayError:
+                continue  # it died: its loop's end says so
+            if busy_s > limit:
+                hung.append((gid, f"an engine call (a window or a weight load) running for {busy_s:.0f}s"))
         return hung
 
     def _event(self, kind: str, gid: str, reason: str, **extra) -> dict:

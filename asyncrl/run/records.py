@@ -51,6 +51,7 @@ class RunRecords:
         """The steps after the checkpoint a restart came back from are redone."""
         self.records = [r for r in self.records if r["step"] <= step]
         self._previous_poll = (time.time() - self.started, 1 << 62)  # the next poll's rate is unknown
+        self._retirement_seq = -1  # a new prompt source numbers its retirement events from 0
 
     def note_prompts(self, status: dict) -> None:
         """The prompt source's retirement figures (also read between steps: the last prompt may
@@ -59,6 +60,7 @@ class RunRecords:
         self.retired_share = prompts.get("prompts_retired_share", 0.0)
         self.prompts_exhausted = bool(prompts.get("all_prompts_exhausted"))
         self.retired_by_reason = dict(prompts.get("retired_by_reason", {}))
+        self._new_retirements(prompts.get("retirement_log", []))  # the last ones come after the last step
 
     def add(self, new: list[dict], status: dict, resumed: bool) -> list[dict]:
         """Stamp, annotate and write new step records; returns the new retirement events."""
@@ -75,10 +77,9 @@ class RunRecords:
         if self._previous_poll is None and resumed:  # counters restored: no rate until the next poll
             self._previous_poll = (0.0, 1 << 62)
         stamp["samples_per_s"] = samples_per_s(self._previous_poll, stamp["wall_time_s"], stamp["samples_trained"])
-        prompts = status.get("prompt_source", {})
+        retirements = self._new_retirements(status.get("prompt_source", {}).get("retirement_log", []))
         self.note_prompts(status)
         stamp["prompts_retired_share"] = self.retired_share
-        retirements = self._new_retirements(prompts.get("retirement_log", []))
         self._previous_poll = (stamp["wall_time_s"], stamp["samples_trained"])
         with open(self.metrics_path, "a") as metrics_file:
             for record in new:

@@ -86,6 +86,7 @@ class System:
         self._endpoints: dict[str, Any] = {}  # reward endpoint actors (none under Serve)
         self.environment: Any = None  # the environment endpoint actor (a task with an environment)
         self._last_value: dict = {}
+        self.draining = False  # `drain` stopped the prompt source
 
     def start(self) -> "System":
         try:
@@ -277,6 +278,43 @@ class System:
     def ledger(self) -> dict:
         return ray.get(self.actors["prompt_source"].ledger.remote())
 
+    def drain(self, timeout_s: float = 120.0, settle_s: float = 3.0) -> dict:
+        """Stop issuing prompts and let the work in flight end (the learner trains on), then prove it
+        with the ledger: every sample still in flight must be one a live generator holds (a hung
+        one holds its own), and none may wait for a reward that never comes. The run issues
+        nothing more after this (`check_alive` accepts the prompt source's end)."""
+        self.draining = True
+        start = time.monotonic()
+        ray.get(self.actors["prompt_source"].stop.remote(), timeout=60)
+        quiet_since = None  # unaccounted samples pass through states (a segment on its way): wait for none
+        while True:
+            open_ids = ray.get(self.actors["prompt_source"].open_samples.remote(), timeout=60)
+            in_flight, awaiting = set(open_ids["in_flight"]), set(open_ids["awaiting_reward"])
+            held = self._held_samples()
+            unaccounted = (in_flight - held) | awaiting
+            now = time.monotonic()
+            quiet_since = None if unaccounted else (quiet_since or now)
+            if (quiet_since is not None and now - quiet_since >= settle_s) or now - start > timeout_s:
+                break
+            time.sleep(0.5)
+        counts = ray.get(self.actors["prompt_source"].ledger.remote(), timeout=60)["counts"]
+        return {"drain_s": round(time.monotonic() - start, 1), "in_flight_after_drain": len(in_flight),
+                "held_by_generators": len(in_flight & held), "awaiting_reward_after_drain": len(awaiting),
+                "unaccounted": len(unaccounted), "unaccounted_ids": sorted(unaccounted)[:10],
+                "awaiting_training_after_drain": counts["awaiting_training"]}
+
+    def _held_samples(self) -> set[str]:
+        """The samples the live generators hold (one that does not answer within 5 s holds nothing)."""
+        calls = {gid: g.held_samples.remote() for gid, g in self.generators.items()}
+        ready, _ = ray.wait(list(calls.values()), num_returns=len(calls), timeout=5.0)
+        held = set()
+        for ref in ready:
+            try:
+                held.update(ray.get(ref))
+            except ray.exceptions.RayError:
+                pass  # it died: it holds nothing
+        return held
+
     def check_alive(self) -> list[str]:
         """Raise the error of any role's loop that ended (a crash must not look like a slow run),
         but a generator's: the generators whose loops ended are returned, for the pool to heal."""
@@ -287,6 +325,8 @@ class System:
             if name.startswith("generator:"):
                 dead.append(name.removeprefix("generator:"))
                 continue
+            if name == "prompt_source" and self.draining:
+                continue  # stopped on purpose (`drain`)
             try:
                 ray.get(ref)
             except Exception as exc:  # the loop's own error, named by its role

@@ -12,6 +12,11 @@ request whose client goes away is cancelled and its sequences leave the engine a
 a request's KV cache is checked against the bound before it is admitted. `GET /health` answers
 from the loop alone, with the engine's load.
 
+A version is read with the learner's incarnation id (`weight_tag`): a run restarted from its
+checkpoint, or a new run, starts another line of versions whose numbers may be lower than the one
+served, and the endpoint takes it (`follows`), where comparing numbers alone would serve the dead
+line's weights until the new counter overtook them.
+
 No `from __future__ import annotations` here (see `asyncrl.serve.train`).
 """
 
@@ -65,6 +70,17 @@ async def until_disconnected(request: Request | None) -> None:
         pass
 
 
+def follows(served: tuple[str, int], learner: tuple[str, int]) -> bool:
+    """Whether the endpoint takes the learner's weights: `(incarnation id, version)` served and the
+    learner's. The same incarnation: a newer version. Another one: any version (a restart from a
+    checkpoint rolls back, a new run starts again at 0), once the endpoint follows a learner at
+    all; the model's own weights ("") give way to any version above them."""
+    (served_line, served_version), (line, version) = served, learner
+    if line == served_line or not served_line:
+        return version > served_version
+    return True
+
+
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
 @serve.ingress(policy_api)
 class PolicyServer:
@@ -88,6 +104,7 @@ class PolicyServer:
         self.render = renderer(self.tokenizer, self.format, config.model.use_chat_template,
                                config.task.chat_template_kwargs)
         self.poll_s = poll_s
+        self.incarnation = ""  # the learner incarnation whose weights are served ("": the model's own)
         self.started_at = time.time()
         self.weight_errors = 0
         self._task = None
@@ -98,10 +115,11 @@ class PolicyServer:
         while True:
             try:
                 learner = ray.get_actor(LEARNER_NAME, namespace=NAMESPACE)
-                version = await learner.weight_version.remote()
-                if version > self.policy.weight_version:
+                incarnation, version = await learner.weight_tag.remote()
+                if follows((self.incarnation, self.policy.weight_version), (incarnation, version)):
                     version, weights = await learner.weights.remote()
                     await self.policy.load(weights.items(), version)
+                    self.incarnation = incarnation
                     del weights  # not held while waiting for the next version: a second copy of the model
             except ValueError:
                 pass  # no learner running (yet): serve the weights we have
@@ -114,7 +132,8 @@ class PolicyServer:
         t = self.config.task
         # `task` and `max_response_tokens` let `asyncrl eval --endpoint` score the task this policy learns.
         return {"object": "list", "data": [{"id": self.config.model.name, "object": "model", "owned_by": "asyncrl",
-                                            "weight_version": self.policy.weight_version, "started_at": self.started_at,
+                                            "weight_version": self.policy.weight_version,
+                                            "weight_incarnation": self.incarnation, "started_at": self.started_at,
                                             "task": {"name": t.name, "seed": t.seed, "num_eval_prompts": t.num_eval_prompts,
                                                      "eval_path": t.eval_path or t.path},
                                             "max_response_tokens": self.config.engine.max_response_tokens}]}

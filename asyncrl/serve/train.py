@@ -5,6 +5,15 @@ fails a health check is restarted and would lose their state); the controller ow
     serve run configs/serve.yaml            # every application, trains until stopped
     serve run asyncrl.serve.train:build_train overrides="model=tiny task=tiny"
 
+One run per app, whatever happens to the controller: its run directory is the same at every start
+(`trainer.run_dir`, or `outputs/serve-<app name>`) and a start continues the run there from its
+newest checkpoint (`serve.resume_run`), so a controller Serve replaces, a redeploy or a restarted
+cluster goes on with the run instead of training the base model again. Inside one controller every
+error of a poll restarts the run from its checkpoint (`asyncrl.run.Run`); when the restart budget
+of the window is spent the controller waits for the window to allow the next restart (its health
+check passes: replacing it would not help, `/healthz` says what it waits for); a run that cannot
+restart at all fails the health check, and the controller that replaces it resumes the run.
+
 No `from __future__ import annotations` here: Serve's ingress wrapper resolves route annotations
 at runtime, and string annotations would turn request bodies into query parameters.
 """
@@ -13,16 +22,18 @@ import asyncio
 import json
 import logging
 import os
+import threading
 import time
 from typing import Any
 
+import msgspec
 from fastapi import FastAPI, HTTPException
 from fastapi.responses import HTMLResponse
 from pydantic import BaseModel, Field
 from ray import serve
 
 from asyncrl.config import Config
-from asyncrl.run import Run
+from asyncrl.run import RestartBudgetSpent, Run
 from asyncrl.run.records import REWARD_KEY
 from asyncrl.serve.guards import admin_guard, config_from_args
 
@@ -79,30 +90,41 @@ train_api = FastAPI(title="asyncrl train")
 train_api.middleware("http")(admin_guard)
 
 
+def serve_run(config: Config, app_name: str) -> tuple[str, Config]:
+    """The train app's run directory, and its config (`resume` set when it continues the run there)."""
+    from asyncrl.checkpoint import latest_valid, resolve_run_dir
+
+    if not config.serve.resume_run:
+        return resolve_run_dir(config.trainer.run_dir, config.resume, prefix="serve-"), config
+    run_dir = config.trainer.run_dir or os.path.join("outputs", f"serve-{app_name}")
+    resume = config.resume or latest_valid(run_dir)[0] is not None
+    return run_dir, msgspec.structs.replace(config, resume=resume)
+
+
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=100, health_check_period_s=10)
 @serve.ingress(train_api)
 class TrainController:
     def __init__(self, config: Config):
-        from asyncrl.checkpoint import resolve_run_dir
-
-        self.config = config
         # Through the imported module: Serve pickles this class by value, so a bare global here
         # would be a copy, not the dict `admin_guard` reads.
         from asyncrl.serve import guards
 
         guards.ADMIN_TOKEN["value"] = config.serve.admin_token or os.environ.get("ASYNCRL_ADMIN_TOKEN", "")
-        # A restarted app with resume=true (and the same trainer.run_dir) continues that run.
-        self.run_dir = resolve_run_dir(config.trainer.run_dir, config.resume, prefix="serve-")
+        self.run_dir, self.config = serve_run(config, serve.get_replica_context().app_name)
         os.makedirs(self.run_dir, exist_ok=True)
-        # The same run as `asyncrl train` (restarted from a checkpoint if a role dies). A service runs
-        # until stopped: no stall deadline.
-        self.run = Run(config, self.run_dir, stall_timeout_s=float("inf"), history_limit=5000).start()
+        # The same run as `asyncrl train` (restarted from a checkpoint when a part of it fails). A
+        # service runs until stopped: no stall deadline.
+        self.run = Run(self.config, self.run_dir, stall_timeout_s=float("inf"), history_limit=5000).start()
         # The line `serve run` shows when the service is up (Serve logs the replica's logger).
         logging.getLogger("ray.serve").info(
-            "asyncrl: training runs (run directory %s); status at /train/status and /train/, the policy at /v1",
-            self.run_dir)
-        self.failure: str | None = None
+            "asyncrl: training runs (run directory %s%s); status at /train/status and /train/, the policy at /v1",
+            self.run_dir, ", resumed from step %d" % self.run.resumed["step"] if self.run.resumed else "")
+        self.failure: str | None = None  # why the run does not train now
+        self.fatal = False  # the run cannot come back in this controller: the health check fails
         self.started_at = time.time()
+        self._scale_lock = threading.Lock()
+        self._scale_to: int | None = None  # the pool size `serve deploy` asked for, not applied yet
+        self._scaling = False
         self._task = asyncio.get_event_loop().create_task(self._watch())
 
     @property
@@ -118,16 +140,53 @@ class TrainController:
         while True:
             await asyncio.sleep(1.0)
             try:
-                await asyncio.to_thread(self.run.poll)
-                if time.monotonic() - plotted_at > plot_every_s and self.run.records:
-                    await asyncio.to_thread(self.run.write_plots)
-                    plotted_at = time.monotonic()
-            except Exception as exc:  # could not recover: the health check reports it
-                self.failure = str(exc)
+                await asyncio.to_thread(self.run.poll)  # any error of the run restarts it
+            except RestartBudgetSpent as spent:
+                await self._restart_when_allowed(spent)
+                continue
+            except Exception as exc:  # no restart possible here: the health check fails, Serve
+                self.failure, self.fatal = str(exc), True  # replaces this controller, which resumes the run
+                logging.getLogger("ray.serve").error("asyncrl: the run cannot recover here: %s", exc)
                 return
+            if time.monotonic() - plotted_at > plot_every_s and self.run.records:
+                plotted_at = time.monotonic()
+                try:
+                    await asyncio.to_thread(self.run.write_plots)
+                except Exception as exc:  # noqa: BLE001 - a plot is not worth the run
+                    logging.getLogger("ray.serve").warning("asyncrl: plots not written: %s", exc)
+
+    async def _restart_when_allowed(self, spent: RestartBudgetSpent) -> None:
+        """The window's restarts are spent: wait until it allows the next, then restart (again, while
+        the budget says no). The run is stopped meanwhile; `/healthz` says so."""
+        while True:
+            self.failure = f"waiting to restart: {spent}"
+            await asyncio.sleep(max(0.0, spent.retry_at - time.time()) + 1.0)
+            try:
+                await asyncio.to_thread(self.run.restart_after, spent, spent.reason)
+            except RestartBudgetSpent as again:
+                spent = again
+                continue
+            self.failure = None
+            return
+
+    def drain(self, timeout_s: float = 120.0) -> dict:
+        """Through a deployment handle (no route): issue nothing more, let the work in flight end,
+        and return what the ledger shows (`Run.drain`; the run trains no more after it)."""
+        return self.run.drain(timeout_s)
+
+    def pid(self) -> int:
+        """Through a deployment handle: this replica's process (a load test kills it)."""
+        return os.getpid()
+
+    def inject_poll_errors(self, count: int) -> int:
+        """Load tests, through a deployment handle (no route): the run's next `count` polls raise."""
+        self.run.inject_poll_errors = int(count)
+        return self.run.inject_poll_errors
 
     @train_api.get("/status")
     def status(self) -> dict:
+        if self.failure:  # the run is stopped (waiting to restart, or failed): nothing to read
+            raise HTTPException(503, f"training stopped: {self.failure}")
         status = self.system.status()
         # Where each generator runs and the weights it holds (its full counters stay internal).
         status["generators"] = [{key: g.get(key) for key in ("generator_id", "node_ip", "delivered_version",
@@ -136,6 +195,7 @@ class TrainController:
         status["pool"]["events"] = self.run.log.pool_events[-20:]
         status["run_dir"] = self.run_dir
         status["started_at"] = self.started_at
+        status["restarts"] = len(self.run.restarts)
         status["reward_curve"] = [(r["step"], r[REWARD_KEY]) for r in self.history[-200:]]
         return status
 
@@ -170,13 +230,37 @@ class TrainController:
         return {"generators": list(self.system.generators), "events": events}
 
     def reconfigure(self, user_config: dict) -> None:
-        """`serve deploy` with `user_config: {num_generators: N}` scales the pool in place."""
+        """`serve deploy` with `user_config: {num_generators: N}` scales the pool in place, in the
+        background: a scale loads models and drains generators, longer than Serve waits for a
+        reconfigure or a health check. The size is checked here (a bad one fails the deploy with
+        its reason); the pool's events say when it is done."""
         unknown = sorted(set(user_config) - {"num_generators"})
         if unknown:  # a setting that would do nothing is refused (the deploy fails with this reason)
             raise ValueError(f"unknown user_config key(s) {unknown} for the train application; it takes num_generators")
         count = user_config.get("num_generators")
-        if count is not None and hasattr(self, "run"):
-            self._scale(int(count), "serve deploy (user_config)")
+        if count is None:
+            return
+        limit = self.config.cluster.max_generators
+        if not 1 <= int(count) <= limit:
+            raise ValueError(f"num_generators must be between 1 and cluster.max_generators={limit}, got {count}")
+        with self._scale_lock:
+            self._scale_to = int(count)
+            if not self._scaling:
+                self._scaling = True
+                threading.Thread(target=self._scale_in_background, daemon=True).start()
+
+    def _scale_in_background(self) -> None:
+        """Apply the newest size `reconfigure` asked for, until no newer one is waiting."""
+        while True:
+            with self._scale_lock:
+                count, self._scale_to = self._scale_to, None
+                if count is None:
+                    self._scaling = False
+                    return
+            try:
+                self.run.scale(count, "serve deploy (user_config)")
+            except Exception as exc:  # noqa: BLE001 - said in the log; the run's own errors restart it
+                logging.getLogger("ray.serve").error("asyncrl: scaling to %d generators failed: %s", count, exc)
 
     @train_api.post("/admin/checkpoint")
     async def save_checkpoint(self) -> dict:
@@ -197,10 +281,11 @@ class TrainController:
     def healthz(self) -> dict:
         if self.failure:
             raise HTTPException(503, f"training stopped: {self.failure}")
-        return {"ok": True, "restarts": len(self.run.restarts)}
+        return {"ok": True, "restarts": len(self.run.restarts), "run_dir": self.run_dir,
+                "resumed_from_step": self.run.resumed.get("step")}
 
     def check_health(self) -> None:
-        if self.failure:  # the supervisor gave up: let Serve restart this replica
+        if self.fatal:  # no restart possible here: Serve replaces this replica, which resumes the run
             raise RuntimeError(self.failure)
 
     def __del__(self):
