@@ -143,7 +143,7 @@ def _watch(run: Run, config: Config, progress: bool, ctrl_c: "_CtrlC") -> Ending
                 # The final step's checkpoint (waits for one the learner is writing, if any).
                 ending.last_checkpoint = run.checkpoint()
                 print(f"checkpoint: {ending.last_checkpoint}", flush=True)
-            ending.final_status = run.system.status()
+            ending.final_status = run.status()
             ending.weights = run.weights()
     except KeyboardInterrupt:  # a second Ctrl-C: stop now; a checkpoint being written is never half there
         ending.interrupted = True

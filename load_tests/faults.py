@@ -129,7 +129,7 @@ def _kill(role: str, overrides: list[str], run_dir: str, quick: bool) -> dict:
         ray.kill(target, no_restart=True)
         event = wait_restart(sup)
         advance(sup, 6 if quick else 12)
-        status = sup.system.status()
+        status = sup.status()
         return {"injected": f"ray.kill({role}) at step {step_at_kill}",
                 "restart_s": round(event["restart_s"], 2), "resumed_from_step": event["step"],
                 "regenerated_prompts": event["reissued_prompts"], "saved_batches_trained": event["saved_batches"],
@@ -154,12 +154,12 @@ def kill_reward(run_dir: str, quick: bool) -> dict:
     try:
         advance(sup, 3)
         endpoint = sup.system.actors["reward-verifier"]
-        before = sup.system.status()["assembler"]
+        before = sup.status()["assembler"]
         kills = 2 if quick else 5
         for _ in range(kills):
             ray.kill(endpoint, no_restart=False)  # Ray restarts it; in-flight calls are retried
             advance(sup, 2)
-        status = sup.system.status()
+        status = sup.status()
         router = status["assembler"]["reward_router"]
         return {"injected": f"{kills} kills of the reward endpoint actor mid-request",
                 "supervisor_restarts": len(sup.restarts),
@@ -179,9 +179,9 @@ def hang_reward(run_dir: str, quick: bool) -> dict:
         ray.get(endpoint.reconfigure.remote({"fault_delay_s": 3600.0}))  # never answers in time
         time.sleep(hang_s)
         ray.get(endpoint.reconfigure.remote({"fault_delay_s": 0.0}))
-        during = sup.system.status()["assembler"]
+        during = sup.status()["assembler"]
         advance(sup, 4)
-        status = sup.system.status()
+        status = sup.status()
         return {"injected": f"reward endpoint hung for {hang_s}s (timeout 1 s, 1 retry)",
                 "failed_rewards_recorded": during.get("reward_failures", 0),
                 "router": status["assembler"]["reward_router"], "supervisor_restarts": len(sup.restarts),
@@ -216,7 +216,7 @@ def fill_mailbox(run_dir: str, quick: bool) -> dict:
                 "generator_waited_for_mailbox_s": round(wait_after - wait_before, 1),
                 "rss_mb_before": {k: round(v) for k, v in rss_before.items()},
                 "rss_mb_after": {k: round(v) for k, v in rss_after.items()},
-                "step_after": sup.system.status()["step"], "ledger": ledger_report(sup)}
+                "step_after": sup.status()["step"], "ledger": ledger_report(sup)}
     finally:
         sup.stop()
 

@@ -132,7 +132,7 @@ def wait_mid_window(generator) -> int:
 def learner_restart(run: Run, timeline: Timeline, settle_s: float) -> dict:
     """Kill the learner (the whole run comes back from its checkpoint) and measure it like the rest."""
     reference = timeline.rate(time.time() - 2 * WINDOW_S, time.time())
-    step, at = run.system.status()["step"], time.time()
+    step, at = run.status()["step"], time.time()
     ray.kill(run.system.actors["learner"], no_restart=True)
     before = len(timeline.restarts)
     timeline.watch(120, until=lambda: len(timeline.restarts) > before)
@@ -151,7 +151,7 @@ def _pool_events(run: Run, since: float) -> list[dict]:
 def _healed(run: Run, timeline: Timeline, at: float, reference: float, step: int, injected: str) -> dict:
     return {"injected": injected, **timeline.recovery(at, reference), "learner_restarts": len(timeline.restarts),
             **monotone(timeline.steps_since(at)), "pool_events": _pool_events(run, at), **staleness(run, step),
-            "generator_nodes_after": sorted(g.get("node_ip", "") for g in run.system.status()["generators"]),
+            "generator_nodes_after": sorted(g.get("node_ip", "") for g in run.status()["generators"]),
             "ledger": ledger(run)}
 
 

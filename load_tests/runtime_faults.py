@@ -75,7 +75,7 @@ def hang_delivery(run_dir: str, quick: bool, extra: list[str]) -> dict:
     def watch_versions():
         while not stop.is_set():
             try:
-                status = run.system.status()
+                status = run.status()
             except Exception:  # noqa: BLE001 - a status read across a heal: the next one
                 continue
             held = [g["delivered_version"] for g in status["generators"] if not g.get("unresponsive")]
@@ -212,7 +212,7 @@ def restart_budget(run_dir: str, quick: bool, extra: list[str]) -> dict:
 
 def _kill_learner(run: Run, timeline: Timeline) -> dict:
     """Kill the learner; the poll that sees it restarts the run (or raises: the budget is spent)."""
-    step, at = run.system.status()["step"], time.time()
+    step, at = run.status()["step"], time.time()
     ray.kill(run.system.actors["learner"], no_restart=True)
     while (restart := run.poll().restart) is None:
         time.sleep(0.25)

@@ -123,13 +123,13 @@ def main() -> int:
                 next_sample = now + args.sample_every
             if now >= next_fault:
                 kind = cycle[len(faults) % len(cycle)]
-                step = sup.system.status()["step"]
+                step = sup.status()["step"]
                 faults.append({"at_s": round(now - started), "kind": kind, "what": inject(sup, kind), "step": step})
                 print(json.dumps(faults[-1]), flush=True)
                 next_fault = now + args.fault_every
             time.sleep(1.0)
         time.sleep(3.0)
-        status, ledger = sup.system.status(), ledger_report(sup)
+        status, ledger = sup.status(), ledger_report(sup)
     finally:
         sup.stop()
     # The bounded id windows (ledger, dedup) fill in the first minutes of a fast tiny run; the slope

@@ -41,17 +41,17 @@ def test_a_killed_generator_is_replaced_while_the_learner_keeps_training(ray_ses
         victim = run.system.generators["gen-0"]
         os.kill(ray.get(victim.pid.remote()), signal.SIGKILL)  # mid-window: the process is gone
         killed_at = learner_step(run)
-        steps = poll_until(run, lambda: "gen-2" in run.system.generators and learner_step(run) >= killed_at + 10)
+        steps = poll_until(run, lambda: "gen-2" in run.generator_ids and learner_step(run) >= killed_at + 10)
         assert steps == sorted(steps) and steps[-1] >= killed_at + 10  # never stopped, never went back
         assert run.restarts == []  # healed in place: no restart from a checkpoint
         events = [json.loads(line) for line in open(tmp_path / "generators.jsonl")]
         kinds = [(e["event"], e["generator"]) for e in events]
         assert kinds[:2] == [("removed", "gen-0"), ("joined", "gen-2")], kinds
-        assert sorted(run.system.generators) == ["gen-1", "gen-2"]
-        status = run.system.status()
+        assert sorted(run.generator_ids) == ["gen-1", "gen-2"]
+        status = run.status()
         bound = run.config.algorithm.max_staleness_versions
         assert all(g["delivered_version"] >= status["weight_version"] - bound - 1 for g in status["generators"])
-        run.system.stop_learning()
+        run.stop_learning()
         ledger = run.system.ledger()
         assert ledger["problems"] == [] and ledger["counts"]["duplicates"] == 0
         assert len(ledger["trained_ids"]) == len(set(ledger["trained_ids"]))
@@ -70,15 +70,15 @@ def test_a_hung_generator_is_detected_and_replaced(ray_session, tmp_path):
         victim = ray.get(run.system.generators["gen-0"].pid.remote())
         os.kill(victim, signal.SIGSTOP)  # alive but silent: only the missing answers can tell
         stopped_at = learner_step(run)
-        steps = poll_until(run, lambda: "gen-2" in run.system.generators and learner_step(run) >= stopped_at + 10)
+        steps = poll_until(run, lambda: "gen-2" in run.generator_ids and learner_step(run) >= stopped_at + 10)
         assert steps == sorted(steps) and run.restarts == []
         events = [json.loads(line) for line in open(tmp_path / "generators.jsonl")]
         removed = [e for e in events if e["event"] == "removed"]
         # Silent: its stats go unanswered, and the learner's delivery to it times out (the same bound).
         assert [e["generator"] for e in removed] == ["gen-0"], removed
         assert removed[0]["reason"] == "no answer for 8s" or "weight delivery failed" in removed[0]["reason"], removed
-        assert sorted(run.system.generators) == ["gen-1", "gen-2"]
-        run.system.stop_learning()
+        assert sorted(run.generator_ids) == ["gen-1", "gen-2"]
+        run.stop_learning()
         ledger = run.system.ledger()
         assert ledger["problems"] == [] and ledger["counts"]["duplicates"] == 0
     finally:
@@ -113,7 +113,7 @@ def test_a_generator_whose_weight_delivery_hangs_while_it_answers_is_healed(ray_
     announced_beyond = []
 
     def watch() -> bool:
-        status = run.system.status()
+        status = run.status()
         held = [g["delivered_version"] for g in status["generators"] if not g.get("unresponsive")]
         if held and status["delivered_version"] > min(held):
             announced_beyond.append((status["delivered_version"], held))
@@ -133,7 +133,7 @@ def test_a_generator_whose_weight_delivery_hangs_while_it_answers_is_healed(ray_
         assert "weight delivery failed" in removed[0]["reason"] or "engine call" in removed[0]["reason"], removed
         assert not announced_beyond, announced_beyond[:5]
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-        run.system.stop_learning()
+        run.stop_learning()
         ledger = run.system.ledger()
         assert ledger["problems"] == [] and ledger["counts"]["duplicates"] == 0
     finally:

@@ -282,6 +282,23 @@ class Run:
     def checkpoint(self) -> str:
         return self.system.checkpoint()
 
+    def checkpoint_ref(self):
+        """A checkpoint now, as an awaitable reference (the Serve app awaits it on its event loop)."""
+        return self.system.actors["learner"].save_checkpoint.remote()
+
+    def status(self) -> dict:
+        """Every role's status, the ledger's and the pool's (`System.status`)."""
+        return self.system.status()
+
+    @property
+    def generator_ids(self) -> list[str]:
+        return list(self.system.generators)
+
+    def set_reward_routes(self, routes: list[dict]):
+        """New reward routes for the assembler (validated there; the next scores use them), as an
+        awaitable reference."""
+        return self.system.actors["assembler"].set_reward_routes.remote(routes)
+
     def weights(self):
         return self.system.weights()
 

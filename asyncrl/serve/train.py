@@ -128,10 +128,6 @@ class TrainController:
         self._task = asyncio.get_event_loop().create_task(self._watch())
 
     @property
-    def system(self):
-        return self.run.system
-
-    @property
     def history(self) -> list[dict]:
         return self.run.records
 
@@ -187,7 +183,7 @@ class TrainController:
     def status(self) -> dict:
         if self.failure:  # the run is stopped (waiting to restart, or failed): nothing to read
             raise HTTPException(503, f"training stopped: {self.failure}")
-        status = self.system.status()
+        status = self.run.status()
         # Where each generator runs and the weights it holds (its full counters stay internal).
         status["generators"] = [{key: g.get(key) for key in ("generator_id", "node_ip", "delivered_version",
                                                              "busy_fraction", "unresponsive") if key in g}
@@ -211,7 +207,7 @@ class TrainController:
     async def set_reward_routes(self, body: RewardRoutesBody) -> dict:
         """Change the hybrid reward mix while training runs (validated; takes effect on the next scores)."""
         try:
-            routes = await self.system.actors["assembler"].set_reward_routes.remote(
+            routes = await self.run.set_reward_routes(
                 [route.model_dump() for route in body.routes])
         except Exception as exc:  # a route the config schema rejects
             raise HTTPException(400, f"invalid reward routes: {getattr(exc, 'cause', exc)}") from None
@@ -227,7 +223,7 @@ class TrainController:
             events = self.run.scale(count, reason)
         except ValueError as exc:  # out of the configured bounds
             raise HTTPException(400, str(exc)) from None
-        return {"generators": list(self.system.generators), "events": events}
+        return {"generators": self.run.generator_ids, "events": events}
 
     def reconfigure(self, user_config: dict) -> None:
         """`serve deploy` with `user_config: {num_generators: N}` scales the pool in place, in the
@@ -265,7 +261,7 @@ class TrainController:
     @train_api.post("/admin/checkpoint")
     async def save_checkpoint(self) -> dict:
         """Write a checkpoint now (between two learner steps)."""
-        path = await self.system.actors["learner"].save_checkpoint.remote()
+        path = await self.run.checkpoint_ref()
         return {"path": path}
 
     @train_api.get("/metrics/prometheus")
@@ -275,7 +271,7 @@ class TrainController:
 
         from asyncrl.metrics import prometheus_text
 
-        return Response(prometheus_text(self.system.status()), media_type="text/plain; version=0.0.4")
+        return Response(prometheus_text(self.run.status()), media_type="text/plain; version=0.0.4")
 
     @train_api.get("/healthz")
     def healthz(self) -> dict:
