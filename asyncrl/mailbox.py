@@ -249,6 +249,9 @@ class Mailbox(Protocol[M]):
 
     async def release(self, consumer: str) -> int: ...
 
+    async def drain_unacked(self) -> list[M]:
+        """Every message not yet acknowledged, leased or queued (the learner's checkpoint keeps them)."""
+
     async def stats(self) -> MailboxStats: ...
 
 
@@ -339,6 +342,9 @@ class InProcessMailbox(AsyncMailboxBase[M]):
 
     async def get(self, max_n: int, timeout: float | None = None, consumer: str = "") -> list[M]:
         return [item for _, item in await self._get_items(max_n, timeout, consumer)]
+
+    async def drain_unacked(self) -> list[M]:
+        return [item for _, item in await super().drain_unacked()]
 
 
 async def keep_leases(mailbox: Mailbox, held: Callable[[], list[str]], consumer: str, every_s: float,
