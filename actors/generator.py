@@ -75,8 +75,9 @@ class Generator:
     def __init__(self, engine: Engine, prompts: Mailbox, segments: Mailbox, params: SamplingParams,
                  window_tokens: int, max_response_tokens: int, max_windows: int, max_inflight: int,
                  generator_id: str = "gen-0", long_tail: tuple[float, int] = (0.0, 0),
-                 episodes: Episodes | None = None):
+                 episodes: Episodes | None = None, precision: dict | None = None):
         self.engine = engine
+        self.precision = precision or {}  # the engine's, as chosen at start-up (`asyncrl.precision`)
         self.prompts = prompts
         self.segments = segments
         self.params = params
@@ -403,6 +404,7 @@ class Generator:
             "wall_s": wall,
             "busy_fraction": self.timing["generate_s"] / wall,
             "paused_for_weights_fraction": self.timing["weight_update_s"] / wall,
+            "engine_precision": self.precision,
         }
 
 
@@ -419,7 +421,7 @@ def build_generator(model: ModelConfig, engine: EngineConfig, prompts: Mailbox, 
                     environment_endpoint=None) -> Generator:
     """A generator from its sections: the engine (embedded or SGLang) and its windows; with an
     environment, each sample is an episode whose tool calls the endpoint answers."""
-    embedded = build_generator_engine(model, engine)
+    embedded, precision = build_generator_engine(model, engine)
     max_windows = engine.max_windows or math.ceil(engine.max_response_tokens / engine.window_tokens)
     episodes = None
     if environment is not None and environment.name:
@@ -429,7 +431,8 @@ def build_generator(model: ModelConfig, engine: EngineConfig, prompts: Mailbox, 
         episodes = build_episodes(environment, load_tokenizer(model), client)
     return Generator(embedded, prompts, segments, sampling_params(engine), engine.window_tokens,
                      engine.max_response_tokens, max_windows, engine.max_inflight_sequences, generator_id,
-                     long_tail=(engine.long_tail_fraction, engine.long_tail_tokens), episodes=episodes)
+                     long_tail=(engine.long_tail_fraction, engine.long_tail_tokens), episodes=episodes,
+                     precision=precision)
 
 
 class GeneratorActor(RoleShell, WeightGroupMember):

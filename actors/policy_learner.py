@@ -309,7 +309,8 @@ class PolicyLearner(TrainingLoop):
                 "wait_batch_fraction": self.timing["wait_batch_s"] / wall,
                 "last_broadcast": self.last_broadcast, "last_checkpoint": self.last_checkpoint,
                 "incarnation": self.incarnation, "optimizer_steps": self._adam_steps,
-                "precision": self.policy.settings.precision}  # policy.precision=auto, as resolved
+                "precision": self.policy.settings.precision,  # policy.precision=auto, as resolved
+                "precision_choice": self.policy.precision.record() if self.policy.precision else {}}
 
 
 # --- builders and shells ------------------------------------------------------------------------------

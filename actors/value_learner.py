@@ -54,6 +54,7 @@ class ValueLearner(TrainingLoop):
         """`warmup`: the value pretraining (no policy row trains until it is over); `center_head`:
         start the critic's head at the mean return of the first batch (a fresh head, not a trained one)."""
         self.model = value_model.eval()
+        self.precision_choice: dict = {}  # how `settings.precision` was chosen (`learner_precision`)
         # The frozen initial policy and the distribution the generators sample from (KL in the reward).
         self.reference = None if reference is None else reference.eval().requires_grad_(False)
         self.sampling = sampling or SamplingParams()
@@ -190,7 +191,8 @@ class ValueLearner(TrainingLoop):
         return {"value_version": self.version, "value_ready": self.ready, "pending_trajectories": len(self._pending),
                 **self.counters, **{f"value_{k}": v for k, v in self.timing.items()},
                 "value_busy_fraction": self.timing["train_s"] / wall, "last": self.last,
-                "value_precision": self.settings.precision}  # critic.precision=auto, as resolved
+                "value_precision": self.settings.precision,  # critic.precision=auto, as resolved
+                "value_precision_choice": self.precision_choice}
 
 
 def build_value_learner(model: ModelConfig, critic: CriticConfig, algorithm: AlgorithmConfig, engine: EngineConfig,
@@ -203,15 +205,18 @@ def build_value_learner(model: ModelConfig, critic: CriticConfig, algorithm: Alg
         value_model = value_model_from_checkpoint(critic.init_path, model, tokenizer)
     else:
         value_model = value_model_from_policy(load_model(model, tokenizer))
+    precision = learner_precision(critic.precision, value_model, critic.device, "value learner")
     settings = ValueLossSettings(gamma=algorithm.gamma, lam=critic.lam, clip_low=critic.clip_low,
                                  clip_high=critic.clip_high, grad_clip=critic.grad_clip,
-                                 micro_batch_tokens=critic.micro_batch_tokens,
-                                 precision=learner_precision(critic.precision, value_model, critic.device))
+                                 micro_batch_tokens=critic.micro_batch_tokens, precision=precision.name)
     reference = load_model(model, tokenizer).to(critic.device) if algorithm.kl_in_reward else None
     warmup = Warmup(critic.warmup_steps, critic.warmup_min_steps, critic.warmup_patience, critic.warmup_min_gain)
-    return ValueLearner(value_model.to(critic.device), trajectories, settings, critic.lr, critic.weight_decay,
-                        critic.batch_trajectories, warmup, tokenizer.pad_token_id or 0, reference=reference,
-                        sampling=sampling_params(engine), center_head=critic.head_init == "mean_return" and not critic.init_path)
+    learner = ValueLearner(value_model.to(critic.device), trajectories, settings, critic.lr, critic.weight_decay,
+                           critic.batch_trajectories, warmup, tokenizer.pad_token_id or 0, reference=reference,
+                           sampling=sampling_params(engine),
+                           center_head=critic.head_init == "mean_return" and not critic.init_path)
+    learner.precision_choice = precision.record()
+    return learner
 
 
 class ValueLearnerActor(RoleShell):

@@ -198,25 +198,6 @@ def test_generator_windows_reuse_caches_and_emit_what_re_reading_emits():
     assert stats["reused"] == 12 and no_stats["reused"] == 0
 
 
-def test_engine_dtype_auto_is_bf16_only_where_native_and_the_model_is_large():
-    from asyncrl.engines.torch_engine import engine_dtype
-    from asyncrl.models import BF16_MIN_PARAMETERS, native_bf16
-
-    small = tiny_model()
-    large = build_tiny_model(ModelConfig(source="tiny", hidden_size=512, num_layers=4, num_heads=8), VOCAB)
-    assert sum(p.numel() for p in small.parameters()) < BF16_MIN_PARAMETERS <= sum(p.numel() for p in large.parameters())
-    assert engine_dtype("auto", "cpu", small) == torch.float32
-    assert engine_dtype("auto", "cpu", large) == (torch.bfloat16 if native_bf16("cpu") else torch.float32)
-    assert engine_dtype("bfloat16", "cpu", small) == torch.bfloat16
-    # The learner's policy.precision=auto follows the same rule.
-    from asyncrl.learning.rank import learner_precision
-
-    assert learner_precision("auto", small, "cpu") == "fp32" and learner_precision("bf16", small, "cpu") == "bf16"
-    assert learner_precision("auto", large, "cpu") == ("bf16" if native_bf16("cpu") else "fp32")
-    with pytest.raises(ValueError, match="dtype"):
-        engine_dtype("float16", "cpu", small)
-
-
 def test_a_context_grown_by_tokens_the_engine_did_not_generate_continues_from_its_cache():
     """Multi-turn episodes resume a sequence with an observation appended: a context that extends
     the kept tokens by tokens no window generated feeds them after the kept keys (the cache is

@@ -124,8 +124,11 @@ class PolicyConfig:
     """cpu | cuda: where the policy learner trains."""
     precision: str = "auto"
     """auto | fp32 | bf16 (autocast: fp32 master weights and optimizer state, bf16 matmuls). auto:
-    bf16 where it is native (a CPU with AVX512-BF16 or AMX, a CUDA GPU) and the model has 10M+
-    parameters (the embedded model here; the tiny one stays fp32), the rule of `engine.dtype`."""
+    the rule of `engine.dtype`, measured at start-up on this device, not read from CPU flags: bf16
+    where the model's own linear shapes (at 256 rows) run at least 1.25x faster in bf16 than in
+    fp32 and the model has 10M+ parameters (the tiny one stays fp32); the ranks of a sharded
+    learner decide on their summed timings. Logged, and reported in the learner's stats
+    (`precision`, `precision_choice`)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (less memory for long responses, ~30% more compute)."""
     logits_chunk_tokens: int = 0
@@ -198,8 +201,9 @@ class CriticConfig:
     precision: str = "auto"
     """auto | fp32 | bf16 (autocast, fp32 master weights, the scalar head in fp32): the value
     learner's forward passes, for values served and for its steps. auto: the rule of
-    `policy.precision` (bf16 where it is native, a CPU with AVX512-BF16 or AMX or a CUDA GPU, and
-    the model has 10M+ parameters; the tiny one stays fp32)."""
+    `policy.precision`, measured at start-up on this device (bf16 where the model's own linear
+    shapes run at least 1.25x faster in it and the model has 10M+ parameters; the tiny one stays
+    fp32), reported in its stats (`value_precision`, `value_precision_choice`)."""
     gpus: float = 0.0
     """GPUs the value learner asks Ray for."""
     resources: dict[str, float] = field(default_factory=dict)

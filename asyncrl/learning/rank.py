@@ -20,7 +20,8 @@ from asyncrl.config import AlgorithmConfig, EngineConfig, ModelConfig, PolicyCon
 from asyncrl.learning.policy import PolicyLossSettings, loss_settings, policy_step
 from asyncrl.learning.rows import adamw
 from asyncrl.learning.scoring import PolicyForward
-from asyncrl.models import bf16_pays, load_model, load_tokenizer
+from asyncrl.models import load_model, load_tokenizer
+from asyncrl.precision import Precision, choose_precision
 from asyncrl.schema import TrainSample
 from asyncrl.sharding import DataParallel
 
@@ -33,6 +34,7 @@ class PolicyRank:
                  kl_coef: float = 0.0, pad_token_id: int = 0, parallel: DataParallel | None = None):
         self.lm = lm.eval()
         self.settings = settings
+        self.precision: Precision | None = None  # how `settings.precision` was chosen (`learner_precision`)
         self.pad_token_id = pad_token_id
         self.parallel = parallel
         # A frozen whole copy on every rank (each scores its own micro-batches).
@@ -94,17 +96,26 @@ def build_policy_rank(model: ModelConfig, algorithm: AlgorithmConfig, policy: Po
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     kl_coef = 0.0 if algorithm.kl_in_reward else algorithm.kl_coef  # in the reward: the value learner scores it
     settings = loss_settings(algorithm, policy, engine)
-    settings = dataclasses.replace(settings, precision=learner_precision(policy.precision, lm, policy.device))
+    precision = learner_precision(policy.precision, lm, policy.device, "policy learner", parallel)
+    settings = dataclasses.replace(settings, precision=precision.name)
     rank = PolicyRank(lm.to(policy.device), settings, policy.lr, policy.weight_decay,
                       policy.warmup_steps, kl_coef, tokenizer.pad_token_id or 0, parallel)
+    rank.precision = precision
     return rank, tokenizer
 
 
-def learner_precision(name: str, model, device: str) -> str:
-    """`policy.precision` or `critic.precision` for `model`: auto = bf16 where it pays (`bf16_pays`), else fp32."""
-    if name != "auto":
-        return name
-    return "bf16" if bf16_pays(model, device) else "fp32"
+# A learner's matmuls have a micro-batch of rows (thousands of tokens); their speed in either dtype
+# levels off well below that, and fewer rows keep the probe short.
+LEARNER_PROBE_ROWS = 256
+
+
+def learner_precision(name: str, model, device: str, role: str, parallel: DataParallel | None = None) -> Precision:
+    """`policy.precision` or `critic.precision` for `model` (`asyncrl.precision.choose_precision`
+    at `LEARNER_PROBE_ROWS` rows). The ranks of a sharded learner decide on their timings summed,
+    so all take the same."""
+    combine = None if parallel is None else (lambda fp32_s, bf16_s: tuple(
+        parallel.sum({"fp32": fp32_s, "bf16": bf16_s})[k] for k in ("fp32", "bf16")))
+    return choose_precision(name, model, device, LEARNER_PROBE_ROWS, role, combine)
 
 
 def learner_backend(policy: PolicyConfig) -> str:
