@@ -19,7 +19,7 @@ PACKAGES = ("asyncrl", "actors")
 # Layer of each module (prefix match, longest first). A module may import its own layer or lower.
 LAYERS = {
     0: ["asyncrl.config", "asyncrl.config_help", "asyncrl.schema", "asyncrl.algo", "asyncrl.staleness"],
-    1: ["asyncrl.mailbox", "asyncrl.ray_mailbox", "asyncrl.engines", "asyncrl.models", "asyncrl.ledger", "asyncrl.weight_sync",
+    1: ["asyncrl.mailbox", "asyncrl.ray_mailbox", "asyncrl.engines", "asyncrl.models", "asyncrl.precision", "asyncrl.ledger", "asyncrl.weight_sync",
         "asyncrl.transport", "asyncrl.checkpoint", "asyncrl.tasks", "asyncrl.rewards", "asyncrl.assembly",
         "asyncrl.learning", "asyncrl.generation", "asyncrl.metrics", "asyncrl.plots", "asyncrl.openai_api", "asyncrl.openai_tools",
         "asyncrl.store", "asyncrl.sharding", "asyncrl.retirement", "asyncrl.environments"],
