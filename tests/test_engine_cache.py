@@ -293,3 +293,38 @@ def test_episodes_with_kept_caches_emit_what_re_reading_emits():
         np.testing.assert_allclose(logprobs, uncached[key][1], atol=1e-5)
     assert gen.counters["tool_calls"] > 0
     assert stats["reused"] > 0 and stats["dropped_not_in_flight"] > 0 and no_stats["reused"] == 0
+
+
+def test_rows_that_share_a_prompt_or_its_opening_compute_it_once_and_emit_what_apart_they_would():
+    """A window's new rows: two samples of one prompt, prompts opening with the same 6 tokens (a
+    chat template's turns), one that is that opening plus a token, one too short to share; beside a
+    row continuing from its kept cache. Shared prefill gives the tokens and log-probs (1e-5) of
+    prefilling each row apart, window after window, and says how many tokens it spared."""
+    opening = [5, 6, 7, 8, 9, 10]
+    prompts = [opening + [11, 12], opening + [11, 12], opening + [13], opening + [14, 15, 16], opening, [4]]
+    model = tiny_model()
+
+    def run(share):
+        engine = TorchEngine(model, NO_EOS)
+        engine.share_prefixes = share
+        first = engine.generate_window_sync([seq(0)], 3, PARAMS)[0]  # row 0 of PROMPTS: kept
+        rows = [seq(0, first.token_ids)] + [
+            SequenceInput(prompt_ids=int32_array(p), response_ids=int32_array([]), seed=50 + i, max_response_tokens=64,
+                          key=f"p{i}") for i, p in enumerate(prompts)]
+        outs = [engine.generate_window_sync(rows, 4, PARAMS)]
+        rows = [SequenceInput(prompt_ids=r.prompt_ids, response_ids=np.concatenate([r.response_ids, o.token_ids]),
+                              seed=r.seed, max_response_tokens=64, key=r.key) for r, o in zip(rows, outs[0])]
+        outs.append(engine.generate_window_sync(rows, 4, PARAMS))
+        return outs, engine.kept.stats
+
+    shared, stats = run(True)
+    apart, apart_stats = run(False)
+    for got_window, want_window in zip(shared, apart):
+        for got, want in zip(got_window, want_window):
+            assert got.token_ids.tolist() == want.token_ids.tolist()
+            np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
+    # Apart, the 5 new rows of 2+ tokens prefill 7+7+6+8+5 tokens before their last. Shared: the
+    # 5 tokens every one of them has before its last once (the bare opening's are just those),
+    # then 2, 1 and 3 tokens past them for the three other distinct prompts.
+    assert stats["prefill_tokens_shared"] == (7 + 7 + 6 + 8 + 5) - (5 + 2 + 1 + 3)
+    assert stats["reused"] == apart_stats["reused"] == 1 + 7 and "prefill_tokens_shared" not in apart_stats

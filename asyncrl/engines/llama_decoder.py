@@ -104,11 +104,11 @@ class LlamaDecoder:
         return KVBlock(self.layers, rows, self.kv_heads, columns, self.head_dim, weight.dtype, weight.device)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, block: KVBlock, rows: slice,
-                start: int) -> torch.Tensor:
+                start: int, logits: bool = True) -> torch.Tensor | None:
         """`tokens`, `positions`: `[b, S]` for block rows `rows` (b of them), written at columns
         `start..start+S`; `block.valid` must already mark those columns of real tokens. Each
         query attends to the valid columns up to its own. Returns float logits `[b, vocab]` of
-        column `start+S-1`."""
+        column `start+S-1` (None with `logits=False`: only the keys and values are wanted)."""
         inner = self.model.model
         width = tokens.shape[1]
         end = start + width
@@ -124,6 +124,8 @@ class LlamaDecoder:
         cos, sin = self._rotary(positions, hidden.dtype)
         for index, layer in enumerate(inner.layers):
             hidden = self._layer(layer, hidden, cos, sin, block.data[index], rows, start, end, mask)
+        if not logits:
+            return None
         last = _rms_norm(hidden[:, -1], inner.norm)
         return self.model.lm_head(last).float()
 

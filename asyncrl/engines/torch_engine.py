@@ -30,7 +30,7 @@ from asyncrl.algo.sampling import (
 )
 from asyncrl.engines import llama_decoder
 from asyncrl.engines.base import SamplingParams, SequenceInput, WindowOutput, scored_positions
-from asyncrl.engines.kv_cache import CachedWindow, KeptCaches
+from asyncrl.engines.kv_cache import CachedWindow, KeptCaches, share_prefixes
 from asyncrl.precision import Precision, choose_precision
 from asyncrl.schema import FinishReason
 from asyncrl.weight_sync import SharedVersion, shared_views
@@ -73,6 +73,7 @@ class TorchEngine:
                         type(model).__name__, reason)
         self.decoder = llama_decoder.LlamaDecoder(model) if reason is None else None
         self.kept = KeptCaches(max_kept_bytes)
+        self.share_prefixes = True  # rows of a window compute what their prompts share once (`share_prefixes`)
         self._version = 0
         self._updates = 0  # weight loads through this engine (part of the stamp kept caches carry)
         self._shared = None  # what adopted shared-memory weights view (kept alive while in use)
@@ -180,6 +181,9 @@ class TorchEngine:
         else:
             stamp = self.weights_stamp()
             kept = self.kept.take([s.key for s in sequences], contexts, stamp)
+            if self.share_prefixes:
+                kept, spared = share_prefixes(self.decoder, contexts, kept, self.pad_token_id)
+                self.kept.stats["prefill_tokens_shared"] += spared
             # Longest suffix (tokens not in a kept cache) first: `CachedWindow` prefills in slices.
             suffix = [len(c) - (0 if k is None else len(k.tokens)) for c, k in zip(contexts, kept)]
             order = sorted(range(len(sequences)), key=lambda i: suffix[i], reverse=True)
