@@ -1,5 +1,5 @@
-"""bfloat16 or float32: the `auto` rule of `engine.dtype`, `policy.precision` and `critic.precision`,
-decided by measuring this machine, not by its CPU flags.
+"""bfloat16 or float32: the `auto` rule of `engine.dtype`, `policy.compute.precision` and
+`critic.compute.precision`, decided by measuring this machine, not by its CPU flags.
 
 A CPU's flags say little about speed: with AMX a Xeon runs the embedded model's bf16 matmuls 3.5x
 faster than fp32, an AMD EPYC with AVX512-BF16 gains far less, and one without it (AVX2 only)

@@ -1,6 +1,6 @@
 """bf16 or fp32 by a probe of the model's own matmul shapes on this machine (`asyncrl.precision`),
-the one rule behind `engine.dtype=auto`, `policy.precision=auto` and `critic.precision=auto`, and
-how each role reports it."""
+the one rule behind `engine.dtype=auto`, `policy.compute.precision=auto` and
+`critic.compute.precision=auto`, and how each role reports it."""
 
 import logging
 
@@ -72,6 +72,7 @@ def test_each_role_logs_and_reports_its_choice(models, caplog):
         chosen = learner_precision("auto", small, "cpu", "policy learner")
     assert chosen.name == "fp32" and caplog.records[-1].getMessage().startswith("policy learner precision: fp32 (auto:")
     config = compose(["model=tiny", "task=tiny"])
-    generator = build_generator(config.model, config.engine, InProcessMailbox(4), InProcessMailbox(4), "gen-0")
+    generator = build_generator(config.model, config.engine, config.sampling, InProcessMailbox(4), InProcessMailbox(4),
+                                "gen-0")
     report = generator.stats()["engine_precision"]
     assert report["precision"] == "fp32" and "under 10M" in report["reason"]

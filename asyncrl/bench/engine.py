@@ -41,12 +41,13 @@ import numpy as np
 import torch
 
 from asyncrl.config import compose
+from asyncrl.datafiles import load_examples
 from asyncrl.engines.base import SamplingParams
 from asyncrl.engines.torch_engine import TorchEngine, engine_precision
 from asyncrl.generation import sequence_input
 from asyncrl.models import load_policy
 from asyncrl.precision import device_name
-from asyncrl.tasks import encode_prompt, load_examples
+from asyncrl.tasks import encode_prompt
 
 ROOT = Path(__file__).resolve().parents[2]
 NEVER = [-1]  # an EOS id no token has: every row runs its full length
@@ -70,8 +71,8 @@ def run(quick: bool = False, overrides: list[str] | None = None) -> dict:
     engines = {"engine": TorchEngine(user_model, NEVER, pad, dtype=dtype), "engine_fp32": TorchEngine(user_model, NEVER, pad)}
     new_tokens = 16 if quick else 64
     rounds = 1 if quick else 3
-    examples = load_examples(config.task.name, "eval", max(batches), config.task.seed, config.task.eval_path)
-    prompts = [encode_prompt(ex, tokenizer, config.model.use_chat_template) for ex in examples]
+    examples = load_examples(config.task, "eval", max(batches))
+    prompts = [encode_prompt(ex, tokenizer, config.model.use_chat_template, config.task.chat_template_kwargs) for ex in examples]
     setup = {"dtype": str(dtype).removeprefix("torch."), "threads": threads, "device": device, "new_tokens": new_tokens,
              "rounds": rounds, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
              "processor": device_name(device), "precision": precision.record(),
