@@ -66,8 +66,9 @@ class Generator:
     def __init__(self, engine: Engine, prompts: Mailbox, segments: Mailbox, params: SamplingParams,
                  window_tokens: int, max_response_tokens: int, max_windows: int, max_inflight: int,
                  generator_id: str = "gen-0", long_tail: tuple[float, int] = (0.0, 0),
-                 episodes: Episodes | None = None, lease_s: float = 600.0):
+                 episodes: Episodes | None = None, lease_s: float = 600.0, precision: dict | None = None):
         self.engine = engine
+        self.precision = precision or {}  # the engine's, as chosen at start-up (`asyncrl.precision`)
         self.prompts = prompts
         self.segments = segments
         self.params = params
@@ -407,6 +408,7 @@ class Generator:
             "engine_call_s": self.engine_calls.oldest_s(), "wall_s": wall,  # (the oldest window or load: liveness)
             "busy_fraction": self.timing["generate_s"] / wall,
             "paused_for_weights_fraction": self.timing["weight_update_s"] / wall,
+            "engine_precision": self.precision,
         }
 
 
@@ -416,7 +418,7 @@ def build_generator(model: ModelConfig, engine: EngineConfig, sampling: Sampling
     """A generator from its sections: the engine (embedded or SGLang) and its windows; with an
     environment, each sample is an episode whose tool calls the endpoint answers, its observations
     rendered by the chat template with `template_kwargs` (`task.chat_template_kwargs`) as the prompts were."""
-    embedded = build_generator_engine(model, engine)
+    embedded, precision = build_generator_engine(model, engine)
     max_windows = engine.max_windows or math.ceil(engine.max_response_tokens / engine.window_tokens)
     episodes = None
     if environment is not None and environment.enabled:
@@ -427,7 +429,7 @@ def build_generator(model: ModelConfig, engine: EngineConfig, sampling: Sampling
                                   template_kwargs=template_kwargs)
     return Generator(embedded, prompts, segments, SamplingParams.of(sampling), engine.window_tokens,
                      engine.max_response_tokens, max_windows, engine.max_inflight_sequences, generator_id,
-                     (engine.long_tail_fraction, engine.long_tail_tokens), episodes, lease_s)
+                     (engine.long_tail_fraction, engine.long_tail_tokens), episodes, lease_s, precision)
 
 
 class GeneratorActor(RoleShell, WeightGroupMember):

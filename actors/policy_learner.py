@@ -39,7 +39,6 @@ from asyncrl.schema import SampleState, TrainBatch
 from asyncrl.sharding import join as join_ranks
 from asyncrl.staleness import mask_stale_tokens, mean_staleness, trained_versions
 from asyncrl.store import BATCH_CODEC, BATCH_RECORD_ENCODER, BatchRecord
-from asyncrl.engines.torch_engine import engine_dtype
 from asyncrl.transport import GeneratorPool, WeightSender
 from asyncrl.weight_sync import free_port, node_address, plan_buckets
 from asyncrl.weights_delta import DeltaTracker
@@ -324,7 +323,8 @@ class PolicyLearner(TrainingLoop):
                 "last_broadcast": self.last_broadcast, "last_checkpoint": self.last_checkpoint,
                 "incarnation": self.incarnation, "incarnation_id": self.incarnation_id,
                 "optimizer_steps": self._adam_steps,
-                "precision": self.policy.objective.policy.compute.precision}  # precision=auto, as resolved
+                "precision": self.policy.objective.policy.compute.precision,  # precision=auto, as resolved
+                "precision_choice": self.policy.precision.record() if self.policy.precision else {}}
 
 
 # --- builders and shells ------------------------------------------------------------------------------
@@ -336,7 +336,7 @@ def build_policy_learner(model: ModelConfig, algorithm: AlgorithmConfig, policy:
                          ranks=()) -> PolicyLearner:
     """`parallel`, `ranks`: rank 0 of a sharded learner and the calls to its other ranks."""
     rank, tokenizer = build_policy_rank(model, algorithm, policy, engine, sampling, seed, parallel)
-    delta = engine_dtype(engine.dtype, engine.device, rank.lm) if policy.weight_delta else None
+    delta = getattr(torch, engine.dtype) if policy.weight_delta else None  # explicit (checks.py)
     return PolicyLearner(rank, batches, edges, checkpoints, policy.broadcast_bucket_mb << 20, tokenizer,
                          algorithm.max_staleness_versions, max_steps, ranks, delta)
 

@@ -43,6 +43,7 @@ class ValueLearner(TrainingLoop):
         trains until it is over); `gamma`: the advantage's discount; `center_head`: start the
         critic's head at the mean return of the first batch (a fresh head, not a trained one)."""
         self.model = value_model.eval()
+        self.precision_choice: dict = {}  # how `compute.precision` was chosen (`learner_precision`)
         # The frozen initial policy and the distribution the generators sample from (KL in the reward).
         self.reference = None if reference is None else reference.eval().requires_grad_(False)
         self.sampling = sampling or SamplingConfig()
@@ -182,7 +183,8 @@ class ValueLearner(TrainingLoop):
         return {"value_version": self.version, "value_ready": self.ready, "pending_trajectories": len(self._pending),
                 **self.counters, **{f"value_{k}": v for k, v in self.timing.items()},
                 "value_busy_fraction": self.timing["train_s"] / wall, "last": self.last,
-                "value_precision": self.critic.compute.precision}  # precision=auto, as resolved
+                "value_precision": self.critic.compute.precision,  # precision=auto, as resolved
+                "value_precision_choice": self.precision_choice}
 
 
 def build_value_learner(model: ModelConfig, critic: CriticConfig, algorithm: AlgorithmConfig, sampling: SamplingConfig,
@@ -195,12 +197,15 @@ def build_value_learner(model: ModelConfig, critic: CriticConfig, algorithm: Alg
         value_model = value_model_from_checkpoint(critic.init_path, model, tokenizer)
     else:
         value_model = value_model_from_policy(load_model(model, tokenizer))
-    compute = msgspec.structs.replace(
-        critic.compute, precision=learner_precision(critic.compute.precision, value_model, critic.compute.device))
+    precision = learner_precision(critic.compute.precision, value_model, critic.compute.device, "value learner")
+    compute = msgspec.structs.replace(critic.compute, precision=precision.name)
     reference = load_model(model, tokenizer).to(critic.compute.device) if algorithm.advantage.kl_in_reward else None
-    return ValueLearner(value_model.to(critic.compute.device), trajectories, msgspec.structs.replace(critic, compute=compute),
-                        algorithm.advantage.gamma, tokenizer.pad_token_id or 0, reference=reference, sampling=sampling,
-                        center_head=critic.head_init == "mean_return" and not critic.init_path)
+    learner = ValueLearner(value_model.to(critic.compute.device), trajectories,
+                           msgspec.structs.replace(critic, compute=compute), algorithm.advantage.gamma,
+                           tokenizer.pad_token_id or 0, reference=reference, sampling=sampling,
+                           center_head=critic.head_init == "mean_return" and not critic.init_path)
+    learner.precision_choice = precision.record()
+    return learner
 
 
 class ValueLearnerActor(RoleShell):

@@ -19,7 +19,7 @@ import torch
 
 from asyncrl.config import EngineConfig, ModelConfig
 from asyncrl.engines.base import SamplingParams, SequenceInput
-from asyncrl.engines.torch_engine import TorchEngine, engine_dtype
+from asyncrl.engines.torch_engine import TorchEngine, engine_precision
 from asyncrl.models import eos_token_ids, load_policy
 from asyncrl.schema import FinishReason
 
@@ -36,14 +36,16 @@ def build_engine(model: ModelConfig, policy: tuple | None = None, device: str = 
     return engine, tokenizer
 
 
-def build_generator_engine(model: ModelConfig, engine: EngineConfig, seed: int = 0):
-    """The engine a generator runs: the embedded one, or SGLang's (`engine.name=sglang`)."""
+def build_generator_engine(model: ModelConfig, engine: EngineConfig, seed: int = 0) -> tuple[object, dict]:
+    """The engine a generator runs, the embedded one or SGLang's (`engine.name=sglang`), and its
+    precision as the generator reports it (the embedded engine's `engine.dtype`, resolved)."""
     if engine.name == "sglang":
         from asyncrl.engines.sglang_launch import start_sglang  # imports SGLang: only in its venv
 
-        return start_sglang(model, engine, seed)
+        return start_sglang(model, engine, seed), {"precision": model.dtype, "reason": "SGLang runs model.dtype"}
     policy = load_policy(model)
-    return build_engine(model, policy, engine.device, engine_dtype(engine.dtype, engine.device, policy[0]))[0]
+    precision = engine_precision(engine.dtype, engine.device, policy[0], engine.max_inflight_sequences)
+    return build_engine(model, policy, engine.device, precision.dtype)[0], precision.record()
 
 
 def sequence_input(prompt_ids: Sequence[int] | np.ndarray, seed: int, max_response_tokens: int,

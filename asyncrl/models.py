@@ -34,26 +34,6 @@ TINY_SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>"]
 TINY_ALPHABET = list("0123456789abcdefghij+-=?:# ")
 
 
-def native_bf16(device: str = "cpu") -> bool:
-    """Whether bfloat16 matrix products run natively: a CPU with AVX512-BF16 or AMX (elsewhere
-    torch emulates them, slower than float32), or a CUDA device that supports bfloat16."""
-    if device.startswith("cuda"):
-        return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-
-
-# bfloat16 pays once matrix products dominate: the embedded 135M model generates 2.6x faster in it
-# at batch 64 and its learner steps 1.9-2.3x faster, while the tiny 0.14M-parameter one is 16%
-# slower to generate and 0.7x to train (its steps are fixed costs, and the casts add to them).
-BF16_MIN_PARAMETERS = 10_000_000
-
-
-def bf16_pays(model: torch.nn.Module, device: str) -> bool:
-    """The `auto` rule of `engine.dtype` and `policy.compute.precision`: bfloat16 where it is native and
-    the model has at least `BF16_MIN_PARAMETERS` parameters."""
-    return sum(p.numel() for p in model.parameters()) >= BF16_MIN_PARAMETERS and native_bf16(device)
-
-
 def embedded_gguf_dir() -> str:
     """Directory of the GGUF wheel, found without importing it (its __init__ needs `llm`)."""
     spec = importlib.util.find_spec(EMBEDDED_GGUF_PACKAGE)

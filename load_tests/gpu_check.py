@@ -60,7 +60,7 @@ from asyncrl.bench.learner import synthetic_batch  # noqa: E402
 from asyncrl.config import compose  # noqa: E402
 from asyncrl.config.fields import replaced  # noqa: E402
 from asyncrl.engines.base import SamplingParams  # noqa: E402
-from asyncrl.engines.torch_engine import TorchEngine, engine_dtype  # noqa: E402
+from asyncrl.engines.torch_engine import TorchEngine, engine_precision  # noqa: E402
 from asyncrl.generation import sequence_input  # noqa: E402
 from asyncrl.learning.policy import proximal_logprobs  # noqa: E402
 from asyncrl.learning.rank import PolicyRank, learner_precision, policy_objective  # noqa: E402
@@ -195,7 +195,7 @@ def hf_generate(model, input_ids: torch.Tensor, new_tokens: int, pad: int) -> No
 def check_engine(ctx: Check) -> tuple[list[Row], dict]:
     s, device = ctx.sizes, ctx.device
     model = ctx.model()
-    dtype = engine_dtype("auto", device, model)
+    dtype = engine_precision("auto", device, model, 64).dtype
     engines = {dtype: TorchEngine(model, NEVER, ctx.pad, dtype=dtype),
                torch.float32: TorchEngine(model, NEVER, ctx.pad)}  # one entry where the engine's dtype is fp32
     params = SamplingParams(temperature=1.0)
@@ -271,7 +271,7 @@ def _receiver(shapes: dict, device: str, inbox, outbox) -> None:
     try:
         model = random_model(shapes, device, seed=1)
         engine = TorchEngine(model, [shapes["eos_token_id"]], shapes["pad_token_id"],
-                             dtype=engine_dtype("auto", device, model))
+                             dtype=engine_precision("auto", device, model, 64).dtype)
         outbox.put(("ready", str(next(engine.model.parameters()).dtype)))
         while (item := inbox.get()) is not None:
             delivery, payload = item

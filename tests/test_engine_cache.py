@@ -198,25 +198,6 @@ def test_generator_windows_reuse_caches_and_emit_what_re_reading_emits():
     assert stats["reused"] == 12 and no_stats["reused"] == 0
 
 
-def test_engine_dtype_auto_is_bf16_only_where_native_and_the_model_is_large():
-    from asyncrl.engines.torch_engine import engine_dtype
-    from asyncrl.models import BF16_MIN_PARAMETERS, native_bf16
-
-    small = tiny_model()
-    large = build_tiny_model(ModelConfig(source="tiny", hidden_size=512, num_layers=4, num_heads=8), VOCAB)
-    assert sum(p.numel() for p in small.parameters()) < BF16_MIN_PARAMETERS <= sum(p.numel() for p in large.parameters())
-    assert engine_dtype("auto", "cpu", small) == torch.float32
-    assert engine_dtype("auto", "cpu", large) == (torch.bfloat16 if native_bf16("cpu") else torch.float32)
-    assert engine_dtype("bfloat16", "cpu", small) == torch.bfloat16
-    # The learner's policy.compute.precision=auto follows the same rule.
-    from asyncrl.learning.rank import learner_precision
-
-    assert learner_precision("auto", small, "cpu") == "fp32" and learner_precision("bf16", small, "cpu") == "bf16"
-    assert learner_precision("auto", large, "cpu") == ("bf16" if native_bf16("cpu") else "fp32")
-    with pytest.raises(ValueError, match="dtype"):
-        engine_dtype("float16", "cpu", small)
-
-
 def test_a_context_grown_by_tokens_the_engine_did_not_generate_continues_from_its_cache():
     """Multi-turn episodes resume a sequence with an observation appended: a context that extends
     the kept tokens by tokens no window generated feeds them after the kept keys (the cache is
@@ -312,3 +293,38 @@ def test_episodes_with_kept_caches_emit_what_re_reading_emits():
         np.testing.assert_allclose(logprobs, uncached[key][1], atol=1e-5)
     assert gen.counters["tool_calls"] > 0
     assert stats["reused"] > 0 and stats["dropped_not_in_flight"] > 0 and no_stats["reused"] == 0
+
+
+def test_rows_that_share_a_prompt_or_its_opening_compute_it_once_and_emit_what_apart_they_would():
+    """A window's new rows: two samples of one prompt, prompts opening with the same 6 tokens (a
+    chat template's turns), one that is that opening plus a token, one too short to share; beside a
+    row continuing from its kept cache. Shared prefill gives the tokens and log-probs (1e-5) of
+    prefilling each row apart, window after window, and says how many tokens it spared."""
+    opening = [5, 6, 7, 8, 9, 10]
+    prompts = [opening + [11, 12], opening + [11, 12], opening + [13], opening + [14, 15, 16], opening, [4]]
+    model = tiny_model()
+
+    def run(share):
+        engine = TorchEngine(model, NO_EOS)
+        engine.share_prefixes = share
+        first = engine.generate_window_sync([seq(0)], 3, PARAMS)[0]  # row 0 of PROMPTS: kept
+        rows = [seq(0, first.token_ids)] + [
+            SequenceInput(prompt_ids=int32_array(p), response_ids=int32_array([]), seed=50 + i, max_response_tokens=64,
+                          key=f"p{i}") for i, p in enumerate(prompts)]
+        outs = [engine.generate_window_sync(rows, 4, PARAMS)]
+        rows = [SequenceInput(prompt_ids=r.prompt_ids, response_ids=np.concatenate([r.response_ids, o.token_ids]),
+                              seed=r.seed, max_response_tokens=64, key=r.key) for r, o in zip(rows, outs[0])]
+        outs.append(engine.generate_window_sync(rows, 4, PARAMS))
+        return outs, engine.kept.stats
+
+    shared, stats = run(True)
+    apart, apart_stats = run(False)
+    for got_window, want_window in zip(shared, apart):
+        for got, want in zip(got_window, want_window):
+            assert got.token_ids.tolist() == want.token_ids.tolist()
+            np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
+    # Apart, the 5 new rows of 2+ tokens prefill 7+7+6+8+5 tokens before their last. Shared: the
+    # 5 tokens every one of them has before its last once (the bare opening's are just those),
+    # then 2, 1 and 3 tokens past them for the three other distinct prompts.
+    assert stats["prefill_tokens_shared"] == (7 + 7 + 6 + 8 + 5) - (5 + 2 + 1 + 3)
+    assert stats["reused"] == apart_stats["reused"] == 1 + 7 and "prefill_tokens_shared" not in apart_stats

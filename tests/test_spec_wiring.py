@@ -612,6 +612,7 @@ def test_the_gpu_learners_settings_run_on_cpu_bf16_autocast_and_checkpointing():
 
     auto, fp32 = step()  # policy.compute.precision=auto: the tiny model is too small for bf16 to pay
     assert auto.policy.objective.policy.compute.precision == "fp32" and auto.stats()["precision"] == "fp32"
+    assert "under 10M" in auto.stats()["precision_choice"]["reason"]  # how auto chose (asyncrl.precision)
     learner, bf16 = step("policy.compute.precision=bf16", "policy.compute.gradient_checkpointing=true")
     assert learner.policy.objective.policy.compute.precision == "bf16" and learner.model.is_gradient_checkpointing
     assert all(p.dtype == torch.float32 for p in learner.model.parameters())  # master weights stay fp32

@@ -31,8 +31,8 @@ LAYERS = {
         "asyncrl.checkpoint", "asyncrl.store", "asyncrl.sharding", "asyncrl.metrics", "asyncrl.plots",
         "asyncrl.staleness", "asyncrl.weights_delta"],
     # The domain: models and engines, tasks, rewards, environments, assembly, learning.
-    2: ["asyncrl.engines", "asyncrl.models", "asyncrl.tasks", "asyncrl.rewards", "asyncrl.assembly",
-        "asyncrl.learning", "asyncrl.generation", "asyncrl.openai_api", "asyncrl.openai_tools",
+    2: ["asyncrl.engines", "asyncrl.models", "asyncrl.precision", "asyncrl.tasks", "asyncrl.rewards",
+        "asyncrl.assembly", "asyncrl.learning", "asyncrl.generation", "asyncrl.openai_api", "asyncrl.openai_tools",
         "asyncrl.openai_choices", "asyncrl.openai_responses", "asyncrl.retirement",
         "asyncrl.environments", "asyncrl.datafiles", "asyncrl.user_code", "asyncrl.lora"],
     3: ["actors", "asyncrl.pre_ppo", "asyncrl.evaluation"],

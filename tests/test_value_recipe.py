@@ -119,6 +119,7 @@ def test_the_critic_takes_bf16_autocast_where_it_pays_and_keeps_fp32_master_weig
 
     auto, bf16 = learner(), learner("critic.compute.precision=bf16")
     assert auto.critic.compute.precision == "fp32" and auto.stats()["value_precision"] == "fp32"
+    assert "under 10M" in auto.stats()["value_precision_choice"]["reason"]
     assert bf16.critic.compute.precision == "bf16" and all(p.dtype == torch.float32 for p in bf16.model.parameters())
     head = torch.randn_like(auto.model.head.weight, generator=torch.Generator().manual_seed(0))
     for m in (auto, bf16):  # the same non-zero head (a fresh one is 0 everywhere)

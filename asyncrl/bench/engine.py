@@ -1,7 +1,8 @@
 """Embedded engine speed, side by side in one run, on the same prompts and length (every row
 generates exactly `new_tokens`: EOS is never sampled), paired rounds:
 
-* `engine`: `TorchEngine` as the generators run it (`engine.dtype`: bfloat16 where the CPU has it);
+* `engine`: `TorchEngine` as the generators run it (`engine.dtype=auto`: bfloat16 where this
+  machine's probe measured it faster, `asyncrl.precision`);
 * `engine_fp32`: the same engine in float32 (what bfloat16 brings, apart from the rest);
 * `generate`: transformers' `generate` on a float32 model, as a user calls it;
 * SGLang on this CPU, from `.venv-sglang` (its own benchmark, `engine=sglang_cpu`, run as a
@@ -16,6 +17,10 @@ the ceiling is an upper bound).
 
 A second table times responses generated window by window (T-PPO's small windows), with the KV
 caches kept between windows against re-reading every context (`max_kept_bytes=0`).
+
+A third times the engine on random models of the benchmarked model's size in each family its own
+forward knows (Llama, Qwen2 with q/k/v biases, Qwen3 with q/k norms), paired rounds, each Qwen
+against the Llama shape.
 
 Every call is timed twice: wall time, and the process's CPU time. With one thread (the
 generators' setting) CPU time is what the work cost, whatever else the machine runs (other jobs
@@ -36,12 +41,12 @@ import numpy as np
 import torch
 
 from asyncrl.config import compose
+from asyncrl.datafiles import load_examples
 from asyncrl.engines.base import SamplingParams
-from asyncrl.engines.torch_engine import TorchEngine, engine_dtype
-from asyncrl.models import native_bf16
+from asyncrl.engines.torch_engine import TorchEngine, engine_precision
 from asyncrl.generation import sequence_input
 from asyncrl.models import load_policy
-from asyncrl.datafiles import load_examples
+from asyncrl.precision import device_name
 from asyncrl.tasks import encode_prompt
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,17 +63,19 @@ def run(quick: bool = False, overrides: list[str] | None = None) -> dict:
     threads, device = config.engine.threads, config.engine.device
     torch.set_num_threads(threads)
     user_model, tokenizer = load_policy(config.model)  # float32, as a user loads it for `generate`
-    dtype = engine_dtype(config.engine.dtype, device, user_model)
+    batches = (1, 4) if quick else (1, 16, 64, 256) if device == "cuda" else (1, 16, 64)
+    precision = engine_precision(config.engine.dtype, device, user_model, max(batches))
+    dtype = precision.dtype
     user_model = user_model.to(device).eval()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     engines = {"engine": TorchEngine(user_model, NEVER, pad, dtype=dtype), "engine_fp32": TorchEngine(user_model, NEVER, pad)}
     new_tokens = 16 if quick else 64
-    batches = (1, 4) if quick else (1, 16, 64, 256) if device == "cuda" else (1, 16, 64)
     rounds = 1 if quick else 3
     examples = load_examples(config.task, "eval", max(batches))
     prompts = [encode_prompt(ex, tokenizer, config.model.use_chat_template, config.task.chat_template_kwargs) for ex in examples]
     setup = {"dtype": str(dtype).removeprefix("torch."), "threads": threads, "device": device, "new_tokens": new_tokens,
-             "rounds": rounds, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "native_bf16": native_bf16(device),
+             "rounds": rounds, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+             "processor": device_name(device), "precision": precision.record(),
              "mean_prompt_tokens": float(np.mean([len(p) for p in prompts[:max(batches)]]))}
     context = setup["mean_prompt_tokens"] + new_tokens / 2
     results = {}
@@ -91,10 +98,12 @@ def run(quick: bool = False, overrides: list[str] | None = None) -> dict:
         results[f"batch_{batch}"] = row
         print(f"batch {batch}: {row}", flush=True)
     windowed = kept_cache_rounds(engines["engine"], prompts, quick, rounds)
+    del engines
+    families = family_rounds(user_model, dtype, prompts, pad, (4,) if quick else (16, 64), new_tokens, rounds, device)
     sglang = sglang_figures(quick, overrides or [])
     # Other jobs on the machine slow every variant; the paired ratios hold better than the rates.
     setup["load_average_1min_start_end"] = [load_start, os.getloadavg()[0]]
-    return {"setup": setup, "batches": results, "windows": windowed, "sglang": sglang}
+    return {"setup": setup, "batches": results, "windows": windowed, "families": families, "sglang": sglang}
 
 
 def paired_rounds(engines: dict, user_model, prompts: list[list[int]], new_tokens: int, pad: int, rounds: int,
@@ -198,6 +207,55 @@ def kept_cache_rounds(engine: TorchEngine, prompts: list[list[int]], quick: bool
     return out
 
 
+def family_models(like, dtype: torch.dtype, seed: int = 0) -> dict:
+    """Random models of `like`'s size (widths, depth, heads, vocabulary, tied head) in each family
+    the engine's own forward knows, in `dtype`: Llama; Qwen2 (biases on q/k/v); Qwen3 (q/k
+    RMSNorm per head, its `head_dim` set to `like`'s)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    c = like.config
+    shape = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                 num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+                 num_key_value_heads=c.num_key_value_heads, max_position_embeddings=c.max_position_embeddings,
+                 tie_word_embeddings=c.tie_word_embeddings, rms_norm_eps=c.rms_norm_eps)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    built = {"llama": (LlamaForCausalLM, LlamaConfig(**shape)), "qwen2": (Qwen2ForCausalLM, Qwen2Config(**shape)),
+             "qwen3": (Qwen3ForCausalLM, Qwen3Config(**shape, head_dim=head_dim))}
+    torch.manual_seed(seed)
+    return {name: cls(config).to(dtype).eval() for name, (cls, config) in built.items()}
+
+
+def family_rounds(like, dtype: torch.dtype, prompts: list[list[int]], pad: int, batches: tuple[int, ...],
+                  new_tokens: int, rounds: int, device: str) -> dict:
+    """The engine (in `dtype`) on `family_models(like)`: tokens/s per family at each batch, and each
+    family's paired ratio to the Llama shape (median over rounds; every family once a round)."""
+    models = family_models(like, dtype)
+    engines = {name: TorchEngine(model.to(device), NEVER, pad) for name, model in models.items()}
+    out = {"families": {name: e.decoder is not None for name, e in engines.items()},
+           "parameters": {name: sum(p.numel() for p in m.parameters()) for name, m in models.items()}}
+    for batch in batches:
+        sequences = [sequence_input(prompts[i % len(prompts)], i, new_tokens) for i in range(batch)]
+        for engine in engines.values():  # warm-up
+            engine.generate_window_sync(sequences, 2, SamplingParams(temperature=1.0))
+        wall: dict[str, list[float]] = {name: [] for name in engines}
+        cpu: dict[str, list[float]] = {name: [] for name in engines}
+        for _ in range(rounds):
+            for name, engine in engines.items():
+                start, start_cpu = time.perf_counter(), time.process_time()
+                engine.generate_window_sync(sequences, new_tokens, SamplingParams(temperature=1.0))
+                wall[name].append(time.perf_counter() - start)
+                cpu[name].append(time.process_time() - start_cpu)
+        row = {"batch": batch}
+        for name in engines:
+            row[f"{name}_tokens_per_s"] = float(np.median([batch * new_tokens / t for t in wall[name]]))
+            row[f"{name}_tokens_per_cpu_s"] = float(np.median([batch * new_tokens / t for t in cpu[name]]))
+            row[f"{name}_over_llama"] = float(np.median([l / t for t, l in zip(wall[name], wall["llama"])]))
+            row[f"{name}_over_llama_cpu"] = float(np.median([l / t for t, l in zip(cpu[name], cpu["llama"])]))
+        out[f"batch_{batch}"] = row
+        print(f"families, batch {batch}: {row}", flush=True)
+    return out
+
+
 def sglang_figures(quick: bool, overrides: list[str]) -> dict:
     """SGLang's tokens/s at the same batches, from its own benchmark in `.venv-sglang` (this
     checkout's, or the checkout `ASYNCRL_SGLANG_ROOT` names)."""
@@ -223,7 +281,7 @@ def report(result: dict) -> str:
 
         return engine_report(result)
     s = result["setup"]
-    lines = [f"engine dtype {s['dtype']} ({s['cpu_capability']}, native bf16: {s['native_bf16']}), {s['threads']} "
+    lines = [f"{s['processor']} ({s['cpu_capability']}): engine dtype {s['dtype']} ({s['precision']['reason']}), {s['threads']} "
              f"thread(s), {s['new_tokens']} new tokens a row, median of {s['rounds']} paired rounds (load average "
              f"{s['load_average_1min_start_end'][0]:.1f} -> {s['load_average_1min_start_end'][1]:.1f}); "
              f"tok/s by wall clock / by CPU time (share of the decode ceiling); ratios by wall / CPU time",
@@ -246,4 +304,13 @@ def report(result: dict) -> str:
                  f"KV kept {w['kept_tokens_per_s']:.1f} / {w['kept_tokens_per_cpu_s']:.1f} tok/s, re-read "
                  f"{w['re_read_tokens_per_s']:.1f} / {w['re_read_tokens_per_cpu_s']:.1f} tok/s (wall / CPU), "
                  f"{w['kept_over_re_read']:.2f}x / {w['kept_over_re_read_cpu']:.2f}x")
+    f = result["families"]
+    lines += [f"families: random models of this size, engine {s['dtype']}, tok/s by wall clock / by CPU time, paired "
+              f"ratios to the Llama shape by wall / CPU time; own forward: {f['families']}",
+              "| batch | llama | qwen2 | qwen3 | qwen2 / llama | qwen3 / llama |", "|---|---|---|---|---|---|"]
+    for name, r in f.items():
+        if name.startswith("batch_"):
+            cells = [f"{r[f'{v}_tokens_per_s']:.1f} / {r[f'{v}_tokens_per_cpu_s']:.1f}" for v in ("llama", "qwen2", "qwen3")]
+            ratios = [f"{r[f'{v}_over_llama']:.2f}x / {r[f'{v}_over_llama_cpu']:.2f}x" for v in ("qwen2", "qwen3")]
+            lines.append(f"| {r['batch']} | {' | '.join(cells)} | {' | '.join(ratios)} |")
     return "\n".join(lines)

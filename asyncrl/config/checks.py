@@ -71,6 +71,9 @@ def _lora_checks(config) -> list[tuple[bool, str]]:
         (not p.weight_delta or config.engine.name == "torch",
          "policy.weight_delta needs the embedded engine (engine=torch), which keeps its own weights to apply "
          "changes to; SGLang takes whole versions"),
+        (not p.weight_delta or config.engine.dtype != "auto",
+         "policy.weight_delta computes what changed in the engine's dtype, which the learner must know: set "
+         "engine.dtype=bfloat16 or float32 (auto is measured by each generator at start-up)"),
     ]
 
 

@@ -35,9 +35,13 @@ class Compute(Section):
     device: Device = "cpu"
     """cpu | cuda: where the learner trains."""
     precision: Precision = "auto"
-    """auto | fp32 | bf16 (autocast: fp32 master weights and optimizer state, bf16 matmuls). auto:
-    bf16 where it is native (a CPU with AVX512-BF16 or AMX, a CUDA GPU) and the model has 10M+
-    parameters (the embedded model here; the tiny one stays fp32), the rule of `engine.dtype`."""
+    """auto | fp32 | bf16 (autocast: fp32 master weights and optimizer state, bf16 matmuls; the
+    critic's scalar head stays fp32). auto: the rule of `engine.dtype`, measured at start-up on this
+    device, not read from CPU flags (`asyncrl/precision.py`): bf16 where the model's own linear
+    shapes (at 256 rows) run at least 1.25x faster in bf16 than in fp32 and the model has 10M+
+    parameters (the tiny one stays fp32); the ranks of a sharded learner decide on their summed
+    timings. Logged, and reported in the learner's stats (policy: `precision`, `precision_choice`;
+    critic: `value_precision`, `value_precision_choice`)."""
     micro_batch_tokens: PositiveInt = 4096
     """Tokens per forward/backward chunk (gradient accumulation)."""
     threads: PositiveInt = 1
@@ -121,7 +125,7 @@ class PolicyConfig(Section):
     weight_delta: bool = False
     """Full fine-tuning: send each generator only what changed since the version it holds, in the
     engine's dtype (unchanged tensors left out; a tensor with few changed values as their indices
-    and values), instead of every weight. The embedded engine only. Off by default: see whether it
+    and values), instead of every weight. The embedded engine only, with engine.dtype set (not auto). Off by default: see whether it
     pays (docs/benchmarks.md, "Delta weight updates")."""
 
 

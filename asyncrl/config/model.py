@@ -104,10 +104,13 @@ class EngineConfig(Section):
     """torch threads of each generator process."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """auto | float32 | bfloat16: the generators' embedded engine computes in this dtype (its own
-    copy of the weights; the learner keeps its own). auto: bfloat16 where it is native (a CPU with
-    AVX512-BF16 or AMX, a CUDA GPU with bf16) and the model has 10M parameters or more (below,
-    casts cost more than the matmuls save), float32 elsewhere. Behaviour log-probs are those of
-    the distribution sampled from either way; the gap to the learner's is `rollout_kl_*`."""
+    copy of the weights; the learner keeps its own). auto: measured at start-up, not read from CPU
+    flags: bfloat16 where the model's own linear shapes, at `max_inflight_sequences` rows, run at
+    least 1.25x faster in bf16 than in fp32 on this device (a probe of a fraction of a second) and
+    the model has 10M parameters or more (below, casts cost more than the matmuls save); float32
+    elsewhere. Each generator logs its choice and reports it in its stats (`engine_precision`).
+    Behaviour log-probs are those of the distribution sampled from either way; the gap to the
+    learner's is `rollout_kl_*`."""
     sglang_mem_fraction: Annotated[float, msgspec.Meta(gt=0, lt=1)] = 0.5
     """sglang: the share of the device's memory for weights and KV cache (mem_fraction_static): of
     the GPU's (leave room for a learner on the same GPU), on CPU of the RAM free at start-up."""

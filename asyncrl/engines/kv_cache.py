@@ -16,6 +16,11 @@ cover (normally one: the last token sampled). Invariants, held here:
   keyed rows, and only if it is at most `max_bytes`. A sequence that finished, or was not in the
   last call (no longer in flight, or an episode parked while its tool call is answered), has no
   cache.
+
+Within a window, rows that start from their prompt share what their prompts share
+(`share_prefixes`): the samples of a group have one prompt, and a chat template opens every
+prompt with the same turns. Their keys and values are computed once and handed to each row as if
+kept (a prefix's keys do not depend on the tokens after it, so this is exact).
 """
 
 from __future__ import annotations
@@ -95,6 +100,59 @@ class KeptCaches:
         return len(self._entries)
 
 
+# Rows whose prompts share fewer leading tokens than this are prefilled apart (a separate pass for
+# a handful of tokens costs more than it saves).
+MIN_SHARED_TOKENS = 4
+
+
+def share_prefixes(decoder: LlamaDecoder, contexts: list[np.ndarray], kept: list[KeptKV | None],
+                   pad_token_id: int) -> tuple[list[KeptKV | None], int]:
+    """`kept` with the rows that have no kept cache given one for what they share, and the number
+    of tokens this spares the window's prefill. Each distinct context (all but its last token,
+    which the window still feeds for its first logits) is prefilled once, continuing from the
+    prefix every distinct context shares, itself prefilled once."""
+    groups: dict[bytes, list[int]] = {}
+    for i, (context, entry) in enumerate(zip(contexts, kept)):
+        if entry is None and len(context) > 1:
+            groups.setdefault(context[:-1].tobytes(), []).append(i)
+    heads = [contexts[rows[0]][:-1] for rows in groups.values()]
+    common = _common_prefix(heads) if len(heads) > 1 else 0
+    shared_common = common >= MIN_SHARED_TOKENS
+    if len(heads) == sum(len(rows) for rows in groups.values()) and not shared_common:
+        return kept, 0  # every prompt distinct, nothing in common worth a pass
+    base = _prefill(decoder, [heads[0][:common]], [None], pad_token_id)[0] if shared_common else None
+    # Heads that are the common prefix itself take `base`; the others continue from it.
+    longer = sorted((h for h in range(len(heads)) if base is None or len(heads[h]) > common),
+                    key=lambda h: len(heads[h]), reverse=True)
+    entries = dict(zip(longer, _prefill(decoder, [heads[h] for h in longer], [base] * len(longer), pad_token_id)))
+    out = list(kept)
+    for h, rows in enumerate(groups.values()):
+        for i in rows:
+            out[i] = entries.get(h, base)
+    base_tokens = common if base is not None else 0
+    fed = base_tokens + sum(len(heads[h]) - base_tokens for h in longer)
+    return out, sum(len(contexts[i]) - 1 for rows in groups.values() for i in rows) - fed
+
+
+def _common_prefix(arrays: list[np.ndarray]) -> int:
+    n = min(len(a) for a in arrays)
+    first = arrays[0][:n]
+    for a in arrays[1:]:
+        differ = np.flatnonzero(a[:n] != first)
+        n = int(differ[0]) if len(differ) else n
+        first = first[:n]
+    return n
+
+
+def _prefill(decoder: LlamaDecoder, contexts: list[np.ndarray], kept: list[KeptKV | None],
+             pad_token_id: int) -> list[KeptKV]:
+    """The keys and values of `contexts` (longest suffix first) as kept caches, without logits."""
+    window = CachedWindow(decoder, contexts, kept, 1, pad_token_id)
+    window.start(logits=False)
+    no_tokens = np.zeros(1, dtype=np.int64)  # `kept` keeps all but the last of the tokens produced: none
+    return [window.kept(row, no_tokens) for row in range(len(contexts))]
+
+
 class CachedWindow:
     """One window of a batch over a fresh `KVBlock`.
 
@@ -128,18 +186,19 @@ class CachedWindow:
                 self.block.data[:, :, row, :, kept_width - n:kept_width] = source
         self.steps = 0
 
-    def start(self) -> torch.Tensor:
-        """Feed every row's suffix; the logits `[B, vocab]` of each row's last context token."""
-        logits, row = [], 0
+    def start(self, logits: bool = True) -> torch.Tensor | None:
+        """Feed every row's suffix; the logits `[B, vocab]` of each row's last context token (None
+        with `logits=False`: only the keys and values are wanted)."""
+        out, row = [], 0
         while row < len(self.contexts):
             end = row + 1
             while end < len(self.contexts) and 2 * self.suffix[end] > self.suffix[row]:
                 end += 1
-            logits.append(self._prefill(row, end))
+            out.append(self._prefill(row, end, logits))
             row = end
-        return torch.cat(logits)
+        return torch.cat(out) if logits else None
 
-    def _prefill(self, first: int, end: int) -> torch.Tensor:
+    def _prefill(self, first: int, end: int, logits: bool) -> torch.Tensor | None:
         width, device = self.suffix[first], self.block.valid.device
         tokens = np.full((end - first, width), self.pad_token_id, dtype=np.int64)
         positions = np.zeros((end - first, width), dtype=np.int64)
@@ -148,7 +207,7 @@ class CachedWindow:
             tokens[i - first, width - s:] = self.contexts[i][n:]
             positions[i - first, width - s:] = np.arange(n, n + s)
         return self.decoder.forward(torch.from_numpy(tokens).to(device), torch.from_numpy(positions).to(device),
-                                    self.block, slice(first, end), self.first_decode - width)
+                                    self.block, slice(first, end), self.first_decode - width, logits)
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per row (`[B]`); the logits of the next."""

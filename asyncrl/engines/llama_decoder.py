@@ -1,5 +1,10 @@
 """The embedded engine's own forward for Llama-architecture models, over a KV block it owns.
 
+Three families share the architecture: Llama, Qwen2 (Qwen2.5 too: biases on the q/k/v
+projections) and Qwen3 (an RMSNorm over each head of q and k, before the rotary embedding, and an
+explicit `head_dim`). Biases come with the model's own projection modules; the per-head norms are
+used where the attention module has them.
+
 transformers' forward grows a `DynamicCache` by concatenation at every decode step (8% of a
 step at batch 64, measured), builds its masks from one shared cache position, and cannot take
 keys and values computed in an earlier call. This forward reads the same parameters (the
@@ -7,9 +12,9 @@ model's own modules, so weight updates are seen as they land) and writes keys an
 a preallocated block at a column the caller names, with a position per row: rows may continue
 from keys kept from an earlier window while others start from their prompt.
 
-The arithmetic is transformers' Llama forward (RMSNorm in float32, rotary embedding from the
-model's own `inv_freq` and `attention_scaling`, grouped-query attention, SiLU MLP): the engine's
-tests hold its log-probs to a teacher-forced transformers pass.
+The arithmetic is transformers' forward of these families (RMSNorm in float32, rotary embedding
+from the model's own `inv_freq` and `attention_scaling`, grouped-query attention, SiLU MLP): the
+engine's tests hold its log-probs to a teacher-forced transformers pass for each family.
 """
 
 from __future__ import annotations
@@ -17,21 +22,41 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+FAMILIES = ("llama", "qwen2", "qwen3")
 # Rotary variants whose frequencies do not depend on the sequence length (transformers computes
 # `inv_freq` once for them); "dynamic" and "longrope" rescale with the length.
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-def supports(model) -> bool:
-    """Whether `LlamaDecoder` computes this model's forward: a transformers Llama with static
-    rotary frequencies and one plain linear head."""
+def unsupported(model) -> str | None:
+    """Why `LlamaDecoder` cannot compute this model's forward (one phrase), or None when it can:
+    a transformers model of one of `FAMILIES` with static rotary frequencies, SiLU, full attention
+    on every layer (a sliding window shorter than the context is not implemented) and one plain
+    linear head."""
     config = model.config
+    family = getattr(config, "model_type", None)
+    if family not in FAMILIES:
+        return f"model_type {family!r} is not one of {', '.join(FAMILIES)}"
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    return (getattr(config, "model_type", None) == "llama"
-            and rope.get("rope_type", rope.get("type", "default")) in _STATIC_ROPE_TYPES
-            and getattr(config, "hidden_act", "silu") == "silu"
-            and getattr(config, "pretraining_tp", 1) == 1
-            and hasattr(model, "lm_head") and hasattr(model, "model"))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in _STATIC_ROPE_TYPES:
+        return f"rotary type {rope_type!r} rescales with the sequence length"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r} is not silu"
+    if getattr(config, "pretraining_tp", 1) != 1:
+        return "pretraining_tp > 1 splits the projections"
+    window = getattr(config, "sliding_window", None)
+    if ("sliding_attention" in (getattr(config, "layer_types", None) or ()) and window is not None
+            and window < config.max_position_embeddings):
+        return f"sliding-window attention ({window} tokens) is not implemented"
+    if not (hasattr(model, "lm_head") and hasattr(model, "model")):
+        return f"{type(model).__name__} has no plain LM head"
+    return None
+
+
+def supports(model) -> bool:
+    """Whether `LlamaDecoder` computes this model's forward (`unsupported` gives why not)."""
+    return unsupported(model) is None
 
 
 class KVBlock:
@@ -54,8 +79,9 @@ class LlamaDecoder:
     and values at columns `start..start+S` and returning the logits of the last column."""
 
     def __init__(self, model):
-        if not supports(model):
-            raise ValueError(f"LlamaDecoder does not support {type(model).__name__} ({model.config.model_type})")
+        reason = unsupported(model)
+        if reason is not None:
+            raise ValueError(f"LlamaDecoder does not support {type(model).__name__}: {reason}")
         self.model = model
         config = model.config
         self.heads = config.num_attention_heads
@@ -64,6 +90,10 @@ class LlamaDecoder:
         # A bool, not compared per call: traced by torch.compile with dynamic shapes, the comparison
         # of two int attributes is symbolic, and SDPA's `enable_gqa` takes only a real bool.
         self.grouped_query = self.kv_heads != self.heads
+        attn = model.model.layers[0].self_attn
+        self.scale = float(attn.scaling)
+        # Qwen3: q and k normalised per head (over head_dim) before the rotary embedding.
+        self.qk_norm = hasattr(attn, "q_norm")
 
     @property
     def layers(self) -> int:
@@ -74,11 +104,11 @@ class LlamaDecoder:
         return KVBlock(self.layers, rows, self.kv_heads, columns, self.head_dim, weight.dtype, weight.device)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, block: KVBlock, rows: slice,
-                start: int) -> torch.Tensor:
+                start: int, logits: bool = True) -> torch.Tensor | None:
         """`tokens`, `positions`: `[b, S]` for block rows `rows` (b of them), written at columns
         `start..start+S`; `block.valid` must already mark those columns of real tokens. Each
         query attends to the valid columns up to its own. Returns float logits `[b, vocab]` of
-        column `start+S-1`."""
+        column `start+S-1` (None with `logits=False`: only the keys and values are wanted)."""
         inner = self.model.model
         width = tokens.shape[1]
         end = start + width
@@ -94,6 +124,8 @@ class LlamaDecoder:
         cos, sin = self._rotary(positions, hidden.dtype)
         for index, layer in enumerate(inner.layers):
             hidden = self._layer(layer, hidden, cos, sin, block.data[index], rows, start, end, mask)
+        if not logits:
+            return None
         last = _rms_norm(hidden[:, -1], inner.norm)
         return self.model.lm_head(last).float()
 
@@ -108,14 +140,17 @@ class LlamaDecoder:
         b, width, _ = hidden.shape
         attn = layer.self_attn
         x = _rms_norm(hidden, layer.input_layernorm)
-        q = attn.q_proj(x).view(b, width, self.heads, self.head_dim).transpose(1, 2)
-        k = attn.k_proj(x).view(b, width, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = attn.q_proj(x).view(b, width, self.heads, self.head_dim)
+        k = attn.k_proj(x).view(b, width, self.kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = _rms_norm(q, attn.q_norm), _rms_norm(k, attn.k_norm)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = attn.v_proj(x).view(b, width, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         kv[0, rows, :, start:end] = k
         kv[1, rows, :, start:end] = v
         out = F.scaled_dot_product_attention(q, kv[0, rows, :, :end], kv[1, rows, :, :end], attn_mask=mask,
-                                             enable_gqa=self.grouped_query)
+                                             scale=self.scale, enable_gqa=self.grouped_query)
         hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(b, width, self.heads * self.head_dim))
         mlp = layer.mlp
         x = _rms_norm(hidden, layer.post_attention_layernorm)

@@ -2,16 +2,18 @@
 
 Samples with `asyncrl.algo.sampling` (temperature, top-p, top-k, FIRE, counter-based seeds) and
 records the log-prob of each token under the distribution it was drawn from (the engine's own:
-in bfloat16, the bfloat16 model's). Llama-architecture models run on the engine's own forward
-(`asyncrl.engines.llama_decoder`) over a preallocated KV block, and keep each keyed sequence's KV
-cache from one window to its next while the weights do not change (`asyncrl.engines.kv_cache`);
-other models run transformers' forward over left-padded batches, re-reading each context.
+in bfloat16, the bfloat16 model's). Llama, Qwen2/2.5 and Qwen3 models run on the engine's own
+forward (`asyncrl.engines.llama_decoder`) over a preallocated KV block, and keep each keyed
+sequence's KV cache from one window to its next while the weights do not change
+(`asyncrl.engines.kv_cache`); other models run transformers' forward over left-padded batches,
+re-reading each context (said once, when the engine is built).
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Iterable
@@ -29,22 +31,22 @@ from asyncrl.algo.sampling import (
 )
 from asyncrl.engines import llama_decoder
 from asyncrl.engines.base import SamplingParams, SequenceInput, WindowOutput, scored_positions
-from asyncrl.engines.kv_cache import CachedWindow, KeptCaches
+from asyncrl.engines.kv_cache import CachedWindow, KeptCaches, share_prefixes
 from asyncrl.lora import AdapterMerger, adapter_modules
-from asyncrl.models import bf16_pays
+from asyncrl.precision import Precision, choose_precision
 from asyncrl.schema import FinishReason
 from asyncrl import weights_delta
 from asyncrl.weight_sync import AdapterSpec, SharedVersion, WeightTransferError, shared_views
 
+log = logging.getLogger(__name__)
 
-def engine_dtype(name: str, device: str, model) -> torch.dtype:
-    """`engine.dtype` as a torch dtype for `model`: auto = bfloat16 where it is native and the
-    model has at least `BF16_MIN_PARAMETERS` parameters (`asyncrl.models.bf16_pays`), else float32."""
-    if name == "auto":
-        return torch.bfloat16 if bf16_pays(model, device) else torch.float32
-    if name not in ("float32", "bfloat16"):
+
+def engine_precision(name: str, device: str, model, rows: int) -> Precision:
+    """`engine.dtype` for `model` (`.dtype`: the torch dtype); auto: measured at `rows` rows, a
+    decode step's batch (`asyncrl.precision.choose_precision`)."""
+    if name not in ("auto", "float32", "bfloat16"):
         raise ValueError(f"engine dtype must be auto, float32 or bfloat16, got {name!r}")
-    return getattr(torch, name)
+    return choose_precision(name, model, device, rows, "engine")
 
 
 class TorchEngine:
@@ -68,8 +70,14 @@ class TorchEngine:
         self.pad_token_id = pad_token_id
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 1 << 30))
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
-        self.decoder = llama_decoder.LlamaDecoder(model) if llama_decoder.supports(model) else None
+        reason = llama_decoder.unsupported(model)
+        if reason is not None:
+            log.warning("embedded engine: %s runs on transformers' forward, the slower path (each window "
+                        "left-padded, its whole context re-read, no KV kept across windows): %s",
+                        type(model).__name__, reason)
+        self.decoder = llama_decoder.LlamaDecoder(model) if reason is None else None
         self.kept = KeptCaches(max_kept_bytes)
+        self.share_prefixes = True  # rows of a window compute what their prompts share once (`share_prefixes`)
         self.largest_block_positions = 0  # rows x columns of the largest KV block a window allocated
         self._version = 0
         self._updates = 0  # weight loads through this engine (part of the stamp kept caches carry)
@@ -211,6 +219,9 @@ class TorchEngine:
         else:
             stamp = self.weights_stamp()
             kept = self.kept.take([s.key for s in sequences], contexts, stamp)
+            if self.share_prefixes:
+                kept, spared = share_prefixes(self.decoder, contexts, kept, self.pad_token_id)
+                self.kept.stats["prefill_tokens_shared"] += spared
             # Longest suffix (tokens not in a kept cache) first: `CachedWindow` prefills in slices.
             suffix = [len(c) - (0 if k is None else len(k.tokens)) for c, k in zip(contexts, kept)]
             order = sorted(range(len(sequences)), key=lambda i: suffix[i], reverse=True)

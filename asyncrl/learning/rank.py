@@ -19,7 +19,8 @@ from asyncrl.config import AlgorithmConfig, EngineConfig, ModelConfig, PolicyCon
 from asyncrl.learning.policy import Objective, policy_step
 from asyncrl.learning.rows import build_optimizer
 from asyncrl.learning.scoring import PolicyForward
-from asyncrl.models import bf16_pays, load_model, load_tokenizer
+from asyncrl.models import load_model, load_tokenizer
+from asyncrl.precision import Precision, choose_precision
 from asyncrl.schema import TrainSample
 from asyncrl.sharding import DataParallel
 from asyncrl.weight_sync import AdapterSpec
@@ -40,6 +41,7 @@ class PolicyRank:
         self.adapter = (AdapterSpec(model_config.lora_rank, model_config.lora_alpha) if peft_model is not None
                         else None)
         self.objective = objective
+        self.precision: Precision | None = None  # how `objective`'s precision was chosen (`learner_precision`)
         self.pad_token_id = pad_token_id
         self.parallel = parallel
         # A frozen whole copy on every rank (each scores its own micro-batches).
@@ -143,28 +145,39 @@ def build_policy_rank(model: ModelConfig, algorithm: AlgorithmConfig, policy: Po
     lm = load_model(model, tokenizer)
     if policy.compute.gradient_checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    precision = learner_precision(policy.compute.precision, lm, policy.compute.device, "policy learner", parallel)
     peft_model = lora.wrap(lm, model) if model.lora_rank else None
-    rank = PolicyRank(lm.to(policy.compute.device), policy_objective(algorithm, policy, engine, sampling, lm),
+    rank = PolicyRank(lm.to(policy.compute.device), policy_objective(algorithm, policy, engine, sampling, lm, precision),
                       tokenizer.pad_token_id or 0, parallel, peft_model, model)
+    rank.precision = precision
     return rank, tokenizer
 
 
 def policy_objective(algorithm: AlgorithmConfig, policy: PolicyConfig, engine: EngineConfig, sampling: SamplingConfig,
-                     lm) -> Objective:
-    """The run's sections as one policy step reads them: precision resolved for `lm`, the
-    Dr.GRPO constant defaulting to the response budget, the KL loss term (none when it is a reward)."""
-    compute = msgspec.structs.replace(policy.compute,
-                                      precision=learner_precision(policy.compute.precision, lm, policy.compute.device))
+                     lm, precision: Precision | None = None) -> Objective:
+    """The run's sections as one policy step reads them: precision resolved for `lm` (`precision`,
+    else chosen here), the Dr.GRPO constant defaulting to the response budget, the KL loss term
+    (none when it is a reward)."""
+    if precision is None:
+        precision = learner_precision(policy.compute.precision, lm, policy.compute.device, "policy learner")
+    compute = msgspec.structs.replace(policy.compute, precision=precision.name)
     loss = msgspec.structs.replace(policy.loss, norm_tokens=policy.loss.norm_tokens or engine.max_response_tokens)
     return Objective(msgspec.structs.replace(policy, compute=compute, loss=loss), sampling, algorithm.kl_loss,
                      algorithm.nll_coef)
 
 
-def learner_precision(name: str, model, device: str) -> str:
-    """`policy.compute.precision` or `critic.compute.precision` for `model`: auto = bf16 where it pays (`bf16_pays`), else fp32."""
-    if name != "auto":
-        return name
-    return "bf16" if bf16_pays(model, device) else "fp32"
+# A learner's matmuls have a micro-batch of rows (thousands of tokens); their speed in either dtype
+# levels off well below that, and fewer rows keep the probe short.
+LEARNER_PROBE_ROWS = 256
+
+
+def learner_precision(name: str, model, device: str, role: str, parallel: DataParallel | None = None) -> Precision:
+    """`policy.compute.precision` or `critic.compute.precision` for `model`
+    (`asyncrl.precision.choose_precision` at `LEARNER_PROBE_ROWS` rows). The ranks of a sharded
+    learner decide on their timings summed, so all take the same."""
+    combine = None if parallel is None else (lambda fp32_s, bf16_s: tuple(
+        parallel.sum({"fp32": fp32_s, "bf16": bf16_s})[k] for k in ("fp32", "bf16")))
+    return choose_precision(name, model, device, LEARNER_PROBE_ROWS, role, combine)
 
 
 def learner_backend(policy: PolicyConfig) -> str:

@@ -1,0 +1,158 @@
+"""The engine's own forward for each model family it knows (Llama, Qwen2, Qwen3), against
+transformers' own forward of the same weights, and the fallback for a family it does not know.
+
+Tiny random models built here with transformers' configs: grouped-query attention, Qwen3's
+explicit `head_dim` (not hidden / heads), tied embeddings for one family. transformers
+initialises biases to zero and norm weights to one, which would leave Qwen2's q/k/v biases and
+Qwen3's q/k norms without effect: they are drawn at random here, so a forward that skipped them
+would fail."""
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, \
+    Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from asyncrl.algo.sampling import filtered_logprobs
+from asyncrl.engines.base import SamplingParams, SequenceInput
+from asyncrl.engines.torch_engine import TorchEngine
+from asyncrl.learning.scoring import token_logprobs
+from asyncrl.schema import FinishReason, int32_array
+
+VOCAB = 64
+NO_EOS = (10_000,)  # outside the vocabulary: never sampled, every window full
+PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14], [4], [20, 21, 22, 23, 24, 25, 26, 27, 28]]
+SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, pad_token_id=0)
+FAMILIES = {
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(**SHAPE, rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
+    # Qwen2 (and Qwen2.5): biases on q/k/v; tied embeddings as the small Qwen2.5 models have.
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**SHAPE, tie_word_embeddings=True,
+                                                  rope_parameters={"rope_type": "default", "rope_theta": 1e4})),
+    # Qwen3: q/k RMSNorm per head, head_dim 32 (hidden / heads would be 16).
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**SHAPE, head_dim=32,
+                                                  rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+}
+
+
+def family_model(family: str, seed: int = 0):
+    torch.manual_seed(seed)
+    model = FAMILIES[family]()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.3)
+            elif "norm" in name:  # RMSNorm weights: ones at init
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+    return model.eval()
+
+
+def seq(i, response=(), keyed=False):
+    return SequenceInput(prompt_ids=int32_array(PROMPTS[i]), response_ids=int32_array(list(response)), seed=10 + i,
+                         max_response_tokens=64, key=f"s{i}" if keyed else None)
+
+
+def teacher_forced(model, prompt, response, params):
+    ids = torch.tensor([list(prompt) + list(response)])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0]
+    lp = filtered_logprobs(logits[len(prompt) - 1:-1], params.temperature, params.top_k, params.top_p)
+    return lp.gather(-1, torch.tensor(response)[:, None]).squeeze(-1).numpy()
+
+
+def test_the_families_have_what_the_forward_must_handle():
+    """The tiny models carry each family's difference, so the tests below exercise it."""
+    qwen2, qwen3 = family_model("qwen2"), family_model("qwen3")
+    attn2, attn3 = qwen2.model.layers[0].self_attn, qwen3.model.layers[0].self_attn
+    assert attn2.q_proj.bias is not None and attn2.q_proj.bias.abs().sum() > 0 and attn2.o_proj.bias is None
+    assert qwen2.lm_head.weight.data_ptr() == qwen2.model.embed_tokens.weight.data_ptr()
+    assert attn3.q_norm.weight.shape == (32,) and attn3.q_proj.out_features == 4 * 32 != qwen3.config.hidden_size
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.7, top_p=0.9, top_k=12)])
+def test_own_forward_logprobs_match_transformers_forward_in_fp32(family, params):
+    """fp32: the bound of the Llama path (`tests/test_engine.py`): 1e-4 nats from a teacher-forced
+    pass, and the same tokens and log-probs (1e-5) as the engine on transformers' forward."""
+    model = family_model(family)
+    own, padded = TorchEngine(model, NO_EOS), TorchEngine(model, NO_EOS)
+    assert own.decoder is not None
+    padded.decoder = None
+    outs = own.generate_window_sync([seq(i) for i in range(5)], 12, params)
+    theirs = padded.generate_window_sync([seq(i) for i in range(5)], 12, params)
+    for i, (out, other) in enumerate(zip(outs, theirs)):
+        np.testing.assert_allclose(out.logprobs, teacher_forced(model, PROMPTS[i], out.token_ids.tolist(), params),
+                                   atol=1e-4)
+        assert out.token_ids.tolist() == other.token_ids.tolist()
+        np.testing.assert_allclose(out.logprobs, other.logprobs, atol=1e-5)
+
+
+# The Llama path's bf16 bounds (tests/test_engine_cache.py: BF16_MEAN_BOUND, BF16_MAX_BOUND).
+BF16_MEAN_BOUND, BF16_MAX_BOUND = 0.004, 0.02
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_bf16_logprobs_are_within_the_llama_paths_bound_of_the_fp32_forward(family):
+    model = family_model(family)
+    engine = TorchEngine(model, NO_EOS, dtype=torch.bfloat16)
+    assert engine.decoder is not None and next(engine.model.parameters()).dtype == torch.bfloat16
+    outs = engine.generate_window_sync([seq(i) for i in range(5)], 24, SamplingParams(temperature=0.7))
+    gaps = []
+    for i, out in enumerate(outs):
+        ids = torch.tensor([PROMPTS[i] + out.token_ids.tolist()])
+        targets = torch.zeros_like(ids)
+        targets[0, :-1] = ids[0, 1:]
+        with torch.no_grad():
+            logp, _ = token_logprobs(model, ids, torch.ones_like(ids), targets, 0.7)
+        gaps.append(np.abs(out.logprobs - logp[0, len(PROMPTS[i]) - 1:-1].numpy()))
+    gaps = np.concatenate(gaps)
+    assert 0 < gaps.mean() < BF16_MEAN_BOUND and gaps.max() < BF16_MAX_BOUND, (gaps.mean(), gaps.max())
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_kept_kv_across_windows_equals_re_prefill(family):
+    """Rows join and leave across three windows; with KV kept, the same tokens and log-probs as
+    an engine that re-reads every context."""
+    model = family_model(family, seed=1)
+    cached, fresh = TorchEngine(model, NO_EOS), TorchEngine(model, NO_EOS)
+    rows = [[0, 1, 2], [0, 1, 2, 3, 4], [0, 2, 3, 4]]
+    got = {e: ({i: [] for i in range(5)}, {i: [] for i in range(5)}) for e in ("cached", "fresh")}
+    for window in rows:
+        for name, engine, keyed in (("cached", cached, True), ("fresh", fresh, False)):
+            tokens, logprobs = got[name]
+            outs = engine.generate_window_sync([seq(i, tokens[i], keyed) for i in window], 5, SamplingParams())
+            for i, out in zip(window, outs):
+                assert out.finish_reason is FinishReason.WINDOW
+                tokens[i] += out.token_ids.tolist()
+                logprobs[i] += out.logprobs.tolist()
+    assert got["cached"][0] == got["fresh"][0]
+    for i in range(5):
+        np.testing.assert_allclose(got["cached"][1][i], got["fresh"][1][i], atol=1e-5)
+    assert cached.kept.stats["reused"] == 3 + 4 and fresh.kept.stats["reused"] == 0
+
+
+def test_a_family_the_decoder_does_not_know_falls_back_with_a_notice(caplog):
+    """Mistral (not one of the families) and a Qwen2 whose sliding window is shorter than its
+    context: transformers' forward, said once at start-up with the reason, and still right."""
+    torch.manual_seed(0)
+    models = {"model_type 'mistral' is not one of llama, qwen2, qwen3":
+              MistralForCausalLM(MistralConfig(**SHAPE, sliding_window=None)).eval(),
+              "sliding-window attention (16 tokens)":
+              Qwen2ForCausalLM(Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=16,
+                                           max_window_layers=0)).eval()}
+    for reason, model in models.items():
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="asyncrl.engines.torch_engine"):
+            engine = TorchEngine(model, NO_EOS)
+        assert engine.decoder is None
+        notices = [r.getMessage() for r in caplog.records]
+        assert len(notices) == 1 and "transformers' forward, the slower path" in notices[0] and reason in notices[0]
+        out = engine.generate_window_sync([seq(0)], 6, SamplingParams())[0]
+        np.testing.assert_allclose(out.logprobs, teacher_forced(model, PROMPTS[0], out.token_ids.tolist(),
+                                                                SamplingParams()), atol=1e-4)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="asyncrl.engines.torch_engine"):
+        assert TorchEngine(family_model("qwen3"), NO_EOS).decoder is not None
+    assert not caplog.records
