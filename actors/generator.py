@@ -400,16 +400,11 @@ class Generator:
 
     def stats(self) -> dict:
         wall = max(time.monotonic() - self._started, 1e-9)
-        return {
-            **self.counters, **self.timing,
-            "generator_id": self.generator_id,
-            "delivered_version": self.engine.weight_version,
-            "inflight_sequences": self.held,
-            "engine_call_s": self.engine_calls.oldest_s(), "wall_s": wall,  # (the oldest window or load: liveness)
-            "busy_fraction": self.timing["generate_s"] / wall,
-            "paused_for_weights_fraction": self.timing["weight_update_s"] / wall,
-            "engine_precision": self.precision,
-        }
+        return {**self.counters, **self.timing, "generator_id": self.generator_id,
+                "delivered_version": self.engine.weight_version, "inflight_sequences": self.held,
+                "engine_call_s": self.engine_calls.oldest_s(), "wall_s": wall,  # (the oldest window or load: liveness)
+                "busy_fraction": self.timing["generate_s"] / wall,
+                "paused_for_weights_fraction": self.timing["weight_update_s"] / wall, "engine_precision": self.precision}
 
 
 def build_generator(model: ModelConfig, engine: EngineConfig, sampling: SamplingConfig, prompts: Mailbox,

@@ -424,7 +424,7 @@ def check_fsdp(ctx: Check) -> tuple[list[Row], dict]:
     try:
         batch = ctx.batch()
         lms = {"plain": ctx.model(), "fsdp2": ctx.model()}
-        precision = learner_precision("auto", lms["plain"], device)
+        precision = learner_precision("auto", lms["plain"], device, "gpu check").name
         ranks = {name: PolicyRank(lm, ctx.objective(lm, precision), parallel=parallel if name == "fsdp2" else None)
                  for name, lm in lms.items()}
         first = {name: rank.step(batch) for name, rank in ranks.items()}

@@ -22,19 +22,10 @@ import time
 import torch
 import torch.multiprocessing as mp
 
+from asyncrl.bench.common import HALF_B, ONE_HALF_B
 from asyncrl.config import compose
 from asyncrl.weight_sync import (Delivery, SharedSlots, SharedVersion, WeightGroup, free_port, from_cuda_ipc, plan_buckets,
                                  shared_views, to_cuda_ipc)
-
-# Qwen2.5-0.5B's architecture (494M parameters, tied embeddings), random weights.
-HALF_B = dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-              num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
-
-
-# Qwen2.5-1.5B's architecture (1.54B parameters, tied embeddings), random weights.
-ONE_HALF_B = dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                  num_attention_heads=12, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
-
 
 def shapes_of(model_name: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Parameter names and shapes, built on the meta device (no memory, no init)."""

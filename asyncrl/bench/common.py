@@ -83,3 +83,13 @@ def make_segment(new_tokens: int, prompt_tokens: int = 256) -> Segment:
         ground_truth="42",
         group_size=8,
     )
+
+
+# Qwen2.5-0.5B's architecture (494M parameters, tied embeddings), random weights.
+HALF_B = dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+              num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
+
+
+# Qwen2.5-1.5B's architecture (1.54B parameters, tied embeddings), random weights.
+ONE_HALF_B = dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                  num_attention_heads=12, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)

@@ -37,7 +37,7 @@ def build_model(model_name: str, layers: int | None, dtype=ENGINE_DTYPE, meta: b
     `layers` decoder layers (None: all); `meta`: shapes only."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from asyncrl.bench.broadcast import HALF_B, ONE_HALF_B
+    from asyncrl.bench.common import HALF_B, ONE_HALF_B
 
     if model_name in ("embedded", "tiny"):
         from asyncrl.config import compose
