@@ -223,6 +223,13 @@ def _main(argv: list[str] | None) -> int:
     except (ConfigError, FileNotFoundError, FileExistsError, RayStartError) as exc:
         print(f"asyncrl {args.command}: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:  # a disk that cannot take the run's checkpoints: what to do, in one line
+        from asyncrl.checkpoint import CheckpointWriteError
+
+        if not isinstance(exc, CheckpointWriteError):
+            raise
+        print(f"asyncrl {args.command}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

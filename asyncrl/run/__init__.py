@@ -25,7 +25,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ray.exceptions import RayError
+from ray.exceptions import RayError, RayTaskError
 
 from asyncrl import checkpoint
 from asyncrl.config import Config
@@ -87,6 +87,9 @@ class Run:
         try:
             dead = self.system.check_alive()
         except Exception as exc:  # a role's loop ended: its error, or ActorDiedError
+            if isinstance(exc.__cause__, checkpoint.CheckpointWriteError):
+                # The disk would refuse the restarted run's checkpoints too: one error, no restarts.
+                raise checkpoint.CheckpointWriteError(_cause_message(exc.__cause__)) from exc
             restart = self.restart(f"{type(exc).__name__}: {exc}".splitlines()[0][:300], exc)
         else:
             self.system.pool.check(dead)  # generators: healed in place, replaced while there is room
@@ -185,7 +188,10 @@ class Run:
         self.system.stop_learning()
 
     def checkpoint(self) -> str:
-        return self.system.checkpoint()
+        try:
+            return self.system.checkpoint()
+        except checkpoint.CheckpointWriteError as exc:  # the learner's message, not Ray's wrapping
+            raise checkpoint.CheckpointWriteError(_cause_message(exc)) from None
 
     def weights(self):
         return self.system.weights()
@@ -196,6 +202,11 @@ class Run:
 
     def write_plots(self) -> None:
         self.log.write_plots()
+
+
+def _cause_message(exc: BaseException) -> str:
+    """The message of a role's own error (Ray wraps it with the role's traceback)."""
+    return str(exc.cause if isinstance(exc, RayTaskError) else exc)
 
 
 def _prompt_state(status: dict) -> dict:

@@ -27,6 +27,7 @@ from actors.recorder import RecorderActor
 from actors.reward_endpoint import reward_endpoint_actors
 from actors.value_learner import ValueLearnerActor
 from asyncrl import checkpoint, environments
+from asyncrl.checkpoint_store import CheckpointStore, StoreClient
 from asyncrl.algo.advantages import ADVANTAGES
 from asyncrl.config import Config
 from asyncrl.ray_mailbox import RayMailbox, ShardedMailbox, sum_stats
@@ -85,6 +86,7 @@ class System:
         self._created: list[Any] = []  # every role actor made by start()
         self._endpoints: dict[str, Any] = {}  # reward endpoint actors (none under Serve)
         self.environment: Any = None  # the environment endpoint actor (a task with an environment)
+        self.store: StoreClient | None = None  # the checkpoints' writer, on the run directory's node
         self._last_value: dict = {}
 
     def start(self) -> "System":
@@ -148,6 +150,10 @@ class System:
         # The environment a task's episodes act in: an endpoint of its own, here with the control plane.
         self.environment = environment_actor(cfg.environment, here) if cfg.environment.name else None
         self._created += [self.environment] if self.environment is not None else []
+        # Every checkpoint is begun and committed on this node, the run directory's (roles elsewhere
+        # ship their parts to it: `asyncrl.checkpoint_store`).
+        self.store = (StoreClient.of_actor(self._spawn(CheckpointStore, run_dir=self.run_dir, placement=here))
+                      if self.run_dir and learning else None)
         recorder = (self._spawn(RecorderActor, directory=os.path.join(self.run_dir, STORE_DIRNAME),
                                 max_file_mb=tr.record_file_mb, max_file_age_s=tr.record_file_age_s, placement=here)
                     if tr.record else None)
@@ -166,7 +172,7 @@ class System:
         value_learner = (self._spawn(
             ValueLearnerActor, model=cfg.model, critic=cfg.critic, algorithm=cfg.algorithm, engine=cfg.engine,
             seed=tr.seed, trajectories=boxes["trajectories"], resume_from=resume and resume.checkpoint,
-            placement=learner_options[ranks]) if value_based else None)
+            checkpoint_store=self.store, placement=learner_options[ranks]) if value_based else None)
         assembler = self._spawn(
             AssemblerActor, model=cfg.model, algorithm=cfg.algorithm, engine=cfg.engine, reward=cfg.reward,
             prompts_per_step=tr.prompts_per_step, segments=boxes["segments"], batches=boxes["batches"],
@@ -206,7 +212,8 @@ class System:
             seed=tr.seed, batches=self.mailboxes["batches"], listeners=[assembler, prompt_source], ledger=prompt_source,
             checkpoint_parts=[prompt_source] + ([value_learner] if value_learner is not None else []),
             checkpoints=CheckpointPolicy(self.run_dir, tr.checkpoint_every if self.run_dir else 0,
-                                         tr.checkpoint_every_s if self.run_dir else 0.0, tr.checkpoint_keep),
+                                         tr.checkpoint_every_s if self.run_dir else 0.0, tr.checkpoint_keep,
+                                         self.store),
             max_steps=self.max_steps, recorder=recorder, ranks=rank_actors, rendezvous=rendezvous,
             delivery_timeout_s=self.config.cluster.generator_timeout_s,
             placement=options[0], actor_name=LEARNER_NAME if self.name_actors else None)  # found by name
@@ -220,7 +227,7 @@ class System:
         if "learner" in self.actors:
             ray.get(self.actors["learner"].resume.remote(resume.checkpoint))
         self.resumed["reissued_prompts"] = ray.get(self.actors["prompt_source"].restore.remote(
-            resume.checkpoint, resume.held_sample_ids, resume.weight_version))
+            resume.checkpoint, resume.held_sample_ids, resume.weight_version, self.store))
         if resume.saved_batches:
             batches = self.mailboxes["batches"]
             ray.get(batches.actor.put.remote([(b.batch_id, batches.codec.encode(b)) for b in resume.saved_batches]))
