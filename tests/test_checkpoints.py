@@ -171,6 +171,10 @@ def private_node(ray_session, tmp_path):
     yield str(run_dir)
     os.killpg(node.pid, 9)
     node.wait()
+    # `ray start` left the session's address for a later `ray.init()` to join: it is gone with the test.
+    current = "/tmp/ray/ray_current_cluster"
+    if os.path.exists(current) and gcs in open(current).read():
+        os.remove(current)
 
 
 @ray.remote(num_cpus=0, resources={"private_disk": 0.01})

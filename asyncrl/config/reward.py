@@ -70,9 +70,11 @@ class RewardConfig:
     routes: list[RouteConfig] = field(default_factory=lambda: [RouteConfig()])
     """The first route whose pattern matches a sample's data_source scores it."""
     timeout_s: float = 120.0
-    """A reward call slower than this is retried, then recorded as a failed reward (never a hang)."""
+    """The deadline of a reward call, retries included: a call still running then is cancelled at
+    the endpoint and its rewards recorded as failed (never a hang). A pairwise judgement has the same."""
     retries: int = 3
-    """Retries of a failed or timed-out reward call."""
+    """Retries of a reward call that failed with an error, while its deadline allows (a call that
+    ran out of time is not retried: its retry would only add work to a slow endpoint)."""
     use_serve: bool = False
     """Call the Serve applications `reward-<name>` (deployed by `serve run configs/serve.yaml`)
     instead of starting the endpoints as actors: they can then be redeployed while training runs."""

@@ -74,7 +74,7 @@ class RewardEndpoint:
         self.config = endpoint_config(config)
         self.scorer = build_scorer(self.config, self.model, default_style)
         self.started = time.time()
-        self.counters = {"requests": 0, "rewards": 0, "failed": 0, "reconfigurations": 0}
+        self.counters = {"requests": 0, "rewards": 0, "failed": 0, "reconfigurations": 0, "cancelled": 0}
 
     @property
     def version(self) -> str:
@@ -101,9 +101,13 @@ class RewardEndpoint:
 
     async def score(self, requests: list[RewardRequest]) -> list[Reward]:
         self.counters["requests"] += 1
-        await self._fault_delay()
-        scorer = self.scorer  # a reconfigure during this call does not change the scorer it uses
-        rewards = await asyncio.to_thread(scorer.score, requests)
+        try:
+            await self._fault_delay()
+            scorer = self.scorer  # a reconfigure during this call does not change the scorer it uses
+            rewards = await asyncio.to_thread(scorer.score, requests)
+        except asyncio.CancelledError:  # the caller's deadline passed (its router cancels the call)
+            self.counters["cancelled"] += 1
+            raise
         # Every reward names this endpoint and its version (the hybrid router records both).
         rewards = [msgspec.structs.replace(r, source=self.name, source_version=self.version) for r in rewards]
         self.counters["rewards"] += len(rewards)

@@ -31,7 +31,7 @@ from asyncrl import checkpoint
 from asyncrl.config import Config
 from asyncrl.run.pool import autoscale_step
 from asyncrl.run.records import RunRecords
-from asyncrl.run.wiring import System
+from asyncrl.run.wiring import RoleHung, System
 
 RESTART_ATTEMPTS = 4
 RESTART_WAIT_S = 10.0
@@ -87,13 +87,16 @@ class Run:
         try:
             dead = self.system.check_alive()
         except Exception as exc:  # a role's loop ended: its error, or ActorDiedError
-            if isinstance(exc.__cause__, checkpoint.CheckpointWriteError):
-                # The disk would refuse the restarted run's checkpoints too: one error, no restarts.
-                raise checkpoint.CheckpointWriteError(_cause_message(exc.__cause__)) from exc
-            restart = self.restart(f"{type(exc).__name__}: {exc}".splitlines()[0][:300], exc)
-        else:
-            self.system.pool.check(dead)  # generators: healed in place, replaced while there is room
-            return None
+            return self._recover(exc)
+        self.system.pool.check(dead)  # generators: healed in place, replaced while there is room
+        return None
+
+    def _recover(self, exc: Exception) -> dict:
+        """A role died or hung (`exc`): restart from the newest checkpoint; the event."""
+        if isinstance(exc.__cause__, checkpoint.CheckpointWriteError):
+            # The disk would refuse the restarted run's checkpoints too: one error, no restarts.
+            raise checkpoint.CheckpointWriteError(_cause_message(exc.__cause__)) from exc
+        restart = self.restart(f"{type(exc).__name__}: {exc}".splitlines()[0][:300], exc)
         self.log.after_restart(restart["step"])
         with open(os.path.join(self.run_dir, "restarts.jsonl"), "a") as f:
             f.write(json.dumps(restart) + "\n")
@@ -106,6 +109,12 @@ class Run:
         restart = self.check() if check_health else None
         if restart is not None:
             return Poll(restart=restart)
+        try:
+            return self._poll_records()
+        except RoleHung as exc:  # alive but stuck: as good as dead
+            return Poll(restart=self._recover(exc))
+
+    def _poll_records(self) -> Poll:
         new = self.system.pop_metrics()
         if not new:
             quiet_s = time.time() - self.last_step_at

@@ -16,6 +16,7 @@ from typing import Any
 
 import ray
 import torch
+from ray.exceptions import GetTimeoutError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.assembler import AssemblerActor
@@ -55,8 +56,29 @@ class ResumePoint:
     held_sample_ids: set = field(default_factory=set)  # samples inside those batches
 
 
+# How long the run waits for a role's answer. A role that does not answer is hung (alive, but
+# stuck): it is treated as dead, so the run restarts instead of waiting for ever.
+CONTROL_TIMEOUT_S = 120.0  # status, metrics, the ledger, versions: answered between two steps
+WORK_TIMEOUT_S = 1800.0  # a checkpoint, the weights, a resume: the model's size in bytes moved
+PREPARE_TIMEOUT_S = 4 * 3600.0  # Pre-PPO's selection generates over the prompts before the first step
+
+
 class RoleDied(RuntimeError):
     """A role's loop ended (its error, with the role named): the run restarts from the checkpoint."""
+
+
+class RoleHung(RoleDied):
+    """A role did not answer a call within its bound: treated as dead."""
+
+
+def answer(ref, role: str, what: str, timeout_s: float | None = None):
+    """`ray.get` of a role's call, bounded: `RoleHung` (naming the role and the call) past
+    `timeout_s` (default `CONTROL_TIMEOUT_S`)."""
+    timeout_s = CONTROL_TIMEOUT_S if timeout_s is None else timeout_s
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except GetTimeoutError:
+        raise RoleHung(f"{role} did not answer {what} within {timeout_s:g}s (alive but stuck)") from None
 
 
 class System:
@@ -115,10 +137,11 @@ class System:
         self._resume(resume)
         if "learner" in self.actors:  # the generators join: each gets the learner's version first
             self.pool.join(list(self.generators))
-            ray.get(self.actors["learner"].announce.remote())
+            answer(self.actors["learner"].announce.remote(), "the learner", "announce")
         # Pre-PPO selection (before the first prompt; a no-op when off or resumed).
-        self.pre_ppo = ray.get(self.actors["prompt_source"].prepare.remote(
-            cfg.model, cfg.engine, cfg.task, cfg.reward, cfg.trainer.seed, self._endpoints))
+        self.pre_ppo = answer(self.actors["prompt_source"].prepare.remote(
+            cfg.model, cfg.engine, cfg.task, cfg.reward, cfg.trainer.seed, self._endpoints),
+            "the prompt source", "prepare (Pre-PPO selection)", PREPARE_TIMEOUT_S)
         self._loops(resume)
         self.started_at = time.time()
         return self
@@ -225,12 +248,14 @@ class System:
         if resume is None:
             return
         if "learner" in self.actors:
-            ray.get(self.actors["learner"].resume.remote(resume.checkpoint))
-        self.resumed["reissued_prompts"] = ray.get(self.actors["prompt_source"].restore.remote(
-            resume.checkpoint, resume.held_sample_ids, resume.weight_version, self.store))
+            answer(self.actors["learner"].resume.remote(resume.checkpoint), "the learner", "resume", WORK_TIMEOUT_S)
+        self.resumed["reissued_prompts"] = answer(self.actors["prompt_source"].restore.remote(
+            resume.checkpoint, resume.held_sample_ids, resume.weight_version, self.store), "the prompt source",
+            "restore", WORK_TIMEOUT_S)
         if resume.saved_batches:
             batches = self.mailboxes["batches"]
-            ray.get(batches.actor.put.remote([(b.batch_id, batches.codec.encode(b)) for b in resume.saved_batches]))
+            answer(batches.actor.put.remote([(b.batch_id, batches.codec.encode(b)) for b in resume.saved_batches]),
+                   "the batches mailbox", "put")
 
     def _loops(self, resume: "ResumePoint | None") -> None:
         """Consumers first; the generators hold the learner's version already (they joined)."""
@@ -273,15 +298,16 @@ class System:
     def stop_learning(self, timeout_s: float = 120.0) -> None:
         """End the policy learner's loop (a step in flight finishes first), so that a checkpoint and
         the weights read afterwards are those of the last step the run reports."""
-        ray.get(self.actors["learner"].stop.remote())
+        answer(self.actors["learner"].stop.remote(), "the learner", "stop")
         ray.wait([self.run_refs["learner"]], timeout=timeout_s)
 
     def checkpoint(self) -> str:
         """Write a checkpoint now (between two learner steps); returns its path."""
-        return ray.get(self.actors["learner"].save_checkpoint.remote())
+        return answer(self.actors["learner"].save_checkpoint.remote(), "the learner", "save_checkpoint",
+                      WORK_TIMEOUT_S)
 
     def ledger(self) -> dict:
-        return ray.get(self.actors["prompt_source"].ledger.remote())
+        return answer(self.actors["prompt_source"].ledger.remote(), "the prompt source", "ledger")
 
     def check_alive(self) -> list[str]:
         """Raise the error of any role's loop that ended (a crash must not look like a slow run),
@@ -301,21 +327,23 @@ class System:
         return dead
 
     def status(self) -> dict:
-        learner = ray.get(self.actors["learner"].stats.remote())
+        def stats(name: str) -> dict:
+            return answer(self.actors[name].stats.remote(), name, "stats")
+
+        learner = stats("learner")
         generators = answered({gid: g.stats.remote() for gid, g in self.generators.items()}, timeout_s=5.0)
-        assembler = ray.get(self.actors["assembler"].stats.remote())
-        mailboxes = {name: sum_stats(ray.get([a.stats.remote() for a in mailbox_actors(box)]))
-                     for name, box in self.mailboxes.items()}
+        assembler = stats("assembler")
+        mailboxes = {name: sum_stats(answer([a.stats.remote() for a in mailbox_actors(box)], f"the {name} mailbox",
+                                            "stats")) for name, box in self.mailboxes.items()}
         status = summarize(learner, generators, assembler, mailboxes, time.time() - self.started_at)
         if "value_learner" in self.actors:
-            status["value_learner"] = ray.get(self.actors["value_learner"].stats.remote())
+            status["value_learner"] = stats("value_learner")
         if "environment" in self.actors:
-            status["environment"] = ray.get(self.actors["environment"].stats.remote())
+            status["environment"] = stats("environment")
         status["reward_endpoints"] = reward_endpoint_table(
             self.config.reward, assembler.get("reward_router", {}).get("endpoints", {}),
-            {name.removeprefix("reward-"): ray.get(actor.stats.remote())
-             for name, actor in self.actors.items() if name.startswith("reward-")})
-        status["prompt_source"] = ray.get(self.actors["prompt_source"].stats.remote())
+            {name.removeprefix("reward-"): stats(name) for name in self.actors if name.startswith("reward-")})
+        status["prompt_source"] = stats("prompt_source")
         status["ledger"] = {**status["prompt_source"].pop("ledger"),
                             "problems": status["prompt_source"].pop("ledger_problems")}
         status["resumed"] = self.resumed
@@ -326,9 +354,10 @@ class System:
 
     def pop_metrics(self) -> list[dict]:
         """Policy-step records; with a value learner, each carries its latest value-step metrics."""
-        records = ray.get(self.actors["learner"].pop_metrics.remote())
+        records = answer(self.actors["learner"].pop_metrics.remote(), "the learner", "pop_metrics")
         if "value_learner" in self.actors:
-            value_records = ray.get(self.actors["value_learner"].pop_metrics.remote())
+            value_records = answer(self.actors["value_learner"].pop_metrics.remote(), "the value learner",
+                                   "pop_metrics")
             if value_records:
                 self._last_value = value_records[-1]
             for record in records:
@@ -336,7 +365,7 @@ class System:
         return records
 
     def weights(self) -> tuple[int, dict[str, torch.Tensor]]:
-        return ray.get(self.actors["learner"].weights.remote())
+        return answer(self.actors["learner"].weights.remote(), "the learner", "weights", WORK_TIMEOUT_S)
 
     def stop(self, learner_grace_s: float = 60.0) -> None:
         """Stop every loop and kill every actor. Once this returns, no checkpoint is committed any

@@ -5,6 +5,7 @@ import hmac
 import ipaddress
 from typing import Any
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
@@ -17,6 +18,23 @@ ADMIN_TOKEN = {"value": ""}
 REWARD_TOKEN = {"value": ""}
 MAX_ADMIN_BODY_BYTES = 1 << 20
 MAX_SCORE_BODY_BYTES = 16 << 20
+
+
+class FiniteJSONResponse(JSONResponse):
+    """JSON with every NaN or infinity as null: JSON has neither, and Starlette's own response
+    refuses them with a 500 (a run whose loss diverged records a NaN loss)."""
+
+    @staticmethod
+    def encode(content: Any) -> bytes:
+        return msgspec.json.encode(content, enc_hook=_plain)
+
+    def render(self, content: Any) -> bytes:
+        return self.encode(content)
+
+
+def _plain(value: Any) -> Any:
+    """What msgspec cannot encode itself: numpy scalars as numbers, anything else as its text."""
+    return value.item() if hasattr(value, "item") and hasattr(value, "dtype") else str(value)
 
 
 def config_from_args(args: dict[str, Any]) -> Config:

@@ -10,7 +10,6 @@ at runtime, and string annotations would turn request bodies into query paramete
 """
 
 import asyncio
-import json
 import logging
 import os
 import time
@@ -24,7 +23,8 @@ from ray import serve
 from asyncrl.config import Config
 from asyncrl.run import Run
 from asyncrl.run.records import REWARD_KEY
-from asyncrl.serve.guards import admin_guard, config_from_args
+from asyncrl.run.wiring import CONTROL_TIMEOUT_S, WORK_TIMEOUT_S
+from asyncrl.serve.guards import FiniteJSONResponse, admin_guard, config_from_args
 
 INITIAL_DATA_MARKER = '<script id="initial-data" type="application/json">null</script>'
 STATUS_PAGE = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "static", "status.html"),
@@ -40,9 +40,8 @@ def status_page(status: dict, history: list[dict]) -> str:
     slow link never shows an empty page): the status and at most `PAGE_RECORDS` step records spread
     over the whole run, so the page stays the same size however long it runs."""
     try:
-        initial = json.dumps({"status": status, "metrics": thinned(history, PAGE_RECORDS)}, default=str,
-                             allow_nan=False)
-    except ValueError:  # a NaN somewhere: the page fetches the data itself
+        initial = FiniteJSONResponse.encode({"status": status, "metrics": thinned(history, PAGE_RECORDS)}).decode()
+    except TypeError:  # something JSON cannot hold: the page fetches the data itself
         initial = "null"
     # Inside <script>, "</" would end the element: escape it as JSON allows.
     element = INITIAL_DATA_MARKER.replace(">null<", ">" + initial.replace("</", "<\\/") + "<")
@@ -75,7 +74,8 @@ class RewardRoutesBody(BaseModel):
     routes: list[RouteBody] = Field(..., min_length=1, max_length=64)
 
 
-train_api = FastAPI(title="asyncrl train")
+# A diverged loss is a NaN in the records: answered as null (JSON has no NaN), never a 500.
+train_api = FastAPI(title="asyncrl train", default_response_class=FiniteJSONResponse)
 train_api.middleware("http")(admin_guard)
 
 
@@ -151,8 +151,10 @@ class TrainController:
     async def set_reward_routes(self, body: RewardRoutesBody) -> dict:
         """Change the hybrid reward mix while training runs (validated; takes effect on the next scores)."""
         try:
-            routes = await self.system.actors["assembler"].set_reward_routes.remote(
-                [route.model_dump() for route in body.routes])
+            routes = await asyncio.wait_for(self.system.actors["assembler"].set_reward_routes.remote(
+                [route.model_dump() for route in body.routes]), CONTROL_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise HTTPException(503, f"the assembler did not answer within {CONTROL_TIMEOUT_S:g}s") from None
         except Exception as exc:  # a route the config schema rejects
             raise HTTPException(400, f"invalid reward routes: {getattr(exc, 'cause', exc)}") from None
         return {"routes": routes}
@@ -181,7 +183,10 @@ class TrainController:
     @train_api.post("/admin/checkpoint")
     async def save_checkpoint(self) -> dict:
         """Write a checkpoint now (between two learner steps)."""
-        path = await self.system.actors["learner"].save_checkpoint.remote()
+        try:
+            path = await asyncio.wait_for(self.system.actors["learner"].save_checkpoint.remote(), WORK_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise HTTPException(503, f"the learner did not write the checkpoint within {WORK_TIMEOUT_S:g}s") from None
         return {"path": path}
 
     @train_api.get("/metrics/prometheus")
