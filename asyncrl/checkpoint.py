@@ -50,14 +50,19 @@ class CorruptCheckpoint(RuntimeError):
     """A checkpoint whose files are missing or do not match its manifest."""
 
 
-class CheckpointWriteError(RuntimeError):
-    """The run directory's disk cannot take a checkpoint (full, over quota, read-only). Not worth a
-    restart: the run stops with this error, and `resume=true` continues once there is room."""
+class DiskRefused(RuntimeError):
+    """The run's disk refused a write (full, over quota, read-only). Not worth a restart, which
+    would meet the same disk: the run stops with this one error, and `resume=true` continues once
+    there is room."""
 
 
-def disk_error(exc: BaseException, directory: str, step: int, root: str | None = None) -> CheckpointWriteError | None:
-    """`exc` as a `CheckpointWriteError` saying what to do, when it is the disk's refusal (else
-    None). `root`: the checkpoints directory, whose newest checkpoint the message names."""
+class CheckpointWriteError(DiskRefused):
+    """The disk refused a checkpoint (every committed checkpoint is untouched)."""
+
+
+def disk_refusal(exc: BaseException, directory: str, what: str, note: str = "",
+                 kind: type[DiskRefused] = DiskRefused) -> DiskRefused | None:
+    """`exc` as a `kind` saying what to do, when it is the disk's refusal; else None."""
     if not isinstance(exc, OSError) or exc.errno not in DISK_ERRNOS:
         return None
     try:
@@ -65,14 +70,19 @@ def disk_error(exc: BaseException, directory: str, step: int, root: str | None =
         room = f"{usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB"
     except OSError:
         room = "free space unknown"
-    kept = ""
+    return kind(f"{what} could not be written to {directory}: {os.strerror(exc.errno)} ({room}){note}. "
+                f"Make room there (or set trainer.run_dir elsewhere), then continue with resume=true")
+
+
+def disk_error(exc: BaseException, directory: str, step: int, root: str | None = None) -> CheckpointWriteError | None:
+    """A checkpoint's `disk_refusal`; `root`: the checkpoints directory, whose newest checkpoint
+    the message names."""
+    note = ""
     if root is not None:
         previous = committed(root)
-        kept = (f"; the newest checkpoint, {os.path.basename(previous[-1][1])}, is untouched" if previous
+        note = (f"; the newest checkpoint, {os.path.basename(previous[-1][1])}, is untouched" if previous
                 else "; there is no earlier checkpoint")
-    return CheckpointWriteError(
-        f"the checkpoint of step {step} could not be written to {directory}: {os.strerror(exc.errno)} ({room}){kept}. "
-        f"Make room there (or set trainer.run_dir elsewhere), then continue with resume=true")
+    return disk_refusal(exc, directory, f"the checkpoint of step {step}", note, CheckpointWriteError)
 
 
 def checkpoints_dir(run_dir: str) -> str:

@@ -223,10 +223,10 @@ def _main(argv: list[str] | None) -> int:
     except (ConfigError, FileNotFoundError, FileExistsError, RayStartError) as exc:
         print(f"asyncrl {args.command}: {exc}", file=sys.stderr)
         return 2
-    except Exception as exc:  # a disk that cannot take the run's checkpoints: what to do, in one line
-        from asyncrl.checkpoint import CheckpointWriteError
+    except Exception as exc:  # a disk that cannot take what the run writes: what to do, in one line
+        from asyncrl.checkpoint import DiskRefused
 
-        if not isinstance(exc, CheckpointWriteError):
+        if not isinstance(exc, DiskRefused):
             raise
         print(f"asyncrl {args.command}: {exc}", file=sys.stderr)
         return 1

@@ -27,6 +27,11 @@ from asyncrl.run.placement import init_ray
 from asyncrl.run.records import REWARD_KEY
 
 
+# Step records held in memory for the plots and the summary: a run of days keeps its newest half
+# whole and thins the older ones (`asyncrl.run.records`); every record is in metrics.jsonl.
+HISTORY_RECORDS = 100_000
+
+
 @dataclass
 class Ending:
     interrupted: bool = False
@@ -71,7 +76,8 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
 
     if progress:
         print("starting the run's actors (each loads the model: about a minute on a quiet machine)", flush=True)
-    run = Run(config, run_dir, max_steps=config.trainer.total_steps, annotate=evaluate_every, wandb_run=wandb_run)
+    run = Run(config, run_dir, max_steps=config.trainer.total_steps, annotate=evaluate_every, wandb_run=wandb_run,
+              history_limit=HISTORY_RECORDS)
     try:
         run.start()
         if run.resumed:
@@ -83,7 +89,7 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
         with _sigint_deferred():  # the actors must not be left running
             run.stop()
     wall = time.time() - run.log.started
-    after = _evaluate_after(config, engine, tokenizer, eval_prompts, ending, len(run.records), wall, progress)
+    after = _evaluate_after(config, engine, tokenizer, eval_prompts, ending, run.log.steps_recorded, wall, progress)
     run.write_plots()
     if ending.interrupted:
         last = ending.last_checkpoint or checkpoint.latest_valid(run_dir)[0]
@@ -91,7 +97,7 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
               + (f" (continue with: asyncrl train trainer.run_dir={run_dir} resume=true)" if last else ""), flush=True)
     summary = {"run_dir": run_dir, "eval_before": before, "eval_after": after, "train_wall_s": wall,
                "reached_target": _reached_target(run.records, config), "evals": evals, "resumed": run.resumed,
-               "restarts": run.restarts, "steps": len(run.records), "final_status": ending.final_status or {},
+               "restarts": run.restarts, "steps": run.log.steps_recorded, "final_status": ending.final_status or {},
                "interrupted": ending.interrupted, "stop_reason": ending.stop_reason,
                "last_checkpoint": ending.last_checkpoint, "records": run.records}
     with open(os.path.join(run_dir, "summary.json"), "w") as f:

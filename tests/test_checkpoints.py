@@ -131,7 +131,7 @@ def test_a_run_on_a_full_disk_stops_with_one_error_and_no_restarts(ray_session, 
             run.poll()
             time.sleep(0.2)
         fill(checkpoint.checkpoints_dir(run_dir))  # the disk fills up after the step-3 checkpoint
-        with pytest.raises(checkpoint.CheckpointWriteError) as stopped:
+        with pytest.raises(checkpoint.DiskRefused) as stopped:
             while time.time() < deadline:
                 run.poll()
                 time.sleep(0.2)

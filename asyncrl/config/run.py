@@ -77,6 +77,14 @@ class TrainerConfig:
     """A store file is closed and a new one begun past this size..."""
     record_file_age_s: float = 600.0
     """...or this age, so a long run's store is readable while it runs."""
+    record_keep_mb: int = 0
+    """The store's closed files are deleted oldest first past this many MB in all (0 = keep every
+    file: the store is the run's data set; a run of days sets a bound or a disk of its own)."""
+    log_file_mb: int = 256
+    """A run's jsonl log (metrics, generators, retirements, restarts) rolls to `<name>.1` past this size..."""
+    log_files_kept: int = 4
+    """...and keeps this many rolled files (the oldest beyond is deleted), so a run of days keeps
+    at most (1 + log_files_kept) x log_file_mb of each log."""
 
 
 @dataclass

@@ -18,8 +18,6 @@ a mailbox's queue): its death brings the whole system back from the newest valid
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -56,7 +54,8 @@ class Run:
         self.run_dir = run_dir
         self.max_steps = max_steps  # the learner stops there (0: trains until stopped, as under Serve)
         self.stall_timeout_s = config.trainer.stall_timeout_s if stall_timeout_s is None else stall_timeout_s
-        self.log = RunRecords(run_dir, annotate, wandb_run, history_limit)
+        self.log = RunRecords(run_dir, annotate, wandb_run, history_limit, config.trainer.log_file_mb << 20,
+                              config.trainer.log_files_kept)
         self.restarts: list[dict[str, Any]] = []
         self.system: System | None = None
         self.last_status: dict = {}  # the status read at the last poll with new steps
@@ -93,13 +92,12 @@ class Run:
 
     def _recover(self, exc: Exception) -> dict:
         """A role died or hung (`exc`): restart from the newest checkpoint; the event."""
-        if isinstance(exc.__cause__, checkpoint.CheckpointWriteError):
-            # The disk would refuse the restarted run's checkpoints too: one error, no restarts.
-            raise checkpoint.CheckpointWriteError(_cause_message(exc.__cause__)) from exc
+        if isinstance(exc.__cause__, checkpoint.DiskRefused):
+            # The disk would refuse the restarted run too (its checkpoints, its store): one error, no restarts.
+            raise checkpoint.DiskRefused(_cause_message(exc.__cause__)) from exc
         restart = self.restart(f"{type(exc).__name__}: {exc}".splitlines()[0][:300], exc)
         self.log.after_restart(restart["step"])
-        with open(os.path.join(self.run_dir, "restarts.jsonl"), "a") as f:
-            f.write(json.dumps(restart) + "\n")
+        self.log.append("restarts.jsonl", [restart])
         self.last_step_at = time.time()
         return restart
 

@@ -178,7 +178,8 @@ class System:
         self.store = (StoreClient.of_actor(self._spawn(CheckpointStore, run_dir=self.run_dir, placement=here))
                       if self.run_dir and learning else None)
         recorder = (self._spawn(RecorderActor, directory=os.path.join(self.run_dir, STORE_DIRNAME),
-                                max_file_mb=tr.record_file_mb, max_file_age_s=tr.record_file_age_s, placement=here)
+                                max_file_mb=tr.record_file_mb, max_file_age_s=tr.record_file_age_s,
+                                keep_mb=tr.record_keep_mb, placement=here)
                     if tr.record else None)
         prompt_source = self._spawn(
             PromptSourceActor, model=cfg.model, task=cfg.task, algorithm=cfg.algorithm,
