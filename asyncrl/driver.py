@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from asyncrl.config import Config, compose, to_dict
+from asyncrl.config import Config, compose, to_record
 from asyncrl.evaluation import greedy_accuracy
 from asyncrl.generation import build_engine
 from asyncrl.run import Run
@@ -46,9 +46,7 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
     from asyncrl import checkpoint
 
     run_dir = checkpoint.resolve_run_dir(config.trainer.run_dir, config.resume)
-    os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "config.resume.json" if config.resume else "config.json"), "w") as f:
-        json.dump(to_dict(config), f, indent=2)
+    write_config(config, run_dir)
     init_ray(config)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     engine, tokenizer = build_engine(config.model)
@@ -107,6 +105,15 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
                                   "eval_accuracy_after": after["accuracy"] if after else None})
         wandb_run.finish()
     return summary
+
+
+def write_config(config: Config, run_dir: str) -> str:
+    """The run's config as `config.json` (`config.resume.json` when resumed), its secrets redacted."""
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, "config.resume.json" if config.resume else "config.json")
+    with open(path, "w") as f:
+        json.dump(to_record(config), f, indent=2)
+    return path
 
 
 def _watch(run: Run, config: Config, progress: bool, ctrl_c: "_CtrlC") -> Ending:
@@ -276,7 +283,7 @@ def _init_wandb(config: Config, run_dir: str):
     import wandb
 
     # quiet: no run summary printed after the run (the driver prints its own figures, labelled).
-    return wandb.init(project=config.trainer.wandb_project, dir=run_dir, mode=mode, config=to_dict(config),
+    return wandb.init(project=config.trainer.wandb_project, dir=run_dir, mode=mode, config=to_record(config),
                       settings=wandb.Settings(quiet=True))
 
 

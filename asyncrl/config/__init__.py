@@ -10,7 +10,7 @@ the roles run), `serve`, `offline`. Defaults live in the dataclasses; `configs/`
 from asyncrl.config.algorithm import AlgorithmConfig, CriticConfig, PolicyConfig
 from asyncrl.config.checks import (BEHAVIOUR_CORRECTIONS, ENDPOINT_KINDS, FILTER_METRICS, KL_ESTIMATORS, LOSS_AGG_MODES,
                                    MODES, ConfigError, route_checks, validate)
-from asyncrl.config.compose import RENAMED, compose, config_from_dict, to_dict
+from asyncrl.config.compose import RENAMED, SECRET_FIELDS, compose, config_from_dict, to_dict, to_record
 from asyncrl.config.files import config_dir, config_groups
 from asyncrl.config.model import EngineConfig, ModelConfig
 from asyncrl.config.reward import EndpointConfig, RewardConfig, RouteConfig
@@ -22,5 +22,5 @@ __all__ = [
     "CurriculumStage", "ENDPOINT_KINDS", "EndpointConfig", "EngineConfig", "EnvironmentConfig", "FILTER_METRICS", "KL_ESTIMATORS",
     "LOSS_AGG_MODES", "MODES", "ModelConfig", "OfflineConfig", "PolicyConfig", "RENAMED", "RewardConfig",
     "RouteConfig", "ServeConfig", "TaskConfig", "TrainerConfig", "compose", "config_dir", "config_from_dict",
-    "config_groups", "route_checks", "to_dict", "validate",
+    "config_groups", "route_checks", "to_dict", "to_record", "SECRET_FIELDS", "validate",
 ]

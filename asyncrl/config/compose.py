@@ -309,3 +309,17 @@ def _describe(kind) -> str:
 
 def to_dict(config: Config) -> dict:
     return OmegaConf.to_container(OmegaConf.structured(config), resolve=True)
+
+
+# Fields that hold a secret: never written into a record (config.json, the wandb config).
+SECRET_FIELDS = ("serve.admin_token", "serve.reward_token")
+
+
+def to_record(config: Config) -> dict:
+    """`to_dict` for what a run writes down: every secret field that is set reads "<redacted>"."""
+    out = to_dict(config)
+    for path in SECRET_FIELDS:
+        section, name = path.split(".")
+        if out[section][name]:
+            out[section][name] = "<redacted>"
+    return out

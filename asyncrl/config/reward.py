@@ -29,6 +29,9 @@ class EndpointConfig:
     """code: auto | namespaces (as root) | user_namespaces | unisolated (rlimits only; needs code_allow_unisolated)."""
     code_allow_unisolated: bool = False
     """code: where no namespace can be made, run code rewards with rlimits alone instead of refusing."""
+    code_allow_no_cgroup: bool = False
+    """code: where no cgroup can be made (Docker, most non-root hosts), run code rewards with memory
+    limited per process only (64 processes x code_memory_mb) instead of refusing; logged loudly."""
     math_timeout_s: float = 6.0
     """math: a symbolic check past this is killed (a worker process) and counts as wrong."""
     sigmoid: bool = False

@@ -136,7 +136,12 @@ class ServeConfig:
     from the environment; neither set = admin routes refuse every call."""
     reward_token: str = ""
     """Bearer token for POST /reward/<name>/score (it runs submitted code); empty =
-    ASYNCRL_REWARD_TOKEN; neither set = only callers on this machine (loopback) are served."""
+    ASYNCRL_REWARD_TOKEN; neither set = the route refuses every call (the trainer does not use it:
+    it calls the endpoints through Serve handles)."""
+    reward_local_without_token: bool = False
+    """With no reward token, serve POST /reward/<name>/score to callers on this machine (loopback)
+    anyway: a development machine's opt-in. Never behind a same-host reverse proxy or a mesh
+    sidecar, which make every caller loopback."""
     follow_learner: bool = True
     """The policy endpoint adopts the running learner's weights as they change; false = it serves
     the model's own weights (a frozen reference beside a run, or a policy loaded from model.path)."""

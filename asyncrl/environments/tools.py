@@ -51,10 +51,12 @@ class PythonTool:
 
     name = "python"
 
-    def __init__(self, wall_s: float = 5.0, memory_mb: int = 256, allow_unisolated: bool = False):
+    def __init__(self, wall_s: float = 5.0, memory_mb: int = 256, allow_unisolated: bool = False,
+                 allow_no_cgroup: bool = False):
         from asyncrl.rewards.sandbox import SandboxLimits
 
-        self.limits = SandboxLimits(wall_s=wall_s, memory_mb=memory_mb, allow_unisolated=allow_unisolated)
+        self.limits = SandboxLimits(wall_s=wall_s, memory_mb=memory_mb, allow_unisolated=allow_unisolated,
+                                    allow_no_cgroup=allow_no_cgroup)
 
     def step(self, call: ToolCall, episode: Episode) -> tuple[str, bool]:
         from asyncrl.rewards.sandbox import run_program, sandbox_python
@@ -77,7 +79,8 @@ ENVIRONMENTS: dict[str, type] = {"lookup": LookupTool, "python": PythonTool}
 def build_environment(config):
     """The environment an `EnvironmentConfig` names."""
     if config.name == "python":
-        return PythonTool(config.python_wall_s, config.python_memory_mb, config.allow_unisolated)
+        return PythonTool(config.python_wall_s, config.python_memory_mb, config.allow_unisolated,
+                          config.allow_no_cgroup)
     if config.name == "lookup":
         return LookupTool()
     raise ValueError(f"unknown environment {config.name!r}; expected one of {sorted(ENVIRONMENTS)}")

@@ -36,6 +36,7 @@ def verifier_settings(config: EndpointConfig, default_style: str):
     return VerifierSettings(style=config.style or default_style, kinds=dict(config.verifier_kinds),
                             code_wall_s=config.code_wall_s, code_memory_mb=config.code_memory_mb,
                             code_isolation=config.code_isolation, code_allow_unisolated=config.code_allow_unisolated,
+                            code_allow_no_cgroup=config.code_allow_no_cgroup,
                             math_timeout_s=config.math_timeout_s)
 
 

@@ -15,8 +15,14 @@ Layers:
 * **No privilege**: as root the program runs as a uid of its own (one per sandbox, so process
   limits and signals never reach another sandbox); in a user namespace it keeps uid 0 there with
   an empty capability bounding set. `no_new_privs` in both.
-* **One cgroup per sandbox** (`asyncrl.rewards.cgroup`) where this process may create one: memory
-  and process count over all its processes together, and a kill that reaches all of them.
+* **One cgroup per sandbox** (`asyncrl.rewards.cgroup`): memory and process count over all its
+  processes together, and a kill that reaches all of them. Where this process cannot create one
+  (Docker, most non-root hosts) memory is limited per process only (64 processes of 512 MB each),
+  so `run_program` refuses with `SandboxUnavailable` unless the caller opted in
+  (`SandboxLimits.allow_no_cgroup`, or `ASYNCRL_SANDBOX_ALLOW_NO_CGROUP=1`), and says so loudly when it runs.
+* **Dies with its caller**: the sandbox's first process gets a parent-death signal (SIGKILL), so a
+  killed reward endpoint leaves no program running (in namespaces, its PID 1 and everything under
+  it go with it).
 * **rlimits** per process (CPU seconds, address space, file size, open files) and a wall-clock
   timeout; stdout/stderr read up to a cap; stdin written from its own thread, so a program that
   never reads cannot block the caller.
@@ -31,6 +37,7 @@ With no namespaces at all there is no isolation to speak of; `run_program` then 
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import glob
 import itertools
@@ -54,6 +61,7 @@ log = logging.getLogger(__name__)
 # Sandbox uids, one per sandbox run by this process: far above any real account.
 _UID_BASE = 1_000_000
 _UIDS = itertools.count()
+_LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: a child between fork and exec only calls it
 ISOLATION_MODES = ("auto", "namespaces", "user_namespaces", "unisolated")
 
 
@@ -74,6 +82,7 @@ class SandboxLimits:
     allow_paths: tuple[str, ...] = ()  # more host paths the program may read (e.g. a package dir)
     isolation: str = "auto"  # auto | namespaces | user_namespaces | unisolated
     allow_unisolated: bool = False  # run with rlimits alone where no namespace can be made
+    allow_no_cgroup: bool = False  # run where no cgroup can be made (memory then limited per process)
 
 
 @dataclass
@@ -280,6 +289,36 @@ def _resolve_mode(limits: SandboxLimits, python: str) -> str:
         "(code_allow_unisolated=true on the reward endpoint, or ASYNCRL_SANDBOX_ALLOW_UNISOLATED=1)")
 
 
+def _check_cgroup(limits: SandboxLimits) -> None:
+    """No cgroup here: refuse, unless the caller opted in (then say so, once, loudly)."""
+    if cgroup_layout():
+        return
+    if limits.allow_no_cgroup or os.environ.get("ASYNCRL_SANDBOX_ALLOW_NO_CGROUP") == "1":
+        _warn_no_cgroup(limits.memory_mb, limits.max_processes)
+        return
+    raise SandboxUnavailable(
+        f"no memory cgroup can be made here (not root, no delegated cgroup: Docker and most hosts), so a "
+        f"sandbox's memory would be limited per process only: {limits.max_processes} processes of "
+        f"{limits.memory_mb} MB each. Run where cgroups work (root, or a delegated cgroup v2 subtree with "
+        f"ASYNCRL_SANDBOX_CGROUP=1), or opt in (code_allow_no_cgroup=true on the reward endpoint, "
+        f"environment.allow_no_cgroup=true, or ASYNCRL_SANDBOX_ALLOW_NO_CGROUP=1)")
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_no_cgroup(memory_mb: int, max_processes: int) -> None:
+    log.error("RUNNING POLICY-WRITTEN CODE WITHOUT A MEMORY CGROUP: memory is limited per process only "
+              "(%d processes of %d MB each can be held at once). You opted in.", max_processes, memory_mb)
+
+
+def _parent_death_signal(parent: int) -> None:
+    """In the child before exec: SIGKILL when the process that started it dies (its thread, in
+    fact: the one that runs the sandbox and waits for it). If the parent is gone already, exit."""
+    if _LIBC.prctl(1, signal.SIGKILL, 0, 0, 0):  # PR_SET_PDEATHSIG
+        os._exit(125)
+    if os.getppid() != parent:
+        os._exit(125)
+
+
 @functools.lru_cache(maxsize=1)
 def _warn_unisolated() -> None:
     log.error("RUNNING POLICY-WRITTEN CODE WITHOUT ISOLATION: it can read this machine's files, reach the network "
@@ -345,7 +384,9 @@ def run_program(files: dict[str, str], argv: list[str], stdin: str = "", limits:
         if not name or os.path.basename(name) != name or name in (".", ".."):
             raise ValueError(f"sandbox file name {name!r} must be a plain name")
     argv = [python if argv[0] == "python" else argv[0], *argv[1:]]
-    return _run(_resolve_mode(limits, python), files, argv, stdin, limits, python)
+    mode = _resolve_mode(limits, python)
+    _check_cgroup(limits)
+    return _run(mode, files, argv, stdin, limits, python)
 
 
 def _run(mode: str, files: dict[str, str], argv: list[str], stdin: str, limits: SandboxLimits, python: str) -> SandboxResult:
@@ -377,7 +418,7 @@ def _run(mode: str, files: dict[str, str], argv: list[str], stdin: str, limits: 
                    "links": links, "hidden": hidden, "disk_mb": limits.disk_mb, "limits": rlimits, "uid": uid,
                    "argv": argv, "env": env}
             command = [*_unshare_command(mode), python, "-I", "-S", "-c", _LAUNCHER, json.dumps(job)]
-            cwd, preexec = "/", (cgroup.attach if cgroup else None)
+            cwd, preexec = "/", _namespaced_preexec(cgroup, os.getpid())
         start = time.monotonic()
         proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 cwd=cwd, env=env, start_new_session=True, preexec_fn=preexec)
@@ -415,9 +456,19 @@ def _run(mode: str, files: dict[str, str], argv: list[str], stdin: str, limits: 
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def _namespaced_preexec(cgroup: SandboxCgroup | None, parent: int):
+    """`unshare`'s: into the cgroup; killed with its caller (then `--kill-child` ends the namespace)."""
+    def preexec():
+        if cgroup is not None:
+            cgroup.attach()
+        _parent_death_signal(parent)
+    return preexec
+
+
 def _unisolated_preexec(limits: SandboxLimits, rlimits: dict[str, int], staging: str, cgroup: SandboxCgroup | None):
     """Resource limits only (the caller opted in); as root, also a uid of its own and the cgroup."""
     uid = _new_uid() if os.geteuid() == 0 else None
+    parent = os.getpid()
     if uid is not None:
         rlimits = {**rlimits, "RLIMIT_NPROC": limits.max_processes}
         os.chmod(staging, 0o711)  # the program may enter its own directory, not list the staging one
@@ -433,4 +484,5 @@ def _unisolated_preexec(limits: SandboxLimits, rlimits: dict[str, int], staging:
             os.setgroups([])
             os.setgid(uid)
             os.setuid(uid)
+        _parent_death_signal(parent)  # after the uid change, which would clear it
     return preexec

@@ -23,6 +23,7 @@ class VerifierSettings:
     code_memory_mb: int = 512
     code_isolation: str = "auto"
     code_allow_unisolated: bool = False
+    code_allow_no_cgroup: bool = False
     math_timeout_s: float = 6.0
 
     @classmethod
@@ -62,7 +63,8 @@ class Verifier:
         rewards = []
         limits = SandboxLimits(wall_s=self.settings.code_wall_s, cpu_s=int(self.settings.code_wall_s) + 2,
                                memory_mb=self.settings.code_memory_mb, isolation=self.settings.code_isolation,
-                               allow_unisolated=self.settings.code_allow_unisolated)
+                               allow_unisolated=self.settings.code_allow_unisolated,
+                               allow_no_cgroup=self.settings.code_allow_no_cgroup)
         for req in requests:
             kind = self.settings.kinds.get(req.data_source) or kind_for(req.data_source)
             if kind == "none":  # no rule checks this data source (e.g. open-ended chat): a judge should
