@@ -20,7 +20,7 @@ PACKAGES = ("asyncrl", "actors")
 LAYERS = {
     0: ["asyncrl.config", "asyncrl.config_help", "asyncrl.schema", "asyncrl.algo", "asyncrl.staleness"],
     1: ["asyncrl.mailbox", "asyncrl.ray_mailbox", "asyncrl.engines", "asyncrl.models", "asyncrl.ledger", "asyncrl.weight_sync",
-        "asyncrl.transport", "asyncrl.checkpoint", "asyncrl.tasks", "asyncrl.rewards", "asyncrl.assembly",
+        "asyncrl.transport", "asyncrl.checkpoint", "asyncrl.checkpoint_store", "asyncrl.tasks", "asyncrl.rewards", "asyncrl.assembly",
         "asyncrl.learning", "asyncrl.generation", "asyncrl.metrics", "asyncrl.plots", "asyncrl.openai_api", "asyncrl.openai_tools",
         "asyncrl.store", "asyncrl.sharding", "asyncrl.retirement", "asyncrl.environments"],
     2: ["actors", "asyncrl.pre_ppo", "asyncrl.evaluation"],
