@@ -31,7 +31,7 @@ from asyncrl import checkpoint
 CHUNK_BYTES = 8 << 20  # one call carries this much of a file
 IN_FLIGHT = 4  # chunks on their way at once (memory: IN_FLIGHT x CHUNK_BYTES)
 CALL_TIMEOUT_S = 600.0  # a store that does not answer a chunk in this long is hung, not slow
-MARKER = ".store"
+MARKER = ".checkpoint_store"  # in the run directory (the checkpoints directory holds checkpoints only)
 
 
 class CheckpointStore:
@@ -43,7 +43,7 @@ class CheckpointStore:
         self.root = checkpoint.checkpoints_dir(self.run_dir)
         os.makedirs(self.root, exist_ok=True)
         self.token = uuid.uuid4().hex
-        self.marker = os.path.join(self.root, MARKER)
+        self.marker = os.path.join(self.run_dir, MARKER)
         with open(self.marker + ".tmp", "w") as f:
             f.write(self.token)
         os.replace(self.marker + ".tmp", self.marker)
