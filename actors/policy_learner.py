@@ -13,10 +13,10 @@ trained, and the version every generator holds.
 It also coordinates checkpoints (every `checkpoint_every` steps or `checkpoint_every_s` seconds,
 between two steps): the batches not yet trained are taken from its mailbox first, then the other
 parts (the prompt source's cursor and ledger, the value learner) are written, then its own state,
-and the directory is committed atomically. The run directory's node begins and commits it
-(`asyncrl.checkpoint_store`): a learner on another node without that disk ships its part there. Taking the batches before the ledger is what keeps
+and the directory is committed atomically. Taking the batches before the ledger is what keeps
 resume exact: a sample is either in a saved batch, or open in the ledger and regenerated, or
-already ended.
+already ended. The run directory's node begins and commits every checkpoint
+(`asyncrl.checkpoint_store`): a learner on a node without that disk ships its part there.
 """
 
 from __future__ import annotations

@@ -38,15 +38,12 @@ class CheckpointStore:
     """Every write to one run's checkpoints directory, on the run directory's node. Paths given by
     callers are checked to stay inside it."""
 
-    def __init__(self, run_dir: str):
+    def __init__(self, run_dir: str, token: str = ""):
+        """`token`: the one its marker holds (`publish_marker` wrote it); empty: write a new one."""
         self.run_dir = os.path.abspath(run_dir)
         self.root = checkpoint.checkpoints_dir(self.run_dir)
         os.makedirs(self.root, exist_ok=True)
-        self.token = uuid.uuid4().hex
-        self.marker = os.path.join(self.run_dir, MARKER)
-        with open(self.marker + ".tmp", "w") as f:
-            f.write(self.token)
-        os.replace(self.marker + ".tmp", self.marker)
+        self.marker, self.token = (os.path.join(self.run_dir, MARKER), token) if token else publish_marker(run_dir)
         self.counters = {"chunks_received": 0, "bytes_received": 0, "chunks_sent": 0, "bytes_sent": 0}
 
     def where(self) -> tuple[str, str]:
@@ -114,6 +111,17 @@ class CheckpointStore:
         return full
 
 
+def publish_marker(run_dir: str) -> tuple[str, str]:
+    """A fresh token in the run directory's marker file: (its path, the token). A process that
+    reads that token there sees the run directory itself."""
+    os.makedirs(run_dir, exist_ok=True)
+    marker, token = os.path.join(os.path.abspath(run_dir), MARKER), uuid.uuid4().hex
+    with open(marker + ".tmp", "w") as f:
+        f.write(token)
+    os.replace(marker + ".tmp", marker)
+    return marker, token
+
+
 @dataclass(frozen=True)
 class StoreClient:
     """A role's way to its run's `CheckpointStore`: the store itself (in this process) or its Ray
@@ -129,10 +137,11 @@ class StoreClient:
         return cls(store, *store.where())
 
     @classmethod
-    def of_actor(cls, actor) -> "StoreClient":
-        import ray
-
-        return cls(actor, *ray.get(actor.where.remote(), timeout=CALL_TIMEOUT_S))
+    def spawn(cls, run_dir: str, spawn: Callable[..., Any]) -> "StoreClient":
+        """The store as an actor that `spawn(CheckpointStore, **kwargs)` makes on this node, the run
+        directory's; its marker is written from here, so nothing waits for the actor to start."""
+        marker, token = publish_marker(run_dir)
+        return cls(spawn(CheckpointStore, run_dir=os.path.abspath(run_dir), token=token), marker, token)
 
     def call(self, method: str, *args):
         """A store method, in this process or on the store's node (blocking: call from a thread)."""

@@ -28,7 +28,7 @@ from actors.recorder import RecorderActor
 from actors.reward_endpoint import reward_endpoint_actors
 from actors.value_learner import ValueLearnerActor
 from asyncrl import checkpoint, environments
-from asyncrl.checkpoint_store import CheckpointStore, StoreClient
+from asyncrl.checkpoint_store import StoreClient
 from asyncrl.algo.advantages import ADVANTAGES
 from asyncrl.config import Config
 from asyncrl.ray_mailbox import RayMailbox, ShardedMailbox, sum_stats
@@ -175,7 +175,7 @@ class System:
         self._created += [self.environment] if self.environment is not None else []
         # Every checkpoint is begun and committed on this node, the run directory's (roles elsewhere
         # ship their parts to it: `asyncrl.checkpoint_store`).
-        self.store = (StoreClient.of_actor(self._spawn(CheckpointStore, run_dir=self.run_dir, placement=here))
+        self.store = (StoreClient.spawn(self.run_dir, lambda shell, **kw: self._spawn(shell, placement=here, **kw))
                       if self.run_dir and learning else None)
         recorder = (self._spawn(RecorderActor, directory=os.path.join(self.run_dir, STORE_DIRNAME),
                                 max_file_mb=tr.record_file_mb, max_file_age_s=tr.record_file_age_s,
