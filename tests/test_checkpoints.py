@@ -189,13 +189,19 @@ def test_a_learner_whose_node_does_not_see_the_run_directory(private_node):
     assert ray.get(listing_there.remote(run_dir)) == []  # the node sees its own empty directory there
     # T-PPO: the policy learner and the value learner both on that node, each writing its part.
     overrides = ["model=tiny", "task=tiny_seq", "algorithm=tppo", "engine.window_tokens=2",
-                 "trainer.prompts_per_step=2", "trainer.checkpoint_every=3", f"trainer.run_dir={run_dir}",
+                 "trainer.prompts_per_step=2", "trainer.checkpoint_every=0", f"trainer.run_dir={run_dir}",
                  "policy.resources={private_disk: 1}", "critic.resources={private_disk: 0.5}"]
     first = System(compose(overrides), name_actors=False, run_dir=run_dir).start()
     try:
         nodes = {name: ray.get(first.actors[name].node_id.remote()) for name in ("learner", "value_learner")}
         head = ray.get_runtime_context().get_node_id()
         assert head not in nodes.values()
+        deadline = time.time() + 240
+        while ray.get(first.actors["learner"].stats.remote())["step"] < 2:
+            assert time.time() < deadline
+            first.check_alive()
+            time.sleep(0.5)
+        first.stop_learning()
         path = first.checkpoint()  # written on the head, where the driver reads it
         assert path.startswith(run_dir) and checkpoint.verify(path)["step"] >= 0
         files = set(checkpoint.verify(path)["files"])
