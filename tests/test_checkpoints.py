@@ -215,10 +215,11 @@ def test_a_learner_whose_node_does_not_see_the_run_directory(private_node):
     second = System(compose(overrides + ["resume=true"]), name_actors=False, run_dir=run_dir).start()
     try:
         assert second.resumed["checkpoint"] == path and second.resumed["step"] == step
-        learner = ray.get(second.actors["learner"].stats.remote())
-        assert learner["step"] == step and learner["incarnation"] == 1
+        learner = ray.get(second.actors["learner"].stats.remote())  # (it may have trained on meanwhile)
+        assert learner["step"] >= step >= 2 and learner["incarnation"] == 1
         value = ray.get(second.actors["value_learner"].stats.remote())
-        assert value["value_version"] == checkpoint.load_json(os.path.join(path, "value", "state.json"))["version"]
+        saved_value = checkpoint.load_json(os.path.join(path, "value", "state.json"))["version"]
+        assert value["value_version"] >= saved_value >= 1
     finally:
         second.stop()
 
