@@ -219,7 +219,7 @@ def test_a_learner_whose_node_does_not_see_the_run_directory(private_node):
         assert learner["step"] >= step >= 2 and learner["incarnation"] == 1
         value = ray.get(second.actors["value_learner"].stats.remote())
         saved_value = checkpoint.load_json(os.path.join(path, "value", "state.json"))["version"]
-        assert value["value_version"] >= saved_value >= 1
+        assert value["value_version"] >= saved_value
     finally:
         second.stop()
 
