@@ -15,6 +15,7 @@ import os
 import time
 from typing import Any
 
+import msgspec
 from fastapi import FastAPI, HTTPException
 from fastapi.responses import HTMLResponse
 from pydantic import BaseModel, Field
@@ -41,7 +42,7 @@ def status_page(status: dict, history: list[dict]) -> str:
     over the whole run, so the page stays the same size however long it runs."""
     try:
         initial = FiniteJSONResponse.encode({"status": status, "metrics": thinned(history, PAGE_RECORDS)}).decode()
-    except TypeError:  # something JSON cannot hold: the page fetches the data itself
+    except (TypeError, msgspec.EncodeError):  # something JSON cannot hold: the page fetches the data itself
         initial = "null"
     # Inside <script>, "</" would end the element: escape it as JSON allows.
     element = INITIAL_DATA_MARKER.replace(">null<", ">" + initial.replace("</", "<\\/") + "<")
