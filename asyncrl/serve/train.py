@@ -24,7 +24,7 @@ from ray import serve
 from asyncrl.config import Config
 from asyncrl.run import Run
 from asyncrl.run.records import REWARD_KEY
-from asyncrl.run.wiring import CONTROL_TIMEOUT_S, WORK_TIMEOUT_S
+from asyncrl.run.wiring import CONTROL_TIMEOUT_S, WORK_TIMEOUT_S, RoleHung
 from asyncrl.serve.guards import FiniteJSONResponse, admin_guard, config_from_args
 
 INITIAL_DATA_MARKER = '<script id="initial-data" type="application/json">null</script>'
@@ -127,9 +127,15 @@ class TrainController:
                 self.failure = str(exc)
                 return
 
+    def _system_status(self) -> dict:
+        try:
+            return self.system.status()
+        except RoleHung as exc:  # the watch loop restarts the run; meanwhile say why there is no status
+            raise HTTPException(503, str(exc)) from None
+
     @train_api.get("/status")
     def status(self) -> dict:
-        status = self.system.status()
+        status = self._system_status()
         # Where each generator runs and the weights it holds (its full counters stay internal).
         status["generators"] = [{key: g.get(key) for key in ("generator_id", "node_ip", "delivered_version",
                                                              "busy_fraction", "unresponsive") if key in g}
@@ -197,7 +203,7 @@ class TrainController:
 
         from asyncrl.metrics import prometheus_text
 
-        return Response(prometheus_text(self.system.status()), media_type="text/plain; version=0.0.4")
+        return Response(prometheus_text(self._system_status()), media_type="text/plain; version=0.0.4")
 
     @train_api.get("/healthz")
     def healthz(self) -> dict:
