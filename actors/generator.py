@@ -27,7 +27,7 @@ import torch
 
 from actors.base import RoleShell, WeightGroupMember
 from asyncrl import transport
-from asyncrl.config import EngineConfig, EnvironmentConfig, ModelConfig
+from asyncrl.config import EngineConfig, EnvironmentConfig, ModelConfig, SamplingConfig
 from asyncrl.engines.base import Engine, SamplingParams, long_tail_min_tokens
 from asyncrl.environments.episodes import (
     EnvironmentClient,
@@ -36,7 +36,7 @@ from asyncrl.environments.episodes import (
     build_episodes,
 )
 from asyncrl.environments.tools import Episode
-from asyncrl.generation import build_generator_engine, sampling_params, sequence_input
+from asyncrl.generation import build_generator_engine, sequence_input
 from asyncrl.mailbox import Mailbox
 from asyncrl.schema import (
     FinishReason,
@@ -286,7 +286,7 @@ class Generator:
             new_token_ids=tokens, new_logprobs=logprobs, new_versions=versions, new_scored=scored,
             finished=finished, finish_reason=reason, data_source=request.data_source,
             ground_truth=request.ground_truth, seed=request.seed + seq.sample_idx, generator_id=self.generator_id,
-            group_size=request.group_size)
+            group_size=request.group_size, row=request.row if finished else None)
 
     def _extend(self, seq: _Sequence, segment: Segment) -> None:
         """The sequence's context grows by a segment that continues."""
@@ -414,29 +414,31 @@ def _result(observing: asyncio.Task) -> Observation:
         return Observation([], f"error: {type(exc).__name__}", True, False)
 
 
-def build_generator(model: ModelConfig, engine: EngineConfig, prompts: Mailbox, segments: Mailbox,
-                    generator_id: str, environment: EnvironmentConfig | None = None,
+def build_generator(model: ModelConfig, engine: EngineConfig, sampling: SamplingConfig, prompts: Mailbox,
+                    segments: Mailbox, generator_id: str, environment: EnvironmentConfig | None = None,
                     environment_endpoint=None) -> Generator:
     """A generator from its sections: the engine (embedded or SGLang) and its windows; with an
     environment, each sample is an episode whose tool calls the endpoint answers."""
     embedded = build_generator_engine(model, engine)
     max_windows = engine.max_windows or math.ceil(engine.max_response_tokens / engine.window_tokens)
     episodes = None
-    if environment is not None and environment.name:
+    if environment is not None and environment.enabled:
         from asyncrl.models import load_tokenizer
 
         client = EnvironmentClient(environment_endpoint, environment.timeout_s, environment.retries)
         episodes = build_episodes(environment, load_tokenizer(model), client)
-    return Generator(embedded, prompts, segments, sampling_params(engine), engine.window_tokens,
+    return Generator(embedded, prompts, segments, SamplingParams.of(sampling), engine.window_tokens,
                      engine.max_response_tokens, max_windows, engine.max_inflight_sequences, generator_id,
                      long_tail=(engine.long_tail_fraction, engine.long_tail_tokens), episodes=episodes)
 
 
 class GeneratorActor(RoleShell, WeightGroupMember):
-    def __init__(self, model: ModelConfig, engine: EngineConfig, prompts: Mailbox, segments: Mailbox,
-                 generator_id: str, environment: EnvironmentConfig | None = None, environment_endpoint=None):
+    def __init__(self, model: ModelConfig, engine: EngineConfig, sampling: SamplingConfig, prompts: Mailbox,
+                 segments: Mailbox, generator_id: str, environment: EnvironmentConfig | None = None,
+                 environment_endpoint=None):
         torch.set_num_threads(engine.threads)
-        self.inner = build_generator(model, engine, prompts, segments, generator_id, environment, environment_endpoint)
+        self.inner = build_generator(model, engine, sampling, prompts, segments, generator_id, environment,
+                                     environment_endpoint)
 
     async def receive_weights(self, delivery: Delivery, payload=None) -> float:
         return await self.inner.receive_weights(delivery, payload)

@@ -34,7 +34,7 @@ from ray.exceptions import RayTaskError
 from actors.base import RoleShell, TrainingLoop
 from asyncrl import checkpoint
 from asyncrl.checkpoint_store import StoreClient, local_copy, write_part
-from asyncrl.config import AlgorithmConfig, EngineConfig, ModelConfig, PolicyConfig
+from asyncrl.config import NO_BOUND, AlgorithmConfig, EngineConfig, ModelConfig, PolicyConfig, SamplingConfig
 from asyncrl.learning.rank import PolicyRank, build_policy_rank, learner_backend
 from asyncrl.mailbox import Mailbox, RecentIds
 from asyncrl.schema import SampleState, TrainBatch
@@ -78,7 +78,7 @@ class CheckpointPolicy:
 class PolicyLearner(TrainingLoop):
     def __init__(self, policy: PolicyRank, batches: Mailbox, edges: LearnerEdges | None = None,
                  checkpoints: CheckpointPolicy = CheckpointPolicy(), bucket_bytes: int = 64 << 20, tokenizer=None,
-                 max_staleness_versions: int = 1 << 30, max_steps: int = 0, ranks: list[RankCall] = ()):
+                 max_staleness_versions: int = NO_BOUND, max_steps: int = 0, ranks: list[RankCall] = ()):
         # Rank 0's model, optimizer and schedule; `ranks` call the other ranks of a sharded learner,
         # which run every weight-touching call with it (`_on_every_rank`).
         self.policy = policy
@@ -334,18 +334,18 @@ class PolicyLearner(TrainingLoop):
                 "wait_batch_fraction": self.timing["wait_batch_s"] / wall,
                 "last_broadcast": self.last_broadcast, "last_checkpoint": self.last_checkpoint,
                 "incarnation": self.incarnation, "optimizer_steps": self._adam_steps,
-                "precision": self.policy.settings.precision}  # policy.precision=auto, as resolved
+                "precision": self.policy.objective.policy.compute.precision}  # precision=auto, as resolved
 
 
 # --- builders and shells ------------------------------------------------------------------------------
 
 
 def build_policy_learner(model: ModelConfig, algorithm: AlgorithmConfig, policy: PolicyConfig, engine: EngineConfig,
-                         seed: int, batches: Mailbox, edges: LearnerEdges | None = None,
+                         sampling: SamplingConfig, seed: int, batches: Mailbox, edges: LearnerEdges | None = None,
                          checkpoints: CheckpointPolicy = CheckpointPolicy(), max_steps: int = 0, parallel=None,
                          ranks=()) -> PolicyLearner:
     """`parallel`, `ranks`: rank 0 of a sharded learner and the calls to its other ranks."""
-    rank, tokenizer = build_policy_rank(model, algorithm, policy, engine, seed, parallel)
+    rank, tokenizer = build_policy_rank(model, algorithm, policy, engine, sampling, seed, parallel)
     return PolicyLearner(rank, batches, edges, checkpoints, policy.broadcast_bucket_mb << 20, tokenizer,
                          algorithm.max_staleness_versions, max_steps, ranks)
 
@@ -358,11 +358,11 @@ class PolicyLearnerActor(RoleShell):
     which meet this one at `rendezvous`."""
 
     def __init__(self, model: ModelConfig, algorithm: AlgorithmConfig, policy: PolicyConfig, engine: EngineConfig,
-                 seed: int, batches: Mailbox, *, listeners: list, ledger, checkpoint_parts: list,
-                 checkpoints: CheckpointPolicy, max_steps: int = 0, recorder=None, ranks: list = (),
-                 rendezvous: tuple[str, int] | None = None, delivery_timeout_s: float = 300.0):
-        torch.set_num_threads(policy.threads)
-        parallel = (join_ranks(*rendezvous, len(ranks) + 1, 0, learner_backend(policy), policy.timeout_s)
+                 sampling: SamplingConfig, seed: int, batches: Mailbox, *, listeners: list, ledger,
+                 checkpoint_parts: list, checkpoints: CheckpointPolicy, max_steps: int = 0, recorder=None,
+                 ranks: list = (), rendezvous: tuple[str, int] | None = None, delivery_timeout_s: float = 300.0):
+        torch.set_num_threads(policy.compute.threads)
+        parallel = (join_ranks(*rendezvous, len(ranks) + 1, 0, learner_backend(policy), policy.compute.timeout_s)
                     if ranks else None)
 
         async def trained(ids):
@@ -374,7 +374,7 @@ class PolicyLearnerActor(RoleShell):
             trained=trained, checkpoint_parts=[_part_writer(actor) for actor in checkpoint_parts],
             record_batch=(None if recorder is None else
                           lambda record: recorder.add_batch.remote(BATCH_RECORD_ENCODER.encode(record))))
-        self.inner = build_policy_learner(model, algorithm, policy, engine, seed, batches, edges, checkpoints,
+        self.inner = build_policy_learner(model, algorithm, policy, engine, sampling, seed, batches, edges, checkpoints,
                                           max_steps, parallel, [_rank_call(rank) for rank in ranks])
         self.inner.pool.timeout_s = delivery_timeout_s
 

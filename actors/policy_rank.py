@@ -1,4 +1,4 @@
-"""Rank 1.. of a sharded policy learner (`policy.ranks`): a process of its own that holds its share
+"""Rank 1.. of a sharded policy learner (`policy.compute.ranks`): a process of its own that holds its share
 of the weights, gradients and Adam's state, and runs each step with rank 0 (`actors.policy_learner`)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from asyncrl.config import AlgorithmConfig, EngineConfig, ModelConfig, PolicyConfig
+from asyncrl.config import AlgorithmConfig, EngineConfig, ModelConfig, PolicyConfig, SamplingConfig
 from asyncrl.learning.rank import build_policy_rank, learner_backend
 from asyncrl.sharding import join as join_ranks
 from asyncrl.weight_sync import node_address
@@ -20,11 +20,12 @@ class PolicyRankActor:
     METHODS = ("step", "snapshot", "state", "load")
 
     def __init__(self, model: ModelConfig, algorithm: AlgorithmConfig, policy: PolicyConfig, engine: EngineConfig,
-                 seed: int, rendezvous: tuple[str, int], rank: int):
-        torch.set_num_threads(policy.threads)
+                 sampling: SamplingConfig, seed: int, rendezvous: tuple[str, int], rank: int):
+        compute = policy.compute
+        torch.set_num_threads(compute.threads)
         self.rank = rank
-        parallel = join_ranks(*rendezvous, policy.ranks, rank, learner_backend(policy), policy.timeout_s)
-        self.inner, _ = build_policy_rank(model, algorithm, policy, engine, seed, parallel)
+        parallel = join_ranks(*rendezvous, compute.ranks, rank, learner_backend(policy), compute.timeout_s)
+        self.inner, _ = build_policy_rank(model, algorithm, policy, engine, sampling, seed, parallel)
 
     def call(self, method: str, *args):
         if method not in self.METHODS:

@@ -37,14 +37,16 @@ import torch
 from actors.base import RoleShell
 from asyncrl.algo.selection import curriculum_sources
 from asyncrl.checkpoint_store import StoreClient, local_copy, write_part
-from asyncrl.config import AlgorithmConfig, EngineConfig, ModelConfig, RewardConfig, RouteConfig, TaskConfig
+from asyncrl.config import (NO_BOUND, AlgorithmConfig, EngineConfig, ModelConfig, RewardConfig, RouteConfig,
+                            SamplingConfig, TaskConfig)
 from asyncrl.ledger import LedgerSnapshot, SampleLedger
 from asyncrl.mailbox import Mailbox
 from asyncrl.models import load_tokenizer
 from asyncrl.retirement import Outcome, Retirements
 from asyncrl.schema import Codec, DropReason, PromptRequest, SampleState
 from asyncrl.staleness import admission_budget
-from asyncrl.tasks import Example, encode_prompt, load_examples
+from asyncrl.datafiles import drop_overlong, load_examples
+from asyncrl.tasks import Example, encode_prompt
 
 
 class CursorSnapshot(msgspec.Struct, kw_only=True):
@@ -72,7 +74,7 @@ LedgerEvent = tuple[list[str], SampleState, "DropReason | None"]
 
 class PromptSource:
     def __init__(self, examples: list[Example], prompt_token_ids: list[list[int]], group_size: int,
-                 out: Mailbox, seed: int = 0, prompts_per_step: int = 1, max_staleness_versions: int = 1 << 30,
+                 out: Mailbox, seed: int = 0, prompts_per_step: int = 1, max_staleness_versions: int = NO_BOUND,
                  curriculum: list[tuple[int, list[str]]] | None = None, max_prompts: int = 0,
                  retirements: Retirements | None = None, retest_every_s: float = 30.0):
         if not examples:
@@ -199,6 +201,7 @@ class PromptSource:
             data_source=example.data_source,
             ground_truth=example.ground_truth,
             prompt_text=example.text,
+            row=example.row,
             seed=(self.seed * 1_000_003 + self.issued) * 1024,
         )
         self.ledger.admit(request)
@@ -283,12 +286,13 @@ def build_prompt_source(model: ModelConfig, task: TaskConfig, algorithm: Algorit
     """`max_prompts` > 0: issue that many prompts and no more, with no staleness budget (there is no
     learner: `mode=generate`)."""
     tokenizer = load_tokenizer(model)
-    examples = load_examples(task.name, "train", task.num_train_prompts, task.seed, task.path)
-    tokens = [encode_prompt(ex, tokenizer, model.use_chat_template) for ex in examples]
+    examples = load_examples(task, "train")
+    tokens = [encode_prompt(ex, tokenizer, model.use_chat_template, task.chat_template_kwargs) for ex in examples]
+    examples, tokens = drop_overlong(examples, tokens, task.max_prompt_length, "train")
     curriculum = [(stage.start_step, list(stage.data_sources)) for stage in task.curriculum]
-    staleness = 1 << 30 if max_prompts else algorithm.max_staleness_versions
+    staleness = NO_BOUND if max_prompts else algorithm.max_staleness_versions
     retirements = Retirements(algorithm.group_size, task.retire_after_groups, task.retire_epochs,
-                              task.retire_unsolved, algorithm.filter_metric)
+                              task.retire_unsolved, algorithm.dynamic_sampling.metric)
     return PromptSource(examples, tokens, algorithm.group_size, prompts, seed, prompts_per_step, staleness,
                         curriculum, max_prompts=max_prompts, retirements=retirements,
                         retest_every_s=task.retest_every_s)
@@ -301,8 +305,8 @@ class PromptSourceActor(RoleShell):
         self.inner = build_prompt_source(model, task, algorithm, prompts_per_step, seed, prompts, max_prompts)
         self.restored = False
 
-    async def prepare(self, model: ModelConfig, engine: EngineConfig, task: TaskConfig, reward: RewardConfig,
-                      seed: int, endpoints: dict[str, Any]) -> dict:
+    async def prepare(self, model: ModelConfig, engine: EngineConfig, sampling: SamplingConfig, task: TaskConfig,
+                      reward: RewardConfig, seed: int, endpoints: dict[str, Any]) -> dict:
         """Pre-PPO prompt selection before the first prompt is issued; a no-op when off or resumed
         (a resumed run keeps the selection its checkpoint holds)."""
         from asyncrl.pre_ppo import select_prompts
@@ -312,7 +316,7 @@ class PromptSourceActor(RoleShell):
             return {}
         router = build_reward_router(reward, endpoints, [RouteConfig(match="*", endpoints=[task.pre_ppo_endpoint])])
         examples, tokens, selection = await select_prompts(
-            self.inner.examples, self.inner.prompt_token_ids, model, engine, task, router, seed)
+            self.inner.examples, self.inner.prompt_token_ids, model, engine, sampling, task, router, seed)
         self.inner.set_examples(examples, tokens)
         return selection
 

@@ -5,9 +5,9 @@ the same class the Serve application serves."""
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Any
 
+import msgspec
 import ray
 
 from asyncrl.config import ModelConfig, RewardConfig
@@ -21,6 +21,6 @@ def reward_endpoint_actors(reward: RewardConfig, model: ModelConfig, default_sty
     return {
         name: ray.remote(RewardEndpoint).options(num_cpus=0, max_concurrency=64, max_restarts=-1,
                                                  max_task_retries=3, **(placement or {})).remote(
-            name, asdict(endpoint), asdict(model), default_style)
+            name, msgspec.to_builtins(endpoint), msgspec.to_builtins(model), default_style)
         for name, endpoint in reward.endpoints.items()
     }

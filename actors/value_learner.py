@@ -5,7 +5,7 @@ and answers value requests for (E)GAE (the role, its builder, its Ray shell).
   (1.0 = Monte-Carlo), `critic.batch_trajectories` per step, whenever that many have arrived.
 * Serves `V(s_t)` from a serving copy refreshed after each step, so a request never waits for a
   training step and never sees half-updated weights; each answer carries the value version.
-* Warm-up (VC-PPO value pretraining): until `warmup_steps` value steps are done, `ready` is false
+* Warm-up (VC-PPO value pretraining): until `critic.warmup` ends, `ready` is false
   and the assembler (which asks) trains no policy rows, so the policy stays the frozen initial one.
 * With a reference policy (the PPO baseline's KL in the reward), also scores rows' tokens under
   it (`reference_logprobs`): the reward of every token then needs it, as the value does.
@@ -17,56 +17,45 @@ import asyncio
 import copy
 import os
 import time
-from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 import torch
 
 from actors.base import RoleShell, TrainingLoop
 from asyncrl import checkpoint
 from asyncrl.checkpoint_store import StoreClient, local_copy, write_part
-from asyncrl.config import AlgorithmConfig, CriticConfig, EngineConfig, ModelConfig
-from asyncrl.engines.base import SamplingParams
-from asyncrl.generation import sampling_params
+from asyncrl.config import AlgorithmConfig, CriticConfig, ModelConfig, SamplingConfig
 from asyncrl.learning.scoring import response_logprobs
 from asyncrl.algo.warmup import warmup_finished
 from asyncrl.learning.rank import learner_precision
-from asyncrl.learning.rows import adamw
-from asyncrl.learning.value import ValueLossSettings, center_value_head, predict_values, value_step
+from asyncrl.learning.rows import build_optimizer
+from asyncrl.learning.value import center_value_head, predict_values, value_step
 from asyncrl.mailbox import Mailbox, RecentIds
 from asyncrl.models import load_model, load_tokenizer, value_model_from_checkpoint, value_model_from_policy
 from asyncrl.schema import ScoredTrajectory
 
 
-@dataclass(frozen=True)
-class Warmup:
-    """The critic's pretraining under the frozen initial policy (`asyncrl.algo.warmup`)."""
-
-    max_steps: int = 0  # 0: no warm-up
-    min_steps: int = 0
-    patience: int = 3
-    min_gain: float = 0.01
-
-
 class ValueLearner(TrainingLoop):
-    def __init__(self, value_model, trajectories: Mailbox, settings: ValueLossSettings, lr: float,
-                 weight_decay: float, batch_trajectories: int, warmup: Warmup = Warmup(), pad_token_id: int = 0,
-                 reference=None, sampling: SamplingParams | None = None, center_head: bool = False):
-        """`warmup`: the value pretraining (no policy row trains until it is over); `center_head`:
-        start the critic's head at the mean return of the first batch (a fresh head, not a trained one)."""
+    def __init__(self, value_model, trajectories: Mailbox, critic: CriticConfig, gamma: float = 1.0,
+                 pad_token_id: int = 0, reference=None, sampling: SamplingConfig | None = None,
+                 center_head: bool = False):
+        """`critic`: its section (`compute.precision` resolved), with the warm-up (no policy row
+        trains until it is over); `gamma`: the advantage's discount; `center_head`: start the
+        critic's head at the mean return of the first batch (a fresh head, not a trained one)."""
         self.model = value_model.eval()
         # The frozen initial policy and the distribution the generators sample from (KL in the reward).
         self.reference = None if reference is None else reference.eval().requires_grad_(False)
-        self.sampling = sampling or SamplingParams()
+        self.sampling = sampling or SamplingConfig()
         self.serving = copy.deepcopy(value_model).eval().requires_grad_(False)
         self.trajectories = trajectories
-        self.settings = settings
-        self.optimizer = adamw(self.model.parameters(), lr, weight_decay)
-        self.batch_trajectories = batch_trajectories
-        self.warmup = warmup
+        self.critic, self.gamma = critic, gamma
+        self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), critic.optimizer)
+        self.batch_trajectories = critic.batch_trajectories
+        self.warmup = critic.warmup
         self.center_head = center_head
         self._explained: list[float] = []  # the fresh-value explained variance of each warm-up step
-        self._warmed_up = warmup.max_steps == 0
+        self._warmed_up = critic.warmup.steps == 0
         self.pad_token_id = pad_token_id
         self.version = 0
         self._seen = RecentIds(200_000)
@@ -93,7 +82,7 @@ class ValueLearner(TrainingLoop):
         async with self._serving_lock:
             version = self.version
             out = await asyncio.to_thread(predict_values, self.serving, rows, self.pad_token_id,
-                                          self.settings.micro_batch_tokens, True, self.settings.precision)
+                                          self.critic.compute.micro_batch_tokens, True, self.critic.compute.precision)
         self.timing["serve_s"] += time.perf_counter() - start
         self.counters["value_requests"] += 1
         self.counters["rows_valued"] += len(rows)
@@ -102,11 +91,11 @@ class ValueLearner(TrainingLoop):
     async def reference_logprobs(self, rows: list[tuple[np.ndarray, np.ndarray]]) -> list[np.ndarray]:
         """log π_ref of each (context, new) row's new tokens, under the generators' sampling settings."""
         if self.reference is None:
-            raise RuntimeError("this value learner holds no reference policy (algorithm.kl_in_reward is off)")
+            raise RuntimeError("this value learner holds no reference policy (algorithm.advantage.kl_in_reward is off)")
         p = self.sampling
         start = time.perf_counter()
         out = await asyncio.to_thread(response_logprobs, self.reference, rows, p.temperature, p.top_k, p.top_p,
-                                      self.pad_token_id, self.settings.micro_batch_tokens)
+                                      self.pad_token_id, self.critic.compute.micro_batch_tokens)
         self.timing["serve_s"] += time.perf_counter() - start
         self.counters["rows_referenced"] += len(rows)
         return out
@@ -116,11 +105,12 @@ class ValueLearner(TrainingLoop):
         async with self._train_lock:
             shift = None
             if self.center_head and self.version == 0:
-                shift = await asyncio.to_thread(center_value_head, self.model, batch, self.settings.gamma,
-                                                self.pad_token_id, self.settings.micro_batch_tokens,
-                                                self.settings.precision)
-            metrics = await asyncio.to_thread(value_step, self.model, self.optimizer, batch, self.settings,
+                shift = await asyncio.to_thread(center_value_head, self.model, batch, self.gamma,
+                                                self.pad_token_id, self.critic.compute.micro_batch_tokens,
+                                                self.critic.compute.precision)
+            metrics = await asyncio.to_thread(value_step, self.model, self.optimizer, batch, self.critic, self.gamma,
                                               self.pad_token_id)
+            self.scheduler.step()
             async with self._serving_lock:
                 self.serving.load_state_dict(self.model.state_dict())
                 self.version += 1
@@ -128,7 +118,7 @@ class ValueLearner(TrainingLoop):
             self._explained.append(metrics["value_explained_variance"])
             self.counters["warmup_steps_taken"] = len(self._explained)
             w = self.warmup
-            self._warmed_up = warmup_finished(self._explained, w.min_steps, w.max_steps, w.patience, w.min_gain)
+            self._warmed_up = warmup_finished(self._explained, w.min_steps, w.steps, w.patience, w.min_gain)
         elapsed = time.perf_counter() - start
         self.timing["train_s"] += elapsed
         self.counters["value_steps"] += 1
@@ -187,47 +177,46 @@ class ValueLearner(TrainingLoop):
         self.optimizer.load_state_dict(checkpoint.load_tensors(os.path.join(part, "optimizer.pt"))["optimizer"])
         meta = checkpoint.load_json(os.path.join(part, "state.json"))
         self.version = int(meta["version"])
+        for _ in range(self.version):  # the learning-rate schedule steps once per value step
+            self.scheduler.step()
         self.counters.update({k: v for k, v in meta["counters"].items() if k in self.counters})
         # A resumed critic was warmed up if it took its warm-up steps (or more) before the checkpoint.
         self._warmed_up = self._warmed_up or self.version > self.counters["warmup_steps_taken"] or \
-            self.version >= self.warmup.max_steps
+            self.version >= self.warmup.steps
 
     def stats(self) -> dict:
         wall = max(time.monotonic() - self._started, 1e-9)
         return {"value_version": self.version, "value_ready": self.ready, "pending_trajectories": len(self._pending),
                 **self.counters, **{f"value_{k}": v for k, v in self.timing.items()},
                 "value_busy_fraction": self.timing["train_s"] / wall, "last": self.last,
-                "value_precision": self.settings.precision}  # critic.precision=auto, as resolved
+                "value_precision": self.critic.compute.precision}  # precision=auto, as resolved
 
 
-def build_value_learner(model: ModelConfig, critic: CriticConfig, algorithm: AlgorithmConfig, engine: EngineConfig,
+def build_value_learner(model: ModelConfig, critic: CriticConfig, algorithm: AlgorithmConfig, sampling: SamplingConfig,
                         seed: int, trajectories: Mailbox) -> ValueLearner:
-    """`algorithm`: γ, and whether the KL to the reference is a reward (then this learner holds the
-    reference policy and scores tokens under `engine`'s sampling settings)."""
+    """`algorithm`: the advantage's γ, and whether the KL to the reference is a reward (then this
+    learner holds the reference policy and scores tokens under the `sampling` distribution)."""
     torch.manual_seed(seed + 1)
     tokenizer = load_tokenizer(model)
     if critic.init_path:
         value_model = value_model_from_checkpoint(critic.init_path, model, tokenizer)
     else:
         value_model = value_model_from_policy(load_model(model, tokenizer))
-    settings = ValueLossSettings(gamma=algorithm.gamma, lam=critic.lam, clip_low=critic.clip_low,
-                                 clip_high=critic.clip_high, grad_clip=critic.grad_clip,
-                                 micro_batch_tokens=critic.micro_batch_tokens,
-                                 precision=learner_precision(critic.precision, value_model, critic.device))
-    reference = load_model(model, tokenizer).to(critic.device) if algorithm.kl_in_reward else None
-    warmup = Warmup(critic.warmup_steps, critic.warmup_min_steps, critic.warmup_patience, critic.warmup_min_gain)
-    return ValueLearner(value_model.to(critic.device), trajectories, settings, critic.lr, critic.weight_decay,
-                        critic.batch_trajectories, warmup, tokenizer.pad_token_id or 0, reference=reference,
-                        sampling=sampling_params(engine), center_head=critic.head_init == "mean_return" and not critic.init_path)
+    compute = msgspec.structs.replace(
+        critic.compute, precision=learner_precision(critic.compute.precision, value_model, critic.compute.device))
+    reference = load_model(model, tokenizer).to(critic.compute.device) if algorithm.advantage.kl_in_reward else None
+    return ValueLearner(value_model.to(critic.compute.device), trajectories, msgspec.structs.replace(critic, compute=compute),
+                        algorithm.advantage.gamma, tokenizer.pad_token_id or 0, reference=reference, sampling=sampling,
+                        center_head=critic.head_init == "mean_return" and not critic.init_path)
 
 
 class ValueLearnerActor(RoleShell):
-    def __init__(self, model: ModelConfig, critic: CriticConfig, algorithm: AlgorithmConfig, engine: EngineConfig,
+    def __init__(self, model: ModelConfig, critic: CriticConfig, algorithm: AlgorithmConfig, sampling: SamplingConfig,
                  seed: int, trajectories: Mailbox, resume_from: str | None = None,
                  checkpoint_store: StoreClient | None = None):
         """`resume_from`: a checkpoint's path on the run directory's node, read through its store."""
-        torch.set_num_threads(critic.threads)
-        self.inner = build_value_learner(model, critic, algorithm, engine, seed, trajectories)
+        torch.set_num_threads(critic.compute.threads)
+        self.inner = build_value_learner(model, critic, algorithm, sampling, seed, trajectories)
         if resume_from:
             with local_copy(checkpoint_store, resume_from, [checkpoint.VALUE_PART]) as local:
                 self.inner.load_checkpoint(local)

@@ -16,7 +16,8 @@ def _generate(args: argparse.Namespace) -> int:
     from asyncrl.engines.base import SamplingParams
     from asyncrl.generation import complete
     from asyncrl.generation import build_engine
-    from asyncrl.tasks import encode_prompt, load_examples
+    from asyncrl.datafiles import load_examples
+    from asyncrl.tasks import encode_prompt
 
     config = compose(args.overrides)
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -24,9 +25,9 @@ def _generate(args: argparse.Namespace) -> int:
     engine, tokenizer = build_engine(config.model)
     print(f"loaded {config.model.name} ({sum(p.numel() for p in engine.model.parameters()) / 1e6:.1f}M params) "
           f"in {time.perf_counter() - start:.1f}s")
-    examples = load_examples(config.task.name, "eval", args.n, config.task.seed, config.task.eval_path)[: args.n]
-    prompts = [encode_prompt(ex, tokenizer, config.model.use_chat_template) for ex in examples]
-    params = SamplingParams(temperature=config.engine.temperature, top_p=config.engine.top_p, top_k=config.engine.top_k)
+    examples = load_examples(config.task, "eval", args.n)[: args.n]
+    prompts = [encode_prompt(ex, tokenizer, config.model.use_chat_template, config.task.chat_template_kwargs) for ex in examples]
+    params = SamplingParams.of(config.sampling)
     start = time.perf_counter()
     completions = complete(engine, tokenizer, prompts, [config.trainer.seed + i for i in range(len(prompts))],
                            config.engine.max_response_tokens, params, batch_size=len(prompts))
@@ -73,7 +74,7 @@ def _eval(args: argparse.Namespace) -> int:
         texts = evaluation.sample_engine(config, engine, tokenizer, examples, n, args.temperature)
         label = args.checkpoint or config.model.name
     result = {"model": label, "task": config.task.name, "temperature": args.temperature,
-              **evaluation.summarize(evaluation.score(examples, texts), ks)}
+              **evaluation.summarize(evaluation.score(config, examples, texts), ks)}
     table, paths = evaluation.write_table(result, args.out)
     print(table)
     print(f"wrote {' and '.join(paths)}")
@@ -86,7 +87,8 @@ def _data_example(args: argparse.Namespace) -> int:
     import os
 
     from asyncrl.config import compose
-    from asyncrl.tasks import arithmetic_examples, write_examples
+    from asyncrl.datafiles import write_examples
+    from asyncrl.tasks import arithmetic_examples
 
     task = compose(["task=arithmetic", *args.overrides]).task
     splits = {"train": arithmetic_examples("train", task.num_train_prompts, task.seed),
@@ -98,8 +100,35 @@ def _data_example(args: argparse.Namespace) -> int:
             print(f"wrote {paths[split]}: {len(examples)} arithmetic word problems (verl's layout)")
         else:
             print(f"{paths[split]} already holds these {len(examples)} prompts: left as it is")
-    print(f"train on them: asyncrl train task=file task.path={paths['train']} task.eval_path={paths['test']}")
+    reward = os.path.join(args.out, "reward.py")
+    if os.path.exists(reward) and open(reward).read() != EXAMPLE_REWARD and not args.force:
+        print(f"{reward} exists and is not the example: left as it is (--force replaces it)")
+    else:
+        with open(reward, "w") as f:
+            f.write(EXAMPLE_REWARD)
+        print(f"wrote {reward}: a reward function in verl's signature for these prompts")
+    print(f"train on them: asyncrl train task=file task.path={paths['train']} task.eval_path={paths['test']} "
+          f"custom_reward_function.path={reward}")
     return 0
+
+
+# What `asyncrl data example` writes beside the data: a reward function as verl's users write theirs.
+EXAMPLE_REWARD = r'''"""A reward function in verl's signature, for the arithmetic word problems of `asyncrl data example`.
+
+Use it with `custom_reward_function.path=data/reward.py` (or a `kind: python` endpoint). It is called
+once per response, in a worker process of the reward endpoint, with a timeout.
+"""
+
+import re
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """1 when the last boxed answer of the response's tail is the ground truth. The other numbers
+    are averaged per data source into the step records; `acc` says which are right."""
+    boxed = re.findall(r"\\boxed\{([^}]*)\}", solution_str[-300:])
+    right = bool(boxed) and boxed[-1].strip() == str(ground_truth)
+    return {"score": 1.0 if right else 0.0, "acc": right, "boxed": float(bool(boxed))}
+'''
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -157,8 +186,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                            formatter_class=argparse.RawDescriptionHelpFormatter,
                            description="Train for trainer.total_steps and exit (Ctrl-C stops cleanly, checkpointed).")
     train.add_argument("-h", "--help", action=_TrainHelp, help="show this help, every config group and field, and exit")
+    train.add_argument("--config-dir", default=None,
+                       help="a directory of your own recipes, searched before asyncrl's (whose groups stay available)")
+    train.add_argument("--config-name", default="config", help="the primary recipe (a YAML of --config-dir)")
+    train.add_argument("--cfg", action="store_true", help="print the composed config as YAML and exit")
     train.add_argument("overrides", nargs="*", help="Hydra overrides: group=option, section.field=value (listed below)")
-    train.set_defaults(func=lambda a: __import__("asyncrl.driver", fromlist=["x"]).train_cli(a.overrides))
+    train.set_defaults(func=lambda a: __import__("asyncrl.driver", fromlist=["x"]).train_cli(
+        a.overrides, a.config_dir, a.config_name, a.cfg))
 
     ev = sub.add_parser("eval", help="pass@1 and pass@k on held-out prompts (a checkpoint, the model, or a live endpoint)")
     ev.add_argument("--checkpoint", default="", help="a run directory, an asyncrl checkpoint or a Hugging Face directory")

@@ -13,13 +13,14 @@ import contextlib
 import json
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from asyncrl.config import Config, compose, to_record
+from asyncrl.config import Config, compose, to_record, to_yaml
 from asyncrl.evaluation import greedy_accuracy
 from asyncrl.generation import build_engine
 from asyncrl.run import Run
@@ -287,8 +288,17 @@ def _init_wandb(config: Config, run_dir: str):
                       settings=wandb.Settings(quiet=True))
 
 
-def train_cli(overrides: list[str]) -> int:
-    config = compose(overrides)
+def train_cli(overrides: list[str], config_dir: str | None = None, config_name: str = "config",
+              print_config: bool = False) -> int:
+    """`asyncrl train`: compose (a user's recipe from `config_dir` too), say what other frameworks'
+    names became, then print the config (`--cfg`) or run it."""
+    notices: list[str] = []
+    config = compose(overrides, config_name, config_dir, notices)
+    for line in notices:
+        print(f"asyncrl train: {line}", file=sys.stderr)
+    if print_config:
+        print(to_yaml(config), end="")
+        return 0
     if config.mode != "train":  # the recording and offline modes have drivers of their own
         from asyncrl import offline
 

@@ -15,7 +15,8 @@ import numpy as np
 from asyncrl.config import Config
 from asyncrl.engines.base import SamplingParams
 from asyncrl.generation import complete
-from asyncrl.tasks import Example, encode_prompt, load_examples, score_response
+from asyncrl.datafiles import drop_overlong, load_examples
+from asyncrl.tasks import Example, encode_prompt, score_response
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -36,8 +37,13 @@ def summarize(correct: list[list[bool]], ks: list[int]) -> dict:
 
 
 def held_out(config: Config, max_prompts: int | None = None) -> list[Example]:
-    t = config.task
-    examples = load_examples(t.name, "eval", t.num_eval_prompts, t.seed, t.eval_path or t.path)
+    examples = load_examples(config.task, "eval")
+    if config.task.max_prompt_length:
+        from asyncrl.models import load_tokenizer
+
+        tokenizer = load_tokenizer(config.model)
+        tokens = [encode_prompt(ex, tokenizer, config.model.use_chat_template, config.task.chat_template_kwargs) for ex in examples]
+        examples, _ = drop_overlong(examples, tokens, config.task.max_prompt_length, "held-out")
     return examples[: max_prompts or len(examples)]
 
 
@@ -53,8 +59,8 @@ def respond(config: Config, engine, tokenizer, examples: list[Example], n: int, 
     """n completions per example from a local engine: whole responses, or whole episodes where the
     task has an environment (`config.environment`; run in this process), sample j of an example
     being the episode (its prompt id, j)."""
-    prompts = [encode_prompt(ex, tokenizer, config.model.use_chat_template) for ex in examples for _ in range(n)]
-    if not config.environment.name:
+    prompts = [encode_prompt(ex, tokenizer, config.model.use_chat_template, config.task.chat_template_kwargs) for ex in examples for _ in range(n)]
+    if not config.environment.enabled:
         return complete(engine, tokenizer, prompts, seeds, config.engine.max_response_tokens, params,
                         on_batch=on_batch)
     from asyncrl.environments.episodes import LocalEnvironment, build_episodes, complete_episodes
@@ -85,7 +91,7 @@ def greedy_accuracy(config: Config, engine, tokenizer, max_prompts: int | None =
     with progress_bar(len(examples), progress, bool(progress)) as bar:
         completions = respond(config, engine, tokenizer, examples, 1, SamplingParams(greedy=True),
                               list(range(len(examples))), on_batch=bar.update)
-    correct = score(examples, [[c.text] for c in completions])
+    correct = score(config, examples, [[c.text] for c in completions])
     return {"accuracy": sum(c[0] for c in correct) / max(len(examples), 1), "n": len(examples),
             "response_length_mean": float(np.mean([len(c.token_ids) for c in completions])) if completions else 0.0}
 
@@ -147,7 +153,7 @@ def sample_endpoint(url: str, model: str, examples: list[Example], n: int, tempe
     OPENAI_API_KEY, is never sent to a URL the user did not give it for)."""
     from openai import OpenAI
 
-    client = OpenAI(base_url=url, api_key=api_key or "none")
+    client = OpenAI(base_url=url, api_key=api_key or "EMPTY")  # the client needs one; vLLM's convention
     texts, versions = [], set()
     with progress_bar(len(examples) * n, "eval", progress) as bar:
         for i, ex in enumerate(examples):
@@ -159,13 +165,41 @@ def sample_endpoint(url: str, model: str, examples: list[Example], n: int, tempe
     return texts, versions
 
 
-def score(examples: list[Example], texts: list[list[str]]) -> list[list[bool]]:
-    """Each response checked against its example's answer (sample j of a task with an answer per
-    episode: the episode's, `episode_truth`)."""
-    from asyncrl.environments.tools import episode_truth
+def score(config: Config, examples: list[Example], texts: list[list[str]]) -> list[list[bool]]:
+    """Each response checked as the run rewards it: by the first endpoint of its data source's route
+    when that is a verifier or a reward function of the user's (`kind: python`: correct is its `acc`
+    when it gives one, else a score above 0); where the route starts with a model (a judge, a reward
+    model: a model to load here), by the data source's default verifier. Sample j of a task with an
+    answer per episode is checked against the episode's (`episode_truth`)."""
+    from asyncrl.algo.shaping import is_positive
+    from asyncrl.rewards.endpoint import build_scorer
+    from asyncrl.rewards.hybrid import route_for
+    from asyncrl.rewards.verifiers import episode_truth
+    from asyncrl.schema import RewardRequest
 
-    return [[score_response(ex.data_source, t, episode_truth(ex.ground_truth, ex.prompt_id, j), "zero_one")[1]
-             for j, t in enumerate(samples)] for ex, samples in zip(examples, texts)]
+    reward = config.reward
+    by_endpoint: dict[str, list[tuple[int, int, RewardRequest]]] = {}
+    correct = [[False] * len(samples) for samples in texts]
+    for i, (ex, samples) in enumerate(zip(examples, texts)):
+        name = route_for(ex.data_source, reward.routes).endpoints[0]
+        for j, text in enumerate(samples):
+            truth = episode_truth(ex.ground_truth, ex.prompt_id, j)
+            if reward.endpoints[name].kind in ("verifier", "python"):
+                request = RewardRequest(prompt_id=ex.prompt_id, sample_idx=j, response_text=text, ground_truth=truth,
+                                        data_source=ex.data_source, prompt_text=ex.text, row=ex.row)
+                by_endpoint.setdefault(name, []).append((i, j, request))
+            else:
+                correct[i][j] = score_response(ex.data_source, text, truth, config.task.reward)[1]
+    for name, items in by_endpoint.items():
+        scorer = build_scorer(reward.endpoints[name], None, config.task.reward)
+        try:
+            rewards = scorer.score([request for _, _, request in items])
+        finally:
+            if hasattr(scorer, "close"):
+                scorer.close()
+        for (i, j, _), r in zip(items, rewards):
+            correct[i][j] = not r.failed and is_positive(r.correct, r.score)
+    return correct
 
 
 def write_table(result: dict, out_dir: str) -> tuple[str, list[str]]:

@@ -3,7 +3,7 @@
 Every caller that wants whole responses goes through `complete` / `complete_async`: held-out
 evaluation, `asyncrl generate`, Pre-PPO's candidate scoring, the policy endpoint and the engine
 benchmark. The generator role, which streams windows, builds its inputs with `sequence_input`
-and reads the same `sampling_params` of the run.
+and samples from the same distribution of the run (`SamplingParams.of(config.sampling)`).
 """
 
 from __future__ import annotations
@@ -52,13 +52,6 @@ def sequence_input(prompt_ids: Sequence[int] | np.ndarray, seed: int, max_respon
     return SequenceInput(prompt_ids=np.asarray(prompt_ids, dtype=np.int32),
                          response_ids=np.asarray(response_ids, dtype=np.int32), seed=seed,
                          max_response_tokens=max_response_tokens, min_response_tokens=min_response_tokens, key=key)
-
-
-def sampling_params(engine: EngineConfig) -> SamplingParams:
-    """The behaviour distribution of a run: what generators sample from (FIRE's first token included)."""
-    return SamplingParams(temperature=engine.temperature, top_p=engine.top_p, top_k=engine.top_k,
-                          first_token_temperature=engine.first_token_temperature,
-                          first_token_top_k=engine.first_token_top_k)
 
 
 def decode(tokenizer, token_ids: Sequence[int] | np.ndarray) -> str:

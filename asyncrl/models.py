@@ -49,7 +49,7 @@ BF16_MIN_PARAMETERS = 10_000_000
 
 
 def bf16_pays(model: torch.nn.Module, device: str) -> bool:
-    """The `auto` rule of `engine.dtype` and `policy.precision`: bfloat16 where it is native and
+    """The `auto` rule of `engine.dtype` and `policy.compute.precision`: bfloat16 where it is native and
     the model has at least `BF16_MIN_PARAMETERS` parameters."""
     return sum(p.numel() for p in model.parameters()) >= BF16_MIN_PARAMETERS and native_bf16(device)
 
@@ -99,13 +99,27 @@ def build_tiny_model(model_config: ModelConfig, vocab_size: int) -> LlamaForCaus
 
 
 def load_tokenizer(model_config: ModelConfig) -> PreTrainedTokenizerBase:
+    """The model's tokenizer, with `model.chat_template` (a file or the template itself) in place of its own."""
     if model_config.source == "tiny":
-        return build_tiny_tokenizer()
-    if model_config.source == "gguf":
-        return AutoTokenizer.from_pretrained(model_config.path or embedded_gguf_dir(), gguf_file=model_config.gguf_file)
-    if model_config.source == "hf":
-        return AutoTokenizer.from_pretrained(model_config.path)
-    raise ValueError(f"model.source must be tiny, gguf or hf, got {model_config.source!r}")
+        tokenizer = build_tiny_tokenizer()
+    elif model_config.source == "gguf":
+        tokenizer = AutoTokenizer.from_pretrained(model_config.path or embedded_gguf_dir(),
+                                                  gguf_file=model_config.gguf_file)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(model_config.path, trust_remote_code=model_config.trust_remote_code)
+    if model_config.chat_template:
+        tokenizer.chat_template = chat_template_text(model_config.chat_template)
+    return tokenizer
+
+
+def chat_template_text(setting: str) -> str:
+    """`model.chat_template`: the file it names, or the template itself."""
+    if "{" not in setting and os.path.isfile(setting):
+        with open(setting) as f:
+            return f.read()
+    if "{" not in setting:
+        raise FileNotFoundError(f"model.chat_template={setting}: no such file, and not a Jinja template either")
+    return setting
 
 
 def load_model(model_config: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
@@ -117,9 +131,8 @@ def load_model(model_config: ModelConfig, tokenizer: PreTrainedTokenizerBase) ->
         if not os.path.exists(os.path.join(directory, model_config.gguf_file)):
             raise FileNotFoundError(f"GGUF file {model_config.gguf_file} not found in {directory}")
         return _without_gguf_quantizer(AutoModelForCausalLM.from_pretrained(directory, gguf_file=model_config.gguf_file, dtype=dtype))
-    if model_config.source == "hf":
-        return AutoModelForCausalLM.from_pretrained(model_config.path, dtype=dtype)
-    raise ValueError(f"model.source must be tiny, gguf or hf, got {model_config.source!r}")
+    return AutoModelForCausalLM.from_pretrained(model_config.path, dtype=dtype,
+                                                trust_remote_code=model_config.trust_remote_code)
 
 
 def _without_gguf_quantizer(model: PreTrainedModel) -> PreTrainedModel:
@@ -139,16 +152,17 @@ def load_policy(model_config: ModelConfig) -> tuple[PreTrainedModel, PreTrainedT
 
 
 def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """EOS ids from the tokenizer and the model's generation config (chat models end turns with
-    a different token than the base EOS)."""
+    """EOS ids from the tokenizer, the model's config and its generation config
+    (`generation_config.json`: instruct models list their turn-end tokens there)."""
     ids = set()
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
-    config_eos = model.config.eos_token_id
-    if isinstance(config_eos, int):
-        ids.add(config_eos)
-    elif config_eos:
-        ids.update(int(i) for i in config_eos)
+    generation = getattr(model, "generation_config", None)  # a model without one (a bare nn.Module) has none
+    for config_eos in (model.config.eos_token_id, generation.eos_token_id if generation is not None else None):
+        if isinstance(config_eos, int):
+            ids.add(config_eos)
+        elif config_eos:
+            ids.update(int(i) for i in config_eos)
     return sorted(ids)
 
 

@@ -7,7 +7,7 @@
   - `offline.train=value`: value pretraining (VC-PPO's, without a generator): the critic learns the
     recorded responses' Monte-Carlo returns; its checkpoint initialises an online critic;
   - otherwise the algorithm's own learners, fed the recorded windows through the real assembler
-    and estimator (in this process, with in-process mailboxes) with the recorded rewards.
+    and strategy (in this process, with in-process mailboxes) with the recorded rewards.
 
 Each writes `metrics.jsonl`, `summary.json` and a checkpoint in the usual layout, so `asyncrl eval
 --checkpoint` and an online run (`model.source=hf model.path=<ckpt>/policy`, `critic.init_path=
@@ -17,7 +17,6 @@ Each writes `metrics.jsonl`, `summary.json` and a checkpoint in the usual layout
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import os
 import random
@@ -27,26 +26,26 @@ import msgspec
 import numpy as np
 import torch
 
-from actors.assembler import Assembler, Shaping
+from actors.assembler import Assembler
 from actors.policy_learner import CheckpointPolicy, LearnerEdges, build_policy_learner
 from actors.value_learner import build_value_learner
 from asyncrl import checkpoint
-from asyncrl.algo.advantages import ADVANTAGES
 from asyncrl.algo.shaping import shaped_score
 from asyncrl.assembly.rows import merge_segments
-from asyncrl.assembly.strategies import build_estimator
+from asyncrl.assembly.strategies import build_strategy
 from asyncrl.assembly.values import ValueEdges
-from asyncrl.config import Config, to_record
+from asyncrl.config import NO_BOUND, Config, PairwiseAdvantage, to_record
 from asyncrl.evaluation import greedy_accuracy, progress_bar
-from asyncrl.generation import sampling_params
-from asyncrl.learning.dqo import DQOSettings, dqo_step
-from asyncrl.learning.rows import adamw
+from asyncrl.learning.dqo import dqo_step
+from asyncrl.learning.rows import build_optimizer
 from asyncrl.learning.scoring import response_logprobs
 from asyncrl.mailbox import InProcessMailbox
 from asyncrl.models import load_model, load_tokenizer
-from asyncrl.schema import Reward, RewardRequest, ScoredTrajectory, Segment, float32_array, int32_array
+from asyncrl.schema import (Reward, RewardRequest, ScoredTrajectory, Segment, float32_array, ground_truth_text,
+                            int32_array)
 from asyncrl.store import BatchRecord, TrajectoryRecord, read_trajectories, reward_of, segments_of
-from asyncrl.tasks import encode_prompt, file_examples, score_response
+from asyncrl.datafiles import file_examples, read_rows
+from asyncrl.tasks import encode_prompt, score_response
 
 
 # --- mode=generate -----------------------------------------------------------------------------------
@@ -113,14 +112,15 @@ def offline_records(config: Config) -> list[TrajectoryRecord]:
 def labelled_records(path: str, config: Config) -> list[TrajectoryRecord]:
     """Rows of a jsonl/parquet file: verl's prompt layout plus `response` (text) and an optional
     `score` (else the task's verifier scores the response against the ground truth)."""
-    rows = _rows(path)
-    examples = file_examples(path)
+    rows = read_rows(path)
+    examples = file_examples(path, distinct_ids=False)
     tokenizer = load_tokenizer(config.model)
     out = []
     for i, (row, example) in enumerate(zip(rows, examples)):
         if "response" not in row:
             raise ValueError(f"{path}: row {i} has no `response` field (a labelled response)")
-        prompt_ids = encode_prompt(example, tokenizer, config.model.use_chat_template)
+        prompt_ids = encode_prompt(example, tokenizer, config.model.use_chat_template,
+                                   config.task.chat_template_kwargs)
         response_ids = tokenizer.encode(row["response"], add_special_tokens=False) + [tokenizer.eos_token_id]
         if "score" in row:
             score, correct = float(row["score"]), row.get("correct")
@@ -130,21 +130,12 @@ def labelled_records(path: str, config: Config) -> list[TrajectoryRecord]:
         out.append(TrajectoryRecord(
             sample_id=f"{example.prompt_id}/{i}", prompt_id=example.prompt_id, sample_idx=0,
             group_id=f"{example.prompt_id}/{i}", group_size=1, data_source=example.data_source,
-            ground_truth=example.ground_truth, prompt_text=example.text, response_text=row["response"],
+            ground_truth=ground_truth_text(example.ground_truth), prompt_text=example.text, response_text=row["response"],
             prompt_token_ids=prompt_ids, response_token_ids=response_ids,
             behaviour_logprobs=[], token_versions=[0] * len(response_ids), window_ends=[len(response_ids)],
             finish_reason="eos", seed=0, generator_id="file", score=score, correct=correct,
             reward_source="file" if "score" in row else "verifier", status="recorded"))
     return out
-
-
-def _rows(path: str) -> list[dict]:
-    if path.endswith(".parquet"):
-        import pyarrow.parquet as pq
-
-        return pq.read_table(path).to_pylist()
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def reference_logprobs(records: list[TrajectoryRecord], config: Config, reference=None) -> list[np.ndarray]:
@@ -153,10 +144,10 @@ def reference_logprobs(records: list[TrajectoryRecord], config: Config, referenc
     tokenizer = load_tokenizer(config.model)
     if reference is None:
         reference = load_model(config.model, tokenizer).requires_grad_(False)
-    params = sampling_params(config.engine)
+    sampling = config.sampling
     rows = [(int32_array(r.prompt_token_ids), int32_array(r.response_token_ids)) for r in records]
-    return response_logprobs(reference, rows, params.temperature, params.top_k, params.top_p,
-                             tokenizer.pad_token_id or 0, config.policy.micro_batch_tokens)
+    return response_logprobs(reference, rows, sampling.temperature, sampling.top_k, sampling.top_p,
+                             tokenizer.pad_token_id or 0, config.policy.compute.micro_batch_tokens)
 
 
 def with_behaviour(records: list[TrajectoryRecord], reference: list[np.ndarray] | None,
@@ -180,9 +171,9 @@ def scored_trajectory(record: TrajectoryRecord, config: Config) -> ScoredTraject
     online run trained with) and process rewards."""
     merged = merge_segments(segments_of(record))
     n = len(record.response_token_ids)
-    a = config.algorithm
-    score = shaped_score(record.score, n, config.engine.max_response_tokens, a.overlong_buffer_tokens,
-                         a.overlong_penalty_factor)
+    overlong = config.algorithm.overlong
+    score = shaped_score(record.score, n, config.engine.max_response_tokens, overlong.buffer_tokens,
+                         overlong.penalty_factor)
     token_rewards = None if record.token_rewards is None else float32_array(record.token_rewards)
     return ScoredTrajectory(segment=merged, score=score, token_rewards=token_rewards, correct=record.correct)
 
@@ -193,7 +184,7 @@ def scored_trajectory(record: TrajectoryRecord, config: Config) -> ScoredTraject
 def learn(config: Config, progress: bool = True) -> dict:
     run_dir = _start_run(config)
     torch.manual_seed(config.trainer.seed)
-    torch.set_num_threads(max(1, config.policy.threads))
+    torch.set_num_threads(max(1, config.policy.compute.threads))
     records = offline_records(config)
     if config.algorithm.name == "dqo":
         summary = learn_dqo(config, records, run_dir, progress)
@@ -211,7 +202,7 @@ def learn_dqo(config: Config, records: list[TrajectoryRecord], run_dir: str, pro
     from asyncrl.engines.torch_engine import TorchEngine
     from asyncrl.models import eos_token_ids
 
-    a, p, tr, params = config.algorithm, config.policy, config.trainer, sampling_params(config.engine)
+    tr = config.trainer
     tokenizer = load_tokenizer(config.model)
     policy, reference = load_model(config.model, tokenizer), load_model(config.model, tokenizer).requires_grad_(False)
     value_model = _value_model(config, tokenizer)
@@ -221,11 +212,9 @@ def learn_dqo(config: Config, records: list[TrajectoryRecord], run_dir: str, pro
     reference_logp = reference_logprobs(records, config, reference)
     records = with_behaviour(records, reference_logp, config)
     trajectories = [scored_trajectory(r, config) for r in records]
-    settings = DQOSettings(beta=a.kl_coef, gamma=a.gamma, lam=a.lam, importance_clip=a.importance_clip,
-                           temperature=params.temperature, grad_clip=p.grad_clip, value_grad_clip=config.critic.grad_clip,
-                           micro_batch_tokens=p.micro_batch_tokens)
-    policy_opt = adamw(policy.parameters(), p.lr, p.weight_decay)
-    value_opt = adamw(value_model.parameters(), config.critic.lr, config.critic.weight_decay)
+    sections = (config.policy, config.critic, config.sampling)
+    policy_opt, _ = build_optimizer(policy.parameters(), config.policy.optimizer)
+    value_opt, _ = build_optimizer(value_model.parameters(), config.critic.optimizer)
     batch, order, step = config.offline.batch_trajectories, list(range(len(trajectories))), 0
     rng = random.Random(tr.seed)
     started = time.time()
@@ -238,7 +227,8 @@ def learn_dqo(config: Config, records: list[TrajectoryRecord], run_dir: str, pro
                     break
                 chosen = order[start:start + batch]
                 metrics = dqo_step(policy, value_model, policy_opt, value_opt, [trajectories[i] for i in chosen],
-                                   [reference_logp[i] for i in chosen], settings, tokenizer.pad_token_id or 0)
+                                   [reference_logp[i] for i in chosen], config.offline.dqo, sections,
+                                   tokenizer.pad_token_id or 0)
                 step += 1
                 metrics_file.write(json.dumps({"step": step, **metrics, "wall_time_s": time.time() - started}) + "\n")
                 bar.update(1)
@@ -251,10 +241,11 @@ def learn_dqo(config: Config, records: list[TrajectoryRecord], run_dir: str, pro
 
 
 async def pretrain_value(config: Config, records: list[TrajectoryRecord], run_dir: str) -> dict:
-    """The critic alone on the recorded responses (Monte-Carlo returns with critic.lam = 1)."""
+    """The critic alone on the recorded responses (Monte-Carlo returns with critic.loss.lam = 1)."""
     trajectories_box = InProcessMailbox(max(4 * config.offline.batch_trajectories, 64))
-    critic = dataclasses.replace(config.critic, batch_trajectories=config.offline.batch_trajectories, warmup_steps=0)
-    learner = build_value_learner(config.model, critic, config.algorithm, config.engine, config.trainer.seed,
+    critic = msgspec.structs.replace(config.critic, batch_trajectories=config.offline.batch_trajectories,
+                                     warmup=msgspec.structs.replace(config.critic.warmup, steps=0))
+    learner = build_value_learner(config.model, critic, config.algorithm, config.sampling, config.trainer.seed,
                                   trajectories_box)
     trajectories = [scored_trajectory(r, config) for r in records]
     started, metrics, rng = time.time(), [], random.Random(config.trainer.seed)
@@ -283,32 +274,33 @@ async def pretrain_value(config: Config, records: list[TrajectoryRecord], run_di
 
 
 async def replay(config: Config, records: list[TrajectoryRecord], run_dir: str, progress: bool) -> dict:
-    """The algorithm's learners on recorded windows, through the real assembler and estimator with
+    """The algorithm's learners on recorded windows, through the real assembler and strategy with
     the recorded rewards. Offline data is off-policy by construction: there is no staleness bound
     (the recorded behaviour log-probs importance-correct the loss, as online)."""
-    algorithm = dataclasses.replace(config.algorithm, max_staleness_versions=1 << 30)
-    kind = ADVANTAGES[algorithm.estimator].kind
-    if kind == "pairwise":
+    algorithm = msgspec.structs.replace(config.algorithm, max_staleness_versions=NO_BOUND)
+    if isinstance(algorithm.advantage, PairwiseAdvantage):
         raise ValueError("algorithm=pairwise_ppo needs its judge online; mode=learn replays recorded rewards only")
     tr, engine = config.trainer, config.engine
     segments, batches = InProcessMailbox(1 << 16), InProcessMailbox(2)
     value_learner = trajectories = None
-    if kind == "value":
+    if algorithm.value_based:
         trajectories = InProcessMailbox(max(4 * config.critic.batch_trajectories, 64))
-        value_learner = build_value_learner(config.model, config.critic, algorithm, engine, tr.seed, trajectories)
+        value_learner = build_value_learner(config.model, config.critic, algorithm, config.sampling, tr.seed,
+                                            trajectories)
     recorded = RecordedRewards(records, config.offline.epochs)
     tokenizer = load_tokenizer(config.model)
 
     def decode(ids):
         return tokenizer.decode(ids)
 
-    estimator = build_estimator(algorithm, engine, tr.prompts_per_step, None, decode,
-                                ValueEdges.of(value_learner) if value_learner else None)
-    shaping = Shaping(engine.max_response_tokens, algorithm.overlong_buffer_tokens, algorithm.overlong_penalty_factor)
-    assembler = Assembler(segments, batches, recorded.score, decode, estimator, shaping, trajectories=trajectories)
+    strategy = build_strategy(algorithm, engine, tr.prompts_per_step, None, decode,
+                              ValueEdges.of(value_learner) if value_learner else None)
+    assembler = Assembler(segments, batches, recorded.score, decode, strategy, algorithm.overlong,
+                          engine.max_response_tokens, trajectories=trajectories)
     edges = LearnerEdges(listeners=[assembler.set_versions],
                          checkpoint_parts=[value_learner.save_checkpoint_part] if value_learner else [])
-    learner = build_policy_learner(config.model, algorithm, config.policy, engine, tr.seed, batches, edges,
+    learner = build_policy_learner(config.model, algorithm, config.policy, engine, config.sampling, tr.seed, batches,
+                                   edges,
                                    CheckpointPolicy(run_dir, keep=tr.checkpoint_keep), max_steps=tr.total_steps)
     from asyncrl.engines.torch_engine import TorchEngine
     from asyncrl.models import eos_token_ids
@@ -350,8 +342,8 @@ def replay_batch(config: Config, record: BatchRecord, checkpoint_dir: str | None
     against the recorded loss and gradient norm (the golden-batch test)."""
     from asyncrl.store import BATCH_CODEC
 
-    learner = build_policy_learner(config.model, config.algorithm, config.policy, config.engine, config.trainer.seed,
-                                   InProcessMailbox(2))
+    learner = build_policy_learner(config.model, config.algorithm, config.policy, config.engine, config.sampling,
+                                   config.trainer.seed, InProcessMailbox(2))
     if checkpoint_dir is not None:
         asyncio.run(learner.load_checkpoint(checkpoint_dir))
     if learner.weight_version != record.trained_from_version:
@@ -387,7 +379,7 @@ def _renamed(trajectory: ScoredTrajectory, epoch: int) -> ScoredTrajectory:
 
 
 async def _drained(segments, batches, assembler, learner) -> bool:
-    """Nothing left to assemble or train (the estimators' partial batches stay unbatched)."""
+    """Nothing left to assemble or train (the strategies' partial batches stay unbatched)."""
     seg, bat = await segments.stats(), await batches.stats()
     return not (seg.queued or seg.leased or bat.queued or bat.leased or assembler.stats()["scoring_tasks"])
 

@@ -13,11 +13,13 @@ import dataclasses
 import numpy as np
 
 from asyncrl.algo.selection import select_hardest
-from asyncrl.config import EngineConfig, ModelConfig, TaskConfig
-from asyncrl.generation import build_engine, complete_async, sampling_params
+from asyncrl.config import EngineConfig, ModelConfig, SamplingConfig, TaskConfig
+from asyncrl.engines.base import SamplingParams
+from asyncrl.generation import build_engine, complete_async
 from asyncrl.rewards.hybrid import RewardRouter
 from asyncrl.schema import Reward, RewardRequest
-from asyncrl.tasks import Example, encode_prompt, file_examples
+from asyncrl.datafiles import file_examples
+from asyncrl.tasks import Example, encode_prompt
 
 # Suffix of a selected train prompt's second copy: prompt ids stay unique in the prompt source.
 REPEAT_SUFFIX = "#hard"
@@ -63,16 +65,16 @@ def pre_ppo_selection(train: list[Example], train_tokens: list[list[int]], pool:
 
 
 async def select_prompts(train: list[Example], train_tokens: list[list[int]], model: ModelConfig,
-                         engine: EngineConfig, task: TaskConfig, router: RewardRouter,
+                         engine: EngineConfig, sampling: SamplingConfig, task: TaskConfig, router: RewardRouter,
                          seed: int) -> tuple[list[Example], list[list[int]], dict]:
     """Generate with the initial policy, score through `router`, select (see the module docstring)."""
     embedded, tokenizer = build_engine(model)
     pool = file_examples(task.pre_ppo_pool_path) if task.pre_ppo_pool_path else list(train)
-    pool_tokens = [encode_prompt(ex, tokenizer, model.use_chat_template) for ex in pool]
+    pool_tokens = [encode_prompt(ex, tokenizer, model.use_chat_template, task.chat_template_kwargs) for ex in pool]
     k = task.pre_ppo_samples
     completions = await complete_async(embedded, tokenizer, [t for t in pool_tokens for _ in range(k)],
                                        [seed * 7919 + i for i in range(len(pool) * k)],
-                                       engine.max_response_tokens, sampling_params(engine),
+                                       engine.max_response_tokens, SamplingParams.of(sampling),
                                        batch_size=max(1, engine.max_inflight_sequences))
     requests = [RewardRequest(prompt_id=ex.prompt_id, sample_idx=j, response_text=completions[i * k + j].text,
                               ground_truth=ex.ground_truth, data_source=ex.data_source, prompt_text=ex.text)

@@ -15,91 +15,14 @@ field and new fields may be appended with defaults; never change a field's type.
 from __future__ import annotations
 
 import enum
-import math
-import struct
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 import msgspec
 import numpy as np
 
-# --- numpy arrays as msgpack extension values -------------------------------------------------
-
-# One extension code per dtype; the payload is `ndim:uint8, shape:uint32*ndim, raw bytes`.
-_EXT_CODE_BY_DTYPE = {
-    np.dtype("<i4"): 1,
-    np.dtype("<f4"): 2,
-    np.dtype("<i8"): 3,
-    np.dtype("<f8"): 4,
-    np.dtype("u1"): 5,
-}
-_DTYPE_BY_EXT_CODE = {code: dtype for dtype, code in _EXT_CODE_BY_DTYPE.items()}
-
-
-def _encode_array(array: np.ndarray) -> msgspec.msgpack.Ext:
-    dtype = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
-    code = _EXT_CODE_BY_DTYPE.get(np.dtype(dtype))
-    if code is None:
-        raise TypeError(f"arrays of dtype {array.dtype} are not supported on the wire")
-    header = struct.pack(f"<B{array.ndim}I", array.ndim, *array.shape)
-    return msgspec.msgpack.Ext(code, header + np.ascontiguousarray(array, dtype=dtype).tobytes())
-
-
-def _decode_array(code: int, data: memoryview) -> np.ndarray:
-    dtype = _DTYPE_BY_EXT_CODE.get(code)
-    if dtype is None:
-        raise ValueError(f"unknown msgpack extension code {code}")
-    if len(data) < 1:
-        raise ValueError("empty array payload")
-    ndim = data[0]
-    header_len = 1 + 4 * ndim
-    if len(data) < header_len:
-        raise ValueError("truncated array header")
-    shape = _SHAPE_STRUCTS[ndim].unpack_from(data, 1) if ndim < len(_SHAPE_STRUCTS) else struct.unpack_from(f"<{ndim}I", data, 1)
-    expected = math.prod(shape) * dtype.itemsize
-    if len(data) - header_len != expected:
-        raise ValueError(f"array payload has {len(data) - header_len} bytes, shape {shape} needs {expected}")
-    # Copy: the decoded message must not alias (and keep alive) the whole input buffer.
-    array = np.frombuffer(data[header_len:], dtype=dtype).copy()
-    return array if ndim == 1 else array.reshape(shape)
-
-
-_SHAPE_STRUCTS = [struct.Struct(f"<{n}I") for n in range(5)]
-
-
-def _enc_hook(obj: Any) -> Any:
-    if isinstance(obj, np.ndarray):
-        return _encode_array(obj)
-    if isinstance(obj, np.generic):
-        return obj.item()
-    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
-
-
-def _dec_hook(expected_type: type, obj: Any) -> Any:
-    if expected_type is np.ndarray:
-        if isinstance(obj, np.ndarray):
-            return obj
-        raise TypeError(f"expected a numeric array, got {type(obj).__name__}")
-    raise NotImplementedError(f"cannot decode {expected_type}")
-
-
-def _check_array(name: str, value: Any, dtype: str, length: int | None = None) -> None:
-    if not isinstance(value, np.ndarray):
-        raise TypeError(f"field `{name}`: expected a numpy array, got {type(value).__name__}")
-    if value.dtype != np.dtype(dtype):
-        raise TypeError(f"field `{name}`: expected dtype {np.dtype(dtype)}, got {value.dtype}")
-    if value.ndim != 1:
-        raise ValueError(f"field `{name}`: expected a 1-D array, got shape {value.shape}")
-    if length is not None and value.shape[0] != length:
-        raise ValueError(f"field `{name}`: expected {length} elements, got {value.shape[0]}")
-
-
-def int32_array(values: Any) -> np.ndarray:
-    return np.asarray(values, dtype=np.int32).reshape(-1)
-
-
-def float32_array(values: Any) -> np.ndarray:
-    return np.asarray(values, dtype=np.float32).reshape(-1)
-
+# The wire format (arrays as msgpack extensions, codecs) lives in `asyncrl.wire`; the names every
+# role uses with the messages are here too.
+from asyncrl.wire import Codec, check_array, encode, float32_array, int32_array  # noqa: F401
 
 # --- messages ---------------------------------------------------------------------------------
 
@@ -146,8 +69,12 @@ class PromptRequest(msgspec.Struct, kw_only=True, frozen=True):
     prompt_token_ids: np.ndarray  # int32 [P]
     group_size: int
     data_source: str = ""
-    ground_truth: str = ""
+    # The answer the reward checks against: a string, or what the data holds (a dict of tests, a list).
+    ground_truth: Any = ""
     prompt_text: str = ""
+    # The prompt's row of the data as read (its columns: `extra_info`, the prompt as written, ...),
+    # for a reward function of the user's (verl's `extra_info`, TRL's columns); None for built-in tasks.
+    row: dict[str, Any] | None = None
     # Sampling seed of the prompt; sample i uses seed + i, so results do not depend on batching.
     seed: int = 0
     # Which of the G samples to generate (empty = all): a resumed run regenerates only the samples
@@ -155,7 +82,7 @@ class PromptRequest(msgspec.Struct, kw_only=True, frozen=True):
     sample_indices: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        _check_array("prompt_token_ids", self.prompt_token_ids, "int32")
+        check_array("prompt_token_ids", self.prompt_token_ids, "int32")
         if self.prompt_token_ids.shape[0] == 0:
             raise ValueError("field `prompt_token_ids`: a prompt needs at least one token")
         if self.group_size < 1:
@@ -195,7 +122,7 @@ class Segment(msgspec.Struct, kw_only=True, frozen=True):
     finished: bool
     finish_reason: FinishReason
     data_source: str = ""
-    ground_truth: str = ""
+    ground_truth: Any = ""
     seed: int = 0
     generator_id: str = ""
     group_size: int = 1  # G: samples in this segment's group (the assembler waits for all G)
@@ -209,23 +136,26 @@ class Segment(msgspec.Struct, kw_only=True, frozen=True):
     # uint8 [R]: `new_observation` of the earlier windows' tokens (None: no observation among them),
     # so a row holding the whole response (T-PPO's last window) never trains an observation.
     prior_observation: np.ndarray | None = None
+    # The prompt's data row (`PromptRequest.row`), on a sample's finished segment only: what its
+    # reward needs, carried once.
+    row: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        _check_array("prompt_token_ids", self.prompt_token_ids, "int32")
-        _check_array("prior_response_ids", self.prior_response_ids, "int32")
-        _check_array("prior_versions", self.prior_versions, "int32", len(self.prior_response_ids))
-        _check_array("new_token_ids", self.new_token_ids, "int32")
+        check_array("prompt_token_ids", self.prompt_token_ids, "int32")
+        check_array("prior_response_ids", self.prior_response_ids, "int32")
+        check_array("prior_versions", self.prior_versions, "int32", len(self.prior_response_ids))
+        check_array("new_token_ids", self.new_token_ids, "int32")
         n = len(self.new_token_ids)
-        _check_array("new_logprobs", self.new_logprobs, "float32", n)
-        _check_array("new_versions", self.new_versions, "int32", n)
+        check_array("new_logprobs", self.new_logprobs, "float32", n)
+        check_array("new_versions", self.new_versions, "int32", n)
         if self.new_scored is not None:
-            _check_array("new_scored", self.new_scored, "uint8", n)
+            check_array("new_scored", self.new_scored, "uint8", n)
         if self.new_observation is not None:
-            _check_array("new_observation", self.new_observation, "uint8", n)
+            check_array("new_observation", self.new_observation, "uint8", n)
             if self.new_scored is None or (self.new_scored[self.new_observation.astype(bool)] != 0).any():
                 raise ValueError("field `new_scored` must be 0 where `new_observation` is 1 (observations are not trained)")
         if self.prior_observation is not None:
-            _check_array("prior_observation", self.prior_observation, "uint8", len(self.prior_response_ids))
+            check_array("prior_observation", self.prior_observation, "uint8", len(self.prior_response_ids))
         if self.finished == self.finish_reason.continues:
             raise ValueError(
                 f"field `finish_reason`: {self.finish_reason.value!r} contradicts finished={self.finished}"
@@ -281,6 +211,25 @@ def segment_row(segment: Segment) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate([segment.prompt_token_ids, segment.prior_response_ids]), segment.new_token_ids
 
 
+def has_ground_truth(ground_truth: Any) -> bool:
+    """The data gave an answer to check against (0 and an empty list are answers; None and "" are not)."""
+    return ground_truth is not None and ground_truth != ""
+
+
+def ground_truth_text(ground_truth: Any) -> str:
+    """A ground truth as text (the built-in verifiers and judges, the trajectory store): a string as
+    it is, a number as written, anything else (a dict of tests, a list) as JSON."""
+    if isinstance(ground_truth, str):
+        return ground_truth
+    if isinstance(ground_truth, (int, float)) and not isinstance(ground_truth, bool):
+        return str(ground_truth)
+    if ground_truth is None:
+        return ""
+    import json
+
+    return json.dumps(ground_truth, sort_keys=True, default=str)
+
+
 def sample_id(prompt_id: str, sample_idx: int) -> str:
     return f"{prompt_id}/{sample_idx}"
 
@@ -295,15 +244,17 @@ class RewardRequest(msgspec.Struct, kw_only=True, frozen=True):
     prompt_id: str
     sample_idx: int
     response_text: str
-    ground_truth: str
+    ground_truth: Any
     data_source: str
     prompt_text: str = ""
     # Policy token ids of the response: process reward models score per token on them.
     response_token_ids: np.ndarray | None = None
+    # The prompt's data row (`PromptRequest.row`): a reward function's `extra_info` and columns.
+    row: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.response_token_ids is not None:
-            _check_array("response_token_ids", self.response_token_ids, "int32")
+            check_array("response_token_ids", self.response_token_ids, "int32")
 
     @property
     def msg_id(self) -> str:
@@ -341,7 +292,7 @@ class Reward(msgspec.Struct, kw_only=True, frozen=True):
 
     def __post_init__(self) -> None:
         if self.token_rewards is not None:
-            _check_array("token_rewards", self.token_rewards, "float32")
+            check_array("token_rewards", self.token_rewards, "float32")
         if not np.isfinite(self.score):
             raise ValueError(f"field `score`: must be finite, got {self.score}")
 
@@ -365,9 +316,9 @@ class TrainSample(msgspec.Struct, kw_only=True, frozen=True):
 
     def __post_init__(self) -> None:
         n = len(self.segment.new_token_ids)
-        _check_array("advantages", self.advantages, "float32", n)
+        check_array("advantages", self.advantages, "float32", n)
         if self.loss_mask is not None:
-            _check_array("loss_mask", self.loss_mask, "uint8", n)
+            check_array("loss_mask", self.loss_mask, "uint8", n)
 
 
 class ScoredTrajectory(msgspec.Struct, kw_only=True, frozen=True):
@@ -386,9 +337,9 @@ class ScoredTrajectory(msgspec.Struct, kw_only=True, frozen=True):
         if not self.segment.finished:
             raise ValueError(f"ScoredTrajectory {self.segment.sample_id}: segment is not finished")
         if self.token_rewards is not None:
-            _check_array("token_rewards", self.token_rewards, "float32")
+            check_array("token_rewards", self.token_rewards, "float32")
         if self.values is not None:
-            _check_array("values", self.values, "float32", len(self.segment.new_token_ids))
+            check_array("values", self.values, "float32", len(self.segment.new_token_ids))
 
     @property
     def msg_id(self) -> str:
@@ -410,34 +361,3 @@ class TrainBatch(msgspec.Struct, kw_only=True, frozen=True):
         return self.batch_id
 
 
-# --- codecs -----------------------------------------------------------------------------------
-
-M = TypeVar("M")
-
-
-class Codec(Generic[M]):
-    """Reusable msgpack encoder/decoder for one message type."""
-
-    def __init__(self, message_type: type[M]):
-        self.message_type = message_type
-        self._encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
-        self._decoder = msgspec.msgpack.Decoder(message_type, dec_hook=_dec_hook, ext_hook=_decode_array)
-
-    def encode(self, message: M) -> bytes:
-        return self._encoder.encode(message)
-
-    def decode(self, data: bytes | memoryview) -> M:
-        """Decode; raises `msgspec.ValidationError` or `msgspec.DecodeError` naming what is wrong."""
-        try:
-            return self._decoder.decode(data)
-        except msgspec.ValidationError:
-            raise
-        except (ValueError, TypeError) as exc:  # raised by the array ext hook
-            raise msgspec.DecodeError(f"malformed {self.message_type.__name__}: {exc}") from exc
-
-
-def encode(message: Any) -> bytes:
-    return _GENERIC_ENCODER.encode(message)
-
-
-_GENERIC_ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)

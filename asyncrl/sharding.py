@@ -1,4 +1,4 @@
-"""Data parallelism for the policy learner: FSDP2 (`fully_shard`) over `policy.ranks`
+"""Data parallelism for the policy learner: FSDP2 (`fully_shard`) over `policy.compute.ranks`
 processes, gloo on CPU, NCCL on GPU.
 
 Every rank holds a shard of the parameters and of Adam's state, sees the whole batch, and trains

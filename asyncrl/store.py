@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from asyncrl.schema import Codec, Reward, Segment, TrainBatch
+from asyncrl.schema import Codec, Reward, Segment, TrainBatch, ground_truth_text
 
 STORE_DIRNAME = "trajectories"
 INPROGRESS = ".inprogress"
@@ -72,6 +72,7 @@ class TrajectoryRecord(msgspec.Struct, kw_only=True, frozen=True):
     token_scored: list[int] | None = None
     # Per response token: 1 where it is an environment's observation (an episode); None: none is.
     token_observation: list[int] | None = None
+    reward_error: str = ""  # why the reward failed (reward_failed): the endpoint's reason
 
 
 TRAJECTORY_SCHEMA = pa.schema([
@@ -87,6 +88,7 @@ TRAJECTORY_SCHEMA = pa.schema([
     ("suspicious", pa.list_(pa.string())), ("values", pa.list_(pa.float32())), ("status", pa.string()),
     ("drop_reason", pa.string()), ("policy_version", pa.int64()), ("recorded_at", pa.float64()),
     ("token_scored", pa.list_(pa.uint8())), ("token_observation", pa.list_(pa.uint8())),
+    ("reward_error", pa.string()),
 ])
 
 BATCH_SCHEMA = pa.schema([
@@ -124,7 +126,7 @@ def record_of(merged: Segment, window_ends: list[int], reward: Reward | None, pr
     return TrajectoryRecord(
         sample_id=merged.sample_id, prompt_id=merged.prompt_id, sample_idx=merged.sample_idx,
         group_id=merged.group_id, group_size=merged.group_size, data_source=merged.data_source,
-        ground_truth=merged.ground_truth, prompt_text=prompt_text, response_text=response_text,
+        ground_truth=ground_truth_text(merged.ground_truth), prompt_text=prompt_text, response_text=response_text,
         prompt_token_ids=merged.prompt_token_ids.tolist(), response_token_ids=merged.new_token_ids.tolist(),
         behaviour_logprobs=merged.new_logprobs.tolist(), token_versions=merged.new_versions.tolist(),
         window_ends=list(window_ends), finish_reason=merged.finish_reason.value, seed=merged.seed,
@@ -133,6 +135,7 @@ def record_of(merged: Segment, window_ends: list[int], reward: Reward | None, pr
         correct=None if reward is None else reward.correct,
         reward_source=reward.source if reward is not None else "",
         reward_version=reward.source_version if reward is not None else "",
+        reward_error=str(reward.details.get("error", ""))[:500] if reward is not None and reward.failed else "",
         reward_failed=bool(reward is not None and reward.failed),
         token_rewards=None if reward is None or reward.token_rewards is None else reward.token_rewards.tolist(),
         suspicious=list(reward.suspicious) if reward is not None else [],

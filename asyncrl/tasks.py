@@ -1,24 +1,22 @@
-"""Prompt sets with ground truth: built-in tasks that generate their own data, and local files in
-the layout verl uses (`prompt` as chat messages, `reward_model.ground_truth`, `data_source`).
-
-Each task also names how its responses are scored (`score_response`), a pure function.
+"""The built-in tasks: prompt sets with ground truth that generate their own data (the tiny tasks,
+arithmetic word problems), and how a task's responses are scored by default (`score_response`), a
+pure function. Users' own files: `asyncrl.datafiles`.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import random
 from dataclasses import dataclass
-
-
+from typing import Any
 
 @dataclass(frozen=True)
 class Example:
     prompt_id: str
     messages: list[dict]  # chat messages; the user turn holds the task text
-    ground_truth: str
+    ground_truth: Any  # a string for the built-in tasks; what the data holds for a file (None: none)
     data_source: str
+    row: dict | None = None  # a file's row as read (its columns), for a reward function of the user's
+    where: str = ""  # where a file's row is ("train.parquet: row 7"), for the errors that name it
 
     @property
     def text(self) -> str:
@@ -55,9 +53,9 @@ def tiny_seq_examples(split: str) -> list[Example]:
 
 def tiny_tool_examples(split: str) -> list[Example]:
     """"d:" -> a digit drawn per episode that nothing in the prompt reveals (the `lookup` tool's
-    answer, `asyncrl.environments.tools.episode_secret`): right only by calling the tool (`?`) and
+    answer, `asyncrl.rewards.verifiers.episode_secret`): right only by calling the tool (`?`) and
     copying what it returns. Guessing is right one time in ten."""
-    from asyncrl.environments.tools import EPISODE_TRUTH
+    from asyncrl.rewards.verifiers import EPISODE_TRUTH
 
     return [Example(f"tiny_tool-{split}-{d}", [{"role": "user", "content": f"{d}:"}], EPISODE_TRUTH, "tiny_tool")
             for d in range(10)]
@@ -116,97 +114,25 @@ def arithmetic_examples(split: str, n: int, seed: int = 0) -> list[Example]:
     ]
 
 
-# --- local files in verl's layout ------------------------------------------------------------------
+def arithmetic_tool_examples(split: str, n: int, seed: int = 0) -> list[Example]:
+    """The arithmetic problems, told that a Python tool is there."""
+    return [Example(e.prompt_id.replace("arith-", "arith_tool-", 1),
+                    [{"role": "user", "content": TOOL_INSTRUCTION + e.messages[-1]["content"]}], e.ground_truth,
+                    "arithmetic_tool") for e in arithmetic_examples(split, n, seed)]
 
 
-def read_rows(path: str) -> list[dict]:
-    """The rows of a jsonl or parquet prompt file, as dicts."""
-    if path.endswith(".parquet"):
-        import pyarrow.parquet as pq
-
-        return pq.read_table(path).to_pylist()
-    if path.endswith(".jsonl") or path.endswith(".json"):
-        with open(path) as f:
-            return [json.loads(line) for line in f if line.strip()]
-    raise ValueError(f"task.path must be a .jsonl or .parquet file, got {path!r}")
-
-
-def file_examples(path: str) -> list[Example]:
-    """Rows of a jsonl or parquet file: `prompt` (list of chat messages, or a string),
-    `reward_model.ground_truth`, `data_source`; an `extra_info.index` or the row number is the id."""
-    rows = read_rows(path)
-    examples = []
-    for i, row in enumerate(rows):
-        for key in ("prompt", "reward_model"):
-            if key not in row:
-                raise ValueError(f"{path}: row {i} has no `{key}` field")
-        prompt = row["prompt"]
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        extra = row.get("extra_info") or {}
-        index = extra.get("index", i) if isinstance(extra, dict) else i
-        examples.append(
-            Example(
-                prompt_id=f"{row.get('data_source', 'file')}-{index}",
-                messages=[{"role": m["role"], "content": m["content"]} for m in messages],
-                ground_truth=str(row["reward_model"]["ground_truth"]),
-                data_source=str(row.get("data_source", "file")),
-            )
-        )
-    return examples
+# The built-in tasks by `task.name`: (split, prompts wanted, seed) -> examples. `task=file` reads the
+# user's own (`asyncrl.datafiles`).
+BUILTIN_TASKS = {
+    "tiny": lambda split, n, seed: tiny_examples(split),
+    "tiny_seq": lambda split, n, seed: tiny_seq_examples(split),
+    "tiny_tool": lambda split, n, seed: tiny_tool_examples(split),
+    "arithmetic": arithmetic_examples,
+    "arithmetic_tool": arithmetic_tool_examples,
+}
 
 
-def verl_rows(examples: list[Example], split: str) -> list[dict]:
-    """Examples as rows in verl's layout, as `file_examples` reads them (`extra_info.index` is the
-    row's place in its split)."""
-    return [{"data_source": ex.data_source, "prompt": [dict(m) for m in ex.messages],
-             "reward_model": {"style": "rule", "ground_truth": ex.ground_truth},
-             "extra_info": {"split": split, "index": i}} for i, ex in enumerate(examples)]
-
-
-def write_examples(examples: list[Example], path: str, split: str, overwrite: bool = False) -> bool:
-    """A prompt file in verl's layout (`.parquet` or `.jsonl`) that `task=file` trains on. An
-    existing file with these rows is left as it is (False: nothing written); one with other rows is
-    refused unless `overwrite`."""
-    rows = verl_rows(examples, split)
-    if os.path.exists(path) and not overwrite:
-        if read_rows(path) == rows:
-            return False
-        raise FileExistsError(f"{path} exists and holds other prompts; pass --force to overwrite it")
-    if path.endswith(".parquet"):
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        pq.write_table(pa.Table.from_pylist(rows), path)
-    elif path.endswith(".jsonl"):
-        with open(path, "w") as f:
-            f.writelines(json.dumps(row) + "\n" for row in rows)
-    else:
-        raise ValueError(f"a prompt file is .parquet or .jsonl, got {path!r}")
-    return True
-
-
-def load_examples(task_name: str, split: str, n: int, seed: int, path: str = "") -> list[Example]:
-    if task_name == "tiny":
-        return tiny_examples(split)
-    if task_name == "tiny_seq":
-        return tiny_seq_examples(split)
-    if task_name == "arithmetic":
-        return arithmetic_examples(split, n, seed)
-    if task_name == "arithmetic_tool":  # the same problems, told that a Python tool is there
-        return [Example(e.prompt_id.replace("arith-", "arith_tool-", 1),
-                        [{"role": "user", "content": TOOL_INSTRUCTION + e.messages[-1]["content"]}], e.ground_truth,
-                        "arithmetic_tool") for e in arithmetic_examples(split, n, seed)]
-    if task_name == "tiny_tool":
-        return tiny_tool_examples(split)
-    if task_name == "file":
-        if not path:
-            raise ValueError(f"task=file needs task.{'path' if split == 'train' else 'eval_path'}")
-        return file_examples(path)
-    raise ValueError(f"unknown task {task_name!r}: expected tiny, tiny_seq, tiny_tool, arithmetic, arithmetic_tool "
-                     f"or file")
-
-
-def score_response(data_source: str, response: str, ground_truth: str, style: str) -> tuple[float, bool, str]:
+def score_response(data_source: str, response: str, ground_truth, style: str) -> tuple[float, bool, str]:
     """(score, correct, prediction) of a response with the default verifier of its data source."""
     from asyncrl.rewards.verifiers import kind_for, verify
 
@@ -214,19 +140,22 @@ def score_response(data_source: str, response: str, ground_truth: str, style: st
     return verdict.score, verdict.correct, str(verdict.details.get("pred", ""))
 
 
-def reference_response(data_source: str, ground_truth: str) -> str:
+def reference_response(data_source: str, ground_truth) -> str:
     """The anchor response of Pairwise PPO's `anchor=reference`: the ground truth written as the
     task asks a response to end (a judge compares two responses, not a response with a bare
     number). Maths: the instruction's `\\boxed{}`; code and the tiny tasks: the answer itself."""
     from asyncrl.rewards.verifiers import kind_for
+    from asyncrl.schema import ground_truth_text
 
     if kind_for(data_source) == "math":
-        return f"The answer is \\boxed{{{ground_truth}}}."
-    return ground_truth
+        return f"The answer is \\boxed{{{ground_truth_text(ground_truth)}}}."
+    return ground_truth_text(ground_truth)
 
 
-def encode_prompt(example: Example, tokenizer, use_chat_template: bool) -> list[int]:
-    """Prompt token ids: the chat template with a generation prompt, or the raw user text."""
+def encode_prompt(example: Example, tokenizer, use_chat_template: bool, template_kwargs: dict | None = None) -> list[int]:
+    """Prompt token ids: the chat template with a generation prompt (and `task.chat_template_kwargs`),
+    or the raw user text."""
     if use_chat_template:
-        return list(tokenizer.apply_chat_template(example.messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+        return list(tokenizer.apply_chat_template(example.messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False, **(template_kwargs or {})))
     return tokenizer.encode(example.text, add_special_tokens=False)

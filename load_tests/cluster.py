@@ -189,7 +189,7 @@ def train(steps: int, generators: int, placement: list[str], run_dir: str, timeo
             "eval_before": summary["eval_before"]["accuracy"], "eval_after": summary["eval_after"]["accuracy"]}
 
 
-PINNED = ["engine.resources={node_generator: 1}", "policy.resources={node_learner: 1}"]
+PINNED = ["engine.resources={node_generator: 1}", "policy.compute.resources={node_learner: 1}"]
 
 
 def serve(steps: int, out_dir: str, timeout_s: float = 600) -> dict:

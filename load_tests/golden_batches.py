@@ -30,7 +30,7 @@ GOLDEN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tes
 RUNS = {
     "grpo": ["task=tiny", "algorithm=grpo"],
     "dapo": ["task=tiny", "algorithm=dapo"],
-    "vapo": ["task=tiny_seq", "algorithm=vapo", "critic.warmup_steps=1"],
+    "vapo": ["task=tiny_seq", "algorithm=vapo", "critic.warmup.steps=1"],
 }
 
 

@@ -1,7 +1,7 @@
 """Peak memory and time of one policy learner step, each setting in a fresh process.
 
     python load_tests/learner_memory.py                                   # embedded model, defaults
-    python load_tests/learner_memory.py policy.logits_chunk_tokens=0     # the vocabulary projection unchunked
+    python load_tests/learner_memory.py policy.compute.logits_chunk_tokens=0     # the vocabulary projection unchunked
 
 One `PolicyRank.step` (the learner's own step: log-probs, loss, backward, AdamW) on the synthetic
 batch of `asyncrl bench learner` (16 responses of 192 tokens after 64-token prompts, every response
@@ -28,9 +28,10 @@ def _one(overrides: list[str], queue) -> None:
     from asyncrl.learning.rank import build_policy_rank
 
     config = compose(overrides)
-    torch.set_num_threads(config.policy.threads)
+    torch.set_num_threads(config.policy.compute.threads)
     # As the learner builds its rank (gradient checkpointing, device, loss settings from the config).
-    rank, _ = build_policy_rank(config.model, config.algorithm, config.policy, config.engine, config.trainer.seed)
+    rank, _ = build_policy_rank(config.model, config.algorithm, config.policy, config.engine, config.sampling,
+                                config.trainer.seed)
     batch = synthetic_batch(16, 64, 192, rank.lm.config.vocab_size)
     loaded_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     rank.step(batch)  # warm-up: Adam's state is allocated here
@@ -44,7 +45,7 @@ def _one(overrides: list[str], queue) -> None:
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides (model=..., policy.logits_chunk_tokens=...)")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides (model=..., policy.compute.logits_chunk_tokens=...)")
     overrides = parser.parse_args(argv).overrides
     context = mp.get_context("spawn")
     queue = context.Queue()

@@ -32,7 +32,7 @@ def main() -> None:
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     run_dir = tempfile.mkdtemp(prefix="asyncrl-status-")
-    serve.run(build_train({"overrides": "model=tiny task=tiny algorithm=grpo policy.clip_high=0.28 "
+    serve.run(build_train({"overrides": "model=tiny task=tiny algorithm=grpo policy.loss.clip_high=0.28 "
                                         "trainer.wandb_mode=disabled", "trainer.run_dir": run_dir}),
               name="train", route_prefix="/train")
     url = f"http://127.0.0.1:{port}/train/"

@@ -29,14 +29,15 @@ def main() -> None:
 
     from asyncrl.config import compose
     from asyncrl.models import load_policy
-    from asyncrl.tasks import load_examples, score_response
+    from asyncrl.datafiles import load_examples
+    from asyncrl.tasks import score_response
 
     torch.set_num_threads(args.threads)
     config = compose(json.loads(args.overrides))
     a, p, e, t = config.algorithm, config.policy, config.engine, config.task
     model, tokenizer = load_policy(config.model)
     tokenizer.padding_side = "left"
-    examples = load_examples(t.name, "train", t.num_train_prompts, t.seed, t.path)
+    examples = load_examples(t, "train")
     rows = [{"prompt": ex.messages if config.model.use_chat_template else ex.text,
              "ground_truth": ex.ground_truth, "data_source": ex.data_source} for ex in examples]
     dataset = Dataset.from_list(rows * 200)  # epochs, as asyncrl's prompt source cycles
@@ -62,10 +63,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as out_dir:
         trl_config = GRPOConfig(
             output_dir=out_dir, max_steps=args.steps, per_device_train_batch_size=batch, gradient_accumulation_steps=1,
-            num_generations=a.group_size, max_completion_length=e.max_response_tokens, temperature=e.temperature,
-            top_p=e.top_p, learning_rate=p.lr, lr_scheduler_type="constant", warmup_steps=0,
-            weight_decay=p.weight_decay, max_grad_norm=p.grad_clip, beta=a.kl_coef, epsilon=p.clip_low,
-            epsilon_high=p.clip_high, loss_type="grpo", scale_rewards="group" if a.estimator == "grpo" else "none",
+            num_generations=a.group_size, max_completion_length=e.max_response_tokens,
+            temperature=config.sampling.temperature, top_p=config.sampling.top_p, learning_rate=p.optimizer.lr,
+            lr_scheduler_type="constant", warmup_steps=0, weight_decay=p.optimizer.weight_decay,
+            max_grad_norm=p.optimizer.grad_clip, beta=a.kl.coef, epsilon=p.loss.clip_low, epsilon_high=p.loss.clip_high,
+            loss_type="grpo", scale_rewards="group" if a.advantage.type == "grpo" else "none",
             num_iterations=1, logging_steps=1, report_to="none", use_cpu=True, bf16=False, save_strategy="no",
             seed=config.trainer.seed, dataloader_num_workers=0, disable_tqdm=True,
         )

@@ -5,7 +5,7 @@ fresh process.
     python load_tests/value_step_precision.py --steps 5 model=tiny
 
 `value_step` (the function the value learner calls) on 16 finished trajectories of 100 prompt and
-60 response tokens, for the critic `build_value_learner` builds with `critic.precision` set to
+60 response tokens, for the critic `build_value_learner` builds with `critic.compute.precision` set to
 each value, one torch thread. Prints one line per step and one JSON line per precision.
 """
 
@@ -29,8 +29,8 @@ def _one(precision: str, overrides: list[str], steps: int, queue) -> None:
     from asyncrl.schema import FinishReason, ScoredTrajectory, Segment, float32_array, int32_array
 
     torch.set_num_threads(1)
-    config = compose(["algorithm=vapo", *overrides, f"critic.precision={precision}"])
-    learner = build_value_learner(config.model, config.critic, config.algorithm, config.engine, 0, InProcessMailbox(2))
+    config = compose(["algorithm=vapo", *overrides, f"critic.compute.precision={precision}"])
+    learner = build_value_learner(config.model, config.critic, config.algorithm, config.sampling, 0, InProcessMailbox(2))
     vocab = learner.model.backbone.config.vocab_size
     rng = np.random.default_rng(0)
     batch = [ScoredTrajectory(segment=Segment(
@@ -43,11 +43,11 @@ def _one(precision: str, overrides: list[str], steps: int, queue) -> None:
     seconds, losses = [], []
     for k in range(steps):
         start = time.perf_counter()
-        metrics = value_step(learner.model, learner.optimizer, batch, learner.settings)
+        metrics = value_step(learner.model, learner.optimizer, batch, learner.critic, learner.gamma)
         seconds.append(time.perf_counter() - start)
         losses.append(metrics["value_loss"])
         print(f"{precision} step {k}: {seconds[-1]:.2f} s, loss {losses[-1]:.4f}", flush=True)
-    queue.put({"precision": learner.settings.precision, "step_s": seconds, "value_loss": losses,
+    queue.put({"precision": learner.critic.compute.precision, "step_s": seconds, "value_loss": losses,
                "loaded_peak_mb": round(loaded_mb), "peak_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)})
 
 

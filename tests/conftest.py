@@ -14,6 +14,7 @@ def ray_session():
 
     if not ray.is_initialized():
         ray.init(
+            address="local",  # a new instance of our own, whatever else runs on the machine
             num_cpus=16,  # logical CPUs: actors reserve little; real threads are budgeted per actor
             include_dashboard=False,
             object_store_memory=256 * 2**20,
@@ -56,3 +57,25 @@ def solved_dapo_run(ray_session, tmp_path_factory):
     config = compose(["model=tiny", "task=tiny", "trainer.total_steps=400", "trainer.wandb_mode=disabled",
                       "trainer.record=true", f"trainer.run_dir={run_dir}", "trainer.stall_timeout_s=120"])
     return config, train(config, progress=False, eval_prompts=10), run_dir
+
+
+@pytest.fixture
+def venv_over_this_one(tmp_path):
+    """A fresh venv (`tmp_path/venv`) that sees this environment's packages as plain path entries:
+    pip counts them as installed and adds nothing, no .pth of theirs runs (so the checkout's editable
+    asyncrl stays out), and its `pip` is this environment's pip installing into the fresh venv (a
+    venv's own bundled setuptools would shadow the newer one torch requires). Returns its bin/."""
+    import subprocess
+    import sys
+    import sysconfig
+    from pathlib import Path
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    purelib = subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             check=True, capture_output=True, text=True).stdout.strip()
+    Path(purelib, "this-environment.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    pip = venv / "bin" / "pip"
+    pip.write_text('#!/bin/sh\nexec "$(dirname "$0")/python" -m pip "$@"\n')
+    pip.chmod(0o755)
+    return venv / "bin"

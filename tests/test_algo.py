@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from asyncrl.algo.advantages import gae, grpo_advantages, masked_whiten
+from asyncrl.algo.advantages import (discounted_returns, gae, grpo_advantages, leave_one_out, masked_whiten,
+                                     reinforce_plus_plus)
 from asyncrl.algo.losses import agg_loss, kl_penalty, ppo_policy_loss
 from asyncrl.algo.shaping import group_has_signal, overlong_penalty
 
@@ -43,6 +44,76 @@ def test_grpo_matches_loop_reference():
         s = scores[groups == g]
         expected = (s - s.mean()) / (s.std(ddof=1) + 1e-6) if len(s) > 1 else s / (1 + 1e-6)
         np.testing.assert_allclose(adv[groups == g], expected, rtol=1e-5, atol=1e-6)
+
+
+# --- RLOO -----------------------------------------------------------------------------------------
+
+
+def test_rloo_hand_values():
+    # [1,0,0,1]: each against the mean of the other three: 1 − 1/3 = 2/3, 0 − 2/3 = −2/3 (verl's
+    # form: R·4/3 − mean·4/3 with mean .5 gives the same).
+    np.testing.assert_allclose(leave_one_out(T([1.0, 0, 0, 1])).numpy(), [2 / 3, -2 / 3, -2 / 3, 2 / 3], atol=1e-6)
+    # [2,0,1]: 2 − .5 = 1.5, 0 − 1.5 = −1.5, 1 − 1 = 0.
+    np.testing.assert_allclose(leave_one_out(T([2.0, 0, 1])).numpy(), [1.5, -1.5, 0.0], atol=1e-6)
+    assert leave_one_out(T([3.0])).tolist() == [3.0]  # a group of one keeps its score (verl)
+    assert leave_one_out(T([0.5, 0.5])).tolist() == [0.0, 0.0]  # no signal: exactly zero
+
+
+@pytest.mark.parametrize("g", [2, 3, 8, 33])
+def test_rloo_matches_the_leave_one_out_loop(g):
+    scores = np.random.default_rng(g).normal(size=g)
+    expected = [scores[i] - np.mean(np.delete(scores, i)) for i in range(g)]
+    np.testing.assert_allclose(leave_one_out(T(scores)).numpy(), expected, rtol=1e-5, atol=1e-6)
+
+
+# --- REINFORCE++ ------------------------------------------------------------------------------------
+
+REWARDS = T([[0.0, 0.0, 1.0], [0.5, -1.0, 0.0]])
+MASK = T([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+
+
+def test_reinforce_plus_plus_hand_values():
+    # γ = 1. Returns (restarting after each row's end): row 0 [1, 1, 1]; row 1: t1 −1, t0 .5 − 1 = −.5.
+    # Whitened over the 5 valid tokens [1, 1, 1, −.5, −1]: mean .3, unbiased var (3·.49 + .64 + 1.69)/4
+    # = .95, std .974679: .7/.974679 = .718185, −.8/.974679 = −.820783, −1.3/.974679 = −1.333772.
+    adv = reinforce_plus_plus(REWARDS, MASK, gamma=1.0)
+    np.testing.assert_allclose(adv.numpy(), [[0.718185, 0.718185, 0.718185], [-0.820783, -1.333772, 0.0]], atol=1e-5)
+    # γ = .5: returns row 0 [.25, .5, 1], row 1 [.5 − .5 = 0, −1]; mean .15, var 2.2/4 = .55, std .741620.
+    np.testing.assert_allclose(discounted_returns(REWARDS, MASK, 0.5).numpy(), [[0.25, 0.5, 1.0], [0.0, -1.0, 0.0]])
+    adv = reinforce_plus_plus(REWARDS, MASK, gamma=0.5)
+    np.testing.assert_allclose(adv.numpy(), [[0.134840, 0.471940, 1.146140], [-0.202260, -1.550660, 0.0]], atol=1e-5)
+    # Whitening over the trained tokens only (a stale token masked): its advantage is 0, the others'
+    # moments are theirs: [1, 1, −.5, −1] -> mean .125, var (2·.765625 + .390625 + 1.265625)/3 = 1.0625.
+    trained = T([[1.0, 0.0, 1.0], [1.0, 1.0, 0.0]])
+    adv = reinforce_plus_plus(REWARDS, MASK, gamma=1.0, trained=trained)
+    std = 1.0625 ** 0.5
+    np.testing.assert_allclose(adv.numpy(), [[0.875 / std, 0.0, 0.875 / std], [-0.625 / std, -1.125 / std, 0.0]],
+                               atol=1e-5)
+
+
+@pytest.mark.parametrize("length", [1, 3, 16])
+def test_reinforce_plus_plus_matches_a_loop(length):
+    rng = np.random.default_rng(length)
+    rewards = rng.normal(size=(4, length))
+    lengths = rng.integers(1, length + 1, size=4)
+    mask = (np.arange(length)[None] < lengths[:, None]).astype(np.float64)
+    returns = np.zeros_like(rewards)
+    for b in range(4):
+        running = 0.0
+        for t in reversed(range(lengths[b])):
+            running = rewards[b, t] + 0.9 * running
+            returns[b, t] = running
+    valid = returns[mask > 0]
+    expected = (returns - valid.mean()) / np.sqrt(valid.var(ddof=1) + 1e-8) * mask if valid.size > 1 else returns * 0
+    got = reinforce_plus_plus(T(rewards), T(mask), gamma=0.9).numpy()
+    np.testing.assert_allclose(got, expected, atol=1e-5)
+
+
+def test_reinforce_plus_plus_credits_the_better_response_everywhere():
+    """Gradient direction: the response with the higher outcome gets positive advantages at every
+    token, the other negative (the batch is its only baseline)."""
+    adv = reinforce_plus_plus(T([[0.0, 1.0], [0.0, 0.0]]), torch.ones(2, 2))
+    assert bool((adv[0] > 0).all()) and bool((adv[1] < 0).all())
 
 
 # --- GAE ------------------------------------------------------------------------------------------

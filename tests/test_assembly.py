@@ -4,13 +4,14 @@ import asyncio
 
 import numpy as np
 
-from actors.assembler import Assembler, Shaping
+from actors.assembler import Assembler
 from asyncrl.algo.advantages import group_normalised
-from asyncrl.assembly.groups import GroupEstimator, GroupSettings
+from asyncrl.assembly.groups import GroupStrategy
+from asyncrl.config import DynamicSampling, OverlongShaping
 from asyncrl.mailbox import InProcessMailbox
 from asyncrl.schema import FinishReason, Reward, Segment, float32_array, int32_array
 
-SETTINGS = GroupSettings(dynamic_sampling=True)
+SETTINGS = DynamicSampling(enabled=True)
 
 
 def seg(prompt, idx, turn, finished, tokens, version=0, G=2):
@@ -32,7 +33,7 @@ def make(settings=SETTINGS, prompts_per_batch=1, record=None):
                        correct=r.response_text.startswith("7"), source="test") for r in requests]
 
     asm = Assembler(segments, batches, score, lambda ids: "".join(str(i) for i in ids),
-                    GroupEstimator(settings, prompts_per_batch, group_normalised), Shaping(max_response_tokens=8),
+                    GroupStrategy(settings, prompts_per_batch, group_normalised), OverlongShaping(), 8,
                     max_staleness_versions=2, events=lambda evs, outcomes: events.extend(evs), record=record)
     return asm, segments, batches, events
 
@@ -132,5 +133,39 @@ def test_a_group_with_a_failed_reward_is_dropped_not_trained_as_zero():
         assert await drain(asm, batches) == []
         assert asm.stats()["dropped_reward_failed_samples"] == 2
         assert (["f/0", "f/1"], "dropped", "reward_failed") in [(sorted(i), s, r) for i, s, r in events]
+
+    asyncio.run(main())
+
+
+def test_reinforce_plus_plus_advantages_are_whitened_over_the_batch_as_it_leaves():
+    """Two prompts' groups make one batch: the 2-token correct response (outcome on its last token,
+    returns [1, 1]), its 1-token wrong neighbour (returns [0]) and the other prompt's pair. The
+    advantages are the returns whitened over every trained token of the batch, not per group:
+    tokens [1, 1, 0, 1, 0] -> mean .6, unbiased std sqrt(1.2/4) = .547723."""
+    import functools
+
+    from asyncrl.algo.advantages import reinforce_plus_plus
+    from asyncrl.assembly.groups import BatchReturnsStrategy
+
+    async def main():
+        segments, batches = InProcessMailbox(100), InProcessMailbox(100)
+
+        async def score(requests):  # a response starting with token 7 is right
+            return [Reward(prompt_id=r.prompt_id, sample_idx=r.sample_idx, score=float(r.response_text.startswith("7")),
+                           correct=r.response_text.startswith("7"), source="test") for r in requests]
+
+        strategy = BatchReturnsStrategy(DynamicSampling(enabled=False), 2,
+                                        functools.partial(reinforce_plus_plus, gamma=1.0))
+        asm = Assembler(segments, batches, score, lambda ids: "".join(str(i) for i in ids), strategy,
+                        OverlongShaping(), 8)
+        await segments.put([seg("a", 0, 0, True, [7, 3]), seg("a", 1, 0, True, [5]),
+                            seg("b", 0, 0, True, [7]), seg("b", 1, 0, True, [4])])
+        out = await drain(asm, batches)
+        assert len(out) == 1 and len(out[0].samples) == 4
+        rows = {(s.segment.prompt_id, s.segment.sample_idx): s.advantages.tolist() for s in out[0].samples}
+        std = (1.2 / 4) ** 0.5
+        np.testing.assert_allclose(rows["a", 0], [0.4 / std] * 2, rtol=1e-5)
+        np.testing.assert_allclose(rows["a", 1] + rows["b", 1], [-0.6 / std] * 2, rtol=1e-5)
+        np.testing.assert_allclose(rows["b", 0], [0.4 / std], rtol=1e-5)
 
     asyncio.run(main())

@@ -73,12 +73,13 @@ def test_bodies_are_capped_as_they_stream(monkeypatch):
 
 NO_CGROUP_SCRIPT = f"""
 import json
-from asyncrl.rewards.verifier import Verifier, VerifierSettings
+from asyncrl.config import VerifierEndpoint
+from asyncrl.rewards.verifier import Verifier
 from asyncrl.schema import RewardRequest
 req = RewardRequest(prompt_id='p', sample_idx=0, response_text='def add(a, b):\\n    return a + b\\n',
                     ground_truth={ADD_ASSERTS!r}, data_source='code')
 refused = Verifier().score([req])[0]
-opted = Verifier(VerifierSettings(code_allow_no_cgroup=True)).score([req])[0]
+opted = Verifier(VerifierEndpoint(code_allow_no_cgroup=True)).score([req])[0]
 print(json.dumps([refused.failed, refused.details.get('error', ''), opted.correct]))
 """
 

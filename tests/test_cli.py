@@ -181,10 +181,7 @@ def test_a_ray_start_up_failure_is_one_line_and_exit_status_2(tmp_path):
 
 
 def test_train_help_lists_every_config_group_and_field_with_its_docstring(tmp_path):
-    import dataclasses
-    import typing
-
-    from asyncrl.config import Config, config_groups
+    from asyncrl.config import Config, config_groups, schema
 
     out = asyncrl("train", "--help", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -193,23 +190,18 @@ def test_train_help_lists_every_config_group_and_field_with_its_docstring(tmp_pa
     for group, options in config_groups().items():
         assert f"  {group}  " in text or f"  {group} " in text, group
         assert all(option in text for option in options), (group, options)
-
-    def leaves(cls, prefix=""):  # every field of the schema, sections opened
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            if dataclasses.is_dataclass(hints[f.name]):
-                yield from leaves(hints[f.name], prefix + f.name + ".")
-            else:
-                yield prefix + f.name
-
-    missing = [path for path in leaves(Config) if f"  {path}: " not in text]
+    # Every leaf of the schema, the variants of a union each with its own fields.
+    missing = [leaf.path for leaf in schema.leaves(Config) if f"  {leaf.path}: " not in text]
     assert not missing, missing
-    # Types, the default config's values (the composed YAML, not the dataclass default) and docstrings.
-    assert "  policy.clip_high: float = 0.28\n" in text
-    assert "  engine.temperature: float = 0.7\n" in text  # configs/config.yaml's, the dataclass says 1.0
+    # Types with their ranges, the default config's values (the composed YAML, not the section's
+    # default) and docstrings.
+    assert "  policy.loss.clip_high: a number >= 0 = 0.28\n" in text
+    assert "  policy.optimizer.lr: a number > 0 = 1e-05\n" in text  # dapo.yaml's; the section says 1e-6
+    assert "  algorithm.advantage.lam: a number in [0, 1]  (type=gae)\n" in text
     assert "      Learner steps before `asyncrl train` exits (serve runs until stopped).\n" in text
     assert "      Bounded refill (verl's max_num_gen_batches): after this many generation rounds …\n" in text
-    assert "  reward.endpoints.<name>.kind: str\n" in text and "  reward.routes[i].combine: str\n" in text
+    assert "  reward.endpoints.<name>.kind: one of verifier, genrm, bt, prm, python, openai\n" in text
+    assert "  reward.routes[i].combine: one of first, mix\n" in text
     assert "docs/" in text
 
 
@@ -220,11 +212,20 @@ def test_data_example_writes_the_files_the_readme_trains_on(tmp_path, monkeypatc
 
     from asyncrl.config import compose
     from asyncrl.evaluation import held_out
-    from asyncrl.tasks import arithmetic_examples, load_examples
+    from asyncrl.datafiles import load_examples
+    from asyncrl.tasks import arithmetic_examples
 
     out = asyncrl("data", "example", "--out", "data", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "wrote data/train.parquet: 512" in out.stdout and "wrote data/test.parquet: 64" in out.stdout
+    # A reward file beside the data, in verl's signature, and the command that trains with it.
+    assert "custom_reward_function.path=data/reward.py" in out.stdout
+    from asyncrl.rewards.user_function import detect_signature, load_function
+
+    compute_score = load_function(str(tmp_path / "data" / "reward.py"), "compute_score")
+    assert detect_signature(compute_score, "auto") == "verl"
+    assert compute_score("arithmetic", "so \\boxed{12}", "12", {})["score"] == 1.0
+    assert compute_score("arithmetic", "so \\boxed{13}", "12", {})["score"] == 0.0
     table = pq.read_table(tmp_path / "data" / "train.parquet")
     assert set(table.column_names) == {"data_source", "prompt", "reward_model", "extra_info"}
     first = table.to_pylist()[0]
@@ -233,7 +234,7 @@ def test_data_example_writes_the_files_the_readme_trains_on(tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)  # the README's relative paths
     config = compose(["task=file", "task.path=data/train.parquet", "task.eval_path=data/test.parquet"])
     t = config.task
-    train = load_examples(t.name, "train", t.num_train_prompts, t.seed, t.path)
+    train = load_examples(t, "train")
     builtin = arithmetic_examples("train", 512, 0)
     assert [(e.text, e.ground_truth, e.data_source) for e in train] == \
         [(e.text, e.ground_truth, e.data_source) for e in builtin]
@@ -256,3 +257,51 @@ def test_help_into_a_pipe_that_closes_early_is_not_an_error(tmp_path):
                           capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert len(done.stdout.splitlines()) == 3
+
+
+def test_a_verl_command_line_composes_with_one_notice_per_name(tmp_path):
+    """verl's and TRL's names are taken, each with a one-line notice of ours; one whose meaning
+    differs is refused naming our field. `--cfg` prints the composed config and exits."""
+    import yaml
+
+    out = asyncrl("train", "--cfg", "model=tiny", "task=tiny", "actor_rollout_ref.rollout.n=8",
+                  "data.max_response_length=2", "algorithm.adv_estimator=rloo",
+                  "actor_rollout_ref.actor.clip_ratio_high=0.3", "trainer.total_training_steps=7",
+                  "trainer.save_freq=-1", "learning_rate=3e-3", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    config = yaml.safe_load(out.stdout)
+    assert config["algorithm"]["group_size"] == 8 and config["engine"]["max_response_tokens"] == 2
+    assert config["algorithm"]["advantage"] == {"type": "rloo"} and config["policy"]["loss"]["clip_high"] == 0.3
+    assert config["trainer"]["total_steps"] == 7 and config["trainer"]["checkpoint_every"] == 0  # verl: -1 = never
+    assert config["policy"]["optimizer"]["lr"] == 3e-3
+    notices = out.stderr.strip().splitlines()
+    assert len(notices) == 7 and notices[0] == ("asyncrl train: actor_rollout_ref.rollout.n (verl's name) is "
+                                                "asyncrl's algorithm.group_size=8")
+    assert "learning_rate (TRL's name) is asyncrl's policy.optimizer.lr=0.003" in notices[-1]
+    assert not (tmp_path / "outputs").exists()  # printed, not run
+    refused = asyncrl("train", "actor_rollout_ref.actor.ppo_mini_batch_size=4", cwd=tmp_path)
+    assert refused.returncode == 2 and "policy.mini_batches" in refused.stderr and len(refused.stderr.splitlines()) == 1
+
+
+def test_a_recipe_of_ones_own_outside_the_repository_composes_with_the_packages_groups(tmp_path):
+    """`--config-dir D --config-name X`: a recipe that starts from asyncrl's config, overrides a
+    group with an option of its own and still picks the package's options (model=tiny)."""
+    import yaml
+
+    recipes = tmp_path / "recipes"
+    (recipes / "algorithm").mkdir(parents=True)
+    (recipes / "algorithm" / "my_rloo.yaml").write_text(
+        "# @package _global_\nalgorithm:\n  name: my_rloo\n  advantage:\n    type: rloo\n  group_size: 6\n")
+    (recipes / "my_run.yaml").write_text(
+        "defaults:\n  - config\n  - override algorithm: my_rloo\n  - _self_\ntrainer:\n  total_steps: 7\n")
+    out = asyncrl("train", "--config-dir", str(recipes), "--config-name", "my_run", "--cfg", "model=tiny",
+                  "task=tiny", "trainer.seed=3", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    config = yaml.safe_load(out.stdout)
+    assert config["algorithm"]["name"] == "my_rloo" and config["algorithm"]["advantage"] == {"type": "rloo"}
+    assert config["trainer"]["total_steps"] == 7 and config["trainer"]["seed"] == 3
+    assert config["model"]["source"] == "tiny" and config["algorithm"]["group_size"] == 32  # task=tiny's, applied later
+    # What --cfg prints is a recipe itself: saved and composed again, the same config.
+    (recipes / "printed.yaml").write_text(out.stdout)
+    again = asyncrl("train", "--config-dir", str(recipes), "--config-name", "printed", "--cfg", cwd=tmp_path)
+    assert again.returncode == 0 and yaml.safe_load(again.stdout) == config, again.stderr[-2000:]

@@ -6,7 +6,8 @@ import pytest
 from asyncrl.config import ConfigError, compose, config_dir
 from asyncrl.models import build_tiny_tokenizer
 from asyncrl.rewards.math import math_correct, score_from_correct
-from asyncrl.tasks import arithmetic_examples, encode_prompt, file_examples, load_examples, score_response
+from asyncrl.datafiles import file_examples
+from asyncrl.tasks import arithmetic_examples, encode_prompt, score_response, tiny_examples, tiny_seq_examples
 
 
 def _group_options(group):
@@ -29,31 +30,44 @@ def test_bad_config_fails_naming_the_field():
         compose(["engine.windw=3"])
     with pytest.raises(ConfigError, match="window_tokens"):
         compose(["engine.window_tokens=abc"])
-    with pytest.raises(ConfigError, match="loss_agg"):
-        compose(["policy.loss_agg=mean"])
+    with pytest.raises(ConfigError, match="policy.loss.agg"):
+        compose(["policy.loss.agg=mean"])
     with pytest.raises(ConfigError, match="dual_clip"):
-        compose(["policy.dual_clip=0.5"])
+        compose(["policy.loss.dual_clip=0.5"])
 
 
 def test_config_mistakes_are_one_line_naming_the_field_and_the_nearest_name():
     cases = {
-        "policy.clip_hgh=0.3": "policy has no field 'clip_hgh'; did you mean 'clip_high'?",
-        # Hydra's `+` would add the field and the dataclass would silently drop it.
-        "+policy.clip_hgh=0.3": "policy has no field 'clip_hgh'; did you mean 'clip_high'?",
+        "policy.loss.clip_hgh=0.3": "policy.loss has no field 'clip_hgh'; did you mean 'clip_high'?",
+        # Hydra's `+` would add the field and the schema would refuse it later, far from its cause.
+        "+policy.loss.clip_hgh=0.3": "policy.loss has no field 'clip_hgh'; did you mean 'clip_high'?",
         # A field of another section (the role that reads it) is named with its section.
-        "algorithm.clip_hgh=0.3": "algorithm has no field 'clip_hgh'; did you mean 'policy.clip_high' or 'critic.clip_high'?",
-        # A field that moved names its new place; one removed says what replaces it.
-        "algorithm.lr=1e-5": "algorithm.lr moved to policy.lr",
+        "algorithm.clip_hgh=0.3": "algorithm has no field 'clip_hgh'; did you mean 'policy.loss.clip_high' or "
+                                  "'critic.loss.clip_high'?",
+        # One of our fields that moved names its new place (never a silent alias); one removed says
+        # what replaces it.
+        "policy.clip_high=0.3": "policy.clip_high moved to policy.loss.clip_high",
+        "algorithm.lr=1e-5": "algorithm.lr moved to policy.optimizer.lr",
+        "algorithm.estimator=gae": "algorithm.estimator moved to algorithm.advantage.type",
+        "engine.temperature=1.0": "engine.temperature moved to sampling.temperature",
         "trainer.num_generators=2": "trainer.num_generators moved to cluster.num_generators",
         "trainer.generator_threads=2": "trainer.generator_threads was removed: it was read by nothing",
-        "trainer.total_steps=abc": "trainer.total_steps expects an integer, got 'abc'",
+        "trainer.total_steps=abc": "trainer.total_steps expects an integer >= 1, got 'abc'",
         "trainer.total_steps=-5": "trainer.total_steps=-5 is out of range: it must be >= 1",
-        "engine.top_p=0": "engine.top_p=0.0 is out of range: it must be in (0, 1]",
-        "engine.first_token_temperature=hot": "expects a number or null, got 'hot'",
+        "sampling.top_p=0": "sampling.top_p=0 is out of range: it must be in (0, 1]",
+        "sampling.first_token_temperature=hot": "expects a number > 0 or null, got 'hot'",
+        "policy.loss.agg=mean": "policy.loss.agg=mean: must be one of token-mean, seq-mean-token-mean",
         "algorithm=dapoo": "no algorithm named 'dapoo'; did you mean 'dapo'?",
         "modle=tiny": "the config has no field 'modle'; did you mean 'model'?",
         "reward.endpoints.verifer.kind=genrm": "reward.endpoints has no entry 'verifer'; did you mean 'verifier'?",
-        "+reward.endpoints.judge={kindd: genrm}": "Key 'kindd' not in 'EndpointConfig'",
+        "+reward.endpoints.judge={kindd: genrm}": "reward.endpoints.judge.kind must be one of verifier, genrm, bt, prm",
+        "+reward.endpoints.rm={kind: bt}": "reward.endpoints.rm: Object missing required field `model_path`",
+        # A union: a field of another variant names the variant it belongs to.
+        "algorithm.advantage.lam=0.9": "algorithm.advantage is type grpo, which has no field 'lam'; it is a field "
+                                       "of gae: set algorithm.advantage.type first",
+        "algorithm.advantage.type=gaee": "algorithm.advantage.type must be one of grpo, drgrpo, rloo, "
+                                         "reinforce_plus_plus, pairwise, gae; did you mean 'gae'?",
+        "algorithm.dynamic_sampling=false": "algorithm.dynamic_sampling expects a mapping of DynamicSampling fields",
         "~trainer.total_steps": "cannot be removed",
         "trainer.total_steps=1,2": "sweeps",
         "trainer.total_steps=[1": "is not an override",
@@ -62,6 +76,16 @@ def test_config_mistakes_are_one_line_naming_the_field_and_the_nearest_name():
         with pytest.raises(ConfigError) as caught:
             compose([override])
         assert message in str(caught.value) and "\n" not in str(caught.value), (override, str(caught.value))
+
+
+def test_a_union_switches_variant_from_its_defaults_and_keeps_its_own_knobs():
+    config = compose(["algorithm=grpo", "algorithm.advantage.type=gae", "algorithm.advantage.lam=0.5"])
+    assert config.algorithm.advantage.type == "gae" and config.algorithm.advantage.lam == 0.5
+    assert config.algorithm.advantage.gamma == 1.0 and config.algorithm.value_based
+    # A whole variant as a mapping; the same type again keeps what was set.
+    config = compose(["algorithm=ppo", "algorithm.advantage={type: gae, lam: 0.8}", "algorithm.advantage.type=gae"])
+    assert config.algorithm.advantage.lam == 0.8 and config.algorithm.advantage.whiten  # ppo.yaml's, merged
+    assert compose(["algorithm=ppo", "algorithm.advantage.type=rloo"]).algorithm.advantage.type == "rloo"
 
 
 def test_plus_adds_entries_to_mappings_only():
@@ -78,9 +102,9 @@ def test_plus_adds_entries_to_mappings_only():
 def test_cli_reports_a_config_mistake_in_one_line(capsys):
     from asyncrl.cli import main
 
-    assert main(["train", "policy.clip_hgh=0.3"]) == 2
+    assert main(["train", "policy.loss.clip_hgh=0.3"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "asyncrl train: policy.clip_hgh=0.3: policy has no field 'clip_hgh'; did you mean 'clip_high'?"
+    assert err == "asyncrl train: policy.loss.clip_hgh=0.3: policy.loss has no field 'clip_hgh'; did you mean 'clip_high'?"
 
 
 def test_math_verifier_cases():
@@ -130,7 +154,7 @@ def test_builtin_tasks_are_deterministic_and_disjoint():
     assert score_response("tiny", "45", "4", "zero_one")[:2] == (1.0, True)
     assert score_response("tiny", "54", "4", "zero_one")[:2] == (0.0, False)
     tok = build_tiny_tokenizer()
-    assert tok.decode(encode_prompt(load_examples("tiny", "train", 0, 0)[3], tok, False)) == "3:"
+    assert tok.decode(encode_prompt(tiny_examples("train")[3], tok, False)) == "3:"
 
 
 def test_verl_layout_jsonl_and_parquet(tmp_path):
@@ -143,7 +167,7 @@ def test_verl_layout_jsonl_and_parquet(tmp_path):
     path.write_text("\n".join(json.dumps(r) for r in rows))
     examples = file_examples(str(path))
     assert [e.prompt_id for e in examples] == ["gsm8k-7", "gsm8k-1"]
-    assert examples[1].ground_truth == "4" and examples[1].messages[0]["content"] == "2+2?"
+    assert examples[1].ground_truth == 4 and examples[1].messages[0]["content"] == "2+2?"  # as the data holds it
     pq = pytest.importorskip("pyarrow.parquet")
     import pyarrow as pa
 
@@ -151,37 +175,38 @@ def test_verl_layout_jsonl_and_parquet(tmp_path):
     assert file_examples(str(tmp_path / "train.parquet"))[0].ground_truth == "2"
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "x"}))
-    with pytest.raises(ValueError, match="reward_model"):
-        file_examples(str(bad))
+    (bad_example,) = file_examples(str(bad))  # no reward_model: no ground truth (refused where one is needed)
+    assert bad_example.ground_truth is None
 
 
 @pytest.mark.parametrize("name", ["ppo", "vcppo", "vapo", "tppo", "tppo_sync", "grpo", "dapo"])
 def test_every_algorithm_composes_with_its_paper_settings(name):
     config = compose([f"algorithm={name}"])
     a, p, c = config.algorithm, config.policy, config.critic
+    adv = a.advantage
     assert a.name == name
     value_based = name not in ("grpo", "dapo")
-    assert (a.estimator == "gae") == value_based
+    assert (adv.type == "gae") == value_based and a.value_based == value_based
     if name in ("vcppo", "vapo", "tppo"):
-        assert c.lam == 1.0 and a.lam == 0.95 and c.warmup_steps > 0  # decoupled GAE + value pretraining
+        assert c.loss.lam == 1.0 and adv.lam == 0.95 and c.warmup.steps > 0  # decoupled GAE + value pretraining
     if name in ("vapo", "tppo"):
-        assert a.length_adaptive_alpha == 1.0 and a.nll_coef == 0.1 and p.clip_high == 0.28  # α scaled to 64 tokens
+        assert adv.length_adaptive_alpha == 1.0 and a.nll_coef == 0.1 and p.loss.clip_high == 0.28  # α scaled to 64 tokens
         assert p.mini_batches == (2 if name == "vapo" else 1)  # VAPO paper: 16 updates per step; T-PPO recipe: 1
-        assert a.lambda_floor == (name == "tppo")  # NeMo clamp vs the T-PPO recipe's floor
+        assert adv.lambda_floor == (name == "tppo")  # NeMo clamp vs the T-PPO recipe's floor
     if name == "tppo":
-        assert a.window_training and config.engine.window_tokens < config.engine.max_response_tokens
-        assert (c.clip_low, c.clip_high) == (0.5, 0.6) and a.advantage_clamp == 10.0 and p.dual_clip == 10.0
+        assert adv.window_training and config.engine.window_tokens < config.engine.max_response_tokens
+        assert (c.loss.clip_low, c.loss.clip_high) == (0.5, 0.6) and adv.clamp == 10.0 and p.loss.dual_clip == 10.0
     if name == "dapo":
-        assert p.mini_batches == 2 and p.proximal_anchor
+        assert p.mini_batches == 2 and p.loss.proximal_anchor
     if name == "tppo_sync":
         assert config.trainer.synchronous and config.engine.window_tokens == config.engine.max_response_tokens
 
 
 def test_value_based_knobs_are_validated():
     with pytest.raises(ConfigError, match="window_training"):
-        compose(["algorithm=grpo", "algorithm.window_training=true"])
-    with pytest.raises(ConfigError, match="egae_bootstrap"):
-        compose(["algorithm=tppo", "algorithm.egae_bootstrap=sometimes"])
+        compose(["algorithm=grpo", "algorithm.advantage.window_training=true"])
+    with pytest.raises(ConfigError, match="algorithm.advantage.bootstrap=sometimes: must be one of previous, next"):
+        compose(["algorithm=tppo", "algorithm.advantage.bootstrap=sometimes"])
     with pytest.raises(ConfigError, match="synchronous"):
         compose(["algorithm=tppo", "trainer.synchronous=true"])
     # Synchronous batches are whole responses whatever window the task sets (tiny_seq: W=2 < 4).
@@ -192,7 +217,7 @@ def test_value_based_knobs_are_validated():
 
 
 def test_tiny_seq_partial_credit():
-    example = load_examples("tiny_seq", "train", 0, 0)[3]
+    example = tiny_seq_examples("train")[3]
     assert example.text == "3:" and example.ground_truth == "456"
     assert score_response("tiny_seq", "456", "456", "zero_one")[:2] == (1.0, True)
     assert score_response("tiny_seq", "4x6", "456", "zero_one")[:2] == (pytest.approx(2 / 3), False)
@@ -222,15 +247,39 @@ def test_services_bind_to_localhost_by_default():
 
 
 def test_episode_settings_a_run_cannot_honour_are_refused():
-    from asyncrl import environments
-
     with pytest.raises(ConfigError, match="process reward model"):
         compose(["model=tiny", "task=tiny_tool", "+reward.endpoints.prm={kind: prm, model_path: /x}"])
     with pytest.raises(ConfigError, match="environment.max_turns"):
         compose(["model=tiny", "task=tiny_tool", "environment.max_turns=0"])
-    # Names are refused at start-up, before any role starts (the run's wiring calls this first).
-    with pytest.raises(ConfigError, match=r"environment.name=search: must be empty \(one turn\) or one of"):
-        environments.check(compose(["model=tiny", "task=tiny_tool", "environment.name=search"]).environment)
+    # Names are refused at start-up, before any role starts (the field allows the built-ins' names).
+    with pytest.raises(ConfigError, match=r"environment.name=search: must be one of '', python, lookup"):
+        compose(["model=tiny", "task=tiny_tool", "environment.name=search"])
     with pytest.raises(ConfigError, match="environment.tool_format=xml"):
-        environments.check(compose(["model=tiny", "task=tiny_tool", "environment.tool_format=xml"]).environment)
-    environments.check(compose(["model=tiny", "task=tiny_tool"]).environment)
+        compose(["model=tiny", "task=tiny_tool", "environment.tool_format=xml"])
+    compose(["model=tiny", "task=tiny_tool"])
+
+
+def test_the_docs_table_of_foreign_names_is_the_code_s():
+    from asyncrl.config.names import foreign_table
+
+    assert foreign_table() in open(os.path.join(os.path.dirname(config_dir()), "docs", "config.md")).read()
+
+
+def test_a_config_directory_without_a_primary_recipe_adds_its_options_first(tmp_path):
+    (tmp_path / "task").mkdir()
+    # An option of the package's name (task=tiny) is replaced by the user's; a new one is added.
+    (tmp_path / "task" / "tiny.yaml").write_text("defaults:\n  - arithmetic\n  - _self_\nnum_train_prompts: 7\n")
+    (tmp_path / "task" / "mine.yaml").write_text("num_train_prompts: 9\n")
+    assert compose(["task=tiny"], user_dir=str(tmp_path)).task.num_train_prompts == 7
+    assert compose(["task=mine"], user_dir=str(tmp_path)).task.num_train_prompts == 9
+    assert compose(["task=tiny"]).task.num_train_prompts != 7
+    with pytest.raises(ConfigError, match="no such directory"):
+        compose([], user_dir=str(tmp_path / "absent"))
+
+
+def test_a_serve_app_s_overrides_string_splits_as_a_shell_does():
+    from asyncrl.serve.guards import config_from_args
+
+    config = config_from_args({"overrides": "model=tiny 'task.chat_template_kwargs={enable_thinking: false}'",
+                               "trainer.total_steps": "7"})
+    assert config.task.chat_template_kwargs == {"enable_thinking": False} and config.trainer.total_steps == 7

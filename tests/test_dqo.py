@@ -8,7 +8,9 @@ import torch
 from asyncrl.algo.dqo import dqo_losses, importance_weights, soft_targets
 from asyncrl.config import ModelConfig
 from asyncrl.learning.scoring import response_logprobs
-from asyncrl.learning.dqo import DQOSettings, dqo_step
+from asyncrl.config import (Compute, CriticConfig, DQOConfig, Optimizer, PolicyCompute, PolicyConfig,
+                            SamplingConfig)
+from asyncrl.learning.dqo import dqo_step
 from asyncrl.models import build_tiny_model, value_model_from_policy
 from asyncrl.schema import FinishReason, ScoredTrajectory, Segment, float32_array, int32_array
 
@@ -88,19 +90,21 @@ def test_one_update_raises_the_rewarded_response_and_lowers_the_penalised_one():
     ref = response_logprobs(reference, rows, 1.0)
     # Rewards +1 and −1 (DAPO's verifier) against a value model that starts at 0 (zero head).
     trajectories = [_trajectory(prompt, good, 1.0, ref[0]), _trajectory(prompt, bad, -1.0, ref[1])]
-    settings = DQOSettings(beta=0.1, gamma=1.0, lam=1.0, importance_clip=0.2, temperature=1.0, grad_clip=1e9,
-                           value_grad_clip=1e9, micro_batch_tokens=4096)
+    dqo = DQOConfig(beta=0.1, gamma=1.0, lam=1.0, importance_clip=0.2)
+
+    def sections(micro_batch_tokens):
+        return (PolicyConfig(optimizer=Optimizer(grad_clip=1e9), compute=PolicyCompute(micro_batch_tokens=micro_batch_tokens)),
+                CriticConfig(optimizer=Optimizer(grad_clip=1e9), compute=Compute()), SamplingConfig(temperature=1.0))
     policy_opt = torch.optim.SGD(policy.parameters(), lr=0.5)
     value_opt = torch.optim.SGD(value_model.parameters(), lr=0.5)
-    metrics = dqo_step(policy, value_model, policy_opt, value_opt, trajectories, ref, settings)
+    metrics = dqo_step(policy, value_model, policy_opt, value_opt, trajectories, ref, dqo, sections(4096))
     after = response_logprobs(policy, rows, 1.0)
     assert after[0].sum() > ref[0].sum() and after[1].sum() < ref[1].sum()
     assert metrics["grad_norm"] > 0 and metrics["value_grad_norm"] > 0
     # Micro-batching does not change the update (token means add up exactly).
     policy2 = build_tiny_model(ModelConfig(source="tiny", seed=1), 30)
     value2 = value_model_from_policy(build_tiny_model(ModelConfig(source="tiny", seed=1), 30))
-    small = DQOSettings(**{**settings.__dict__, "micro_batch_tokens": 4})
     metrics2 = dqo_step(policy2, value2, torch.optim.SGD(policy2.parameters(), lr=0.5),
-                        torch.optim.SGD(value2.parameters(), lr=0.5), trajectories, ref, small)
+                        torch.optim.SGD(value2.parameters(), lr=0.5), trajectories, ref, dqo, sections(4))
     assert metrics2["dqo_policy_loss"] == pytest.approx(metrics["dqo_policy_loss"], rel=1e-5)
     np.testing.assert_allclose(response_logprobs(policy2, rows, 1.0)[0], after[0], atol=1e-5)

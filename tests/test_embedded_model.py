@@ -8,7 +8,7 @@ from asyncrl.config import compose
 from asyncrl.engines.base import SamplingParams, SequenceInput
 from asyncrl.evaluation import greedy_accuracy
 from asyncrl.generation import build_engine
-from asyncrl.tasks import encode_prompt, load_examples
+from asyncrl.tasks import arithmetic_examples, encode_prompt
 
 CONFIG = ["engine.max_response_tokens=24"]
 
@@ -24,7 +24,7 @@ def test_embedded_model_generates_and_scores(embedded):
     config = compose(CONFIG)
     engine, tokenizer = embedded
     assert engine.model.config.vocab_size == 49152
-    example = load_examples("arithmetic", "eval", 1, 0)[0]
+    example = arithmetic_examples("eval", 1, 0)[0]
     prompt = encode_prompt(example, tokenizer, use_chat_template=True)
     assert tokenizer.decode(prompt).count("<|im_start|>") >= 2  # the chat template is applied
     out = engine.generate_window_sync(
@@ -82,7 +82,7 @@ def test_embedded_bf16_engine_logprobs_are_within_the_bound_of_the_fp32_learners
 
     model, tokenizer = embedded_policy
     engine = TorchEngine(model, eos_token_ids(model, tokenizer), tokenizer.pad_token_id, dtype=torch.bfloat16)
-    prompts = [encode_prompt(ex, tokenizer, use_chat_template=True) for ex in load_examples("arithmetic", "eval", 16, 0)]
+    prompts = [encode_prompt(ex, tokenizer, use_chat_template=True) for ex in arithmetic_examples("eval", 16, 0)]
     outs = engine.generate_window_sync([sequence_input(p, i, 64) for i, p in enumerate(prompts)], 64,
                                        SamplingParams(temperature=0.7))
     gaps = []

@@ -208,7 +208,7 @@ def test_engine_dtype_auto_is_bf16_only_where_native_and_the_model_is_large():
     assert engine_dtype("auto", "cpu", small) == torch.float32
     assert engine_dtype("auto", "cpu", large) == (torch.bfloat16 if native_bf16("cpu") else torch.float32)
     assert engine_dtype("bfloat16", "cpu", small) == torch.bfloat16
-    # The learner's policy.precision=auto follows the same rule.
+    # The learner's policy.compute.precision=auto follows the same rule.
     from asyncrl.learning.rank import learner_precision
 
     assert learner_precision("auto", small, "cpu") == "fp32" and learner_precision("bf16", small, "cpu") == "bf16"

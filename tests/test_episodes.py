@@ -4,6 +4,7 @@ observations are the environment's, turn by turn, with per-token versions)."""
 
 import asyncio
 import copy
+import os
 
 import numpy as np
 import pytest
@@ -201,10 +202,10 @@ def test_the_critic_values_policy_positions_only_gae_carries_across_an_observati
     By hand over the policy positions alone (0.1, 0.2, 0.4; the observation is not an action):
     δ = 0.1, 0.2, 0.6; Â_2 = 0.6, Â_1 = 0.2 + 0.5·0.6 = 0.5, Â_0 = 0.1 + 0.5·0.5 = 0.35; the
     observation's advantages are 0 and out of every loss."""
-    from asyncrl.assembly.rows import Outcome, ValueAdvantageSettings, value_rows
+    from asyncrl.assembly.rows import Outcome, value_rows
+    from asyncrl.config import GAEAdvantage
 
-    settings = ValueAdvantageSettings(gamma=1.0, lam=0.5, length_adaptive_alpha=0.0, lambda_floor=False,
-                                      edge_mask_tokens=0, window_training=False, window_tokens=8)
+    gae = GAEAdvantage(gamma=1.0, lam=0.5)
     observed = np.array([0, 0, 1, 1, 0], dtype=np.uint8)
     row = Segment(prompt_id="p", sample_idx=0, turn=0, group_id="p", prompt_token_ids=np.array([5, 6], dtype=np.int32),
                   prior_response_ids=np.zeros(0, np.int32), prior_versions=np.zeros(0, np.int32),
@@ -212,6 +213,30 @@ def test_the_critic_values_policy_positions_only_gae_carries_across_an_observati
                   new_versions=np.zeros(5, np.int32), new_scored=1 - observed, new_observation=observed,
                   finished=True, finish_reason=FinishReason.EOS)
     values = np.array([0.1, 0.2, 9.0, 9.0, 0.4, 0.0], dtype=np.float32)
-    (trained,) = value_rows([row], [values], [Outcome(1.0, True)], settings)
+    (trained,) = value_rows([row], [values], [Outcome(1.0, True)], gae, window_tokens=8)
     np.testing.assert_allclose(trained.advantages, [0.35, 0.5, 0.0, 0.0, 0.6], atol=1e-6)
     assert collate([trained]).response_mask.sum() == 3  # the observation is never trained
+
+
+def test_the_documented_environment_class_loads_by_its_path_and_answers(tmp_path):
+    """docs/environments.md's complete example, as a user copies it into a file: built with its
+    options from `environment.class_path`, and it answers calls (an error is an observation)."""
+    import re
+
+    from asyncrl.config import compose
+    from asyncrl.environments.formats import ToolCall
+    from asyncrl.environments.tools import Episode, build_environment
+
+    doc = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "environments.md")).read()
+    (tmp_path / "my_env.py").write_text(re.findall(r"```python\n(.*?)```", doc, re.S)[1])
+    config = compose(["model=tiny", "task=tiny_tool", "environment.name=",
+                      f"environment.class_path={tmp_path}/my_env.py:Calculator", "environment.options={digits: 3}"])
+    calculator = build_environment(config.environment)
+    episode = Episode("p", 0)
+    assert calculator.step(ToolCall("calculator", {"expression": "12 * 7"}), episode) == ("84", False)
+    assert calculator.step(ToolCall("calculator", {"expression": "2 / 3"}), episode) == ("0.667", False)
+    assert calculator.step(ToolCall("calculator", {"expression": "__import__('os')"}), episode)[1] is True
+    assert calculator.calls == {("p", 0): 3}
+    with pytest.raises(ValueError, match="has no class 'Calculatr'.*Calculator"):
+        build_environment(compose(["model=tiny", "task=tiny_tool", "environment.name=",
+                                   f"environment.class_path={tmp_path}/my_env.py:Calculatr"]).environment)

@@ -183,9 +183,10 @@ def test_long_windows_respect_the_response_budget():
 
 
 def test_generator_to_assembler_merges_whole_responses():
-    from actors.assembler import Assembler, Shaping
+    from actors.assembler import Assembler
     from asyncrl.algo.advantages import group_normalised
-    from asyncrl.assembly.groups import GroupEstimator, GroupSettings
+    from asyncrl.assembly.groups import GroupStrategy
+    from asyncrl.config import DynamicSampling, OverlongShaping
     from asyncrl.schema import Reward
 
     async def main():
@@ -197,7 +198,7 @@ def test_generator_to_assembler_merges_whole_responses():
                            correct=bool(r.sample_idx % 2), source="test") for r in requests]
 
         asm = Assembler(segments, batches, score, lambda ids: str(ids),
-                        GroupEstimator(GroupSettings(dynamic_sampling=True), 2, group_normalised), Shaping(64),
+                        GroupStrategy(DynamicSampling(enabled=True), 2, group_normalised), OverlongShaping(), 64,
                         max_staleness_versions=4)
         await prompts.put([request(i, G=4) for i in range(8)])
         for _ in range(12):

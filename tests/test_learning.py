@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from asyncrl.learning.policy import PolicyLossSettings, policy_step
+from asyncrl.config import KLPenalty, Optimizer, PolicyCompute, PolicyConfig, PolicyLoss, SamplingConfig
+from asyncrl.learning.policy import Objective, policy_step
 from asyncrl.learning.rows import collate
 from asyncrl.learning.scoring import token_logprobs
 from asyncrl.config import ModelConfig
@@ -31,8 +32,10 @@ SAMPLES = [sample(0, 3, 0, 5, 1.0), sample(1, 6, 4, 2, -0.5), sample(2, 2, 0, 9,
 
 
 def settings(agg, micro_tokens, kl=0.0):
-    return PolicyLossSettings(clip_low=0.2, clip_high=0.28, dual_clip=3.0, loss_agg=agg, kl_coef=kl, entropy_coef=0.0,
-                              temperature=1.0, grad_clip=1e9, micro_batch_tokens=micro_tokens)
+    policy = PolicyConfig(loss=PolicyLoss(clip_low=0.2, clip_high=0.28, dual_clip=3.0, agg=agg),
+                          optimizer=Optimizer(grad_clip=1e9),
+                          compute=PolicyCompute(micro_batch_tokens=micro_tokens, precision="fp32"))
+    return Objective(policy, SamplingConfig(temperature=1.0), KLPenalty(coef=kl))
 
 
 def grads_after_step(agg, micro_tokens, kl=0.0):

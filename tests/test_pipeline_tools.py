@@ -39,3 +39,42 @@ def test_the_tiny_model_learns_the_tool_task_only_with_the_tool(ray_session, tmp
     assert float(np.mean(late)) <= 0.15, late  # near chance: guessing is right one time in ten
     assert withheld["eval_after"]["accuracy"] <= 0.4
     assert withheld["records"][-1]["tool_calls"] == 0
+
+
+ENVIRONMENT_CLASS = '''
+import threading
+import zlib
+
+
+class Secret:
+    """The tiny tool task's tool, as a user writes an environment (docs/environments.md): each
+    episode's answer is a digit only this tool tells, `shift` places on."""
+
+    def __init__(self, shift=0):
+        self.shift, self.calls, self.lock = shift, 0, threading.Lock()
+
+    def step(self, call, episode):
+        with self.lock:  # calls come from several threads
+            self.calls += 1
+        if call.name != "lookup":
+            return f"no tool named {call.name!r}", True
+        digit = zlib.crc32(f"{episode.prompt_id}/{episode.sample_idx}".encode()) % 10
+        return str((digit + self.shift) % 10), False
+'''
+
+
+@pytest.mark.slow
+def test_an_environment_class_from_a_file_answers_a_multi_turn_run(tmp_path):
+    """`environment.class_path=file.py:Class` with `options`: the class is the environment endpoint's,
+    its answers are the episodes' observations, and the policy learns to use it."""
+    (tmp_path / "secret_env.py").write_text(ENVIRONMENT_CLASS)
+    summary = train(compose(TOOL + ["environment.name=", f"environment.class_path={tmp_path}/secret_env.py:Secret",
+                                    "environment.options={shift: 0}", "trainer.total_steps=400",
+                                    "trainer.target_reward=0.6", "trainer.record=true", f"trainer.run_dir={tmp_path}/run"]),
+                    progress=False, eval_prompts=10)
+    status = summary["final_status"]
+    assert status["environment"]["environment"].endswith("secret_env.py:Secret") and status["environment"]["calls"] > 0
+    assert summary["reached_target"] and summary["records"][-1]["tool_calls"] > 0
+    assert status["ledger"]["problems"] == []
+    episode = next(r for r in read_trajectories(tmp_path / "run") if r.token_observation and any(r.token_observation))
+    assert "=" in episode.response_text  # the class's answer, as the tiny tool format shows it

@@ -33,10 +33,10 @@ def test_tppo_learns_a_task_whose_answer_spans_windows(ray_session, tmp_path):
     assert all(r["rows_trained"] > 0 for r in records)
     status = summary["final_status"]
     value = status["value_learner"]
-    assert value["value_steps"] >= config.critic.warmup_steps and value["duplicate_trajectories"] == 0
+    assert value["value_steps"] >= config.critic.warmup.steps and value["duplicate_trajectories"] == 0
     # Nothing was trained before the critic's warm-up; those rows are counted, not lost silently.
     assert status["assembler"]["dropped_value_warmup_rows"] > 0
-    assert all(r["value_version_min"] >= config.critic.warmup_steps for r in records)
+    assert all(r["value_version_min"] >= config.critic.warmup.steps for r in records)
     assert status["assembler"].get("duplicate_segments", 0) == 0
     assert max(r["staleness_max"] for r in records) <= config.algorithm.max_staleness_versions
     assert "value_loss" in records[-1] and "value_explained_variance" in records[-1]

@@ -34,7 +34,7 @@ def read_checkpoint(path: str):
 @pytest.mark.parametrize("setup", [
     # The policy learner sharded over two processes (FSDP2 on gloo): its checkpoint is gathered
     # from both ranks, and the resumed ranks load it (rank 0 reads, the others receive).
-    ["task=tiny", "algorithm=grpo", "policy.ranks=2"],
+    ["task=tiny", "algorithm=grpo", "policy.compute.ranks=2"],
     # Value-based, streaming windows: window rows of unfinished samples, a value learner to restore.
     ["task=tiny_seq", "algorithm=tppo", "engine.window_tokens=2"],
 ], ids=["grpo", "tppo"])
@@ -123,7 +123,7 @@ def test_kill_after_step_k_and_resume(ray_session, tmp_path, setup):
         ray.wait([second.run_refs["learner"]], timeout=120)
         learner = ray.get(second.actors["learner"].stats.remote())
         ranks = [ray.get(actor.stats.remote()) for name, actor in second.actors.items() if name.startswith("learner-rank")]
-        assert len(ranks) == (1 if "policy.ranks=2" in setup else 0)
+        assert len(ranks) == (1 if "policy.compute.ranks=2" in setup else 0)
         assert all(rank["optimizer_steps"] == learner["optimizer_steps"] for rank in ranks)
     finally:
         second.stop()

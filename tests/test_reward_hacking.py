@@ -25,7 +25,8 @@ from asyncrl.config import RouteConfig
 from asyncrl.rewards.sandbox import SandboxLimits, probe_isolation, project_root, run_program
 from asyncrl.rewards.verifier import Verifier
 from asyncrl.rewards.verifiers import verify
-from actors.assembler import Assembler, Shaping
+from actors.assembler import Assembler
+from asyncrl.config import OverlongShaping
 from asyncrl.schema import Reward, RewardRequest
 
 ISOLATION = probe_isolation()
@@ -173,12 +174,12 @@ def test_memory_and_disk_are_limited_per_sandbox():
 
 def test_without_isolation_code_rewards_are_refused_unless_opted_in(tmp_path):
     # A machine with no `unshare` at all (PATH without util-linux): nothing can be isolated.
-    script = ("import json\nfrom asyncrl.rewards.verifier import Verifier, VerifierSettings\n"
+    script = ("import json\nfrom asyncrl.config import VerifierEndpoint\nfrom asyncrl.rewards.verifier import Verifier\n"
               "from asyncrl.schema import RewardRequest\n"
               f"req = RewardRequest(prompt_id='p', sample_idx=0, response_text='def add(a, b):\\n    return a + b\\n', "
               f"ground_truth={ADD_ASSERTS!r}, data_source='code')\n"
               "refused = Verifier().score([req])[0]\n"
-              "opted = Verifier(VerifierSettings(code_allow_unisolated=True)).score([req])[0]\n"
+              "opted = Verifier(VerifierEndpoint(code_allow_unisolated=True)).score([req])[0]\n"
               "print(json.dumps([refused.failed, refused.details.get('error', ''), opted.correct]))\n")
     env = {**os.environ, "PATH": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120,
@@ -219,7 +220,7 @@ def test_suspicious_rewards_are_counted_into_the_batch_stats():
     judge = Reward(prompt_id="p", sample_idx=0, score=0.9, source="genrm", correct=True, suspicious=["addresses_judge"])
     combined = combine_rewards(req, RouteConfig(endpoints=["verifier", "genrm"]), {"verifier": hacked, "genrm": judge})
     assert combined.suspicious == ["addresses_judge", "early_exit"]
-    assembler = Assembler(None, None, None, str, None, Shaping(max_response_tokens=8))
+    assembler = Assembler(None, None, None, str, None, OverlongShaping(), 8)
     for reward in [hacked, combined, Reward(prompt_id="p", sample_idx=1, score=1.0, source="verifier", correct=True),
                    Reward(prompt_id="p", sample_idx=2, score=1.0, source="verifier", correct=True)]:
         assembler._note_scored(reward)

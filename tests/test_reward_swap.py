@@ -98,3 +98,36 @@ def test_reward_endpoint_swaps_while_training_with_no_failed_request(ray_session
         system.stop()
         serve.delete("reward-verifier")
         serve.shutdown()
+
+
+@pytest.mark.slow
+def test_a_reward_function_of_ones_own_swaps_with_its_file_and_version(ray_session, tmp_path):
+    """A `kind: python` endpoint as its own Serve application (verl's `custom_reward_function.path`):
+    a new file with a new `version` (a user_config change) is read again while training runs, and
+    later rewards carry the new version."""
+    from asyncrl.schema import RewardRequest
+
+    reward = tmp_path / "reward.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return float(solution_str[:1] == ground_truth)\n")
+    mine = f"custom_reward_function.path={reward}"
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    deploy_declaratively([reward_app_config("custom", f"{REWARD_OVERRIDES} {mine}", {"version": "1"})])
+    system = System(compose([*OVERRIDES.split(), mine, f"trainer.run_dir={tmp_path}/run"]), name_actors=False).start()
+    try:
+        wait_for(lambda s: versions(s).get("custom:python:1", 0) > 0, system)
+        reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                          "    return 0.25\n")
+        deploy_declaratively([reward_app_config("custom", f"{REWARD_OVERRIDES} {mine}", {"version": "2"})])
+        status = wait_for(lambda s: versions(s).get("custom:python:2", 0) > 0, system)
+        assert status["assembler"]["reward_failures"] == 0, status["assembler"]["last_reward_failure"]
+        handle = serve.get_app_handle("reward-custom")
+        probe = RewardRequest(prompt_id="p", sample_idx=0, response_text="7", ground_truth="7", data_source="tiny")
+        for _ in range(4):  # both replicas read the new file
+            (answer,) = handle.score.remote([probe]).result()
+            assert (answer.score, answer.source_version) == (0.25, "custom:python:2")
+    finally:
+        system.stop()
+        serve.delete("reward-custom")
+        serve.shutdown()

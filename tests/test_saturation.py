@@ -9,9 +9,10 @@ import pytest
 
 from asyncrl.algo.selection import group_verdict, retirement_reason
 from asyncrl.mailbox import InProcessMailbox
-from actors.assembler import Assembler, Shaping
+from actors.assembler import Assembler
 from asyncrl.algo.advantages import group_normalised
-from asyncrl.assembly.groups import GroupEstimator, GroupSettings
+from asyncrl.assembly.groups import GroupStrategy
+from asyncrl.config import DynamicSampling, OverlongShaping
 from actors.prompt_source import PromptSource
 from asyncrl.retirement import Retirements
 from asyncrl.schema import FinishReason, Reward, Segment, float32_array, int32_array
@@ -92,7 +93,7 @@ def seg(prompt, idx, first_token):
 
 
 def test_bounded_refill_trains_on_what_has_signal_or_skips_saying_why():
-    settings = GroupSettings(dynamic_sampling=True, max_refill_rounds=2)
+    settings = DynamicSampling(enabled=True, max_refill_rounds=2)
 
     async def score(requests):  # token 7 is correct
         return [Reward(prompt_id=r.prompt_id, sample_idx=r.sample_idx, score=float(r.response_text == "7"),
@@ -101,7 +102,7 @@ def test_bounded_refill_trains_on_what_has_signal_or_skips_saying_why():
     async def main():
         segments, batches = InProcessMailbox(100), InProcessMailbox(100)
         asm = Assembler(segments, batches, score, lambda ids: "".join(map(str, ids)),
-                        GroupEstimator(settings, 2, group_normalised), Shaping(8), max_staleness_versions=4)
+                        GroupStrategy(settings, 2, group_normalised), OverlongShaping(), 8, max_staleness_versions=4)
         # Two rounds of two groups (a batch is two groups with signal): one group with signal, three solved.
         for i, tokens in enumerate([(7, 7), (7, 3), (7, 7), (7, 7)]):
             await segments.put([seg(f"p{i}", 0, tokens[0]), seg(f"p{i}", 1, tokens[1])])
@@ -130,7 +131,7 @@ def test_dapo_on_a_task_it_solves_ends_saying_why_with_bounded_steps(solved_dapo
     """The issue's run (DAPO, tiny task, 400 steps): before, dynamic sampling dropped almost every
     group once the task was solved and each step needed ever more generation (57 s a step by 214)."""
     config, summary, run_dir = solved_dapo_run
-    assert config.algorithm.name == "dapo" and config.algorithm.max_refill_rounds > 0
+    assert config.algorithm.name == "dapo" and config.algorithm.dynamic_sampling.max_refill_rounds > 0
     records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     # Ended by retirement (everything solved), well before 400 steps, not by the stall timeout.
     # Ended when nothing was left to learn (every prompt solved, or all wrong again when tried once
@@ -138,7 +139,7 @@ def test_dapo_on_a_task_it_solves_ends_saying_why_with_bounded_steps(solved_dapo
     assert summary["stop_reason"].startswith("every prompt is retired") or len(records) == 400
     assert summary["eval_after"]["accuracy"] >= 0.5
     # No step waited more than the bound of generation rounds; a skipped step says why.
-    bound = config.algorithm.max_refill_rounds
+    bound = config.algorithm.dynamic_sampling.max_refill_rounds
     assert max(r.get("refill_rounds", 0) for r in records) <= bound + 1e-9
     assert all(r["skip_reason"] for r in records if r.get("skipped"))
     # The log says which prompts were retired and why; the share rose to 1.

@@ -27,10 +27,10 @@ from asyncrl.run.records import RUN_FIELDS
 from asyncrl.serve.reward import deploy_declaratively, reward_app_config
 from asyncrl.weight_sync import free_port
 
-# critic.warmup_steps=1: the policy trains only after a value step, so every record carries value metrics.
+# critic.warmup.steps=1: the policy trains only after a value step, so every record carries value metrics.
 # The KL to the reference is in the reward (the PPO baseline): the value learner scores the reference.
-OVERRIDES = ("model=tiny task=tiny algorithm=ppo critic.warmup_steps=1 trainer.wandb_mode=disabled "
-             "trainer.checkpoint_every=0 algorithm.kl_in_reward=true algorithm.kl_coef=0.05")
+OVERRIDES = ("model=tiny task=tiny algorithm=ppo critic.warmup.steps=1 trainer.wandb_mode=disabled "
+             "trainer.checkpoint_every=0 algorithm.advantage.kl_in_reward=true algorithm.kl.coef=0.05")
 TOOL_OVERRIDES = "model=tiny task=tiny_tool trainer.wandb_mode=disabled serve.follow_learner=false"
 ADMIN_TOKEN = "test-admin-token"
 APPS = {"train": "/train", "policy": "/v1", "reward-verifier": "/reward/verifier"}

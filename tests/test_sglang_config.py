@@ -10,14 +10,14 @@ def test_the_cpu_preset_runs_sglang_on_cpu_with_a_capped_kv_cache_and_the_learne
     config = compose(["engine=sglang_cpu", "model=tiny", "task=tiny"])
     e, p = config.engine, config.policy
     assert (e.name, e.device) == ("sglang", "cpu") and e.sglang_max_total_tokens > 0
-    assert e.gpus == 0 and p.gpus == 0 and p.device == "cpu"
-    assert p.rollout_correction == "token_tis"
+    assert e.gpus == 0 and p.compute.gpus == 0 and p.compute.device == "cpu"
+    assert p.loss.rollout_correction == "token_tis"
 
 
 def test_the_gpu_preset_leaves_the_kv_cache_to_sglangs_memory_fraction():
     config = compose(["engine=sglang", "engine.device=cuda"])
     assert config.engine.device == "cuda" and config.engine.sglang_max_total_tokens == 0
-    assert config.engine.gpus > 0 and config.policy.device == "cuda" and config.policy.precision == "bf16"
+    assert config.engine.gpus > 0 and config.policy.compute.device == "cuda" and config.policy.compute.precision == "bf16"
 
 
 def test_engine_sglang_picks_the_device_torch_sees_and_follows_an_explicit_one():
@@ -28,7 +28,7 @@ def test_engine_sglang_picks_the_device_torch_sees_and_follows_an_explicit_one()
     # engine.device=cpu, engine=sglang_cpu and (here) plain engine=sglang are one configuration.
     on_cpu = [compose(overrides) for overrides in (["engine=sglang", "engine.device=cpu"], ["engine=sglang_cpu"])]
     assert on_cpu[0] == on_cpu[1]
-    e, p = on_cpu[0].engine, on_cpu[0].policy
+    e, p = on_cpu[0].engine, on_cpu[0].policy.compute
     assert (e.gpus, e.sglang_max_total_tokens, p.device, p.gpus, p.precision) == (0, 8192, "cpu", 0, "fp32")
     # The preset leaves the response length to the task.
     assert compose(["engine=sglang", "task=tiny"]).engine.max_response_tokens == compose(["task=tiny"]).engine.max_response_tokens
@@ -39,7 +39,7 @@ def test_engine_sglang_picks_the_device_torch_sees_and_follows_an_explicit_one()
     (["engine=sglang_cpu", "engine.sglang_max_total_tokens=0"], "needs engine.sglang_max_total_tokens > 0"),
     (["engine=sglang_cpu", "engine.sglang_max_total_tokens=100", "engine.max_response_tokens=128"],
      "cannot hold one response"),
-    (["engine=sglang_cpu", "engine.sglang_mem_fraction=0"], "engine.sglang_mem_fraction=0.0 is out of range"),
+    (["engine=sglang_cpu", "engine.sglang_mem_fraction=0"], "engine.sglang_mem_fraction=0 is out of range"),
     (["engine=sglang_cpu", "engine.sglang_max_running_requests=-1"], "engine.sglang_max_running_requests=-1 is out of range"),
     (["engine=sglang_cpu", "engine.sglang_chunked_prefill_tokens=-8"], "engine.sglang_chunked_prefill_tokens=-8 is out of range"),
 ])

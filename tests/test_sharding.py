@@ -13,7 +13,8 @@ import torch
 import torch.multiprocessing as mp
 
 from asyncrl.config import ModelConfig
-from asyncrl.learning.policy import PolicyLossSettings
+from asyncrl.config import KLPenalty, Optimizer, PolicyCompute, PolicyConfig, PolicyLoss, SamplingConfig
+from asyncrl.learning.policy import Objective
 from asyncrl.models import build_tiny_model
 from asyncrl.learning.rank import PolicyRank
 from asyncrl.schema import FinishReason, Segment, TrainSample, float32_array, int32_array
@@ -30,13 +31,17 @@ def test_micro_batches_are_dealt_round_robin_and_short_shares_get_a_ghost():
     assert parts_of_rank(["a"], DataParallel(1, 2)) == [("a", True)]
 
 
-def _settings() -> PolicyLossSettings:
+def _settings() -> Objective:
     # Tiny micro-batches (several per rank, an odd count: a ghost), two mini-batches (the proximal
     # anchor, a collective), the rollout correction on and the vocabulary projected in chunks.
-    return PolicyLossSettings(clip_low=0.2, clip_high=0.28, dual_clip=3.0, loss_agg="token-mean", kl_coef=0.0,
-                              entropy_coef=0.01, temperature=1.0, grad_clip=0.5, micro_batch_tokens=24, nll_coef=0.1,
-                              mini_batches=2, rollout_correction="token_tis", rollout_is_cap=2.0,
-                              logits_chunk_tokens=8)  # the head in chunks, recomputed in the backward under FSDP2
+    policy = PolicyConfig(
+        loss=PolicyLoss(clip_low=0.2, clip_high=0.28, dual_clip=3.0, agg="token-mean", entropy_coef=0.01,
+                        rollout_correction="token_tis", rollout_is_cap=2.0),
+        optimizer=Optimizer(lr=1e-2, weight_decay=0.01, warmup_steps=2, grad_clip=0.5),
+        compute=PolicyCompute(micro_batch_tokens=24, precision="fp32",
+                              logits_chunk_tokens=8),  # the head in chunks, recomputed in the backward under FSDP2
+        mini_batches=2)
+    return Objective(policy, SamplingConfig(temperature=1.0), KLPenalty(), nll_coef=0.1)
 
 
 def _batch() -> list[TrainSample]:
@@ -62,8 +67,7 @@ def _stale_batch() -> list[TrainSample]:
 
 def _rank(parallel=None) -> PolicyRank:
     torch.manual_seed(0)
-    return PolicyRank(build_tiny_model(ModelConfig(source="tiny", seed=3), 30), _settings(), lr=1e-2,
-                      weight_decay=0.01, warmup_steps=2, parallel=parallel)
+    return PolicyRank(build_tiny_model(ModelConfig(source="tiny", seed=3), 30), _settings(), parallel=parallel)
 
 
 def _sharded_worker(rank: int, world: int, port: int, out_dir: str) -> None:

@@ -1,4 +1,4 @@
-"""How the estimators are wired, against docs/algorithms.md: each test here failed on the code before
+"""How the algorithms are wired, against docs/algorithms.md: each test here failed on the code before
 issue 19 and checks one departure (staleness at the learner, dynamic sampling without a correctness
 flag, the critic's return, NLL over every window, the learner's distribution, value clipping,
 several updates per batch, the Dr.GRPO constant, the pairwise path, the KL estimators)."""
@@ -14,20 +14,22 @@ import torch
 
 from asyncrl.algo.losses import behaviour_weights, kl_penalty, ppo_policy_loss, rollout_mismatch
 from asyncrl.algo.sampling import filtered_logprobs, step_logprobs
-from asyncrl.assembly.rows import ValueAdvantageSettings, with_whole_response
-from asyncrl.config import ConfigError, ModelConfig, compose
-from asyncrl.learning.policy import PolicyLossSettings, policy_step
+from asyncrl.assembly.rows import with_whole_response
+from asyncrl.config import (ConfigError, CriticConfig, DynamicSampling, GAEAdvantage, KLPenalty, ModelConfig, Optimizer,
+                            OverlongShaping, PolicyCompute, PolicyConfig, PolicyLoss, SamplingConfig, ValueLoss, compose)
+from asyncrl.config.fields import replaced
+from asyncrl.config.learner import Compute
+from asyncrl.learning.policy import Objective, policy_step
 from asyncrl.learning.rows import collate
 from asyncrl.learning.scoring import token_logprobs
-from asyncrl.learning.value import ValueLossSettings, value_step
+from asyncrl.learning.value import value_step
 from asyncrl.mailbox import InProcessMailbox
 from asyncrl.models import build_tiny_model, value_model_from_policy
 from actors.assembler import Assembler
-from actors.assembler import Shaping
 from asyncrl.algo.advantages import group_normalised, pairwise_advantages
 from asyncrl.assembly.decisions import Scored
-from asyncrl.assembly.groups import GroupSettings, PairwiseEstimator, group_rows
-from asyncrl.assembly.values import ValueEdges, ValueEstimator
+from asyncrl.assembly.groups import PairwiseStrategy, group_rows
+from asyncrl.assembly.values import ValueEdges, ValueStrategy
 from asyncrl.learning.rank import PolicyRank
 from asyncrl.staleness import mask_stale_tokens
 from actors.policy_learner import PolicyLearner
@@ -48,10 +50,19 @@ def segment(new, prior=(), finished=True, pid="p", idx=0, version=0, prior_versi
                    data_source="tiny")
 
 
-def loss_settings(**overrides) -> PolicyLossSettings:
-    base = dict(clip_low=0.2, clip_high=0.28, dual_clip=None, loss_agg="token-mean", kl_coef=0.0, entropy_coef=0.0,
-                temperature=1.0, grad_clip=1e9, micro_batch_tokens=4096)
-    return PolicyLossSettings(**{**base, **overrides})
+# Where each knob of a test's objective lives (the learner reads the run's sections as they are).
+WHERE = {"loss_agg": "policy.loss.agg", "norm_tokens": "policy.loss.norm_tokens", "top_p": "sampling.top_p",
+         "nll_coef": "nll_coef", "ppo_epochs": "policy.ppo_epochs", "mini_batches": "policy.mini_batches",
+         "rollout_correction": "policy.loss.rollout_correction", "rollout_is_cap": "policy.loss.rollout_is_cap",
+         "behaviour_weight_cap": "policy.loss.behaviour_weight_cap"}
+
+
+def loss_settings(**changes) -> Objective:
+    """The objective of a policy step: clip 0.2/0.28, no dual clip, token-mean, temperature 1, no
+    gradient clip, fp32; `changes` by knob name (`WHERE`)."""
+    base = Objective(PolicyConfig(loss=PolicyLoss(dual_clip=None), optimizer=Optimizer(grad_clip=1e9),
+                                  compute=PolicyCompute(precision="fp32")), SamplingConfig(temperature=1.0), KLPenalty())
+    return replaced(base, {WHERE[k]: v for k, v in changes.items()})
 
 
 def tiny_policy(seed=3):
@@ -66,7 +77,7 @@ def same_grads(a, b) -> bool:
     return a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-7) for k in a)
 
 
-GROUP = GroupSettings(dynamic_sampling=True)
+GROUP = DynamicSampling(enabled=True)
 
 
 def scored(samples, rewards, penalties=None):
@@ -84,7 +95,8 @@ def test_the_learner_masks_tokens_too_stale_for_the_weights_it_trains():
     nothing left moves no weight (an Adam step on zero gradients would)."""
     async def main():
         model = tiny_policy()
-        learner = PolicyLearner(PolicyRank(model, loss_settings(), lr=1e-2, weight_decay=0.0), InProcessMailbox(10),
+        learner = PolicyLearner(PolicyRank(model, replaced(loss_settings(), {"policy.optimizer.lr": 1e-2})),
+                                InProcessMailbox(10),
                                 max_staleness_versions=2)
         learner.weight_version = learner.step = 10
         old = TrainSample(segment=segment([20, 21, 22], version=7), score=1.0, advantages=float32_array([1.0] * 3))
@@ -129,8 +141,7 @@ def test_dynamic_sampling_falls_back_to_the_score_without_a_correctness_flag():
     # metric=score: correctness all equal but the scores differ (partial credit): kept.
     partial = [Reward(prompt_id="bt", sample_idx=i, score=s, correct=False, source="v") for i, s in enumerate([0, .5, 0])]
     assert group_rows(scored(group, partial), GROUP, group_normalised)[1] == "no_signal"
-    from dataclasses import replace
-    assert group_rows(scored(group, partial), replace(GROUP, filter_metric="score"), group_normalised)[1] is None
+    assert group_rows(scored(group, partial), DynamicSampling(metric="score"), group_normalised)[1] is None
 
 
 def test_positive_example_nll_counts_a_positive_score_when_correctness_is_unknown():
@@ -143,18 +154,19 @@ def test_positive_example_nll_counts_a_positive_score_when_correctness_is_unknow
 # --- 3. the critic learns the reward the policy is trained with ------------------------------------
 
 
-def value_estimator(settings: ValueAdvantageSettings, value_of=lambda row: 0.25, nll=False, reference=None, kl=None):
+def value_estimator(gae: GAEAdvantage, value_of=lambda row: 0.25, nll=False, reference=None, kl=None,
+                    window_tokens=2):
     async def values(rows):
         return [np.full(len(new) + 1, value_of(new), dtype=np.float32) for _, new in rows], 3
 
     async def ready():
         return True
 
-    return ValueEstimator(edges=ValueEdges(values=values, ready=ready, reference_logprobs=reference), settings=settings,
-                          rows_per_batch=1, nll_whole_response=nll, kl=kl)
+    return ValueStrategy(edges=ValueEdges(values=values, ready=ready, reference_logprobs=reference), gae=gae,
+                         window_tokens=window_tokens, rows_per_batch=1, nll_whole_response=nll, kl=kl)
 
 
-def run_assembler(estimator, batches_of_segments, score=1.0, correct=True, shaping=Shaping(max_response_tokens=4)):
+def run_assembler(estimator, batches_of_segments, score=1.0, correct=True, shaping=OverlongShaping()):
     segments, batches, trajectories = InProcessMailbox(100), InProcessMailbox(100), InProcessMailbox(100)
 
     async def scorer(requests):
@@ -162,7 +174,7 @@ def run_assembler(estimator, batches_of_segments, score=1.0, correct=True, shapi
                 for r in requests]
 
     async def main():
-        asm = Assembler(segments, batches, scorer, lambda ids: " ".join(map(str, ids)), estimator, shaping,
+        asm = Assembler(segments, batches, scorer, lambda ids: " ".join(map(str, ids)), estimator, shaping, 4,
                         max_staleness_versions=4, trajectories=trajectories)
         for group in batches_of_segments:
             await segments.put(group)
@@ -174,10 +186,9 @@ def run_assembler(estimator, batches_of_segments, score=1.0, correct=True, shapi
     return asyncio.run(main())
 
 
-TPPO = ValueAdvantageSettings(gamma=1.0, lam=1.0, length_adaptive_alpha=0.0, lambda_floor=False, edge_mask_tokens=0,
-                              window_training=True, window_tokens=2)
-# A 2-token overlong buffer at L_max = 4.
-SHAPED = Shaping(max_response_tokens=4, buffer_tokens=2)
+TPPO = GAEAdvantage(gamma=1.0, lam=1.0, window_training=True)
+# A 2-token overlong buffer at L_max = 4 (run_assembler's).
+SHAPED = OverlongShaping(buffer_tokens=2)
 
 
 def test_the_critic_learns_the_overlong_shaped_return():
@@ -266,13 +277,14 @@ def test_at_step_zero_every_ratio_is_one_under_the_engines_own_sampling():
 
 def test_value_clipping_acts_around_the_values_recorded_at_scoring():
     windows = segment([20, 21, 22, 23])
-    settings = ValueLossSettings(gamma=1.0, lam=1.0, clip_low=0.5, clip_high=0.6, grad_clip=1e9, micro_batch_tokens=4096)
+    critic = CriticConfig(loss=ValueLoss(lam=1.0, clip_low=0.5, clip_high=0.6), optimizer=Optimizer(grad_clip=1e9),
+                          compute=Compute(precision="fp32"))
 
     def value_grads(trajectory, clip=True):
         torch.manual_seed(0)
         value_model = value_model_from_policy(tiny_policy())
-        s = settings if clip else ValueLossSettings(**{**settings.__dict__, "clip_low": None, "clip_high": None})
-        metrics = value_step(value_model, torch.optim.SGD(value_model.parameters(), lr=0.0), [trajectory], s)
+        c = critic if clip else replaced(critic, {"loss.clip_low": None, "loss.clip_high": None})
+        metrics = value_step(value_model, torch.optim.SGD(value_model.parameters(), lr=0.0), [trajectory], c, 1.0)
         return grads(value_model), metrics
 
     plain, _ = value_grads(ScoredTrajectory(segment=windows, score=1.0), clip=False)
@@ -361,8 +373,8 @@ def test_the_first_update_anchors_on_its_own_forward_as_on_a_separate_proximal_o
 
     optimizer = torch.optim.Adam(reference.parameters(), lr=3e-2)
     ordered = collate(sorted(rows, key=lambda r: row_length(r.segment)))
-    proximal = proximal_logprobs(reference, ordered, settings)
-    weights_correction = _behaviour_correction(settings, epochs * minis)
+    proximal = proximal_logprobs(reference, ordered, settings.policy, settings.sampling)
+    weights_correction = _behaviour_correction(settings.policy.loss, epochs * minis)
     assert weights_correction is not None
     history = [_policy_update(reference, optimizer, ordered.select(part), settings, None, proximal[part],
                               weights_correction)[0]
@@ -388,7 +400,7 @@ def test_seq_mean_token_sum_norm_divides_by_a_fixed_length():
     def step(rows):
         model = tiny_policy()
         policy_step(model, torch.optim.SGD(model.parameters(), lr=0.0), rows,
-                    loss_settings(loss_agg="seq-mean-token-sum-norm", norm_constant=16.0))
+                    loss_settings(loss_agg="seq-mean-token-sum-norm", norm_tokens=16))
         return grads(model)
 
     assert same_grads(step([short]), step([short, longer]))
@@ -398,13 +410,11 @@ def test_seq_mean_token_sum_norm_divides_by_a_fixed_length():
 
 
 def test_pairwise_advantages_carry_the_overlong_penalty():
-    from dataclasses import replace
-
     """The judge ties the two responses; the 8-token one (L_max 8, buffer 4) carries its penalty of -1."""
     async def judge(pairs):
         return [{"p_first": 0.5, "consistent": True, "failed": False} for _ in pairs]
 
-    estimator = PairwiseEstimator(replace(GROUP, dynamic_sampling=False), 1, pairwise_advantages, judge=judge,
+    estimator = PairwiseStrategy(DynamicSampling(enabled=False), 1, pairwise_advantages, judge=judge,
                                   decode=lambda ids: " ".join(map(str, ids)))
     group = [segment([1] * 8, pid="pw", idx=0, group_size=2), segment([1] * 2, pid="pw", idx=1, group_size=2)]
     rewards = [Reward(prompt_id="pw", sample_idx=i, score=0.0, correct=False, source="t") for i in range(2)]
@@ -417,7 +427,7 @@ def test_a_failed_judgement_drops_the_group_instead_of_a_neutral_tie():
     async def judge(pairs):
         return [{"p_first": 0.5, "consistent": True, "failed": i == 0} for i, _ in enumerate(pairs)]
 
-    estimator = PairwiseEstimator(GROUP, 1, pairwise_advantages, judge=judge, decode=lambda ids: " ".join(map(str, ids)))
+    estimator = PairwiseStrategy(GROUP, 1, pairwise_advantages, judge=judge, decode=lambda ids: " ".join(map(str, ids)))
     group = [segment([1], pid="j", idx=i, group_size=2) for i in range(2)]
     out, _ = run_assembler_group(estimator, group)
     assert out == [] and estimator._groups == {}
@@ -431,7 +441,7 @@ def run_assembler_group(estimator, group):
                        source="t") for r in requests]
 
     async def main():
-        asm = Assembler(segments, batches, scorer, lambda ids: " ".join(map(str, ids)), estimator, Shaping(8),
+        asm = Assembler(segments, batches, scorer, lambda ids: " ".join(map(str, ids)), estimator, OverlongShaping(), 8,
                         events=lambda evs, outcomes: events.extend((state, reason) for _, state, reason in evs))
         await segments.put(group)
         for _ in range(3):
@@ -455,14 +465,14 @@ def test_kl_estimators_are_selectable():
     assert kl_penalty(logp, ref, "k1").item() == pytest.approx(0.5)
     assert kl_penalty(logp, ref, "k2").item() == pytest.approx(0.125)
     assert kl_penalty(logp, ref, "low_var_kl").item() == pytest.approx(np.exp(-0.5) + 0.5 - 1)
-    assert compose(["algorithm.kl_estimator=k2"]).algorithm.kl_estimator == "k2"
-    with pytest.raises(ConfigError, match="kl_estimator"):
-        compose(["algorithm.kl_estimator=k4"])
+    assert compose(["algorithm.kl.estimator=k2"]).algorithm.kl.estimator == "k2"
+    with pytest.raises(ConfigError, match="algorithm.kl.estimator"):
+        compose(["algorithm.kl.estimator=k4"])
 
 
 def test_tppo_refuses_process_rewards_it_cannot_credit():
     with pytest.raises(ConfigError, match="process rewards"):
-        compose(["algorithm=tppo", "+reward.endpoints.prm={kind: prm}",
+        compose(["algorithm=tppo", "+reward.endpoints.prm={kind: prm, model_path: prm_dir}",
                  "reward.routes=[{match: '*', endpoints: [verifier], dense: [prm]}]"])
 
 
@@ -472,7 +482,7 @@ def test_vapo_lambda_is_scaled_to_the_embedded_response_length():
     from asyncrl.algo.advantages import length_adaptive_lambda
 
     config = compose(["algorithm=vapo"])
-    lam = length_adaptive_lambda(torch.tensor([20.0, 64.0]), config.algorithm.length_adaptive_alpha)
+    lam = length_adaptive_lambda(torch.tensor([20.0, 64.0]), config.algorithm.advantage.length_adaptive_alpha)
     assert lam[0].item() >= 0.95 - 1e-9 and lam[1].item() > lam[0].item()
 
 
@@ -481,7 +491,7 @@ def test_vapo_lambda_is_scaled_to_the_embedded_response_length():
 
 def test_kl_reward_hand_values_and_it_enters_gae_and_the_critics_return():
     from asyncrl.algo.shaping import kl_reward
-    from asyncrl.assembly.rows import KLRewardSettings, kl_rewards, value_rows
+    from asyncrl.assembly.rows import kl_rewards, value_rows
 
     # k1: KL_t = log π_old − log π_ref = [0.5, −1.0]; r_t = −0.1·KL_t = [−0.05, 0.1].
     out = kl_reward(torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -1.0]), 0.1, "k1")
@@ -489,21 +499,20 @@ def test_kl_reward_hand_values_and_it_enters_gae_and_the_critics_return():
     # FIRE's hot first token is not π_old's (the engine marked it unscored): no KL reward there.
     row = segment([4, 5], logprobs=[-1.0, -2.0])
     hot = Segment(**{**{f: getattr(row, f) for f in row.__struct_fields__}, "new_scored": np.array([0, 1], np.uint8)})
-    fire = kl_rewards(hot, np.array([-1.5, -1.0]), KLRewardSettings(0.1, "k1"))
+    fire = kl_rewards(hot, np.array([-1.5, -1.0]), KLPenalty(coef=0.1, estimator="k1"))
     assert fire.tolist() == pytest.approx([0.0, 0.1])
     # GAE with γ = λ = 1 and V ≡ 0: each advantage is the sum of the rewards to come, R = 1 included.
-    settings = ValueAdvantageSettings(gamma=1.0, lam=1.0, length_adaptive_alpha=0.0, lambda_floor=False,
-                                      edge_mask_tokens=0, window_training=False, window_tokens=8)
-    kl = kl_rewards(row, np.array([-1.5, -1.0]), KLRewardSettings(0.1, "k1"))
+    gae = GAEAdvantage(gamma=1.0, lam=1.0)
+    kl = kl_rewards(row, np.array([-1.5, -1.0]), KLPenalty(coef=0.1, estimator="k1"))
     from asyncrl.assembly.rows import Outcome
-    trained = value_rows([row], [np.zeros(3, dtype=np.float32)], [Outcome(1.0, True)], settings, 0, [kl])
+    trained = value_rows([row], [np.zeros(3, dtype=np.float32)], [Outcome(1.0, True)], gae, 8, 0, [kl])
     assert trained[0].advantages.tolist() == pytest.approx([-0.05 + 0.1 + 1.0, 0.1 + 1.0])
 
     # Through the estimator: rows and the critic's trajectory carry the same KL rewards.
     async def reference(rows):
         return [np.full(len(new), -1.5, dtype=np.float32) for _, new in rows]
 
-    estimator = value_estimator(settings, reference=reference, kl=KLRewardSettings(0.1, "k1"))
+    estimator = value_estimator(gae, reference=reference, kl=KLPenalty(coef=0.1, estimator="k1"), window_tokens=8)
     out, trajectories = run_assembler(estimator, [[segment([4, 5], logprobs=[-1.0, -2.0])]])
     expected = [-0.05, 0.05]  # KL = [0.5, −0.5]
     assert trajectories[0].token_rewards.tolist() == pytest.approx(expected)
@@ -516,22 +525,24 @@ def test_the_value_learner_scores_the_reference_under_the_samplers_distribution(
     from asyncrl.engines.base import SamplingParams, SequenceInput
     from asyncrl.engines.torch_engine import TorchEngine
     from actors.value_learner import ValueLearner
-    from asyncrl.assembly.rows import KLRewardSettings, kl_rewards
+    from asyncrl.assembly.rows import kl_rewards
 
     params = SamplingParams(temperature=0.7, top_p=0.8)
     engine = TorchEngine(tiny_policy(), eos_token_ids=[2], pad_token_id=0)
     out = engine.generate_window_sync([SequenceInput(prompt_ids=int32_array([5, 6, 7]), response_ids=int32_array([]),
                                                      seed=3, max_response_tokens=10)], 10, params)[0]
-    settings = ValueLossSettings(gamma=1.0, lam=1.0, clip_low=None, clip_high=None, grad_clip=1.0, micro_batch_tokens=64)
-    learner = ValueLearner(value_model_from_policy(tiny_policy()), InProcessMailbox(4), settings, 1e-3, 0.0, 1,
-                           reference=tiny_policy(), sampling=params)
+    critic = CriticConfig(loss=ValueLoss(lam=1.0, clip_low=None, clip_high=None), optimizer=Optimizer(lr=1e-3),
+                          batch_trajectories=1)
+    learner = ValueLearner(value_model_from_policy(tiny_policy()), InProcessMailbox(4),
+                           replaced(critic, {"compute.micro_batch_tokens": 64, "compute.precision": "fp32"}),
+                           reference=tiny_policy(), sampling=SamplingConfig(temperature=0.7, top_p=0.8))
     row = segment(out.token_ids.tolist(), logprobs=out.logprobs.tolist())
     (reference,) = asyncio.run(learner.reference_logprobs([(row.prompt_token_ids, row.new_token_ids)]))
     np.testing.assert_allclose(reference, out.logprobs, atol=1e-4)
-    assert np.abs(kl_rewards(row, reference, KLRewardSettings(0.5, "k1"))).max() < 1e-4
+    assert np.abs(kl_rewards(row, reference, KLPenalty(coef=0.5, estimator="k1"))).max() < 1e-4
     with pytest.raises(ConfigError, match="kl_in_reward"):
-        compose(["algorithm=grpo", "algorithm.kl_in_reward=true", "algorithm.kl_coef=0.01"])
-    assert compose(["algorithm=ppo", "algorithm.kl_in_reward=true", "algorithm.kl_coef=0.05"]).algorithm.kl_in_reward
+        compose(["algorithm=grpo", "algorithm.advantage.kl_in_reward=true", "algorithm.kl.coef=0.01"])
+    assert compose(["algorithm=ppo", "algorithm.advantage.kl_in_reward=true", "algorithm.kl.coef=0.05"]).algorithm.kl_in_reward
 
 
 # --- issue 18: rollout-training mismatch, measured and corrected --------------------------------------
@@ -588,25 +599,25 @@ def test_the_learner_reports_the_mismatch_every_step_and_corrects_it_when_asked(
 
 def test_the_gpu_learners_settings_run_on_cpu_bf16_autocast_and_checkpointing():
     """bf16 autocast (fp32 master weights) and gradient checkpointing through the learner's own
-    builder; on a CPU box they run on the CPU (the same code takes the GPU with policy.device=cuda)."""
+    builder; on a CPU box they run on the CPU (the same code takes the GPU with policy.compute.device=cuda)."""
     from actors.policy_learner import build_policy_learner
 
     def step(*overrides):
         config = compose(["model=tiny", "task=tiny", "algorithm=grpo", *overrides])
-        learner = build_policy_learner(config.model, config.algorithm, config.policy, config.engine,
+        learner = build_policy_learner(config.model, config.algorithm, config.policy, config.engine, config.sampling,
                                        config.trainer.seed, InProcessMailbox(2))
         rows = [TrainSample(segment=segment([20, 21, 22], logprobs=[-3.0] * 3), score=1.0,
                             advantages=float32_array([1.0, 1.0, 1.0]))]
         return learner, learner.policy.step(rows)  # the learner's own step
 
-    auto, fp32 = step()  # policy.precision=auto: the tiny model is too small for bf16 to pay
-    assert auto.policy.settings.precision == "fp32" and auto.stats()["precision"] == "fp32"
-    learner, bf16 = step("policy.precision=bf16", "policy.gradient_checkpointing=true")
-    assert learner.policy.settings.precision == "bf16" and learner.model.is_gradient_checkpointing
+    auto, fp32 = step()  # policy.compute.precision=auto: the tiny model is too small for bf16 to pay
+    assert auto.policy.objective.policy.compute.precision == "fp32" and auto.stats()["precision"] == "fp32"
+    learner, bf16 = step("policy.compute.precision=bf16", "policy.compute.gradient_checkpointing=true")
+    assert learner.policy.objective.policy.compute.precision == "bf16" and learner.model.is_gradient_checkpointing
     assert all(p.dtype == torch.float32 for p in learner.model.parameters())  # master weights stay fp32
     assert bf16["loss"] == pytest.approx(fp32["loss"], rel=0.05) and np.isfinite(bf16["grad_norm"])
-    with pytest.raises(ConfigError, match="policy.gpus"):
-        compose(["policy.device=cuda"])
+    with pytest.raises(ConfigError, match="policy.compute.gpus"):
+        compose(["policy.compute.device=cuda"])
 
 
 def test_roles_ask_ray_for_what_they_use(ray_session):
@@ -617,9 +628,9 @@ def test_roles_ask_ray_for_what_they_use(ray_session):
     def placed(*overrides, generators=2, learners=2):
         c = compose(["model=tiny", *overrides])
         return role_placement(c.cluster.placement, ask(c.engine.gpus, c.engine.resources), generators,
-                              [ask(c.policy.gpus, c.policy.resources)] * learners)
+                              [ask(c.policy.compute.gpus, c.policy.compute.resources)] * learners)
 
-    generators, learners, group = placed("engine.resources={node_generator: 1}", "policy.gpus=0.5")
+    generators, learners, group = placed("engine.resources={node_generator: 1}", "policy.compute.gpus=0.5")
     assert group is None and generators == [{"resources": {"node_generator": 1.0}}] * 2
     assert learners == [{"num_gpus": 0.5}] * 2
     generators, learners, group = placed("cluster.placement=spread", learners=1)
@@ -637,6 +648,6 @@ def test_roles_ask_ray_for_what_they_use(ray_session):
 
 def test_the_sglang_engine_group_composes_and_sets_the_mismatch_correction():
     config = compose(["engine=sglang", "engine.device=cuda", "model.source=hf", "model.path=/models/qwen"])
-    assert config.engine.name == "sglang" and config.policy.rollout_correction == "token_tis"
-    assert config.policy.precision == "bf16" and config.engine.gpus > 0
-    assert compose([]).engine.name == "torch" and compose([]).policy.rollout_correction == "none"
+    assert config.engine.name == "sglang" and config.policy.loss.rollout_correction == "token_tis"
+    assert config.policy.compute.precision == "bf16" and config.engine.gpus > 0
+    assert compose([]).engine.name == "torch" and compose([]).policy.loss.rollout_correction == "none"

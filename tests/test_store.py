@@ -82,8 +82,8 @@ def test_a_golden_batch_reproduces_its_recorded_loss_and_gradient_norm(name):
     metrics = replay_batch(config, record)
     assert metrics["loss"] == pytest.approx(record.loss, rel=1e-4, abs=1e-7)
     assert metrics["grad_norm"] == pytest.approx(record.grad_norm, rel=1e-4)
-    other = "seq-mean-token-sum" if config.policy.loss_agg == "token-mean" else "token-mean"
-    config.policy.loss_agg = other
+    other = "seq-mean-token-sum" if config.policy.loss.agg == "token-mean" else "token-mean"
+    config.policy.loss.agg = other
     changed = replay_batch(config, record)
     assert changed["grad_norm"] != pytest.approx(record.grad_norm, rel=1e-3)
 
@@ -147,7 +147,7 @@ def test_a_recorded_run_is_read_elsewhere_replayed_and_learned_from_offline(solv
     dqo_metrics = [json.loads(line) for line in open(tmp_path / "dqo" / "metrics.jsonl")]
     assert len(dqo_metrics) == 4 and all(np.isfinite(m["dqo_policy_loss"]) for m in dqo_metrics)
     value = learn(compose(["model=tiny", "task=tiny", "algorithm=vcppo", "mode=learn", "offline.train=value",
-                           f"offline.data={run}", "offline.batch_trajectories=128", "critic.lr=1e-3",
+                           f"offline.data={run}", "offline.batch_trajectories=128", "critic.optimizer.lr=1e-3",
                            "trainer.total_steps=2", f"trainer.run_dir={tmp_path / 'value'}"]), progress=False)
     assert value["steps"] == 2
     critic = value_model_from_checkpoint(value["value_init_path"], compose(["model=tiny"]).model, build_tiny_tokenizer())

@@ -1,24 +1,31 @@
 """Value-based pieces end to end below the actors: rows with (E)GAE, whitening, the value model and
 its training step, and the gradient invariants of T-PPO (docs/algorithms.md §6.5)."""
 
-import dataclasses
-
 import numpy as np
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
-from asyncrl.assembly.rows import Outcome, ValueAdvantageSettings, value_rows, whiten_rows
+from asyncrl.assembly.rows import Outcome, value_rows, whiten_rows
 from asyncrl.schema import segment_row
-from asyncrl.learning.policy import PolicyLossSettings, policy_step
+from asyncrl.config.fields import replaced
+from asyncrl.learning.policy import Objective, policy_step
 from asyncrl.learning.rows import collate
-from asyncrl.learning.value import ValueLossSettings, predict_values, value_step
-from asyncrl.config import ModelConfig
+from asyncrl.learning.value import predict_values, value_step
+from asyncrl.config import (Compute, CriticConfig, GAEAdvantage, KLPenalty, ModelConfig, Optimizer, PolicyCompute,
+                            PolicyConfig, PolicyLoss, SamplingConfig, ValueLoss)
 from asyncrl.models import build_tiny_model, value_model_from_policy, value_model_from_reward_model
 from asyncrl.schema import FinishReason, ScoredTrajectory, Segment, TrainSample, float32_array, int32_array
 
-SETTINGS = ValueAdvantageSettings(gamma=1.0, lam=1.0, length_adaptive_alpha=0.0, lambda_floor=False,
-                                  edge_mask_tokens=0, window_training=True, window_tokens=4)
+SETTINGS = GAEAdvantage(gamma=1.0, lam=1.0, window_training=True)
+W = 4  # engine.window_tokens
+OBJECTIVE = Objective(PolicyConfig(loss=PolicyLoss(dual_clip=None), optimizer=Optimizer(grad_clip=1e9),
+                                   compute=PolicyCompute(precision="fp32")), SamplingConfig(temperature=1.0), KLPenalty())
+
+
+def critic(lam=1.0, clip=(None, None), micro_batch_tokens=4096) -> CriticConfig:
+    return CriticConfig(loss=ValueLoss(lam=lam, clip_low=clip[0], clip_high=clip[1]), optimizer=Optimizer(grad_clip=1e9),
+                        compute=Compute(micro_batch_tokens=micro_batch_tokens, precision="fp32"))
 
 
 def segment(new, prior=(), finished=True, prompt=(5, 6, 7), turn=None, pid="p", idx=0, version=0):
@@ -37,28 +44,28 @@ V = np.array([0.2, 0.4, 0.5, 0.7, 0.9], dtype=np.float32)
 def test_rows_reproduce_section_12_values():
     finished = segment([8, 9, 10, 11])
     cut = segment([8, 9, 10, 11], finished=False, pid="q")
-    rows = value_rows([finished, cut], [V, V], [Outcome(1.0, True), None], SETTINGS, value_version=3)
+    rows = value_rows([finished, cut], [V, V], [Outcome(1.0, True), None], SETTINGS, W, value_version=3)
     np.testing.assert_allclose(rows[0].advantages, [0.8, 0.6, 0.5, 0.3], atol=1e-6)  # GAE complete, λ=1
     np.testing.assert_allclose(rows[1].advantages, [0.5, 0.3, 0.2, 0.0], atol=1e-6)  # EGAE truncated, λ=1
     assert rows[0].value_version == 3 and rows[0].correct is True and rows[1].correct is None
-    lam95 = dataclasses.replace(SETTINGS, lam=0.95)
-    rows = value_rows([finished, cut], [V, V], [Outcome(1.0, True), None], lam95)
+    lam95 = replaced(SETTINGS, {"lam": 0.95})
+    rows = value_rows([finished, cut], [V, V], [Outcome(1.0, True), None], lam95, W)
     np.testing.assert_allclose(rows[0].advantages, [0.7327, 0.5608, 0.4850, 0.3], atol=1e-4)
     np.testing.assert_allclose(rows[1].advantages, [0.4755, 0.29, 0.20, 0.0], atol=1e-4)
     # With the value model's own V(s_l) = 0.9 as the bootstrap (γ=λ=1): Â_t = V(s_l) − V_t.
-    nxt = dataclasses.replace(SETTINGS, bootstrap="next")
-    rows = value_rows([finished, cut], [V, V], [Outcome(1.0, True), None], nxt)
+    nxt = replaced(SETTINGS, {"bootstrap": "next"})
+    rows = value_rows([finished, cut], [V, V], [Outcome(1.0, True), None], nxt, W)
     np.testing.assert_allclose(rows[1].advantages, [0.7, 0.5, 0.4, 0.2], atol=1e-6)
     np.testing.assert_allclose(rows[0].advantages, [0.8, 0.6, 0.5, 0.3], atol=1e-6)  # finished: unchanged
     with pytest.raises(ValueError, match="expected n \\+ 1"):
-        value_rows([cut], [V[:4]], [None], SETTINGS)
+        value_rows([cut], [V[:4]], [None], SETTINGS, W)
 
 
 def test_edge_mask_leaves_unfinished_window_tails_out_of_the_loss():
-    edge = dataclasses.replace(SETTINGS, edge_mask_tokens=2)
+    edge = replaced(SETTINGS, {"edge_mask_tokens": 2})
     cut = segment([8, 9, 10, 11], finished=False)
     done = segment([8, 9, 10, 11], prior=[3, 4, 5, 6], pid="q")
-    rows = value_rows([cut, done], [V, V], [None, Outcome(1.0)], edge)
+    rows = value_rows([cut, done], [V, V], [None, Outcome(1.0)], edge, W)
     assert rows[0].loss_mask.tolist() == [1, 1, 0, 0] and rows[0].advantages[2:].tolist() == [0.0, 0.0]
     assert rows[1].loss_mask.tolist() == [1, 1, 1, 1]
     assert collate(rows).response_mask.sum(-1).tolist() == [2.0, 4.0]
@@ -69,16 +76,16 @@ def test_last_window_of_a_response_gets_its_slice_of_dense_rewards_and_lambda_fl
     dense = float32_array([0, 0, 0, 0, 0.1, 0.2, 0.3, 0.4])
     last = segment([8, 9, 10, 11], prior=[3, 4, 5, 6])
     zero_v = np.zeros(5, dtype=np.float32)
-    [row] = value_rows([last], [zero_v], [Outcome(1.0, True, dense)], SETTINGS)
+    [row] = value_rows([last], [zero_v], [Outcome(1.0, True, dense)], SETTINGS, W)
     # λ=1, V=0: advantage = reward-to-go = suffix sums of [0.1, 0.2, 0.3, 0.4 + 1].
     np.testing.assert_allclose(row.advantages, [2.0, 1.9, 1.7, 1.4], atol=1e-6)
     # T-PPO λ floor: an unfinished 8192-token window with W=8192 uses λ = 1 − 1/(0.05·12288).
-    floor = dataclasses.replace(SETTINGS, lam=0.95, length_adaptive_alpha=0.05, lambda_floor=True, window_tokens=8192)
+    floor = replaced(SETTINGS, {"lam": 0.95, "length_adaptive_alpha": 0.05, "lambda_floor": True})
     n = 8192
     cut = segment(list(np.full(n, 8)), finished=False)
     values = np.zeros(n + 1, dtype=np.float32)
     values[n - 1], values[n - 2] = 1.0, 0.0
-    [row] = value_rows([cut], [values], [None], floor)
+    [row] = value_rows([cut], [values], [None], floor, 8192)
     # Â_{l−2} = δ_{l−2} + γλ·δ_{l−1} = (V_{l−1} − V_{l−2}) + λ·0.
     assert row.advantages[-2] == pytest.approx(1.0)
     assert row.advantages[-3] == pytest.approx(0.998372, abs=1e-6)  # λ·Â_{l−2} with δ_{l−3} = 0
@@ -86,7 +93,7 @@ def test_last_window_of_a_response_gets_its_slice_of_dense_rewards_and_lambda_fl
 
 def test_whitening_uses_only_trained_tokens():
     rows = value_rows([segment([8, 9, 10, 11], finished=False), segment([8, 9, 10, 11], pid="q")], [V, V],
-                      [None, Outcome(1.0)], dataclasses.replace(SETTINGS, edge_mask_tokens=1))
+                      [None, Outcome(1.0)], replaced(SETTINGS, {"edge_mask_tokens": 1}), W)
     white = whiten_rows(rows, clamp=10.0)
     adv = np.concatenate([r.advantages for r in white])
     mask = np.concatenate([r.loss_mask for r in white]).astype(bool)
@@ -112,9 +119,7 @@ def test_no_gradient_reaches_prompt_or_earlier_windows():
     model.model.norm.register_forward_hook(keep_hidden_grad)
     row = segment([20, 21, 22], prior=[10, 11, 12, 13], prompt=(5, 6, 7))
     sample = TrainSample(segment=row, score=1.0, advantages=float32_array([5.0, 3.0, 2.0]))  # ratio < 1: unclipped
-    settings = PolicyLossSettings(clip_low=0.2, clip_high=0.28, dual_clip=None, loss_agg="token-mean", kl_coef=0.0,
-                                  entropy_coef=0.0, temperature=1.0, grad_clip=1e9, micro_batch_tokens=4096)
-    policy_step(model, torch.optim.SGD(model.parameters(), lr=0.0), [sample], settings)
+    policy_step(model, torch.optim.SGD(model.parameters(), lr=0.0), [sample], OBJECTIVE)
     grad_per_position = captured["g"][0].abs().sum(-1)
     context = len(row.prompt_token_ids) + len(row.prior_response_ids)  # 7: logits 0..5 predict context tokens
     assert bool((grad_per_position[: context - 1] == 0).all())
@@ -127,10 +132,8 @@ def test_positive_example_nll_only_moves_with_correct_finished_rows():
         model = tiny_policy()
         row = segment([20, 21, 22], finished=finished)
         sample = TrainSample(segment=row, score=1.0, advantages=float32_array([0.0, 0.0, 0.0]), correct=correct)
-        settings = PolicyLossSettings(clip_low=0.2, clip_high=0.28, dual_clip=None, loss_agg="token-mean",
-                                      kl_coef=0.0, entropy_coef=0.0, temperature=1.0, grad_clip=1e9,
-                                      micro_batch_tokens=4096, nll_coef=nll_coef)
-        metrics = policy_step(model, torch.optim.SGD(model.parameters(), lr=0.0), [sample], settings)
+        metrics = policy_step(model, torch.optim.SGD(model.parameters(), lr=0.0), [sample],
+                              replaced(OBJECTIVE, {"nll_coef": nll_coef}))
         return model.lm_head.weight.grad.abs().sum().item(), metrics
 
     assert grads(True, True, 0.1)[0] > 0  # zero advantages: only the NLL term has a gradient
@@ -174,12 +177,10 @@ def test_value_step_targets_are_monte_carlo_and_loss_falls():
     optimizer = torch.optim.Adam(value_model.parameters(), lr=1e-2)
     windows = segment([20, 21, 22, 23, 24, 25], prior=[], turn=2)  # merged: all windows as new tokens
     trajectory = ScoredTrajectory(segment=windows, score=1.0, correct=True)
-    settings = ValueLossSettings(gamma=1.0, lam=1.0, clip_low=None, clip_high=None, grad_clip=1e9,
-                                 micro_batch_tokens=4096)
-    first = value_step(value_model, optimizer, [trajectory], settings)
+    first = value_step(value_model, optimizer, [trajectory], critic(), 1.0)
     assert first["return_mean"] == pytest.approx(1.0) and first["value_mean"] == pytest.approx(0.0)
     for _ in range(30):
-        last = value_step(value_model, optimizer, [trajectory], settings)
+        last = value_step(value_model, optimizer, [trajectory], critic(), 1.0)
     assert last["value_loss"] < 0.1 * first["value_loss"]
     assert np.all(np.abs(predict_values(value_model, [segment_row(windows)])[0] - 1.0) < 0.3)
     with pytest.raises(ValueError, match="not finished"):
@@ -239,8 +240,8 @@ def test_the_value_step_without_its_extra_forward_pass_reproduces_the_golden_bat
     with torch.no_grad():
         model.head.bias.fill_(0.1)
         model.head.weight.normal_(0, 0.05)
-    settings = ValueLossSettings(gamma=1.0, lam=lam, clip_low=0.2, clip_high=0.3, grad_clip=1e9, micro_batch_tokens=24)
-    metrics = value_step(model, torch.optim.SGD(model.parameters(), lr=0.1), golden_value_trajectories(), settings)
+    metrics = value_step(model, torch.optim.SGD(model.parameters(), lr=0.1), golden_value_trajectories(),
+                         critic(lam, (0.2, 0.3), micro_batch_tokens=24), 1.0)
     assert metrics["value_loss"] == pytest.approx(loss, rel=1e-6)
     assert metrics["value_grad_norm"] == pytest.approx(grad_norm, rel=1e-6)
     assert metrics["value_clip_fraction"] == pytest.approx(clip, rel=1e-6)

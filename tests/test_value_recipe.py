@@ -1,4 +1,4 @@
-"""The value-based recipes on the same surface as DAPO's (issue 30): settings an estimator cannot
+"""The value-based recipes on the same surface as DAPO's (issue 30): settings an advantage cannot
 honour are refused at start-up, a fresh critic starts at the mean return, its warm-up ends when it
 stops learning, and dynamic sampling filters whole-response groups for PPO-family estimators."""
 
@@ -7,29 +7,28 @@ import asyncio
 import numpy as np
 import pytest
 
-from actors.assembler import Assembler, Shaping
+from actors.assembler import Assembler
 from asyncrl.algo.warmup import mean_return_bias, warmup_finished
-from asyncrl.assembly.rows import ValueAdvantageSettings
-from asyncrl.assembly.values import ValueEdges, ValueEstimator
-from asyncrl.config import ConfigError, ModelConfig, compose
+from asyncrl.assembly.values import ValueEdges, ValueStrategy
+from asyncrl.config import ConfigError, DynamicSampling, GAEAdvantage, ModelConfig, OverlongShaping, compose
 from asyncrl.learning.value import center_value_head, predict_values
 from asyncrl.mailbox import InProcessMailbox
 from asyncrl.models import build_tiny_model, value_model_from_policy
 from asyncrl.schema import FinishReason, Reward, ScoredTrajectory, Segment, float32_array, int32_array
 
 
-def test_settings_an_estimator_cannot_honour_are_refused_with_the_reason():
+def test_settings_an_advantage_cannot_honour_are_refused_with_the_reason():
     with pytest.raises(ConfigError, match="cannot filter T-PPO's windows"):
-        compose(["algorithm=tppo", "algorithm.dynamic_sampling=true"])
+        compose(["algorithm=tppo", "algorithm.dynamic_sampling.enabled=true"])
     with pytest.raises(ConfigError, match="max_refill_rounds"):
-        compose(["algorithm=vapo", "algorithm.max_refill_rounds=4"])
-    with pytest.raises(ConfigError, match="whiten_advantages shape"):
-        compose(["algorithm=dapo", "algorithm.whiten_advantages=true"])
+        compose(["algorithm=vapo", "algorithm.dynamic_sampling.max_refill_rounds=4"])
+    with pytest.raises(ConfigError, match="algorithm.advantage is type grpo, which has no field 'whiten'"):
+        compose(["algorithm=dapo", "algorithm.advantage.whiten=true"])
     with pytest.raises(ConfigError, match="critic.init_path"):
         compose(["algorithm=grpo", "critic.init_path=/tmp/critic"])
     # Honoured now: dynamic sampling on whole responses, and DAPO's length shaping, for any algorithm.
-    config = compose(["algorithm=vapo", "algorithm.dynamic_sampling=true", "algorithm.overlong_buffer_tokens=16"])
-    assert config.algorithm.dynamic_sampling and config.algorithm.overlong_buffer_tokens == 16
+    config = compose(["algorithm=vapo", "algorithm.dynamic_sampling.enabled=true", "algorithm.overlong.buffer_tokens=16"])
+    assert config.algorithm.dynamic_sampling.enabled and config.algorithm.overlong.buffer_tokens == 16
 
 
 def test_the_warm_up_ends_when_the_critic_stops_learning_and_is_bounded():
@@ -81,15 +80,13 @@ def test_dynamic_sampling_drops_whole_response_groups_without_signal_for_the_ppo
         return [Reward(prompt_id=r.prompt_id, sample_idx=r.sample_idx, score=float(r.response_text == "7"),
                        correct=r.response_text == "7", source="t") for r in requests]
 
-    settings = ValueAdvantageSettings(gamma=1.0, lam=1.0, length_adaptive_alpha=0.0, lambda_floor=False,
-                                      edge_mask_tokens=0, window_training=False, window_tokens=4)
-    estimator = ValueEstimator(edges=ValueEdges(values, ready, None), settings=settings, rows_per_batch=2,
-                               group_filter="acc")
+    estimator = ValueStrategy(edges=ValueEdges(values, ready, None), gae=GAEAdvantage(gamma=1.0, lam=1.0),
+                              window_tokens=4, rows_per_batch=2, group_filter=DynamicSampling(metric="acc"))
 
     async def main():
         segments, batches, trajectories, events = (InProcessMailbox(100), InProcessMailbox(100),
                                                    InProcessMailbox(100), [])
-        asm = Assembler(segments, batches, score, lambda ids: "".join(map(str, ids)), estimator, Shaping(4),
+        asm = Assembler(segments, batches, score, lambda ids: "".join(map(str, ids)), estimator, OverlongShaping(), 4,
                         trajectories=trajectories, events=lambda evs, outcomes: events.extend(evs))
         await segments.put([group_member("solved", 0, 7), group_member("mixed", 0, 7), group_member("solved", 1, 7),
                             group_member("mixed", 1, 3)])
@@ -108,7 +105,7 @@ def test_dynamic_sampling_drops_whole_response_groups_without_signal_for_the_ppo
 
 
 def test_the_critic_takes_bf16_autocast_where_it_pays_and_keeps_fp32_master_weights():
-    """`critic.precision`: auto resolves as the policy's does (the tiny model stays fp32); bf16
+    """`critic.compute.precision`: auto resolves as the policy's does (the tiny model stays fp32); bf16
     through the value learner's own builder gives values and a step close to fp32's."""
     import torch
 
@@ -117,12 +114,12 @@ def test_the_critic_takes_bf16_autocast_where_it_pays_and_keeps_fp32_master_weig
 
     def learner(*overrides):
         config = compose(["model=tiny", "task=tiny", "algorithm=ppo", *overrides])
-        return build_value_learner(config.model, config.critic, config.algorithm, config.engine,
+        return build_value_learner(config.model, config.critic, config.algorithm, config.sampling,
                                    config.trainer.seed, InProcessMailbox(2))
 
-    auto, bf16 = learner(), learner("critic.precision=bf16")
-    assert auto.settings.precision == "fp32" and auto.stats()["value_precision"] == "fp32"
-    assert bf16.settings.precision == "bf16" and all(p.dtype == torch.float32 for p in bf16.model.parameters())
+    auto, bf16 = learner(), learner("critic.compute.precision=bf16")
+    assert auto.critic.compute.precision == "fp32" and auto.stats()["value_precision"] == "fp32"
+    assert bf16.critic.compute.precision == "bf16" and all(p.dtype == torch.float32 for p in bf16.model.parameters())
     head = torch.randn_like(auto.model.head.weight, generator=torch.Generator().manual_seed(0))
     for m in (auto, bf16):  # the same non-zero head (a fresh one is 0 everywhere)
         with torch.no_grad():
@@ -133,7 +130,7 @@ def test_the_critic_takes_bf16_autocast_where_it_pays_and_keeps_fp32_master_weig
     approx = np.concatenate(predict_values(bf16.model, rows, precision="bf16"))
     # bf16 ran (the values differ) and stays within 3% of the values' scale (measured: 1.6%).
     assert 0 < np.abs(exact - approx).max() < 0.03 * np.abs(exact).max()
-    steps = [value_step(m.model, m.optimizer, batch, m.settings) for m in (auto, bf16)]
+    steps = [value_step(m.model, m.optimizer, batch, m.critic, m.gamma) for m in (auto, bf16)]
     assert steps[1]["value_loss"] == pytest.approx(steps[0]["value_loss"], rel=0.05, abs=1e-3)
-    with pytest.raises(ConfigError, match="critic.precision"):
-        compose(["critic.precision=fp16"])
+    with pytest.raises(ConfigError, match="critic.compute.precision"):
+        compose(["critic.compute.precision=fp16"])

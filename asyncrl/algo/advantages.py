@@ -1,12 +1,16 @@
 """Advantage estimators (docs/algorithms.md §0-2, §4, §6, §7) and `ADVANTAGES`, the one mapping
-from `algorithm.estimator` to the pure function that computes a sample's advantage.
+from `algorithm.advantage.type` to the pure function that computes a sample's advantage.
 
-Three kinds, by what the function needs (the assembly strategy that feeds it follows the kind):
+Four kinds, by what the function needs (the assembly strategy that feeds it follows the kind):
 * `group`: the shaped scores of one group `[G]` -> one advantage per sample `[G]`;
 * `pairwise`: a group's symmetrised judge preferences `[G, G]` (or `[G, 1]`) -> `[G]`;
+* `batch`: a batch's token rewards and masks `[B, T]` -> advantages `[B, T]` (REINFORCE++);
 * `value`: token rewards, values, masks `[B, T]` (and `finished [B]`) -> (advantages, returns) `[B, T]`.
 
-Adding an estimator is one pure function, one entry below and one YAML file under configs/algorithm/.
+A key of `ADVANTAGES` is the `type` of a variant of `algorithm.advantage` (`asyncrl.config.algorithm`),
+whose other fields are the function's keyword arguments. Adding an estimator is one pure function, one
+entry below, one config variant and one YAML file under configs/algorithm/. This module imports
+nothing of asyncrl.
 """
 
 from __future__ import annotations
@@ -204,18 +208,54 @@ def group_centred(scores: torch.Tensor) -> torch.Tensor:
     return grpo_advantages(scores, torch.zeros(len(scores), dtype=torch.long), scale_by_std=False)
 
 
+def leave_one_out(scores: torch.Tensor) -> torch.Tensor:
+    """RLOO (arXiv 2402.14740; verl's `rloo`): one group's `[G]` scores -> `R_i − mean_{j≠i} R_j`,
+    written as verl does, `R_i·G/(G−1) − mean·G/(G−1)`. A group of one keeps its score."""
+    scores = scores.double()
+    g = len(scores)
+    if g < 2:
+        return scores.float()
+    return (scores * g / (g - 1) - scores.mean() * g / (g - 1)).float()
+
+
+def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """`G_t = r_t + γ·G_{t+1}` within each row's valid positions `[B, T]` (0 where `mask` is 0: the
+    return restarts after each row's end, as verl's REINFORCE++ does)."""
+    returns = torch.zeros_like(token_rewards, dtype=torch.float64)
+    running = torch.zeros(token_rewards.shape[0], dtype=torch.float64)
+    mask = mask.to(torch.float64)
+    for t in reversed(range(token_rewards.shape[1])):
+        running = token_rewards[:, t].double() + gamma * running
+        returns[:, t] = running
+        running = running * mask[:, t]
+    return returns * mask
+
+
+def reinforce_plus_plus(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
+                        trained: torch.Tensor | None = None) -> torch.Tensor:
+    """REINFORCE++ (arXiv 2501.03262; verl's `reinforce_plus_plus`): the discounted returns of each
+    row's token rewards `[B, T]` (the outcome on the last token, process rewards where they fall),
+    whitened over the batch's trained tokens (`trained`, default `mask`; unbiased variance, as
+    verl's `masked_whiten`). No critic and no group baseline. Returns `[B, T]`, 0 off `trained`."""
+    trained = mask if trained is None else trained
+    returns = discounted_returns(token_rewards, mask, gamma)
+    return masked_whiten(returns, trained.to(torch.float64)).float()
+
+
 @dataclass(frozen=True)
 class Advantage:
     """An estimator: its kind (what it is fed, see the module docstring) and its pure function."""
 
-    kind: str  # group | pairwise | value
+    kind: str  # group | pairwise | batch | value
     fn: Callable
 
 
-# The one mapping from `algorithm.estimator` to its function.
+# The one mapping from `algorithm.advantage.type` to its function.
 ADVANTAGES: dict[str, Advantage] = {
     "grpo": Advantage("group", group_normalised),
     "drgrpo": Advantage("group", group_centred),
+    "rloo": Advantage("group", leave_one_out),
+    "reinforce_plus_plus": Advantage("batch", reinforce_plus_plus),
     "pairwise": Advantage("pairwise", pairwise_advantages),
     "gae": Advantage("value", egae),
 }

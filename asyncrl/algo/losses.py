@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from asyncrl.config import BEHAVIOUR_CORRECTIONS, KL_ESTIMATORS, LOSS_AGG_MODES as AGG_MODES
-
 
 def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, norm_constant: float | None = None) -> torch.Tensor:
     """Aggregate per-token losses.
@@ -31,7 +29,7 @@ def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, norm_constan
     if mode == "seq-mean-token-sum-norm":
         constant = float(loss_mat.shape[-1]) if norm_constant is None else norm_constant
         return (loss_mat * mask).sum() / constant
-    raise ValueError(f"unknown loss aggregation {mode!r}; expected one of {AGG_MODES}")
+    raise ValueError(f"unknown loss aggregation {mode!r}")
 
 
 def ppo_policy_loss(
@@ -103,8 +101,8 @@ def behaviour_weights(proximal_logp: torch.Tensor, behaviour_logp: torch.Tensor,
     * `token_mis`: `r_t` where `1/C <= r_t <= C`, else 0 (masked: the token carries no loss);
     * `sequence_mis`: `R` for a row with `1/C <= R <= C`, else 0 for the whole row.
     """
-    if mode not in BEHAVIOUR_CORRECTIONS:
-        raise ValueError(f"unknown behaviour correction {mode!r}; expected one of {BEHAVIOUR_CORRECTIONS}")
+    if mode not in ("token_tis", "sequence_tis", "token_mis", "sequence_mis"):
+        raise ValueError(f"unknown behaviour correction {mode!r}")
     if cap < 1.0:
         raise ValueError(f"the importance-weight cap must be >= 1, got {cap}")
     mask = mask.to(proximal_logp.dtype)
@@ -144,7 +142,7 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "low_var_
     if kind in ("k3", "low_var_kl"):
         log_ratio = torch.clamp(ref_logp - logp, -20.0, 20.0)
         return torch.clamp(torch.exp(log_ratio) - log_ratio - 1.0, -10.0, 10.0)
-    raise ValueError(f"unknown KL estimator {kind!r}; expected one of {KL_ESTIMATORS}")
+    raise ValueError(f"unknown KL estimator {kind!r}")
 
 
 def entropy_from_logprobs(logp: torch.Tensor) -> torch.Tensor:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from asyncrl.config import FILTER_METRICS
-
 
 def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer_tokens: int, factor: float = 1.0) -> torch.Tensor:
     """Soft overlong punishment, added to the correctness reward.
@@ -51,8 +49,8 @@ def filter_metric(correct: list[bool | None], scores: list[float], metric: str =
     with no correctness flag (a Bradley-Terry model, `correct=None`) falls back to the raw score for
     the whole group, since counting None as wrong would make every such group "no signal".
     `score`: the raw score (before shaping)."""
-    if metric not in FILTER_METRICS:
-        raise ValueError(f"unknown filter metric {metric!r}; expected one of {FILTER_METRICS}")
+    if metric not in ("acc", "score"):
+        raise ValueError(f"unknown filter metric {metric!r}")
     if metric == "acc" and all(c is not None for c in correct):
         return torch.tensor([1.0 if c else 0.0 for c in correct], dtype=torch.float64)
     return torch.tensor(scores, dtype=torch.float64)

@@ -1,10 +1,10 @@
-"""The seam between the estimators and the assembler: what an estimator decides, and nothing else.
+"""The seam between the assembly strategies and the assembler: what a strategy decides, and nothing else.
 
-An estimator is told of new rows and newly scored samples and answers with a `Decision`: which
+A strategy is told of new rows and newly scored samples and answers with a `Decision`: which
 samples are kept (awaiting training), which end here and why, the batches ready to leave, the
 finished responses the critic learns from, the values each kept sample was valued with (for the
 store), and its own counters. The assembler alone acts on it: the ledger, the counters, the store,
-the staleness mask (once, as a batch leaves) and the batches. An estimator has no way to touch the
+the staleness mask (once, as a batch leaves) and the batches. A strategy has no way to touch the
 books, so a new one cannot leave them unbalanced.
 """
 
@@ -22,7 +22,7 @@ from asyncrl.schema import DropReason, Reward, ScoredTrajectory, Segment, TrainS
 
 @dataclass(frozen=True)
 class Scored:
-    """A finished sample (all windows merged) and its reward, as every estimator sees it."""
+    """A finished sample (all windows merged) and its reward, as every strategy sees it."""
 
     sample: Segment
     reward: Reward
@@ -40,7 +40,7 @@ class Scored:
 
 @dataclass
 class ReadyBatch:
-    """A batch an estimator formed: its rows, its stats, and for an empty one why the step is skipped."""
+    """A batch a strategy formed: its rows, its stats, and for an empty one why the step is skipped."""
 
     rows: list[TrainSample]
     stats: dict[str, float]
@@ -68,8 +68,8 @@ class Decision:
         self.dropped_rows.append((row, reason))
 
 
-class Estimator(Protocol):
-    """A streaming advantage estimator (`asyncrl.assembly.strategies.STRATEGIES`)."""
+class AssemblyStrategy(Protocol):
+    """How samples become batches for one kind of advantage (`asyncrl.assembly.strategies.STRATEGIES`)."""
 
     needs_value_learner: ClassVar[bool]  # the run starts a value learner for it
     row_kind: str  # which segments the assembler passes as rows: none | windows (T-PPO) | responses

@@ -1,6 +1,7 @@
-"""Group estimators (GRPO, Dr.GRPO, Pairwise PPO): a group of G finished samples becomes G rows with
-one advantage each, or is dropped whole (failed reward, no signal); `prompts_per_step` groups make
-a batch. The advantage is the estimator's pure function (`asyncrl.algo.advantages.ADVANTAGES`)."""
+"""Group strategies (GRPO, Dr.GRPO, RLOO, REINFORCE++, Pairwise PPO): a group of G finished samples
+becomes G rows, or is dropped whole (failed reward, no signal: `group_drop_reason`, the one group
+filter); `prompts_per_step` groups make a batch. The advantage is the pure function of the advantage
+type (`asyncrl.algo.advantages.ADVANTAGES`): per group, or over the whole batch as it leaves."""
 
 from __future__ import annotations
 
@@ -8,40 +9,42 @@ import collections
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, ClassVar
 
+import msgspec
 import numpy as np
 import torch
 
 from asyncrl.algo.advantages import judged_pairs, preference_matrix
 from asyncrl.algo.shaping import filter_metric, group_has_signal
 from asyncrl.assembly.decisions import Decision, ReadyBatch, Scored
-from asyncrl.assembly.rows import reward_to_go
-from asyncrl.schema import DropReason, PairRequest, TrainSample
+from asyncrl.assembly.rows import reward_to_go, undiscounted_rewards
+from asyncrl.config import DynamicSampling
+from asyncrl.schema import DropReason, PairRequest, Reward, TrainSample, ground_truth_text
 from asyncrl.tasks import reference_response
 
 JudgeFn = Callable[[list[PairRequest]], Awaitable[list[dict]]]
 
 
-@dataclass(frozen=True)
-class GroupSettings:
-    dynamic_sampling: bool
-    filter_metric: str = "acc"
-    max_refill_rounds: int = 0  # 0: a batch waits for full groups with signal however long it takes
+def group_drop_reason(rewards: list[Reward], dynamic_sampling: DynamicSampling) -> DropReason | None:
+    """Why a complete group is dropped whole, or None to keep it: the group filter of every strategy."""
+    if any(r.failed for r in rewards):
+        # A reward endpoint that timed out or errored gave no score: a made-up 0 would be trained
+        # as a real outcome, and a group's advantages depend on every member.
+        return DropReason.REWARD_FAILED
+    # The filter reads the raw reward (correctness by default), never the shaped score: an overlong
+    # penalty must not keep an all-wrong group alive.
+    metric = filter_metric([r.correct for r in rewards], [r.score for r in rewards], dynamic_sampling.metric)
+    if dynamic_sampling.enabled and not group_has_signal(metric):
+        return DropReason.NO_SIGNAL
+    return None
 
 
-def group_rows(members: list[Scored], settings: GroupSettings,
+def group_rows(members: list[Scored], dynamic_sampling: DynamicSampling,
                advantage_fn: Callable[[torch.Tensor], torch.Tensor]) -> tuple[list[TrainSample], DropReason | None]:
     """A closed group -> its rows, or why it is dropped. `advantage_fn`: the group's shaped scores
     `[G]` -> one advantage per sample. Dense (process) rewards add per-token credit on top."""
-    if any(m.reward.failed for m in members):
-        # A reward endpoint that timed out or errored gave no score: a made-up 0 would be trained
-        # as a real outcome, and a group's advantages depend on every member.
-        return [], DropReason.REWARD_FAILED
-    # The filter reads the raw reward (correctness by default), never the shaped score: an overlong
-    # penalty must not keep an all-wrong group alive.
-    metric = filter_metric([m.reward.correct for m in members], [m.reward.score for m in members],
-                           settings.filter_metric)
-    if settings.dynamic_sampling and not group_has_signal(metric):
-        return [], DropReason.NO_SIGNAL
+    reason = group_drop_reason([m.reward for m in members], dynamic_sampling)
+    if reason is not None:
+        return [], reason
     advantages = advantage_fn(torch.tensor([m.score for m in members], dtype=torch.float32))
     rows = []
     for m, adv in zip(members, advantages.tolist()):
@@ -53,11 +56,11 @@ def group_rows(members: list[Scored], settings: GroupSettings,
 
 
 @dataclass
-class GroupEstimator:
-    """GRPO/Dr.GRPO: the group's shaped scores through `advantage_fn`; `_close` is where Pairwise
-    PPO differs."""
+class GroupStrategy:
+    """GRPO, Dr.GRPO, RLOO: the group's shaped scores through `advantage_fn`; `_close` is where
+    Pairwise PPO differs, `finish_batch` where REINFORCE++ does."""
 
-    settings: GroupSettings
+    dynamic_sampling: DynamicSampling
     prompts_per_batch: int
     advantage_fn: Callable[[torch.Tensor], torch.Tensor]
     needs_value_learner: ClassVar[bool] = False
@@ -80,7 +83,7 @@ class GroupEstimator:
         return decision
 
     async def _close(self, members: list[Scored], decision: Decision, advantage_fn=None) -> None:
-        train, reason = group_rows(members, self.settings, advantage_fn or self.advantage_fn)
+        train, reason = group_rows(members, self.dynamic_sampling, advantage_fn or self.advantage_fn)
         decision.counters["groups_closed"] += 1
         self._closed_since_batch += 1
         ids = [m.sample.sample_id for m in members]
@@ -94,7 +97,7 @@ class GroupEstimator:
 
     def _refill_exhausted(self) -> bool:
         """Bounded refill: `max_refill_rounds` generation rounds closed since the last batch."""
-        rounds = self.settings.max_refill_rounds
+        rounds = self.dynamic_sampling.max_refill_rounds
         return rounds > 0 and self._closed_since_batch >= rounds * self.prompts_per_batch
 
     def _batches(self, decision: Decision) -> None:
@@ -109,7 +112,7 @@ class GroupEstimator:
                 decision.counters["steps_skipped_no_signal"] += 1
                 decision.batches.append(ReadyBatch([], {"refill_rounds": rounds},
                                                    f"no group with a learning signal in {rounds:.0f} generation "
-                                                   f"rounds (algorithm.max_refill_rounds)"))
+                                                   f"rounds (algorithm.dynamic_sampling.max_refill_rounds)"))
                 continue
             if len(groups) < n:
                 decision.counters["batches_partial"] += 1
@@ -127,7 +130,31 @@ class GroupEstimator:
 
 
 @dataclass
-class PairwiseEstimator(GroupEstimator):
+class BatchReturnsStrategy(GroupStrategy):
+    """REINFORCE++: groups close and are filtered as GRPO's are, their rows carrying their
+    undiscounted returns (the score plus the process rewards after each token); the advantages are
+    computed over the whole batch as it leaves (`advantage_fn`: token rewards, masks -> `[B, T]`)."""
+
+    async def _close(self, members: list[Scored], decision: Decision, advantage_fn=None) -> None:
+        await super()._close(members, decision, lambda scores: scores)
+
+    def finish_batch(self, rows: list[TrainSample]) -> tuple[list[TrainSample], dict[str, float]]:
+        width = max(len(r.advantages) for r in rows)
+        rewards = torch.zeros(len(rows), width, dtype=torch.float64)
+        mask, trained = torch.zeros_like(rewards), torch.zeros_like(rewards)
+        for i, row in enumerate(rows):
+            n = len(row.advantages)
+            rewards[i, :n] = torch.from_numpy(undiscounted_rewards(row.advantages))
+            mask[i, :n] = 1.0
+            trained[i, :n] = torch.from_numpy(row.loss_mask.astype(np.float64)) if row.loss_mask is not None else 1.0
+        advantages = self.advantage_fn(rewards, mask, trained=trained).numpy()
+        out = [msgspec.structs.replace(row, advantages=advantages[i, :len(row.advantages)].astype(np.float32))
+               for i, row in enumerate(rows)]
+        return out, {"return_mean": float((rewards.sum(1)).mean())}
+
+
+@dataclass
+class PairwiseStrategy(GroupStrategy):
     """Pairwise PPO: judge each closed group's responses against each other (or the reference) in
     both orders; advantages from the symmetrised win probabilities (`advantage_fn` takes the
     preference matrix), plus each sample's overlong penalty (a reward term's advantage adds)."""
@@ -143,7 +170,8 @@ class PairwiseEstimator(GroupEstimator):
         pairs = judged_pairs(len(members), self.anchor == "reference")
         reference = reference_response(first.data_source, first.ground_truth)
         requests = [PairRequest(prompt_text=prompt, first=texts[i], second=reference if j is None else texts[j],
-                                ground_truth="" if j is None else first.ground_truth) for i, j in pairs]
+                                ground_truth="" if j is None else ground_truth_text(first.ground_truth))
+                    for i, j in pairs]
         verdicts = await self.judge(requests) if requests else []
         decision.counters["pairs_judged"] += len(verdicts)
         decision.counters["pairs_inconsistent"] += sum(not v["consistent"] for v in verdicts)

@@ -13,12 +13,13 @@ import torch
 
 from asyncrl.algo.advantages import masked_whiten
 from asyncrl.algo.shaping import is_positive, kl_reward
+from asyncrl.config import GAEAdvantage, KLPenalty
 from asyncrl.schema import Segment, TrainSample, observation_mask, scored_mask
 
 
 @dataclass(frozen=True)
 class Outcome:
-    """The reward of a finished response as the estimators and the critic see it."""
+    """The reward of a finished response as the strategies and the critic see it."""
 
     score: float  # the endpoint's score plus the overlong penalty: shaped once, by the assembler
     correct: bool | None = None
@@ -26,31 +27,11 @@ class Outcome:
     failed: bool = False  # the reward endpoint gave no score (timeout, error): the row is dropped
 
 
-@dataclass(frozen=True)
-class ValueAdvantageSettings:
-    gamma: float
-    lam: float
-    length_adaptive_alpha: float  # 0 = fixed λ
-    lambda_floor: bool  # True: max(λ_adaptive, lam) (T-PPO); False: clamp to [0, 1] (NeMo-RL)
-    edge_mask_tokens: int
-    window_training: bool
-    window_tokens: int
-    bootstrap: str = "previous"  # cut rows: "previous" = V(s_{l-1}) (T-PPO's EGAE) | "next" = V(s_l)
-
-
-@dataclass(frozen=True)
-class KLRewardSettings:
-    """The PPO baseline's KL penalty in the token rewards (`asyncrl.algo.shaping.kl_reward`)."""
-
-    coef: float
-    estimator: str
-
-
-def kl_rewards(segment: Segment, reference_logp: np.ndarray, settings: KLRewardSettings) -> np.ndarray:
+def kl_rewards(segment: Segment, reference_logp: np.ndarray, kl: KLPenalty) -> np.ndarray:
     """`−β·KL_t` for each new token of a row, from its behaviour log-probs and the reference's (0
     where the behaviour distribution was not the policy's: the tokens the engine marked unscored)."""
     out = kl_reward(torch.from_numpy(segment.new_logprobs.astype(np.float64)),
-                    torch.from_numpy(np.asarray(reference_logp, dtype=np.float64)), settings.coef, settings.estimator)
+                    torch.from_numpy(np.asarray(reference_logp, dtype=np.float64)), kl.coef, kl.estimator)
     return (out.numpy() * scored_mask(segment)).astype(np.float32)
 
 
@@ -83,6 +64,7 @@ def merge_segments(segments: list[Segment]) -> Segment:
         finish_reason=last.finish_reason,
         data_source=last.data_source,
         ground_truth=last.ground_truth,
+        row=last.row,
         seed=last.seed,
         generator_id=last.generator_id,
         group_size=last.group_size,
@@ -98,6 +80,13 @@ def reward_to_go(token_rewards: np.ndarray, length: int) -> np.ndarray:
     return np.cumsum(aligned[::-1])[::-1].astype(np.float32)
 
 
+def undiscounted_rewards(returns: np.ndarray) -> np.ndarray:
+    """The token rewards behind undiscounted returns `G_t = Σ_{t'>=t} r_t'` (`reward_to_go`'s
+    inverse): `r_t = G_t − G_{t+1}`, the last token's reward its return."""
+    returns = np.asarray(returns, dtype=np.float64)
+    return returns - np.append(returns[1:], 0.0)
+
+
 def cut_row_batch(rows: list[TrainSample], finished_per_batch: int) -> int | None:
     """Where a value-based batch ends: just after its N-th finished row, taking every window that
     arrived before it (so each step consumes N samples, like the group mode, and the prompt
@@ -111,7 +100,7 @@ def cut_row_batch(rows: list[TrainSample], finished_per_batch: int) -> int | Non
 
 
 def value_rows(rows: list[Segment], values: list[np.ndarray], outcomes: list[Outcome | None],
-               settings: ValueAdvantageSettings, value_version: int | None = None,
+               gae: GAEAdvantage, window_tokens: int, value_version: int | None = None,
                token_rewards_extra: list[np.ndarray] | None = None, advantage_fn=None) -> list[TrainSample]:
     """Policy rows with (E)GAE advantages. `values[i]` holds `V(s_t)` for each of row i's n new
     tokens plus `V(s_n)`, the state after its last token (`predict_values(..., with_next=True)`).
@@ -120,7 +109,7 @@ def value_rows(rows: list[Segment], values: list[np.ndarray], outcomes: list[Out
     A finished row (the last window, or a whole response) carries its outcome (already shaped) on
     the last token and is plain GAE; an unfinished window (T-PPO) bootstraps with its last value,
     and its last `edge_mask_tokens` tokens are left out of the loss. λ is fixed or length-adaptive
-    per row. `advantage_fn`: the estimator's function (`ADVANTAGES["gae"].fn`, EGAE by default).
+    per row. `advantage_fn`: the advantage's function (`ADVANTAGES["gae"].fn`, EGAE by default).
     Unwhitened; see `whiten_rows`.
     """
     from asyncrl.algo.advantages import egae, length_adaptive_lambda, tppo_lambda_lengths
@@ -161,21 +150,21 @@ def value_rows(rows: list[Segment], values: list[np.ndarray], outcomes: list[Out
                 dense = np.asarray(outcome.token_rewards, dtype=np.float64)[offset : offset + n]
                 token_rewards[i, : len(dense)] += torch.from_numpy(dense)
         shaped_scores.append(score)
-    if settings.length_adaptive_alpha > 0:
-        lengths = (tppo_lambda_lengths(generated, finished, settings.window_tokens) if settings.window_training
+    if gae.length_adaptive_alpha > 0:
+        lengths = (tppo_lambda_lengths(generated, finished, window_tokens) if gae.window_training
                    else generated.to(torch.float64))
-        lam = length_adaptive_lambda(lengths, settings.length_adaptive_alpha,
-                                     floor=settings.lam if settings.lambda_floor else None)
+        lam = length_adaptive_lambda(lengths, gae.length_adaptive_alpha,
+                                     floor=gae.lam if gae.lambda_floor else None)
     else:
-        lam = settings.lam
-    advantages, _ = advantage_fn(token_rewards, value_t, mask, finished, settings.gamma, lam, settings.edge_mask_tokens,
-                                 next_values=next_values if settings.bootstrap == "next" else None)
+        lam = gae.lam
+    advantages, _ = advantage_fn(token_rewards, value_t, mask, finished, gae.gamma, lam, gae.edge_mask_tokens,
+                                 next_values=next_values if gae.bootstrap == "next" else None)
     out = []
     for i, (row, outcome) in enumerate(zip(rows, outcomes)):
         n = len(row.new_token_ids)
         loss_mask = np.ones(n, dtype=np.uint8)
-        if not row.finished and settings.edge_mask_tokens > 0:
-            loss_mask[max(0, n - settings.edge_mask_tokens):] = 0
+        if not row.finished and gae.edge_mask_tokens > 0:
+            loss_mask[max(0, n - gae.edge_mask_tokens):] = 0
         out.append(TrainSample(
             segment=row, score=shaped_scores[i], advantages=advantages[i, :n].float().numpy().copy(),
             correct=outcome.correct if outcome is not None else None, loss_mask=loss_mask,

@@ -1,4 +1,4 @@
-"""The value-based estimator (PPO, VC-PPO, VAPO, T-PPO): every row gets values from the value
+"""The value-based strategy (PPO, VC-PPO, VAPO, T-PPO): every row gets values from the value
 learner and (E)GAE advantages. With `window_training` (T-PPO) each window is a row as soon as it
 arrives, finished or not; otherwise a row is a whole finished response. Every finished response
 also goes to the value learner as a `ScoredTrajectory`. Rows are dropped one by one (failed
@@ -15,10 +15,11 @@ from typing import Awaitable, Callable, ClassVar
 
 import numpy as np
 
-from asyncrl.algo.shaping import filter_metric, group_has_signal
 from asyncrl.assembly.decisions import Decision, ReadyBatch, Scored
-from asyncrl.assembly.rows import (KLRewardSettings, RunningMoments, ValueAdvantageSettings, cut_row_batch, kl_rewards,
-                                   recorded_values, value_rows, whiten_rows, widen_positive_rows)
+from asyncrl.assembly.groups import group_drop_reason
+from asyncrl.assembly.rows import (RunningMoments, cut_row_batch, kl_rewards, recorded_values, value_rows, whiten_rows,
+                                   widen_positive_rows)
+from asyncrl.config import DynamicSampling, GAEAdvantage, KLPenalty
 from asyncrl.mailbox import RecentIds
 from asyncrl.schema import DropReason, ScoredTrajectory, Segment, TrainSample, segment_row
 
@@ -28,7 +29,7 @@ LogprobsFn = Callable[[list[tuple[np.ndarray, np.ndarray]]], Awaitable[list[np.n
 
 @dataclass(frozen=True)
 class ValueEdges:
-    """What the value-based estimator asks of the value learner (a Ray actor's methods, or an
+    """What the value-based strategy asks of the value learner (a Ray actor's methods, or an
     in-process learner's for `mode=learn`): queries only, never an effect."""
 
     values: ValuesFn
@@ -45,18 +46,17 @@ class ValueEdges:
 
 
 @dataclass
-class ValueEstimator:
+class ValueStrategy:
     """PPO family: values from the value learner, (E)GAE per row, batches of N finished samples."""
 
     edges: ValueEdges
-    settings: ValueAdvantageSettings
+    gae: GAEAdvantage
+    window_tokens: int  # engine.window_tokens (T-PPO's λ length of a cut row)
     rows_per_batch: int  # finished samples per batch (with all windows that arrived before them)
-    advantage_fn: Callable | None = None  # ADVANTAGES[algorithm.estimator].fn (EGAE)
-    whiten: bool = False
-    advantage_clamp: float = 0.0
+    advantage_fn: Callable | None = None  # ADVANTAGES["gae"].fn (EGAE)
     nll_whole_response: bool = False  # T-PPO with positive-example NLL: last rows carry the whole response
-    kl: KLRewardSettings | None = None  # KL in the reward (the PPO baseline): β and the estimator
-    group_filter: str | None = None  # dynamic sampling on whole-response rows: its metric (acc | score)
+    kl: KLPenalty | None = None  # KL in the reward (the PPO baseline): β and the KL estimator
+    group_filter: DynamicSampling | None = None  # dynamic sampling on whole-response rows
     needs_value_learner: ClassVar[bool] = True
     ready: bool = False
     _ready_rows: list[TrainSample] = field(default_factory=list)
@@ -72,7 +72,7 @@ class ValueEstimator:
 
     @property
     def row_kind(self) -> str:
-        return "windows" if self.settings.window_training else "responses"
+        return "windows" if self.gae.window_training else "responses"
 
     async def decide(self, rows: list[Segment], scored: list[Scored]) -> Decision:
         """Value and train rows; finished samples go to the value learner."""
@@ -114,13 +114,8 @@ class ValueEstimator:
             members = [group[i] for i in sorted(group)]
             del self._groups[row.group_id]
             decision.counters["groups_closed"] += 1
-            rewards = [done.reward for _, done in members]
-            if any(r.failed for r in rewards):
-                reason = DropReason.REWARD_FAILED
-            elif not group_has_signal(filter_metric([r.correct for r in rewards], [r.score for r in rewards],
-                                                    self.group_filter)):
-                reason = DropReason.NO_SIGNAL
-            else:
+            reason = group_drop_reason([done.reward for _, done in members], self.group_filter)
+            if reason is None:
                 ready += [member for member, _ in members]
                 continue
             decision.counters[f"dropped_{reason.value}_groups"] += 1
@@ -138,8 +133,8 @@ class ValueEstimator:
                 if kl is not None:
                     self._recorded_kl[row.sample_id][offset] = kl[i]
         trained = value_rows(keep, values, [outcomes[r.sample_id].outcome if r.finished else None for r in keep],
-                             self.settings, value_version, kl, self.advantage_fn)
-        if self.settings.window_training and self.nll_whole_response:
+                             self.gae, self.window_tokens, value_version, kl, self.advantage_fn)
+        if self.gae.window_training and self.nll_whole_response:
             trained = widen_positive_rows(trained)
         self._ready_rows.extend(trained)
         done = [r for r in keep if r.finished]
@@ -189,11 +184,11 @@ class ValueEstimator:
     def finish_batch(self, rows: list[TrainSample]) -> tuple[list[TrainSample], dict[str, float]]:
         """Whiten (against the stream's recent moments) and clamp the rows that stayed; the stats of
         the batch as it leaves."""
-        if self.whiten:
+        if self.gae.whiten:
             self._moments.update(rows)
-            rows = whiten_rows(rows, self.advantage_clamp, self._moments.mean, self._moments.var**0.5)
-        elif self.advantage_clamp > 0:
-            rows = whiten_rows(rows, self.advantage_clamp, 0.0, 1.0)  # clamp only
+            rows = whiten_rows(rows, self.gae.clamp, self._moments.mean, self._moments.var**0.5)
+        elif self.gae.clamp > 0:
+            rows = whiten_rows(rows, self.gae.clamp, 0.0, 1.0)  # clamp only
         done = [r for r in rows if r.segment.finished]
         return rows, {
             "reward_mean": sum(r.score for r in done) / max(len(done), 1),

@@ -41,7 +41,8 @@ from asyncrl.engines.torch_engine import TorchEngine, engine_dtype
 from asyncrl.models import native_bf16
 from asyncrl.generation import sequence_input
 from asyncrl.models import load_policy
-from asyncrl.tasks import encode_prompt, load_examples
+from asyncrl.datafiles import load_examples
+from asyncrl.tasks import encode_prompt
 
 ROOT = Path(__file__).resolve().parents[2]
 NEVER = [-1]  # an EOS id no token has: every row runs its full length
@@ -64,8 +65,8 @@ def run(quick: bool = False, overrides: list[str] | None = None) -> dict:
     new_tokens = 16 if quick else 64
     batches = (1, 4) if quick else (1, 16, 64, 256) if device == "cuda" else (1, 16, 64)
     rounds = 1 if quick else 3
-    examples = load_examples(config.task.name, "eval", max(batches), config.task.seed, config.task.eval_path)
-    prompts = [encode_prompt(ex, tokenizer, config.model.use_chat_template) for ex in examples]
+    examples = load_examples(config.task, "eval", max(batches))
+    prompts = [encode_prompt(ex, tokenizer, config.model.use_chat_template, config.task.chat_template_kwargs) for ex in examples]
     setup = {"dtype": str(dtype).removeprefix("torch."), "threads": threads, "device": device, "new_tokens": new_tokens,
              "rounds": rounds, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "native_bf16": native_bf16(device),
              "mean_prompt_tokens": float(np.mean([len(p) for p in prompts[:max(batches)]]))}

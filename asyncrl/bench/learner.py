@@ -9,7 +9,6 @@ The batch: `rows` responses of `response` tokens after a `prompt`-token prompt, 
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import time
 
@@ -18,8 +17,8 @@ import torch
 
 from asyncrl.bench.learner_precision import precision_gap
 from asyncrl.config import compose
-from asyncrl.learning.policy import loss_settings
-from asyncrl.learning.rank import PolicyRank
+from asyncrl.config.fields import replaced
+from asyncrl.learning.rank import PolicyRank, policy_objective
 from asyncrl.learning.rows import adamw
 from asyncrl.models import load_model, load_tokenizer
 from asyncrl.schema import (
@@ -67,7 +66,7 @@ def optimizer_seconds(model, rounds: int) -> dict:
 
 def run(quick: bool = False, overrides: list[str] | None = None) -> dict:
     config = compose((["model=tiny", "task=tiny"] if quick else []) + list(overrides or []))
-    torch.set_num_threads(config.policy.threads)
+    torch.set_num_threads(config.policy.compute.threads)
     rows, prompt, response = (8, 16, 16) if quick else (16, 64, 192)
     rounds = 2 if quick else 3
     variants = [("cpu", "fp32"), ("cpu", "bf16")]
@@ -78,8 +77,9 @@ def run(quick: bool = False, overrides: list[str] | None = None) -> dict:
     for device, precision in variants:
         torch.manual_seed(0)
         lm = load_model(config.model, tokenizer).to(device)
-        settings = dataclasses.replace(loss_settings(config.algorithm, config.policy, config.engine), precision=precision)
-        ranks[(device, precision)] = PolicyRank(lm, settings, config.policy.lr, config.policy.weight_decay)
+        objective = replaced(policy_objective(config.algorithm, config.policy, config.engine, config.sampling, lm),
+                             {"policy.compute.precision": precision})
+        ranks[(device, precision)] = PolicyRank(lm, objective)
         batch = batch or synthetic_batch(rows, prompt, response, lm.config.vocab_size)
     seconds: dict[tuple, list[float]] = {v: [] for v in variants}
     for round_ in range(rounds + 1):  # round 0 warms up (allocator, kernels)
@@ -98,13 +98,14 @@ def run(quick: bool = False, overrides: list[str] | None = None) -> dict:
     optimizer = optimizer_seconds(load_model(config.model, tokenizer), rounds)
     torch.manual_seed(0)
     lm = load_model(config.model, tokenizer)
-    gap = precision_gap(config, lm, tokenizer, loss_settings(config.algorithm, config.policy, config.engine),
+    gap = precision_gap(config, lm, tokenizer,
+                        policy_objective(config.algorithm, config.policy, config.engine, config.sampling, lm),
                         *((8, 16) if quick else (16, 64)))
     return {"precision": gap, "optimizer": optimizer, **{f"{device}_{precision}": {
         "seconds_per_step_median": statistics.median(s), "trained_tokens_per_s": tokens / statistics.median(s),
         "speedup_over_cpu_fp32": base / statistics.median(s), "rows": rows, "prompt_tokens": prompt,
         "response_tokens": response, "rounds": rounds, "policy_updates": metrics["policy_updates"],
-        "threads": config.policy.threads, "model": config.model.source,
+        "threads": config.policy.compute.threads, "model": config.model.source,
     } for (device, precision), s in seconds.items()}}
 
 

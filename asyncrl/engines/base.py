@@ -13,30 +13,28 @@ import msgspec
 import numpy as np
 import torch
 
+from asyncrl.config import SamplingConfig
+from asyncrl.config.fields import NonNegativeInt, PositiveFloat
 from asyncrl.schema import FinishReason
 
 
-class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    # FIRE: hot temperature (and top-k guard) for the first response token; None = off.
-    first_token_temperature: float | None = None
-    first_token_top_k: int = 20
-    greedy: bool = False
-    # Report the this-many most likely tokens at each position with their log-probs under the
-    # distribution sampled from (OpenAI's top_logprobs); 0 = none. Reporting only: same samples.
-    top_logprobs: int = 0
+class SamplingParams(SamplingConfig, frozen=True):
+    """One request's sampling: the run's distribution (`SamplingConfig`: temperature, top-p, top-k,
+    FIRE, with their ranges), plus greedy decoding and reported alternatives. Built from config or
+    from a validated request; `of` takes a run's `sampling` section."""
 
-    def __post_init__(self) -> None:
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if self.top_logprobs < 0:
-            raise ValueError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
+    temperature: PositiveFloat = 1.0
+    """The model's own distribution unless a caller says otherwise (a run's default is its section's)."""
+    greedy: bool = False
+    """Argmax decoding (evaluation, temperature 0 in the policy endpoint)."""
+    top_logprobs: NonNegativeInt = 0
+    """Report the this-many most likely tokens at each position with their log-probs under the
+    distribution sampled from (OpenAI's top_logprobs); 0 = none. Reporting only: same samples."""
+
+    @classmethod
+    def of(cls, sampling: SamplingConfig, **request) -> "SamplingParams":
+        """A run's `sampling` section as a request's parameters (`request`: greedy, top_logprobs)."""
+        return cls(**msgspec.structs.asdict(sampling), **request)
 
 
 class SequenceInput(msgspec.Struct, kw_only=True, frozen=True):

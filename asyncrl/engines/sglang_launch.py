@@ -14,7 +14,8 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import asdict
+
+import msgspec
 
 from asyncrl.config import EngineConfig, ModelConfig
 
@@ -25,7 +26,7 @@ def hf_directory(model: ModelConfig) -> str:
         return model.path
     from asyncrl.models import embedded_gguf_dir, load_policy
 
-    key = asdict(model)
+    key = msgspec.to_builtins(model)
     if model.source == "gguf":  # a new wheel of the same name is another model
         stat = os.stat(os.path.join(model.path or embedded_gguf_dir(), model.gguf_file))
         key["gguf_stat"] = [stat.st_size, stat.st_mtime_ns]

@@ -71,8 +71,8 @@ class Episodes:
 
 
 def build_episodes(environment, tokenizer, call_environment: CallEnvironment) -> Episodes | None:
-    """The episodes of `environment` (an `EnvironmentConfig`; None when its name is empty: one turn)."""
-    if not environment.name:
+    """The episodes of `environment` (an `EnvironmentConfig`; None when it has none: one turn)."""
+    if not environment.enabled:
         return None
     return Episodes(FORMATS[environment.tool_format](), call_environment, tokenizer, environment.max_turns,
                     environment.max_observation_chars)

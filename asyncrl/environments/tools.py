@@ -8,23 +8,16 @@
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
+from typing import Callable, Protocol
 
+from asyncrl.config import EnvironmentConfig
 from asyncrl.environments.formats import ToolCall
+from asyncrl.rewards.verifiers import EPISODE_TRUTH, episode_secret, episode_truth
+from asyncrl.user_code import load_attribute, split_class_path
 
-EPISODE_TRUTH = "episode"  # a task's ground truth where each episode has its own answer (the lookup tool's)
-
-
-def episode_truth(ground_truth: str, prompt_id: str, sample_idx: int) -> str:
-    """The answer a sample is checked against: its episode's own where the task says so."""
-    return episode_secret(prompt_id, sample_idx) if ground_truth == EPISODE_TRUTH else ground_truth
-
-
-def episode_secret(prompt_id: str, sample_idx: int) -> str:
-    """The tiny tool task's answer of one episode: a digit drawn from its identity (the verifier and
-    the lookup tool compute the same; a regenerated episode keeps it)."""
-    return str(zlib.crc32(f"{prompt_id}/{sample_idx}".encode()) % 10)
+__all__ = ["EPISODE_TRUTH", "ENVIRONMENTS", "Environment", "Episode", "LookupTool", "PythonTool", "build_environment",
+           "episode_secret", "episode_truth"]
 
 
 @dataclass(frozen=True)
@@ -73,14 +66,32 @@ class PythonTool:
         return text or "(no output)", result.returncode != 0
 
 
-ENVIRONMENTS: dict[str, type] = {"lookup": LookupTool, "python": PythonTool}
+class Environment(Protocol):
+    """What an environment is (a built-in, or a class of the user's: `environment.class_path`): one
+    object per environment endpoint, answering tool calls of many episodes at once (each call names
+    its episode: keep per-episode state by it). Calls come from worker threads."""
+
+    def step(self, call: ToolCall, episode: Episode) -> tuple[str, bool]:
+        """One tool call -> (the observation's text, whether it is an error). Raising is an error
+        observation too; the episode goes on."""
 
 
-def build_environment(config):
-    """The environment an `EnvironmentConfig` names."""
-    if config.name == "python":
-        return PythonTool(config.python_wall_s, config.python_memory_mb, config.allow_unisolated,
-                          config.allow_no_cgroup)
-    if config.name == "lookup":
-        return LookupTool()
-    raise ValueError(f"unknown environment {config.name!r}; expected one of {sorted(ENVIRONMENTS)}")
+# The built-in environments by `environment.name`.
+ENVIRONMENTS: dict[str, Callable[[EnvironmentConfig], Environment]] = {
+    "lookup": lambda config: LookupTool(),
+    "python": lambda config: PythonTool(config.python_wall_s, config.python_memory_mb, config.allow_unisolated,
+                                        config.allow_no_cgroup),
+}
+
+
+def build_environment(config: EnvironmentConfig) -> Environment:
+    """The environment an `EnvironmentConfig` names: a built-in, or the user's class built with
+    `options`."""
+    if config.class_path:
+        environment_class = load_attribute(*split_class_path(config.class_path), what="class")
+        environment = environment_class(**config.options)
+        if not callable(getattr(environment, "step", None)):
+            raise TypeError(f"environment.class_path={config.class_path}: the class has no step(call, episode) "
+                            f"method (docs/environments.md)")
+        return environment
+    return ENVIRONMENTS[config.name](config)

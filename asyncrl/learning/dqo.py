@@ -4,35 +4,27 @@ call is one update of both, micro-batched by tokens (the token means add up exac
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
 from asyncrl.algo.dqo import dqo_losses
+from asyncrl.config import CriticConfig, DQOConfig, PolicyConfig, SamplingConfig
 from asyncrl.learning.rows import clip_and_step, device_of, layout_rows, micro_batches_of, row_length, width_of
 from asyncrl.learning.scoring import token_logprobs
 from asyncrl.learning.value import trajectory_rewards
 from asyncrl.schema import ScoredTrajectory, segment_row
 
 
-@dataclass(frozen=True)
-class DQOSettings:
-    beta: float  # KL regularisation β (algorithm.kl_coef)
-    gamma: float
-    lam: float  # λ of the soft returns (the paper: 1 beat 0.95)
-    importance_clip: float
-    temperature: float  # the sampling temperature of the data: log-probs are scored under it
-    grad_clip: float
-    value_grad_clip: float
-    micro_batch_tokens: int
-
-
 def dqo_step(policy, value_model, policy_optimizer, value_optimizer, trajectories: list[ScoredTrajectory],
-             reference_logprobs: list[np.ndarray], settings: DQOSettings, pad_token_id: int = 0) -> dict[str, float]:
+             reference_logprobs: list[np.ndarray], dqo: DQOConfig, sections: tuple[PolicyConfig, CriticConfig,
+                                                                                  SamplingConfig],
+             pad_token_id: int = 0) -> dict[str, float]:
     """One DQO update on finished trajectories. `trajectory.segment.new_logprobs` are the behaviour
     log-probs (the recorded ones, or the reference's for data sampled from it);
-    `reference_logprobs[i]` are π_ref's for trajectory i's response tokens."""
+    `reference_logprobs[i]` are π_ref's for trajectory i's response tokens. `sections`: the policy's
+    (its micro-batches, its gradient clip), the critic's (its gradient clip) and the sampling
+    distribution of the data (log-probs are scored under its temperature)."""
+    policy_section, critic, sampling = sections
     order = sorted(range(len(trajectories)), key=lambda i: row_length(trajectories[i].segment))
     trajectories = [trajectories[i] for i in order]
     reference_logprobs = [reference_logprobs[i] for i in order]
@@ -49,22 +41,22 @@ def dqo_step(policy, value_model, policy_optimizer, value_optimizer, trajectorie
     policy_optimizer.zero_grad(set_to_none=True)
     value_optimizer.zero_grad(set_to_none=True)
     sums: dict[str, float] = {}
-    for rows in micro_batches_of(layout, settings.micro_batch_tokens):
+    for rows in micro_batches_of(layout, policy_section.compute.micro_batch_tokens):
         sl = (rows, slice(0, width_of(layout.attention_mask, rows)))
         m = mask[sl]
         logp, _ = token_logprobs(policy, layout.input_ids[sl], layout.attention_mask[sl], targets[sl],
-                                 settings.temperature, positions=m > 0)
+                                 sampling.temperature, positions=m > 0)
         # V(s_t) at the position before each response token: the value model's output at the
         # positions the policy's logits are read from (`RowLayout.slices`).
         values = value_model(layout.input_ids[sl], layout.attention_mask[sl]) * m
         policy_loss, value_loss, metrics = dqo_losses(
-            logp, reference[sl], behaviour[sl], values, rewards[sl], m, settings.beta, settings.gamma,
-            settings.lam, settings.importance_clip)
+            logp, reference[sl], behaviour[sl], values, rewards[sl], m, dqo.beta, dqo.gamma, dqo.lam,
+            dqo.importance_clip)
         share = float(m.sum()) / total_tokens
         ((policy_loss + value_loss) * share).backward()
         for key, value in metrics.items():
             sums[key] = sums.get(key, 0.0) + value * share
-    policy_grad = clip_and_step(policy, policy_optimizer, settings.grad_clip)
-    value_grad = clip_and_step(value_model, value_optimizer, settings.value_grad_clip)
+    policy_grad = clip_and_step(policy, policy_optimizer, policy_section.optimizer.grad_clip)
+    value_grad = clip_and_step(value_model, value_optimizer, critic.optimizer.grad_clip)
     return {**sums, "grad_norm": float(policy_grad), "value_grad_norm": float(value_grad),
             "tokens_trained": total_tokens, "rows_trained": len(trajectories)}

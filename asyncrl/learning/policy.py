@@ -9,8 +9,7 @@ those only the tokens whose behaviour distribution the learner can score (`Segme
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+import msgspec
 import numpy as np
 import torch
 
@@ -19,48 +18,20 @@ from asyncrl.algo.losses import (agg_loss, behaviour_weights, kl_penalty, positi
 from asyncrl.learning.rows import (Collated, autocast, clip_and_step, collate, device_of, mini_batch_rows,
                                    rank_micro_batches, row_length, width_of)
 from asyncrl.learning.scoring import token_logprobs
+from asyncrl.config import KLPenalty, PolicyConfig, PolicyLoss, SamplingConfig
 from asyncrl.schema import TrainSample
 from asyncrl.sharding import DataParallel
 
 
-@dataclass
-class PolicyLossSettings:
-    clip_low: float
-    clip_high: float
-    dual_clip: float | None
-    loss_agg: str
-    kl_coef: float
-    entropy_coef: float
-    temperature: float
-    grad_clip: float
-    micro_batch_tokens: int
+class Objective(msgspec.Struct, frozen=True):
+    """What one policy step optimises, as the run's sections give it: the policy learner's section
+    (precision resolved, `loss.norm_tokens` set), the sampling distribution the tokens were drawn
+    from (the learner scores under the same truncation), the KL loss term and the NLL weight."""
+
+    policy: PolicyConfig
+    sampling: SamplingConfig
+    kl: KLPenalty  # its coef is 0 when the KL is in the reward (the value learner scores it there)
     nll_coef: float = 0.0
-    norm_constant: float | None = None
-    """Divisor of `seq-mean-token-sum-norm`: a fixed length (the run passes the response budget), so
-    the loss scale does not move with the batch's longest row."""
-    ppo_epochs: int = 1
-    mini_batches: int = 1
-    """Each batch is trained `ppo_epochs` times in `mini_batches` optimizer updates (DAPO/VAPO:
-    many updates per rollout step, so the clip acts as a trust region)."""
-    proximal_anchor: bool = True
-    """With more than one update per batch, clip around the proximal policy (the learner's weights
-    before the batch's first update; decoupled PPO, AReaL) and weight each token by the capped
-    importance ratio proximal/behaviour: tokens come from several versions."""
-    behaviour_weight_cap: float = 5.0
-    rollout_correction: str = "none"
-    """Rollout-training mismatch correction (`asyncrl.algo.losses.behaviour_weights`): when set, the
-    proximal log-probs are recomputed every batch and weight the loss with cap `rollout_is_cap`."""
-    rollout_is_cap: float = 2.0
-    precision: str = "fp32"
-    """bf16: forward and backward under bf16 autocast (the weights and Adam's state stay fp32)."""
-    kl_estimator: str = "low_var_kl"
-    # The sampling distribution of the generators, so the learner scores the distribution the
-    # tokens were drawn from (the same `filtered_logprobs` as the sampler).
-    top_k: int = 0
-    top_p: float = 1.0
-    logits_chunk_tokens: int = 0
-    """Project the vocabulary this many trained positions at a time, each chunk recomputed in the
-    backward (0: all at once, kept for the backward)."""
 
 
 def _micro_batch_weight(mode: str, mask: torch.Tensor, total_tokens: float, total_seqs: float) -> float:
@@ -76,17 +47,18 @@ def _trained_positions(collated: Collated, sl) -> torch.Tensor:
     return (collated.response_mask[sl] > 0) | (collated.nll_mask[sl] > 0)
 
 
-def proximal_logprobs(model, collated: Collated, settings: PolicyLossSettings,
+def proximal_logprobs(model, collated: Collated, policy: PolicyConfig, sampling: SamplingConfig,
                       parallel: DataParallel | None = None) -> torch.Tensor:
     """log π_prox of every trained token: the current weights, before the batch's first update
     (each rank scores its micro-batches; the sum over ranks fills every row)."""
     out = torch.zeros(collated.targets.shape, device=collated.targets.device)
-    with torch.no_grad(), autocast(model, settings.precision):
-        for rows, ghost in rank_micro_batches(collated, settings.micro_batch_tokens, parallel):
+    compute = policy.compute
+    with torch.no_grad(), autocast(model, compute.precision):
+        for rows, ghost in rank_micro_batches(collated, compute.micro_batch_tokens, parallel):
             sl = (rows, slice(0, width_of(collated.attention_mask, rows)))
             logp, _ = token_logprobs(model, collated.input_ids[sl], collated.attention_mask[sl], collated.targets[sl],
-                                     settings.temperature, positions=_trained_positions(collated, sl),
-                                     top_k=settings.top_k, top_p=settings.top_p, chunk_tokens=settings.logits_chunk_tokens)
+                                     sampling.temperature, positions=_trained_positions(collated, sl),
+                                     top_k=sampling.top_k, top_p=sampling.top_p, chunk_tokens=compute.logits_chunk_tokens)
             if not ghost:
                 out[sl] = logp.float()
     if parallel is not None:
@@ -94,7 +66,7 @@ def proximal_logprobs(model, collated: Collated, settings: PolicyLossSettings,
     return out
 
 
-def _policy_update(model, optimizer, collated: Collated, settings: PolicyLossSettings, reference_model,
+def _policy_update(model, optimizer, collated: Collated, objective: Objective, reference_model,
                    proximal: torch.Tensor | None, correction: tuple[str, float] | None = None,
                    mismatch: list | None = None,
                    parallel: DataParallel | None = None) -> tuple[dict[str, float], torch.Tensor | None]:
@@ -108,7 +80,9 @@ def _policy_update(model, optimizer, collated: Collated, settings: PolicyLossSet
     is the one-rank update; the metric sums are summed over the ranks too."""
     total_tokens = max(float(collated.response_mask.sum()), 1.0)
     total_seqs = max(float((collated.response_mask.sum(-1) > 0).sum()), 1.0)
-    norm_constant = settings.norm_constant or float(collated.response_mask.shape[-1])
+    policy, sampling, loss = objective.policy, objective.sampling, objective.policy.loss
+    compute = policy.compute
+    norm_constant = float(loss.norm_tokens or collated.response_mask.shape[-1])
     total_nll_tokens = float(collated.nll_mask.sum())
     # Nothing to train (every token masked): the metrics are still computed (every record has the
     # same fields), but no step is taken: an Adam step on zero gradients would still move the
@@ -119,15 +93,15 @@ def _policy_update(model, optimizer, collated: Collated, settings: PolicyLossSet
     model.train()
     optimizer.zero_grad(set_to_none=True)
     sums: dict[str, float] = {}
-    for rows, ghost in rank_micro_batches(collated, settings.micro_batch_tokens, parallel):
+    for rows, ghost in rank_micro_batches(collated, compute.micro_batch_tokens, parallel):
         sl = (rows, slice(0, width_of(collated.attention_mask, rows)))
         mask = collated.response_mask[sl]
         share = 0.0 if ghost else 1.0  # a ghost runs the collectives and counts for nothing
-        with autocast(model, settings.precision):
+        with autocast(model, compute.precision):
             logp, entropy = token_logprobs(model, collated.input_ids[sl], collated.attention_mask[sl],
-                                           collated.targets[sl], settings.temperature, with_entropy=True,
-                                           positions=_trained_positions(collated, sl), top_k=settings.top_k,
-                                           top_p=settings.top_p, chunk_tokens=settings.logits_chunk_tokens)
+                                           collated.targets[sl], sampling.temperature, with_entropy=True,
+                                           positions=_trained_positions(collated, sl), top_k=sampling.top_k,
+                                           top_p=sampling.top_p, chunk_tokens=compute.logits_chunk_tokens)
         anchor = weights = None
         if correction is not None:
             anchor = logp.detach().float() if own is not None else proximal[sl]
@@ -136,28 +110,19 @@ def _policy_update(model, optimizer, collated: Collated, settings: PolicyLossSet
                 own[sl] = anchor
         pg_loss, metrics = ppo_policy_loss(
             logp, collated.old_logprobs[sl], collated.advantages[sl], mask,
-            settings.clip_low, settings.clip_high, settings.dual_clip, settings.loss_agg, norm_constant,
+            loss.clip_low, loss.clip_high, loss.dual_clip, loss.agg, norm_constant,
             proximal_logp=anchor, behaviour_weight=weights,
         )
         if mismatch is not None and not ghost:
             mismatch.append((rollout_mismatch(logp.detach(), collated.old_logprobs[sl], mask), float(mask.sum())))
-        loss = pg_loss
-        if settings.entropy_coef:
-            loss = loss - settings.entropy_coef * agg_loss(entropy, mask, settings.loss_agg, norm_constant)
-        # VAPO positive-example LM loss: already normalised by the batch's count of such tokens,
-        # so the micro-batch parts simply add up.
-        nll = positive_example_nll(logp, collated.nll_mask[sl], torch.ones(len(logp), device=logp.device),
-                                   normalizer=total_nll_tokens)
-        if settings.kl_coef and reference_model is not None:
-            kl = _reference_kl(reference_model, collated, sl, logp, settings, norm_constant)
-            loss = loss + settings.kl_coef * kl
-            metrics["kl_ref"] = kl.item()
-        weight = _micro_batch_weight(settings.loss_agg, mask, total_tokens, total_seqs)
-        ((loss * weight + settings.nll_coef * nll) * share).backward()
+        total, nll = _loss_terms(pg_loss, metrics, logp, entropy, collated, sl, objective, reference_model,
+                                 norm_constant, total_nll_tokens)
+        weight = _micro_batch_weight(loss.agg, mask, total_tokens, total_seqs)
+        ((total * weight + objective.nll_coef * nll) * share).backward()
         sums["nll_positive"] = sums.get("nll_positive", 0.0) + nll.item() * share
         token_share = float(mask.sum()) / total_tokens * share
         metrics["entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1))
-        metrics["loss"] = loss.item()
+        metrics["loss"] = total.item()
         for key, value in metrics.items():
             sums[key] = sums.get(key, 0.0) + value * token_share
     if parallel is not None:
@@ -171,47 +136,69 @@ def _policy_update(model, optimizer, collated: Collated, settings: PolicyLossSet
         optimizer.zero_grad(set_to_none=True)
         model.eval()
         return {**sums, "grad_norm": 0.0}, own
-    grad_norm = clip_and_step(model, optimizer, settings.grad_clip)
+    grad_norm = clip_and_step(model, optimizer, policy.optimizer.grad_clip)
     return {**sums, "grad_norm": float(grad_norm)}, own
 
 
-def _reference_kl(reference_model, collated: Collated, sl, logp: torch.Tensor, settings: PolicyLossSettings,
+def _loss_terms(pg_loss: torch.Tensor, metrics: dict, logp: torch.Tensor, entropy: torch.Tensor, collated: Collated,
+                sl, objective: Objective, reference_model, norm_constant: float,
+                nll_tokens: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A micro-batch's loss: the clipped surrogate, the entropy bonus and the KL to the reference
+    (`metrics` gains `kl_ref`); and its VAPO positive-example NLL, already normalised by the batch's
+    count of such tokens, so the micro-batch parts simply add up."""
+    loss, mask = objective.policy.loss, collated.response_mask[sl]
+    total = pg_loss
+    if loss.entropy_coef:
+        total = total - loss.entropy_coef * agg_loss(entropy, mask, loss.agg, norm_constant)
+    if objective.kl.coef and reference_model is not None:
+        kl = _reference_kl(reference_model, collated, sl, logp, objective, norm_constant)
+        total = total + objective.kl.coef * kl
+        metrics["kl_ref"] = kl.item()
+    nll = positive_example_nll(logp, collated.nll_mask[sl], torch.ones(len(logp), device=logp.device),
+                               normalizer=nll_tokens)
+    return total, nll
+
+
+def _reference_kl(reference_model, collated: Collated, sl, logp: torch.Tensor, objective: Objective,
                   norm_constant: float) -> torch.Tensor:
     """The KL penalty to the frozen reference over micro-batch `sl`'s trained tokens."""
     mask = collated.response_mask[sl]
+    sampling = objective.sampling
     with torch.no_grad():
         ref_logp, _ = token_logprobs(reference_model, collated.input_ids[sl], collated.attention_mask[sl],
-                                     collated.targets[sl], settings.temperature, positions=mask > 0,
-                                     top_k=settings.top_k, top_p=settings.top_p, chunk_tokens=settings.logits_chunk_tokens)
-    return agg_loss(kl_penalty(logp, ref_logp, settings.kl_estimator), mask, settings.loss_agg, norm_constant)
+                                     collated.targets[sl], sampling.temperature, positions=mask > 0,
+                                     top_k=sampling.top_k, top_p=sampling.top_p,
+                                     chunk_tokens=objective.policy.compute.logits_chunk_tokens)
+    return agg_loss(kl_penalty(logp, ref_logp, objective.kl.estimator), mask, objective.policy.loss.agg, norm_constant)
 
 
-def _behaviour_correction(settings: PolicyLossSettings, updates: int) -> tuple[str, float] | None:
+def _behaviour_correction(loss: PolicyLoss, updates: int) -> tuple[str, float] | None:
     """The behaviour weights' (mode, cap) a batch trains with: the rollout correction when one is
     set; with several updates and the proximal anchor, the capped ratio proximal/behaviour (tokens
     come from several versions); none otherwise (the clip anchors on the behaviour log-probs)."""
-    if settings.rollout_correction != "none":
-        return settings.rollout_correction, settings.rollout_is_cap
-    if settings.proximal_anchor and updates > 1:
-        return "token_tis", settings.behaviour_weight_cap
+    if loss.rollout_correction != "none":
+        return loss.rollout_correction, loss.rollout_is_cap
+    if loss.proximal_anchor and updates > 1:
+        return "token_tis", loss.behaviour_weight_cap
     return None
 
 
-def policy_step(model, optimizer, samples: list[TrainSample], settings: PolicyLossSettings,
+def policy_step(model, optimizer, samples: list[TrainSample], objective: Objective,
                 reference_model=None, pad_token_id: int = 0, parallel: DataParallel | None = None) -> dict[str, float]:
     """Train on one batch: `ppo_epochs` passes of `mini_batches` optimizer updates each (one update
     by default). Returns metrics: the updates' mean, the first and last update's clip fraction and
     approximate KL (the trust region at work), and the rollout-training mismatch. `parallel`: this
     rank of a sharded learner (every rank calls it with the whole batch and trains its share)."""
+    policy = objective.policy
     # Rows sorted by length, micro-batches trimmed to their longest row: little padding with
     # long-tailed lengths. The loss is a sum over rows, so their order does not change it.
     samples = sorted(samples, key=lambda s: row_length(s.segment))
     collated = collate(samples, pad_token_id).to(device_of(model))
-    if not settings.nll_coef:
+    if not objective.nll_coef:
         collated.nll_mask.zero_()  # no logits wanted at NLL-only positions
     device = collated.input_ids.device
-    minis = mini_batch_rows(len(samples), settings.mini_batches)
-    correction = _behaviour_correction(settings, settings.ppo_epochs * len(minis))
+    minis = mini_batch_rows(len(samples), policy.mini_batches)
+    correction = _behaviour_correction(policy.loss, policy.ppo_epochs * len(minis))
     # π_prox is the weights before the batch's first update, at which that update's forward runs:
     # its rows anchor on their own log-probs there, and only the other rows are scored beforehand
     # (a forward over half the batch saved with two mini-batches, all of it with one).
@@ -220,16 +207,17 @@ def policy_step(model, optimizer, samples: list[TrainSample], settings: PolicyLo
     if correction is not None:
         proximal = torch.zeros(collated.targets.shape, device=device)
         if len(rest):
-            proximal[rest] = proximal_logprobs(model, collated.select(rest.tolist()), settings, parallel)
+            proximal[rest] = proximal_logprobs(model, collated.select(rest.tolist()), policy, objective.sampling,
+                                               parallel)
     parts: list = []  # the first update's rollout mismatch, micro-batch by micro-batch
     history = []
-    for _ in range(settings.ppo_epochs):
+    for _ in range(policy.ppo_epochs):
         for rows in minis:
             index = torch.as_tensor(rows, dtype=torch.long, device=device)
             part = collated if len(minis) == 1 else collated.select(rows)
             first = not history
             prox = None if proximal is None or first else proximal.index_select(0, index)
-            metrics, own = _policy_update(model, optimizer, part, settings, reference_model, prox, correction,
+            metrics, own = _policy_update(model, optimizer, part, objective, reference_model, prox, correction,
                                           parts if first else None, parallel)
             if own is not None:
                 proximal.index_copy_(0, index, own)
@@ -244,7 +232,7 @@ def policy_step(model, optimizer, samples: list[TrainSample], settings: PolicyLo
     for key in ("clip_fraction", "approx_kl"):
         metrics[f"{key}_first_update"], metrics[f"{key}_last_update"] = history[0][key], history[-1][key]
     metrics["skipped_updates"] = float(sum(h["skipped_updates"] for h in history))
-    return {**metrics, **_combine_mismatch(parts), "policy_updates": settings.ppo_epochs * len(minis),
+    return {**metrics, **_combine_mismatch(parts), "policy_updates": policy.ppo_epochs * len(minis),
             "tokens_trained": float(collated.response_mask.sum()), "rows_trained": len(samples)}
 
 
@@ -254,21 +242,3 @@ def _combine_mismatch(parts: list[tuple[dict[str, float], float]]) -> dict[str, 
             "rollout_kl_k3": sum(m["rollout_kl_k3"] * n for m, n in parts) / tokens,
             "rollout_ratio_max": max((m["rollout_ratio_max"] for m, n in parts if n), default=1.0),
             "rollout_ratio_min": min((m["rollout_ratio_min"] for m, n in parts if n), default=1.0)}
-
-
-
-def loss_settings(algorithm, policy, engine) -> PolicyLossSettings:
-    """The policy loss of a run from its sections (`algorithm`, `policy`, `engine`): the learner
-    scores tokens under the distribution the generators sampled from (`engine`'s temperature,
-    top-k, top-p)."""
-    a, p, e = algorithm, policy, engine
-    return PolicyLossSettings(
-        clip_low=p.clip_low, clip_high=p.clip_high, dual_clip=p.dual_clip, loss_agg=p.loss_agg,
-        kl_coef=0.0 if a.kl_in_reward else a.kl_coef,  # in the reward: the value learner scores it
-        entropy_coef=p.entropy_coef, temperature=e.temperature, grad_clip=p.grad_clip,
-        micro_batch_tokens=p.micro_batch_tokens, nll_coef=a.nll_coef,
-        norm_constant=float(p.loss_norm_tokens or e.max_response_tokens), ppo_epochs=p.ppo_epochs,
-        mini_batches=p.mini_batches, proximal_anchor=p.proximal_anchor, behaviour_weight_cap=p.behaviour_weight_cap,
-        rollout_correction=p.rollout_correction, rollout_is_cap=p.rollout_is_cap, precision=p.precision,
-        kl_estimator=a.kl_estimator, top_k=e.top_k, top_p=e.top_p, logits_chunk_tokens=p.logits_chunk_tokens,
-    )

@@ -1,7 +1,7 @@
 """One rank's share of the policy's training state: the model (whole, or its FSDP2 shard), the
 optimizer and the learning-rate schedule.
 
-The policy learner holds rank 0's and drives the others (`policy.ranks`, each in its own process:
+The policy learner holds rank 0's and drives the others (`policy.compute.ranks`, each in its own process:
 `actors.policy_rank.PolicyRankActor`). Under sharding every method that touches the weights is a collective,
 so every rank calls it, in the order rank 0 does; rank 0 alone gets the whole weights back.
 """
@@ -9,16 +9,15 @@ so every rank calls it, in the order rank 0 does; rank 0 alone gets the whole we
 from __future__ import annotations
 
 import copy
-import dataclasses
-
-import torch
-
 from typing import Any
 
+import msgspec
+import torch
+
 from asyncrl import sharding
-from asyncrl.config import AlgorithmConfig, EngineConfig, ModelConfig, PolicyConfig
-from asyncrl.learning.policy import PolicyLossSettings, loss_settings, policy_step
-from asyncrl.learning.rows import adamw
+from asyncrl.config import AlgorithmConfig, EngineConfig, ModelConfig, PolicyConfig, SamplingConfig
+from asyncrl.learning.policy import Objective, policy_step
+from asyncrl.learning.rows import build_optimizer
 from asyncrl.learning.scoring import PolicyForward
 from asyncrl.models import bf16_pays, load_model, load_tokenizer
 from asyncrl.schema import TrainSample
@@ -29,24 +28,21 @@ PREFIX = "lm."
 
 
 class PolicyRank:
-    def __init__(self, lm, settings: PolicyLossSettings, lr: float, weight_decay: float, warmup_steps: int = 0,
-                 kl_coef: float = 0.0, pad_token_id: int = 0, parallel: DataParallel | None = None):
+    def __init__(self, lm, objective: Objective, pad_token_id: int = 0, parallel: DataParallel | None = None):
         self.lm = lm.eval()
-        self.settings = settings
+        self.objective = objective
         self.pad_token_id = pad_token_id
         self.parallel = parallel
         # A frozen whole copy on every rank (each scores its own micro-batches).
-        self.reference = copy.deepcopy(lm).eval().requires_grad_(False) if kl_coef > 0 else None
+        self.reference = copy.deepcopy(lm).eval().requires_grad_(False) if objective.kl.coef > 0 else None
         self.names = [name for name, _ in lm.named_parameters()]  # what the generators load (tied once)
         self.model = PolicyForward(self.lm).eval()
         if parallel is not None:
             sharding.shard(self.model, self.lm, parallel)
-        self.optimizer = adamw(self.model.parameters(), lr, weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0)
+        self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), objective.policy.optimizer)
 
     def step(self, samples: list[TrainSample]) -> dict[str, float]:
-        metrics = policy_step(self.model, self.optimizer, samples, self.settings, self.reference, self.pad_token_id,
+        metrics = policy_step(self.model, self.optimizer, samples, self.objective, self.reference, self.pad_token_id,
                               self.parallel)
         self.scheduler.step()
         return metrics
@@ -85,27 +81,35 @@ class PolicyRank:
 
 
 def build_policy_rank(model: ModelConfig, algorithm: AlgorithmConfig, policy: PolicyConfig, engine: EngineConfig,
-                      seed: int, parallel=None) -> tuple[PolicyRank, Any]:
-    """One rank's training state (the model, its loss settings, the optimizer) and the tokenizer."""
+                      sampling: SamplingConfig, seed: int, parallel=None) -> tuple[PolicyRank, Any]:
+    """One rank's training state (the model, its objective, the optimizer) and the tokenizer."""
     torch.manual_seed(seed)
     tokenizer = load_tokenizer(model)
     lm = load_model(model, tokenizer)
-    if policy.gradient_checkpointing:
+    if policy.compute.gradient_checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    kl_coef = 0.0 if algorithm.kl_in_reward else algorithm.kl_coef  # in the reward: the value learner scores it
-    settings = loss_settings(algorithm, policy, engine)
-    settings = dataclasses.replace(settings, precision=learner_precision(policy.precision, lm, policy.device))
-    rank = PolicyRank(lm.to(policy.device), settings, policy.lr, policy.weight_decay,
-                      policy.warmup_steps, kl_coef, tokenizer.pad_token_id or 0, parallel)
+    rank = PolicyRank(lm.to(policy.compute.device), policy_objective(algorithm, policy, engine, sampling, lm),
+                      tokenizer.pad_token_id or 0, parallel)
     return rank, tokenizer
 
 
+def policy_objective(algorithm: AlgorithmConfig, policy: PolicyConfig, engine: EngineConfig, sampling: SamplingConfig,
+                     lm) -> Objective:
+    """The run's sections as one policy step reads them: precision resolved for `lm`, the
+    Dr.GRPO constant defaulting to the response budget, the KL loss term (none when it is a reward)."""
+    compute = msgspec.structs.replace(policy.compute,
+                                      precision=learner_precision(policy.compute.precision, lm, policy.compute.device))
+    loss = msgspec.structs.replace(policy.loss, norm_tokens=policy.loss.norm_tokens or engine.max_response_tokens)
+    return Objective(msgspec.structs.replace(policy, compute=compute, loss=loss), sampling, algorithm.kl_loss,
+                     algorithm.nll_coef)
+
+
 def learner_precision(name: str, model, device: str) -> str:
-    """`policy.precision` or `critic.precision` for `model`: auto = bf16 where it pays (`bf16_pays`), else fp32."""
+    """`policy.compute.precision` or `critic.compute.precision` for `model`: auto = bf16 where it pays (`bf16_pays`), else fp32."""
     if name != "auto":
         return name
     return "bf16" if bf16_pays(model, device) else "fp32"
 
 
 def learner_backend(policy: PolicyConfig) -> str:
-    return "nccl" if policy.device == "cuda" else "gloo"
+    return "nccl" if policy.compute.device == "cuda" else "gloo"

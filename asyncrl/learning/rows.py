@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from asyncrl.algo.shaping import is_positive
+from asyncrl.config import Optimizer
 from asyncrl.schema import TrainSample, observation_mask, segment_row, scored_mask
 from asyncrl.sharding import DataParallel, parts_of_rank
 
@@ -130,14 +131,10 @@ def width_of(attention_mask: torch.Tensor, rows: slice) -> int:
     return int(attention_mask[rows].sum(-1).max())
 
 
-def micro_batches(collated: Collated, max_tokens: int) -> list[slice]:
-    """Contiguous row ranges whose padded token count stays under `max_tokens` (at least one row)."""
-    return micro_batches_of(RowLayout(collated.input_ids, collated.attention_mask, []), max_tokens)
-
-
-def micro_batches_of(layout: RowLayout, max_tokens: int) -> list[slice]:
-    """Contiguous row ranges whose padded token count stays under `max_tokens` (at least one row)."""
-    lengths = layout.attention_mask.sum(-1).tolist()
+def padded_chunks(lengths: list[int], max_tokens: int) -> list[slice]:
+    """Contiguous ranges of rows (of these lengths, in this order) whose padded token count (the
+    longest row times the rows) stays under `max_tokens`, at least one row each: the one chunking
+    rule of training micro-batches and of inference over many rows."""
     slices, start, longest = [], 0, 0
     for i, length in enumerate(lengths):
         if i > start and max(longest, length) * (i - start + 1) > max_tokens:
@@ -148,13 +145,17 @@ def micro_batches_of(layout: RowLayout, max_tokens: int) -> list[slice]:
     return slices
 
 
+def micro_batches_of(layout: RowLayout | Collated, max_tokens: int) -> list[slice]:
+    """A batch's micro-batches: `padded_chunks` of its rows as laid out (sorted by length)."""
+    return padded_chunks(layout.attention_mask.sum(-1).tolist(), max_tokens)
+
+
 def rank_micro_batches(collated: Collated, max_tokens: int, parallel: DataParallel | None) -> list[tuple[slice, bool]]:
     """This rank's micro-batches of `collated` as (rows, ghost): all of them on one rank; dealt
     round-robin over the ranks of a sharded learner, each rank getting as many (a ghost, weighted
     0, evens a short share: every rank runs the same number of forwards and backwards, as FSDP's
     collectives require)."""
-    parts = micro_batches(collated, max_tokens)
-    return parts_of_rank(parts, parallel)
+    return parts_of_rank(micro_batches_of(collated, max_tokens), parallel)
 
 
 def mini_batch_rows(n_rows: int, mini_batches: int) -> list[list[int]]:
@@ -165,20 +166,11 @@ def mini_batch_rows(n_rows: int, mini_batches: int) -> list[list[int]]:
 
 
 def length_sorted_chunks(rows: list[tuple[np.ndarray, np.ndarray]], max_tokens: int) -> Iterator[list[int]]:
-    """Indices of `rows` (context, new) in length order, in chunks whose padded token count stays
-    under `max_tokens` (at least one row each): inference over many rows with little padding."""
+    """Indices of `rows` (context, new) in length order, in `padded_chunks`: inference over many
+    rows with little padding."""
     order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]) + len(rows[i][1]))
-    start = 0
-    while start < len(order):
-        end, longest = start, 0
-        while end < len(order):
-            length = len(rows[order[end]][0]) + len(rows[order[end]][1])
-            if end > start and max(longest, length) * (end - start + 1) > max_tokens:
-                break
-            longest = max(longest, length)
-            end += 1
-        yield order[start:end]
-        start = end
+    for chunk in padded_chunks([len(rows[i][0]) + len(rows[i][1]) for i in order], max_tokens):
+        yield order[chunk]
 
 
 def adamw(parameters, lr: float, weight_decay: float) -> torch.optim.AdamW:
@@ -188,6 +180,14 @@ def adamw(parameters, lr: float, weight_decay: float) -> torch.optim.AdamW:
     parameters = list(parameters)
     fused = all(type(p) is torch.nn.Parameter and p.device.type in ("cpu", "cuda") for p in parameters)
     return torch.optim.AdamW(parameters, lr=lr, weight_decay=weight_decay, fused=fused or None)
+
+
+def build_optimizer(parameters, optimizer: Optimizer) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """A learner's `optimizer` section: AdamW (`adamw`) and its linear learning-rate warm-up over
+    `warmup_steps` learner steps (the learner steps the schedule once per batch it trains)."""
+    adam = adamw(parameters, optimizer.lr, optimizer.weight_decay)
+    warmup = optimizer.warmup_steps
+    return adam, torch.optim.lr_scheduler.LambdaLR(adam, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0)
 
 
 def clip_and_step(model, optimizer, grad_clip: float) -> torch.Tensor:
@@ -204,6 +204,9 @@ def clip_and_step(model, optimizer, grad_clip: float) -> torch.Tensor:
 
 
 def autocast(model, precision: str):
-    """bf16 autocast on the model's device (fp32 master weights: only the matmuls run in bf16)."""
+    """bf16 autocast on the model's device (fp32 master weights: only the matmuls run in bf16).
+    `precision` is resolved (fp32 | bf16): `auto` is the builder's to decide (`learner_precision`)."""
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"precision {precision!r} is not resolved: fp32 or bf16 (auto is decided by the builder)")
     return torch.autocast(device_type=device_of(model).type, dtype=torch.bfloat16, enabled=precision == "bf16")
 

@@ -2,25 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
 from asyncrl.learning.rows import (autocast, clip_and_step, device_of, layout_rows, length_sorted_chunks, micro_batches_of,
                                    row_length, width_of)
+from asyncrl.config import CriticConfig
 from asyncrl.schema import ScoredTrajectory, observation_mask, segment_row
-
-
-@dataclass
-class ValueLossSettings:
-    gamma: float
-    lam: float  # critic λ (1.0: Monte-Carlo targets)
-    clip_low: float | None
-    clip_high: float | None
-    grad_clip: float
-    micro_batch_tokens: int
-    precision: str = "fp32"  # bf16: forward passes under bf16 autocast (`critic.precision`, resolved)
 
 
 def trajectory_rewards(trajectory: ScoredTrajectory) -> np.ndarray:
@@ -51,7 +39,7 @@ def predict_values(value_model, rows: list[tuple[np.ndarray, np.ndarray]], pad_t
     return [by_index[i] for i in range(len(rows))]
 
 
-def value_step(value_model, optimizer, trajectories: list[ScoredTrajectory], settings: ValueLossSettings,
+def value_step(value_model, optimizer, trajectories: list[ScoredTrajectory], critic: CriticConfig, gamma: float,
                pad_token_id: int = 0) -> dict[str, float]:
     """One critic update on finished trajectories. Targets are GAE returns with the critic λ (λ=1:
     Monte-Carlo returns, independent of the values); the loss is the clipped value loss around the
@@ -63,7 +51,8 @@ def value_step(value_model, optimizer, trajectories: list[ScoredTrajectory], set
     One forward per micro-batch: the pre-step values are that forward's own output (the weights
     change only after every micro-batch), and GAE runs row by row, so a micro-batch's returns need
     only its own rows. The explained variance is measured on those fresh values (the critic as it is
-    now); `value_explained_variance_recorded` on the recorded anchors (what the rows were valued with)."""
+    now); `value_explained_variance_recorded` on the recorded anchors (what the rows were valued with).
+    `critic`: its section, with `compute.precision` resolved; `gamma`: the advantage's discount."""
     from asyncrl.algo.advantages import critic_returns
     from asyncrl.algo.losses import value_loss
 
@@ -72,7 +61,7 @@ def value_step(value_model, optimizer, trajectories: list[ScoredTrajectory], set
     trajectories = sorted(trajectories, key=lambda t: row_length(t.segment))  # see policy_step
     layout = layout_rows([segment_row(t.segment) for t in trajectories], pad_token_id, device_of(value_model))
     chunks = [(rows, slice(0, width_of(layout.attention_mask, rows)))
-              for rows in micro_batches_of(layout, settings.micro_batch_tokens)]
+              for rows in micro_batches_of(layout, critic.compute.micro_batch_tokens)]
     # The critic values policy positions only: an observation is not an action (`gae` carries V and
     # Â across it).
     mask = layout.place([1.0 - observation_mask(t.segment).astype(np.float32) for t in trajectories])
@@ -86,18 +75,19 @@ def value_step(value_model, optimizer, trajectories: list[ScoredTrajectory], set
     optimizer.zero_grad(set_to_none=True)
     sums = {"value_loss": 0.0, "value_clip_fraction": 0.0}
     for sl in chunks:
-        with autocast(value_model, settings.precision):
+        with autocast(value_model, critic.compute.precision):
             values = value_model(layout.input_ids[sl], layout.attention_mask[sl])  # float32 (the head's)
         fresh[sl] = values.detach() * mask[sl]
         anchors[sl] = torch.where(recorded[sl[0], None], placed[sl], fresh[sl]) * mask[sl]
         # Positions run left to right through context then response; GAE walks only the masked ones.
-        returns[sl] = critic_returns(rewards[sl], anchors[sl], mask[sl], settings.gamma, settings.lam)
-        loss, metrics = value_loss(values, anchors[sl], returns[sl], mask[sl], settings.clip_low, settings.clip_high)
+        returns[sl] = critic_returns(rewards[sl], anchors[sl], mask[sl], gamma, critic.loss.lam)
+        loss, metrics = value_loss(values, anchors[sl], returns[sl], mask[sl], critic.loss.clip_low,
+                                   critic.loss.clip_high)
         share = float(mask[sl].sum()) / total_tokens
         (loss * share).backward()
         sums["value_loss"] += loss.item() * share
         sums["value_clip_fraction"] += metrics["value_clip_fraction"] * share
-    grad_norm = clip_and_step(value_model, optimizer, settings.grad_clip)
+    grad_norm = clip_and_step(value_model, optimizer, critic.optimizer.grad_clip)
     m = mask.bool()
     return {**sums, "value_grad_norm": float(grad_norm),
             "value_explained_variance": explained_variance(returns[m], fresh[m]),

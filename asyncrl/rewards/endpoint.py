@@ -1,8 +1,8 @@
 """A reward endpoint as a long-lived service: the same class is a Ray actor (`asyncrl train`) and a
 Ray Serve deployment (`serve run`, application `reward-<name>`).
 
-It builds its scorer (verifier, generative judge, BT model, PRM) from an `EndpointConfig` given as
-a dict, scores in a worker thread so its event loop stays responsive, and takes a new config in
+It builds its scorer (verifier, generative judge, BT model, PRM: one per kind, `SCORERS`) from its
+section given as a dict, scores in a worker thread so its event loop stays responsive, and takes a new config in
 place through `reconfigure` (Serve's `user_config`): settings and the reported version change
 without a restart; a new model path reloads the model before the swap, so requests never see a
 half-built scorer.
@@ -11,66 +11,90 @@ half-built scorer.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import time
 
 import msgspec
 
-from asyncrl.config import EndpointConfig, ModelConfig
+from asyncrl.config import (Endpoint, GenerativeJudgeEndpoint, ModelConfig, OpenAIJudgeEndpoint, ProcessRewardEndpoint,
+                            PythonRewardEndpoint, ScalarRewardEndpoint, VerifierEndpoint)
+from asyncrl.config.reward import EndpointBase
 from asyncrl.schema import PairRequest, Reward, RewardRequest
 
 
-def endpoint_config(raw: dict | EndpointConfig) -> EndpointConfig:
-    if isinstance(raw, EndpointConfig):
+def endpoint_config(raw: dict | Endpoint) -> Endpoint:
+    """An endpoint's section, from its dict (an actor's argument, Serve's `user_config`), checked."""
+    if isinstance(raw, EndpointBase):
         return raw
-    unknown = set(raw) - {f.name for f in dataclasses.fields(EndpointConfig)}
-    if unknown:
-        raise ValueError(f"unknown reward endpoint settings {sorted(unknown)}")
-    return EndpointConfig(**raw)
+    try:
+        return msgspec.convert(raw, Endpoint)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"reward endpoint settings: {exc}") from exc
 
 
-def verifier_settings(config: EndpointConfig, default_style: str):
-    from asyncrl.rewards.verifier import VerifierSettings
-
-    return VerifierSettings(style=config.style or default_style, kinds=dict(config.verifier_kinds),
-                            code_wall_s=config.code_wall_s, code_memory_mb=config.code_memory_mb,
-                            code_isolation=config.code_isolation, code_allow_unisolated=config.code_allow_unisolated,
-                            code_allow_no_cgroup=config.code_allow_no_cgroup,
-                            math_timeout_s=config.math_timeout_s)
-
-
-def build_scorer(config: EndpointConfig, model: ModelConfig | None, default_style: str):
-    from asyncrl.rewards.reward_model import GenerativeJudge, JudgeSettings, ProcessRewardModel, ScalarRewardModel
+def _verifier(endpoint: VerifierEndpoint, model: ModelConfig | None, default_style: str):
     from asyncrl.rewards.verifier import Verifier
 
-    if config.kind == "verifier":
-        return Verifier(verifier_settings(config, default_style), config.version)
-    if config.kind == "genrm":
-        from asyncrl.models import load_model, load_tokenizer
+    return Verifier(endpoint, default_style)
 
-        if config.model_path:
-            judge_model = ModelConfig(source="hf", path=config.model_path)
-        elif model is None:
-            raise ValueError("a genrm endpoint without model_path needs the policy's model config")
-        else:
-            judge_model = model
-        tokenizer = load_tokenizer(judge_model)
-        settings = JudgeSettings(mode=config.judge_mode,
-                                 use_chat_template=model.use_chat_template if model is not None else True)
-        return GenerativeJudge(load_model(judge_model, tokenizer), tokenizer, settings, config.version)
-    if config.kind == "bt":
-        return ScalarRewardModel(config.model_path, sigmoid=config.sigmoid, version=config.version)
-    if config.kind == "prm":
-        return ProcessRewardModel(config.model_path, version=config.version)
-    raise ValueError(f"unknown reward endpoint kind {config.kind!r}")
+
+def _generative_judge(endpoint: GenerativeJudgeEndpoint, model: ModelConfig | None, default_style: str):
+    from asyncrl.models import load_model, load_tokenizer
+    from asyncrl.rewards.judge import GenerativeJudge, LocalVerdicts
+
+    if endpoint.model_path:
+        judge_model = ModelConfig(source="hf", path=endpoint.model_path)
+    elif model is None:
+        raise ValueError("a genrm endpoint without model_path needs the policy's model config")
+    else:
+        judge_model = model
+    tokenizer = load_tokenizer(judge_model)
+    verdicts = LocalVerdicts(load_model(judge_model, tokenizer), tokenizer,
+                             use_chat_template=model.use_chat_template if model is not None else True,
+                             model_path=endpoint.model_path)
+    return GenerativeJudge(verdicts, endpoint)
+
+
+def _openai_judge(endpoint: OpenAIJudgeEndpoint, model: ModelConfig | None, default_style: str):
+    from asyncrl.rewards.judge import GenerativeJudge
+    from asyncrl.rewards.openai_judge import OpenAIVerdicts
+
+    return GenerativeJudge(OpenAIVerdicts(endpoint), endpoint)
+
+
+def _python_reward(endpoint: PythonRewardEndpoint, model: ModelConfig | None, default_style: str):
+    from asyncrl.rewards.user_function import PythonReward
+
+    return PythonReward(endpoint)
+
+
+def _scalar_reward_model(endpoint: ScalarRewardEndpoint, model: ModelConfig | None, default_style: str):
+    from asyncrl.rewards.reward_model import ScalarRewardModel
+
+    return ScalarRewardModel(endpoint)
+
+
+def _process_reward_model(endpoint: ProcessRewardEndpoint, model: ModelConfig | None, default_style: str):
+    from asyncrl.rewards.reward_model import ProcessRewardModel
+
+    return ProcessRewardModel(endpoint)
+
+
+# The one mapping from an endpoint's kind to what builds its scorer (a `Scorer`: `score`, `version`,
+# `reconfigure` in place or False to be rebuilt; a judge also `compare`s pairs).
+SCORERS = {"verifier": _verifier, "genrm": _generative_judge, "bt": _scalar_reward_model, "prm": _process_reward_model,
+           "python": _python_reward, "openai": _openai_judge}
+
+
+def build_scorer(endpoint: Endpoint, model: ModelConfig | None, default_style: str):
+    return SCORERS[endpoint.kind](endpoint, model, default_style)
 
 
 class RewardEndpoint:
-    def __init__(self, name: str, config: dict | EndpointConfig, model: dict | ModelConfig | None = None,
+    def __init__(self, name: str, config: dict | Endpoint, model: dict | ModelConfig | None = None,
                  default_style: str = "zero_one"):
         self.name = name
-        self.model = ModelConfig(**model) if isinstance(model, dict) else model
+        self.model = msgspec.convert(model, ModelConfig) if isinstance(model, dict) else model
         self.default_style = default_style
         self.config = endpoint_config(config)
         self.scorer = build_scorer(self.config, self.model, default_style)
@@ -85,19 +109,17 @@ class RewardEndpoint:
         """Serve calls this with the deployment's `user_config` at start and on every update."""
         if not user_config:
             return
-        new = endpoint_config({**dataclasses.asdict(self.config), **user_config})
-        if new.kind != self.config.kind or new.model_path != self.config.model_path:
+        current = msgspec.to_builtins(self.config)
+        if user_config.get("kind", current["kind"]) != current["kind"]:
+            current = {}  # another kind: its own settings, from its defaults
+        new = endpoint_config({**current, **user_config})
+        old = self.scorer
+        scorer = old
+        if new.kind != self.config.kind or not old.reconfigure(new):
             scorer = build_scorer(new, self.model, self.default_style)  # built first, then swapped
-        else:
-            scorer = self.scorer
-            if hasattr(scorer, "reconfigure"):
-                if new.kind == "verifier":
-                    scorer.reconfigure(verifier_settings(new, self.default_style), new.version)
-                elif new.kind == "genrm":
-                    scorer.reconfigure(dataclasses.replace(scorer.settings, mode=new.judge_mode), new.version)
-            else:
-                scorer.version = new.version
         self.config, self.scorer = new, scorer
+        if scorer is not old and hasattr(old, "close"):
+            old.close()  # its worker processes or connections (calls still on it finish or fail)
         self.counters["reconfigurations"] += 1
 
     async def score(self, requests: list[RewardRequest]) -> list[Reward]:

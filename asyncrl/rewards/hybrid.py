@@ -20,7 +20,8 @@ from typing import Any, Awaitable, Callable
 
 import numpy as np
 
-from asyncrl.config import RouteConfig
+from asyncrl.config import (GenerativeJudgeEndpoint, OpenAIJudgeEndpoint, RewardConfig, RouteConfig,
+                            VerifierEndpoint)
 from asyncrl.schema import PairRequest, Reward, RewardRequest
 
 CallFn = Callable[[str, list[RewardRequest]], Awaitable[list[Reward]]]
@@ -32,6 +33,21 @@ def route_for(data_source: str, routes: list[RouteConfig]) -> RouteConfig:
         if fnmatch.fnmatchcase(data_source, route.match):
             return route
     raise ValueError(f"no reward route matches data source {data_source!r}")
+
+
+def needs_ground_truth(data_source: str, reward: RewardConfig) -> bool:
+    """No endpoint of the data source's route can score a response without a ground truth: every
+    one is a verifier that checks against one, or a pointwise judge (which grades against the
+    reference). A reward function of the user's, a reward model or a format check may need none."""
+    from asyncrl.rewards.verifiers import kind_for
+
+    def needs(endpoint) -> bool:
+        if isinstance(endpoint, VerifierEndpoint):
+            return (endpoint.verifier_kinds.get(data_source) or kind_for(data_source)) not in ("format", "none")
+        return isinstance(endpoint, (GenerativeJudgeEndpoint, OpenAIJudgeEndpoint)) and endpoint.judge_mode == "pointwise"
+
+    route = route_for(data_source, reward.routes)
+    return all(needs(reward.endpoints[name]) for name in route.endpoints)
 
 
 def _applies(reward: Reward) -> bool:

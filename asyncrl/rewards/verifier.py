@@ -7,31 +7,10 @@ source has no ground truth is marked not applicable, so a hybrid route falls thr
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from asyncrl.environments.tools import episode_truth
+from asyncrl.config import VerifierEndpoint
 from asyncrl.rewards.sandbox import SandboxLimits
-from asyncrl.rewards.verifiers import kind_for, verify
-from asyncrl.schema import Reward, RewardRequest
-
-
-@dataclass
-class VerifierSettings:
-    style: str = "zero_one"
-    kinds: dict[str, str] = field(default_factory=dict)  # data_source -> verifier kind (default: by name)
-    code_wall_s: float = 5.0
-    code_memory_mb: int = 512
-    code_isolation: str = "auto"
-    code_allow_unisolated: bool = False
-    code_allow_no_cgroup: bool = False
-    math_timeout_s: float = 6.0
-
-    @classmethod
-    def from_dict(cls, raw: dict) -> "VerifierSettings":
-        unknown = set(raw) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown verifier settings {sorted(unknown)}")
-        return cls(**raw)
+from asyncrl.rewards.verifiers import episode_truth, kind_for, verify
+from asyncrl.schema import Reward, RewardRequest, has_ground_truth
 
 
 def not_applicable(req: RewardRequest, source: str, version: str, why: str) -> Reward:
@@ -50,33 +29,40 @@ class Verifier:
 
     name = "verifier"
 
-    def __init__(self, settings: VerifierSettings | None = None, version: str = "1"):
-        self.settings = settings or VerifierSettings()
-        self.version = version
+    def __init__(self, endpoint: VerifierEndpoint | None = None, default_style: str = "zero_one"):
+        """`endpoint`: its section; `default_style`: task.reward, the style where the section leaves it empty."""
+        self.endpoint = endpoint or VerifierEndpoint()
+        self.default_style = default_style
         self.scored = 0
         self.failed = 0
 
-    def reconfigure(self, settings: VerifierSettings, version: str) -> None:
-        self.settings, self.version = settings, version
+    @property
+    def version(self) -> str:
+        return self.endpoint.version
+
+    def reconfigure(self, endpoint: VerifierEndpoint) -> bool:
+        """Takes every change in place (a verifier holds no model)."""
+        self.endpoint = endpoint
+        return True
 
     def score(self, requests: list[RewardRequest]) -> list[Reward]:
         rewards = []
-        limits = SandboxLimits(wall_s=self.settings.code_wall_s, cpu_s=int(self.settings.code_wall_s) + 2,
-                               memory_mb=self.settings.code_memory_mb, isolation=self.settings.code_isolation,
-                               allow_unisolated=self.settings.code_allow_unisolated,
-                               allow_no_cgroup=self.settings.code_allow_no_cgroup)
+        e = self.endpoint
+        limits = SandboxLimits(wall_s=e.code_wall_s, cpu_s=int(e.code_wall_s) + 2, memory_mb=e.code_memory_mb,
+                               isolation=e.code_isolation, allow_unisolated=e.code_allow_unisolated,
+                               allow_no_cgroup=e.code_allow_no_cgroup)
+        style = e.style or self.default_style
         for req in requests:
-            kind = self.settings.kinds.get(req.data_source) or kind_for(req.data_source)
+            kind = e.verifier_kinds.get(req.data_source) or kind_for(req.data_source)
             if kind == "none":  # no rule checks this data source (e.g. open-ended chat): a judge should
                 rewards.append(not_applicable(req, self.name, self.version, f"no verifier for {req.data_source!r}"))
                 continue
-            if not req.ground_truth and kind != "format":
+            if not has_ground_truth(req.ground_truth) and kind != "format":
                 rewards.append(not_applicable(req, self.name, self.version, "no ground truth to verify against"))
                 continue
             truth = episode_truth(req.ground_truth, req.prompt_id, req.sample_idx)
             try:
-                verdict = verify(kind, req.response_text, truth, self.settings.style, limits,
-                                 self.settings.math_timeout_s)
+                verdict = verify(kind, req.response_text, truth, style, limits, e.math_timeout_s)
                 rewards.append(Reward(prompt_id=req.prompt_id, sample_idx=req.sample_idx, score=verdict.score,
                                       correct=verdict.correct, source=self.name, source_version=self.version,
                                       details={"verifier": kind, **verdict.details},

@@ -7,11 +7,17 @@ an endpoint can call it from any thread; every failure mode becomes a failing ve
 
 from __future__ import annotations
 
+import typing
+import zlib
 from dataclasses import dataclass, field
 
+from asyncrl.config.reward import VerifierKind
 from asyncrl.rewards.math import MATH_TIMEOUT_S, math_correct, score_from_correct
+from asyncrl.schema import ground_truth_text
 
-VERIFIER_KINDS = ("math", "code", "format", "tiny", "tiny_seq", "tiny_tool")
+# The kinds `verify` checks (`none`: no rule applies, a hybrid route falls through to a judge).
+VERIFIER_KINDS = tuple(kind for kind in typing.get_args(VerifierKind) if kind != "none")
+EPISODE_TRUTH = "episode"  # a task's ground truth where each episode has its own answer (the lookup tool's)
 MAX_RESPONSE_CHARS = 256 << 10  # longer responses are judged on their tail / rejected for code
 
 
@@ -21,6 +27,17 @@ class Verdict:
     correct: bool
     details: dict = field(default_factory=dict)
     suspicious: list[str] = field(default_factory=list)  # reward-hacking conduct seen (code: early_exit, ...)
+
+
+def episode_truth(ground_truth: str, prompt_id: str, sample_idx: int) -> str:
+    """The answer a sample is checked against: its episode's own where the task says so."""
+    return episode_secret(prompt_id, sample_idx) if ground_truth == EPISODE_TRUTH else ground_truth
+
+
+def episode_secret(prompt_id: str, sample_idx: int) -> str:
+    """The tiny tool task's answer of one episode: a digit drawn from its identity (the verifier and
+    the lookup tool compute the same; a regenerated episode keeps it)."""
+    return str(zlib.crc32(f"{prompt_id}/{sample_idx}".encode()) % 10)
 
 
 def kind_for(data_source: str) -> str:
@@ -49,10 +66,17 @@ def format_verdict(response: str, min_chars: int = 1, max_chars: int = 8192, req
     return Verdict(1.0 if ok else 0.0, ok, {"format_problems": problems})
 
 
-def verify(kind: str, response: str, ground_truth: str, style: str = "zero_one", code_limits=None,
+def verify(kind: str, response: str, ground_truth, style: str = "zero_one", code_limits=None,
            math_timeout_s: float = MATH_TIMEOUT_S) -> Verdict:
     """Score one response. `style`: zero_one (1/0) or plus_minus (+1/-1, DAPO); the code verifier
-    scores all-pass and reports the per-test pass fraction."""
+    scores all-pass and reports the per-test pass fraction. `ground_truth`: text (a number is read
+    as written); the code verifier also takes its tests as a dict."""
+    if kind == "code" and isinstance(ground_truth, (dict, list)):
+        ground_truth = ground_truth_text(ground_truth)  # the tests, as `parse_tests` reads them
+    elif not isinstance(ground_truth, (str, int, float)) or isinstance(ground_truth, bool):
+        raise ValueError(f"the {kind} verifier checks against text, not a {type(ground_truth).__name__}: "
+                         f"score such data with a reward function of your own (kind: python)")
+    ground_truth = ground_truth_text(ground_truth)
     if kind in ("tiny", "tiny_tool"):  # the first character (of an episode's final turn)
         pred = response[:1]
         return Verdict(score_from_correct(pred == ground_truth, style), pred == ground_truth, {"pred": pred})

@@ -54,7 +54,7 @@ class Pool:
 
     def spawn(self, gid: str, placement: dict) -> Any:
         cfg, boxes = self.system.config, self.system.mailboxes
-        handle = spawn(GeneratorActor, model=cfg.model, engine=cfg.engine, prompts=boxes["prompts"],
+        handle = spawn(GeneratorActor, model=cfg.model, engine=cfg.engine, sampling=cfg.sampling, prompts=boxes["prompts"],
                        segments=boxes["segments"], generator_id=gid, environment=cfg.environment,
                        environment_endpoint=self.system.environment, placement=placement)
         self.system.generators[gid] = handle
@@ -64,8 +64,8 @@ class Pool:
         """The learner delivers the current version to each of `gids`, each by its path."""
         learner, policy = self.system.actors["learner"], self.system.config.policy
         nodes = ray.get([self.system.generators[g].node_id.remote() for g in gids], timeout=timeout_s)
-        paths = choose_paths(ray.get(learner.node_id.remote()), nodes, policy.device, policy.weight_transport)
-        backend = "nccl" if policy.device == "cuda" else "gloo"
+        paths = choose_paths(ray.get(learner.node_id.remote()), nodes, policy.compute.device, policy.weight_transport)
+        backend = "nccl" if policy.compute.device == "cuda" else "gloo"
         calls = []
         for gid, path in zip(gids, paths):
             group = None

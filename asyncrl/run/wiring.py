@@ -27,9 +27,9 @@ from actors.prompt_source import PromptSourceActor
 from actors.recorder import RecorderActor
 from actors.reward_endpoint import reward_endpoint_actors
 from actors.value_learner import ValueLearnerActor
-from asyncrl import checkpoint, environments
+from asyncrl import checkpoint
 from asyncrl.checkpoint_store import StoreClient
-from asyncrl.algo.advantages import ADVANTAGES
+from asyncrl.datafiles import check_prompts
 from asyncrl.config import Config
 from asyncrl.ray_mailbox import RayMailbox, ShardedMailbox, sum_stats
 from asyncrl.run.placement import LEARNER_NAME, ask, role_placement, spawn
@@ -120,10 +120,10 @@ class System:
 
     def _start(self) -> "System":
         cfg = self.config
-        environments.check(cfg.environment)
+        check_prompts(cfg)  # the task's data: refused here, naming the rows, before any role starts
         resume = self._resume_point()  # None for a fresh run
         learning = cfg.mode == "train"  # mode=generate: generators, rewards and the store only
-        value_based = learning and ADVANTAGES[cfg.algorithm.estimator].kind == "value"
+        value_based = learning and cfg.algorithm.value_based
         if cfg.trainer.record and not self.run_dir:
             raise ValueError("trainer.record=true needs a run directory (trainer.run_dir)")
         # The control plane (mailboxes, prompt source, assembler, reward endpoints, recorder) sits on
@@ -140,7 +140,7 @@ class System:
             answer(self.actors["learner"].announce.remote(), "the learner", "announce")
         # Pre-PPO selection (before the first prompt; a no-op when off or resumed).
         self.pre_ppo = answer(self.actors["prompt_source"].prepare.remote(
-            cfg.model, cfg.engine, cfg.task, cfg.reward, cfg.trainer.seed, self._endpoints),
+            cfg.model, cfg.engine, cfg.sampling, cfg.task, cfg.reward, cfg.trainer.seed, self._endpoints),
             "the prompt source", "prepare (Pre-PPO selection)", PREPARE_TIMEOUT_S)
         self._loops(resume)
         self.started_at = time.time()
@@ -171,7 +171,7 @@ class System:
         # Reward endpoints: actors here, or the Serve applications `reward-<name>` (reward.use_serve).
         self._endpoints = {} if cfg.reward.use_serve else reward_endpoint_actors(cfg.reward, cfg.model, cfg.task.reward, here)
         # The environment a task's episodes act in: an endpoint of its own, here with the control plane.
-        self.environment = environment_actor(cfg.environment, here) if cfg.environment.name else None
+        self.environment = environment_actor(cfg.environment, here) if cfg.environment.enabled else None
         self._created += [self.environment] if self.environment is not None else []
         # Every checkpoint is begun and committed on this node, the run directory's (roles elsewhere
         # ship their parts to it: `asyncrl.checkpoint_store`).
@@ -185,16 +185,16 @@ class System:
             PromptSourceActor, model=cfg.model, task=cfg.task, algorithm=cfg.algorithm,
             prompts_per_step=tr.prompts_per_step, seed=tr.seed, prompts=boxes["prompts"],
             max_prompts=0 if learning else tr.total_steps * tr.prompts_per_step, placement=here)
-        ranks = cfg.policy.ranks if learning else 0
-        learners = [ask(cfg.policy.gpus, cfg.policy.resources)] * ranks
-        learners += [ask(cfg.critic.gpus, cfg.critic.resources)] if value_based else []
+        ranks = cfg.policy.compute.ranks if learning else 0
+        learners = [ask(cfg.policy.compute.gpus, cfg.policy.compute.resources)] * ranks
+        learners += [ask(cfg.critic.compute.gpus, cfg.critic.compute.resources)] if value_based else []
         generator_options, learner_options, self.placement_group = role_placement(
             cfg.cluster.placement, ask(cfg.engine.gpus, cfg.engine.resources), self.pool.target, learners)
         # A learner that asks for nothing (no GPU, no resource) stays with the control plane: it holds
         # the run's state, and on a cluster it must not share a generator's node's fate.
         learner_options = [options or dict(here) for options in learner_options]
         value_learner = (self._spawn(
-            ValueLearnerActor, model=cfg.model, critic=cfg.critic, algorithm=cfg.algorithm, engine=cfg.engine,
+            ValueLearnerActor, model=cfg.model, critic=cfg.critic, algorithm=cfg.algorithm, sampling=cfg.sampling,
             seed=tr.seed, trajectories=boxes["trajectories"], resume_from=resume and resume.checkpoint,
             checkpoint_store=self.store, placement=learner_options[ranks]) if value_based else None)
         assembler = self._spawn(
@@ -229,11 +229,11 @@ class System:
             rendezvous = (node_address(), free_port(node_address()))
             self._rank_store = rendezvous_store(*rendezvous)
             rank_actors = [self._spawn(PolicyRankActor, model=cfg.model, algorithm=cfg.algorithm, policy=cfg.policy,
-                                       engine=cfg.engine, seed=tr.seed, rendezvous=rendezvous, rank=rank,
+                                       engine=cfg.engine, sampling=cfg.sampling, seed=tr.seed, rendezvous=rendezvous, rank=rank,
                                        placement=options[rank]) for rank in range(1, ranks)]
         learner = self._spawn(
             PolicyLearnerActor, model=cfg.model, algorithm=cfg.algorithm, policy=cfg.policy, engine=cfg.engine,
-            seed=tr.seed, batches=self.mailboxes["batches"], listeners=[assembler, prompt_source], ledger=prompt_source,
+            sampling=cfg.sampling, seed=tr.seed, batches=self.mailboxes["batches"], listeners=[assembler, prompt_source], ledger=prompt_source,
             checkpoint_parts=[prompt_source] + ([value_learner] if value_learner is not None else []),
             checkpoints=CheckpointPolicy(self.run_dir, tr.checkpoint_every if self.run_dir else 0,
                                          tr.checkpoint_every_s if self.run_dir else 0.0, tr.checkpoint_keep,

@@ -3,6 +3,7 @@ guards in front of the routes that need a token (checked from the headers, befor
 
 import hmac
 import ipaddress
+import shlex
 from typing import Any
 
 import msgspec
@@ -39,9 +40,10 @@ def _plain(value: Any) -> Any:
 
 
 def config_from_args(args: dict[str, Any]) -> Config:
-    """Builder args (strings from `serve run` or the config file) -> a validated Config."""
+    """Builder args (strings from `serve run` or the config file) -> a validated Config. `overrides` is
+    a list, or one string split as a shell would (quote a value with spaces: 'k={a: 1}')."""
     overrides = args.get("overrides", "")
-    overrides = overrides.split() if isinstance(overrides, str) else list(overrides)
+    overrides = shlex.split(overrides) if isinstance(overrides, str) else list(overrides)
     overrides += [f"{k}={v}" for k, v in args.items() if k != "overrides"]
     return compose(overrides)
 

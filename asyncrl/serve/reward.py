@@ -6,7 +6,6 @@ No `from __future__ import annotations` here (see `asyncrl.serve.train`).
 
 import os
 import time
-from dataclasses import asdict
 from typing import Any
 
 import msgspec
@@ -90,8 +89,9 @@ def build_reward(args: dict[str, Any]) -> serve.Application:
     config = config_from_args(args)
     if name not in config.reward.endpoints:
         raise ConfigError(f"reward endpoint {name!r} is not in reward.endpoints ({sorted(config.reward.endpoints)})")
-    return RewardService.bind(name, asdict(config.reward.endpoints[name]), asdict(config.model), config.task.reward,
-                              config.serve.reward_token, config.serve.reward_local_without_token)
+    return RewardService.bind(name, msgspec.to_builtins(config.reward.endpoints[name]), msgspec.to_builtins(config.model),
+                              config.task.reward, config.serve.reward_token,
+                              config.serve.reward_local_without_token)
 
 
 def reward_app_config(name: str, overrides: str, user_config: dict | None = None) -> dict:

@@ -1,0 +1,206 @@
+"""The prompts of a run (`load_examples`): a built-in task's, or data as users have it: jsonl and parquet files, globs of them, and directories written by
+`datasets`' `save_to_disk`, in verl's layout (`prompt` as chat messages, `reward_model.ground_truth`,
+`data_source`, `extra_info`) or TRL's (`prompt` as text or messages, `answer`/`solution`), read into
+`Example`s. Every row keeps its own columns (`Example.row`): a reward function of the user's gets
+them (verl's `extra_info`, TRL's columns). Rows that cannot be trained on are refused at start-up
+naming where they are; nothing is dropped silently.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass
+
+from asyncrl.config import Config, ConfigError, RewardConfig, TaskConfig
+from asyncrl.tasks import BUILTIN_TASKS, Example
+
+
+@dataclass(frozen=True)
+class DataKeys:
+    """Which columns hold the prompt and the answer (`task.prompt_key`, `task.answer_key`)."""
+
+    prompt: str = "prompt"
+    answer: str = ""  # empty: verl's reward_model.ground_truth
+
+
+def load_examples(task: TaskConfig, split: str, n: int | None = None) -> list[Example]:
+    """The prompts of `task` for `split` (train | eval): a built-in task's (`n` of them, default
+    the task's count), or the rows of its files (eval: `task.eval_path`, else `task.path`)."""
+    if task.name != "file":
+        count = n if n is not None else (task.num_train_prompts if split == "train" else task.num_eval_prompts)
+        return BUILTIN_TASKS[task.name](split, count, task.seed)
+    path = task.path if split == "train" else (task.eval_path or task.path)
+    if not path:
+        raise ValueError("task=file needs task.path (and task.eval_path for held-out prompts)")
+    return file_examples(path, DataKeys(task.prompt_key, task.answer_key))
+
+
+def data_paths(path: str | list[str]) -> list[str]:
+    """Every file or `save_to_disk` directory that `path` names (a path, a glob, or a list of them), in
+    order; a name that matches nothing is an error, not an empty dataset."""
+    out = []
+    for entry in [path] if isinstance(path, str) else list(path):
+        matches = sorted(glob.glob(entry)) if glob.has_magic(entry) else [entry]
+        missing = [m for m in matches if not os.path.exists(m)]
+        if not matches or missing:
+            raise FileNotFoundError(f"task.path: {entry!r} names no file or directory")
+        out += matches
+    return out
+
+
+def read_rows(path: str) -> list[dict]:
+    """The rows of a jsonl/json or parquet file, or of a `save_to_disk` directory, as dicts."""
+    if os.path.isdir(path):
+        return _saved_dataset_rows(path)
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    if path.endswith(".jsonl") or path.endswith(".json"):
+        with open(path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    raise ValueError(f"task.path: {path!r} is not a .jsonl, .parquet or a datasets directory")
+
+
+def _saved_dataset_rows(directory: str) -> list[dict]:
+    """A `datasets.Dataset.save_to_disk` directory: its Arrow stream files, in the order its
+    `state.json` lists them (read with pyarrow: asyncrl does not need `datasets` to read one)."""
+    import pyarrow as pa
+
+    state_file = os.path.join(directory, "state.json")
+    if not os.path.isfile(state_file):
+        splits = os.path.join(directory, "dataset_dict.json")
+        if os.path.isfile(splits):
+            names = json.load(open(splits)).get("splits", [])
+            raise ValueError(f"task.path: {directory} holds several splits ({', '.join(names)}); name one, "
+                             f"e.g. {os.path.join(directory, names[0] if names else 'train')}")
+        raise ValueError(f"task.path: {directory} is not a directory written by datasets' save_to_disk")
+    rows = []
+    for entry in json.load(open(state_file))["_data_files"]:
+        with pa.memory_map(os.path.join(directory, entry["filename"])) as source:
+            rows += pa.ipc.open_stream(source).read_all().to_pylist()
+    return rows
+
+
+def file_examples(path: str | list[str], keys: DataKeys = DataKeys(), distinct_ids: bool = True) -> list[Example]:
+    """The rows of every file `path` names, as examples. The prompt id is `data_source-index`
+    (`extra_info.index`, else the row's number in its file); two rows with one id are refused,
+    naming both (unless not `distinct_ids`: labelled responses repeat their prompt)."""
+    examples, where = [], {}
+    for file in data_paths(path):
+        for i, row in enumerate(read_rows(file)):
+            example = row_example(row, keys, f"{file}: row {i}", i)
+            if distinct_ids and example.prompt_id in where:
+                raise ConfigError(f"prompt id {example.prompt_id!r} is on {where[example.prompt_id]} and on "
+                                 f"{file}: row {i}: give the rows distinct extra_info.index (or data_source)")
+            where[example.prompt_id] = f"{file}: row {i}"
+            examples.append(example)
+    return examples
+
+
+def row_example(row: dict, keys: DataKeys, where: str, number: int) -> Example:
+    if keys.prompt not in row:
+        raise ConfigError(f"{where} has no `{keys.prompt}` column (task.prompt_key)")
+    prompt = row[keys.prompt]
+    if isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}]
+    elif isinstance(prompt, list) and all(isinstance(m, dict) and "content" in m for m in prompt):
+        messages = [{"role": m.get("role", "user"), "content": m["content"]} for m in prompt]
+    else:
+        raise ConfigError(f"{where}: `{keys.prompt}` is neither text nor a list of chat messages")
+    if keys.answer:
+        truth = row.get(keys.answer)
+    else:
+        reward_model = row.get("reward_model")
+        truth = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
+    extra = row.get("extra_info") if isinstance(row.get("extra_info"), dict) else {}
+    source = str(row.get("data_source") or "file")
+    return Example(prompt_id=f"{source}-{extra.get('index', number)}", messages=messages,
+                   ground_truth=truth, data_source=source, row=row, where=where)
+
+
+def check_prompts(config: Config) -> None:
+    """At start-up, before any role: the user's code loads (each `kind: python` reward function with
+    a signature it can be called with, the environment's class), a task's files read (every row
+    with a prompt; no two rows with one id) and every row scorable by its route (a ground truth
+    where the route needs one). Each failure is one line naming what and where."""
+    from asyncrl.rewards.user_function import detect_signature, load_function
+    from asyncrl.user_code import load_attribute, split_class_path
+
+    for name, endpoint in config.reward.endpoints.items():
+        if endpoint.kind == "python":
+            try:
+                detect_signature(load_function(endpoint.path, endpoint.function), endpoint.signature)
+            except (ValueError, ImportError, FileNotFoundError, SyntaxError) as exc:
+                raise ConfigError(f"reward.endpoints.{name}: {type(exc).__name__}: {exc}") from exc
+    if config.environment.class_path:
+        try:
+            load_attribute(*split_class_path(config.environment.class_path), what="class")
+        except (ValueError, ImportError, FileNotFoundError, SyntaxError) as exc:
+            raise ConfigError(f"environment.class_path: {type(exc).__name__}: {exc}") from exc
+    if config.task.name != "file":
+        return
+    refuse_unscorable(load_examples(config.task, "train"), config.reward)
+    if config.task.eval_path:
+        load_examples(config.task, "eval")
+
+
+def refuse_unscorable(examples: list[Example], reward: RewardConfig) -> None:
+    """Rows whose route needs a ground truth and that have none are refused, by where they are."""
+    from asyncrl.rewards.hybrid import needs_ground_truth
+    from asyncrl.schema import has_ground_truth
+
+    needs: dict[str, bool] = {}
+    missing = [ex.where or ex.prompt_id for ex in examples if not has_ground_truth(ex.ground_truth)
+               and needs.setdefault(ex.data_source, needs_ground_truth(ex.data_source, reward))]
+    if missing:
+        raise ConfigError(f"{len(missing)} prompts have no ground truth and their reward needs one "
+                         f"({'; '.join(missing[:5])}{'; ...' if len(missing) > 5 else ''}): set task.answer_key to "
+                         f"the column that holds it, or score them with a reward that needs none")
+
+
+def drop_overlong(examples: list[Example], tokens: list[list[int]], max_tokens: int,
+                  split: str) -> tuple[list[Example], list[list[int]]]:
+    """verl's `filter_overlong_prompts`: prompts longer than `max_tokens` (0: no limit) are dropped,
+    and how many is said. None left is an error."""
+    if max_tokens <= 0:
+        return examples, tokens
+    kept = [i for i, t in enumerate(tokens) if len(t) <= max_tokens]
+    if len(kept) < len(examples):
+        print(f"task.max_prompt_length={max_tokens}: dropped {len(examples) - len(kept)} of {len(examples)} "
+              f"{split} prompts longer than that", flush=True)
+    if not kept:
+        raise ConfigError(f"task.max_prompt_length={max_tokens}: every {split} prompt is longer")
+    return [examples[i] for i in kept], [tokens[i] for i in kept]
+
+
+def verl_rows(examples: list[Example], split: str) -> list[dict]:
+    """Examples as rows in verl's layout, as `file_examples` reads them (`extra_info.index` is the
+    row's place in its split)."""
+    return [{"data_source": ex.data_source, "prompt": [dict(m) for m in ex.messages],
+             "reward_model": {"style": "rule", "ground_truth": ex.ground_truth},
+             "extra_info": {"split": split, "index": i}} for i, ex in enumerate(examples)]
+
+
+def write_examples(examples: list[Example], path: str, split: str, overwrite: bool = False) -> bool:
+    """A prompt file in verl's layout (`.parquet` or `.jsonl`) that `task=file` trains on. An
+    existing file with these rows is left as it is (False: nothing written); one with other rows is
+    refused unless `overwrite`."""
+    rows = verl_rows(examples, split)
+    if os.path.exists(path) and not overwrite:
+        if read_rows(path) == rows:
+            return False
+        raise FileExistsError(f"{path} exists and holds other prompts; pass --force to overwrite it")
+    if path.endswith(".parquet"):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    elif path.endswith(".jsonl"):
+        with open(path, "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+    else:
+        raise ValueError(f"a prompt file is .parquet or .jsonl, got {path!r}")
+    return True

@@ -1,0 +1,1 @@
+"""asyncrl's config recipes, installed as `asyncrl.configs` (read through importlib.resources)."""

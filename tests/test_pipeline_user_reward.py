@@ -1,0 +1,107 @@
+"""The user's own reward and data through the real pipeline: a reward file written for verl, then one
+written for TRL, train the tiny model on its task from a parquet file the user wrote; a function
+that fails in every way leaves the run whole; the held-out accuracy is measured with the user's reward."""
+
+import json
+
+import numpy as np
+import pytest
+
+from asyncrl.config import compose
+from asyncrl.driver import train
+from asyncrl.store import read_trajectories
+
+VERL_REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    right = solution_str[:1] == ground_truth
+    return {"score": float(right), "acc": right, "digit": float(solution_str[:1].isdigit())}
+'''
+TRL_REWARD = '''
+def first_digit(prompts, completions, answer, **columns):
+    return [float(c[:1] == str(a)) for c, a in zip(completions, answer)]
+'''
+FAULTY_REWARD = '''
+import math, time
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    first = solution_str[:1]
+    if first == "0":
+        raise RuntimeError("the user's function broke")
+    if first == "1":
+        time.sleep(30)
+    if first == "2":
+        return math.nan
+    if first == "3":
+        return None
+    if first == "4":
+        return "a string"
+    return float(first == ground_truth)
+'''
+# The tiny task's settings (model, lengths, lr, G), its prompts read from the user's file instead.
+TINY = ["model=tiny", "task=tiny", "task.name=file", "algorithm=grpo", "trainer.wandb_mode=disabled",
+        "trainer.checkpoint_every=0"]
+
+
+def write_data(tmp_path, layout: str) -> None:
+    """The tiny task ("d:" -> the next digit) as the user's parquet files: verl's layout (data
+    source "mine", so no built-in verifier knows it) or TRL's (`prompt` text, `answer`)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for split in ("train", "test"):
+        if layout == "verl":
+            rows = [{"data_source": "mine", "prompt": [{"role": "user", "content": f"{d}:"}],
+                     "reward_model": {"ground_truth": str((d + 1) % 10)}, "extra_info": {"index": d}} for d in range(10)]
+        else:
+            rows = [{"prompt": f"{d}:", "answer": (d + 1) % 10} for d in range(10)]  # an int answer
+        pq.write_table(pa.Table.from_pylist(rows), tmp_path / f"{split}.parquet")
+
+
+def user_run(tmp_path, layout: str, reward: str, *overrides: str) -> dict:
+    write_data(tmp_path, layout)
+    (tmp_path / "reward.py").write_text(reward)
+    config = compose(TINY + [f"task.path={tmp_path}/train.parquet", f"task.eval_path={tmp_path}/test.parquet",
+                             f"trainer.run_dir={tmp_path}/run", *overrides])
+    return train(config, progress=False, eval_prompts=10)
+
+
+@pytest.mark.slow
+def test_a_reward_file_written_for_verl_trains_the_tiny_model(ray_session, tmp_path):
+    summary = user_run(tmp_path, "verl", VERL_REWARD, f"custom_reward_function.path={tmp_path}/reward.py",
+                       "trainer.total_steps=400", "trainer.target_reward=0.9")
+    assert summary["reached_target"], [r["reward_mean_generated"] for r in summary["records"][-20:]]
+    # Held out, scored by the user's function: no built-in verifier knows data source "mine".
+    assert summary["eval_after"]["accuracy"] >= 0.9 > summary["eval_before"]["accuracy"]
+    assert summary["final_status"]["reward_endpoints"]["custom"]["signature"] == "verl"
+    # The function's other numbers, averaged per data source, are in the step records.
+    assert 0.0 <= summary["records"][-1]["reward_extra/mine/digit"] <= 1.0
+    assert summary["final_status"]["ledger"]["problems"] == []
+
+
+@pytest.mark.slow
+def test_a_reward_function_written_for_trl_trains_the_tiny_model(ray_session, tmp_path):
+    summary = user_run(tmp_path, "trl", TRL_REWARD, "+reward.endpoints.mine={kind: python, path: "
+                       f"{tmp_path}/reward.py, function: first_digit}}", "reward.routes=[{match: '*', endpoints: [mine]}]",
+                       "task.answer_key=answer", "trainer.total_steps=400", "trainer.target_reward=0.9")
+    assert summary["reached_target"], [r["reward_mean_generated"] for r in summary["records"][-20:]]
+    assert summary["eval_after"]["accuracy"] >= 0.9 > summary["eval_before"]["accuracy"]
+    assert summary["final_status"]["reward_endpoints"]["mine"]["signature"] == "trl"
+
+
+@pytest.mark.slow
+def test_a_reward_function_that_fails_every_way_leaves_the_run_whole(ray_session, tmp_path):
+    """It raises, hangs past its timeout, returns NaN, None and a string: each is a failed reward
+    with its reason in the store, counted by its endpoint; the run reaches its last step and the
+    ledger balances."""
+    summary = user_run(tmp_path, "verl", FAULTY_REWARD, f"custom_reward_function.path={tmp_path}/reward.py",
+                       "reward.endpoints.custom.call_timeout_s=1", "reward.endpoints.custom.workers=4",
+                       "trainer.total_steps=12", "trainer.record=true")
+    assert summary["steps"] == 12
+    status = summary["final_status"]
+    assert status["ledger"]["problems"] == [] and status["reward_endpoints"]["custom"]["failed"] > 0
+    reasons = {r.reward_error for r in read_trajectories(tmp_path / "run") if r.reward_failed}
+    for expected in ("RuntimeError: the user's function broke", "ran past 1 s (killed)", "nan, not a finite number",
+                     "None, not a finite number", "'a string', not a finite number"):
+        assert any(expected in reason for reason in reasons), (expected, reasons)
+    lines = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert len(lines) == 12 and np.isfinite([r["loss"] for r in lines]).all()
