@@ -153,6 +153,14 @@ def test_a_call_past_its_deadline_stops_its_samples_in_the_workers(tmp_path):
         endpoint.scorer.close()
 
 
+def test_an_endpoint_bound_past_the_call_deadline_is_refused():
+    with pytest.raises(ConfigError, match=r"reward.endpoints.mine.call_timeout_s=120 must be below reward.timeout_s=60"):
+        compose(["+reward.endpoints.mine={kind: python, path: r.py, call_timeout_s: 120}", "reward.timeout_s=60"])
+    with pytest.raises(ConfigError, match=r"reward.endpoints.j.request_timeout_s=60 must be below reward.timeout_s=30"):
+        compose(["+reward.endpoints.j={kind: openai, base_url: 'http://x/v1', model: m}", "reward.timeout_s=30"])
+    compose(["+reward.endpoints.mine={kind: python, path: r.py, call_timeout_s: 10}", "reward.timeout_s=60"])
+
+
 def test_signatures_and_files_that_cannot_work_are_refused_at_start_up(tmp_path):
     def unknown(x, y):
         return 0.0
