@@ -333,7 +333,7 @@ def private_run_dir(run_dir: str, quick: bool) -> dict:
 
     # The learner on the worker node, the generators and the control plane on the head. (Not
     # `_start`: removing the directory would detach the worker's private mount on it.)
-    overrides = BASE + EXTRA + ["policy.resources={node_private: 1}", "engine.resources={node_learner: 1}"]
+    overrides = BASE + EXTRA + ["policy.compute.resources={node_private: 1}", "engine.resources={node_learner: 1}"]
     sup = Run(compose(overrides + [f"trainer.run_dir={run_dir}"]), run_dir).start()
     try:
         advance(sup, 4)

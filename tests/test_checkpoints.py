@@ -190,7 +190,7 @@ def test_a_learner_whose_node_does_not_see_the_run_directory(private_node):
     # T-PPO: the policy learner and the value learner both on that node, each writing its part.
     overrides = ["model=tiny", "task=tiny_seq", "algorithm=tppo", "engine.window_tokens=2",
                  "trainer.prompts_per_step=2", "trainer.checkpoint_every=0", f"trainer.run_dir={run_dir}",
-                 "policy.resources={private_disk: 1}", "critic.resources={private_disk: 0.5}"]
+                 "policy.compute.resources={private_disk: 1}", "critic.compute.resources={private_disk: 0.5}"]
     first = System(compose(overrides), name_actors=False, run_dir=run_dir).start()
     try:
         nodes = {name: ray.get(first.actors[name].node_id.remote()) for name in ("learner", "value_learner")}

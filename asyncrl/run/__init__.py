@@ -17,12 +17,12 @@ a mailbox's queue): its death brings the whole system back from the newest valid
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import msgspec
 from ray.exceptions import RayError, RayTaskError
 
 from asyncrl import checkpoint
@@ -172,7 +172,7 @@ class Run:
             why = "no checkpoint to restart from" if latest is None else \
                 f"trainer.max_restarts={self.config.trainer.max_restarts} used up"
             raise RuntimeError(f"the run cannot recover ({why}) from: {reason}") from cause
-        resumed = dataclasses.replace(self.config, resume=True)
+        resumed = msgspec.structs.replace(self.config, resume=True)
         for attempt in range(RESTART_ATTEMPTS):
             try:
                 self.system = System(resumed, self.run_dir, self.max_steps, num_generators=self.system.pool.target,
