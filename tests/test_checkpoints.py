@@ -122,7 +122,7 @@ def test_a_full_disk_gives_one_clear_error_and_keeps_the_last_checkpoint(small_d
 def test_a_run_on_a_full_disk_stops_with_one_error_and_no_restarts(ray_session, small_disk):
     run_dir = str(small_disk)
     config = compose(["model=tiny", "task=tiny", "algorithm=grpo", "trainer.prompts_per_step=2",
-                      "trainer.checkpoint_every=3", "trainer.max_restarts=3", f"trainer.run_dir={run_dir}"])
+                      "trainer.checkpoint_every=1", "trainer.max_restarts=3", f"trainer.run_dir={run_dir}"])
     run = Run(config, run_dir).start()
     try:
         deadline = time.time() + 240
@@ -130,16 +130,16 @@ def test_a_run_on_a_full_disk_stops_with_one_error_and_no_restarts(ray_session, 
             assert time.time() < deadline
             run.poll()
             time.sleep(0.2)
-        fill(checkpoint.checkpoints_dir(run_dir))  # the disk fills up after the step-3 checkpoint
+        fill(checkpoint.checkpoints_dir(run_dir))  # the disk fills up after the first checkpoint
         with pytest.raises(checkpoint.DiskRefused) as stopped:
             while time.time() < deadline:
                 run.poll()
                 time.sleep(0.2)
         assert run.restarts == []  # one error, not a restart that meets the same disk
-        assert "No space left on device" in str(stopped.value) and "step_00000003" in str(stopped.value)
+        assert "No space left on device" in str(stopped.value) and "step_00000001" in str(stopped.value)
         assert "Traceback" not in str(stopped.value)
         path, rejected = checkpoint.latest_valid(run_dir)
-        assert path.endswith("step_00000003") and rejected == []
+        assert path.endswith("step_00000001") and rejected == []
         assert not [n for n in os.listdir(checkpoint.checkpoints_dir(run_dir)) if n.endswith(".tmp")]
     finally:
         run.stop()
