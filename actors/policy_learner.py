@@ -15,7 +15,8 @@ between two steps): the batches not yet trained are taken from its mailbox first
 parts (the prompt source's cursor and ledger, the value learner) are written, then its own state,
 and the directory is committed atomically. Taking the batches before the ledger is what keeps
 resume exact: a sample is either in a saved batch, or open in the ledger and regenerated, or
-already ended.
+already ended. The run directory's node begins and commits every checkpoint
+(`asyncrl.checkpoint_store`): a learner on a node without that disk ships its part there.
 """
 
 from __future__ import annotations
@@ -29,9 +30,11 @@ from typing import Any, Awaitable, Callable
 
 import msgspec
 import torch
+from ray.exceptions import RayTaskError
 
 from actors.base import RoleShell, TrainingLoop
 from asyncrl import checkpoint
+from asyncrl.checkpoint_store import StoreClient, local_copy, write_part
 from asyncrl.config import NO_BOUND, AlgorithmConfig, EngineConfig, ModelConfig, PolicyConfig, SamplingConfig
 from asyncrl.learning.rank import PolicyRank, build_policy_rank, learner_backend
 from asyncrl.mailbox import Mailbox, RecentIds
@@ -55,7 +58,8 @@ class LearnerEdges:
     generators: dict[str, Any] = field(default_factory=dict)  # generator id -> handle (`receive_weights`)
     listeners: list[VersionListener] = field(default_factory=list)  # told both versions
     trained: Callable[[list[str]], Awaitable[Any]] | None = None  # the ledger: sample ids trained
-    checkpoint_parts: list[Callable[[str], Awaitable[Any]]] = field(default_factory=list)  # write into a checkpoint
+    # Write a part into the checkpoint being written (its path on the run's node; the store to ship it to).
+    checkpoint_parts: list[Callable[[str, StoreClient], Awaitable[Any]]] = field(default_factory=list)
     record_batch: Callable[[BatchRecord], Any] | None = None  # the store: each batch as trained
 
 
@@ -65,6 +69,7 @@ class CheckpointPolicy:
     every_steps: int = 0  # 0: not by steps
     every_s: float = 0.0  # 0: not by time
     keep: int = 1
+    store: StoreClient | None = None  # the run directory's checkpoint store (default: in this process)
 
     def due(self, step: int, since_last_s: float) -> bool:
         if not self.run_dir:
@@ -84,6 +89,7 @@ class PolicyLearner(TrainingLoop):
         self.batches = batches
         self.edges = edges or LearnerEdges()
         self.checkpoints = checkpoints
+        self.store = checkpoints.store or (StoreClient.local(checkpoints.run_dir) if checkpoints.run_dir else None)
         self.tokenizer = tokenizer
         # The staleness bound holds here, at the step, against the version being trained.
         self.max_staleness_versions = max_staleness_versions
@@ -270,20 +276,30 @@ class PolicyLearner(TrainingLoop):
     # --- checkpoints ----------------------------------------------------------------------------
 
     async def save_checkpoint(self) -> str:
-        """Write a checkpoint of the current step (between two steps) and return its path."""
-        if not self.checkpoints.run_dir:
+        """Write a checkpoint of the current step (between two steps) and return its path (on the
+        run directory's node). A disk that refuses raises `checkpoint.CheckpointWriteError`."""
+        if self.store is None:
             raise RuntimeError("checkpoints need a run directory")
         async with self._step_lock:  # also waits for a checkpoint in progress
             if self.last_checkpoint.get("step") == self.step:  # this step is saved already
                 return self.last_checkpoint["path"]
             start = time.perf_counter()
-            tmp = checkpoint.begin(self.checkpoints.run_dir, self.step)
-            pending = await self.batches.drain_unacked()  # before the ledger: see the module doc
-            await asyncio.gather(*(part(tmp) for part in self.edges.checkpoint_parts))
-            async with self._weights_lock:
-                state = await self._on_every_rank("state")
-            await asyncio.to_thread(self._write_state, tmp, pending, *state)
-            path = await asyncio.to_thread(checkpoint.commit, tmp, self.step, self.checkpoints.keep)
+            tmp = await asyncio.to_thread(self.store.call, "begin", self.step)
+            try:
+                pending = await self.batches.drain_unacked()  # before the ledger: see the module doc
+                await asyncio.gather(*(part(tmp, self.store) for part in self.edges.checkpoint_parts))
+                async with self._weights_lock:
+                    state = await self._on_every_rank("state")
+                await asyncio.to_thread(write_part, self.store, tmp,
+                                        lambda directory: self._write_state(directory, pending, *state))
+                path = await asyncio.to_thread(self.store.call, "commit", tmp, self.step, self.checkpoints.keep)
+            except BaseException as exc:
+                await asyncio.to_thread(self.store.call, "discard", tmp)  # what it took, back
+                if isinstance(exc, checkpoint.CheckpointWriteError):
+                    # Its own message (a part's arrives wrapped by Ray): the run stops on this error.
+                    raise checkpoint.CheckpointWriteError(str(exc.cause if isinstance(exc, RayTaskError) else exc)) \
+                        from None
+                raise
             elapsed = time.perf_counter() - start
             self.timing["checkpoint_s"] += elapsed
             self.counters["checkpoints"] += 1
@@ -302,7 +318,16 @@ class PolicyLearner(TrainingLoop):
         checkpoint.save_batches(pending_batches, os.path.join(directory, "batches.msgpack"))
 
     async def load_checkpoint(self, directory: str) -> None:
-        """Continue from a checkpoint: weights, optimizer, scheduler, step, version, counters."""
+        """Continue from a checkpoint (its path on the run directory's node): weights, optimizer,
+        scheduler, step, version, counters."""
+        copy = local_copy(self.store, directory, ["policy", "learner.pt", "learner.json"])
+        local = await asyncio.to_thread(copy.__enter__)
+        try:
+            await self._load_checkpoint(local)
+        finally:
+            await asyncio.to_thread(copy.__exit__, None, None, None)
+
+    async def _load_checkpoint(self, directory: str) -> None:
         weights = self.policy.read_policy(os.path.join(directory, "policy"))
         state = checkpoint.load_tensors(os.path.join(directory, "learner.pt"))
         async with self._weights_lock:
@@ -424,6 +449,6 @@ def _rank_call(actor):
 
 
 def _part_writer(actor):
-    async def write(directory: str) -> None:
-        await actor.save_checkpoint_part.remote(directory)
+    async def write(directory: str, store: StoreClient) -> None:
+        await actor.save_checkpoint_part.remote(directory, store)
     return write

@@ -37,6 +37,7 @@ import torch
 
 from actors.base import RoleShell
 from asyncrl.algo.selection import curriculum_sources
+from asyncrl.checkpoint_store import StoreClient, local_copy, write_part
 from asyncrl.config import (NO_BOUND, AlgorithmConfig, EngineConfig, EnvironmentConfig, ModelConfig, RewardConfig,
                             RouteConfig, SamplingConfig, TaskConfig)
 from asyncrl.ledger import LedgerSnapshot, SampleLedger
@@ -68,6 +69,7 @@ class CursorSnapshot(msgspec.Struct, kw_only=True):
 
 
 SNAPSHOT_CODEC = Codec(CursorSnapshot)
+SNAPSHOT_FILE = "prompt_source.msgpack"  # its part of a checkpoint
 # The assembler's ledger events: (sample ids, new state, reason of a drop).
 LedgerEvent = tuple[list[str], SampleState, "DropReason | None"]
 
@@ -334,13 +336,22 @@ class PromptSourceActor(RoleShell):
     def record_events(self, events, outcomes) -> None:
         self.inner.record_events(events, outcomes)
 
-    def save_checkpoint_part(self, directory: str) -> None:
-        with open(os.path.join(directory, "prompt_source.msgpack"), "wb") as f:
-            f.write(SNAPSHOT_CODEC.encode(self.inner.snapshot()))
+    def save_checkpoint_part(self, directory: str, store: StoreClient) -> None:
+        """The cursor and ledger into the checkpoint being written at `directory` (through the run
+        directory's `store` where this node does not see it)."""
+        encoded = SNAPSHOT_CODEC.encode(self.inner.snapshot())
 
-    def restore(self, directory: str, held_sample_ids: set[str], delivered_version: int) -> int:
-        """Continue from a checkpoint; returns how many prompts will be issued again."""
-        with open(os.path.join(directory, "prompt_source.msgpack"), "rb") as f:
+        def save(into: str) -> None:
+            with open(os.path.join(into, SNAPSHOT_FILE), "wb") as f:
+                f.write(encoded)
+
+        write_part(store, directory, save)
+
+    def restore(self, directory: str, held_sample_ids: set[str], delivered_version: int,
+                store: StoreClient | None = None) -> int:
+        """Continue from a checkpoint (its path on the run directory's node, read through its
+        `store`); returns how many prompts will be issued again."""
+        with local_copy(store, directory, [SNAPSHOT_FILE]) as local, open(os.path.join(local, SNAPSHOT_FILE), "rb") as f:
             self.inner.restore(SNAPSHOT_CODEC.decode(f.read()), held_sample_ids, delivered_version)
         self.restored = True
         return len(self.inner.reissue)

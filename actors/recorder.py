@@ -16,15 +16,18 @@ import time
 import msgspec
 
 from actors.base import RoleShell
+from asyncrl.checkpoint import disk_refusal
 from asyncrl.store import BATCH_RECORD_DECODER, BATCH_SCHEMA, RECORDS_DECODER, TRAJECTORY_SCHEMA, StoreWriter
 
 
 class TrajectoryRecorder:
     def __init__(self, directory: str, max_file_bytes: int = 64 << 20, max_file_age_s: float = 600.0,
-                 flush_s: float = 5.0):
+                 flush_s: float = 5.0, keep_bytes: int = 0):
+        """`keep_bytes` > 0: the store's oldest closed files go past this total (`asyncrl.store`)."""
         self.directory = directory
-        self.trajectories = StoreWriter(directory, "trajectories", TRAJECTORY_SCHEMA, max_file_bytes, max_file_age_s)
-        self.batches = StoreWriter(directory, "batches", BATCH_SCHEMA, max_file_bytes, max_file_age_s)
+        self.trajectories = StoreWriter(directory, "trajectories", TRAJECTORY_SCHEMA, max_file_bytes, max_file_age_s,
+                                        keep_bytes)
+        self.batches = StoreWriter(directory, "batches", BATCH_SCHEMA, max_file_bytes, max_file_age_s, keep_bytes)
         self.flush_s = flush_s
         self._lock = asyncio.Lock()  # one writer thread at a time
         self._running = False
@@ -45,7 +48,13 @@ class TrajectoryRecorder:
         async with self._lock:
             start = time.perf_counter()
             for writer in (self.trajectories, self.batches):
-                await asyncio.to_thread(writer.close if close else writer.flush)
+                try:
+                    await asyncio.to_thread(writer.close if close else writer.flush)
+                except OSError as exc:  # a full disk: one error that stops the run, not a restart loop
+                    refused = disk_refusal(exc, self.directory, "the trajectory store's rows")
+                    if refused is None:
+                        raise
+                    raise refused from None
             self.counters["write_s"] += time.perf_counter() - start
             self.counters["flushes"] += 1
 
@@ -66,12 +75,13 @@ class TrajectoryRecorder:
     def stats(self) -> dict:
         return {**self.counters, "trajectory_rows_written": self.trajectories.rows_written,
                 "batch_rows_written": self.batches.rows_written,
-                "files_closed": self.trajectories.files_closed + self.batches.files_closed}
+                "files_closed": self.trajectories.files_closed + self.batches.files_closed,
+                "files_deleted": self.trajectories.files_deleted + self.batches.files_deleted}
 
 
 class RecorderActor(RoleShell):
-    def __init__(self, directory: str, max_file_mb: int, max_file_age_s: float):
-        self.inner = TrajectoryRecorder(directory, max_file_mb << 20, max_file_age_s)
+    def __init__(self, directory: str, max_file_mb: int, max_file_age_s: float, keep_mb: int = 0):
+        self.inner = TrajectoryRecorder(directory, max_file_mb << 20, max_file_age_s, keep_bytes=keep_mb << 20)
 
     def add_trajectories(self, encoded: bytes) -> int:
         return self.inner.add_trajectories(encoded)

@@ -24,6 +24,7 @@ import torch
 
 from actors.base import RoleShell, TrainingLoop
 from asyncrl import checkpoint
+from asyncrl.checkpoint_store import StoreClient, local_copy, write_part
 from asyncrl.config import AlgorithmConfig, CriticConfig, ModelConfig, SamplingConfig
 from asyncrl.learning.scoring import response_logprobs
 from asyncrl.algo.warmup import warmup_finished
@@ -153,13 +154,19 @@ class ValueLearner(TrainingLoop):
 
     # --- checkpoints -------------------------------------------------------------------------------
 
-    async def save_checkpoint_part(self, directory: str) -> None:
-        """Write the value model, optimizer and version into a checkpoint directory. The partial
-        batch held here is not saved: its trajectories were regenerated-or-trained policy samples
-        already, and the critic simply sees other ones."""
+    async def save_checkpoint_part(self, directory: str, store: StoreClient | None = None) -> None:
+        """Write the value model, optimizer and version into the checkpoint being written at
+        `directory` (shipped to the run directory's `store` where this node does not see it). The
+        partial batch held here is not saved: its trajectories were regenerated-or-trained policy
+        samples already, and the critic simply sees other ones."""
+        def save(into: str) -> None:
+            checkpoint.save_value_part(into, self.model, self.optimizer, self.version, dict(self.counters))
+
         async with self._train_lock:  # between steps, the serving copy equals the model
-            await asyncio.to_thread(checkpoint.save_value_part, directory, self.model, self.optimizer, self.version,
-                                    dict(self.counters))
+            if store is None:
+                await asyncio.to_thread(save, directory)
+            else:
+                await asyncio.to_thread(write_part, store, directory, save)
 
     def load_checkpoint(self, directory: str) -> None:
         from safetensors.torch import load_file
@@ -210,14 +217,17 @@ def build_value_learner(model: ModelConfig, critic: CriticConfig, algorithm: Alg
 
 class ValueLearnerActor(RoleShell):
     def __init__(self, model: ModelConfig, critic: CriticConfig, algorithm: AlgorithmConfig, sampling: SamplingConfig,
-                 seed: int, trajectories: Mailbox, resume_from: str | None = None):
+                 seed: int, trajectories: Mailbox, resume_from: str | None = None,
+                 checkpoint_store: StoreClient | None = None):
+        """`resume_from`: a checkpoint's path on the run directory's node, read through its store."""
         torch.set_num_threads(critic.compute.threads)
         self.inner = build_value_learner(model, critic, algorithm, sampling, seed, trajectories)
         if resume_from:
-            self.inner.load_checkpoint(resume_from)
+            with local_copy(checkpoint_store, resume_from, [checkpoint.VALUE_PART]) as local:
+                self.inner.load_checkpoint(local)
 
-    async def save_checkpoint_part(self, directory: str) -> None:
-        await self.inner.save_checkpoint_part(directory)
+    async def save_checkpoint_part(self, directory: str, store: StoreClient | None = None) -> None:
+        await self.inner.save_checkpoint_part(directory, store)
 
     async def values(self, rows):
         return await self.inner.values(rows)

@@ -1,9 +1,13 @@
 """Checkpoints of a running system: layout, atomic commit, checksums, retention, loading, export.
 
 A checkpoint is a directory `<run_dir>/checkpoints/step_<k>/`, written by several actors into
-`step_<k>.tmp/` and renamed into place by the policy learner once every part is there, so a
-reader never sees half a checkpoint. `manifest.json` (written last) holds the SHA-256 and size of
-every file; a checkpoint whose files do not match is skipped for the previous one.
+`step_<k>.tmp/` and renamed into place once every part is there, so a reader never sees half a
+checkpoint. `manifest.json` (written last) holds the SHA-256 and size of every file; a checkpoint
+whose files do not match is skipped for the previous one. Every file and directory is fsynced
+before the rename, and an older checkpoint is deleted only after the new one is committed (one of
+the same step too: it is set aside, not deleted, until its replacement is in place). A disk that
+cannot take a checkpoint (full, over quota, read-only) raises `CheckpointWriteError`: restarting
+would only meet the same disk, so the run stops with that one error.
 
     policy/                 the policy as a Hugging Face directory (safetensors, config, tokenizer):
                             `transformers` loads it as is; `asyncrl export` copies it out. Tied
@@ -21,6 +25,7 @@ Nothing here is unpickled: tensors are read with `torch.load(weights_only=True)`
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import hashlib
 import json
@@ -36,11 +41,49 @@ import torch
 from asyncrl.schema import Codec, TrainBatch
 
 MANIFEST = "manifest.json"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
+REPLACED = ".replaced"  # a checkpoint set aside while one of the same step takes its place
+_STEP_DIR = re.compile(r"^step_(\d+)(\.replaced)?$")
+# A disk that cannot take the checkpoint: no space, no quota, read-only. Another attempt meets it again.
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 
 
 class CorruptCheckpoint(RuntimeError):
     """A checkpoint whose files are missing or do not match its manifest."""
+
+
+class DiskRefused(RuntimeError):
+    """The run's disk refused a write (full, over quota, read-only). Not worth a restart, which
+    would meet the same disk: the run stops with this one error, and `resume=true` continues once
+    there is room."""
+
+
+class CheckpointWriteError(DiskRefused):
+    """The disk refused a checkpoint (every committed checkpoint is untouched)."""
+
+
+def disk_refusal(exc: BaseException, directory: str, what: str, note: str = "",
+                 kind: type[DiskRefused] = DiskRefused) -> DiskRefused | None:
+    """`exc` as a `kind` saying what to do, when it is the disk's refusal; else None."""
+    if not isinstance(exc, OSError) or exc.errno not in DISK_ERRNOS:
+        return None
+    try:
+        usage = shutil.disk_usage(directory)
+        room = f"{usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB"
+    except OSError:
+        room = "free space unknown"
+    return kind(f"{what} could not be written to {directory}: {os.strerror(exc.errno)} ({room}){note}. "
+                f"Make room there (or set trainer.run_dir elsewhere), then continue with resume=true")
+
+
+def disk_error(exc: BaseException, directory: str, step: int, root: str | None = None) -> CheckpointWriteError | None:
+    """A checkpoint's `disk_refusal`; `root`: the checkpoints directory, whose newest checkpoint
+    the message names."""
+    note = ""
+    if root is not None:
+        previous = committed(root)
+        note = (f"; the newest checkpoint, {os.path.basename(previous[-1][1])}, is untouched" if previous
+                else "; there is no earlier checkpoint")
+    return disk_refusal(exc, directory, f"the checkpoint of step {step}", note, CheckpointWriteError)
 
 
 def checkpoints_dir(run_dir: str) -> str:
@@ -49,6 +92,11 @@ def checkpoints_dir(run_dir: str) -> str:
 
 def step_dirname(step: int) -> str:
     return f"step_{step:08d}"
+
+
+def step_of(path: str) -> int:
+    """The step of a checkpoint directory (`step_<k>`, `step_<k>.tmp`, `step_<k>.replaced`)."""
+    return int(os.path.basename(path.rstrip("/")).split(".")[0].removeprefix("step_"))
 
 
 def begin(run_dir: str, step: int) -> str:
@@ -73,20 +121,51 @@ def _files(root: str) -> list[str]:
 
 
 def commit(tmp: str, step: int, keep_last: int) -> str:
-    """Checksum every file, write the manifest, fsync, rename into place, prune old checkpoints."""
+    """Checksum every file, write the manifest, fsync every file and directory, rename into place,
+    prune old checkpoints. A disk that refuses raises `CheckpointWriteError` (the partial
+    directory removed, every committed checkpoint untouched)."""
+    root = os.path.dirname(tmp)
+    try:
+        return _commit(tmp, step, keep_last)
+    except OSError as exc:
+        refused = disk_error(exc, root, step, root)
+        if refused is None:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # give back what the partial checkpoint took
+        raise refused from exc
+
+
+def _commit(tmp: str, step: int, keep_last: int) -> str:
     files = {rel: {"sha256": _sha256(os.path.join(tmp, rel)), "bytes": os.path.getsize(os.path.join(tmp, rel))}
              for rel in _files(tmp)}
     with open(os.path.join(tmp, MANIFEST), "w") as f:
         json.dump({"step": step, "created_at": time.time(), "files": files}, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
+    # Durable before it is visible: a rename can reach the disk before the data it names, and a
+    # crash then leaves a committed checkpoint of empty files (and, with checkpoint_keep=1, none other).
+    _fsync_tree(tmp)
     final = tmp.removesuffix(".tmp")
-    if os.path.exists(final):  # a checkpoint of the same step from an earlier incarnation
-        shutil.rmtree(final)
+    aside = None
+    if os.path.exists(final):  # the same step saved again (a resumed run's last step): the only copy so far
+        aside = final + REPLACED
+        shutil.rmtree(aside, ignore_errors=True)  # (a copy of `final`, set aside by an interrupted commit)
+        os.rename(final, aside)
     os.rename(tmp, final)
     _fsync_dir(os.path.dirname(final))
+    if aside is not None:
+        shutil.rmtree(aside)
     prune(os.path.dirname(final), keep_last)
     return final
+
+
+def _fsync_tree(root: str) -> None:
+    for directory, _, names in os.walk(root):
+        for name in names:
+            fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(directory)
 
 
 def _fsync_dir(path: str) -> None:
@@ -98,13 +177,15 @@ def _fsync_dir(path: str) -> None:
 
 
 def committed(root: str) -> list[tuple[int, str]]:
-    """(step, path) of every committed checkpoint under `root`, oldest first."""
-    out = []
-    for name in os.listdir(root) if os.path.isdir(root) else []:
+    """(step, path) of every committed checkpoint under `root`, oldest first. A checkpoint set aside
+    (`.replaced`) counts only where its replacement never took its place (a commit interrupted
+    between the two renames)."""
+    found: dict[int, str] = {}
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
         match = _STEP_DIR.match(name)
-        if match:
-            out.append((int(match.group(1)), os.path.join(root, name)))
-    return sorted(out)
+        if match and (not match.group(2) or int(match.group(1)) not in found):
+            found[int(match.group(1))] = os.path.join(root, name)
+    return sorted(found.items())
 
 
 def prune(root: str, keep_last: int) -> None:
@@ -115,6 +196,9 @@ def prune(root: str, keep_last: int) -> None:
         match = _STEP_DIR.match(os.path.basename(stale).removesuffix(".tmp"))
         if match and newest is not None and int(match.group(1)) < newest:
             shutil.rmtree(stale, ignore_errors=True)
+    for aside in glob.glob(os.path.join(root, "step_*" + REPLACED)):  # its replacement is in place
+        if os.path.isdir(aside.removesuffix(REPLACED)):
+            shutil.rmtree(aside, ignore_errors=True)
 
 
 def verify(path: str) -> dict:

@@ -41,7 +41,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     from asyncrl import evaluation
-    from asyncrl.config import compose
+    from asyncrl.config import ConfigError, compose
 
     from asyncrl.checkpoint import policy_dir
 
@@ -68,8 +68,11 @@ def _eval(args: argparse.Namespace) -> int:
     n = max(args.n, max(ks))
     examples = evaluation.held_out(config, args.prompts)
     if args.endpoint:
+        api_key = os.environ.get(args.api_key_env, "") if args.api_key_env else ""
+        if args.api_key_env and not api_key:
+            raise ConfigError(f"--api-key-env {args.api_key_env}: that environment variable is not set")
         texts, versions = evaluation.sample_endpoint(args.endpoint, config.model.name, examples, n, args.temperature,
-                                                     config.engine.max_response_tokens)
+                                                     config.engine.max_response_tokens, api_key=api_key)
         label = f"{args.endpoint} (weight versions {sorted(v for v in versions if v)})"
     else:
         from asyncrl.generation import build_engine
@@ -211,6 +214,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ev = sub.add_parser("eval", help="pass@1 and pass@k on held-out prompts (a checkpoint, the model, or a live endpoint)")
     ev.add_argument("--checkpoint", default="", help="a run directory, an asyncrl checkpoint or a Hugging Face directory")
     ev.add_argument("--endpoint", default="", help="a live policy endpoint, e.g. http://127.0.0.1:8000/v1")
+    ev.add_argument("--api-key-env", default="", metavar="NAME",
+                    help="send the value of environment variable NAME as the endpoint's key (default: no key is "
+                         "sent; OPENAI_API_KEY is never sent unasked)")
     ev.add_argument("--n", type=int, default=4, help="samples per prompt")
     ev.add_argument("--k", default="1,4", help="comma-separated k values")
     ev.add_argument("--temperature", type=float, default=0.7)
@@ -276,6 +282,13 @@ def _main(argv: list[str] | None) -> int:
     except (ConfigError, FileNotFoundError, FileExistsError, RayStartError) as exc:
         print(f"asyncrl {args.command}: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:  # a disk that cannot take what the run writes: what to do, in one line
+        from asyncrl.checkpoint import DiskRefused
+
+        if not isinstance(exc, DiskRefused):
+            raise
+        print(f"asyncrl {args.command}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

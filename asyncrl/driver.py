@@ -20,12 +20,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from asyncrl.config import Config, compose, to_dict, to_yaml
+from asyncrl.config import Config, compose, to_record, to_yaml
 from asyncrl.evaluation import greedy_accuracy
 from asyncrl.generation import build_engine
 from asyncrl.run import Run
 from asyncrl.run.placement import init_ray
 from asyncrl.run.records import REWARD_KEY
+
+
+# Step records held in memory for the plots and the summary: a run of days keeps its newest half
+# whole and thins the older ones (`asyncrl.run.records`); every record is in metrics.jsonl.
+HISTORY_RECORDS = 100_000
 
 
 @dataclass
@@ -42,9 +47,7 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
     from asyncrl import checkpoint
 
     run_dir = checkpoint.resolve_run_dir(config.trainer.run_dir, config.resume)
-    os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "config.resume.json" if config.resume else "config.json"), "w") as f:
-        json.dump(to_dict(config), f, indent=2)
+    write_config(config, run_dir)
     init_ray(config)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     engine, tokenizer = build_engine(config.model)
@@ -78,7 +81,8 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
 
     if progress:
         print("starting the run's actors (each loads the model: about a minute on a quiet machine)", flush=True)
-    run = Run(config, run_dir, max_steps=config.trainer.total_steps, annotate=evaluate_every, wandb_run=wandb_run)
+    run = Run(config, run_dir, max_steps=config.trainer.total_steps, annotate=evaluate_every, wandb_run=wandb_run,
+              history_limit=HISTORY_RECORDS)
     try:
         run.start()
         if run.resumed:
@@ -90,7 +94,7 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
         with _sigint_deferred():  # the actors must not be left running
             run.stop()
     wall = time.time() - run.log.started
-    after = _evaluate_after(config, engine, tokenizer, eval_prompts, ending, len(run.records), wall, progress)
+    after = _evaluate_after(config, engine, tokenizer, eval_prompts, ending, run.log.steps_recorded, wall, progress)
     run.write_plots()
     if ending.interrupted:
         last = ending.last_checkpoint or checkpoint.latest_valid(run_dir)[0]
@@ -98,7 +102,7 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
               + (f" (continue with: asyncrl train trainer.run_dir={run_dir} resume=true)" if last else ""), flush=True)
     summary = {"run_dir": run_dir, "eval_before": before, "eval_after": after, "train_wall_s": wall,
                "reached_target": _reached_target(run.records, config), "evals": evals, "resumed": run.resumed,
-               "restarts": run.restarts, "steps": len(run.records), "final_status": ending.final_status or {},
+               "restarts": run.restarts, "steps": run.log.steps_recorded, "final_status": ending.final_status or {},
                "interrupted": ending.interrupted, "stop_reason": ending.stop_reason,
                "last_checkpoint": ending.last_checkpoint, "records": run.records}
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
@@ -108,6 +112,15 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
                                   "eval_accuracy_after": after["accuracy"] if after else None})
         wandb_run.finish()
     return summary
+
+
+def write_config(config: Config, run_dir: str) -> str:
+    """The run's config as `config.json` (`config.resume.json` when resumed), its secrets redacted."""
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, "config.resume.json" if config.resume else "config.json")
+    with open(path, "w") as f:
+        json.dump(to_record(config), f, indent=2)
+    return path
 
 
 def _watch(run: Run, config: Config, progress: bool, ctrl_c: "_CtrlC") -> Ending:
@@ -278,7 +291,7 @@ def _init_wandb(config: Config, run_dir: str):
     import wandb
 
     # quiet: no run summary printed after the run (the driver prints its own figures, labelled).
-    return wandb.init(project=config.trainer.wandb_project, dir=run_dir, mode=mode, config=to_dict(config),
+    return wandb.init(project=config.trainer.wandb_project, dir=run_dir, mode=mode, config=to_record(config),
                       settings=wandb.Settings(quiet=True))
 
 

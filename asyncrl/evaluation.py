@@ -151,10 +151,12 @@ def _task_overrides(task: dict, max_response_tokens: int | None) -> list[str]:
 
 
 def sample_endpoint(url: str, model: str, examples: list[Example], n: int, temperature: float, max_tokens: int,
-                    progress: bool = True) -> tuple[list[list[str]], set]:
+                    progress: bool = True, api_key: str = "") -> tuple[list[list[str]], set]:
+    """`api_key`: the bearer key to send (none by default: a key from the environment, such as
+    OPENAI_API_KEY, is never sent to a URL the user did not give it for)."""
     from openai import OpenAI
 
-    client = OpenAI(base_url=url, api_key=os.environ.get("OPENAI_API_KEY", "unused"))
+    client = OpenAI(base_url=url, api_key=api_key or "EMPTY")  # the client needs one; vLLM's convention
     texts, versions = [], set()
     with progress_bar(len(examples) * n, "eval", progress) as bar:
         for i, ex in enumerate(examples):

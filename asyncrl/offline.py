@@ -34,7 +34,7 @@ from asyncrl.algo.shaping import shaped_score
 from asyncrl.assembly.rows import merge_segments
 from asyncrl.assembly.strategies import build_strategy
 from asyncrl.assembly.values import ValueEdges
-from asyncrl.config import NO_BOUND, Config, PairwiseAdvantage, to_dict
+from asyncrl.config import NO_BOUND, Config, PairwiseAdvantage, to_record
 from asyncrl.evaluation import greedy_accuracy, progress_bar
 from asyncrl.learning.dqo import dqo_step
 from asyncrl.learning.rows import build_optimizer
@@ -393,7 +393,7 @@ def _start_run(config: Config) -> str:
     run_dir = checkpoint.resolve_run_dir(config.trainer.run_dir, False)
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "config.json"), "w") as f:
-        json.dump(to_dict(config), f, indent=2)
+        json.dump(to_record(config), f, indent=2)
     return run_dir
 
 

@@ -194,16 +194,22 @@ class StoreWriter:
     """
 
     def __init__(self, directory: str, kind: str, schema: pa.Schema, max_file_bytes: int = 64 << 20,
-                 max_file_age_s: float = 600.0):
+                 max_file_age_s: float = 600.0, keep_bytes: int = 0):
+        """`keep_bytes` > 0: after each roll the store's oldest closed files (both kinds) are
+        deleted until the rest fit in it."""
         self.directory, self.kind, self.schema = directory, kind, schema
-        self.max_file_bytes, self.max_file_age_s = max_file_bytes, max_file_age_s
+        self.max_file_bytes, self.max_file_age_s, self.keep_bytes = max_file_bytes, max_file_age_s, keep_bytes
         os.makedirs(directory, exist_ok=True)
         self._rows: list[dict] = []
         self._writer: pq.ParquetWriter | None = None
         self._path = ""
         self._opened_at = 0.0
-        # Continue numbering after files of an earlier incarnation (a resumed run appends).
-        self._index = len(glob.glob(os.path.join(directory, f"{kind}-*.parquet")))
+        # Continue numbering after files of an earlier incarnation (a resumed run appends; the
+        # oldest may have been deleted by the retention bound, so after the highest number).
+        numbers = [int(os.path.basename(p).split("-")[-1].split(".")[0])
+                   for p in glob.glob(os.path.join(directory, f"{kind}-*.parquet"))]
+        self._index = max(numbers, default=-1) + 1
+        self.files_deleted = 0
         self.files_closed = 0
         self.rows_written = 0
 
@@ -239,6 +245,23 @@ class StoreWriter:
         os.replace(self._path, self._path.removesuffix(INPROGRESS))
         self._writer, self._index = None, self._index + 1
         self.files_closed += 1
+        if self.keep_bytes:
+            self.files_deleted += prune_store(self.directory, self.keep_bytes)
+
+
+def prune_store(directory: str, keep_bytes: int) -> int:
+    """Delete the oldest closed files of a store (by when they were closed) until the rest fit in
+    `keep_bytes`; how many were deleted. The newest file is always kept."""
+    files = sorted(glob.glob(os.path.join(directory, "*.parquet")), key=os.path.getmtime)
+    sizes = [os.path.getsize(f) for f in files]
+    deleted, total = 0, sum(sizes)
+    for path, size in zip(files[:-1], sizes):
+        if total <= keep_bytes:
+            break
+        os.remove(path)
+        total -= size
+        deleted += 1
+    return deleted
 
 
 # --- reading -----------------------------------------------------------------------------------------

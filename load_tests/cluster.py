@@ -80,16 +80,26 @@ def ray_processes(node_ip: str) -> list[psutil.Process]:
     return out
 
 
-def up(worker_cpus: int = 8, head_cpus: int = 8, object_store_mb: int = 1024) -> None:
-    """Both namespaces and both Ray nodes, each with the custom resource naming its role."""
+def up(worker_cpus: int = 8, head_cpus: int = 8, object_store_mb: int = 1024, private_dir: str = "") -> None:
+    """Both namespaces and both Ray nodes, each with the custom resource naming its role.
+    `private_dir`: the worker's processes see a private, empty tmpfs there (its own mount
+    namespace, which `ip netns exec` gives it): a node without the head's disk at that path. It then
+    also offers `node_private` (2), for the roles a scenario places there."""
     network_up()
     common = ["--disable-usage-stats", f"--object-store-memory={object_store_mb << 20}"]
     in_ns(HEAD, f"{VENV_BIN}/ray", "start", "--head", f"--node-ip-address={HEAD_IP}", f"--port={RAY_PORT}",
           f"--num-cpus={head_cpus}", "--resources", json.dumps({"node_learner": 1}), "--include-dashboard=false",
           *common, env=ray_env(), timeout=180)
-    in_ns(WORKER, f"{VENV_BIN}/ray", "start", f"--address={ADDRESS}", f"--node-ip-address={WORKER_IP}",
-          f"--num-cpus={worker_cpus}", "--resources", json.dumps({"node_generator": 1}), *common,
-          env=ray_env(), timeout=180)
+    resources = {"node_generator": 1, **({"node_private": 2} if private_dir else {})}
+    start = [f"{VENV_BIN}/ray", "start", f"--address={ADDRESS}", f"--node-ip-address={WORKER_IP}",
+             f"--num-cpus={worker_cpus}", "--resources", json.dumps(resources), *common]
+    if private_dir:
+        os.makedirs(private_dir, exist_ok=True)
+        quoted = " ".join(f"'{arg}'" for arg in start)
+        in_ns(WORKER, "sh", "-c", f"mount -t tmpfs -o size=512m tmpfs '{private_dir}' && exec {quoted}",
+              env=ray_env(), timeout=180)
+    else:
+        in_ns(WORKER, *start, env=ray_env(), timeout=180)
     wait_nodes(2)
 
 

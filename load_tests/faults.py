@@ -24,6 +24,12 @@ Scenarios (tiny model, the real actors, mailboxes and gloo broadcast; checkpoint
 * partition           (the same cluster) the worker's link goes down for 30 s
 * hang_delivery, lease_outlived, scale_down_slow, restart_budget, serve_poll_errors: faults of
                       parts that stay alive (`load_tests/runtime_faults.py`, issue 44)
+* full_disk           (root) the checkpoints' disk (a small tmpfs) fills up between two checkpoints:
+                      one clear error, no restart, the last checkpoint intact; then room is made and
+                      `resume=true` continues from it
+* private_run_dir     (the two-node cluster) the learner on the worker node, whose run directory is
+                      a private tmpfs: checkpoints reach the head's run directory; the learner is
+                      killed and the restarted one (on that node again) resumes from the head's copy
 
 The pool's scenarios (`load_tests/pool_faults.py`) also report the rate of trained samples before,
 the dip after and the seconds until training runs at full rate again.
@@ -248,6 +254,107 @@ node_loss = _pool(pool_faults.node_loss, CLUSTER)
 partition = _pool(pool_faults.partition, CLUSTER)
 
 
+# --- storage: a full disk, a learner whose node does not see the run directory -----------------------
+
+
+def _fill(directory: str) -> str:
+    """Take every free byte of the filesystem of `directory`; the filler's path."""
+    path = os.path.join(directory, "filler")
+    with open(path, "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * (1 << 20))
+                f.flush()
+        except OSError:
+            pass
+    return path
+
+
+def full_disk(run_dir: str, quick: bool) -> dict:
+    import subprocess
+
+    from asyncrl import checkpoint
+
+    if os.geteuid() != 0:
+        raise RuntimeError("full_disk mounts a tmpfs: run as root")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    disk = checkpoint.checkpoints_dir(run_dir)
+    os.makedirs(disk)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", disk], check=True)
+    overrides = BASE + EXTRA + [f"trainer.run_dir={run_dir}"]
+    try:
+        sup = Run(compose(overrides), run_dir).start()
+        try:
+            advance(sup, 4)  # the step-3 checkpoint
+            kept = checkpoint.latest_valid(run_dir)[0]
+            filler = _fill(disk)
+            filled_at_step, start = sup.status()["step"], time.time()
+            error = None
+            while error is None and time.time() - start < 300:
+                try:
+                    sup.poll()
+                except checkpoint.DiskRefused as exc:
+                    error = str(exc)
+                time.sleep(0.3)
+            if error is None:
+                raise TimeoutError("no checkpoint was refused in 300 s")
+            stopped_s, ledger_at_error = time.time() - start, ledger_report(sup)
+            restarts = len(sup.restarts)
+        finally:
+            sup.stop()
+        latest = checkpoint.latest_valid(run_dir)[0]
+        leftovers = [n for n in os.listdir(disk) if n.endswith(".tmp")]
+        os.remove(filler)  # room again: the run continues from the checkpoint it kept
+        sup = Run(compose(overrides + ["resume=true"]), run_dir).start()
+        try:
+            advance(sup, 4 if quick else 8)
+            status = sup.status()
+            return {"injected": f"the checkpoints' tmpfs (16 MiB) filled at step {filled_at_step}, after the "
+                                f"checkpoint {os.path.basename(kept)}",
+                    "error": error, "seconds_to_the_error": round(stopped_s, 1), "restarts_before_the_error": restarts,
+                    "checkpoint_after_the_error": os.path.basename(latest or "none"),
+                    "partial_checkpoints_left": leftovers, "ledger_at_the_error": ledger_at_error,
+                    "resumed_from": sup.resumed.get("step"), "step_after": status["step"], "ledger": ledger_report(sup)}
+        finally:
+            sup.stop()
+    finally:
+        subprocess.run(["umount", "-l", disk], check=False)
+
+
+@ray.remote(num_cpus=0, resources={"node_private": 0.01})
+def _listing_on_the_private_node(path: str) -> list[str]:
+    return sorted(os.listdir(path)) if os.path.isdir(path) else []
+
+
+def private_run_dir(run_dir: str, quick: bool) -> dict:
+    """(Inside the head's namespace, the worker's run directory a private tmpfs: `cluster.up`.)"""
+    from asyncrl import checkpoint
+
+    # The learner on the worker node, the generators and the control plane on the head. (Not
+    # `_start`: removing the directory would detach the worker's private mount on it.)
+    overrides = BASE + EXTRA + ["policy.compute.resources={node_private: 1}", "engine.resources={node_learner: 1}"]
+    sup = Run(compose(overrides + [f"trainer.run_dir={run_dir}"]), run_dir).start()
+    try:
+        advance(sup, 4)
+        learner_node = sup.status()["learner_node"]
+        committed = [os.path.basename(p) for _, p in checkpoint.committed(checkpoint.checkpoints_dir(run_dir))]
+        on_the_worker = ray.get(_listing_on_the_private_node.remote(run_dir), timeout=60)
+        step_at_kill = sup.status()["step"]
+        ray.kill(sup.system.actors["learner"], no_restart=True)
+        event = wait_restart(sup)
+        advance(sup, 6 if quick else 12)
+        status = sup.status()
+        return {"injected": f"the learner on {learner_node} (its run directory a private tmpfs), killed at step "
+                            f"{step_at_kill}",
+                "checkpoints_on_the_head": committed, "run_directory_as_the_learner_node_sees_it": on_the_worker,
+                "restart_s": round(event["restart_s"], 2), "resumed_from_step": event["step"],
+                "learner_node_after": status["learner_node"], "step_after": status["step"],
+                "ledger": ledger_report(sup)}
+    finally:
+        sup.stop()
+
+
+
 def _runtime(scenario):
     def run(run_dir: str, quick: bool) -> dict:
         return scenario(run_dir, quick, EXTRA)
@@ -257,16 +364,20 @@ def _runtime(scenario):
 
 
 SCENARIOS = {f.__name__: f for f in (kill_generator, scale, kill_learner, kill_value_learner, kill_reward,
-                                     hang_reward, fill_mailbox, node_loss, partition,
+                                     hang_reward, fill_mailbox, node_loss, partition, full_disk, private_run_dir,
                                      *map(_runtime, runtime_faults.SCENARIOS.values()))}
-ON_CLUSTER = ("node_loss", "partition")
+ON_CLUSTER = ("node_loss", "partition", "private_run_dir")
+NEEDS_ROOT = ("full_disk",)
+# How a cluster scenario's two nodes are brought up (`cluster.up`), from its run directory.
+CLUSTER_OPTIONS = {"private_run_dir": lambda run_dir: {"private_dir": run_dir}}
 
 
 def on_cluster(name: str, run_dir: str, quick: bool) -> dict:
     """A cluster scenario: bring the two nodes up, run it in the head's namespace, take them down."""
     from load_tests import cluster
 
-    cluster.up()
+    shutil.rmtree(run_dir, ignore_errors=True)  # before a node mounts anything on it
+    cluster.up(**CLUSTER_OPTIONS.get(name, lambda _: {})(run_dir))
     try:
         out = cluster.run_in_head([sys.executable, os.path.abspath(__file__), name, "--run-dir", run_dir,
                                    *(["--quick"] if quick else [])], timeout_s=1500)
@@ -294,6 +405,9 @@ def main() -> int:
     results = {}
     for name in args.scenarios:
         start = time.time()
+        if name in NEEDS_ROOT and os.geteuid() != 0:
+            print(f"{name}: skipped (needs root for a tmpfs)", flush=True)
+            continue
         if name in ON_CLUSTER and not inside:
             if os.geteuid() != 0:
                 print(f"{name}: skipped (needs root for the network namespaces)", flush=True)

@@ -1,16 +1,18 @@
 """The `openai` judge against a live OpenAI-compatible server: the project's own policy endpoint
 serving the embedded SmolLM2 under Serve (a server no judge code here wrote). Pointwise and pairwise
 verdicts arrive through the API; a server that is not there gives failed rewards at once, not a
-stall; the key never reaches the records."""
+stall; a call past its deadline sends no more requests; the key never reaches the records."""
 
+import asyncio
 import os
+import socket
 import time
 
 import pytest
 from ray import serve
 
 from asyncrl.config import OpenAIJudgeEndpoint
-from asyncrl.rewards.endpoint import build_scorer
+from asyncrl.rewards.endpoint import RewardEndpoint, build_scorer
 from asyncrl.schema import PairRequest, RewardRequest
 from asyncrl.serve.reward import deploy_declaratively
 from asyncrl.weight_sync import free_port
@@ -69,3 +71,32 @@ def test_a_server_that_is_not_there_gives_failed_rewards_not_a_stall():
     with pytest.raises(ValueError, match="NOT_SET_ANYWHERE .api_key_env. is not set"):
         build_scorer(OpenAIJudgeEndpoint(base_url=dead, model="m", api_key_env="NOT_SET_ANYWHERE"), None, "zero_one")
     assert "NOT_SET_ANYWHERE" not in os.environ
+
+
+def test_a_call_past_its_deadline_sends_none_of_its_remaining_requests():
+    # A server that takes connections and never answers (wedged); one request at a time.
+    wedged = socket.socket()
+    wedged.bind(("127.0.0.1", 0))
+    wedged.listen(64)
+    url = f"http://127.0.0.1:{wedged.getsockname()[1]}/v1"
+    endpoint = RewardEndpoint("judge", OpenAIJudgeEndpoint(base_url=url, model="m", retries=0, request_timeout_s=3.0,
+                                                           max_concurrency=1))
+    many = [RewardRequest(prompt_id="p", sample_idx=i, response_text=f"{i}", ground_truth="12", data_source="chat",
+                          prompt_text="q") for i in range(6)]
+
+    async def past_the_deadline():
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(endpoint.score(many), timeout=1.0)
+
+    try:
+        start = time.monotonic()
+        asyncio.run(past_the_deadline())  # returns once the call's thread is done
+        # The request in flight ran to its own timeout; the five after it were never sent (one by
+        # one, they would have held the endpoint for 6 x 3 s).
+        assert time.monotonic() - start < 12
+        sent = endpoint.scorer.stats()  # the judge's own counts (the endpoint's stats count calls)
+        assert sent["requests"] == 1 and sent["requests_not_sent"] == 5, sent
+        assert endpoint.stats()["cancelled"] == 1
+    finally:
+        endpoint.scorer.close()
+        wedged.close()

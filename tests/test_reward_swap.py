@@ -12,7 +12,8 @@ from asyncrl.run.wiring import System
 from asyncrl.weight_sync import free_port
 
 OVERRIDES = "model=tiny task=tiny algorithm=grpo trainer.wandb_mode=disabled reward.use_serve=true"
-REWARD_OVERRIDES = "model=tiny task=tiny algorithm=grpo"
+REWARD_TOKEN = "swap-test-token"  # POST /score needs one (`asyncrl.serve.guards`)
+REWARD_OVERRIDES = f"model=tiny task=tiny algorithm=grpo serve.reward_token={REWARD_TOKEN}"
 
 
 def versions(status):
@@ -75,12 +76,24 @@ def test_reward_endpoint_swaps_while_training_with_no_failed_request(ray_session
 
         # The endpoint also answers HTTP; bad input is a 4xx with a reason, not a crash.
         url = f"http://127.0.0.1:{port}/reward/verifier/score"
+        auth = {"authorization": f"Bearer {REWARD_TOKEN}"}
         ok = httpx.post(url, json={"requests": [{"prompt_id": "p", "sample_idx": 0, "response_text": "4",
-                                                 "ground_truth": "4", "data_source": "tiny"}]}, timeout=30)
+                                                 "ground_truth": "4", "data_source": "tiny"}]}, headers=auth,
+                        timeout=30)
         assert ok.status_code == 200 and ok.json()["rewards"][0]["score"] == 1.0
-        bad = httpx.post(url, json={"requests": [{"prompt_id": "p"}]}, timeout=30)
+        bad = httpx.post(url, json={"requests": [{"prompt_id": "p"}]}, headers=auth, timeout=30)
         assert bad.status_code == 400 and "invalid request" in bad.json()["error"]["message"]
-        assert httpx.post(url, json={"requests": []}, timeout=30).status_code == 400
+        assert httpx.post(url, json={"requests": []}, headers=auth, timeout=30).status_code == 400
+        # A chunked body (no Content-Length) is read through the guard whole when small, refused as
+        # it streams when not; and a caller on this machine without the token is refused.
+        chunked = httpx.post(url, content=iter([b'{"requests": [{"prompt_id": "p", "sample_idx": 0, ',
+                                               b'"response_text": "4", "ground_truth": "4", "data_source": "tiny"}]}']),
+                             headers={**auth, "content-type": "application/json"}, timeout=30)
+        assert chunked.status_code == 200 and chunked.json()["rewards"][0]["score"] == 1.0
+        huge = httpx.post(url, content=(b"x" * (1 << 20) for _ in range(17)),
+                          headers={**auth, "content-type": "application/json"}, timeout=60)
+        assert huge.status_code == 413
+        assert httpx.post(url, json={"requests": []}, timeout=30).status_code == 401  # no token sent
     finally:
         system.stop()
         serve.delete("reward-verifier")

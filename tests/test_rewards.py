@@ -3,6 +3,7 @@
 curriculum and pairwise advantages."""
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -184,11 +185,51 @@ def test_router_turns_a_hanging_or_raising_endpoint_into_failed_rewards():
     async def boom(name, requests):
         raise RuntimeError("replica died")
 
-    for call, reason in [(hang, "timed out"), (boom, "replica died")]:
-        router = RewardRouter([RouteConfig()], call, timeout_s=0.2, retries=1)
-        [reward] = asyncio.run(router.score([request("\\boxed{42}")]))
-        assert reward.failed and reason in reward.details["error"] and reward.score == 0.0
-        assert router.counters["retries"] == 1
+    # An error is retried while the deadline allows.
+    router = RewardRouter([RouteConfig()], boom, timeout_s=5.0, retries=1)
+    [reward] = asyncio.run(router.score([request("\\boxed{42}")]))
+    assert reward.failed and "replica died" in reward.details["error"] and reward.score == 0.0
+    assert router.counters["retries"] == 1 and router.counters["calls"] == 2
+    # A call that outlives the deadline is not retried: one deadline for the whole call, retries
+    # included, so a slow endpoint is given no more work than it already has.
+    router = RewardRouter([RouteConfig()], hang, timeout_s=0.3, retries=3)
+    start = time.monotonic()
+    [reward] = asyncio.run(router.score([request("\\boxed{42}")]))
+    assert reward.failed and "0.3s deadline" in reward.details["error"]
+    assert router.counters["calls"] == 1 and router.counters["retries"] == 0 and router.counters["timeouts"] == 1
+    assert time.monotonic() - start < 1.5
+
+
+def test_a_pairwise_judge_that_hangs_gives_failed_verdicts_by_the_deadline():
+    async def hang(name, pairs):
+        await asyncio.sleep(30)
+
+    router = RewardRouter([RouteConfig()], None, timeout_s=0.3, retries=0, compare=hang)
+    start = time.monotonic()
+    verdicts = asyncio.run(router.compare("judge", [PairRequest(prompt_text="q", first="a", second="b")] * 2))
+    assert time.monotonic() - start < 2.0
+    assert len(verdicts) == 2 and all(v["failed"] and "deadline" in v["error"] for v in verdicts)
+    assert router.counters["timeouts"] == 1
+
+
+def test_a_call_past_its_deadline_is_cancelled_at_the_endpoint_actor(ray_session):
+    from asyncrl.config import compose
+    from asyncrl.rewards.hybrid import build_reward_router
+    from actors.reward_endpoint import reward_endpoint_actors
+
+    config = compose(["model=tiny", "task=tiny", "reward.endpoints.verifier.fault_delay_s=60",
+                      "reward.timeout_s=1.0", "reward.retries=3"])
+    actors = reward_endpoint_actors(config.reward, config.model, config.task.reward)
+    ray_session.get(actors["verifier"].stats.remote())  # up: the call below reaches it
+    router = build_reward_router(config.reward, actors)
+    [reward] = asyncio.run(router.score([request("\\boxed{42}")]))
+    assert reward.failed and router.counters["calls"] == 1
+    deadline = time.monotonic() + 30
+    while (stats := ray_session.get(actors["verifier"].stats.remote()))["cancelled"] < 1:
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.2)
+    assert stats["requests"] == 1  # the endpoint saw one call, and stopped working on it
+    ray_session.kill(actors["verifier"])
 
 
 def test_prm_dense_rewards():

@@ -28,8 +28,8 @@ LAYERS = {
     0: ["asyncrl.config", "asyncrl.schema", "asyncrl.wire", "asyncrl.algo"],
     # Plumbing: moving and keeping things, blind to what they mean.
     1: ["asyncrl.mailbox", "asyncrl.ray_mailbox", "asyncrl.ledger", "asyncrl.weight_sync", "asyncrl.transport",
-        "asyncrl.checkpoint", "asyncrl.store", "asyncrl.sharding", "asyncrl.metrics", "asyncrl.plots",
-        "asyncrl.staleness", "asyncrl.weights_delta"],
+        "asyncrl.checkpoint", "asyncrl.checkpoint_store", "asyncrl.store", "asyncrl.sharding", "asyncrl.metrics",
+        "asyncrl.plots", "asyncrl.staleness", "asyncrl.weights_delta"],
     # The domain: models and engines, tasks, rewards, environments, assembly, learning.
     2: ["asyncrl.engines", "asyncrl.models", "asyncrl.precision", "asyncrl.tasks", "asyncrl.rewards",
         "asyncrl.assembly", "asyncrl.learning", "asyncrl.generation", "asyncrl.openai_api", "asyncrl.openai_tools",

@@ -3,9 +3,11 @@ endpoint's worker processes: what it returns becomes a reward; whatever goes wro
 returns NaN, a string, a list of the wrong length) becomes a failed reward with the reason; a new
 file and version swap in. verl's own scorers, from its published wheel, work as they are."""
 
+import asyncio
 import glob
 import os
 import textwrap
+import time
 import zipfile
 
 import pytest
@@ -125,6 +127,38 @@ def test_every_fault_of_a_users_function_is_a_failed_reward_with_its_reason(tmp_
         assert all(r.failed and "returned 1 values for 2 completions" in r.details["error"] for r in out)
     finally:
         batch.close()
+
+
+def test_a_call_past_its_deadline_stops_its_samples_in_the_workers(tmp_path):
+    # The router's deadline cancels the endpoint's call: the workers hanging on its samples are
+    # killed and the samples not begun never start, so the next call is served at once instead of
+    # after the hung ones' call_timeout_s.
+    endpoint = RewardEndpoint("custom", PythonRewardEndpoint(path=write(tmp_path, "faults.py", FAULTS), workers=2,
+                                                             call_timeout_s=60.0))
+    endpoint.scorer.score([request("ok")])  # the workers are up: the timing below is the call's alone
+
+    async def late_then_next():
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(endpoint.score([request("hang", idx=i) for i in range(4)]), timeout=1.0)
+        start = time.monotonic()
+        [reward] = await endpoint.score([request("ok", idx=9)])
+        return reward, time.monotonic() - start
+
+    try:
+        reward, took = asyncio.run(late_then_next())
+        assert reward.score == 1.0 and took < 20, took
+        stats = endpoint.stats()
+        assert stats["samples_cancelled"] == 4 and stats["cancelled"] == 1  # the call, at the endpoint
+    finally:
+        endpoint.scorer.close()
+
+
+def test_an_endpoint_bound_past_the_call_deadline_is_refused():
+    with pytest.raises(ConfigError, match=r"reward.endpoints.mine.call_timeout_s=120 must be below reward.timeout_s=60"):
+        compose(["+reward.endpoints.mine={kind: python, path: r.py, call_timeout_s: 120}", "reward.timeout_s=60"])
+    with pytest.raises(ConfigError, match=r"reward.endpoints.j.request_timeout_s=60 must be below reward.timeout_s=30"):
+        compose(["+reward.endpoints.j={kind: openai, base_url: 'http://x/v1', model: m}", "reward.timeout_s=30"])
+    compose(["+reward.endpoints.mine={kind: python, path: r.py, call_timeout_s: 10}", "reward.timeout_s=60"])
 
 
 def test_signatures_and_files_that_cannot_work_are_refused_at_start_up(tmp_path):

@@ -13,7 +13,7 @@ from asyncrl.config.algorithm import (Advantage, AlgorithmConfig, DrGRPOAdvantag
                                       GRPOAdvantage, KLPenalty, OverlongShaping, PairwiseAdvantage,
                                       ReinforcePlusPlusAdvantage, RLOOAdvantage)
 from asyncrl.config.checks import ConfigError, route_checks, validate
-from asyncrl.config.compose import compose, config_from_dict, to_dict, to_yaml
+from asyncrl.config.compose import SECRET_FIELDS, compose, config_from_dict, to_dict, to_record, to_yaml
 from asyncrl.config.fields import NO_BOUND
 from asyncrl.config.files import config_dir, config_groups
 from asyncrl.config.learner import (Compute, CriticConfig, CriticWarmup, Optimizer, PolicyCompute, PolicyConfig,
@@ -32,7 +32,7 @@ __all__ = [
     "EnvironmentConfig", "FOREIGN", "GAEAdvantage", "GRPOAdvantage", "GenerativeJudgeEndpoint", "KLPenalty",
     "ModelConfig", "NO_BOUND", "OfflineConfig", "OpenAIJudgeEndpoint", "Optimizer", "OverlongShaping", "PairwiseAdvantage", "PolicyCompute",
     "PolicyConfig", "PolicyLoss", "ProcessRewardEndpoint", "PythonRewardEndpoint", "RENAMED", "RLOOAdvantage", "ReinforcePlusPlusAdvantage",
-    "RewardConfig", "RouteConfig", "SamplingConfig", "ScalarRewardEndpoint", "ServeConfig", "TaskConfig",
+    "RewardConfig", "SECRET_FIELDS", "RouteConfig", "SamplingConfig", "ScalarRewardEndpoint", "ServeConfig", "TaskConfig",
     "TrainerConfig", "ValueLoss", "VerifierEndpoint", "compose", "config_dir", "config_from_dict", "config_groups",
-    "route_checks", "to_dict", "to_yaml", "validate",
+    "route_checks", "to_dict", "to_record", "to_yaml", "validate",
 ]

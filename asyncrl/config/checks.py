@@ -140,6 +140,14 @@ def _reward_checks(config) -> list[tuple[bool, str]]:
                        f"environment (environment.name={config.environment.name or config.environment.class_path}): "
                        f"its token rewards would fall "
                        f"on the observations"))
+        # The endpoint's own bound on one call must end before the call's deadline: else a hung
+        # function or server is only ever cut off by the deadline, which cancels the whole call.
+        own = {"python": "call_timeout_s", "openai": "request_timeout_s"}.get(e.kind)
+        if own is not None:
+            checks.append((getattr(e, own) < r.timeout_s,
+                           f"reward.endpoints.{name}.{own}={getattr(e, own):g} must be below reward.timeout_s="
+                           f"{r.timeout_s:g} (the deadline of a whole call): else a hung sample or request is only "
+                           f"cut off by the deadline, which cancels the whole call and fails every reward in it"))
     checks += route_checks(r.routes, set(r.endpoints))
     if isinstance(advantage, PairwiseAdvantage):
         checks.append((isinstance(r.endpoints.get(advantage.endpoint), GenerativeJudgeEndpoint),

@@ -104,6 +104,22 @@ def to_dict(config: Config) -> dict:
     return msgspec.to_builtins(config)
 
 
+SECRET_FIELDS = ("serve.admin_token", "serve.reward_token")
+"""Fields that hold a secret: never written into a record (config.json, the wandb config). A key
+of an API (the openai judge's) is never in the config at all: only the name of its variable."""
+REDACTED = "<redacted>"
+
+
+def to_record(config: Config) -> dict:
+    """`to_dict` for what a run writes down: every secret field that is set reads "<redacted>"."""
+    out = to_dict(config)
+    for path in SECRET_FIELDS:
+        section, name = path.split(".")
+        if out[section][name]:
+            out[section][name] = REDACTED
+    return out
+
+
 def to_yaml(config: Config) -> str:
     """The composed config as YAML (`asyncrl train --cfg`)."""
     return OmegaConf.to_yaml(OmegaConf.create(to_dict(config)))

@@ -40,6 +40,9 @@ class VerifierEndpoint(EndpointBase, tag="verifier"):
     """code: auto | namespaces (as root) | user_namespaces | unisolated (rlimits only; needs code_allow_unisolated)."""
     code_allow_unisolated: bool = False
     """code: where no namespace can be made, run code rewards with rlimits alone instead of refusing."""
+    code_allow_no_cgroup: bool = False
+    """code: where no cgroup can be made (Docker, most non-root hosts), run code rewards with memory
+    limited per process only (64 processes x code_memory_mb) instead of refusing; logged loudly."""
     math_timeout_s: PositiveFloat = 6.0
     """math: a symbolic check past this is killed (a worker process) and counts as wrong."""
 
@@ -151,9 +154,11 @@ class RewardConfig(Section):
     routes: list[RouteConfig] = msgspec.field(default_factory=lambda: [RouteConfig()])
     """The first route whose pattern matches a sample's data_source scores it."""
     timeout_s: PositiveFloat = 120.0
-    """A reward call slower than this is retried, then recorded as a failed reward (never a hang)."""
+    """The deadline of a reward call, retries included: a call still running then is cancelled at
+    the endpoint and its rewards recorded as failed (never a hang). A pairwise judgement has the same."""
     retries: NonNegativeInt = 3
-    """Retries of a failed or timed-out reward call."""
+    """Retries of a reward call that failed with an error, while its deadline allows (a call that
+    ran out of time is not retried: its retry would only add work to a slow endpoint)."""
     use_serve: bool = False
     """Call the Serve applications `reward-<name>` (deployed by `serve run configs/serve.yaml`)
     instead of starting the endpoints as actors: they can then be redeployed while training runs."""

@@ -86,6 +86,14 @@ class TrainerConfig(Section):
     """A store file is closed and a new one begun past this size..."""
     record_file_age_s: PositiveFloat = 600.0
     """...or this age, so a long run's store is readable while it runs."""
+    record_keep_mb: NonNegativeInt = 0
+    """The store's closed files are deleted oldest first past this many MB in all (0 = keep every
+    file: the store is the run's data set; a run of days sets a bound or a disk of its own)."""
+    log_file_mb: PositiveInt = 256
+    """A run's jsonl log (metrics, generators, retirements, restarts) rolls to `<name>.1` past this size..."""
+    log_files_kept: NonNegativeInt = 4
+    """...and keeps this many rolled files (the oldest beyond is deleted), so a run of days keeps
+    at most (1 + log_files_kept) x log_file_mb of each log."""
 
 
 class ClusterConfig(Section):
@@ -137,7 +145,12 @@ class ServeConfig(Section):
     from the environment; neither set = admin routes refuse every call."""
     reward_token: str = ""
     """Bearer token for POST /reward/<name>/score (it runs submitted code); empty =
-    ASYNCRL_REWARD_TOKEN; neither set = only callers on this machine (loopback) are served."""
+    ASYNCRL_REWARD_TOKEN; neither set = the route refuses every call (the trainer does not use it:
+    it calls the endpoints through Serve handles)."""
+    reward_local_without_token: bool = False
+    """With no reward token, serve POST /reward/<name>/score to callers on this machine (loopback)
+    anyway: a development machine's opt-in. Never behind a same-host reverse proxy or a mesh
+    sidecar, which make every caller loopback."""
     follow_learner: bool = True
     """The policy endpoint adopts the running learner's weights as they change; false = it serves
     the model's own weights (a frozen reference beside a run, or a policy loaded from model.path)."""

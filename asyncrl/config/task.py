@@ -119,6 +119,8 @@ class EnvironmentConfig(Section):
     """An observation is cut to this many characters (a program that prints megabytes fills no context)."""
     allow_unisolated: bool = False
     """python: where no namespace can be made, run code with rlimits alone instead of refusing."""
+    allow_no_cgroup: bool = False
+    """python: where no cgroup can be made, run code with memory limited per process only instead of refusing."""
 
     @property
     def enabled(self) -> bool:

@@ -49,10 +49,12 @@ class PythonTool:
             "parameters": {"type": "object", "properties": {"code": {"type": "string", "description": "the program"}},
                            "required": ["code"]}}
 
-    def __init__(self, wall_s: float = 5.0, memory_mb: int = 256, allow_unisolated: bool = False):
+    def __init__(self, wall_s: float = 5.0, memory_mb: int = 256, allow_unisolated: bool = False,
+                 allow_no_cgroup: bool = False):
         from asyncrl.rewards.sandbox import SandboxLimits
 
-        self.limits = SandboxLimits(wall_s=wall_s, memory_mb=memory_mb, allow_unisolated=allow_unisolated)
+        self.limits = SandboxLimits(wall_s=wall_s, memory_mb=memory_mb, allow_unisolated=allow_unisolated,
+                                    allow_no_cgroup=allow_no_cgroup)
 
     def step(self, call: ToolCall, episode: Episode) -> tuple[str, bool]:
         from asyncrl.rewards.sandbox import run_program, sandbox_python
@@ -83,7 +85,8 @@ _BUILT_IN: dict[str, type] = {"lookup": LookupTool, "python": PythonTool}
 # The built-in environments by `environment.name`.
 ENVIRONMENTS: dict[str, Callable[[EnvironmentConfig], Environment]] = {
     "lookup": lambda config: LookupTool(),
-    "python": lambda config: PythonTool(config.python_wall_s, config.python_memory_mb, config.allow_unisolated),
+    "python": lambda config: PythonTool(config.python_wall_s, config.python_memory_mb, config.allow_unisolated,
+                                        config.allow_no_cgroup),
 }
 
 

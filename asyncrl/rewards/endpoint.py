@@ -2,7 +2,8 @@
 Ray Serve deployment (`serve run`, application `reward-<name>`).
 
 It builds its scorer (verifier, generative judge, BT model, PRM: one per kind, `SCORERS`) from its
-section given as a dict, scores in a worker thread so its event loop stays responsive, and takes a new config in
+section given as a dict, scores in a worker thread so its event loop stays responsive (a call its
+caller cancels stops the scorer's pending work: `asyncrl.rewards.calls`), and takes a new config in
 place through `reconfigure` (Serve's `user_config`): settings and the reported version change
 without a restart; a new model path reloads the model before the swap, so requests never see a
 half-built scorer.
@@ -19,6 +20,7 @@ import msgspec
 from asyncrl.config import (Endpoint, GenerativeJudgeEndpoint, ModelConfig, OpenAIJudgeEndpoint, ProcessRewardEndpoint,
                             PythonRewardEndpoint, ScalarRewardEndpoint, VerifierEndpoint)
 from asyncrl.config.reward import EndpointBase
+from asyncrl.rewards.calls import run_cancellable
 from asyncrl.schema import PairRequest, Reward, RewardRequest
 
 
@@ -99,7 +101,7 @@ class RewardEndpoint:
         self.config = endpoint_config(config)
         self.scorer = build_scorer(self.config, self.model, default_style)
         self.started = time.time()
-        self.counters = {"requests": 0, "rewards": 0, "failed": 0, "reconfigurations": 0}
+        self.counters = {"requests": 0, "rewards": 0, "failed": 0, "reconfigurations": 0, "cancelled": 0}
 
     @property
     def version(self) -> str:
@@ -124,9 +126,13 @@ class RewardEndpoint:
 
     async def score(self, requests: list[RewardRequest]) -> list[Reward]:
         self.counters["requests"] += 1
-        await self._fault_delay()
-        scorer = self.scorer  # a reconfigure during this call does not change the scorer it uses
-        rewards = await asyncio.to_thread(scorer.score, requests)
+        try:
+            await self._fault_delay()
+            scorer = self.scorer  # a reconfigure during this call does not change the scorer it uses
+            rewards = await run_cancellable(scorer.score, requests)
+        except asyncio.CancelledError:  # the caller's deadline passed: the scorer's pending work is stopped
+            self.counters["cancelled"] += 1
+            raise
         # Every reward names this endpoint and its version (the hybrid router records both).
         rewards = [msgspec.structs.replace(r, source=self.name, source_version=self.version) for r in rewards]
         self.counters["rewards"] += len(rewards)
@@ -137,7 +143,11 @@ class RewardEndpoint:
         if not hasattr(self.scorer, "compare"):
             raise ValueError(f"reward endpoint {self.name} ({self.config.kind}) cannot judge pairs")
         scorer = self.scorer
-        out = await asyncio.to_thread(scorer.compare, pairs)
+        try:
+            out = await run_cancellable(scorer.compare, pairs)
+        except asyncio.CancelledError:
+            self.counters["cancelled"] += 1
+            raise
         return [{**o, "source_version": self.version} for o in out]
 
     async def _fault_delay(self) -> None:

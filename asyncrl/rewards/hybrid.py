@@ -1,8 +1,14 @@
-"""Hybrid reward: route each request to the endpoints its data source names, call them with a
-timeout and retries, and combine their rewards (pure `combine_rewards`).
+"""Hybrid reward: route each request to the endpoints its data source names, call them within a
+deadline, and combine their rewards (pure `combine_rewards`).
 
 Every combined `Reward` records which endpoints produced it and their versions; a timeout, an
 exception or a malformed answer becomes a failed reward with the reason, never a lost sample.
+
+One deadline (`reward.timeout_s`) bounds an endpoint's answer to a call, retries included: an
+error is retried while time is left; a call still running at the deadline is cancelled at the
+endpoint and not retried. A slow endpoint then gets no more work than it was given, where a
+timeout per attempt left each timed-out call running while its retry added another. A pairwise
+judgement has the same deadline.
 """
 
 from __future__ import annotations
@@ -125,7 +131,15 @@ class ServeRewardEndpoints:
 
     async def _call(self, name: str, method: str, payload: list):
         try:
-            return await getattr(self._handle(name), method).remote(payload)
+            response = getattr(self._handle(name), method).remote(payload)
+        except Exception:
+            self.handles.pop(name, None)
+            raise
+        try:
+            return await response
+        except asyncio.CancelledError:  # the caller's deadline: the replica stops this request
+            response.cancel()
+            raise
         except Exception:
             self.handles.pop(name, None)
             raise
@@ -135,6 +149,17 @@ class ServeRewardEndpoints:
 
     async def compare(self, name: str, pairs: list) -> list[dict]:
         return await self._call(name, "compare", pairs)
+
+
+async def cancelling(ref):
+    """Await an actor call; if the awaiting task is cancelled (a deadline), cancel the call too."""
+    import ray
+
+    try:
+        return await ref
+    except asyncio.CancelledError:
+        ray.cancel(ref)
+        raise
 
 
 class RewardRouter:
@@ -159,26 +184,30 @@ class RewardRouter:
         self.routes = routes
 
     async def _call_endpoint(self, name: str, requests: list[RewardRequest]) -> list[Reward]:
+        deadline = time.monotonic() + self.timeout_s
         last_error = ""
         for attempt in range(self.retries + 1):
             start = time.perf_counter()
             try:
                 self.counters["calls"] += 1
-                rewards = await asyncio.wait_for(self.call(name, requests), timeout=self.timeout_s)
+                rewards = await asyncio.wait_for(self.call(name, requests), timeout=deadline - time.monotonic())
                 if len(rewards) != len(requests):
                     raise ValueError(f"endpoint {name} answered {len(rewards)} rewards for {len(requests)} requests")
                 self.latencies = (self.latencies + [time.perf_counter() - start])[-1000:]
                 self._count(name, rewards)
                 return list(rewards)
-            except asyncio.TimeoutError:
+            except asyncio.TimeoutError:  # the deadline is spent: the call was cancelled, no retry
                 self.counters["timeouts"] += 1
-                last_error = f"endpoint {name} timed out after {self.timeout_s:g}s"
+                last_error = f"endpoint {name} did not answer within the {self.timeout_s:g}s deadline"
+                break
             except Exception as exc:  # a dead replica, a swap in progress, a bad answer: retry
                 self.counters["errors"] += 1
                 last_error = f"endpoint {name}: {type(exc).__name__}: {exc}"[:500]
-            if attempt < self.retries:
-                self.counters["retries"] += 1
-                await asyncio.sleep(min(0.5 * 2**attempt, 5.0))
+            backoff = min(0.5 * 2**attempt, 5.0)
+            if attempt == self.retries or time.monotonic() + backoff >= deadline:
+                break
+            self.counters["retries"] += 1
+            await asyncio.sleep(backoff)
         failed = [Reward(prompt_id=r.prompt_id, sample_idx=r.sample_idx, score=0.0, correct=False, source=name,
                          failed=True, details={"error": last_error}) for r in requests]
         self._count(name, failed, last_error)
@@ -234,7 +263,13 @@ class RewardRouter:
         """Pairs judged by the endpoint `name` (a pairwise generative judge)."""
         if self._compare is None:
             raise ValueError("this reward router has no pairwise judge")
-        return await self._compare(name, pairs)
+        try:
+            return await asyncio.wait_for(self._compare(name, pairs), timeout=self.timeout_s)
+        except asyncio.TimeoutError:  # no verdict: the group is dropped as reward_failed, not trained on a tie
+            self.counters["timeouts"] += 1
+            error = f"judge {name} did not answer within the {self.timeout_s:g}s deadline"
+            self._count(name, [], error)
+            return [{"p_first": 0.5, "consistent": True, "failed": True, "error": error} for _ in pairs]
 
     def stats(self) -> dict[str, Any]:
         lat = sorted(self.latencies)
@@ -252,10 +287,10 @@ def build_reward_router(reward, endpoints: dict[str, Any], routes: list[RouteCon
         call, compare = serve_endpoints.score, serve_endpoints.compare
     else:
         async def call(name, requests):
-            return await endpoints[name].score.remote(requests)
+            return await cancelling(endpoints[name].score.remote(requests))
 
         async def compare(name, pairs):
-            return await endpoints[name].compare.remote(pairs)
+            return await cancelling(endpoints[name].compare.remote(pairs))
 
     return RewardRouter(list(routes if routes is not None else reward.routes), call, reward.timeout_s,
                         reward.retries, compare=compare)

@@ -6,7 +6,8 @@ A verdict is read from the top log-probs of the reply's first token when the ser
 (P(word) summed over the tokens that spell it, any case), else from the reply's first word; a reply
 that is neither verdict word is no verdict (a failed reward). Requests run `max_concurrency` at a
 time, each with a timeout and retries (the `openai` client's); the key is read from the variable
-`api_key_env` names and never written anywhere.
+`api_key_env` names and never written anywhere. A call its caller cancels (its `reward.timeout_s`
+deadline passed) sends none of its requests not yet sent.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from asyncrl.config import OpenAIJudgeEndpoint
+from asyncrl.rewards.calls import CallCancelled, RewardCall, current_call
 
 TOP_LOGPROBS = 20  # OpenAI's most
 
@@ -35,7 +37,7 @@ class OpenAIVerdicts:
         self.client = openai.OpenAI(base_url=endpoint.base_url, api_key=key or "EMPTY",
                                     timeout=endpoint.request_timeout_s, max_retries=endpoint.retries)
         self.pool = ThreadPoolExecutor(max_workers=endpoint.max_concurrency, thread_name_prefix="openai-judge")
-        self.counters = {"requests": 0, "errors": 0, "without_logprobs": 0}
+        self.counters = {"requests": 0, "errors": 0, "without_logprobs": 0, "requests_not_sent": 0}
         self.last_error = ""
 
     def serves(self, endpoint) -> bool:
@@ -50,7 +52,8 @@ class OpenAIVerdicts:
     def verdict_probabilities(self, texts: list[str], words: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """P(words[0]) among the verdict words and their mass, per text; a request that failed has
         mass 0 (no verdict). If every request failed, the error is raised: each reward says why."""
-        results = list(self.pool.map(lambda text: self._one(text, words), texts))
+        call = current_call()
+        results = list(self.pool.map(lambda text: self._one(text, words, call), texts))
         errors = [r for r in results if isinstance(r, Exception)]
         if errors and len(errors) == len(results):
             raise RuntimeError(f"the judge at {self.endpoint.base_url} answered none of {len(texts)} requests: "
@@ -58,7 +61,10 @@ class OpenAIVerdicts:
         verdicts = [(0.5, 0.0) if isinstance(r, Exception) else r for r in results]
         return np.array([p for p, _ in verdicts]), np.array([m for _, m in verdicts])
 
-    def _one(self, text: str, words: list[str]) -> tuple[float, float] | Exception:
+    def _one(self, text: str, words: list[str], call: RewardCall) -> tuple[float, float] | Exception:
+        if call.cancelled:  # the caller gave up on this call: its result would be thrown away
+            self.counters["requests_not_sent"] += 1
+            return CallCancelled("the reward call was cancelled before this request was sent")
         self.counters["requests"] += 1
         try:
             reply = self.client.chat.completions.create(

@@ -9,14 +9,20 @@ checkout, not a dataset's answers or a run's checkpoints.
 Layers:
 * **Namespaces**: new mount, PID, network (a down loopback only), IPC and UTS namespaces, made by
   `unshare` as root, or, where that is refused (a container's seccomp profile), inside a new user
-  namespace, which works unprivileged. The sandbox's PID 1 is a small init (`_LAUNCHER`) that
+  namespace, which works unprivileged. The sandbox's PID 1 is a small init (`LAUNCHER`) that
   builds the root, starts the program and reaps every orphan; when the program ends, PID 1 exits
   and the kernel kills whatever is left (`setsid()` escapes nothing).
 * **No privilege**: as root the program runs as a uid of its own (one per sandbox, so process
   limits and signals never reach another sandbox); in a user namespace it keeps uid 0 there with
   an empty capability bounding set. `no_new_privs` in both.
-* **One cgroup per sandbox** (`asyncrl.rewards.cgroup`) where this process may create one: memory
-  and process count over all its processes together, and a kill that reaches all of them.
+* **One cgroup per sandbox** (`asyncrl.rewards.cgroup`): memory and process count over all its
+  processes together, and a kill that reaches all of them. Where this process cannot create one
+  (Docker, most non-root hosts) memory is limited per process only (64 processes of 512 MB each),
+  so `run_program` refuses with `SandboxUnavailable` unless the caller opted in
+  (`SandboxLimits.allow_no_cgroup`, or `ASYNCRL_SANDBOX_ALLOW_NO_CGROUP=1`), and says so loudly when it runs.
+* **Dies with its caller**: the sandbox's first process gets a parent-death signal (SIGKILL), so a
+  killed reward endpoint leaves no program running (in namespaces, its PID 1 and everything under
+  it go with it).
 * **rlimits** per process (CPU seconds, address space, file size, open files) and a wall-clock
   timeout; stdout/stderr read up to a cap; stdin written from its own thread, so a program that
   never reads cannot block the caller.
@@ -31,6 +37,7 @@ With no namespaces at all there is no isolation to speak of; `run_program` then 
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import glob
 import itertools
@@ -48,12 +55,14 @@ import time
 from dataclasses import dataclass, field
 
 from asyncrl.rewards.cgroup import SandboxCgroup, cgroup_layout
+from asyncrl.rewards.sandbox_init import LAUNCHER
 
 log = logging.getLogger(__name__)
 
 # Sandbox uids, one per sandbox run by this process: far above any real account.
 _UID_BASE = 1_000_000
 _UIDS = itertools.count()
+_LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: a child between fork and exec only calls it
 ISOLATION_MODES = ("auto", "namespaces", "user_namespaces", "unisolated")
 
 
@@ -74,6 +83,7 @@ class SandboxLimits:
     allow_paths: tuple[str, ...] = ()  # more host paths the program may read (e.g. a package dir)
     isolation: str = "auto"  # auto | namespaces | user_namespaces | unisolated
     allow_unisolated: bool = False  # run with rlimits alone where no namespace can be made
+    allow_no_cgroup: bool = False  # run where no cgroup can be made (memory then limited per process)
 
 
 @dataclass
@@ -152,86 +162,6 @@ def _tree(paths: list[str]) -> tuple[list[tuple[str, str]], list[str]]:
     return sorted(links.items()), kept
 
 
-# Runs as the sandbox's PID 1 inside the new namespaces, with only the standard library: builds
-# the new root, drops privilege, starts the program, reaps every orphan until the program ends.
-# argv[1] is a JSON job description. Errors exit 125 with the reason on stderr.
-_LAUNCHER = r"""
-import ctypes, json, os, resource, shutil, sys
-job = json.loads(sys.argv[1])
-libc = ctypes.CDLL(None, use_errno=True)
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
-ST_TO_MS = {1: MS_RDONLY, 2: MS_NOSUID, 4: MS_NODEV, 8: MS_NOEXEC, 1024: 1024, 2048: 2048, 4096: 1 << 21}
-def fail(why):
-    os.write(2, ("sandbox setup failed: %s\n" % why).encode()); os._exit(125)
-def mount(src, dst, fstype, flags, data=None):
-    if libc.mount(src and src.encode(), dst.encode(), fstype and fstype.encode(), flags, data and data.encode()):
-        e = ctypes.get_errno(); fail("mount %s on %s: %s" % (src, dst, os.strerror(e)))
-def locked_flags(path):  # flags a remount in a user namespace must keep
-    f = os.statvfs(path).f_flag
-    return sum(ms for st, ms in ST_TO_MS.items() if f & st and ms != MS_RDONLY)
-def bind_ro(src, dst, nodev=MS_NODEV):
-    if os.path.isdir(src):
-        os.makedirs(dst, exist_ok=True)
-    else:
-        os.makedirs(os.path.dirname(dst), exist_ok=True); open(dst, "a").close()
-    mount(src, dst, None, MS_BIND)
-    mount(None, dst, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | nodev | locked_flags(src))
-def tmpfs(dst, size, mode):
-    os.makedirs(dst, exist_ok=True)
-    mount("tmpfs", dst, "tmpfs", MS_NOSUID | MS_NODEV, "size=%s,mode=%s" % (size, mode))
-try:
-    mount(None, "/", None, MS_REC | MS_PRIVATE)
-    root = job["root"]
-    tmpfs(root, "4m", "0755")
-    for src in job["binds"]:
-        bind_ro(src, root + src)
-    for src in job["hidden"]:  # e.g. site-packages inside a bound stdlib: empty and read-only
-        if os.path.isdir(root + src):
-            mount("tmpfs", root + src, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k")
-    for link, target in job["links"]:
-        os.makedirs(os.path.dirname(root + link), exist_ok=True)
-        if not os.path.lexists(root + link):
-            os.symlink(target, root + link)
-    for dev in ("null", "zero", "random", "urandom"):
-        bind_ro("/dev/" + dev, root + "/dev/" + dev, nodev=0)  # device nodes: only these four
-    os.makedirs(root + "/proc")
-    mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    tmpfs(root + "/tmp", "%dm" % job["disk_mb"], "1777")
-    tmpfs(root + "/dev/shm", "%dm" % job["disk_mb"], "1777")
-    tmpfs(root + "/work", "%dm" % job["disk_mb"], "0700")
-    for name in os.listdir(job["files"]):
-        shutil.copyfile(os.path.join(job["files"], name), os.path.join(root, "work", name))
-        if job["uid"] is not None:
-            os.chown(os.path.join(root, "work", name), job["uid"], job["uid"])
-    if job["uid"] is not None:
-        os.chown(root + "/work", job["uid"], job["uid"])
-    mount(None, root, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
-    os.chroot(root)
-    os.chdir("/work")
-    for name, value in job["limits"].items():
-        resource.setrlimit(getattr(resource, name), (value, value))
-    if libc.prctl(38, 1, 0, 0, 0):  # PR_SET_NO_NEW_PRIVS
-        fail("no_new_privs")
-    if job["uid"] is None:  # user namespace: stay uid 0 there, with no capability to keep or gain
-        for cap in range(64):
-            libc.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP (EINVAL past the last capability)
-except OSError as exc:
-    fail(exc)
-program = os.fork()
-if program == 0:
-    try:
-        if job["uid"] is not None:
-            os.setgroups([]); os.setgid(job["uid"]); os.setuid(job["uid"])
-        os.execve(job["argv"][0], job["argv"], job["env"])
-    except OSError as exc:
-        os.write(2, ("cannot start %s: %s\n" % (job["argv"][0], exc)).encode())
-    os._exit(127)
-while True:  # PID 1 reaps every orphan, so a fork bomb's zombies do not hold process slots
-    pid, status = os.wait()
-    if pid == program:
-        code = os.waitstatus_to_exitcode(status)
-        os._exit(code if code >= 0 else 128 - code)  # the kernel then kills what is left
-"""
 
 
 def _unshare_command(mode: str) -> list[str]:
@@ -278,6 +208,36 @@ def _resolve_mode(limits: SandboxLimits, python: str) -> str:
         "cannot isolate untrusted code here: neither `unshare` as root nor a user namespace works (a container's "
         "seccomp profile refuses both). Run where one works, or opt in to running code rewards without isolation "
         "(code_allow_unisolated=true on the reward endpoint, or ASYNCRL_SANDBOX_ALLOW_UNISOLATED=1)")
+
+
+def _check_cgroup(limits: SandboxLimits) -> None:
+    """No cgroup here: refuse, unless the caller opted in (then say so, once, loudly)."""
+    if cgroup_layout():
+        return
+    if limits.allow_no_cgroup or os.environ.get("ASYNCRL_SANDBOX_ALLOW_NO_CGROUP") == "1":
+        _warn_no_cgroup(limits.memory_mb, limits.max_processes)
+        return
+    raise SandboxUnavailable(
+        f"no memory cgroup can be made here (not root, no delegated cgroup: Docker and most hosts), so a "
+        f"sandbox's memory would be limited per process only: {limits.max_processes} processes of "
+        f"{limits.memory_mb} MB each. Run where cgroups work (root, or a delegated cgroup v2 subtree with "
+        f"ASYNCRL_SANDBOX_CGROUP=1), or opt in (code_allow_no_cgroup=true on the reward endpoint, "
+        f"environment.allow_no_cgroup=true, or ASYNCRL_SANDBOX_ALLOW_NO_CGROUP=1)")
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_no_cgroup(memory_mb: int, max_processes: int) -> None:
+    log.error("RUNNING POLICY-WRITTEN CODE WITHOUT A MEMORY CGROUP: memory is limited per process only "
+              "(%d processes of %d MB each can be held at once). You opted in.", max_processes, memory_mb)
+
+
+def _parent_death_signal(parent: int) -> None:
+    """In the child before exec: SIGKILL when the process that started it dies (its thread, in
+    fact: the one that runs the sandbox and waits for it). If the parent is gone already, exit."""
+    if _LIBC.prctl(1, signal.SIGKILL, 0, 0, 0):  # PR_SET_PDEATHSIG
+        os._exit(125)
+    if os.getppid() != parent:
+        os._exit(125)
 
 
 @functools.lru_cache(maxsize=1)
@@ -345,7 +305,9 @@ def run_program(files: dict[str, str], argv: list[str], stdin: str = "", limits:
         if not name or os.path.basename(name) != name or name in (".", ".."):
             raise ValueError(f"sandbox file name {name!r} must be a plain name")
     argv = [python if argv[0] == "python" else argv[0], *argv[1:]]
-    return _run(_resolve_mode(limits, python), files, argv, stdin, limits, python)
+    mode = _resolve_mode(limits, python)
+    _check_cgroup(limits)
+    return _run(mode, files, argv, stdin, limits, python)
 
 
 def _run(mode: str, files: dict[str, str], argv: list[str], stdin: str, limits: SandboxLimits, python: str) -> SandboxResult:
@@ -376,8 +338,8 @@ def _run(mode: str, files: dict[str, str], argv: list[str], stdin: str, limits: 
             job = {"root": os.path.join(staging, "root"), "files": os.path.join(staging, "files"), "binds": binds,
                    "links": links, "hidden": hidden, "disk_mb": limits.disk_mb, "limits": rlimits, "uid": uid,
                    "argv": argv, "env": env}
-            command = [*_unshare_command(mode), python, "-I", "-S", "-c", _LAUNCHER, json.dumps(job)]
-            cwd, preexec = "/", (cgroup.attach if cgroup else None)
+            command = [*_unshare_command(mode), python, "-I", "-S", "-c", LAUNCHER, json.dumps(job)]
+            cwd, preexec = "/", _namespaced_preexec(cgroup, os.getpid())
         start = time.monotonic()
         proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 cwd=cwd, env=env, start_new_session=True, preexec_fn=preexec)
@@ -415,9 +377,19 @@ def _run(mode: str, files: dict[str, str], argv: list[str], stdin: str, limits: 
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def _namespaced_preexec(cgroup: SandboxCgroup | None, parent: int):
+    """`unshare`'s: into the cgroup; killed with its caller (then `--kill-child` ends the namespace)."""
+    def preexec():
+        if cgroup is not None:
+            cgroup.attach()
+        _parent_death_signal(parent)
+    return preexec
+
+
 def _unisolated_preexec(limits: SandboxLimits, rlimits: dict[str, int], staging: str, cgroup: SandboxCgroup | None):
     """Resource limits only (the caller opted in); as root, also a uid of its own and the cgroup."""
     uid = _new_uid() if os.geteuid() == 0 else None
+    parent = os.getpid()
     if uid is not None:
         rlimits = {**rlimits, "RLIMIT_NPROC": limits.max_processes}
         os.chmod(staging, 0o711)  # the program may enter its own directory, not list the staging one
@@ -433,4 +405,5 @@ def _unisolated_preexec(limits: SandboxLimits, rlimits: dict[str, int], staging:
             os.setgroups([])
             os.setgid(uid)
             os.setuid(uid)
+        _parent_death_signal(parent)  # after the uid change, which would clear it
     return preexec

@@ -8,40 +8,33 @@
   applicable" (a hybrid route falls through to its next endpoint).
 
 Calls run in a pool of worker processes (`pebble`, spawned: the endpoint holds threads a fork would
-copy), each with a timeout: a call that hangs is killed with its worker, not waited for, and a
-CPU-bound scorer does not stall the endpoint's event loop. `async def` functions are run to
+copy; what they run is `asyncrl.rewards.user_worker`, light to import), each with a timeout: a call
+that hangs is killed with its worker, not waited for, and a CPU-bound scorer does not stall the
+endpoint's event loop. A call its caller cancels (the `reward.timeout_s` deadline) kills the
+workers on its samples and drops those not begun. `async def` functions are run to
 completion in the worker. Whatever goes wrong (an exception, a timeout, a value that is not a finite
 number, a list of the wrong length) is a failed reward with the reason, never a lost sample.
 """
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import inspect
 import math
 import multiprocessing
-import sys
+from concurrent.futures import CancelledError as FutureCancelled
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Callable
+from typing import Callable
 
 import pebble
 
 from asyncrl.config import PythonRewardEndpoint
+from asyncrl.rewards.calls import current_call
+from asyncrl.rewards.user_worker import call_trl, call_verl, load_function, load_in_worker
 from asyncrl.rewards.verifier import failed, not_applicable
 from asyncrl.schema import Reward, RewardRequest
-from asyncrl.user_code import load_attribute
 
 VERL_ARGUMENTS = ("data_source", "solution_str", "ground_truth", "extra_info")
-
-_FUNCTION: Callable | None = None  # in a worker process: the function it calls
-
-
-def load_function(path: str, name: str) -> Callable:
-    function = load_attribute(path, name)
-    if not callable(function):
-        raise ValueError(f"{path}: {name} is not a function")
-    return function
 
 
 def detect_signature(function: Callable, asked: str) -> str:
@@ -56,34 +49,6 @@ def detect_signature(function: Callable, asked: str) -> str:
     raise ValueError(f"cannot tell the signature of {function.__name__}({', '.join(names)}): verl's takes "
                      f"solution_str (and data_source, ground_truth, extra_info), TRL's takes completions; set "
                      f"signature: verl or trl")
-
-
-def _load_in_worker(path: str, name: str) -> None:
-    """A worker's start: it dies with the endpoint (a killed replica leaves no orphan scoring on),
-    then loads the function."""
-    global _FUNCTION
-    if sys.platform == "linux":
-        import ctypes
-        import signal
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    _FUNCTION = load_function(path, name)
-
-
-def _run(result):
-    return asyncio.run(result) if inspect.isawaitable(result) else result
-
-
-def _call_verl(arguments: dict) -> Any:
-    """One verl-style call in a worker: with the arguments the function names (all of them when it
-    takes **kwargs)."""
-    parameters = inspect.signature(_FUNCTION).parameters
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-    return _run(_FUNCTION(**{k: v for k, v in arguments.items() if takes_any or k in parameters}))
-
-
-def _call_trl(prompts: list, completions: list, columns: dict) -> Any:
-    return _run(_FUNCTION(prompts=prompts, completions=completions, **columns))
 
 
 def finite(value) -> float | None:
@@ -104,11 +69,11 @@ class PythonReward:
         self.signature = detect_signature(function, endpoint.signature)
         print(f"reward endpoint (python): {endpoint.path}:{endpoint.function} called with "
               f"{self.signature}'s signature", flush=True)
-        self.pool = pebble.ProcessPool(max_workers=endpoint.workers, initializer=_load_in_worker,
+        self.pool = pebble.ProcessPool(max_workers=endpoint.workers, initializer=load_in_worker,
                                        initargs=(endpoint.path, endpoint.function),
                                        context=multiprocessing.get_context("spawn"))
         atexit.register(self.pool.stop)
-        self.counters = {"calls": 0, "failed": 0, "timed_out": 0, "not_applicable": 0}
+        self.counters = {"calls": 0, "failed": 0, "timed_out": 0, "not_applicable": 0, "samples_cancelled": 0}
 
     @property
     def version(self) -> str:
@@ -124,9 +89,19 @@ class PythonReward:
     def score(self, requests: list[RewardRequest]) -> list[Reward]:
         if self.signature == "trl":
             return self._score_batch(requests)
-        futures = [self.pool.schedule(_call_verl, args=(verl_arguments(r),), timeout=self.endpoint.call_timeout_s)
+        futures = [self.pool.schedule(call_verl, args=(verl_arguments(r),), timeout=self.endpoint.call_timeout_s)
                    for r in requests]
+        self._cancel_with_call(futures)
         return [self._reward(r, f) for r, f in zip(requests, futures)]
+
+    def _cancel_with_call(self, futures: list) -> None:
+        """A cancelled call (its caller's deadline passed) cancels its futures: pebble kills the
+        workers running them (a new one starts in each place) and never starts the others."""
+        def cancel():
+            cancelled = sum(future.cancel() for future in futures)
+            self.counters["samples_cancelled"] += cancelled
+
+        current_call().on_cancel(cancel)
 
     def _reward(self, request: RewardRequest, future) -> Reward:
         self.counters["calls"] += 1
@@ -144,8 +119,9 @@ class PythonReward:
 
     def _score_batch(self, requests: list[RewardRequest]) -> list[Reward]:
         prompts, completions, columns = trl_arguments(requests)
-        future = self.pool.schedule(_call_trl, args=(prompts, completions, columns),
+        future = self.pool.schedule(call_trl, args=(prompts, completions, columns),
                                     timeout=self.endpoint.call_timeout_s)
+        self._cancel_with_call([future])
         self.counters["calls"] += 1
         try:
             values = future.result()
@@ -172,6 +148,8 @@ class PythonReward:
         if isinstance(why, FutureTimeout):
             self.counters["timed_out"] += 1
             why = f"{self.endpoint.function} ran past {self.endpoint.call_timeout_s:g} s (killed)"
+        elif isinstance(why, FutureCancelled):
+            why = f"{self.endpoint.function} was stopped: the call's deadline (reward.timeout_s) passed"
         return failed(request, self.name, self.version, why)
 
     def stats(self) -> dict:

@@ -49,7 +49,8 @@ class Verifier:
         rewards = []
         e = self.endpoint
         limits = SandboxLimits(wall_s=e.code_wall_s, cpu_s=int(e.code_wall_s) + 2, memory_mb=e.code_memory_mb,
-                               isolation=e.code_isolation, allow_unisolated=e.code_allow_unisolated)
+                               isolation=e.code_isolation, allow_unisolated=e.code_allow_unisolated,
+                               allow_no_cgroup=e.code_allow_no_cgroup)
         style = e.style or self.default_style
         for req in requests:
             kind = e.verifier_kinds.get(req.data_source) or kind_for(req.data_source)

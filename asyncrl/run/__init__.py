@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import msgspec
-from ray.exceptions import RayError
+from ray.exceptions import RayError, RayTaskError
 
 from asyncrl import checkpoint
 from asyncrl.config import Config
@@ -99,7 +99,8 @@ class Run:
         self.run_dir = run_dir
         self.max_steps = max_steps  # the learner stops there (0: trains until stopped, as under Serve)
         self.stall_timeout_s = config.trainer.stall_timeout_s if stall_timeout_s is None else stall_timeout_s
-        self.log = RunRecords(run_dir, annotate, wandb_run, history_limit)
+        self.log = RunRecords(run_dir, annotate, wandb_run, history_limit, config.trainer.log_file_mb << 20,
+                              config.trainer.log_files_kept)
         self.restarts: list[dict[str, Any]] = []  # this process's restarts
         # When restarts were tried (this process's and, from restarts.jsonl, earlier ones): the budget.
         self.restart_times: list[float] = _earlier_restarts(run_dir, config.trainer.restart_window_s)
@@ -184,6 +185,10 @@ class Run:
     def restart_after(self, exc: BaseException, reason: str = "") -> dict:
         """`exc` ended this incarnation: restart from the checkpoint, record it (`restarts.jsonl`);
         raise `RunFailed` if it cannot. `reason`: the restart's (default: `exc` in one line)."""
+        refused = exc if isinstance(exc, checkpoint.DiskRefused) else exc.__cause__
+        if isinstance(refused, checkpoint.DiskRefused):
+            # The disk would refuse the restarted run too (its checkpoints, its store): one error, no restarts.
+            raise checkpoint.DiskRefused(_cause_message(refused)) from exc
         reason = reason or f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
         try:
             restart = self.restart(reason, exc)
@@ -280,7 +285,10 @@ class Run:
         return self.system.drain(timeout_s)
 
     def checkpoint(self) -> str:
-        return self.system.checkpoint()
+        try:
+            return self.system.checkpoint()
+        except checkpoint.CheckpointWriteError as exc:  # the learner's message, not Ray's wrapping
+            raise checkpoint.CheckpointWriteError(_cause_message(exc)) from None
 
     def checkpoint_ref(self):
         """A checkpoint now, as an awaitable reference (the Serve app awaits it on its event loop)."""
@@ -328,6 +336,11 @@ def _earlier_restarts(run_dir: str, window_s: float) -> list[float]:
             if at > since and event.get("attempted", True):  # refused restarts spent nothing
                 times.append(at)
     return times
+
+
+def _cause_message(exc: BaseException) -> str:
+    """The message of a role's own error (Ray wraps it with the role's traceback)."""
+    return str(exc.cause if isinstance(exc, RayTaskError) else exc)
 
 
 def _prompt_state(status: dict) -> dict:

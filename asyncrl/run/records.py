@@ -1,6 +1,13 @@
 """What a run writes as it goes, the same for `asyncrl train` and the Serve `train` app: each learner
 step's record stamped with the run's counters (`metrics.jsonl`, and wandb), prompt retirements
-(`retirements.jsonl`), and the plots."""
+(`retirements.jsonl`), the generator pool's events (`generators.jsonl`), restarts
+(`restarts.jsonl`), and the plots.
+
+Nothing here grows without end in a run of days: each jsonl log rolls to `<name>.1`, `<name>.2`, ...
+past `trainer.log_file_mb` and keeps `trainer.log_files_kept` rolled files; the records held in
+memory (the plots, the Serve app's /metrics) are at most `history_limit`: the newest half of them
+whole, the older ones thinned (every other one each time the limit is reached), so a plot still
+spans the whole run."""
 
 from __future__ import annotations
 
@@ -27,14 +34,48 @@ def samples_per_s(previous_poll: tuple[float, int] | None, wall_s: float, sample
     return (samples_trained - base_n) / (wall_s - base_s)
 
 
+def append_jsonl(path: str, records: list[dict], max_bytes: int = 0, keep: int = 0) -> None:
+    """Append one JSON line per record; past `max_bytes` (0: never) the file rolls (`roll`)."""
+    with open(path, "a") as f:
+        for record in records:
+            f.write(json.dumps(record) + "\n")
+    if max_bytes and os.path.getsize(path) >= max_bytes:
+        roll(path, keep)
+
+
+def roll(path: str, keep: int) -> None:
+    """`path` becomes `path.1` (`.1` becomes `.2`, ...); the rolled file past `keep` is deleted."""
+    if keep == 0:
+        os.remove(path)
+        return
+    if os.path.exists(f"{path}.{keep}"):
+        os.remove(f"{path}.{keep}")
+    for i in range(keep - 1, 0, -1):
+        if os.path.exists(f"{path}.{i}"):
+            os.replace(f"{path}.{i}", f"{path}.{i + 1}")
+    os.replace(path, f"{path}.1")
+
+
+def thin_history(records: list[dict], limit: int) -> list[dict]:
+    """At most `limit` records: the newest half whole, every other one of the older part (whose
+    density thus halves each time the limit is reached again), the first kept."""
+    if len(records) <= limit:
+        return records
+    recent = limit // 2
+    older = records[:-recent]
+    return older[::2][: limit - recent] + records[-recent:]
+
+
 class RunRecords:
     def __init__(self, run_dir: str, annotate: Callable[[dict], None] | None = None, wandb_run: Any = None,
-                 history_limit: int = 0):
+                 history_limit: int = 0, log_file_bytes: int = 0, log_files_kept: int = 0):
         self.run_dir = run_dir
         self.annotate = annotate  # called on each record before it is written (e.g. evaluation)
         self.wandb_run = wandb_run
-        self.history_limit = history_limit  # 0 = keep every record (the driver's summary needs them)
+        self.history_limit = history_limit  # 0 = keep every record in memory
+        self.log_file_bytes, self.log_files_kept = log_file_bytes, log_files_kept  # 0 bytes: never roll
         self.records: list[dict] = []
+        self.steps_recorded = 0  # records added, less those a restart redoes (`records` may be thinned)
         self.started = time.time()
         self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
         self._wandb_step = 0
@@ -47,8 +88,14 @@ class RunRecords:
         self.retired_share = 0.0
         self.pool_events: list[dict] = []  # the newest generator joins, leaves and heals (status page)
 
+    def append(self, name: str, records: list[dict]) -> None:
+        """Lines of the jsonl log `name` in the run directory (rolled past its size)."""
+        append_jsonl(os.path.join(self.run_dir, name), records, self.log_file_bytes, self.log_files_kept)
+
     def after_restart(self, step: int) -> None:
         """The steps after the checkpoint a restart came back from are redone."""
+        if self.records:
+            self.steps_recorded -= max(0, self.records[-1]["step"] - step)
         self.records = [r for r in self.records if r["step"] <= step]
         self._previous_poll = (time.time() - self.started, 1 << 62)  # the next poll's rate is unknown
         self._retirement_seq = -1  # a new prompt source numbers its retirement events from 0
@@ -81,18 +128,18 @@ class RunRecords:
         self.note_prompts(status)
         stamp["prompts_retired_share"] = self.retired_share
         self._previous_poll = (stamp["wall_time_s"], stamp["samples_trained"])
-        with open(self.metrics_path, "a") as metrics_file:
-            for record in new:
-                record.update(stamp)
-                if self.annotate is not None:
-                    self.annotate(record)
-                metrics_file.write(json.dumps(record) + "\n")
-                if self.wandb_run is not None and record["step"] > self._wandb_step:  # wandb steps only go up
-                    self.wandb_run.log(record, step=record["step"])
-                    self._wandb_step = record["step"]
+        for record in new:
+            record.update(stamp)
+            if self.annotate is not None:
+                self.annotate(record)
+            if self.wandb_run is not None and record["step"] > self._wandb_step:  # wandb steps only go up
+                self.wandb_run.log(record, step=record["step"])
+                self._wandb_step = record["step"]
+        self.append("metrics.jsonl", new)
         self.records += new
-        if self.history_limit and len(self.records) > self.history_limit:
-            self.records = self.records[-self.history_limit:]
+        self.steps_recorded += len(new)
+        if self.history_limit:
+            self.records = thin_history(self.records, self.history_limit)
         return retirements
 
     def _new_retirements(self, log: list[dict]) -> list[dict]:
@@ -100,15 +147,12 @@ class RunRecords:
         new = [event for event in log if event["seq"] > self._retirement_seq]
         if new:
             self._retirement_seq = new[-1]["seq"]
-            with open(os.path.join(self.run_dir, "retirements.jsonl"), "a") as f:
-                for event in new:
-                    f.write(json.dumps(event) + "\n")
+            self.append("retirements.jsonl", new)
         return new
 
     def pool_event(self, event: dict) -> None:
         """A generator joined, left or was healed: a line of `generators.jsonl`, and on the status."""
-        with open(os.path.join(self.run_dir, "generators.jsonl"), "a") as f:
-            f.write(json.dumps(event) + "\n")
+        self.append("generators.jsonl", [event])
         self.pool_events = (self.pool_events + [event])[-50:]
 
     def write_plots(self) -> None:

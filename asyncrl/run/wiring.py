@@ -16,6 +16,7 @@ from typing import Any
 
 import ray
 import torch
+from ray.exceptions import GetTimeoutError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.assembler import AssemblerActor
@@ -27,6 +28,7 @@ from actors.recorder import RecorderActor
 from actors.reward_endpoint import reward_endpoint_actors
 from actors.value_learner import ValueLearnerActor
 from asyncrl import checkpoint
+from asyncrl.checkpoint_store import StoreClient
 from asyncrl.datafiles import check_prompts
 from asyncrl.config import Config
 from asyncrl.ray_mailbox import RayMailbox, ShardedMailbox, sum_stats
@@ -54,8 +56,29 @@ class ResumePoint:
     held_sample_ids: set = field(default_factory=set)  # samples inside those batches
 
 
+# How long the run waits for a role's answer. A role that does not answer is hung (alive, but
+# stuck): it is treated as dead, so the run restarts instead of waiting for ever.
+CONTROL_TIMEOUT_S = 120.0  # status, metrics, the ledger, versions: answered between two steps
+WORK_TIMEOUT_S = 1800.0  # a checkpoint, the weights, a resume: the model's size in bytes moved
+PREPARE_TIMEOUT_S = 4 * 3600.0  # Pre-PPO's selection generates over the prompts before the first step
+
+
 class RoleDied(RuntimeError):
     """A role's loop ended (its error, with the role named): the run restarts from the checkpoint."""
+
+
+class RoleHung(RoleDied):
+    """A role did not answer a call within its bound: treated as dead."""
+
+
+def answer(ref, role: str, what: str, timeout_s: float | None = None):
+    """`ray.get` of a role's call, bounded: `RoleHung` (naming the role and the call) past
+    `timeout_s` (default `CONTROL_TIMEOUT_S`)."""
+    timeout_s = CONTROL_TIMEOUT_S if timeout_s is None else timeout_s
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except GetTimeoutError:
+        raise RoleHung(f"{role} did not answer {what} within {timeout_s:g}s (alive but stuck)") from None
 
 
 class System:
@@ -85,6 +108,7 @@ class System:
         self._created: list[Any] = []  # every role actor made by start()
         self._endpoints: dict[str, Any] = {}  # reward endpoint actors (none under Serve)
         self.environment: Any = None  # the environment endpoint actor (a task with an environment)
+        self.store: StoreClient | None = None  # the checkpoints' writer, on the run directory's node
         self._last_value: dict = {}
         self.draining = False  # `drain` stopped the prompt source
 
@@ -114,10 +138,11 @@ class System:
         self._resume(resume)
         if "learner" in self.actors:  # the generators join: each gets the learner's version first
             self.pool.join(list(self.generators))
-            ray.get(self.actors["learner"].announce.remote())
+            answer(self.actors["learner"].announce.remote(), "the learner", "announce")
         # Pre-PPO selection (before the first prompt; a no-op when off or resumed).
-        self.pre_ppo = ray.get(self.actors["prompt_source"].prepare.remote(
-            cfg.model, cfg.engine, cfg.sampling, cfg.task, cfg.reward, cfg.trainer.seed, self._endpoints))
+        self.pre_ppo = answer(self.actors["prompt_source"].prepare.remote(
+            cfg.model, cfg.engine, cfg.sampling, cfg.task, cfg.reward, cfg.trainer.seed, self._endpoints),
+            "the prompt source", "prepare (Pre-PPO selection)", PREPARE_TIMEOUT_S)
         self._loops(resume)
         self.started_at = time.time()
         return self
@@ -149,8 +174,13 @@ class System:
         # The environment a task's episodes act in: an endpoint of its own, here with the control plane.
         self.environment = environment_actor(cfg.environment, here) if cfg.environment.enabled else None
         self._created += [self.environment] if self.environment is not None else []
+        # Every checkpoint is begun and committed on this node, the run directory's (roles elsewhere
+        # ship their parts to it: `asyncrl.checkpoint_store`).
+        self.store = (StoreClient.spawn(self.run_dir, lambda shell, **kw: self._spawn(shell, placement=here, **kw))
+                      if self.run_dir and learning else None)
         recorder = (self._spawn(RecorderActor, directory=os.path.join(self.run_dir, STORE_DIRNAME),
-                                max_file_mb=tr.record_file_mb, max_file_age_s=tr.record_file_age_s, placement=here)
+                                max_file_mb=tr.record_file_mb, max_file_age_s=tr.record_file_age_s,
+                                keep_mb=tr.record_keep_mb, placement=here)
                     if tr.record else None)
         prompt_source = self._spawn(
             PromptSourceActor, model=cfg.model, task=cfg.task, algorithm=cfg.algorithm,
@@ -168,7 +198,7 @@ class System:
         value_learner = (self._spawn(
             ValueLearnerActor, model=cfg.model, critic=cfg.critic, algorithm=cfg.algorithm, sampling=cfg.sampling,
             seed=tr.seed, trajectories=boxes["trajectories"], resume_from=resume and resume.checkpoint,
-            placement=learner_options[ranks]) if value_based else None)
+            checkpoint_store=self.store, placement=learner_options[ranks]) if value_based else None)
         assembler = self._spawn(
             AssemblerActor, model=cfg.model, algorithm=cfg.algorithm, engine=cfg.engine, reward=cfg.reward,
             prompts_per_step=tr.prompts_per_step, segments=boxes["segments"], batches=boxes["batches"],
@@ -208,7 +238,8 @@ class System:
             sampling=cfg.sampling, seed=tr.seed, batches=self.mailboxes["batches"], listeners=[assembler, prompt_source], ledger=prompt_source,
             checkpoint_parts=[prompt_source] + ([value_learner] if value_learner is not None else []),
             checkpoints=CheckpointPolicy(self.run_dir, tr.checkpoint_every if self.run_dir else 0,
-                                         tr.checkpoint_every_s if self.run_dir else 0.0, tr.checkpoint_keep),
+                                         tr.checkpoint_every_s if self.run_dir else 0.0, tr.checkpoint_keep,
+                                         self.store),
             max_steps=self.max_steps, recorder=recorder, ranks=rank_actors, rendezvous=rendezvous,
             delivery_timeout_s=self.config.cluster.generator_timeout_s,
             placement=options[0], actor_name=LEARNER_NAME if self.name_actors else None)  # found by name
@@ -220,12 +251,14 @@ class System:
         if resume is None:
             return
         if "learner" in self.actors:
-            ray.get(self.actors["learner"].resume.remote(resume.checkpoint))
-        self.resumed["reissued_prompts"] = ray.get(self.actors["prompt_source"].restore.remote(
-            resume.checkpoint, resume.held_sample_ids, resume.weight_version))
+            answer(self.actors["learner"].resume.remote(resume.checkpoint), "the learner", "resume", WORK_TIMEOUT_S)
+        self.resumed["reissued_prompts"] = answer(self.actors["prompt_source"].restore.remote(
+            resume.checkpoint, resume.held_sample_ids, resume.weight_version, self.store), "the prompt source",
+            "restore", WORK_TIMEOUT_S)
         if resume.saved_batches:
             batches = self.mailboxes["batches"]
-            ray.get(batches.actor.put.remote([(b.batch_id, batches.codec.encode(b)) for b in resume.saved_batches]))
+            answer(batches.actor.put.remote([(b.batch_id, batches.codec.encode(b)) for b in resume.saved_batches]),
+                   "the batches mailbox", "put")
 
     def _loops(self, resume: "ResumePoint | None") -> None:
         """Consumers first; the generators hold the learner's version already (they joined)."""
@@ -268,15 +301,16 @@ class System:
     def stop_learning(self, timeout_s: float = 120.0) -> None:
         """End the policy learner's loop (a step in flight finishes first), so that a checkpoint and
         the weights read afterwards are those of the last step the run reports."""
-        ray.get(self.actors["learner"].stop.remote())
+        answer(self.actors["learner"].stop.remote(), "the learner", "stop")
         ray.wait([self.run_refs["learner"]], timeout=timeout_s)
 
     def checkpoint(self) -> str:
         """Write a checkpoint now (between two learner steps); returns its path."""
-        return ray.get(self.actors["learner"].save_checkpoint.remote())
+        return answer(self.actors["learner"].save_checkpoint.remote(), "the learner", "save_checkpoint",
+                      WORK_TIMEOUT_S)
 
     def ledger(self) -> dict:
-        return ray.get(self.actors["prompt_source"].ledger.remote())
+        return answer(self.actors["prompt_source"].ledger.remote(), "the prompt source", "ledger")
 
     def drain(self, timeout_s: float = 120.0, settle_s: float = 3.0) -> dict:
         """Stop issuing prompts and let the work in flight end (the learner trains on), then prove it
@@ -335,21 +369,23 @@ class System:
         return dead
 
     def status(self) -> dict:
-        learner = ray.get(self.actors["learner"].stats.remote())
+        def stats(name: str) -> dict:
+            return answer(self.actors[name].stats.remote(), name, "stats")
+
+        learner = stats("learner")
         generators = answered({gid: g.stats.remote() for gid, g in self.generators.items()}, timeout_s=5.0)
-        assembler = ray.get(self.actors["assembler"].stats.remote())
-        mailboxes = {name: sum_stats(ray.get([a.stats.remote() for a in mailbox_actors(box)]))
-                     for name, box in self.mailboxes.items()}
+        assembler = stats("assembler")
+        mailboxes = {name: sum_stats(answer([a.stats.remote() for a in mailbox_actors(box)], f"the {name} mailbox",
+                                            "stats")) for name, box in self.mailboxes.items()}
         status = summarize(learner, generators, assembler, mailboxes, time.time() - self.started_at)
         if "value_learner" in self.actors:
-            status["value_learner"] = ray.get(self.actors["value_learner"].stats.remote())
+            status["value_learner"] = stats("value_learner")
         if "environment" in self.actors:
-            status["environment"] = ray.get(self.actors["environment"].stats.remote())
+            status["environment"] = stats("environment")
         status["reward_endpoints"] = reward_endpoint_table(
             self.config.reward, assembler.get("reward_router", {}).get("endpoints", {}),
-            {name.removeprefix("reward-"): ray.get(actor.stats.remote())
-             for name, actor in self.actors.items() if name.startswith("reward-")})
-        status["prompt_source"] = ray.get(self.actors["prompt_source"].stats.remote())
+            {name.removeprefix("reward-"): stats(name) for name in self.actors if name.startswith("reward-")})
+        status["prompt_source"] = stats("prompt_source")
         status["ledger"] = {**status["prompt_source"].pop("ledger"),
                             "problems": status["prompt_source"].pop("ledger_problems")}
         status["resumed"] = self.resumed
@@ -360,9 +396,10 @@ class System:
 
     def pop_metrics(self) -> list[dict]:
         """Policy-step records; with a value learner, each carries its latest value-step metrics."""
-        records = ray.get(self.actors["learner"].pop_metrics.remote())
+        records = answer(self.actors["learner"].pop_metrics.remote(), "the learner", "pop_metrics")
         if "value_learner" in self.actors:
-            value_records = ray.get(self.actors["value_learner"].pop_metrics.remote())
+            value_records = answer(self.actors["value_learner"].pop_metrics.remote(), "the value learner",
+                                   "pop_metrics")
             if value_records:
                 self._last_value = value_records[-1]
             for record in records:
@@ -370,7 +407,7 @@ class System:
         return records
 
     def weights(self) -> tuple[int, dict[str, torch.Tensor]]:
-        return ray.get(self.actors["learner"].weights.remote())
+        return answer(self.actors["learner"].weights.remote(), "the learner", "weights", WORK_TIMEOUT_S)
 
     def stop(self, learner_grace_s: float = 60.0) -> None:
         """Stop every loop and kill every actor. Once this returns, no checkpoint is committed any

@@ -6,6 +6,7 @@ import ipaddress
 import shlex
 from typing import Any
 
+import msgspec
 from fastapi import HTTPException, Request
 from fastapi.responses import JSONResponse
 
@@ -17,8 +18,26 @@ from asyncrl.config import Config, compose
 ADMIN_TOKEN = {"value": ""}
 REWARD_TOKEN = {"value": ""}
 BODY_LIMIT = {"value": 0}  # the policy endpoint's body limit in bytes (set in PolicyServer.__init__)
+REWARD_LOCAL_WITHOUT_TOKEN = {"value": False}  # serve.reward_local_without_token (opt-in)
 MAX_ADMIN_BODY_BYTES = 1 << 20
 MAX_SCORE_BODY_BYTES = 16 << 20
+
+
+class FiniteJSONResponse(JSONResponse):
+    """JSON with every NaN or infinity as null: JSON has neither, and Starlette's own response
+    refuses them with a 500 (a run whose loss diverged records a NaN loss)."""
+
+    @staticmethod
+    def encode(content: Any) -> bytes:
+        return msgspec.json.encode(content, enc_hook=_plain)
+
+    def render(self, content: Any) -> bytes:
+        return self.encode(content)
+
+
+def _plain(value: Any) -> Any:
+    """What msgspec cannot encode itself: numpy scalars as numbers, anything else as its text."""
+    return value.item() if hasattr(value, "item") and hasattr(value, "dtype") else str(value)
 
 
 def config_from_args(args: dict[str, Any]) -> Config:
@@ -55,6 +74,20 @@ def _too_large(request: Request, limit: int) -> bool:
         return True
 
 
+async def capped_body(request: Request, call_next, limit: int):
+    """Read the body as it streams, refused (413) the moment it passes `limit` bytes: a chunked
+    request has no Content-Length to check first, and the route would read it whole. The body
+    read is handed on as the request's cached body (Starlette replays it to the route)."""
+    chunks, seen = [], 0
+    async for chunk in request.stream():
+        seen += len(chunk)
+        if seen > limit:
+            return _refuse(413, f"request body over {limit} bytes")
+        chunks.append(chunk)
+    request._body = b"".join(chunks)
+    return await call_next(request)
+
+
 def _refuse(status: int, message: str) -> JSONResponse:
     return JSONResponse({"detail": message}, status_code=status)
 
@@ -70,22 +103,27 @@ async def admin_guard(request: Request, call_next):
             return _refuse(401, "missing or wrong admin token")
         if _too_large(request, MAX_ADMIN_BODY_BYTES):
             return _refuse(413, f"admin request body over {MAX_ADMIN_BODY_BYTES} bytes")
+        return await capped_body(request, call_next, MAX_ADMIN_BODY_BYTES)
     return await call_next(request)
 
 
 async def reward_guard(request: Request, call_next):
-    """Middleware of a reward app: POST /score runs untrusted code and models for its caller. With
-    a token set (serve.reward_token / ASYNCRL_REWARD_TOKEN) every call must carry it; with none,
-    only this machine may call. Checked from the headers, before the body is read."""
+    """Middleware of a reward app: POST /score runs untrusted code and models for its caller, so
+    every call carries the token (serve.reward_token / ASYNCRL_REWARD_TOKEN). With none set the
+    route is off, unless `serve.reward_local_without_token` opts in to serving loopback callers:
+    behind a same-host proxy or a mesh sidecar every caller is loopback. Checked from the headers,
+    before the body is read; the body's size is capped as it streams (`capped_body`)."""
     if request.method == "POST":
         token = REWARD_TOKEN["value"]
         if token and not _bearer_matches(request, token):
             return _refuse(401, "missing or wrong reward token")
-        if not token and not _from_loopback(request):
-            return _refuse(403, "the reward endpoint runs submitted code: from other hosts it needs a token "
-                                "(set serve.reward_token or ASYNCRL_REWARD_TOKEN and send it as a bearer token)")
+        if not token and not (REWARD_LOCAL_WITHOUT_TOKEN["value"] and _from_loopback(request)):
+            return _refuse(403, "the reward endpoint runs submitted code: it needs a token (set serve.reward_token "
+                                "or ASYNCRL_REWARD_TOKEN and send it as a bearer token); on a development machine, "
+                                "serve.reward_local_without_token=true serves callers on this machine without one")
         if _too_large(request, MAX_SCORE_BODY_BYTES):
             return _refuse(413, f"score request body over {MAX_SCORE_BODY_BYTES} bytes")
+        return await capped_body(request, call_next, MAX_SCORE_BODY_BYTES)
     return await call_next(request)
 
 

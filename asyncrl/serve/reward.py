@@ -63,10 +63,11 @@ class RewardService(RewardEndpoint):
     goes through `user_config` -> `reconfigure` with no restart at all."""
 
     def __init__(self, name: str, config: dict, model: dict | None = None, default_style: str = "zero_one",
-                 token: str = ""):
+                 token: str = "", local_without_token: bool = False):
         from asyncrl.serve import guards  # the module's dict, not a pickled copy (see `guards`)
 
         guards.REWARD_TOKEN["value"] = token or os.environ.get("ASYNCRL_REWARD_TOKEN", "")
+        guards.REWARD_LOCAL_WITHOUT_TOKEN["value"] = local_without_token
         super().__init__(name, config, model, default_style)
 
     @reward_api.post("/score")
@@ -89,8 +90,8 @@ def build_reward(args: dict[str, Any]) -> serve.Application:
     if name not in config.reward.endpoints:
         raise ConfigError(f"reward endpoint {name!r} is not in reward.endpoints ({sorted(config.reward.endpoints)})")
     return RewardService.bind(name, msgspec.to_builtins(config.reward.endpoints[name]), msgspec.to_builtins(config.model),
-                              config.task.reward,
-                              config.serve.reward_token)
+                              config.task.reward, config.serve.reward_token,
+                              config.serve.reward_local_without_token)
 
 
 def reward_app_config(name: str, overrides: str, user_config: dict | None = None) -> dict:

@@ -19,7 +19,6 @@ at runtime, and string annotations would turn request bodies into query paramete
 """
 
 import asyncio
-import json
 import logging
 import os
 import threading
@@ -35,7 +34,8 @@ from ray import serve
 from asyncrl.config import Config
 from asyncrl.run import RestartBudgetSpent, Run
 from asyncrl.run.records import REWARD_KEY
-from asyncrl.serve.guards import admin_guard, config_from_args
+from asyncrl.run.wiring import CONTROL_TIMEOUT_S, WORK_TIMEOUT_S, RoleHung
+from asyncrl.serve.guards import FiniteJSONResponse, admin_guard, config_from_args
 
 INITIAL_DATA_MARKER = '<script id="initial-data" type="application/json">null</script>'
 STATUS_PAGE = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "static", "status.html"),
@@ -51,9 +51,8 @@ def status_page(status: dict, history: list[dict]) -> str:
     slow link never shows an empty page): the status and at most `PAGE_RECORDS` step records spread
     over the whole run, so the page stays the same size however long it runs."""
     try:
-        initial = json.dumps({"status": status, "metrics": thinned(history, PAGE_RECORDS)}, default=str,
-                             allow_nan=False)
-    except ValueError:  # a NaN somewhere: the page fetches the data itself
+        initial = FiniteJSONResponse.encode({"status": status, "metrics": thinned(history, PAGE_RECORDS)}).decode()
+    except (TypeError, msgspec.EncodeError):  # something JSON cannot hold: the page fetches the data itself
         initial = "null"
     # Inside <script>, "</" would end the element: escape it as JSON allows.
     element = INITIAL_DATA_MARKER.replace(">null<", ">" + initial.replace("</", "<\\/") + "<")
@@ -86,7 +85,8 @@ class RewardRoutesBody(BaseModel):
     routes: list[RouteBody] = Field(..., min_length=1, max_length=64)
 
 
-train_api = FastAPI(title="asyncrl train")
+# A diverged loss is a NaN in the records: answered as null (JSON has no NaN), never a 500.
+train_api = FastAPI(title="asyncrl train", default_response_class=FiniteJSONResponse)
 train_api.middleware("http")(admin_guard)
 
 
@@ -179,11 +179,17 @@ class TrainController:
         self.run.inject_poll_errors = int(count)
         return self.run.inject_poll_errors
 
+    def _system_status(self) -> dict:
+        try:
+            return self.run.status()
+        except RoleHung as exc:  # the watch loop restarts the run; meanwhile say why there is no status
+            raise HTTPException(503, str(exc)) from None
+
     @train_api.get("/status")
     def status(self) -> dict:
         if self.failure:  # the run is stopped (waiting to restart, or failed): nothing to read
             raise HTTPException(503, f"training stopped: {self.failure}")
-        status = self.run.status()
+        status = self._system_status()
         # Where each generator runs and the weights it holds (its full counters stay internal).
         status["generators"] = [{key: g.get(key) for key in ("generator_id", "node_ip", "delivered_version",
                                                              "busy_fraction", "unresponsive") if key in g}
@@ -207,8 +213,10 @@ class TrainController:
     async def set_reward_routes(self, body: RewardRoutesBody) -> dict:
         """Change the hybrid reward mix while training runs (validated; takes effect on the next scores)."""
         try:
-            routes = await self.run.set_reward_routes(
-                [route.model_dump() for route in body.routes])
+            routes = await asyncio.wait_for(self.run.set_reward_routes(
+                [route.model_dump() for route in body.routes]), CONTROL_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise HTTPException(503, f"the assembler did not answer within {CONTROL_TIMEOUT_S:g}s") from None
         except Exception as exc:  # a route the config schema rejects
             raise HTTPException(400, f"invalid reward routes: {getattr(exc, 'cause', exc)}") from None
         return {"routes": routes}
@@ -261,7 +269,10 @@ class TrainController:
     @train_api.post("/admin/checkpoint")
     async def save_checkpoint(self) -> dict:
         """Write a checkpoint now (between two learner steps)."""
-        path = await self.run.checkpoint_ref()
+        try:
+            path = await asyncio.wait_for(self.run.checkpoint_ref(), WORK_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise HTTPException(503, f"the learner did not write the checkpoint within {WORK_TIMEOUT_S:g}s") from None
         return {"path": path}
 
     @train_api.get("/metrics/prometheus")
@@ -271,7 +282,7 @@ class TrainController:
 
         from asyncrl.metrics import prometheus_text
 
-        return Response(prometheus_text(self.run.status()), media_type="text/plain; version=0.0.4")
+        return Response(prometheus_text(self._system_status()), media_type="text/plain; version=0.0.4")
 
     @train_api.get("/healthz")
     def healthz(self) -> dict:
