@@ -402,8 +402,7 @@ class PolicyLearnerActor(RoleShell):
             from asyncrl.weight_sync import WeightGroup
 
             host, port, backend = group
-            # Its sends are bounded like every delivery (cluster.generator_timeout_s): a cut-off peer
-            # must not hold the pool's delivery (and so every generator's next version) for longer.
+            # Bounded as every delivery (cluster.generator_timeout_s): a cut-off peer must not hold the pool's.
             self.inner.sender.groups[generator_id] = await asyncio.to_thread(
                 WeightGroup, host, port, 2, 0, backend, timeout_s=self.inner.pool.timeout_s,
                 local_address=node_address())
@@ -432,9 +431,6 @@ class PolicyLearnerActor(RoleShell):
     async def weights(self) -> tuple[int, dict[str, torch.Tensor]]:
         """(weight version, a snapshot of the parameters): for evaluation and the policy endpoint."""
         return await self.inner.snapshot()
-
-    def weight_version(self) -> int:
-        return self.inner.weight_version
 
     def weight_tag(self) -> tuple[str, int]:
         """(incarnation id, weight version): which line of versions, and where on it."""

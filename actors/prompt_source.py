@@ -43,7 +43,7 @@ from asyncrl.config import (NO_BOUND, AlgorithmConfig, EngineConfig, Environment
 from asyncrl.ledger import LedgerSnapshot, SampleLedger
 from asyncrl.mailbox import Mailbox
 from asyncrl.models import load_tokenizer
-from asyncrl.retirement import Outcome, Retirements
+from asyncrl.retirement import Retirements, SampleVerdict
 from asyncrl.schema import Codec, DropReason, PromptRequest, SampleState
 from asyncrl.staleness import admission_budget
 from asyncrl.datafiles import drop_overlong, load_examples
@@ -129,7 +129,7 @@ class PromptSource:
             self.dropped_prompts += moved / self.group_size
             self._budget_changed.set()
 
-    def record_events(self, events: list[LedgerEvent], outcomes: list[Outcome]) -> None:
+    def record_events(self, events: list[LedgerEvent], outcomes: list[SampleVerdict]) -> None:
         """The assembler's events since its last call, in one call: ledger moves and samples' rewards."""
         for sample_ids, state, reason in events:
             self.record(sample_ids, state, reason)

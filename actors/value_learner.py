@@ -29,7 +29,7 @@ from asyncrl.config import AlgorithmConfig, CriticConfig, ModelConfig, SamplingC
 from asyncrl.learning.scoring import response_logprobs
 from asyncrl.algo.warmup import warmup_finished
 from asyncrl.learning.rank import learner_precision
-from asyncrl.learning.rows import build_optimizer
+from asyncrl.learning.tensors import build_optimizer
 from asyncrl.learning.value import center_value_head, predict_values, value_step
 from asyncrl.mailbox import Mailbox, RecentIds
 from asyncrl.models import load_model, load_tokenizer, value_model_from_checkpoint, value_model_from_policy

@@ -37,7 +37,7 @@ from asyncrl.assembly.values import ValueEdges
 from asyncrl.config import NO_BOUND, Config, PairwiseAdvantage, to_record
 from asyncrl.evaluation import greedy_accuracy, progress_bar
 from asyncrl.learning.dqo import dqo_step
-from asyncrl.learning.rows import build_optimizer
+from asyncrl.learning.tensors import build_optimizer
 from asyncrl.learning.scoring import response_logprobs
 from asyncrl.mailbox import InProcessMailbox
 from asyncrl.models import load_model, load_tokenizer

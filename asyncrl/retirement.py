@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from asyncrl.algo.selection import group_verdict, retirement_reason
 
 MAX_DOUBLINGS = 2  # an unsolved prompt's wait grows to at most 2**2 = 4 times `retry_versions`
-# A sample's outcome as the assembler saw it: (issued prompt id, sample index, correct, score, failed).
-Outcome = tuple[str, int, "bool | None", float, bool]
+# A scored sample as the prompt source judges its prompt by it: (issued prompt id, sample index,
+# correct, score, failed).
+SampleVerdict = tuple[str, int, "bool | None", float, bool]
 
 
 @dataclass
@@ -53,7 +54,7 @@ class Retirements:
         self.group_size = group_size
         self.after_groups, self.epochs, self.unsolved, self.filter_metric = after_groups, epochs, unsolved, filter_metric
         self.retry_versions, self.max_retries = retry_versions, max_retries
-        self._groups: collections.OrderedDict[str, dict[int, Outcome]] = collections.OrderedDict()
+        self._groups: collections.OrderedDict[str, dict[int, SampleVerdict]] = collections.OrderedDict()
         self.verdicts: dict[str, collections.deque] = {}  # example id -> its recent groups' verdicts
         self.retired: dict[str, Retirement] = {}  # example id -> why and until when
         self.issue_no: dict[str, int] = {}  # open prompt id -> its issue number (ordering verdicts)
@@ -75,7 +76,7 @@ class Retirements:
                 # One retry out at a time: two at the same version would spend two retries on one look.
                 retired.retrying = True
 
-    def note_outcome(self, outcome: Outcome, issued: int, examples: int, delivered_version: int) -> None:
+    def note_outcome(self, outcome: SampleVerdict, issued: int, examples: int, delivered_version: int) -> None:
         """One sample's reward; when its group is complete, judge the prompt."""
         prompt_id, idx = outcome[0], outcome[1]
         group = self._groups.setdefault(prompt_id, {})

@@ -304,7 +304,7 @@ class Reward(msgspec.Struct, kw_only=True, frozen=True):
         return sample_id(self.prompt_id, self.sample_idx)
 
 
-class TrainSample(msgspec.Struct, kw_only=True, frozen=True):
+class TrainingRow(msgspec.Struct, kw_only=True, frozen=True):
     """One row of a training batch: a segment, its reward and its advantages (one per new token)."""
 
     segment: Segment
@@ -353,7 +353,7 @@ class TrainBatch(msgspec.Struct, kw_only=True, frozen=True):
     """A training batch for a learner. `batch_id` is unique, so a batch is trained at most once."""
 
     batch_id: str
-    samples: list[TrainSample]
+    samples: list[TrainingRow]
     # Metrics of the assembly that produced this batch (dropped groups, staleness, ...).
     stats: dict[str, float] = {}
     # Why a batch has no rows: the learner skips the step and records this (bounded refill).

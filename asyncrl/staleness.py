@@ -28,7 +28,7 @@ from typing import Iterable
 import msgspec
 import numpy as np
 
-from asyncrl.schema import TrainSample
+from asyncrl.schema import TrainingRow
 
 
 def row_staleness(weight_version: int, new_versions: np.ndarray) -> int:
@@ -38,14 +38,14 @@ def row_staleness(weight_version: int, new_versions: np.ndarray) -> int:
     return weight_version - int(new_versions.min())
 
 
-def trained_versions(sample: TrainSample) -> np.ndarray:
+def trained_versions(sample: TrainingRow) -> np.ndarray:
     """The versions of the tokens of `sample` that the policy loss trains (loss mask 1)."""
     versions = sample.segment.new_versions
     return versions if sample.loss_mask is None else versions[sample.loss_mask.astype(bool)]
 
 
-def mask_stale_tokens(samples: list[TrainSample], weight_version: int,
-                      max_staleness_versions: int) -> tuple[list[TrainSample], dict[str, float]]:
+def mask_stale_tokens(samples: list[TrainingRow], weight_version: int,
+                      max_staleness_versions: int) -> tuple[list[TrainingRow], dict[str, float]]:
     """Mask (loss mask 0) every token more than `max_staleness_versions` behind `weight_version`.
     Returns the samples (those unchanged are the same objects) and the stats a batch reports:
     `staleness_max` of the tokens left to train and `stale_tokens_masked`. A sample may end up with
@@ -65,7 +65,7 @@ def mask_stale_tokens(samples: list[TrainSample], weight_version: int,
                  "stale_tokens_masked": float(masked)}
 
 
-def has_trained_tokens(sample: TrainSample) -> bool:
+def has_trained_tokens(sample: TrainingRow) -> bool:
     return bool(len(sample.segment.new_token_ids)) and (sample.loss_mask is None or bool(sample.loss_mask.any()))
 
 

@@ -64,10 +64,10 @@ from asyncrl.engines.torch_engine import TorchEngine, engine_precision  # noqa: 
 from asyncrl.generation import sequence_input  # noqa: E402
 from asyncrl.learning.policy import proximal_logprobs  # noqa: E402
 from asyncrl.learning.rank import PolicyRank, learner_precision, policy_objective  # noqa: E402
-from asyncrl.learning.rows import adamw, collate  # noqa: E402
+from asyncrl.learning.tensors import adamw, collate  # noqa: E402
 from asyncrl.learning.scoring import PolicyForward  # noqa: E402
 from asyncrl.models import build_tiny_model, build_tiny_tokenizer  # noqa: E402
-from asyncrl.schema import FinishReason, Segment, TrainSample, float32_array, int32_array  # noqa: E402
+from asyncrl.schema import FinishReason, Segment, TrainingRow, float32_array, int32_array  # noqa: E402
 from asyncrl.transport import WeightSender, load  # noqa: E402
 from asyncrl.weight_sync import free_port, plan_buckets  # noqa: E402
 
@@ -174,7 +174,7 @@ class Check:
     def prompts(self, rows: int, tokens: int, seed: int = 0) -> torch.Tensor:
         return torch.randint(FIRST_ID, self.vocab, (rows, tokens), generator=torch.Generator().manual_seed(seed))
 
-    def batch(self) -> list[TrainSample]:
+    def batch(self) -> list[TrainingRow]:
         s = self.sizes
         return synthetic_batch(s.learner_rows, s.learner_prompt, s.learner_response, self.vocab)
 
@@ -250,7 +250,7 @@ def check_learner(ctx: Check) -> tuple[list[Row], dict]:
 
 def adamw_step(ctx: Check) -> tuple[list[Row], dict]:
     """AdamW's step alone over the model's parameters (random gradients): the learners' fused one
-    (`asyncrl.learning.rows.adamw`) against torch's default implementation."""
+    (`asyncrl.learning.tensors.adamw`) against torch's default implementation."""
     parameters = list(ctx.model().parameters())
     for parameter in parameters:
         parameter.grad = torch.randn_like(parameter)
@@ -364,7 +364,7 @@ def _expect(outbox, kind: str, process, timeout_s: float = 300.0):
     return value
 
 
-def sampled_batch(ctx: Check, engine: TorchEngine, params: SamplingParams) -> list[TrainSample]:
+def sampled_batch(ctx: Check, engine: TorchEngine, params: SamplingParams) -> list[TrainingRow]:
     """Responses the engine samples from random prompts, as the learner receives them."""
     s = ctx.sizes
     prompts = ctx.prompts(s.logprob_rows, s.prompt_tokens, seed=1).numpy()
@@ -379,7 +379,7 @@ def sampled_batch(ctx: Check, engine: TorchEngine, params: SamplingParams) -> li
                           new_versions=int32_array([0] * n), finished=out.finish_reason is not FinishReason.WINDOW,
                           seed=100 + i, finish_reason=out.finish_reason, data_source="gpu_check",
                           new_scored=out.scored)
-        samples.append(TrainSample(segment=segment, score=0.0, correct=False, advantages=float32_array(np.ones(n))))
+        samples.append(TrainingRow(segment=segment, score=0.0, correct=False, advantages=float32_array(np.ones(n))))
     return samples
 
 

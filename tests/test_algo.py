@@ -185,7 +185,7 @@ def test_whiten_rows_is_masked_whiten_over_the_trained_tokens():
     """The assembler's `whiten_rows` (production) whitens exactly as `masked_whiten` (tested above):
     rows concatenated, loss-masked tokens excluded and left at 0."""
     from asyncrl.assembly.rows import whiten_rows
-    from asyncrl.schema import FinishReason, Segment, TrainSample, float32_array, int32_array
+    from asyncrl.schema import FinishReason, Segment, TrainingRow, float32_array, int32_array
 
     def row(advantages, loss_mask):
         n = len(advantages)
@@ -194,7 +194,7 @@ def test_whiten_rows_is_masked_whiten_over_the_trained_tokens():
                       new_token_ids=int32_array([5] * n), new_logprobs=float32_array([-1.0] * n),
                       new_versions=int32_array([0] * n), finished=True, finish_reason=FinishReason.EOS,
                       data_source="tiny", ground_truth="1")
-        return TrainSample(segment=seg, score=0.0, advantages=float32_array(advantages),
+        return TrainingRow(segment=seg, score=0.0, advantages=float32_array(advantages),
                            loss_mask=np.asarray(loss_mask, dtype=np.uint8))
 
     rows = whiten_rows([row([1.0, 2.0], [1, 1]), row([3.0, 100.0], [1, 0])])

@@ -21,11 +21,11 @@ from asyncrl.environments.episodes import EnvironmentClient, Episodes, LocalEnvi
 from asyncrl.environments.formats import ChatMLTools, Malformed, ToolCall, TinyTools
 from asyncrl.environments.templates import ChatTemplate
 from asyncrl.environments.tools import Episode, LookupTool, episode_secret
-from asyncrl.learning.rows import collate
+from asyncrl.learning.tensors import collate
 from asyncrl.learning.scoring import response_logprobs
 from asyncrl.mailbox import InProcessMailbox
 from asyncrl.models import build_tiny_model, build_tiny_tokenizer
-from asyncrl.schema import (FinishReason, PromptRequest, Segment, TrainSample, observation_mask, scored_mask,
+from asyncrl.schema import (FinishReason, PromptRequest, Segment, TrainingRow, observation_mask, scored_mask,
                             segment_row)
 
 
@@ -157,7 +157,7 @@ def test_an_episode_is_token_exact_turn_by_turn_with_per_token_versions(tok):
                 expected = response_logprobs(models[int(version)], [segment_row(seg)], 1.0)[0]
                 np.testing.assert_allclose(seg.new_logprobs[at], expected[at], atol=2e-5)
         merged = merge_segments(parts)
-        batch = collate([TrainSample(segment=merged, score=1.0, advantages=np.ones(len(merged.new_token_ids), np.float32),
+        batch = collate([TrainingRow(segment=merged, score=1.0, advantages=np.ones(len(merged.new_token_ids), np.float32),
                                      correct=True)])
         # The policy loss trains the scored policy tokens; the positive-example NLL every policy
         # token; neither an observation (the masks are placed token by token in order).

@@ -8,16 +8,16 @@ import torch
 
 from asyncrl.config import KLPenalty, Optimizer, PolicyCompute, PolicyConfig, PolicyLoss, SamplingConfig
 from asyncrl.learning.policy import Objective, policy_step
-from asyncrl.learning.rows import collate
+from asyncrl.learning.tensors import collate
 from asyncrl.learning.scoring import token_logprobs
 from asyncrl.config import ModelConfig
 from asyncrl.models import build_tiny_model
-from asyncrl.schema import FinishReason, Segment, TrainSample, float32_array, int32_array
+from asyncrl.schema import FinishReason, Segment, TrainingRow, float32_array, int32_array
 
 
 def sample(i, prompt_len, prior_len, new_len, adv):
     rng = np.random.default_rng(i)
-    return TrainSample(
+    return TrainingRow(
         segment=Segment(prompt_id=f"p{i}", sample_idx=0, turn=1 if prior_len else 0, group_id=f"p{i}",
                         prompt_token_ids=int32_array(rng.integers(3, 30, prompt_len)),
                         prior_response_ids=int32_array(rng.integers(3, 30, prior_len)),
@@ -121,7 +121,7 @@ def test_the_head_in_chunks_gives_the_same_logprobs_entropy_and_gradients(top_k,
 def test_rows_are_laid_out_and_values_placed_at_each_rows_new_token_positions():
     """Hand-built: contexts of 2, 1 and 3 tokens with 2, 0 and 1 new tokens; a value for new token
     j of a row sits at the position before it (its logits predict it)."""
-    from asyncrl.learning.rows import layout_rows
+    from asyncrl.learning.tensors import layout_rows
 
     layout = layout_rows([(np.array([5, 6]), np.array([7, 8])), (np.array([9]), np.array([], dtype=np.int64)),
                           (np.array([1, 2, 3]), np.array([4]))], pad_token_id=0)
@@ -141,7 +141,7 @@ def test_rows_are_laid_out_and_values_placed_at_each_rows_new_token_positions():
 def test_the_learners_adamw_is_fused_and_steps_as_the_reference_adamw():
     """`adamw` (every learner's optimizer): one fused kernel over plain parameters, the same update as
     torch's reference AdamW to float rounding."""
-    from asyncrl.learning.rows import adamw
+    from asyncrl.learning.tensors import adamw
 
     model = build_tiny_model(ModelConfig(source="tiny", seed=3), 30)
     reference = copy.deepcopy(model)

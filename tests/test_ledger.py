@@ -8,7 +8,7 @@ import pytest
 from asyncrl import checkpoint
 from asyncrl.ledger import SampleLedger
 from asyncrl.mailbox import RecentIds
-from asyncrl.schema import FinishReason, PromptRequest, Segment, TrainBatch, TrainSample
+from asyncrl.schema import FinishReason, PromptRequest, Segment, TrainBatch, TrainingRow
 
 
 def request(prompt_id: str, group_size: int = 3) -> PromptRequest:
@@ -165,7 +165,7 @@ def test_the_serve_train_app_continues_its_own_run_by_default(tmp_path, monkeypa
     assert new_dir.startswith(os.path.join("outputs", "serve-2")) and not config_off.resume
 
 
-def _row(sample: str, turn: int, finished: bool) -> TrainSample:
+def _row(sample: str, turn: int, finished: bool) -> TrainingRow:
     prompt_id, idx = sample.split("/")
     seg = Segment(prompt_id=prompt_id, sample_idx=int(idx), turn=turn, group_id=prompt_id,
                   prompt_token_ids=np.array([1], dtype=np.int32), prior_response_ids=np.zeros(0, dtype=np.int32),
@@ -173,7 +173,7 @@ def _row(sample: str, turn: int, finished: bool) -> TrainSample:
                   new_logprobs=np.array([-1.0], dtype=np.float32), new_versions=np.array([0], dtype=np.int32),
                   finished=finished, group_size=2,
                   finish_reason=FinishReason.EOS if finished else FinishReason.WINDOW)
-    return TrainSample(segment=seg, score=1.0, advantages=np.array([0.5], dtype=np.float32))
+    return TrainingRow(segment=seg, score=1.0, advantages=np.array([0.5], dtype=np.float32))
 
 
 def test_saved_batches_keep_only_samples_that_end_in_them(tmp_path):

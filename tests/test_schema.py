@@ -9,7 +9,7 @@ from asyncrl.schema import (
     Reward,
     Segment,
     TrainBatch,
-    TrainSample,
+    TrainingRow,
     float32_array,
     int32_array,
 )
@@ -76,7 +76,7 @@ def test_other_messages_round_trip():
     seg = make_segment()
     batch = TrainBatch(
         batch_id="b0",
-        samples=[TrainSample(segment=seg, score=1.0, advantages=float32_array(np.ones(5)))],
+        samples=[TrainingRow(segment=seg, score=1.0, advantages=float32_array(np.ones(5)))],
     )
     back_batch = Codec(TrainBatch).decode(Codec(TrainBatch).encode(batch))
     assert_segments_equal(back_batch.samples[0].segment, seg)

@@ -17,7 +17,7 @@ from asyncrl.config import KLPenalty, Optimizer, PolicyCompute, PolicyConfig, Po
 from asyncrl.learning.policy import Objective
 from asyncrl.models import build_tiny_model
 from asyncrl.learning.rank import PolicyRank
-from asyncrl.schema import FinishReason, Segment, TrainSample, float32_array, int32_array
+from asyncrl.schema import FinishReason, Segment, TrainingRow, float32_array, int32_array
 from asyncrl.sharding import DataParallel, join, leave, parts_of_rank, rendezvous_store
 from asyncrl.weight_sync import free_port
 
@@ -44,7 +44,7 @@ def _settings() -> Objective:
     return Objective(policy, SamplingConfig(temperature=1.0), KLPenalty(), nll_coef=0.1)
 
 
-def _batch() -> list[TrainSample]:
+def _batch() -> list[TrainingRow]:
     rng = np.random.default_rng(0)
     samples = []
     for i in range(7):
@@ -54,12 +54,12 @@ def _batch() -> list[TrainSample]:
                           prior_versions=int32_array([]), new_token_ids=int32_array(rng.integers(3, 30, n)),
                           new_logprobs=float32_array(rng.uniform(-4, -2, n)), new_versions=int32_array([0] * n),
                           finished=True, seed=i, finish_reason=FinishReason.EOS, ground_truth="7", data_source="tiny")
-        samples.append(TrainSample(segment=segment, score=float(i % 2), correct=bool(i % 2),
+        samples.append(TrainingRow(segment=segment, score=float(i % 2), correct=bool(i % 2),
                                    advantages=float32_array(rng.normal(size=n))))
     return samples
 
 
-def _stale_batch() -> list[TrainSample]:
+def _stale_batch() -> list[TrainingRow]:
     """Every token masked out of the loss (gone stale) and no positive example: nothing to train."""
     return [msgspec.structs.replace(s, loss_mask=np.zeros(len(s.segment.new_token_ids), np.uint8), correct=False)
             for s in _batch()]

@@ -20,7 +20,7 @@ from asyncrl.config import (ConfigError, CriticConfig, DynamicSampling, GAEAdvan
 from asyncrl.config.fields import replaced
 from asyncrl.config.learner import Compute
 from asyncrl.learning.policy import Objective, policy_step
-from asyncrl.learning.rows import collate
+from asyncrl.learning.tensors import collate
 from asyncrl.learning.scoring import token_logprobs
 from asyncrl.learning.value import value_step
 from asyncrl.mailbox import InProcessMailbox
@@ -33,7 +33,7 @@ from asyncrl.assembly.values import ValueEdges, ValueStrategy
 from asyncrl.learning.rank import PolicyRank
 from asyncrl.staleness import mask_stale_tokens
 from actors.policy_learner import PolicyLearner
-from asyncrl.schema import (FinishReason, Reward, ScoredTrajectory, Segment, TrainBatch, TrainSample, float32_array,
+from asyncrl.schema import (FinishReason, Reward, ScoredTrajectory, Segment, TrainBatch, TrainingRow, float32_array,
                             int32_array)
 
 
@@ -99,8 +99,8 @@ def test_the_learner_masks_tokens_too_stale_for_the_weights_it_trains():
                                 InProcessMailbox(10),
                                 max_staleness_versions=2)
         learner.weight_version = learner.step = 10
-        old = TrainSample(segment=segment([20, 21, 22], version=7), score=1.0, advantages=float32_array([1.0] * 3))
-        fresh = TrainSample(segment=segment([23, 24], pid="q", version=9), score=1.0, advantages=float32_array([1.0] * 2))
+        old = TrainingRow(segment=segment([20, 21, 22], version=7), score=1.0, advantages=float32_array([1.0] * 3))
+        fresh = TrainingRow(segment=segment([23, 24], pid="q", version=9), score=1.0, advantages=float32_array([1.0] * 2))
         record = await learner.train_on(TrainBatch(batch_id="b0", samples=[old, fresh], stats={"staleness_max_assembled": 1.0}))
         assert record["staleness_max"] == 1 and record["stale_tokens_masked"] == 3 and record["tokens_trained"] == 2
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -145,7 +145,7 @@ def test_dynamic_sampling_falls_back_to_the_score_without_a_correctness_flag():
 
 
 def test_positive_example_nll_counts_a_positive_score_when_correctness_is_unknown():
-    rows = [TrainSample(segment=segment([20, 21]), score=s, advantages=float32_array([0.0, 0.0]), correct=None)
+    rows = [TrainingRow(segment=segment([20, 21]), score=s, advantages=float32_array([0.0, 0.0]), correct=None)
             for s in (0.8, -0.3)]
     collated = collate(rows)
     assert collated.nll_mask.sum(-1).tolist() == [2.0, 0.0]
@@ -219,11 +219,11 @@ def test_a_correct_response_imitates_every_window_and_the_policy_loss_only_its_l
                 loss_settings(nll_coef=0.1))
     with_all = model.lm_head.weight.grad[1].abs().sum().item()  # token 1 is in the first window only
     model = tiny_policy()
-    last_window_only = TrainSample(segment=last, score=1.0, advantages=float32_array([0.0, 0.0]), correct=True)
+    last_window_only = TrainingRow(segment=last, score=1.0, advantages=float32_array([0.0, 0.0]), correct=True)
     policy_step(model, torch.optim.SGD(model.parameters(), lr=0.0), [last_window_only], loss_settings(nll_coef=0.1))
     last_only = model.lm_head.weight.grad[1].abs().sum().item()
     assert with_all > last_only
-    assert with_whole_response(TrainSample(segment=first, score=0.0, advantages=float32_array([0, 0]))).segment is first
+    assert with_whole_response(TrainingRow(segment=first, score=0.0, advantages=float32_array([0, 0]))).segment is first
 
 
 # --- 5. the learner scores the distribution the tokens were sampled from --------------------------
@@ -248,9 +248,9 @@ def test_the_learner_scores_under_top_p_and_masks_fires_first_token():
     # length) are left out of the policy loss, the others are not.
     fire = segment([20, 21, 22])
     fire = Segment(**{**{f: getattr(fire, f) for f in fire.__struct_fields__}, "new_scored": np.array([0, 1, 1], np.uint8)})
-    row = TrainSample(segment=fire, score=1.0, advantages=float32_array([1.0] * 3))
+    row = TrainingRow(segment=fire, score=1.0, advantages=float32_array([1.0] * 3))
     assert collate([row]).response_mask.sum().item() == 2
-    window2 = TrainSample(segment=segment([23], prior=[20, 21, 22]), score=1.0, advantages=float32_array([1.0]))
+    window2 = TrainingRow(segment=segment([23], prior=[20, 21, 22]), score=1.0, advantages=float32_array([1.0]))
     assert collate([window2]).response_mask.sum().item() == 1
     assert filtered_logprobs(logits, 1.0, 0, 0.7).shape == logits.shape
 
@@ -266,7 +266,7 @@ def test_at_step_zero_every_ratio_is_one_under_the_engines_own_sampling():
     params = SamplingParams(temperature=1.0, top_p=0.8)
     out = engine.generate_window_sync([SequenceInput(prompt_ids=int32_array([5, 6, 7]), response_ids=int32_array([]),
                                                      seed=11, max_response_tokens=12)], 12, params)[0]
-    row = TrainSample(segment=segment(out.token_ids.tolist(), logprobs=out.logprobs.tolist(), finished=True),
+    row = TrainingRow(segment=segment(out.token_ids.tolist(), logprobs=out.logprobs.tolist(), finished=True),
                       score=-1.0, advantages=float32_array([-1.0] * len(out.token_ids)))
     metrics = policy_step(model, torch.optim.SGD(model.parameters(), lr=0.0), [row], loss_settings(top_p=0.8))
     assert metrics["clip_fraction"] == 0.0 and metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
@@ -327,14 +327,14 @@ def test_decoupled_loss_hand_values():
 
 def test_epochs_and_mini_batches_take_several_updates_and_the_clip_engages():
     rng = np.random.default_rng(0)
-    rows = [TrainSample(segment=segment(rng.integers(3, 30, 6).tolist(), pid=f"p{i}"), score=1.0,
+    rows = [TrainingRow(segment=segment(rng.integers(3, 30, 6).tolist(), pid=f"p{i}"), score=1.0,
                         advantages=float32_array([1.0 if i % 2 else -1.0] * 6)) for i in range(8)]
     model = tiny_policy()
     # Behaviour log-probs = the current policy's, so the first update starts at ratio 1.
     collated = collate(rows)
     with torch.no_grad():
         logp, _ = token_logprobs(model, collated.input_ids, collated.attention_mask, collated.targets, 1.0)
-    rows = [TrainSample(segment=segment(r.segment.new_token_ids.tolist(), pid=r.segment.prompt_id,
+    rows = [TrainingRow(segment=segment(r.segment.new_token_ids.tolist(), pid=r.segment.prompt_id,
                                         logprobs=logp[i, 2:8].tolist()), score=1.0, advantages=r.advantages)
             for i, r in enumerate(rows)]
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-2)
@@ -353,16 +353,16 @@ def test_the_first_update_anchors_on_its_own_forward_as_on_a_separate_proximal_o
     weights and metrics as scoring every row in a forward of its own first, then training each update
     against it (`_policy_update` with the proximal log-probs given)."""
     from asyncrl.learning.policy import _behaviour_correction, _policy_update, proximal_logprobs
-    from asyncrl.learning.rows import mini_batch_rows, row_length
+    from asyncrl.learning.tensors import mini_batch_rows, row_length
 
     rng = np.random.default_rng(1)
-    rows = [TrainSample(segment=segment(rng.integers(3, 30, n).tolist(), pid=f"p{i}"), score=1.0,
+    rows = [TrainingRow(segment=segment(rng.integers(3, 30, n).tolist(), pid=f"p{i}"), score=1.0,
                         advantages=float32_array(rng.normal(size=n))) for i, n in enumerate([3, 6, 4, 7, 5, 2, 6, 8])]
     start = tiny_policy()
     collated = collate(rows)
     with torch.no_grad():  # behaviour log-probs off the learner's by up to a nat: the weights matter
         logp, _ = token_logprobs(start, collated.input_ids, collated.attention_mask, collated.targets, 1.0)
-    rows = [TrainSample(segment=segment(r.segment.new_token_ids.tolist(), pid=r.segment.prompt_id,
+    rows = [TrainingRow(segment=segment(r.segment.new_token_ids.tolist(), pid=r.segment.prompt_id,
                                         logprobs=(logp[i, 2:2 + len(r.advantages)].numpy()
                                                   + rng.uniform(-1.0, 1.0, len(r.advantages))).tolist()),
                         score=1.0, advantages=r.advantages) for i, r in enumerate(rows)]
@@ -394,8 +394,8 @@ def test_the_first_update_anchors_on_its_own_forward_as_on_a_separate_proximal_o
 
 def test_seq_mean_token_sum_norm_divides_by_a_fixed_length():
     """A longer row with zero advantage in the batch must not rescale the others' gradient."""
-    short = TrainSample(segment=segment([20, 21]), score=1.0, advantages=float32_array([1.0, 1.0]))
-    longer = TrainSample(segment=segment(list(range(8, 20)), pid="q"), score=0.0, advantages=float32_array([0.0] * 12))
+    short = TrainingRow(segment=segment([20, 21]), score=1.0, advantages=float32_array([1.0, 1.0]))
+    longer = TrainingRow(segment=segment(list(range(8, 20)), pid="q"), score=0.0, advantages=float32_array([0.0] * 12))
 
     def step(rows):
         model = tiny_policy()
@@ -580,7 +580,7 @@ def test_the_learner_reports_the_mismatch_every_step_and_corrects_it_when_asked(
     out = engine.generate_window_sync([SequenceInput(prompt_ids=int32_array([5, 6, 7]), response_ids=int32_array([]),
                                                      seed=4, max_response_tokens=8)], 8, SamplingParams())[0]
     n = len(out.token_ids)
-    row = lambda logprobs: TrainSample(segment=segment(out.token_ids.tolist(), logprobs=logprobs),  # noqa: E731
+    row = lambda logprobs: TrainingRow(segment=segment(out.token_ids.tolist(), logprobs=logprobs),  # noqa: E731
                                        score=1.0, advantages=float32_array([1.0] * n))
     step = lambda logprobs, **kw: policy_step(tiny_policy(), torch.optim.SGD(tiny_policy().parameters(), lr=0.0),  # noqa: E731
                                               [row(logprobs)], loss_settings(**kw))
@@ -606,7 +606,7 @@ def test_the_gpu_learners_settings_run_on_cpu_bf16_autocast_and_checkpointing():
         config = compose(["model=tiny", "task=tiny", "algorithm=grpo", *overrides])
         learner = build_policy_learner(config.model, config.algorithm, config.policy, config.engine, config.sampling,
                                        config.trainer.seed, InProcessMailbox(2))
-        rows = [TrainSample(segment=segment([20, 21, 22], logprobs=[-3.0] * 3), score=1.0,
+        rows = [TrainingRow(segment=segment([20, 21, 22], logprobs=[-3.0] * 3), score=1.0,
                             advantages=float32_array([1.0, 1.0, 1.0]))]
         return learner, learner.policy.step(rows)  # the learner's own step
 

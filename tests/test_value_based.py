@@ -10,12 +10,12 @@ from asyncrl.assembly.rows import Outcome, value_rows, whiten_rows
 from asyncrl.schema import segment_row
 from asyncrl.config.fields import replaced
 from asyncrl.learning.policy import Objective, policy_step
-from asyncrl.learning.rows import collate
+from asyncrl.learning.tensors import collate
 from asyncrl.learning.value import predict_values, value_step
 from asyncrl.config import (Compute, CriticConfig, GAEAdvantage, KLPenalty, ModelConfig, Optimizer, PolicyCompute,
                             PolicyConfig, PolicyLoss, SamplingConfig, ValueLoss)
 from asyncrl.models import build_tiny_model, value_model_from_policy, value_model_from_reward_model
-from asyncrl.schema import FinishReason, ScoredTrajectory, Segment, TrainSample, float32_array, int32_array
+from asyncrl.schema import FinishReason, ScoredTrajectory, Segment, TrainingRow, float32_array, int32_array
 
 SETTINGS = GAEAdvantage(gamma=1.0, lam=1.0, window_training=True)
 W = 4  # engine.window_tokens
@@ -118,7 +118,7 @@ def test_no_gradient_reaches_prompt_or_earlier_windows():
 
     model.model.norm.register_forward_hook(keep_hidden_grad)
     row = segment([20, 21, 22], prior=[10, 11, 12, 13], prompt=(5, 6, 7))
-    sample = TrainSample(segment=row, score=1.0, advantages=float32_array([5.0, 3.0, 2.0]))  # ratio < 1: unclipped
+    sample = TrainingRow(segment=row, score=1.0, advantages=float32_array([5.0, 3.0, 2.0]))  # ratio < 1: unclipped
     policy_step(model, torch.optim.SGD(model.parameters(), lr=0.0), [sample], OBJECTIVE)
     grad_per_position = captured["g"][0].abs().sum(-1)
     context = len(row.prompt_token_ids) + len(row.prior_response_ids)  # 7: logits 0..5 predict context tokens
@@ -131,7 +131,7 @@ def test_positive_example_nll_only_moves_with_correct_finished_rows():
     def grads(correct, finished, nll_coef):
         model = tiny_policy()
         row = segment([20, 21, 22], finished=finished)
-        sample = TrainSample(segment=row, score=1.0, advantages=float32_array([0.0, 0.0, 0.0]), correct=correct)
+        sample = TrainingRow(segment=row, score=1.0, advantages=float32_array([0.0, 0.0, 0.0]), correct=correct)
         metrics = policy_step(model, torch.optim.SGD(model.parameters(), lr=0.0), [sample],
                               replaced(OBJECTIVE, {"nll_coef": nll_coef}))
         return model.lm_head.weight.grad.abs().sum().item(), metrics
@@ -206,7 +206,7 @@ def test_a_value_batch_closes_after_its_nth_finished_row():
     from asyncrl.assembly.rows import cut_row_batch
 
     def row(finished):
-        return TrainSample(segment=segment([8], finished=finished), score=0.0, advantages=float32_array([0.0]))
+        return TrainingRow(segment=segment([8], finished=finished), score=0.0, advantages=float32_array([0.0]))
 
     rows = [row(False), row(True), row(False), row(False), row(True), row(False)]
     assert cut_row_batch(rows, 2) == 5  # the windows that arrived before the 2nd finished row come along

@@ -17,7 +17,7 @@ from typing import ClassVar, Protocol
 import numpy as np
 
 from asyncrl.assembly.rows import Outcome
-from asyncrl.schema import DropReason, Reward, ScoredTrajectory, Segment, TrainSample
+from asyncrl.schema import DropReason, Reward, ScoredTrajectory, Segment, TrainingRow
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class Scored:
 class ReadyBatch:
     """A batch a strategy formed: its rows, its stats, and for an empty one why the step is skipped."""
 
-    rows: list[TrainSample]
+    rows: list[TrainingRow]
     stats: dict[str, float]
     skip_reason: str = ""
 
@@ -76,7 +76,7 @@ class AssemblyStrategy(Protocol):
 
     async def decide(self, rows: list[Segment], scored: list[Scored]) -> Decision: ...
 
-    def finish_batch(self, rows: list[TrainSample]) -> tuple[list[TrainSample], dict[str, float]]:
+    def finish_batch(self, rows: list[TrainingRow]) -> tuple[list[TrainingRow], dict[str, float]]:
         """A batch's rows once the assembler masked stale tokens: the last transform (whitening) and
         the stats that depend on which rows stayed."""
 

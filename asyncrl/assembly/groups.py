@@ -18,7 +18,7 @@ from asyncrl.algo.shaping import filter_metric, group_has_signal
 from asyncrl.assembly.decisions import Decision, ReadyBatch, Scored
 from asyncrl.assembly.rows import reward_to_go, undiscounted_rewards
 from asyncrl.config import DynamicSampling
-from asyncrl.schema import DropReason, PairRequest, Reward, TrainSample, ground_truth_text
+from asyncrl.schema import DropReason, PairRequest, Reward, TrainingRow, ground_truth_text
 from asyncrl.tasks import reference_response
 
 JudgeFn = Callable[[list[PairRequest]], Awaitable[list[dict]]]
@@ -39,7 +39,7 @@ def group_drop_reason(rewards: list[Reward], dynamic_sampling: DynamicSampling) 
 
 
 def group_rows(members: list[Scored], dynamic_sampling: DynamicSampling,
-               advantage_fn: Callable[[torch.Tensor], torch.Tensor]) -> tuple[list[TrainSample], DropReason | None]:
+               advantage_fn: Callable[[torch.Tensor], torch.Tensor]) -> tuple[list[TrainingRow], DropReason | None]:
     """A closed group -> its rows, or why it is dropped. `advantage_fn`: the group's shaped scores
     `[G]` -> one advantage per sample. Dense (process) rewards add per-token credit on top."""
     reason = group_drop_reason([m.reward for m in members], dynamic_sampling)
@@ -51,7 +51,7 @@ def group_rows(members: list[Scored], dynamic_sampling: DynamicSampling,
         token_adv = np.full(len(m.sample.new_token_ids), adv, dtype=np.float32)
         if m.reward.token_rewards is not None:
             token_adv = token_adv + reward_to_go(m.reward.token_rewards, len(token_adv))
-        rows.append(TrainSample(segment=m.sample, score=m.score, advantages=token_adv, correct=m.reward.correct))
+        rows.append(TrainingRow(segment=m.sample, score=m.score, advantages=token_adv, correct=m.reward.correct))
     return rows, None
 
 
@@ -66,7 +66,7 @@ class GroupStrategy:
     needs_value_learner: ClassVar[bool] = False
     row_kind: str = "none"
     _groups: dict[str, dict[int, Scored]] = field(default_factory=lambda: collections.defaultdict(dict))
-    _ready: list[tuple[list[TrainSample], dict[str, float]]] = field(default_factory=list)
+    _ready: list[tuple[list[TrainingRow], dict[str, float]]] = field(default_factory=list)
     _closed_since_batch: int = 0  # groups closed (kept or dropped) since the last batch left
 
     async def decide(self, rows, scored: list[Scored]) -> Decision:
@@ -121,7 +121,7 @@ class GroupStrategy:
                 "accuracy": sum(s["accuracy"] for _, s in groups) / len(groups),
                 "refill_rounds": rounds, "groups_in_batch": float(len(groups))}))
 
-    def finish_batch(self, rows: list[TrainSample]) -> tuple[list[TrainSample], dict[str, float]]:
+    def finish_batch(self, rows: list[TrainingRow]) -> tuple[list[TrainingRow], dict[str, float]]:
         return rows, {}
 
     def stats(self) -> dict:
@@ -138,7 +138,7 @@ class BatchReturnsStrategy(GroupStrategy):
     async def _close(self, members: list[Scored], decision: Decision, advantage_fn=None) -> None:
         await super()._close(members, decision, lambda scores: scores)
 
-    def finish_batch(self, rows: list[TrainSample]) -> tuple[list[TrainSample], dict[str, float]]:
+    def finish_batch(self, rows: list[TrainingRow]) -> tuple[list[TrainingRow], dict[str, float]]:
         width = max(len(r.advantages) for r in rows)
         rewards = torch.zeros(len(rows), width, dtype=torch.float64)
         mask, trained = torch.zeros_like(rewards), torch.zeros_like(rewards)

@@ -14,7 +14,7 @@ import torch
 from asyncrl.algo.advantages import masked_whiten
 from asyncrl.algo.shaping import is_positive, kl_reward
 from asyncrl.config import GAEAdvantage, KLPenalty
-from asyncrl.schema import Segment, TrainSample, observation_mask, scored_mask
+from asyncrl.schema import Segment, TrainingRow, observation_mask, scored_mask
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ def undiscounted_rewards(returns: np.ndarray) -> np.ndarray:
     return returns - np.append(returns[1:], 0.0)
 
 
-def cut_row_batch(rows: list[TrainSample], finished_per_batch: int) -> int | None:
+def cut_row_batch(rows: list[TrainingRow], finished_per_batch: int) -> int | None:
     """Where a value-based batch ends: just after its N-th finished row, taking every window that
     arrived before it (so each step consumes N samples, like the group mode, and the prompt
     source's admission budget matches consumption). None while fewer than N rows are finished."""
@@ -101,7 +101,7 @@ def cut_row_batch(rows: list[TrainSample], finished_per_batch: int) -> int | Non
 
 def value_rows(rows: list[Segment], values: list[np.ndarray], outcomes: list[Outcome | None],
                gae: GAEAdvantage, window_tokens: int, value_version: int | None = None,
-               token_rewards_extra: list[np.ndarray] | None = None, advantage_fn=None) -> list[TrainSample]:
+               token_rewards_extra: list[np.ndarray] | None = None, advantage_fn=None) -> list[TrainingRow]:
     """Policy rows with (E)GAE advantages. `values[i]` holds `V(s_t)` for each of row i's n new
     tokens plus `V(s_n)`, the state after its last token (`predict_values(..., with_next=True)`).
     `token_rewards_extra[i]` (n per row) are added to every row's token rewards (the KL penalty).
@@ -165,7 +165,7 @@ def value_rows(rows: list[Segment], values: list[np.ndarray], outcomes: list[Out
         loss_mask = np.ones(n, dtype=np.uint8)
         if not row.finished and gae.edge_mask_tokens > 0:
             loss_mask[max(0, n - gae.edge_mask_tokens):] = 0
-        out.append(TrainSample(
+        out.append(TrainingRow(
             segment=row, score=shaped_scores[i], advantages=advantages[i, :n].float().numpy().copy(),
             correct=outcome.correct if outcome is not None else None, loss_mask=loss_mask,
             value_version=value_version,
@@ -184,7 +184,7 @@ def recorded_values(by_offset: dict[int, np.ndarray], response_tokens: int) -> n
     return np.concatenate(parts).astype(np.float32)
 
 
-def with_whole_response(sample: TrainSample) -> TrainSample:
+def with_whole_response(sample: TrainingRow) -> TrainingRow:
     """The last window of a finished response as a row holding the whole response (T-PPO): the
     earlier windows become new tokens with loss mask 0 and advantage 0, so the policy loss still
     trains only this window while the positive-example NLL covers every generated token (the
@@ -213,13 +213,13 @@ def with_whole_response(sample: TrainSample) -> TrainSample:
         loss_mask=np.concatenate([np.zeros(prior, dtype=np.uint8), loss_mask]))
 
 
-def widen_positive_rows(samples: list[TrainSample]) -> list[TrainSample]:
+def widen_positive_rows(samples: list[TrainingRow]) -> list[TrainingRow]:
     """`with_whole_response` for every finished positive row (see `is_positive`)."""
     return [with_whole_response(s) if s.segment.finished and is_positive(s.correct, s.score) else s
             for s in samples]
 
 
-def _trained_advantages(samples: list[TrainSample]) -> tuple[np.ndarray, np.ndarray]:
+def _trained_advantages(samples: list[TrainingRow]) -> tuple[np.ndarray, np.ndarray]:
     flat = np.concatenate([s.advantages for s in samples]).astype(np.float64)
     mask = np.concatenate([s.loss_mask if s.loss_mask is not None else np.ones(len(s.advantages), dtype=np.uint8)
                            for s in samples]).astype(bool)
@@ -241,7 +241,7 @@ class RunningMoments:
     var: float = 1.0
     batches: int = 0
 
-    def update(self, samples: list[TrainSample]) -> None:
+    def update(self, samples: list[TrainingRow]) -> None:
         flat, mask = _trained_advantages(samples)
         if mask.sum() < 2:
             return
@@ -256,8 +256,8 @@ class RunningMoments:
         self.batches += 1
 
 
-def whiten_rows(samples: list[TrainSample], clamp: float = 0.0, mean: float | None = None,
-                std: float | None = None) -> list[TrainSample]:
+def whiten_rows(samples: list[TrainingRow], clamp: float = 0.0, mean: float | None = None,
+                std: float | None = None) -> list[TrainingRow]:
     """Whiten advantages over the trained tokens (loss mask), then clamp to ±clamp (0 = no clamp);
     excluded tokens stay 0. `mean`/`std` default to the batch's own (T-PPO recipe: whiten, then
     clamp to ±10); the assembler passes the stream's `RunningMoments`."""

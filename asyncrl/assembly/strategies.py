@@ -15,7 +15,7 @@ from asyncrl.assembly.groups import BatchReturnsStrategy, GroupStrategy, Pairwis
 from asyncrl.assembly.values import ValueEdges, ValueStrategy
 from asyncrl.config import AlgorithmConfig, EngineConfig, GAEAdvantage, PairwiseAdvantage
 from asyncrl.rewards.hybrid import RewardRouter
-from asyncrl.schema import TrainSample
+from asyncrl.schema import TrainingRow
 
 # Advantage kind (`asyncrl.algo.advantages.Advantage.kind`) -> the strategy that feeds it.
 STRATEGIES: dict[str, type] = {"group": GroupStrategy, "batch": BatchReturnsStrategy, "pairwise": PairwiseStrategy,
@@ -33,7 +33,7 @@ class RecordOnlyStrategy:
     async def decide(self, rows, scored: list[Scored]) -> Decision:
         return Decision(recorded=[s.sample.sample_id for s in scored])
 
-    def finish_batch(self, rows: list[TrainSample]) -> tuple[list[TrainSample], dict[str, float]]:
+    def finish_batch(self, rows: list[TrainingRow]) -> tuple[list[TrainingRow], dict[str, float]]:
         return rows, {}
 
     def stats(self) -> dict:

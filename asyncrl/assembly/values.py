@@ -21,7 +21,7 @@ from asyncrl.assembly.rows import (RunningMoments, cut_row_batch, kl_rewards, re
                                    widen_positive_rows)
 from asyncrl.config import DynamicSampling, GAEAdvantage, KLPenalty
 from asyncrl.mailbox import RecentIds
-from asyncrl.schema import DropReason, ScoredTrajectory, Segment, TrainSample, segment_row
+from asyncrl.schema import DropReason, ScoredTrajectory, Segment, TrainingRow, segment_row
 
 ValuesFn = Callable[[list[tuple[np.ndarray, np.ndarray]]], Awaitable[tuple[list[np.ndarray], int]]]
 LogprobsFn = Callable[[list[tuple[np.ndarray, np.ndarray]]], Awaitable[list[np.ndarray]]]
@@ -59,7 +59,7 @@ class ValueStrategy:
     group_filter: DynamicSampling | None = None  # dynamic sampling on whole-response rows
     needs_value_learner: ClassVar[bool] = True
     ready: bool = False
-    _ready_rows: list[TrainSample] = field(default_factory=list)
+    _ready_rows: list[TrainingRow] = field(default_factory=list)
     _moments: RunningMoments = field(default_factory=RunningMoments)
     # Values of each in-flight sample's valued windows, by response offset (the critic's clip anchor).
     _recorded: dict[str, dict[int, np.ndarray]] = field(default_factory=lambda: collections.defaultdict(dict))
@@ -181,7 +181,7 @@ class ValueStrategy:
             out.append(ReadyBatch(taken, {}))
         return out
 
-    def finish_batch(self, rows: list[TrainSample]) -> tuple[list[TrainSample], dict[str, float]]:
+    def finish_batch(self, rows: list[TrainingRow]) -> tuple[list[TrainingRow], dict[str, float]]:
         """Whiten (against the stream's recent moments) and clamp the rows that stayed; the stats of
         the batch as it leaves."""
         if self.gae.whiten:

@@ -19,18 +19,18 @@ from asyncrl.bench.learner_precision import precision_gap
 from asyncrl.config import compose
 from asyncrl.config.fields import replaced
 from asyncrl.learning.rank import PolicyRank, policy_objective
-from asyncrl.learning.rows import adamw
+from asyncrl.learning.tensors import adamw
 from asyncrl.models import load_model, load_tokenizer
 from asyncrl.schema import (
     FinishReason,
     Segment,
-    TrainSample,
+    TrainingRow,
     float32_array,
     int32_array,
 )
 
 
-def synthetic_batch(rows: int, prompt: int, response: int, vocab: int, seed: int = 0) -> list[TrainSample]:
+def synthetic_batch(rows: int, prompt: int, response: int, vocab: int, seed: int = 0) -> list[TrainingRow]:
     rng = np.random.default_rng(seed)
     out = []
     for i in range(rows):
@@ -41,14 +41,14 @@ def synthetic_batch(rows: int, prompt: int, response: int, vocab: int, seed: int
                           new_logprobs=float32_array(rng.uniform(-8.0, -6.0, response)),
                           new_versions=int32_array([0] * response), finished=True, seed=i,
                           finish_reason=FinishReason.EOS, ground_truth="", data_source="bench")
-        out.append(TrainSample(segment=segment, score=float(i % 2), correct=bool(i % 2),
+        out.append(TrainingRow(segment=segment, score=float(i % 2), correct=bool(i % 2),
                                advantages=float32_array(rng.normal(size=response))))
     return out
 
 
 def optimizer_seconds(model, rounds: int) -> dict:
     """AdamW's step over `model`'s parameters (random gradients): torch's default implementation
-    against the fused one every learner uses (`asyncrl.learning.rows.adamw`), paired rounds."""
+    against the fused one every learner uses (`asyncrl.learning.tensors.adamw`), paired rounds."""
     parameters = list(model.parameters())
     for parameter in parameters:
         parameter.grad = torch.randn_like(parameter)

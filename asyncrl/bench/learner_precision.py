@@ -19,15 +19,15 @@ from asyncrl.engines.base import SamplingParams
 from asyncrl.engines.torch_engine import TorchEngine
 from asyncrl.generation import sequence_input
 from asyncrl.learning.policy import Objective, policy_step, proximal_logprobs
-from asyncrl.learning.rows import collate
+from asyncrl.learning.tensors import collate
 from asyncrl.learning.scoring import PolicyForward
 from asyncrl.models import eos_token_ids
-from asyncrl.schema import Segment, TrainSample, float32_array, int32_array
+from asyncrl.schema import Segment, TrainingRow, float32_array, int32_array
 from asyncrl.datafiles import load_examples
 from asyncrl.tasks import encode_prompt
 
 
-def sampled_batch(config, lm, tokenizer, rows: int, response: int, seed: int = 0) -> list[TrainSample]:
+def sampled_batch(config, lm, tokenizer, rows: int, response: int, seed: int = 0) -> list[TrainingRow]:
     engine = TorchEngine(lm, eos_token_ids(lm, tokenizer), tokenizer.pad_token_id or 0)
     examples = load_examples(config.task, "eval", rows)
     prompts = [encode_prompt(ex, tokenizer, config.model.use_chat_template, config.task.chat_template_kwargs) for ex in examples][:rows]
@@ -42,12 +42,12 @@ def sampled_batch(config, lm, tokenizer, rows: int, response: int, seed: int = 0
                           prior_versions=int32_array([]), new_token_ids=out.token_ids, new_logprobs=out.logprobs,
                           new_versions=int32_array([0] * n), finished=True, seed=seed + i,
                           finish_reason=out.finish_reason, ground_truth="", data_source="bench")
-        samples.append(TrainSample(segment=segment, score=0.0, correct=False,
+        samples.append(TrainingRow(segment=segment, score=0.0, correct=False,
                                    advantages=float32_array(np.full(n, advantages[i]))))
     return samples
 
 
-def policy_gradient(lm, objective: Objective, samples: list[TrainSample], pad: int) -> tuple[torch.Tensor, dict]:
+def policy_gradient(lm, objective: Objective, samples: list[TrainingRow], pad: int) -> tuple[torch.Tensor, dict]:
     """The gradient `policy_step` computes (no clipping; an optimizer that moves nothing)."""
     model = PolicyForward(copy.deepcopy(lm))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)

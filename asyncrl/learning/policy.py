@@ -15,11 +15,11 @@ import torch
 
 from asyncrl.algo.losses import (agg_loss, behaviour_weights, kl_penalty, positive_example_nll, ppo_policy_loss,
                                  rollout_mismatch)
-from asyncrl.learning.rows import (Collated, autocast, clip_and_step, collate, device_of, mini_batch_rows,
+from asyncrl.learning.tensors import (Collated, autocast, clip_and_step, collate, device_of, mini_batch_rows,
                                    rank_micro_batches, row_length, width_of)
 from asyncrl.learning.scoring import token_logprobs
 from asyncrl.config import KLPenalty, PolicyConfig, PolicyLoss, SamplingConfig
-from asyncrl.schema import TrainSample
+from asyncrl.schema import TrainingRow
 from asyncrl.sharding import DataParallel
 
 
@@ -183,7 +183,7 @@ def _behaviour_correction(loss: PolicyLoss, updates: int) -> tuple[str, float] |
     return None
 
 
-def policy_step(model, optimizer, samples: list[TrainSample], objective: Objective,
+def policy_step(model, optimizer, samples: list[TrainingRow], objective: Objective,
                 reference_model=None, pad_token_id: int = 0, parallel: DataParallel | None = None) -> dict[str, float]:
     """Train on one batch: `ppo_epochs` passes of `mini_batches` optimizer updates each (one update
     by default). Returns metrics: the updates' mean, the first and last update's clip fraction and

@@ -17,11 +17,11 @@ import torch
 from asyncrl import checkpoint, lora, sharding
 from asyncrl.config import AlgorithmConfig, EngineConfig, ModelConfig, PolicyConfig, SamplingConfig
 from asyncrl.learning.policy import Objective, policy_step
-from asyncrl.learning.rows import build_optimizer
+from asyncrl.learning.tensors import build_optimizer
 from asyncrl.learning.scoring import PolicyForward
 from asyncrl.models import load_model, load_tokenizer
 from asyncrl.precision import Precision, choose_precision
-from asyncrl.schema import TrainSample
+from asyncrl.schema import TrainingRow
 from asyncrl.sharding import DataParallel
 from asyncrl.weight_sync import AdapterSpec
 
@@ -53,7 +53,7 @@ class PolicyRank:
         self.optimizer, self.scheduler = build_optimizer([p for p in self.model.parameters() if p.requires_grad],
                                                          objective.policy.optimizer)
 
-    def step(self, samples: list[TrainSample]) -> dict[str, float]:
+    def step(self, samples: list[TrainingRow]) -> dict[str, float]:
         metrics = policy_step(self.model, self.optimizer, samples, self.objective, self.reference, self.pad_token_id,
                               self.parallel)
         self.scheduler.step()

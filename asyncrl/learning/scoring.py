@@ -11,7 +11,7 @@ import torch.utils.checkpoint
 
 from asyncrl.algo.losses import entropy_from_logprobs
 from asyncrl.algo.sampling import filtered_logprobs
-from asyncrl.learning.rows import device_of, layout_rows, length_sorted_chunks
+from asyncrl.learning.tensors import device_of, layout_rows, length_sorted_chunks
 
 
 def _head_only_on(model) -> bool:

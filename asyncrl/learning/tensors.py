@@ -15,7 +15,7 @@ import torch
 
 from asyncrl.algo.shaping import is_positive
 from asyncrl.config import Optimizer
-from asyncrl.schema import TrainSample, observation_mask, segment_row, scored_mask
+from asyncrl.schema import TrainingRow, observation_mask, segment_row, scored_mask
 from asyncrl.sharding import DataParallel, parts_of_rank
 
 
@@ -100,7 +100,7 @@ def layout_rows(rows: list[tuple[np.ndarray, np.ndarray]], pad_token_id: int = 0
     return RowLayout(torch.from_numpy(input_ids).to(device), torch.from_numpy(attention_mask).to(device), slices)
 
 
-def collate(samples: list[TrainSample], pad_token_id: int = 0) -> Collated:
+def collate(samples: list[TrainingRow], pad_token_id: int = 0) -> Collated:
     """Samples as right-padded tensors. A token is trained where its loss mask is 1 and the engine
     marked it scored (FIRE's hot first token and EOS held back by a minimum length were drawn from a
     distribution the learner does not score)."""
