@@ -7,7 +7,7 @@ STAMP := $(VENV)/.asyncrl-installed
 # files it publishes (its GSM8K and maths scorers) as a user brings them.
 VERL_VERSION := 0.9.1
 
-.PHONY: setup demo generate test clean bench-venv sglang test-sglang lock floors gpu-wheels
+.PHONY: setup demo generate test test-slow clean bench-venv sglang test-sglang lock floors gpu-wheels
 
 setup: $(STAMP)
 
@@ -29,8 +29,13 @@ demo: setup
 generate: setup
 	$(VENV)/bin/asyncrl generate
 
+# CI's suite: everything but the multi-minute end-to-end runs (marked `slow`; `make test-slow`).
 test: setup
-	$(VENV)/bin/python -m pytest -q --durations=15
+	$(VENV)/bin/python -m pytest -q -m "not slow" --durations=15
+
+# The end-to-end runs to a learning target (each a few minutes on 2 cores): before a change lands.
+test-slow: setup
+	$(VENV)/bin/python -m pytest -q -m slow --durations=30
 
 clean:
 	rm -rf $(VENV) .venv-bench $(SGLANG_VENV) $(FLOORS_VENV) outputs .whl
