@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import logging
 import threading
 from dataclasses import dataclass
@@ -69,7 +70,6 @@ class TorchEngine:
             raise ValueError("an engine needs at least one EOS token id")
         self.pad_token_id = pad_token_id
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 1 << 30))
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         reason = llama_decoder.unsupported(model)
         if reason is not None:
             log.warning("embedded engine: %s runs on transformers' forward, the slower path (each window "
@@ -85,6 +85,11 @@ class TorchEngine:
         self._lora: AdapterMerger | None = None  # the base of adapted modules, from the first adapter on
         # Weight updates and generation never overlap: updates land between windows.
         self._lock = threading.Lock()
+
+    @functools.cached_property
+    def vocab_size(self) -> int:
+        """Rows of the output projection (what a logit adjustment indexes); read when first needed."""
+        return int(self.model.get_output_embeddings().weight.shape[0])
 
     @property
     def weight_version(self) -> int:
