@@ -180,7 +180,7 @@ def test_tool_choice_auto_none_required_and_named_and_streamed_tool_calls(server
 
 
 def test_concurrent_requests_share_engine_windows_and_get_the_samples_they_get_alone():
-    engine = build_generator_engine(compose(["model=tiny"]).model, compose(["model=tiny"]).engine)
+    engine, _ = build_generator_engine(compose(["model=tiny"]).model, compose(["model=tiny"]).engine)
     batcher = WindowBatcher(engine, max_rows=64, window_tokens=8, max_positions=1 << 20)
     hot, cold = SamplingParams(temperature=1.0), SamplingParams(temperature=0.5)
 
@@ -216,7 +216,7 @@ def test_the_kv_block_a_window_allocates_stays_within_the_bound():
     """Rows with a long kept cache and new rows with a long prompt in one window would need their sum
     as its width (about twice what each row needs): the batcher admits only what fits the bound."""
     config = compose(["model=tiny", "model.max_positions=512"])
-    engine = build_generator_engine(config.model, config.engine)
+    engine, _ = build_generator_engine(config.model, config.engine)
     bound = 3000
     batcher = WindowBatcher(engine, max_rows=64, window_tokens=16, max_positions=bound)
     with pytest.raises(TooLarge):

@@ -257,7 +257,7 @@ def test_policy_requests_are_bounded_by_their_kv_cache():
     from asyncrl.generation import build_generator_engine, sequence_input
 
     config = compose(["model=tiny"])
-    batcher = WindowBatcher(build_generator_engine(config.model, config.engine), max_rows=64, window_tokens=16,
+    batcher = WindowBatcher(build_generator_engine(config.model, config.engine)[0], max_rows=64, window_tokens=16,
                             max_positions=1 << 17)
     batcher.check([sequence_input([1] * 100, 0, 4096)] * 16)  # 16 x 4,211 positions: served
     with pytest.raises(TooLarge, match="KV cache") as refused:

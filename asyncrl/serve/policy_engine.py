@@ -44,7 +44,7 @@ class EmbeddedPolicy:
         from asyncrl.engines.batching import WindowBatcher
         from asyncrl.generation import build_generator_engine
 
-        self.engine = build_generator_engine(config.model, config.engine)
+        self.engine, self.precision = build_generator_engine(config.model, config.engine)
         positions = (config.serve.max_kv_mb << 20) // kv_bytes_per_position(self.engine.model)
         self.batcher = WindowBatcher(self.engine, config.serve.max_batch_sequences, config.serve.batch_window_tokens,
                                      positions)
