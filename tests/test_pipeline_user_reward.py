@@ -5,7 +5,6 @@ that fails in every way leaves the run whole; the held-out accuracy is measured 
 import json
 
 import numpy as np
-import pytest
 
 from asyncrl.config import compose
 from asyncrl.driver import train
@@ -66,7 +65,6 @@ def user_run(tmp_path, layout: str, reward: str, *overrides: str) -> dict:
     return train(config, progress=False, eval_prompts=10)
 
 
-@pytest.mark.slow
 def test_a_reward_file_written_for_verl_trains_the_tiny_model(ray_session, tmp_path):
     summary = user_run(tmp_path, "verl", VERL_REWARD, f"custom_reward_function.path={tmp_path}/reward.py",
                        "trainer.total_steps=400", "trainer.target_reward=0.9")
@@ -79,7 +77,6 @@ def test_a_reward_file_written_for_verl_trains_the_tiny_model(ray_session, tmp_p
     assert summary["final_status"]["ledger"]["problems"] == []
 
 
-@pytest.mark.slow
 def test_a_reward_function_written_for_trl_trains_the_tiny_model(ray_session, tmp_path):
     summary = user_run(tmp_path, "trl", TRL_REWARD, "+reward.endpoints.mine={kind: python, path: "
                        f"{tmp_path}/reward.py, function: first_digit}}", "reward.routes=[{match: '*', endpoints: [mine]}]",
@@ -89,7 +86,6 @@ def test_a_reward_function_written_for_trl_trains_the_tiny_model(ray_session, tm
     assert summary["final_status"]["reward_endpoints"]["mine"]["signature"] == "trl"
 
 
-@pytest.mark.slow
 def test_a_reward_function_that_fails_every_way_leaves_the_run_whole(ray_session, tmp_path):
     """It raises, hangs past its timeout, returns NaN, None and a string: each is a failed reward
     with its reason in the store, counted by its endpoint; the run reaches its last step and the
