@@ -9,6 +9,7 @@ import signal
 import time
 
 import psutil
+import pytest
 import ray
 
 from asyncrl.config import compose
@@ -59,6 +60,7 @@ def test_a_killed_generator_is_replaced_while_the_learner_keeps_training(ray_ses
         run.stop()
 
 
+@pytest.mark.slow
 def test_a_hung_generator_is_detected_and_replaced(ray_session, tmp_path):
     """A generator that stops answering (its process stopped, as a wedged engine or a half-dead
     node would) is healed after `cluster.generator_timeout_s`: its leases go to the other
@@ -100,6 +102,7 @@ def test_the_autoscaler_grows_on_a_waiting_learner_and_shrinks_on_waiting_batche
     assert autoscale_step(6, 1, 4, learner_waiting=0.2, batches_waiting=0.2) == 4
 
 
+@pytest.mark.slow
 def test_a_generator_whose_weight_delivery_hangs_while_it_answers_is_healed(ray_session, tmp_path):
     """Issue 44 (1): the one generator's weight load hangs (a wedged engine) while it answers its
     stats. The learner's delivery to it times out and drops it; before, the pool kept it (it

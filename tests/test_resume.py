@@ -182,6 +182,7 @@ def test_the_restart_budget_counts_a_window_not_the_runs_life():
     assert restart_allowed_at([], now=0.0, max_restarts=0, window_s=hour) == float("inf")
 
 
+@pytest.mark.slow
 def test_every_error_of_a_poll_restarts_the_run_and_a_spent_budget_says_when_it_may_again(ray_session, tmp_path):
     """Issue 44 (4): an error raised in a poll outside the deaths `check_alive` sees (reading the
     metrics, the status, healing the pool) escaped `Run.poll` and ended the run (under Serve the
