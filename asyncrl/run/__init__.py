@@ -204,8 +204,7 @@ class Run:
 
     def _write_restart(self, event: dict) -> None:
         if self.run_dir:
-            with open(os.path.join(self.run_dir, "restarts.jsonl"), "a") as f:
-                f.write(json.dumps(event) + "\n")
+            self.log.append("restarts.jsonl", [event])  # rolled past trainer.log_file_mb, as every log
 
     def scale(self, count: int, reason: str = "admin") -> list[dict]:
         """Grow or shrink the generator pool to `count` (within `cluster.max_generators`)."""

@@ -36,6 +36,7 @@ def samples_per_s(previous_poll: tuple[float, int] | None, wall_s: float, sample
 
 def append_jsonl(path: str, records: list[dict], max_bytes: int = 0, keep: int = 0) -> None:
     """Append one JSON line per record; past `max_bytes` (0: never) the file rolls (`roll`)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)  # the first line of a run's directory
     with open(path, "a") as f:
         for record in records:
             f.write(json.dumps(record) + "\n")
