@@ -17,7 +17,7 @@ class PolicyRankActor:
     """Rank 1.. of a sharded policy learner: builds its model, meets the other ranks, and runs what
     rank 0 asks, in order (a sync actor: one call at a time)."""
 
-    METHODS = ("step", "snapshot", "state", "load")
+    METHODS = ("step", "snapshot", "delivered", "state", "load")
 
     def __init__(self, model: ModelConfig, algorithm: AlgorithmConfig, policy: PolicyConfig, engine: EngineConfig,
                  sampling: SamplingConfig, seed: int, rendezvous: tuple[str, int], rank: int):
