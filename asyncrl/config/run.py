@@ -239,7 +239,7 @@ class Config(Section):
     cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
     """Where the roles run and how they connect."""
     serve: ServeConfig = msgspec.field(default_factory=ServeConfig)
-    """The Serve applications' access tokens."""
+    """The Serve applications: access tokens, the policy endpoint's bounds, resuming the run."""
     offline: OfflineConfig = msgspec.field(default_factory=OfflineConfig)
     """`mode=learn`."""
     mode: Literal["train", "generate", "learn"] = "train"
