@@ -197,6 +197,36 @@ def test_a_new_file_and_version_swap_in_through_reconfigure(tmp_path):
         endpoint.scorer.close()
 
 
+def test_a_swap_lets_the_calls_at_work_on_the_old_file_finish_then_closes_its_workers(tmp_path):
+    """Serve reconfigures a replica while its calls run: they finish on the old file's workers with
+    the old version (none is failed), and those workers stop when the last of them ends."""
+    slow = "import time\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n" \
+           "    time.sleep(2.0)\n    return 1.0\n"
+    path = write(tmp_path, "swap.py", slow)
+    endpoint = RewardEndpoint("mine", {"kind": "python", "path": path, "version": "1", "workers": 2})
+
+    async def swap_during_calls():
+        calls = asyncio.gather(endpoint.score([request("a", idx=0)]), endpoint.score([request("b", idx=1)]))
+        await asyncio.sleep(1.0)  # both calls are in the old file's workers now
+        old = endpoint.scorer
+        write(tmp_path, "swap.py", "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                   "    return 0.25\n")
+        endpoint.reconfigure({"version": "2"})
+        still_open = old.pool.active
+        during = await calls
+        return old, still_open, during, await endpoint.score([request("c", idx=2)])
+
+    try:
+        old, still_open, during, after = asyncio.run(swap_during_calls())
+        assert still_open  # not stopped under the calls at work on it
+        assert [(r.failed, r.score, r.source_version) for group in during for r in group] == \
+            [(False, 1.0, "mine:python:1")] * 2
+        assert (after[0].score, after[0].source_version) == (0.25, "mine:python:2")
+        assert not old.pool.active  # closed once its last call ended
+    finally:
+        endpoint.scorer.close()
+
+
 def verl_wheel() -> str:
     """verl's published wheel (`make setup` downloads it, without its dependencies, into .cache/)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -12,6 +12,7 @@ half-built scorer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 
@@ -102,6 +103,10 @@ class RewardEndpoint:
         self.scorer = build_scorer(self.config, self.model, default_style)
         self.started = time.time()
         self.counters = {"requests": 0, "rewards": 0, "failed": 0, "reconfigurations": 0, "cancelled": 0}
+        # Calls at work on each scorer (by id), and the replaced scorers that wait for theirs to end
+        # before they close: a hot swap loses no reward that was being scored.
+        self._calls: dict[int, int] = {}
+        self._replaced: dict[int, object] = {}
 
     @property
     def version(self) -> str:
@@ -120,21 +125,41 @@ class RewardEndpoint:
         if new.kind != self.config.kind or not old.reconfigure(new):
             scorer = build_scorer(new, self.model, self.default_style)  # built first, then swapped
         self.config, self.scorer = new, scorer
-        if scorer is not old and hasattr(old, "close"):
-            old.close()  # its worker processes or connections (calls still on it finish or fail)
+        if scorer is not old:
+            self._replaced[id(old)] = old
+            self._close_when_idle(old)
         self.counters["reconfigurations"] += 1
+
+    def _close_when_idle(self, scorer) -> None:
+        """Close a replaced scorer's worker processes or connections once no call is at work on it."""
+        if self._calls.get(id(scorer), 0) == 0 and self._replaced.pop(id(scorer), None) is not None:
+            if hasattr(scorer, "close"):
+                scorer.close()
+
+    @contextlib.contextmanager
+    def _using(self, scorer):
+        """Count a call at work on `scorer`; the last call on a replaced scorer closes it."""
+        self._calls[id(scorer)] = self._calls.get(id(scorer), 0) + 1
+        try:
+            yield scorer
+        finally:
+            self._calls[id(scorer)] -= 1
+            if not self._calls[id(scorer)]:
+                del self._calls[id(scorer)]
+                self._close_when_idle(scorer)
 
     async def score(self, requests: list[RewardRequest]) -> list[Reward]:
         self.counters["requests"] += 1
         try:
             await self._fault_delay()
-            scorer = self.scorer  # a reconfigure during this call does not change the scorer it uses
-            rewards = await run_cancellable(scorer.score, requests)
+            version = self.version  # the version of the scorer this call uses, whatever swaps in meanwhile
+            with self._using(self.scorer) as scorer:  # a reconfigure meanwhile lets this call finish on it
+                rewards = await run_cancellable(scorer.score, requests)
         except asyncio.CancelledError:  # the caller's deadline passed: the scorer's pending work is stopped
             self.counters["cancelled"] += 1
             raise
         # Every reward names this endpoint and its version (the hybrid router records both).
-        rewards = [msgspec.structs.replace(r, source=self.name, source_version=self.version) for r in rewards]
+        rewards = [msgspec.structs.replace(r, source=self.name, source_version=version) for r in rewards]
         self.counters["rewards"] += len(rewards)
         self.counters["failed"] += sum(r.failed for r in rewards)
         return rewards
@@ -142,13 +167,14 @@ class RewardEndpoint:
     async def compare(self, pairs: list[PairRequest]) -> list[dict]:
         if not hasattr(self.scorer, "compare"):
             raise ValueError(f"reward endpoint {self.name} ({self.config.kind}) cannot judge pairs")
-        scorer = self.scorer
         try:
-            out = await run_cancellable(scorer.compare, pairs)
+            version = self.version
+            with self._using(self.scorer) as scorer:
+                out = await run_cancellable(scorer.compare, pairs)
         except asyncio.CancelledError:
             self.counters["cancelled"] += 1
             raise
-        return [{**o, "source_version": self.version} for o in out]
+        return [{**o, "source_version": version} for o in out]
 
     async def _fault_delay(self) -> None:
         """Fault injection: wait `fault_delay_s`, re-reading it, so clearing the fault (a
