@@ -41,25 +41,34 @@ ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetens
 
 
 def adaptable_modules(model: torch.nn.Module) -> list[str]:
-    """Full names of the modules LoRA may adapt: every linear layer but the output head (peft's
-    `all-linear`; the head is often tied to the input embedding, which a merge would then change)."""
-    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    """Full names of the modules `all-linear` adapts: every linear layer but the output head (peft's
+    convention; a head tied to the input embedding would change it too)."""
+    output = output_head(model)
     return [name for name, module in model.named_modules()
             if isinstance(module, torch.nn.Linear) and module is not output]
 
 
+def output_head(model: torch.nn.Module) -> torch.nn.Module | None:
+    return model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+
+
 def resolve_targets(model: torch.nn.Module, targets: str | list[str]) -> list[str]:
     """The full names of the modules `targets` selects (`all-linear`, or names that a module's name
-    is or ends with, as peft matches them). A name that selects nothing is refused, naming the
-    modules the model has."""
+    is or ends with, as peft matches them). The output head is adapted only when named and not tied
+    to the input embedding. A name that selects nothing is refused, naming the modules the model has."""
     modules = adaptable_modules(model)
     if targets == "all-linear":
         return modules
+    head = output_head(model)
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    if isinstance(head, torch.nn.Linear) and not tied:
+        modules += [name for name, module in model.named_modules() if module is head]
     missing = [t for t in targets if not any(m == t or m.endswith("." + t) for m in modules)]
     if missing:
         have = sorted({m.rsplit(".", 1)[-1] for m in modules})
+        tied = " (its output head is tied to the input embedding: not adaptable)" if tied else ""
         raise ConfigError(f"model.target_modules: {type(model).__name__} has no linear module named "
-                          f"{', '.join(missing)}; the modules LoRA can adapt are {', '.join(have)}")
+                          f"{', '.join(missing)}; the modules LoRA can adapt are {', '.join(have)}{tied}")
     return [m for m in modules if any(m == t or m.endswith("." + t) for t in targets)]
 
 

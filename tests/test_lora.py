@@ -25,6 +25,7 @@ from asyncrl.weight_sync import plan_buckets
 
 LORA = ["model=tiny", "model.lora_rank=4", "model.lora_alpha=8"]
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18]]
+TARGETS_AND_HEAD = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
 
 
 def random_b(lm, seed: int = 1) -> None:
@@ -49,8 +50,9 @@ def test_the_merge_is_w_plus_alpha_over_r_times_b_a():
     assert float(lora.merge(w16, torch.tensor([[2.0 ** -7]]), torch.tensor([[1.0]]), 1.0)) == 1.0 + 2.0 ** -7
 
 
-def test_learner_forward_merged_model_and_engine_give_peft_models_logits():
-    config = compose(LORA)
+@pytest.mark.parametrize("targets", ["all-linear", TARGETS_AND_HEAD], ids=["all-linear", "and-the-head"])
+def test_learner_forward_merged_model_and_engine_give_peft_models_logits(targets):
+    config = compose([*LORA, f"model.target_modules={targets if isinstance(targets, str) else '[' + ','.join(targets) + ']'}"])
     lm, _ = load_policy(config.model)
     peft_model = lora.wrap(lm, config.model)
     random_b(lm)
@@ -82,10 +84,12 @@ def lora_spec(config):
 
 
 def test_a_merged_engine_scores_as_the_learner_after_three_updates_in_a_row():
-    """Three learner steps, each version's adapter sent as the learner sends it (shared memory) to
-    an fp32 and a bf16 engine: the fp32 engine's log-probs are the learner's, and each engine's
-    weights are its base merged with that version's adapter, never with an earlier merge."""
-    config = compose([*LORA, "policy.optimizer.lr=0.02", "sampling.temperature=1.0"])
+    """Three learner steps, each version's adapter (every linear layer and the untied head) sent as
+    the learner sends it (shared memory) to an fp32 and a bf16 engine: the fp32 engine's log-probs
+    are the learner's, and each engine's weights are its base merged with that version's adapter,
+    never with an earlier merge."""
+    config = compose([*LORA, "policy.optimizer.lr=0.02", "sampling.temperature=1.0",
+                      f"model.target_modules=[{','.join(TARGETS_AND_HEAD)}]"])
     rank, tokenizer = build_policy_rank(config.model, config.algorithm, config.policy, config.engine,
                                         config.sampling, 0)
     engines = {dtype: build_engine(config.model, dtype=dtype)[0] for dtype in (torch.float32, torch.bfloat16)}
@@ -141,13 +145,23 @@ def test_a_target_module_the_model_lacks_is_refused_at_start_up_naming_those_it_
     from asyncrl.cli import main
 
     with pytest.raises(ConfigError, match="no linear module named q_prj; the modules LoRA can adapt are "
-                                          "down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj"):
+                                          "down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj"):
         lora.check_targets(compose([*LORA, "model.target_modules=[q_prj]"]).model)
     assert main(["train", *LORA, "model.target_modules=[q_prj,v_proj]"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "has no linear module named q_prj" in err[0], err
     assert lora.check_targets(compose([*LORA, "model.target_modules=[q_proj,v_proj]"]).model) == [
         f"model.layers.{i}.self_attn.{m}" for i in (0, 1) for m in ("q_proj", "v_proj")]
+    assert "lm_head" not in lora.check_targets(compose(LORA).model)  # all-linear leaves the head
+
+
+def test_a_head_tied_to_the_embedding_is_not_adaptable():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tied = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, tie_word_embeddings=True))
+    with pytest.raises(ConfigError, match="no linear module named lm_head.*tied to the input embedding"):
+        lora.resolve_targets(tied, ["q_proj", "lm_head"])
 
 
 def test_resume_from_a_lora_checkpoint_gives_the_same_adapter_and_it_exports(tmp_path):
@@ -226,19 +240,22 @@ def test_dqo_offline_trains_the_adapter_alone(tmp_path):
 
 @pytest.mark.slow
 def test_the_tiny_task_reaches_0_9_with_lora(ray_session, tmp_path):
-    """LoRA (rank 16 on every linear layer; the random embeddings and head stay as they are) learns
-    the tiny task through the real pipeline, and every update carries the adapter's bytes."""
+    """LoRA (rank 16 on every linear layer and the untied head; the random embeddings and the norms
+    stay as they are) learns the tiny task through the real pipeline at the task's own learning rate,
+    and every update carries the adapter's bytes. Without the head's adapter it cannot: the random
+    head's logits stay below about 1.3 whatever the layers below it do (0.2 at best, measured)."""
     from asyncrl.driver import train
 
     config = compose([*LORA, "task=tiny", "algorithm=grpo", "policy.loss.clip_high=0.28", "policy.loss.agg=token-mean",
-                      "model.lora_rank=16", "model.lora_alpha=32", "policy.optimizer.lr=1e-2",
-                      "trainer.total_steps=400", "trainer.target_reward=0.9", f"trainer.run_dir={tmp_path}",
+                      "model.lora_rank=16", "model.lora_alpha=32", f"model.target_modules=[{','.join(TARGETS_AND_HEAD)}]",
+                      "trainer.total_steps=600", "trainer.target_reward=0.9", f"trainer.run_dir={tmp_path}",
                       "trainer.wandb_mode=disabled"])
     summary = train(config, progress=False)
     rewards = [r["reward_mean_generated"] for r in summary["records"]]
     assert summary["reached_target"], rewards[-20:]
     assert summary["eval_after"]["accuracy"] >= 0.9, summary["eval_after"]
     lm, _ = load_policy(config.model)
-    adapted = set(lora.adaptable_modules(lm))
+    adapted = set(lora.resolve_targets(lm, TARGETS_AND_HEAD))
+    assert "lm_head" in adapted
     adapter_bytes = sum(4 * 16 * (m.in_features + m.out_features) for n, m in lm.named_modules() if n in adapted)
     assert summary["final_status"]["last_broadcast"]["bytes"] == adapter_bytes

@@ -57,8 +57,9 @@ class ModelConfig(Section):
     """LoRA's alpha: the adapter's output is scaled by alpha / r."""
     target_modules: str | list[str] = "all-linear"
     """LoRA: the modules that get adapters, by name (e.g. [q_proj, v_proj]: every module whose name
-    ends so), or all-linear (every linear layer but the output head). A name the model does not
-    have is refused at start-up, naming the ones it has."""
+    ends so), or all-linear (every linear layer but the output head). The head (lm_head) is adapted
+    only when named and not tied to the input embedding. A name the model does not have is refused
+    at start-up, naming the ones it has."""
 
     def directory_name(self) -> str:
         """What `name` defaults to: the model directory's name, the embedded model's, or `tiny`."""
