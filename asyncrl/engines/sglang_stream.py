@@ -88,6 +88,9 @@ class SGLangSteps:
         engine = self.engine
         await engine._open.wait()  # noqa: SLF001 - no request starts while an update loads
         rid = uuid.uuid4().hex
+        # An update cuts every request in flight before it loads, so this request's tokens are all of
+        # the version it starts under. (SGLang reports its version spans with the last output only.)
+        version = engine.weight_version
         engine._inflight.add(rid)  # noqa: SLF001 - an update aborts and waits for it like a window's
         engine._idle.clear()  # noqa: SLF001
         seen = 0
@@ -98,7 +101,7 @@ class SGLangSteps:
                 custom_logit_processor=engine.truncation if "custom_params" in sampling else None, stream=True)
             incremental = bool(getattr(engine.engine.tokenizer_manager, "incremental_streaming_output", False))
             async for out in stream:
-                tokens, seen = _new_tokens(out, 0 if incremental else seen, self.params.top_logprobs)
+                tokens, seen = _new_tokens(out, 0 if incremental else seen, self.params.top_logprobs, version)
                 reason = out["meta_info"].get("finish_reason")
                 yield rid, tokens, (reason or {}).get("type") if isinstance(reason, dict) else reason
         except BaseException:
@@ -110,9 +113,10 @@ class SGLangSteps:
                 engine._idle.set()  # noqa: SLF001
 
 
-def _new_tokens(out: dict, seen: int, top_n: int) -> tuple[list[StepToken], int]:
+def _new_tokens(out: dict, seen: int, top_n: int, version: int) -> tuple[list[StepToken], int]:
     """The tokens of a streamed output past the first `seen` (SGLang's outputs are cumulative
-    unless its incremental streaming is on, then `seen` is 0), and the new count."""
+    unless its incremental streaming is on, then `seen` is 0), and the new count. Each token's
+    version is SGLang's where the output carries its spans (the last one does), else `version`."""
     meta = out["meta_info"]
     ids = list(out["output_ids"])
     logprobs = [float(e[0]) for e in meta["output_token_logprobs"]]
@@ -124,6 +128,6 @@ def _new_tokens(out: dict, seen: int, top_n: int) -> tuple[list[StepToken], int]
         if top_n and j < len(tops):
             entries = sorted(((float(e[0]), int(e[1])) for e in tops[j]), key=lambda e: -e[0])[:top_n]
             top = ([e[1] for e in entries], [e[0] if e[0] > -3.0e38 else float("-inf") for e in entries])
-        version = versions[j] if j < len(versions) else (versions[-1] if versions else 0)
-        steps.append(StepToken(0, ids[j], logprobs[j] if j < len(logprobs) else 0.0, None, top, version))
+        steps.append(StepToken(0, ids[j], logprobs[j] if j < len(logprobs) else 0.0, None, top,
+                               versions[j] if j < len(versions) else version))
     return steps, len(ids)
