@@ -412,13 +412,13 @@ class AssemblerActor(RoleShell):
                 return await value_learner.reference_logprobs.remote(rows)
 
             edges = ValueEdges(values=values, ready=ready, reference_logprobs=reference_logprobs)
-        record = None
-        if recorder is not None:
-            def record(records):  # nobody waits (but the last call at stop): the recorder writes at its own pace
-                return recorder.add_trajectories.remote(RECORDS_ENCODER.encode(records))
+        def record_trajectories(records):  # nobody waits (but the last call at stop): the recorder writes at its own pace
+            return recorder.add_trajectories.remote(RECORDS_ENCODER.encode(records))
+
         self.inner = build_assembler(model, algorithm, engine, self.router, prompts_per_step, segments, batches, edges,
                                      trajectories, lambda events, outcomes: ledger.record_events.remote(events, outcomes),
-                                     record, batch_prefix, mode, synchronous)
+                                     record_trajectories if recorder is not None else None, batch_prefix, mode,
+                                     synchronous)
 
     def set_versions(self, weight_version: int, delivered_version: int) -> None:
         self.inner.set_versions(weight_version, delivered_version)

@@ -228,7 +228,6 @@ SERVE_OVERRIDES = ("model=tiny task=tiny algorithm=grpo trainer.wandb_mode=disab
 
 
 def serve_poll_errors(run_dir: str, quick: bool, extra: list[str]) -> dict:
-    import httpx
     from ray import serve
 
     from asyncrl.serve.reward import deploy_declaratively

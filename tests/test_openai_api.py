@@ -8,7 +8,6 @@ import asyncio
 import json
 import threading
 
-import numpy as np
 import pytest
 
 from asyncrl.config import compose
@@ -281,7 +280,7 @@ def test_a_model_with_qwen25s_template_is_prompted_through_it(smol_tokenizer, tm
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id or 0)
     LlamaForCausalLM(config).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    server = server_of(f"model.source=hf", f"model.path={tmp_path}", "model.name=qwen-tiny",
+    server = server_of("model.source=hf", f"model.path={tmp_path}", "model.name=qwen-tiny",
                        "model.use_chat_template=true", "environment.tool_format=chatml")
     messages = [{"role": "user", "content": "What is 6 * 7?"},
                 {"role": "assistant", "content": "", "tool_calls": [
