@@ -44,7 +44,7 @@ from asyncrl.weight_sync import Delivery, WeightGroup
 class _Sequence:
     request: PromptRequest
     sample_idx: int
-    turn: int = 0
+    window: int = 0  # windows this sequence has advanced (its segments' `window`)
     response_ids: list[int] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     min_response_tokens: int = 0  # drawn once at admission (long-tail workload), not per window
@@ -260,7 +260,7 @@ class Generator:
         tokens, logprobs, scored = out.token_ids, out.logprobs, out.scored
         versions = out.versions if out.versions is not None else np.full(len(tokens), version, dtype=np.int32)
         called = None if self.episodes is None else self.episodes.call_end(seq.response_ids[seq.turn_start:], tokens)
-        last_window = self.max_windows > 0 and seq.turn + 1 >= self.max_windows
+        last_window = self.max_windows > 0 and seq.window + 1 >= self.max_windows
         if called is not None:
             tokens, logprobs, versions = tokens[:called], logprobs[:called], versions[:called]
             scored = None if scored is None else scored[:called]
@@ -277,7 +277,7 @@ class Generator:
                  reason: FinishReason) -> Segment:
         request = seq.request
         return Segment(
-            prompt_id=request.prompt_id, sample_idx=seq.sample_idx, turn=seq.turn, group_id=request.prompt_id,
+            prompt_id=request.prompt_id, sample_idx=seq.sample_idx, window=seq.window, group_id=request.prompt_id,
             prompt_token_ids=request.prompt_token_ids,
             prior_response_ids=np.asarray(seq.response_ids, dtype=np.int32),
             prior_versions=np.asarray(seq.versions, dtype=np.int32),
@@ -293,7 +293,7 @@ class Generator:
         seq.versions += segment.new_versions.tolist()
         if self.episodes is not None:
             seq.observation += observation_mask(segment).astype(np.uint8).tolist()
-        seq.turn += 1
+        seq.window += 1
 
     def _finish(self, seq: _Sequence, finished_prompts: list[str]) -> None:
         self.counters["samples_finished"] += 1

@@ -101,17 +101,20 @@ class PromptRequest(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class Segment(msgspec.Struct, kw_only=True, frozen=True):
-    """A partial trajectory: one generator turn (window) of one sample of one prompt.
+    """A partial trajectory: one generator window of one sample of one prompt.
 
-    Identity is `(prompt_id, sample_idx, turn)`; the G samples of a prompt share `group_id`.
-    `prior_response_ids` are the response tokens generated in earlier turns (context for this turn,
-    "response tokens so far"); `new_token_ids` are this turn's tokens, with their behaviour
+    Identity is `(prompt_id, sample_idx, window)`; the G samples of a prompt share `group_id`.
+    `prior_response_ids` are the response tokens generated in earlier windows (context for this
+    one, "response tokens so far"); `new_token_ids` are this window's tokens, with their behaviour
     log-probs under the sampling distribution actually used and the weight version of each token.
+    (A tool turn of an episode is another thing: it spans windows, see `new_observation`.)
     """
 
     prompt_id: str
     sample_idx: int
-    turn: int
+    # The window's index from 0. Named `turn` on the wire, as stored trajectories and the golden
+    # batches recorded it.
+    window: int = msgspec.field(name="turn")
     group_id: str
     prompt_token_ids: np.ndarray  # int32 [P]
     prior_response_ids: np.ndarray  # int32 [R]
@@ -160,8 +163,8 @@ class Segment(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(
                 f"field `finish_reason`: {self.finish_reason.value!r} contradicts finished={self.finished}"
             )
-        if self.sample_idx < 0 or self.turn < 0:
-            raise ValueError("fields `sample_idx` and `turn` must be >= 0")
+        if self.sample_idx < 0 or self.window < 0:
+            raise ValueError("fields `sample_idx` and `turn` (the window) must be >= 0")
         if not 0 <= self.sample_idx < self.group_size:
             raise ValueError(f"field `sample_idx`: {self.sample_idx} outside group of size {self.group_size}")
 
@@ -170,7 +173,7 @@ class Segment(msgspec.Struct, kw_only=True, frozen=True):
         """Unique per window of one generator's copy of the sample: a producer's retry is dropped
         as a duplicate, while two generators' copies (a prompt whose lease ran out, one handed over
         by a generator that left) both reach the assembler, which keeps one."""
-        return f"{segment_id(self.prompt_id, self.sample_idx, self.turn)}@{self.generator_id}"
+        return f"{segment_id(self.prompt_id, self.sample_idx, self.window)}@{self.generator_id}"
 
     @property
     def sample_id(self) -> str:

@@ -156,10 +156,10 @@ def segments_of(record: TrajectoryRecord) -> list[Segment]:
     observed = None if record.token_observation is None else np.asarray(record.token_observation, dtype=np.uint8)
     ends = list(record.window_ends) or [len(ids)]
     out, start = [], 0
-    for turn, end in enumerate(ends):
-        last = turn == len(ends) - 1
+    for window, end in enumerate(ends):
+        last = window == len(ends) - 1
         out.append(Segment(
-            prompt_id=record.prompt_id, sample_idx=record.sample_idx, turn=turn, group_id=record.group_id,
+            prompt_id=record.prompt_id, sample_idx=record.sample_idx, window=window, group_id=record.group_id,
             group_size=record.group_size, prompt_token_ids=np.asarray(record.prompt_token_ids, dtype=np.int32),
             prior_response_ids=ids[:start], prior_versions=versions[:start], new_token_ids=ids[start:end],
             new_logprobs=logp[start:end], new_versions=versions[start:end],

@@ -373,7 +373,7 @@ def sampled_batch(ctx: Check, engine: TorchEngine, params: SamplingParams) -> li
     samples = []
     for i, (prompt, out) in enumerate(zip(prompts, outs)):
         n = len(out.token_ids)
-        segment = Segment(prompt_id=f"p{i}", sample_idx=0, turn=0, group_id=f"p{i}", group_size=1,
+        segment = Segment(prompt_id=f"p{i}", sample_idx=0, window=0, group_id=f"p{i}", group_size=1,
                           prompt_token_ids=int32_array(prompt), prior_response_ids=int32_array([]),
                           prior_versions=int32_array([]), new_token_ids=out.token_ids, new_logprobs=out.logprobs,
                           new_versions=int32_array([0] * n), finished=out.finish_reason is not FinishReason.WINDOW,

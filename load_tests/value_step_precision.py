@@ -34,7 +34,7 @@ def _one(precision: str, overrides: list[str], steps: int, queue) -> None:
     vocab = learner.model.backbone.config.vocab_size
     rng = np.random.default_rng(0)
     batch = [ScoredTrajectory(segment=Segment(
-        prompt_id=f"p{i}", sample_idx=0, turn=0, group_id=f"p{i}", prompt_token_ids=int32_array(rng.integers(10, vocab, 100)),
+        prompt_id=f"p{i}", sample_idx=0, window=0, group_id=f"p{i}", prompt_token_ids=int32_array(rng.integers(10, vocab, 100)),
         prior_response_ids=int32_array([]), prior_versions=int32_array([]),
         new_token_ids=int32_array(rng.integers(10, vocab, 60)), new_logprobs=float32_array([-1.0] * 60),
         new_versions=int32_array([0] * 60), finished=True, finish_reason=FinishReason.EOS), score=float(i % 2))

@@ -189,7 +189,7 @@ def test_whiten_rows_is_masked_whiten_over_the_trained_tokens():
 
     def row(advantages, loss_mask):
         n = len(advantages)
-        seg = Segment(prompt_id="p", sample_idx=0, turn=0, group_id="p", group_size=1, prompt_token_ids=int32_array([1]),
+        seg = Segment(prompt_id="p", sample_idx=0, window=0, group_id="p", group_size=1, prompt_token_ids=int32_array([1]),
                       prior_response_ids=int32_array([]), prior_versions=int32_array([]),
                       new_token_ids=int32_array([5] * n), new_logprobs=float32_array([-1.0] * n),
                       new_versions=int32_array([0] * n), finished=True, finish_reason=FinishReason.EOS,

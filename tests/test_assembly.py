@@ -15,7 +15,7 @@ SETTINGS = DynamicSampling(enabled=True)
 
 
 def seg(prompt, idx, turn, finished, tokens, version=0, G=2):
-    return Segment(prompt_id=prompt, sample_idx=idx, turn=turn, group_id=prompt, group_size=G,
+    return Segment(prompt_id=prompt, sample_idx=idx, window=turn, group_id=prompt, group_size=G,
                    prompt_token_ids=int32_array([1, 2]), prior_response_ids=int32_array(tokens[:0]),
                    prior_versions=int32_array([]), new_token_ids=int32_array(tokens),
                    new_logprobs=float32_array([-0.5] * len(tokens)), new_versions=int32_array([version] * len(tokens)),

@@ -70,7 +70,7 @@ def test_a_ground_truth_that_is_not_a_string_reaches_the_reward_as_it_is(tmp_pat
         RewardRequest(prompt_id="p", sample_idx=0, response_text="y", ground_truth=tests, data_source="mine",
                       row=example.row)))
     assert decoded.ground_truth == tests and decoded.row["reward_model"]["ground_truth"] == tests
-    segment = Segment(prompt_id="p", sample_idx=0, turn=0, group_id="p", prompt_token_ids=np.array([1], np.int32),
+    segment = Segment(prompt_id="p", sample_idx=0, window=0, group_id="p", prompt_token_ids=np.array([1], np.int32),
                       prior_response_ids=np.zeros(0, np.int32), prior_versions=np.zeros(0, np.int32),
                       new_token_ids=np.array([2], np.int32), new_logprobs=np.zeros(1, np.float32),
                       new_versions=np.zeros(1, np.int32), finished=True, finish_reason=FinishReason.EOS,

@@ -74,7 +74,7 @@ def test_hand_worked_case():
 
 def _trajectory(prompt, response, score, logprobs):
     n = len(response)
-    segment = Segment(prompt_id="p", sample_idx=0, turn=0, group_id="p", prompt_token_ids=int32_array(prompt),
+    segment = Segment(prompt_id="p", sample_idx=0, window=0, group_id="p", prompt_token_ids=int32_array(prompt),
                       prior_response_ids=int32_array([]), prior_versions=int32_array([]),
                       new_token_ids=int32_array(response), new_logprobs=float32_array(logprobs),
                       new_versions=int32_array([0] * n), finished=True, finish_reason=FinishReason.EOS)

@@ -136,9 +136,9 @@ def test_an_episode_is_token_exact_turn_by_turn_with_per_token_versions(tok):
     assert len(by_sample) == 32
     calls = 0
     for sample_id, parts in by_sample.items():
-        parts.sort(key=lambda s: s.turn)
+        parts.sort(key=lambda s: s.window)
         for seg in parts:
-            before = [p.new_token_ids for p in parts[: seg.turn]]
+            before = [p.new_token_ids for p in parts[: seg.window]]
             assert seg.prior_response_ids.tolist() == (np.concatenate(before).tolist() if before else [])
             observed, scored = observation_mask(seg), scored_mask(seg) > 0
             assert not (observed & scored).any()
@@ -170,7 +170,7 @@ def test_an_episode_is_token_exact_turn_by_turn_with_per_token_versions(tok):
     # Calls answered: those whose observation is in the context, and those the budget left no room
     # for (the episode ended at its call, the observation never entered the context).
     no_room = sum(s.finished and s.finish_reason is FinishReason.MAX_LENGTH and s.new_observation is None
-                  and s.prior_observation is None and s.turn == 0 and len(s.new_token_ids) == 1
+                  and s.prior_observation is None and s.window == 0 and len(s.new_token_ids) == 1
                   for parts in by_sample.values() for s in parts)
     assert generator.counters["tool_calls"] == calls + no_room
 
@@ -206,7 +206,7 @@ def test_the_critic_values_policy_positions_only_gae_carries_across_an_observati
 
     gae = GAEAdvantage(gamma=1.0, lam=0.5)
     observed = np.array([0, 0, 1, 1, 0], dtype=np.uint8)
-    row = Segment(prompt_id="p", sample_idx=0, turn=0, group_id="p", prompt_token_ids=np.array([5, 6], dtype=np.int32),
+    row = Segment(prompt_id="p", sample_idx=0, window=0, group_id="p", prompt_token_ids=np.array([5, 6], dtype=np.int32),
                   prior_response_ids=np.zeros(0, np.int32), prior_versions=np.zeros(0, np.int32),
                   new_token_ids=np.array([8, 9, 10, 11, 12], dtype=np.int32), new_logprobs=np.zeros(5, np.float32),
                   new_versions=np.zeros(5, np.int32), new_scored=1 - observed, new_observation=observed,

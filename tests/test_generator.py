@@ -39,8 +39,8 @@ def test_windows_continue_with_same_identity_until_max_length():
             by_sample.setdefault(seg.sample_id, []).append(seg)
         assert len(by_sample) == 6  # 3 prompts x G=2, all finished
         for sample_id, segs in by_sample.items():
-            segs.sort(key=lambda s: s.turn)
-            assert [s.turn for s in segs] == [0, 1, 2]
+            segs.sort(key=lambda s: s.window)
+            assert [s.window for s in segs] == [0, 1, 2]
             assert [len(s.new_token_ids) for s in segs] == [3, 3, 2]  # 8 = 3 + 3 + 2
             assert [s.finish_reason for s in segs] == [FinishReason.WINDOW, FinishReason.WINDOW, FinishReason.MAX_LENGTH]
             for k in (1, 2):  # a continuation carries the earlier windows as context, same identity
@@ -62,7 +62,7 @@ def test_continuations_have_priority_and_inflight_is_capped():
         assert len(gen.inflight) == 4 and gen.counters["prompts_admitted"] == 2
         await gen.step()  # full: no admission; the same 4 sequences continue
         assert gen.counters["prompts_admitted"] == 2
-        assert all(s.turn == 2 for s in gen.inflight)
+        assert all(s.window == 2 for s in gen.inflight)
 
     asyncio.run(main())
 
@@ -207,8 +207,8 @@ def test_max_windows_finishes_a_response():
         await prompts.put([request(0, G=1)])
         for _ in range(3):
             await gen.step()
-        got = sorted(await segments.get(100, timeout=0.1), key=lambda s: s.turn)
-        assert [s.turn for s in got] == [0, 1]
+        got = sorted(await segments.get(100, timeout=0.1), key=lambda s: s.window)
+        assert [s.window for s in got] == [0, 1]
         assert got[-1].finished and got[-1].finish_reason is FinishReason.MAX_LENGTH
         assert sum(len(s.new_token_ids) for s in got) == 4
 

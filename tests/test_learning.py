@@ -18,7 +18,7 @@ from asyncrl.schema import FinishReason, Segment, TrainingRow, float32_array, in
 def sample(i, prompt_len, prior_len, new_len, adv):
     rng = np.random.default_rng(i)
     return TrainingRow(
-        segment=Segment(prompt_id=f"p{i}", sample_idx=0, turn=1 if prior_len else 0, group_id=f"p{i}",
+        segment=Segment(prompt_id=f"p{i}", sample_idx=0, window=1 if prior_len else 0, group_id=f"p{i}",
                         prompt_token_ids=int32_array(rng.integers(3, 30, prompt_len)),
                         prior_response_ids=int32_array(rng.integers(3, 30, prior_len)),
                         prior_versions=int32_array([0] * prior_len),

@@ -167,7 +167,7 @@ def test_the_serve_train_app_continues_its_own_run_by_default(tmp_path, monkeypa
 
 def _row(sample: str, turn: int, finished: bool) -> TrainingRow:
     prompt_id, idx = sample.split("/")
-    seg = Segment(prompt_id=prompt_id, sample_idx=int(idx), turn=turn, group_id=prompt_id,
+    seg = Segment(prompt_id=prompt_id, sample_idx=int(idx), window=turn, group_id=prompt_id,
                   prompt_token_ids=np.array([1], dtype=np.int32), prior_response_ids=np.zeros(0, dtype=np.int32),
                   prior_versions=np.zeros(0, dtype=np.int32), new_token_ids=np.array([3], dtype=np.int32),
                   new_logprobs=np.array([-1.0], dtype=np.float32), new_versions=np.array([0], dtype=np.int32),
@@ -184,7 +184,7 @@ def test_saved_batches_keep_only_samples_that_end_in_them(tmp_path):
     kept, held = checkpoint.resumable_batches(checkpoint.load_batches(path))
     assert held == {"p/0"}
     # p/1's first window goes: p/1 is regenerated whole, and its old window must not train too.
-    assert [[(r.segment.sample_id, r.segment.turn) for r in b.samples] for b in kept] == [[("p/0", 0)], [("p/0", 1)]]
+    assert [[(r.segment.sample_id, r.segment.window) for r in b.samples] for b in kept] == [[("p/0", 0)], [("p/0", 1)]]
 
 
 def test_tied_weights_are_stored_once_and_reload_equal(tmp_path, capfd):

@@ -233,7 +233,7 @@ def test_a_sharded_mailbox_keeps_a_samples_windows_together_and_loses_nothing(ra
     from asyncrl.schema import FinishReason, Segment, float32_array, int32_array
 
     def seg(prompt, sample, turn):
-        return Segment(prompt_id=prompt, sample_idx=sample, turn=turn, group_id=prompt, group_size=4,
+        return Segment(prompt_id=prompt, sample_idx=sample, window=turn, group_id=prompt, group_size=4,
                        prompt_token_ids=int32_array([1]), prior_response_ids=int32_array([]),
                        prior_versions=int32_array([]), new_token_ids=int32_array([turn]),
                        new_logprobs=float32_array([0.0]), new_versions=int32_array([0]), finished=turn == 1,
@@ -250,7 +250,7 @@ def test_a_sharded_mailbox_keeps_a_samples_windows_together_and_loses_nothing(ra
             part = await box.get(16, timeout=1.0)
             got += part
             for m in part:
-                order.setdefault(m.sample_id, []).append(m.turn)
+                order.setdefault(m.sample_id, []).append(m.window)
             if part and len(got) < 60:
                 await box.ack([m.msg_id for m in part])
                 acked |= {m.msg_id for m in part}

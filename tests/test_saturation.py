@@ -143,7 +143,7 @@ def test_a_parked_prompt_has_one_retry_out_at_a_time():
 
 
 def seg(prompt, idx, first_token):
-    return Segment(prompt_id=prompt, sample_idx=idx, turn=0, group_id=prompt, group_size=2,
+    return Segment(prompt_id=prompt, sample_idx=idx, window=0, group_id=prompt, group_size=2,
                    prompt_token_ids=int32_array([5]), prior_response_ids=int32_array([]), prior_versions=int32_array([]),
                    new_token_ids=int32_array([first_token]), new_logprobs=float32_array([-1.0]),
                    new_versions=int32_array([0]), finished=True, finish_reason=FinishReason.EOS)

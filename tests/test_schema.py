@@ -15,12 +15,12 @@ from asyncrl.schema import (
 )
 
 
-def make_segment(n_new=5, n_prior=3, finished=False, turn=1) -> Segment:
+def make_segment(n_new=5, n_prior=3, finished=False, window=1) -> Segment:
     rng = np.random.default_rng(0)
     return Segment(
         prompt_id="p7",
         sample_idx=2,
-        turn=turn,
+        window=window,
         group_id="p7",
         prompt_token_ids=int32_array(rng.integers(0, 50000, 11)),
         prior_response_ids=int32_array(rng.integers(0, 50000, n_prior)),

@@ -49,7 +49,7 @@ def _batch() -> list[TrainingRow]:
     samples = []
     for i in range(7):
         n = int(rng.integers(2, 9))
-        segment = Segment(prompt_id=f"p{i}", sample_idx=0, turn=0, group_id=f"p{i}", group_size=1,
+        segment = Segment(prompt_id=f"p{i}", sample_idx=0, window=0, group_id=f"p{i}", group_size=1,
                           prompt_token_ids=int32_array(rng.integers(3, 30, 4)), prior_response_ids=int32_array([]),
                           prior_versions=int32_array([]), new_token_ids=int32_array(rng.integers(3, 30, n)),
                           new_logprobs=float32_array(rng.uniform(-4, -2, n)), new_versions=int32_array([0] * n),

@@ -41,7 +41,7 @@ def segment(new, prior=(), finished=True, pid="p", idx=0, version=0, prior_versi
             logprobs=None):
     n = len(new)
     pv = version if prior_version is None else prior_version
-    return Segment(prompt_id=pid, sample_idx=idx, turn=1 if len(prior) else 0, group_id=pid, group_size=group_size,
+    return Segment(prompt_id=pid, sample_idx=idx, window=1 if len(prior) else 0, group_id=pid, group_size=group_size,
                    prompt_token_ids=int32_array([5, 6, 7]), prior_response_ids=int32_array(list(prior)),
                    prior_versions=int32_array([pv] * len(prior)), new_token_ids=int32_array(new),
                    new_logprobs=float32_array(logprobs if logprobs is not None else [-2.0] * n),

@@ -25,7 +25,7 @@ GOLDEN = os.path.join(os.path.dirname(__file__), "data", "golden")
 
 def window(turn, new, prior=(), finished=False, versions=None):
     n = len(new)
-    return Segment(prompt_id="p@0", sample_idx=1, turn=turn, group_id="p@0", group_size=2,
+    return Segment(prompt_id="p@0", sample_idx=1, window=turn, group_id="p@0", group_size=2,
                    prompt_token_ids=int32_array([5, 6]), prior_response_ids=int32_array(list(prior)),
                    prior_versions=int32_array([0] * len(prior)), new_token_ids=int32_array(new),
                    new_logprobs=float32_array([-0.5 * (turn + 1)] * n),
@@ -42,7 +42,7 @@ def test_records_replay_as_the_windows_they_came_from():
     record = record_of(merged, [2, 3, 5], reward, "5 6", "1 2 3 4 5", "kept", values=np.zeros(5))
     assert record.window_ends == [2, 3, 5] and record.token_versions == [0, 0, 1, 2, 2]
     again = segments_of(msgspec.convert(msgspec.to_builtins(record), type(record)))
-    assert [(s.turn, s.new_token_ids.tolist(), s.finished) for s in again] == \
+    assert [(s.window, s.new_token_ids.tolist(), s.finished) for s in again] == \
         [(0, [1, 2], False), (1, [3], False), (2, [4, 5], True)]
     assert again[2].prior_response_ids.tolist() == [1, 2, 3] and again[1].new_logprobs.tolist() == [-1.0]
     back = reward_of(record)

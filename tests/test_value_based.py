@@ -28,9 +28,9 @@ def critic(lam=1.0, clip=(None, None), micro_batch_tokens=4096) -> CriticConfig:
                         compute=Compute(micro_batch_tokens=micro_batch_tokens, precision="fp32"))
 
 
-def segment(new, prior=(), finished=True, prompt=(5, 6, 7), turn=None, pid="p", idx=0, version=0):
+def segment(new, prior=(), finished=True, prompt=(5, 6, 7), window=None, pid="p", idx=0, version=0):
     n = len(new)
-    return Segment(prompt_id=pid, sample_idx=idx, turn=turn if turn is not None else (1 if prior else 0), group_id=pid,
+    return Segment(prompt_id=pid, sample_idx=idx, window=window if window is not None else (1 if prior else 0), group_id=pid,
                    prompt_token_ids=int32_array(prompt), prior_response_ids=int32_array(list(prior)),
                    prior_versions=int32_array([version] * len(prior)), new_token_ids=int32_array(new),
                    new_logprobs=float32_array([-2.0] * n), new_versions=int32_array([version] * n), finished=finished,
@@ -175,7 +175,7 @@ def test_value_step_targets_are_monte_carlo_and_loss_falls():
     torch.manual_seed(0)
     value_model = value_model_from_policy(tiny_policy())
     optimizer = torch.optim.Adam(value_model.parameters(), lr=1e-2)
-    windows = segment([20, 21, 22, 23, 24, 25], prior=[], turn=2)  # merged: all windows as new tokens
+    windows = segment([20, 21, 22, 23, 24, 25], prior=[], window=2)  # merged: all windows as new tokens
     trajectory = ScoredTrajectory(segment=windows, score=1.0, correct=True)
     first = value_step(value_model, optimizer, [trajectory], critic(), 1.0)
     assert first["return_mean"] == pytest.approx(1.0) and first["value_mean"] == pytest.approx(0.0)
@@ -218,7 +218,7 @@ def golden_value_trajectories():
     out = []
     for i in range(6):
         n = int(rng.integers(3, 9))
-        seg = Segment(prompt_id=f"p{i}", sample_idx=0, turn=0, group_id=f"p{i}", prompt_token_ids=int32_array(rng.integers(3, 30, 4)),
+        seg = Segment(prompt_id=f"p{i}", sample_idx=0, window=0, group_id=f"p{i}", prompt_token_ids=int32_array(rng.integers(3, 30, 4)),
                       prior_response_ids=int32_array([]), prior_versions=int32_array([]),
                       new_token_ids=int32_array(rng.integers(3, 30, n)), new_logprobs=float32_array([-1.0] * n),
                       new_versions=int32_array([0] * n), finished=True, finish_reason=FinishReason.EOS)

@@ -43,7 +43,7 @@ def test_the_warm_up_ends_when_the_critic_stops_learning_and_is_bounded():
 
 
 def trajectory(i: int, n: int, score: float) -> ScoredTrajectory:
-    seg = Segment(prompt_id=f"p{i}", sample_idx=0, turn=0, group_id=f"p{i}", prompt_token_ids=int32_array([3, 4, 5]),
+    seg = Segment(prompt_id=f"p{i}", sample_idx=0, window=0, group_id=f"p{i}", prompt_token_ids=int32_array([3, 4, 5]),
                   prior_response_ids=int32_array([]), prior_versions=int32_array([]),
                   new_token_ids=int32_array([6 + i] * n), new_logprobs=float32_array([-1.0] * n),
                   new_versions=int32_array([0] * n), finished=True, finish_reason=FinishReason.EOS)
@@ -63,7 +63,7 @@ def test_a_fresh_critic_starts_at_the_mean_return_of_its_first_batch():
 
 
 def group_member(pid: str, idx: int, token: int) -> Segment:
-    return Segment(prompt_id=pid, sample_idx=idx, turn=0, group_id=pid, group_size=2,
+    return Segment(prompt_id=pid, sample_idx=idx, window=0, group_id=pid, group_size=2,
                    prompt_token_ids=int32_array([5]), prior_response_ids=int32_array([]), prior_versions=int32_array([]),
                    new_token_ids=int32_array([token]), new_logprobs=float32_array([-1.0]), new_versions=int32_array([0]),
                    finished=True, finish_reason=FinishReason.EOS)

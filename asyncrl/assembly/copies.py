@@ -45,7 +45,7 @@ class SampleCopies:
             return False, None
         copies = self._copies[seg.sample_id]
         parts = copies.get(seg.generator_id, [])
-        if seg.turn != len(parts):  # a copy's windows arrive in order from turn 0, or not at all
+        if seg.window != len(parts):  # a copy's windows arrive in order from window 0, or not at all
             self.counters["segments_out_of_order"] += 1
             if not copies:
                 del self._copies[seg.sample_id]
@@ -64,7 +64,7 @@ class SampleCopies:
     def is_row(self, seg: Segment) -> bool:
         """Windows as rows: whether `seg` (just taken) trains."""
         owner = self._row_copy.get(seg.sample_id)
-        if owner is None or (owner in self.retired and owner != seg.generator_id and seg.turn == 0):
+        if owner is None or (owner in self.retired and owner != seg.generator_id and seg.window == 0):
             self._row_copy[seg.sample_id] = owner = seg.generator_id
         if seg.finished:
             return True

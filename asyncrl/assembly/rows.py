@@ -37,10 +37,10 @@ def kl_rewards(segment: Segment, reference_logp: np.ndarray, kl: KLPenalty) -> n
 
 def merge_segments(segments: list[Segment]) -> Segment:
     """All windows of one sample as a single row: the whole response becomes the new tokens."""
-    segments = sorted(segments, key=lambda s: s.turn)
-    turns = [s.turn for s in segments]
-    if turns != list(range(len(segments))):
-        raise ValueError(f"sample {segments[0].sample_id} has turns {turns}, expected 0..{len(segments) - 1}")
+    segments = sorted(segments, key=lambda s: s.window)
+    windows = [s.window for s in segments]
+    if windows != list(range(len(segments))):
+        raise ValueError(f"sample {segments[0].sample_id} has windows {windows}, expected 0..{len(segments) - 1}")
     last = segments[-1]
     if not last.finished:
         raise ValueError(f"sample {last.sample_id} is not finished")
@@ -48,7 +48,7 @@ def merge_segments(segments: list[Segment]) -> Segment:
     return Segment(
         prompt_id=last.prompt_id,
         sample_idx=last.sample_idx,
-        turn=last.turn,
+        window=last.window,
         group_id=last.group_id,
         prompt_token_ids=last.prompt_token_ids,
         prior_response_ids=empty,

@@ -69,7 +69,7 @@ def make_segment(new_tokens: int, prompt_tokens: int = 256) -> Segment:
     return Segment(
         prompt_id="prompt-000123",
         sample_idx=3,
-        turn=0,
+        window=0,
         group_id="prompt-000123",
         prompt_token_ids=int32_array(rng.integers(0, 49152, prompt_tokens)),
         prior_response_ids=int32_array([]),

@@ -40,7 +40,7 @@ class SyntheticProducer:
 
     def segment(self, request, idx: int) -> Segment:
         ids = self.rng.integers(3, 30, self.tokens).astype(np.int32)
-        return Segment(prompt_id=request.prompt_id, sample_idx=idx, turn=0, group_id=request.prompt_id,
+        return Segment(prompt_id=request.prompt_id, sample_idx=idx, window=0, group_id=request.prompt_id,
                        group_size=request.group_size, prompt_token_ids=request.prompt_token_ids,
                        prior_response_ids=int32_array([]), prior_versions=int32_array([]), new_token_ids=ids,
                        new_logprobs=float32_array(-self.rng.random(self.tokens)), new_versions=int32_array([self.version] * self.tokens),

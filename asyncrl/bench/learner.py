@@ -34,7 +34,7 @@ def synthetic_batch(rows: int, prompt: int, response: int, vocab: int, seed: int
     rng = np.random.default_rng(seed)
     out = []
     for i in range(rows):
-        segment = Segment(prompt_id=f"p{i}", sample_idx=0, turn=0, group_id=f"p{i}", group_size=1,
+        segment = Segment(prompt_id=f"p{i}", sample_idx=0, window=0, group_id=f"p{i}", group_size=1,
                           prompt_token_ids=int32_array(rng.integers(3, vocab, prompt)),
                           prior_response_ids=int32_array([]), prior_versions=int32_array([]),
                           new_token_ids=int32_array(rng.integers(3, vocab, response)),
