@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import threading
 import time
 
 import msgspec
@@ -107,6 +108,7 @@ class RewardEndpoint:
         # before they close: a hot swap loses no reward that was being scored.
         self._calls: dict[int, int] = {}
         self._replaced: dict[int, object] = {}
+        self._calls_lock = threading.Lock()  # Serve may run `reconfigure` off the event loop
 
     @property
     def version(self) -> str:
@@ -124,36 +126,45 @@ class RewardEndpoint:
         scorer = old
         if new.kind != self.config.kind or not old.reconfigure(new):
             scorer = build_scorer(new, self.model, self.default_style)  # built first, then swapped
-        self.config, self.scorer = new, scorer
+        with self._calls_lock:
+            self.config, self.scorer = new, scorer
+            if scorer is not old:
+                self._replaced[id(old)] = old
         if scorer is not old:
-            self._replaced[id(old)] = old
             self._close_when_idle(old)
         self.counters["reconfigurations"] += 1
 
     def _close_when_idle(self, scorer) -> None:
         """Close a replaced scorer's worker processes or connections once no call is at work on it."""
-        if self._calls.get(id(scorer), 0) == 0 and self._replaced.pop(id(scorer), None) is not None:
-            if hasattr(scorer, "close"):
-                scorer.close()
+        with self._calls_lock:
+            idle = self._calls.get(id(scorer), 0) == 0 and self._replaced.pop(id(scorer), None) is not None
+        if idle and hasattr(scorer, "close"):
+            scorer.close()
 
     @contextlib.contextmanager
-    def _using(self, scorer):
-        """Count a call at work on `scorer`; the last call on a replaced scorer closes it."""
-        self._calls[id(scorer)] = self._calls.get(id(scorer), 0) + 1
+    def _using(self):
+        """The current scorer and its version, counted as at work while the block runs; the last
+        call on a replaced scorer closes it."""
+        with self._calls_lock:
+            scorer, version = self.scorer, self.version
+            self._calls[id(scorer)] = self._calls.get(id(scorer), 0) + 1
         try:
-            yield scorer
+            yield scorer, version
         finally:
-            self._calls[id(scorer)] -= 1
-            if not self._calls[id(scorer)]:
-                del self._calls[id(scorer)]
+            with self._calls_lock:
+                self._calls[id(scorer)] -= 1
+                last = not self._calls[id(scorer)]
+                if last:
+                    del self._calls[id(scorer)]
+            if last:
                 self._close_when_idle(scorer)
 
     async def score(self, requests: list[RewardRequest]) -> list[Reward]:
         self.counters["requests"] += 1
         try:
             await self._fault_delay()
-            version = self.version  # the version of the scorer this call uses, whatever swaps in meanwhile
-            with self._using(self.scorer) as scorer:  # a reconfigure meanwhile lets this call finish on it
+            # The scorer and version of this call, whatever swaps in meanwhile (it finishes on them).
+            with self._using() as (scorer, version):
                 rewards = await run_cancellable(scorer.score, requests)
         except asyncio.CancelledError:  # the caller's deadline passed: the scorer's pending work is stopped
             self.counters["cancelled"] += 1
@@ -168,8 +179,7 @@ class RewardEndpoint:
         if not hasattr(self.scorer, "compare"):
             raise ValueError(f"reward endpoint {self.name} ({self.config.kind}) cannot judge pairs")
         try:
-            version = self.version
-            with self._using(self.scorer) as scorer:
+            with self._using() as (scorer, version):
                 out = await run_cancellable(scorer.compare, pairs)
         except asyncio.CancelledError:
             self.counters["cancelled"] += 1
