@@ -446,7 +446,6 @@ def test_a_dropped_row_is_aborted_and_the_others_go_on_with_penalties_and_bias(l
     for name, params in (("greedy", greedy), ("penalised", penalised)):
         rows, _ = stream_rows(loop, engine, [sequence_input(PROMPTS[0], seed=1, max_response_tokens=20)], params)
         tokens[name] = [s.token for s in rows[0]]
-    print(tokens)
     assert len(set(tokens["penalised"])) > len(set(tokens["greedy"]))
 
 
