@@ -1,7 +1,8 @@
 """Fault injection: kill or stall one part of a running system and report what happened to it and
 to the sample ledger afterwards.
 
-    python load_tests/faults.py --quick              # every scenario, small sizes (a few minutes)
+    python load_tests/faults.py --quick              # one scenario per kind of fault, small sizes (< 10 min)
+    python load_tests/faults.py                      # every scenario but the cluster ones, full sizes
     python load_tests/faults.py kill_generator       # one scenario
     .venv-sglang/bin/python load_tests/faults.py kill_generator --engine sglang_cpu   # SGLang generators
 
@@ -367,6 +368,11 @@ SCENARIOS = {f.__name__: f for f in (kill_generator, scale, kill_learner, kill_v
                                      hang_reward, fill_mailbox, node_loss, partition, full_disk, private_run_dir,
                                      *map(_runtime, runtime_faults.SCENARIOS.values()))}
 ON_CLUSTER = ("node_loss", "partition", "private_run_dir")
+# `--quick` with no names: a kill of a generator, of the learner and of a reward endpoint, a reward that
+# hangs, backpressure, and the three faults of parts that stay alive that cost the least, in under
+# 10 minutes on 2 cores. The full suite (every scenario, full sizes) is the one docs/reliability.md shows.
+QUICK = ("kill_generator", "kill_learner", "kill_reward", "hang_reward", "fill_mailbox", "hang_delivery",
+         "lease_outlived", "scale_down_slow")
 NEEDS_ROOT = ("full_disk",)
 # How a cluster scenario's two nodes are brought up (`cluster.up`), from its run directory.
 CLUSTER_OPTIONS = {"private_run_dir": lambda run_dir: {"private_dir": run_dir}}
@@ -391,13 +397,15 @@ def on_cluster(name: str, run_dir: str, quick: bool) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("scenarios", nargs="*", default=[n for n in SCENARIOS if n not in ON_CLUSTER],
-                        help=f"any of {list(SCENARIOS)} (default: all but the cluster ones, {list(ON_CLUSTER)})")
+    parser.add_argument("scenarios", nargs="*",
+                        help=f"any of {list(SCENARIOS)} (default: all but the cluster ones, {list(ON_CLUSTER)}; "
+                             f"with --quick, {list(QUICK)})")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--run-dir", default="outputs/faults")
     parser.add_argument("--engine", default="torch", choices=["torch", "sglang_cpu"],
                         help="the generators' engine (sglang_cpu: run with .venv-sglang/bin/python)")
     args = parser.parse_args()
+    args.scenarios = args.scenarios or list(QUICK if args.quick else (n for n in SCENARIOS if n not in ON_CLUSTER))
     EXTRA[:] = [f"engine={args.engine}"]
     inside = bool(os.environ.get("RAY_ADDRESS"))  # re-run in the head's namespace, joined to the cluster
     if not inside and any(name not in ON_CLUSTER for name in args.scenarios):

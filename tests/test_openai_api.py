@@ -211,6 +211,33 @@ def test_concurrent_requests_share_engine_windows_and_get_the_samples_they_get_a
     asyncio.run(main())
 
 
+def test_a_whole_answer_gets_a_windows_steps_at_once_and_the_same_tokens_as_a_stream():
+    """A job that does not stream wakes its reader once per window (8 tokens), not once per token,
+    and samples exactly what the streamed job with the same seeds samples."""
+    engine, _ = build_generator_engine(compose(["model=tiny"]).model, compose(["model=tiny"]).engine)
+    batcher = WindowBatcher(engine, max_rows=64, window_tokens=8, max_positions=1 << 20)
+    params = SamplingParams(temperature=1.0, logit_bias=((0, -100.0), (1, -100.0), (2, -100.0)))  # no EOS
+
+    async def job(live):
+        steps = batcher.stream([sequence_input([5, 6, 7], 40 + k, 30) for k in range(3)], params, live)
+        reads, tokens = 0, {}
+        try:
+            async for batch in steps:
+                reads += 1
+                for s in batch:
+                    tokens.setdefault(s.row, []).append(s.token)
+        finally:
+            steps.close()
+        return reads, tokens
+
+    async def main():
+        return await job(True), await job(False)
+
+    (live_reads, streamed), (window_reads, whole) = asyncio.run(main())
+    assert whole == streamed and all(len(t) == 30 for t in whole.values())
+    assert window_reads == 4 and live_reads > 4  # 30 tokens: windows of 8, 8, 8 and 6
+
+
 def test_the_kv_block_a_window_allocates_stays_within_the_bound():
     """Rows with a long kept cache and new rows with a long prompt in one window would need their sum
     as its width (about twice what each row needs): the batcher admits only what fits the bound."""

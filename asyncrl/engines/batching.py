@@ -16,6 +16,11 @@ jobs. Invariants, held here:
   version of its window (`StepToken.version`).
 * **A job left is freed.** Closing a job's stream (its client gone, or done) drops its rows at the
   next window boundary; a window whose rows are all dropped stops at its next decode step.
+* **Steps as they are sampled, or a window's at once.** A job that streams (`live`) gets each decode
+  step as it is sampled; a whole answer gets its steps at the end of each window, one wake-up of
+  its reader per window instead of one per token (on a small model those wake-ups, not the
+  decoding, bound how many requests a second one replica answers). Its stop strings are then
+  found at the window's end: the tokens past one are dropped, as they are from a stream.
 * **Same samples.** Counter-based seeds: a row's tokens do not depend on which rows share its
   windows or where windows cut it (`asyncrl.algo.sampling`).
 
@@ -70,8 +75,10 @@ class _Job:
     params: SamplingParams
     queue: asyncio.Queue
     rows: list[_Row] = field(default_factory=list)
+    live: bool = True
     closed: bool = False
     started: bool = False
+    held: list[StepToken] = field(default_factory=list)  # a whole answer's steps of the window running
 
     @property
     def group(self) -> SamplingParams:
@@ -115,10 +122,11 @@ class WindowBatcher:
                            f"{self.window_tokens}) is {positions} token positions of KV cache; the bound is "
                            f"{self.max_positions} (serve.max_kv_mb)")
 
-    def stream(self, sequences: list[SequenceInput], params: SamplingParams) -> "JobSteps":
-        """Start a job: its tokens as they are sampled, a list per decode step (`JobSteps`)."""
+    def stream(self, sequences: list[SequenceInput], params: SamplingParams, live: bool = True) -> "JobSteps":
+        """Start a job: its tokens (`JobSteps`), as they are sampled (`live`), else at the end of
+        each window."""
         self.check(sequences)
-        job = _Job(params, asyncio.Queue())
+        job = _Job(params, asyncio.Queue(), live=live)
         job.rows = [_Row(job, i, msgspec.structs.replace(s, key=f"{uuid.uuid4().hex}/{i}"))
                     for i, s in enumerate(sequences)]
         self._jobs.append(job)
@@ -222,6 +230,9 @@ class WindowBatcher:
             if out.finish_reason is not FinishReason.WINDOW:
                 row.done = True
         for job in {r.job for r in rows}:
+            if job.held:
+                job.queue.put_nowait(job.held)
+                job.held = []
             if not job.live_rows():
                 job.queue.put_nowait(None)
 
@@ -240,7 +251,10 @@ class WindowBatcher:
                                                             top if row.job.params.top_logprobs else None, version))
             self.counters["tokens"] += 1
         for job, steps in by_job.items():
-            job.queue.put_nowait(steps)
+            if job.live:
+                job.queue.put_nowait(steps)
+            else:
+                job.held += steps
 
 
 class JobSteps:

@@ -58,8 +58,9 @@ class EmbeddedPolicy:
     def context_tokens(self) -> int:
         return self.engine.max_positions
 
-    def stream(self, sequences: list[SequenceInput], params: SamplingParams):
-        return self.batcher.stream(sequences, params)
+    def stream(self, sequences: list[SequenceInput], params: SamplingParams, live: bool):
+        """`live`: steps as they are sampled (a streamed request), else a window's at once."""
+        return self.batcher.stream(sequences, params, live)
 
     async def load(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         await self.batcher.load(lambda: self.engine.update_weights(named, version))
@@ -89,7 +90,8 @@ class SGLangPolicy:
     def context_tokens(self) -> int:
         return self.engine.context_tokens
 
-    def stream(self, sequences: list[SequenceInput], params: SamplingParams):
+    def stream(self, sequences: list[SequenceInput], params: SamplingParams, live: bool):
+        """Steps as SGLang returns them (`live` or not: its outputs come in chunks of its own)."""
         from asyncrl.engines.batching import TooLarge
 
         positions = sum(len(s.prompt_ids) + s.max_response_tokens for s in sequences)

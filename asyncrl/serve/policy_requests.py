@@ -71,7 +71,7 @@ class Prepared:
     def start(self, policy):
         """The request's steps from the engine; refused (400) when it can never fit its bounds."""
         try:
-            return policy.stream(self.sequences, self.params)
+            return policy.stream(self.sequences, self.params, live=bool(self.body.stream))
         except TooLarge as exc:
             raise OpenAIError(400, f"request too large: {exc}", "max_tokens") from exc
 
