@@ -33,7 +33,7 @@ from asyncrl.datafiles import check_prompts
 from asyncrl.config import Config
 from asyncrl.ray_mailbox import RayMailbox, ShardedMailbox, sum_stats
 from asyncrl.run.placement import LEARNER_NAME, ask, role_placement, spawn
-from asyncrl.run.pool import Pool
+from asyncrl.run.pool import GeneratorPool
 from asyncrl.run.status import (
     answered,
     mailbox_actors,
@@ -96,8 +96,8 @@ class System:
         self.resumed: dict[str, Any] = {}
         self.actors: dict[str, Any] = {}
         self.generators: dict[str, Any] = {}  # generator id -> actor (the pool: `asyncrl.run.pool`)
-        self.pool = Pool(self, config.cluster.num_generators if num_generators is None else num_generators,
-                         on_pool_event)
+        self.pool = GeneratorPool(self, config.cluster.num_generators if num_generators is None else num_generators,
+                                  on_pool_event)
         self.mailboxes: dict[str, Any] = {}
         self.run_refs: dict[str, Any] = {}
         self.weight_paths: dict[str, str] = {}  # generator id -> its weight path (`asyncrl.transport`)
