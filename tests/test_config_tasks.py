@@ -127,7 +127,7 @@ def test_the_public_math_check_returns_within_its_timeout_on_a_power_tower():
     import threading
     import time
 
-    assert math_correct("\\boxed{2}", "2")[0]  # the worker pool is up: its start is not timed below
+    assert math_correct("\\boxed{2}", "2")[0]  # the worker processes are up: their start is not timed below
     timeout_s, results = 2.0, []
 
     def check():
@@ -140,7 +140,7 @@ def test_the_public_math_check_returns_within_its_timeout_on_a_power_tower():
     assert not worker.is_alive(), "math_correct ran unbounded"
     (correct, _, problem), seconds = results[0]
     assert not correct and seconds < timeout_s + 2.0, (problem, seconds)
-    assert math_correct("\\boxed{\\frac{1}{2}}", "0.5")[0]  # the pool still answers after a killed check
+    assert math_correct("\\boxed{\\frac{1}{2}}", "0.5")[0]  # the workers still answer after a killed check
 
 
 def test_builtin_tasks_are_deterministic_and_disjoint():
