@@ -51,6 +51,7 @@ def test_config_mistakes_are_one_line_naming_the_field_and_the_nearest_name():
         "algorithm.estimator=gae": "algorithm.estimator moved to algorithm.advantage.type",
         "engine.temperature=1.0": "engine.temperature moved to sampling.temperature",
         "trainer.num_generators=2": "trainer.num_generators moved to cluster.num_generators",
+        "task.pre_ppo_pool_path=/tmp/c.jsonl": "task.pre_ppo_pool_path moved to task.pre_ppo_candidates_path",
         "trainer.generator_threads=2": "trainer.generator_threads was removed: it was read by nothing",
         "trainer.total_steps=abc": "trainer.total_steps expects an integer >= 1, got 'abc'",
         "trainer.total_steps=-5": "trainer.total_steps=-5 is out of range: it must be >= 1",
