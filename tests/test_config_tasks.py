@@ -52,6 +52,8 @@ def test_config_mistakes_are_one_line_naming_the_field_and_the_nearest_name():
         "engine.temperature=1.0": "engine.temperature moved to sampling.temperature",
         "trainer.num_generators=2": "trainer.num_generators moved to cluster.num_generators",
         "task.pre_ppo_pool_path=/tmp/c.jsonl": "task.pre_ppo_pool_path moved to task.pre_ppo_candidates_path",
+        "trainer.record=true": "trainer.record moved to trainer.store_trajectories",
+        "trainer.record_keep_mb=100": "trainer.record_keep_mb moved to trainer.store_keep_mb",
         "trainer.generator_threads=2": "trainer.generator_threads was removed: it was read by nothing",
         "trainer.total_steps=abc": "trainer.total_steps expects an integer >= 1, got 'abc'",
         "trainer.total_steps=-5": "trainer.total_steps=-5 is out of range: it must be >= 1",

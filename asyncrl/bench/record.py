@@ -1,4 +1,4 @@
-"""What recording costs: the same run with and without the trajectory store (`trainer.record`),
+"""What recording costs: the same run with and without the trajectory store (`trainer.store_trajectories`),
 paired rounds (off, on, off, on, ...). The tiny task is the hardest case for the recorder: short
 responses and G=32 make hundreds of samples a second, each a record, on two shared cores.
 
@@ -21,7 +21,7 @@ def one_run(record: bool, steps: int, overrides: list[str]) -> dict:
     from asyncrl.store import read_trajectories
 
     with tempfile.TemporaryDirectory() as run_dir:
-        config = compose([*WORKLOAD, f"trainer.total_steps={steps}", f"trainer.record={str(record).lower()}",
+        config = compose([*WORKLOAD, f"trainer.total_steps={steps}", f"trainer.store_trajectories={str(record).lower()}",
                           f"trainer.run_dir={run_dir}", *overrides])
         summary = train(config, progress=False, eval_prompts=2)
         rows = len(read_trajectories(run_dir)) if record else 0
