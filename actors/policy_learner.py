@@ -349,7 +349,7 @@ class PolicyLearner(TrainingLoop):
                 "incarnation": self.incarnation, "incarnation_id": self.incarnation_id,
                 "optimizer_steps": self._adam_steps,
                 "precision": self.policy.objective.policy.compute.precision,  # precision=auto, as resolved
-                "precision_choice": self.policy.precision.record() if self.policy.precision else {}}
+                "precision_choice": self.policy.precision.summary() if self.policy.precision else {}}
 
 
 # --- builders and shells ------------------------------------------------------------------------------
