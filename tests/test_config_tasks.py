@@ -102,6 +102,23 @@ def test_plus_adds_entries_to_mappings_only():
                   .reward.endpoints) == ["verifier"]
 
 
+def test_a_runs_config_json_written_before_a_rename_reads_back_with_the_new_names():
+    """`config_from_dict` moves the fields of an older `config.json` through `RENAMED` (a resumed
+    run, the golden batches): here the names issue 41 changed."""
+    from asyncrl.config import config_from_dict, to_dict
+
+    old = to_dict(compose([]))
+    trainer, task = old["trainer"], old["task"]
+    trainer["record"], trainer["record_keep_mb"] = True, 7
+    task["pre_ppo_pool_path"] = "/tmp/candidates.jsonl"
+    for name in ("store_trajectories", "store_keep_mb"):
+        del trainer[name]
+    del task["pre_ppo_candidates_path"]
+    config = config_from_dict(old)
+    assert config.trainer.store_trajectories and config.trainer.store_keep_mb == 7
+    assert config.task.pre_ppo_candidates_path == "/tmp/candidates.jsonl"
+
+
 def test_cli_reports_a_config_mistake_in_one_line(capsys):
     from asyncrl.cli import main
 
