@@ -81,7 +81,7 @@ class PolicyLearner(TrainingLoop):
     def __init__(self, policy: PolicyRank, batches: Mailbox, edges: LearnerEdges | None = None,
                  checkpoints: CheckpointPolicy = CheckpointPolicy(), bucket_bytes: int = 64 << 20, tokenizer=None,
                  max_staleness_versions: int = NO_BOUND, max_steps: int = 0, ranks: list[RankCall] = (),
-                 weight_delta: torch.dtype | None = None):
+                 weight_delta: torch.dtype | None = None, delivery_timeout_s: float = 300.0):
         # Rank 0's model, optimizer and schedule; `ranks` call the other ranks of a sharded learner,
         # which run every weight-touching call with it (`_on_every_rank`).
         self.policy = policy
@@ -102,7 +102,8 @@ class PolicyLearner(TrainingLoop):
         self.sender = WeightSender(plan_buckets(self.policy.delivered_parameters(), bucket_bytes), self.policy.adapter,
                                    DeltaTracker(weight_delta) if weight_delta is not None else None, bucket_bytes)
         # The generators this learner delivers to (they join and leave while it trains).
-        self.receivers = WeightReceivers(self.sender, self._stage, self._delivered_all, self.edges.generators)
+        self.receivers = WeightReceivers(self.sender, self._stage, self._delivered_all, self.edges.generators,
+                                         delivery_timeout_s)
         self._weights_lock = asyncio.Lock()  # held while the weights change: a copy taken under it is whole
         self._trained_ids = RecentIds(10_000)
         self.incarnation = 0  # how many times this run was resumed
@@ -358,12 +359,13 @@ class PolicyLearner(TrainingLoop):
 def build_policy_learner(model: ModelConfig, algorithm: AlgorithmConfig, policy: PolicyConfig, engine: EngineConfig,
                          sampling: SamplingConfig, seed: int, batches: Mailbox, edges: LearnerEdges | None = None,
                          checkpoints: CheckpointPolicy = CheckpointPolicy(), max_steps: int = 0, parallel=None,
-                         ranks=()) -> PolicyLearner:
-    """`parallel`, `ranks`: rank 0 of a sharded learner and the calls to its other ranks."""
+                         ranks=(), delivery_timeout_s: float = 300.0) -> PolicyLearner:
+    """`parallel`, `ranks`: rank 0 of a sharded learner and the calls to its other ranks;
+    `delivery_timeout_s`: a weight delivery to a generator that takes longer fails it."""
     rank, tokenizer = build_policy_rank(model, algorithm, policy, engine, sampling, seed, parallel)
     delta = getattr(torch, engine.dtype) if policy.weight_delta else None  # explicit (checks.py)
     return PolicyLearner(rank, batches, edges, checkpoints, policy.broadcast_bucket_mb << 20, tokenizer,
-                         algorithm.max_staleness_versions, max_steps, ranks, delta)
+                         algorithm.max_staleness_versions, max_steps, ranks, delta, delivery_timeout_s)
 
 
 class PolicyLearnerActor(RoleShell):
@@ -391,8 +393,8 @@ class PolicyLearnerActor(RoleShell):
             record_batch=(None if recorder is None else
                           lambda record: recorder.add_batch.remote(BATCH_RECORD_ENCODER.encode(record))))
         self.inner = build_policy_learner(model, algorithm, policy, engine, sampling, seed, batches, edges, checkpoints,
-                                          max_steps, parallel, [_rank_call(rank) for rank in ranks])
-        self.inner.receivers.timeout_s = delivery_timeout_s
+                                          max_steps, parallel, [_rank_call(rank) for rank in ranks],
+                                          delivery_timeout_s)
 
     async def join_generator(self, generator_id: str, handle, path: str, group: tuple[str, int, str] | None = None) -> int:
         """A generator joins the pool (at start, as a replacement or when the pool grows): for the
