@@ -16,8 +16,8 @@ unacknowledged prompts went to another; the first copy to finish is the sample. 
 generator's segments are still taken: the samples it finished (of prompts it may have
 acknowledged, so nobody makes them again) count.
 
-With a recorder (`trainer.record=true`), every finished sample's record (`asyncrl.store`) is sent
-when its fate here is known: kept (sent to the learner), dropped (with the reason) or recorded
+With a recorder (`trainer.store_trajectories=true`), every finished sample's record (`asyncrl.store`)
+is sent when its fate here is known: kept (sent to the learner), dropped (with the reason) or recorded
 (`mode=generate`), with its reward and the values its advantages used.
 """
 
@@ -57,7 +57,7 @@ ScoreFn = Callable[[list[RewardRequest]], Awaitable[list[Reward]]]
 EventsFn = Callable[[list[tuple[list[str], SampleState, "DropReason | None"]],
                      list[tuple[str, int, "bool | None", float, bool]]], None]
 # The recorder: a list of `TrajectoryRecord`s (nobody waits for it).
-RecordFn = Callable[[list[TrajectoryRecord]], Any]
+StoreTrajectoriesFn = Callable[[list[TrajectoryRecord]], Any]
 # A sample's fate here, as the store names it.
 RECORD_STATUS = {SampleState.AWAITING_TRAINING: "kept", SampleState.DROPPED: "dropped",
                  SampleState.RECORDED: "recorded"}
@@ -80,8 +80,8 @@ class Assembler:
                  strategy: AssemblyStrategy, overlong: OverlongShaping, max_response_tokens: int,
                  max_staleness_versions: int = NO_BOUND,
                  events: EventsFn = lambda events, outcomes: None, trajectories: Mailbox | None = None,
-                 max_pending_tasks: int = 64, batch_prefix: str = "batch", record: RecordFn | None = None,
-                 synchronous: bool = False):
+                 max_pending_tasks: int = 64, batch_prefix: str = "batch",
+                 store_trajectories: StoreTrajectoriesFn | None = None, synchronous: bool = False):
         self.segments, self.batches, self.trajectories = segments, batches, trajectories
         self.score, self.decode = score, decode
         self.strategy = strategy
@@ -90,7 +90,7 @@ class Assembler:
         self.events = events  # the prompt source: where each sample went, and how it scored
         self._events: list[tuple[list[str], SampleState, DropReason | None]] = []
         self._outcomes: list[tuple[str, int, bool | None, float, bool]] = []
-        self.record = record  # the trajectory store (None: not recording)
+        self.store_trajectories = store_trajectories  # the trajectory store (None: not storing)
         self._unrecorded: dict[str, _Unrecorded] = {}
         self._records: list[TrajectoryRecord] = []
         self.batch_prefix = batch_prefix  # unique per incarnation of a resumed run
@@ -167,7 +167,7 @@ class Assembler:
 
     def _complete_records(self, sample_ids: list[str], state: SampleState, reason: DropReason | None = None) -> None:
         status = RECORD_STATUS.get(state)
-        if self.record is None or status is None:
+        if self.store_trajectories is None or status is None:
             return
         for sid in sample_ids:
             pending = self._unrecorded.pop(sid, None)
@@ -233,7 +233,8 @@ class Assembler:
 
     def _note_scored(self, reward: Reward, data_source: str = "") -> None:
         self._outcomes.append((reward.prompt_id, reward.sample_idx, reward.correct, reward.score, reward.failed))
-        if self.record is not None and (pending := self._unrecorded.get(sample_id(reward.prompt_id, reward.sample_idx))):
+        if self.store_trajectories is not None and (
+                pending := self._unrecorded.get(sample_id(reward.prompt_id, reward.sample_idx))):
             pending.reward = reward
         self.counters["samples_scored"] += 1
         self.counters["reward_failures"] += int(reward.failed)
@@ -266,7 +267,7 @@ class Assembler:
         if self._records:
             records, self._records = self._records, []
             self.counters["trajectories_recorded"] += len(records)
-            return self.record(records)
+            return self.store_trajectories(records)
         return None
 
     # --- intake -----------------------------------------------------------------------------------
@@ -298,7 +299,7 @@ class Assembler:
             prompt_text=self.decode(merged.prompt_token_ids.tolist()),
             response_token_ids=merged.new_token_ids, row=merged.row)
         to_score.append((merged, request))
-        if self.record is not None:
+        if self.store_trajectories is not None:
             ends = np.cumsum([len(p.new_token_ids) for p in parts]).tolist()
             transcript = (self.decode(merged.new_token_ids.tolist()) if merged.new_observation is not None
                           else request.response_text)  # an episode's: every turn and observation
@@ -317,7 +318,7 @@ class Assembler:
         while len(self._tasks) >= self.max_pending_tasks and self._failure is None:
             await asyncio.sleep(0.01)
         self.flush_events()  # what the tasks decided since the last step, in one call
-        if self.record is not None:
+        if self.store_trajectories is not None:
             self._send_records()
         segments = await self.segments.get(256, timeout=timeout)
         if not segments:
@@ -344,7 +345,7 @@ class Assembler:
                 await self.step()
         finally:
             self.flush_events()
-            if self.record is not None:
+            if self.store_trajectories is not None:
                 # The last records are awaited: the run closes the store's files after this loop
                 # ends, and calls from here reach the recorder in order, so every earlier one is in.
                 last = self._send_records()
@@ -372,8 +373,8 @@ class Assembler:
 def build_assembler(model: ModelConfig, algorithm: AlgorithmConfig, engine: EngineConfig, router: RewardRouter,
                     prompts_per_step: int, segments: Mailbox, batches: Mailbox, value_edges: ValueEdges | None = None,
                     trajectories: Mailbox | None = None, events: EventsFn = lambda events, outcomes: None,
-                    record: RecordFn | None = None, batch_prefix: str = "batch", mode: str = "train",
-                    synchronous: bool = False) -> Assembler:
+                    store_trajectories: StoreTrajectoriesFn | None = None, batch_prefix: str = "batch",
+                    mode: str = "train", synchronous: bool = False) -> Assembler:
     tokenizer = load_tokenizer(model)
 
     def decode_ids(ids):
@@ -383,8 +384,8 @@ def build_assembler(model: ModelConfig, algorithm: AlgorithmConfig, engine: Engi
     return Assembler(segments, batches, router.score, decode_ids, strategy, algorithm.overlong,
                      engine.max_response_tokens,
                      max_staleness_versions=algorithm.max_staleness_versions if mode == "train" else NO_BOUND,
-                     events=events, trajectories=trajectories, batch_prefix=batch_prefix, record=record,
-                     synchronous=synchronous)
+                     events=events, trajectories=trajectories, batch_prefix=batch_prefix,
+                     store_trajectories=store_trajectories, synchronous=synchronous)
 
 
 class AssemblerActor(RoleShell):
@@ -412,12 +413,13 @@ class AssemblerActor(RoleShell):
                 return await value_learner.reference_logprobs.remote(rows)
 
             edges = ValueEdges(values=values, ready=ready, reference_logprobs=reference_logprobs)
-        def record_trajectories(records):  # nobody waits (but the last call at stop): the recorder writes at its own pace
+        # Nobody waits (but for the last call at stop): the recorder writes at its own pace.
+        def store_trajectories(records):
             return recorder.add_trajectories.remote(RECORDS_ENCODER.encode(records))
 
         self.inner = build_assembler(model, algorithm, engine, self.router, prompts_per_step, segments, batches, edges,
                                      trajectories, lambda events, outcomes: ledger.record_events.remote(events, outcomes),
-                                     record_trajectories if recorder is not None else None, batch_prefix, mode,
+                                     store_trajectories if recorder is not None else None, batch_prefix, mode,
                                      synchronous)
 
     def set_versions(self, weight_version: int, delivered_version: int) -> None:

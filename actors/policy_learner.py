@@ -42,7 +42,7 @@ from asyncrl.schema import SampleState, TrainBatch
 from asyncrl.sharding import join as join_ranks
 from asyncrl.staleness import mask_stale_tokens, mean_staleness, trained_versions
 from asyncrl.store import BATCH_CODEC, BATCH_RECORD_ENCODER, BatchRecord
-from asyncrl.transport import GeneratorPool, WeightSender
+from asyncrl.transport import WeightReceivers, WeightSender
 from asyncrl.weight_sync import free_port, node_address, plan_buckets
 from asyncrl.weights_delta import DeltaTracker
 
@@ -81,7 +81,7 @@ class PolicyLearner(TrainingLoop):
     def __init__(self, policy: PolicyRank, batches: Mailbox, edges: LearnerEdges | None = None,
                  checkpoints: CheckpointPolicy = CheckpointPolicy(), bucket_bytes: int = 64 << 20, tokenizer=None,
                  max_staleness_versions: int = NO_BOUND, max_steps: int = 0, ranks: list[RankCall] = (),
-                 weight_delta: torch.dtype | None = None):
+                 weight_delta: torch.dtype | None = None, delivery_timeout_s: float = 300.0):
         # Rank 0's model, optimizer and schedule; `ranks` call the other ranks of a sharded learner,
         # which run every weight-touching call with it (`_on_every_rank`).
         self.policy = policy
@@ -102,7 +102,8 @@ class PolicyLearner(TrainingLoop):
         self.sender = WeightSender(plan_buckets(self.policy.delivered_parameters(), bucket_bytes), self.policy.adapter,
                                    DeltaTracker(weight_delta) if weight_delta is not None else None, bucket_bytes)
         # The generators this learner delivers to (they join and leave while it trains).
-        self.pool = GeneratorPool(self.sender, self._stage, self._delivered_all, self.edges.generators)
+        self.receivers = WeightReceivers(self.sender, self._stage, self._delivered_all, self.edges.generators,
+                                         delivery_timeout_s)
         self._weights_lock = asyncio.Lock()  # held while the weights change: a copy taken under it is whole
         self._trained_ids = RecentIds(10_000)
         self.incarnation = 0  # how many times this run was resumed
@@ -151,7 +152,7 @@ class PolicyLearner(TrainingLoop):
             listener(self.weight_version, self.delivered_version)
 
     def _delivered(self, version: int) -> None:
-        """Every generator of the pool holds `version` (or there is none): tell the listeners."""
+        """Every receiver holds `version` (or there is none): tell the listeners."""
         self.delivered_version = max(self.delivered_version, version)
         self._tell_listeners()
 
@@ -164,7 +165,7 @@ class PolicyLearner(TrainingLoop):
             return await asyncio.to_thread(self.sender.stage, version, self.policy.delivered_parameters(), whole, paths)
 
     def _delivered_all(self, version: int, timing: dict | None) -> None:
-        """The pool's news: `version` is held by every generator (`timing`: of a delivery; None: a join)."""
+        """The receivers' news: `version` is held by every generator (`timing`: of a delivery; None: a join)."""
         if timing is not None:
             self.timing["broadcast_s"] += timing["total_s"]
             self.counters["broadcasts"] += 1
@@ -174,7 +175,7 @@ class PolicyLearner(TrainingLoop):
     def _request_delivery(self) -> None:
         if self.sender.slots.closed:  # stopped: a version now would outlive it
             return
-        self.pool.request()
+        self.receivers.request()
 
     # --- training ---------------------------------------------------------------------------------
 
@@ -225,10 +226,10 @@ class PolicyLearner(TrainingLoop):
         self._metrics.append(record)
         if self.edges.trained is not None:
             await self.edges.trained(finished_ids)
-        if self.pool.generators:
+        if self.receivers.generators:
             self._tell_listeners()
             self._request_delivery()
-        elif not self.pool.had_members:  # no generator at all (mode=learn): nothing waits for a delivery
+        elif not self.receivers.had_members:  # no generator at all (mode=learn): nothing waits for a delivery
             self._delivered(self.weight_version)
         else:  # every generator left or failed: this version reaches a generator when one joins
             self._tell_listeners()
@@ -342,14 +343,14 @@ class PolicyLearner(TrainingLoop):
     def stats(self) -> dict:
         wall = max(time.monotonic() - self._started, 1e-9)
         return {"step": self.step, "weight_version": self.weight_version, "delivered_version": self.delivered_version,
-                "generators": sorted(self.pool.generators), "failed_generators": dict(self.pool.failed),
+                "generators": sorted(self.receivers.generators), "failed_generators": dict(self.receivers.failed),
                 **self.counters, **self.timing, "busy_fraction": self.timing["train_s"] / wall,
                 "wait_batch_fraction": self.timing["wait_batch_s"] / wall,
                 "last_broadcast": self.last_broadcast, "last_checkpoint": self.last_checkpoint,
                 "incarnation": self.incarnation, "incarnation_id": self.incarnation_id,
                 "optimizer_steps": self._adam_steps,
                 "precision": self.policy.objective.policy.compute.precision,  # precision=auto, as resolved
-                "precision_choice": self.policy.precision.record() if self.policy.precision else {}}
+                "precision_choice": self.policy.precision.summary() if self.policy.precision else {}}
 
 
 # --- builders and shells ------------------------------------------------------------------------------
@@ -358,12 +359,13 @@ class PolicyLearner(TrainingLoop):
 def build_policy_learner(model: ModelConfig, algorithm: AlgorithmConfig, policy: PolicyConfig, engine: EngineConfig,
                          sampling: SamplingConfig, seed: int, batches: Mailbox, edges: LearnerEdges | None = None,
                          checkpoints: CheckpointPolicy = CheckpointPolicy(), max_steps: int = 0, parallel=None,
-                         ranks=()) -> PolicyLearner:
-    """`parallel`, `ranks`: rank 0 of a sharded learner and the calls to its other ranks."""
+                         ranks=(), delivery_timeout_s: float = 300.0) -> PolicyLearner:
+    """`parallel`, `ranks`: rank 0 of a sharded learner and the calls to its other ranks;
+    `delivery_timeout_s`: a weight delivery to a generator that takes longer fails it."""
     rank, tokenizer = build_policy_rank(model, algorithm, policy, engine, sampling, seed, parallel)
     delta = getattr(torch, engine.dtype) if policy.weight_delta else None  # explicit (checks.py)
     return PolicyLearner(rank, batches, edges, checkpoints, policy.broadcast_bucket_mb << 20, tokenizer,
-                         algorithm.max_staleness_versions, max_steps, ranks, delta)
+                         algorithm.max_staleness_versions, max_steps, ranks, delta, delivery_timeout_s)
 
 
 class PolicyLearnerActor(RoleShell):
@@ -391,8 +393,8 @@ class PolicyLearnerActor(RoleShell):
             record_batch=(None if recorder is None else
                           lambda record: recorder.add_batch.remote(BATCH_RECORD_ENCODER.encode(record))))
         self.inner = build_policy_learner(model, algorithm, policy, engine, sampling, seed, batches, edges, checkpoints,
-                                          max_steps, parallel, [_rank_call(rank) for rank in ranks])
-        self.inner.pool.timeout_s = delivery_timeout_s
+                                          max_steps, parallel, [_rank_call(rank) for rank in ranks],
+                                          delivery_timeout_s)
 
     async def join_generator(self, generator_id: str, handle, path: str, group: tuple[str, int, str] | None = None) -> int:
         """A generator joins the pool (at start, as a replacement or when the pool grows): for the
@@ -402,18 +404,18 @@ class PolicyLearnerActor(RoleShell):
             from asyncrl.weight_sync import WeightGroup
 
             host, port, backend = group
-            # Bounded as every delivery (cluster.generator_timeout_s): a cut-off peer must not hold the pool's.
+            # Bounded as every delivery (cluster.generator_timeout_s): a cut-off peer must not hold the others'.
             self.inner.sender.groups[generator_id] = await asyncio.to_thread(
-                WeightGroup, host, port, 2, 0, backend, timeout_s=self.inner.pool.timeout_s,
+                WeightGroup, host, port, 2, 0, backend, timeout_s=self.inner.receivers.timeout_s,
                 local_address=node_address())
-        return await self.inner.pool.add(generator_id, handle, path)
+        return await self.inner.receivers.add(generator_id, handle, path)
 
     def leave_generator(self, generator_id: str) -> None:
-        self.inner.pool.remove(generator_id)
+        self.inner.receivers.remove(generator_id)
 
     def failed_generators(self) -> dict[str, str]:
-        """Generators whose weight delivery failed or timed out (they left the pool): the run heals them."""
-        return dict(self.inner.pool.failed)
+        """Generators whose weight delivery failed or timed out (no longer receivers): the run's pool heals them."""
+        return dict(self.inner.receivers.failed)
 
     def announce(self) -> None:
         """Tell the listeners the versions (after the first generators joined)."""

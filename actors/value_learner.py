@@ -211,7 +211,7 @@ def build_value_learner(model: ModelConfig, critic: CriticConfig, algorithm: Alg
                            msgspec.structs.replace(critic, compute=compute), algorithm.advantage.gamma,
                            tokenizer.pad_token_id or 0, reference=reference, sampling=sampling,
                            center_head=critic.head_init == "mean_return" and not critic.init_path)
-    learner.precision_choice = precision.record()
+    learner.precision_choice = precision.summary()
     return learner
 
 

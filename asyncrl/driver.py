@@ -310,10 +310,10 @@ def train_cli(overrides: list[str], config_dir: str | None = None, config_name: 
         from asyncrl import lora
 
         lora.check_targets(config.model)
-    if config.mode != "train":  # the recording and offline modes have drivers of their own
+    if config.mode != "train":  # the generate and learn modes have drivers of their own
         from asyncrl import offline
 
-        summary = offline.record_only(config) if config.mode == "generate" else offline.learn(config)
+        summary = offline.generate_and_store(config) if config.mode == "generate" else offline.learn(config)
         print(json.dumps({k: v for k, v in summary.items() if k in ("run_dir", "eval_before", "eval_after", "steps",
                                                                     "samples_recorded", "last_checkpoint")}, indent=2))
         return 0

@@ -45,7 +45,7 @@ def build_generator_engine(model: ModelConfig, engine: EngineConfig, seed: int =
         return start_sglang(model, engine, seed), {"precision": model.dtype, "reason": "SGLang runs model.dtype"}
     policy = load_policy(model)
     precision = engine_precision(engine.dtype, engine.device, policy[0], engine.max_inflight_sequences)
-    return build_engine(model, policy, engine.device, precision.dtype)[0], precision.record()
+    return build_engine(model, policy, engine.device, precision.dtype)[0], precision.summary()
 
 
 def sequence_input(prompt_ids: Sequence[int] | np.ndarray, seed: int, max_response_tokens: int,

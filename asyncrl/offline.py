@@ -1,6 +1,6 @@
 """The modes beside streaming training, each a short driver (`asyncrl train mode=...`):
 
-* `generate` (`record_only`): generators, reward endpoints and the trajectory store, no learner:
+* `generate` (`generate_and_store`): generators, reward endpoints and the trajectory store, no learner:
   `trainer.total_steps × trainer.prompts_per_step` prompts are generated, scored and recorded.
 * `learn` (`learn`): training from recorded data, no generator and no reward endpoint:
   - `algorithm=dqo`: DQO on the recorded (or labelled) responses (`asyncrl.learning.dqo`);
@@ -51,8 +51,8 @@ from asyncrl.tasks import encode_prompt, score_response
 # --- mode=generate -----------------------------------------------------------------------------------
 
 
-def record_only(config: Config, progress: bool = True) -> dict:
-    """Generate, score and record `total_steps × prompts_per_step` prompts; no learner."""
+def generate_and_store(config: Config, progress: bool = True) -> dict:
+    """Generate, score and store `total_steps × prompts_per_step` prompts; no learner."""
     from asyncrl.run.placement import init_ray
     from asyncrl.run.wiring import System
 

@@ -52,8 +52,8 @@ class Precision:
     def dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.bf16 else torch.float32
 
-    def record(self) -> dict:
-        """For a role's stats (the run's status)."""
+    def summary(self) -> dict:
+        """The choice and why, for a role's stats (the run's status)."""
         return {"precision": self.name, "reason": self.reason, "probe_fp32_ms": self.fp32_ms,
                 "probe_bf16_ms": self.bf16_ms}
 

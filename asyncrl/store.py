@@ -1,7 +1,7 @@
 """The trajectory store: every finished trajectory of a run, and every batch its learner trained, as
 Parquet files that `pyarrow`, `pandas` and Hugging Face `datasets` read without asyncrl.
 
-Layout under `<run_dir>/trajectories/` (`trainer.record=true`):
+Layout under `<run_dir>/trajectories/` (`trainer.store_trajectories=true`):
 
     trajectories-00000.parquet ...   one row per finished sample (`TrajectoryRecord`), kept or dropped
     batches-00000.parquet ...        one row per trained batch: the `TrainBatch` as msgspec bytes,

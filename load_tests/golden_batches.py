@@ -1,6 +1,6 @@
 """Record the golden batches of `tests/test_store.py`: for a few algorithms, a short recorded run on
-the tiny model (`trainer.record=true`), whose first trained batch (trained from the initial
-weights) and the loss and gradient norm the learner got on it are kept in `tests/data/golden/`.
+the tiny model (`trainer.store_trajectories=true`), whose first trained batch (trained from the
+initial weights) and the loss and gradient norm the learner got on it are kept in `tests/data/golden/`.
 
 A later learner given the same batch at the same weights must reproduce them: a change to the
 maths of the policy step fails that test. Run this again only when a change of the maths is meant
@@ -36,7 +36,7 @@ RUNS = {
 
 def record(name: str, overrides: list[str]) -> str:
     run_dir = tempfile.mkdtemp(prefix=f"golden-{name}-")
-    config = compose(["model=tiny", *overrides, "trainer.total_steps=2", "trainer.record=true",
+    config = compose(["model=tiny", *overrides, "trainer.total_steps=2", "trainer.store_trajectories=true",
                       "trainer.wandb_mode=disabled", f"trainer.run_dir={run_dir}"])
     train(config, progress=False, eval_prompts=1)
     first = read_batches(run_dir)[0]

@@ -65,7 +65,7 @@ def solved_dapo_run(ray_session, tmp_path_factory):
 
     run_dir = tmp_path_factory.mktemp("solved-dapo")
     config = compose(["model=tiny", "task=tiny", "trainer.total_steps=400", "trainer.wandb_mode=disabled",
-                      "trainer.record=true", f"trainer.run_dir={run_dir}", "trainer.stall_timeout_s=120",
+                      "trainer.store_trajectories=true", f"trainer.run_dir={run_dir}", "trainer.stall_timeout_s=120",
                       "task.unsolved_max_retries=4"])  # a hopeless prompt given up after 4 tries, not 64: a test of minutes
     return config, train(config, progress=False, eval_prompts=10), run_dir
 

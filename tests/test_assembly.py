@@ -23,7 +23,7 @@ def seg(prompt, idx, turn, finished, tokens, version=0, G=2):
                    ground_truth="7", data_source="tiny")
 
 
-def make(settings=SETTINGS, prompts_per_batch=1, record=None):
+def make(settings=SETTINGS, prompts_per_batch=1, store_trajectories=None):
     segments, batches = InProcessMailbox(100), InProcessMailbox(100)
     events = []  # ledger events (ids, state, reason)
 
@@ -34,7 +34,8 @@ def make(settings=SETTINGS, prompts_per_batch=1, record=None):
 
     asm = Assembler(segments, batches, score, lambda ids: "".join(str(i) for i in ids),
                     GroupStrategy(settings, prompts_per_batch, group_normalised), OverlongShaping(), 8,
-                    max_staleness_versions=2, events=lambda evs, outcomes: events.extend(evs), record=record)
+                    max_staleness_versions=2, events=lambda evs, outcomes: events.extend(evs),
+                    store_trajectories=store_trajectories)
     return asm, segments, batches, events
 
 
@@ -81,7 +82,7 @@ def test_redelivered_segment_is_counted_once():
 def test_dynamic_sampling_drops_and_stale_tokens_are_masked_as_the_batch_leaves():
     async def main():
         records = []  # what the trajectory store receives
-        asm, segments, batches, dropped = make(record=records.extend)
+        asm, segments, batches, dropped = make(store_trajectories=records.extend)
         await segments.put([seg("all-right", 0, 0, True, [7]), seg("all-right", 1, 0, True, [7])])
         await drain(asm, batches)
         asm.set_versions(5, 5)

@@ -142,7 +142,7 @@ def test_train_stops_when_its_time_budget_is_spent_then_checkpoints_and_evaluate
     assert f"stopped after step {summary['steps']}: the training time budget" in out.stdout
     from asyncrl.config import ConfigError, compose
     with pytest.raises(ConfigError, match="max_train_s"):
-        compose(["mode=generate", "trainer.record=true", "trainer.max_train_s=60"])
+        compose(["mode=generate", "trainer.store_trajectories=true", "trainer.max_train_s=60"])
 
 
 def test_train_stops_when_its_sample_budget_is_spent(tmp_path):
@@ -163,7 +163,7 @@ def test_train_stops_when_its_sample_budget_is_spent(tmp_path):
     assert f"stopped after step {summary['steps']}: the sample budget" in out.stdout
     from asyncrl.config import ConfigError, compose
     with pytest.raises(ConfigError, match="max_generated_samples"):
-        compose(["mode=generate", "trainer.record=true", "trainer.max_generated_samples=100"])
+        compose(["mode=generate", "trainer.store_trajectories=true", "trainer.max_generated_samples=100"])
     with pytest.raises(ConfigError, match="max_generated_samples"):
         compose(["trainer.max_generated_samples=-1"])
 

@@ -51,6 +51,9 @@ def test_config_mistakes_are_one_line_naming_the_field_and_the_nearest_name():
         "algorithm.estimator=gae": "algorithm.estimator moved to algorithm.advantage.type",
         "engine.temperature=1.0": "engine.temperature moved to sampling.temperature",
         "trainer.num_generators=2": "trainer.num_generators moved to cluster.num_generators",
+        "task.pre_ppo_pool_path=/tmp/c.jsonl": "task.pre_ppo_pool_path moved to task.pre_ppo_candidates_path",
+        "trainer.record=true": "trainer.record moved to trainer.store_trajectories",
+        "trainer.record_keep_mb=100": "trainer.record_keep_mb moved to trainer.store_keep_mb",
         "trainer.generator_threads=2": "trainer.generator_threads was removed: it was read by nothing",
         "trainer.total_steps=abc": "trainer.total_steps expects an integer >= 1, got 'abc'",
         "trainer.total_steps=-5": "trainer.total_steps=-5 is out of range: it must be >= 1",
@@ -99,6 +102,23 @@ def test_plus_adds_entries_to_mappings_only():
                   .reward.endpoints) == ["verifier"]
 
 
+def test_a_runs_config_json_written_before_a_rename_reads_back_with_the_new_names():
+    """`config_from_dict` moves the fields of an older `config.json` through `RENAMED` (a resumed
+    run, the golden batches): here the names issue 41 changed."""
+    from asyncrl.config import config_from_dict, to_dict
+
+    old = to_dict(compose([]))
+    trainer, task = old["trainer"], old["task"]
+    trainer["record"], trainer["record_keep_mb"] = True, 7
+    task["pre_ppo_pool_path"] = "/tmp/candidates.jsonl"
+    for name in ("store_trajectories", "store_keep_mb"):
+        del trainer[name]
+    del task["pre_ppo_candidates_path"]
+    config = config_from_dict(old)
+    assert config.trainer.store_trajectories and config.trainer.store_keep_mb == 7
+    assert config.task.pre_ppo_candidates_path == "/tmp/candidates.jsonl"
+
+
 def test_cli_reports_a_config_mistake_in_one_line(capsys):
     from asyncrl.cli import main
 
@@ -127,7 +147,7 @@ def test_the_public_math_check_returns_within_its_timeout_on_a_power_tower():
     import threading
     import time
 
-    assert math_correct("\\boxed{2}", "2")[0]  # the worker pool is up: its start is not timed below
+    assert math_correct("\\boxed{2}", "2")[0]  # the worker processes are up: their start is not timed below
     timeout_s, results = 2.0, []
 
     def check():
@@ -140,7 +160,7 @@ def test_the_public_math_check_returns_within_its_timeout_on_a_power_tower():
     assert not worker.is_alive(), "math_correct ran unbounded"
     (correct, _, problem), seconds = results[0]
     assert not correct and seconds < timeout_s + 2.0, (problem, seconds)
-    assert math_correct("\\boxed{\\frac{1}{2}}", "0.5")[0]  # the pool still answers after a killed check
+    assert math_correct("\\boxed{\\frac{1}{2}}", "0.5")[0]  # the workers still answer after a killed check
 
 
 def test_builtin_tasks_are_deterministic_and_disjoint():

@@ -17,8 +17,9 @@ def test_the_tiny_model_learns_the_tool_task_only_with_the_tool(ray_session, tmp
     """Chance without the tool is at most 1/10 (the answer is drawn per episode and nothing in the
     prompt reveals it); with it the policy learns to ask and to answer with what it is told
     (3 seeds reached 0.9 reward within 240 steps and held-out accuracy 1.0 at 300)."""
-    summary = train(compose(TOOL + ["trainer.total_steps=400", "trainer.target_reward=0.9", "trainer.record=true",
-                                    f"trainer.run_dir={tmp_path / 'tool'}"]), progress=False)
+    summary = train(compose(TOOL + ["trainer.total_steps=400", "trainer.target_reward=0.9",
+                                    "trainer.store_trajectories=true", f"trainer.run_dir={tmp_path / 'tool'}"]),
+                    progress=False)
     rewards = [r["reward_mean_generated"] for r in summary["records"]]
     assert float(np.mean(rewards[:10])) < 0.2, rewards[:10]
     assert summary["reached_target"], rewards[-20:]
@@ -69,7 +70,8 @@ def test_an_environment_class_from_a_file_answers_a_multi_turn_run(tmp_path):
     (tmp_path / "secret_env.py").write_text(ENVIRONMENT_CLASS)
     summary = train(compose(TOOL + ["environment.name=", f"environment.class_path={tmp_path}/secret_env.py:Secret",
                                     "environment.options={shift: 0}", "trainer.total_steps=400",
-                                    "trainer.target_reward=0.6", "trainer.record=true", f"trainer.run_dir={tmp_path}/run"]),
+                                    "trainer.target_reward=0.6", "trainer.store_trajectories=true",
+                                    f"trainer.run_dir={tmp_path}/run"]),
                     progress=False, eval_prompts=10)
     status = summary["final_status"]
     assert status["environment"]["environment"].endswith("secret_env.py:Secret") and status["environment"]["calls"] > 0

@@ -92,7 +92,7 @@ def test_a_reward_function_that_fails_every_way_leaves_the_run_whole(ray_session
     ledger balances."""
     summary = user_run(tmp_path, "verl", FAULTY_REWARD, f"custom_reward_function.path={tmp_path}/reward.py",
                        "reward.endpoints.custom.call_timeout_s=1", "reward.endpoints.custom.workers=4",
-                       "trainer.total_steps=4", "trainer.record=true")
+                       "trainer.total_steps=4", "trainer.store_trajectories=true")
     assert summary["steps"] == 4
     status = summary["final_status"]
     assert status["ledger"]["problems"] == [] and status["reward_endpoints"]["custom"]["failed"] > 0

@@ -205,7 +205,7 @@ def test_math_verifier_is_bounded_in_a_worker_thread():
     worker.start()
     worker.join(timeout=90)
     assert not worker.is_alive()
-    # Each runaway ends within the pool's limit (plus a worker restart), and the checker still works.
+    # Each runaway ends within the workers' limit (plus a worker restart), and the checker still works.
     assert all(not v.correct and seconds < 12 for v, seconds in results[:2]), results
     assert results[2][0].correct
 

@@ -270,28 +270,28 @@ def test_pre_ppo_keeps_the_hardest_and_merges_them_with_the_train_prompts():
         return Example(prompt_id=f"p{i}", messages=[{"role": "user", "content": f"q{i}"}], ground_truth="1",
                        data_source=source)
 
-    def rewards_of(pool, scores, failed=()):
+    def rewards_of(candidates, scores, failed=()):
         return [[Reward(prompt_id=ex.prompt_id, sample_idx=0, score=s, source="v", failed=ex.prompt_id in failed)]
-                for ex, s in zip(pool, scores)]
+                for ex, s in zip(candidates, scores)]
 
-    pool = [example(i, "math" if i < 4 else "code") for i in range(6)]
+    candidates = [example(i, "math" if i < 4 else "code") for i in range(6)]
     tokens = [[i] for i in range(6)]
-    rewards = rewards_of(pool, [0.9, 0.1, 0.5, 0.7, 1.0, 0.0])
-    chosen, chosen_tokens, report = pre_ppo_selection(pool, tokens, pool, tokens, rewards, 0.5)
-    # Per domain, the lower half by score: math p1 (0.1) and p2 (0.5); code p5 (0.0). The pool is
-    # the train set: the selection joins it (spec: merge), as second copies with their own ids.
+    rewards = rewards_of(candidates, [0.9, 0.1, 0.5, 0.7, 1.0, 0.0])
+    chosen, chosen_tokens, report = pre_ppo_selection(candidates, tokens, candidates, tokens, rewards, 0.5)
+    # Per domain, the lower half by score: math p1 (0.1) and p2 (0.5); code p5 (0.0). The candidates
+    # are the train set: the selection joins it (spec: merge), as second copies with their own ids.
     ids = [ex.prompt_id for ex in chosen]
     assert ids == [f"p{i}" for i in range(6)] + ["p1#hard", "p2#hard", "p5#hard"]
     assert chosen_tokens[6:] == [[1], [2], [5]]
     assert report["selected"] == 3 and report["train_prompts"] == 9 and report["selected_score_mean"] == pytest.approx(0.2)
     train = [example(9, "math")]
-    chosen, _, report = pre_ppo_selection(train, [[9]], pool, tokens, rewards, 0.5)
+    chosen, _, report = pre_ppo_selection(train, [[9]], candidates, tokens, rewards, 0.5)
     assert [ex.prompt_id for ex in chosen] == ["p9", "p1", "p2", "p5"] and report["train_prompts"] == 4
 
     # A failed reward (score 0.0, failed) has no score: it is not the hardest, it is left out.
-    rewards = rewards_of(pool, [0.9, 0.1, 0.0, 0.7, 1.0, 0.0], failed={"p2"})
-    _, _, report = pre_ppo_selection(train, [[9]], pool, tokens, rewards, 0.25)
-    chosen, _, _ = pre_ppo_selection(train, [[9]], pool, tokens, rewards, 0.25)
+    rewards = rewards_of(candidates, [0.9, 0.1, 0.0, 0.7, 1.0, 0.0], failed={"p2"})
+    _, _, report = pre_ppo_selection(train, [[9]], candidates, tokens, rewards, 0.25)
+    chosen, _, _ = pre_ppo_selection(train, [[9]], candidates, tokens, rewards, 0.25)
     assert "p2" not in [ex.prompt_id for ex in chosen] and "p1" in [ex.prompt_id for ex in chosen]
     assert report["failed_rewards"] == 1 and report["candidates_without_score"] == 1
 

@@ -160,11 +160,11 @@ def test_a_recorded_run_is_read_elsewhere_replayed_and_learned_from_offline(solv
 
 @pytest.mark.slow
 def test_generate_mode_records_every_sample_and_trains_nothing(ray_session, tmp_path):
-    from asyncrl.offline import record_only
+    from asyncrl.offline import generate_and_store
 
-    config = compose(["model=tiny", "task=tiny", "algorithm=grpo", "mode=generate", "trainer.record=true",
+    config = compose(["model=tiny", "task=tiny", "algorithm=grpo", "mode=generate", "trainer.store_trajectories=true",
                       "trainer.total_steps=2", "trainer.wandb_mode=disabled", f"trainer.run_dir={tmp_path}"])
-    summary = record_only(config, progress=False)
+    summary = generate_and_store(config, progress=False)
     expected = 2 * config.trainer.prompts_per_step * config.algorithm.group_size
     assert summary["samples_recorded"] == expected and summary["ledger_problems"] == []
     records = read_trajectories(str(tmp_path))

@@ -112,7 +112,7 @@ def test_every_fault_of_a_users_function_is_a_failed_reward_with_its_reason(tmp_
         assert "nan, not a finite number" in reasons[2] and "'0.5', not a finite number" in reasons[3]
         assert "None, not a finite number" in reasons[4] and out[5].score == 1.0
         assert s.stats()["timed_out"] == 1 and s.stats()["failed"] == 5
-        # The pool still serves after a worker was killed for hanging.
+        # The workers still serve after one was killed for hanging.
         assert s.score([request("ok")])[0].score == 1.0
     finally:
         s.close()
@@ -212,7 +212,7 @@ def test_a_swap_lets_the_calls_at_work_on_the_old_file_finish_then_closes_its_wo
         write(tmp_path, "swap.py", "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                                    "    return 0.25\n")
         endpoint.reconfigure({"version": "2"})
-        still_open = old.pool.active
+        still_open = old.workers.active
         during = await calls
         return old, still_open, during, await endpoint.score([request("c", idx=2)])
 
@@ -222,7 +222,7 @@ def test_a_swap_lets_the_calls_at_work_on_the_old_file_finish_then_closes_its_wo
         assert [(r.failed, r.score, r.source_version) for group in during for r in group] == \
             [(False, 1.0, "mine:python:1")] * 2
         assert (after[0].score, after[0].source_version) == (0.25, "mine:python:2")
-        assert not old.pool.active  # closed once its last call ended
+        assert not old.workers.active  # closed once its last call ended
     finally:
         endpoint.scorer.close()
 

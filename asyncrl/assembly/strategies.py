@@ -1,5 +1,5 @@
 """Which streaming strategy feeds an advantage function: one per kind of `ADVANTAGES` entry, plus the
-record-only strategy of `mode=generate`."""
+store-only strategy of `mode=generate`."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ STRATEGIES: dict[str, type] = {"group": GroupStrategy, "batch": BatchReturnsStra
 
 
 @dataclass
-class RecordOnlyStrategy:
+class StoreOnlyStrategy:
     """`mode=generate`: no learner. Every finished sample is scored and ends as `recorded` (in the
     trajectory store, with its reward); nothing is trained, so nothing is filtered or batched."""
 
@@ -44,9 +44,9 @@ def build_strategy(algorithm: AlgorithmConfig, engine: EngineConfig, prompts_per
                    decode: Callable[[list[int]], str], value_edges: ValueEdges | None = None,
                    mode: str = "train") -> AssemblyStrategy:
     """The strategy of the kind of `ADVANTAGES[algorithm.advantage.type]`, given what it asks;
-    `mode=generate` records only (no learner)."""
+    `mode=generate` stores only (no learner)."""
     if mode == "generate":
-        return RecordOnlyStrategy()
+        return StoreOnlyStrategy()
     a, advantage = algorithm, algorithm.advantage
     entry = ADVANTAGES[advantage.type]
     kind = STRATEGIES[entry.kind]

@@ -11,7 +11,7 @@ import os
 MODULES = {
     "async": "async_sync", "trl": "trl", "utilisation": "utilisation", "broadcast": "broadcast",
     "messages": "messages", "endpoint": "endpoint", "engine": "engine", "verifier": "verifier",
-    "record": "record", "controlplane": "controlplane", "learner": "learner", "lora": "lora_broadcast",
+    "record": "trajectory_store", "controlplane": "controlplane", "learner": "learner", "lora": "lora_broadcast",
 }
 BENCHMARKS = tuple(MODULES)
 

@@ -84,10 +84,10 @@ def steady_load(url: str, model: str, rate: float, seconds: float, max_tokens: i
         with lock:
             (latencies if ok else failures).append(time.perf_counter() - start)
 
-    with httpx.Client() as client, ThreadPoolExecutor(max_workers=32) as pool:
+    with httpx.Client() as client, ThreadPoolExecutor(max_workers=32) as workers:
         start, sent = time.perf_counter(), 0
         while time.perf_counter() - start < seconds:
-            pool.submit(one, client)
+            workers.submit(one, client)
             sent += 1
             time.sleep(max(0.0, start + sent / rate - time.perf_counter()))
     return {"sent": sent, "failed": len(failures), **_percentiles(latencies)}

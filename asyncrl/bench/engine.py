@@ -75,7 +75,7 @@ def run(quick: bool = False, overrides: list[str] | None = None) -> dict:
     prompts = [encode_prompt(ex, tokenizer, config.model.use_chat_template, config.task.chat_template_kwargs) for ex in examples]
     setup = {"dtype": str(dtype).removeprefix("torch."), "threads": threads, "device": device, "new_tokens": new_tokens,
              "rounds": rounds, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-             "processor": device_name(device), "precision": precision.record(),
+             "processor": device_name(device), "precision": precision.summary(),
              "mean_prompt_tokens": float(np.mean([len(p) for p in prompts[:max(batches)]]))}
     context = setup["mean_prompt_tokens"] + new_tokens / 2
     results = {}

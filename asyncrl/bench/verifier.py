@@ -26,10 +26,10 @@ MATH_PROBES = [("\\boxed{9^{9^{9}}}", "3"), ("\\boxed{(10^{8})!}", "3"), ("\\box
 
 def throughput(kind: str, response: str, truth: str, programs: int, threads: int) -> float:
     """Programs (or answers) verified per second, `threads` at a time as the endpoint's threads do."""
-    verify(kind, response, truth)  # warm: probes, pools
+    verify(kind, response, truth)  # warm: probes, worker processes
     start = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=threads) as pool:
-        results = list(pool.map(lambda _: verify(kind, response, truth), range(programs)))
+    with ThreadPoolExecutor(max_workers=threads) as workers:
+        results = list(workers.map(lambda _: verify(kind, response, truth), range(programs)))
     assert all(r.correct for r in results), results[0].details
     return programs / (time.perf_counter() - start)
 

@@ -102,7 +102,8 @@ def _placement_checks(config) -> list[tuple[bool, str]]:
 def _mode_checks(config) -> list[tuple[bool, str]]:
     a, offline, trainer = config.algorithm, config.offline, config.trainer
     return [
-        (config.mode != "generate" or trainer.record, "mode=generate keeps nothing but the store: set trainer.record=true"),
+        (config.mode != "generate" or trainer.store_trajectories,
+         "mode=generate keeps nothing but the store: set trainer.store_trajectories=true"),
         (config.mode != "learn" or bool(offline.data), "mode=learn needs offline.data (a store or a file)"),
         (a.name != "dqo" or config.mode == "learn", "algorithm=dqo learns offline: run it with mode=learn"),
         (offline.train != "value" or a.value_based,

@@ -46,6 +46,9 @@ RENAMED: dict[str, str | None] = {
     "critic.warmup_min_steps": "critic.warmup.min_steps",
     "critic.warmup_patience": "critic.warmup.patience",
     "critic.warmup_min_gain": "critic.warmup.min_gain",
+    "task.pre_ppo_pool_path": "task.pre_ppo_candidates_path",
+    "trainer.record": "trainer.store_trajectories",
+    **{f"trainer.record_{name}": f"trainer.store_{name}" for name in ("file_mb", "file_age_s", "keep_mb")},
     # Older moves, to where the fields are now.
     **{f"algorithm.{name}": f"policy.optimizer.{name}" for name in ("lr", "weight_decay", "grad_clip", "warmup_steps")},
     **{f"algorithm.{name}": f"policy.loss.{name}" for name in (

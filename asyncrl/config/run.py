@@ -79,14 +79,14 @@ class TrainerConfig(Section):
     """The wandb project of the run's metrics."""
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"
     """offline | online | disabled (WANDB_MODE in the environment wins)."""
-    record: bool = False
+    store_trajectories: bool = False
     """Keep every finished trajectory (kept or dropped, with its reward, versions and values) and
     every trained batch in `<run_dir>/trajectories/` as Parquet files (`asyncrl.store`)."""
-    record_file_mb: PositiveInt = 64
+    store_file_mb: PositiveInt = 64
     """A store file is closed and a new one begun past this size..."""
-    record_file_age_s: PositiveFloat = 600.0
+    store_file_age_s: PositiveFloat = 600.0
     """...or this age, so a long run's store is readable while it runs."""
-    record_keep_mb: NonNegativeInt = 0
+    store_keep_mb: NonNegativeInt = 0
     """The store's closed files are deleted oldest first past this many MB in all (0 = keep every
     file: the store is the run's data set; a run of days sets a bound or a disk of its own)."""
     log_file_mb: PositiveInt = 256
@@ -194,8 +194,8 @@ class OfflineConfig(Section):
     """`mode=learn`: training from recorded data, no generator."""
 
     data: str = ""
-    """A trajectory store (a run directory recorded with trainer.record=true, or its trajectories/),
-    or a jsonl/parquet file of labelled responses in verl's layout (`prompt` messages,
+    """A trajectory store (a run directory of a run with trainer.store_trajectories=true, or its
+    trajectories/), or a jsonl/parquet file of labelled responses in verl's layout (`prompt` messages,
     `reward_model.ground_truth`, `data_source`, plus `response` and an optional `score`; without a
     score the task's verifier scores it)."""
     train: Literal["policy", "value"] = "policy"
@@ -243,8 +243,8 @@ class Config(Section):
     offline: OfflineConfig = msgspec.field(default_factory=OfflineConfig)
     """`mode=learn`."""
     mode: Literal["train", "generate", "learn"] = "train"
-    """train (generate and learn, streaming) | generate (generate, score and record; no learner:
-    needs trainer.record=true) | learn (learn from offline.data; no generator)."""
+    """train (generate and learn, streaming) | generate (generate, score and store; no learner:
+    needs trainer.store_trajectories=true) | learn (learn from offline.data; no generator)."""
     resume: bool = False
     """Continue from the newest valid checkpoint of `trainer.run_dir` (default: the newest run
     under outputs/ with one): step, weight version, optimizer, prompt cursor, unsent batches."""

@@ -54,10 +54,11 @@ class TaskConfig(Section):
     """Pre-PPO selection: before training, sample a response per candidate prompt with the initial
     policy, score it with `pre_ppo_endpoint`, z-score within each data source and keep the lowest
     fraction per source (paper: 0.1). 0 = off."""
-    pre_ppo_pool_path: str = ""
-    """Candidates for Pre-PPO (a jsonl/parquet in verl's layout). Empty: the train prompts themselves
-    are the candidates. Either way the selection is merged with the train prompts (the paper's
-    step 4): selected train prompts appear twice, so the hard ones are drawn twice as often."""
+    pre_ppo_candidates_path: str = ""
+    """The candidate prompts Pre-PPO selects from (a jsonl/parquet in verl's layout). Empty: the train
+    prompts themselves are the candidates. Either way the selection is merged with the train prompts
+    (the paper's step 4): selected train prompts appear twice, so the hard ones are drawn twice as
+    often."""
     pre_ppo_endpoint: str = "verifier"
     """Pre-PPO: the reward endpoint that scores the candidates."""
     pre_ppo_samples: PositiveInt = 4

@@ -253,7 +253,7 @@ def run_tests(code: str, tests: dict, limits: SandboxLimits = SandboxLimits(), m
             return True, "ok"
 
         cases = list(zip(tests["inputs"], tests["outputs"]))[:max_tests]
-        with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
-            outcomes += list(pool.map(run_io, cases))
+        with ThreadPoolExecutor(max_workers=max(1, parallel)) as workers:
+            outcomes += list(workers.map(run_io, cases))
     return CodeVerdict(passed=sum(ok for ok, _ in outcomes), total=len(outcomes), details=[d for _, d in outcomes],
                        suspicious=sorted(suspicious))

@@ -4,7 +4,7 @@ expressions) and symbolic equivalence to the ground truth.
 Symbolic checking can run away: `\\boxed{9^{9^{9}}}` or `\\boxed{(10^{8})!}` asks sympy for numbers
 with millions of digits, and math-verify's own timeouts (SIGALRM) work only on a main thread, not
 in the reward endpoint's worker threads. So `math_correct`, the public check, runs the comparison
-(`_math_correct_unguarded`) in a small pool of worker processes (`pebble`): there it runs on the
+(`_math_correct_unguarded`) in two worker processes (a `pebble` process pool): there it runs on the
 worker's main thread with math-verify's timeouts on, under an address-space limit, and a check that
 still overruns its wall-clock budget is killed with its worker and answered as a failure with the
 reason. The unguarded comparison is private: called from a thread on a power tower it holds the
@@ -32,7 +32,7 @@ _BOXED = re.compile(r"\\boxed\s*\{")
 _EXTRACTION = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
 
 
-# Worst case per response: the pool's hard limit. math-verify's own limits (parse and compare, each
+# Worst case per response: the workers' hard limit. math-verify's own limits (parse and compare, each
 # SIGALRM-based) end most runaways earlier, inside it.
 MATH_TIMEOUT_S = 6.0
 MATH_WORKER_MEMORY_MB = 1024
@@ -66,7 +66,7 @@ def extract_answer(response: str) -> str | None:
 
 def _math_correct_unguarded(response: str, ground_truth: str, require_boxed: bool = False) -> tuple[bool, str]:
     """`math_correct`'s comparison, (correct, prediction), unbounded in time and memory off the
-    main thread: run only in `math_correct`'s worker pool."""
+    main thread: run only in `math_correct`'s worker processes."""
     candidate = extract_answer(response)
     if candidate is None:
         if require_boxed:
@@ -103,19 +103,20 @@ def _limit_worker_memory(memory_mb: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
 
 
-_POOL: pebble.ProcessPool | None = None
-_POOL_LOCK = threading.Lock()
+_WORKERS: pebble.ProcessPool | None = None
+_WORKERS_LOCK = threading.Lock()
 
 
-def _pool() -> pebble.ProcessPool:
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None or not _POOL.active:
+def _workers() -> pebble.ProcessPool:
+    global _WORKERS
+    with _WORKERS_LOCK:
+        if _WORKERS is None or not _WORKERS.active:
             # spawn: the callers (Ray actors, the learner) hold threads and torch state a fork would copy.
-            _POOL = pebble.ProcessPool(max_workers=2, max_tasks=2000, initializer=_limit_worker_memory,
-                                       initargs=(MATH_WORKER_MEMORY_MB,), context=multiprocessing.get_context("spawn"))
-            atexit.register(_POOL.stop)
-        return _POOL
+            _WORKERS = pebble.ProcessPool(max_workers=2, max_tasks=2000, initializer=_limit_worker_memory,
+                                          initargs=(MATH_WORKER_MEMORY_MB,),
+                                          context=multiprocessing.get_context("spawn"))
+            atexit.register(_WORKERS.stop)
+        return _WORKERS
 
 
 def math_correct(response: str, ground_truth: str, require_boxed: bool = False,
@@ -130,7 +131,8 @@ def math_correct(response: str, ground_truth: str, require_boxed: bool = False,
         candidate = extract_answer(response) or ""
         inner = candidate[len("\\boxed{"):-1] if candidate.startswith("\\boxed{") else candidate
         return inner.strip() == ground_truth.strip(), inner[:200], "ground truth too long to parse: compared as text"
-    future = _pool().schedule(_math_correct_unguarded, args=(response, ground_truth, require_boxed), timeout=timeout_s)
+    future = _workers().schedule(_math_correct_unguarded, args=(response, ground_truth, require_boxed),
+                                 timeout=timeout_s)
     try:
         correct, pred = future.result()
         return correct, pred, ""

@@ -36,7 +36,7 @@ class OpenAIVerdicts:
         # A server that needs no key still gets one (the client refuses none); vLLM's convention.
         self.client = openai.OpenAI(base_url=endpoint.base_url, api_key=key or "EMPTY",
                                     timeout=endpoint.request_timeout_s, max_retries=endpoint.retries)
-        self.pool = ThreadPoolExecutor(max_workers=endpoint.max_concurrency, thread_name_prefix="openai-judge")
+        self.workers = ThreadPoolExecutor(max_workers=endpoint.max_concurrency, thread_name_prefix="openai-judge")
         self.counters = {"requests": 0, "errors": 0, "without_logprobs": 0, "requests_not_sent": 0}
         self.last_error = ""
 
@@ -46,14 +46,14 @@ class OpenAIVerdicts:
             getattr(endpoint, k) == getattr(self.endpoint, k) for k in mine)
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.workers.shutdown(wait=False, cancel_futures=True)
         self.client.close()
 
     def verdict_probabilities(self, texts: list[str], words: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """P(words[0]) among the verdict words and their mass, per text; a request that failed has
         mass 0 (no verdict). If every request failed, the error is raised: each reward says why."""
         call = current_call()
-        results = list(self.pool.map(lambda text: self._one(text, words, call), texts))
+        results = list(self.workers.map(lambda text: self._one(text, words, call), texts))
         errors = [r for r in results if isinstance(r, Exception)]
         if errors and len(errors) == len(results):
             raise RuntimeError(f"the judge at {self.endpoint.base_url} answered none of {len(texts)} requests: "

@@ -7,7 +7,7 @@
 * TRL, per batch: `fn(prompts, completions, **columns) -> list[float | None]`; `None` means "not
   applicable" (a hybrid route falls through to its next endpoint).
 
-Calls run in a pool of worker processes (`pebble`, spawned: the endpoint holds threads a fork would
+Calls run in worker processes (a `pebble` process pool, spawned: the endpoint holds threads a fork would
 copy; what they run is `asyncrl.rewards.user_worker`, light to import), each with a timeout: a call
 that hangs is killed with its worker, not waited for, and a CPU-bound scorer does not stall the
 endpoint's event loop. A call its caller cancels (the `reward.timeout_s` deadline) kills the
@@ -69,10 +69,10 @@ class PythonReward:
         self.signature = detect_signature(function, endpoint.signature)
         print(f"reward endpoint (python): {endpoint.path}:{endpoint.function} called with "
               f"{self.signature}'s signature", flush=True)
-        self.pool = pebble.ProcessPool(max_workers=endpoint.workers, initializer=load_in_worker,
-                                       initargs=(endpoint.path, endpoint.function),
-                                       context=multiprocessing.get_context("spawn"))
-        atexit.register(self.pool.stop)
+        self.workers = pebble.ProcessPool(max_workers=endpoint.workers, initializer=load_in_worker,
+                                          initargs=(endpoint.path, endpoint.function),
+                                          context=multiprocessing.get_context("spawn"))
+        atexit.register(self.workers.stop)
         self.counters = {"calls": 0, "failed": 0, "timed_out": 0, "not_applicable": 0, "samples_cancelled": 0}
 
     @property
@@ -80,16 +80,16 @@ class PythonReward:
         return self.endpoint.version
 
     def reconfigure(self, endpoint: PythonRewardEndpoint) -> bool:
-        """Another file, function, pool or version is a new scorer (the file is read again)."""
+        """Another file, function, worker count or version is a new scorer (the file is read again)."""
         return endpoint == self.endpoint
 
     def close(self) -> None:
-        self.pool.stop()
+        self.workers.stop()
 
     def score(self, requests: list[RewardRequest]) -> list[Reward]:
         if self.signature == "trl":
             return self._score_batch(requests)
-        futures = [self.pool.schedule(call_verl, args=(verl_arguments(r),), timeout=self.endpoint.call_timeout_s)
+        futures = [self.workers.schedule(call_verl, args=(verl_arguments(r),), timeout=self.endpoint.call_timeout_s)
                    for r in requests]
         self._cancel_with_call(futures)
         return [self._reward(r, f) for r, f in zip(requests, futures)]
@@ -119,8 +119,8 @@ class PythonReward:
 
     def _score_batch(self, requests: list[RewardRequest]) -> list[Reward]:
         prompts, completions, columns = trl_arguments(requests)
-        future = self.pool.schedule(call_trl, args=(prompts, completions, columns),
-                                    timeout=self.endpoint.call_timeout_s)
+        future = self.workers.schedule(call_trl, args=(prompts, completions, columns),
+                                       timeout=self.endpoint.call_timeout_s)
         self._cancel_with_call([future])
         self.counters["calls"] += 1
         try:

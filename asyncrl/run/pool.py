@@ -36,7 +36,9 @@ from asyncrl.transport import choose_paths
 PING_EVERY_S = 2.0  # how often each generator is asked for its stats (the hung-generator check)
 
 
-class Pool:
+class GeneratorPool:
+    """The run's generators: joins, leaves, heals and scales them toward `target` (see above)."""
+
     def __init__(self, system, target: int, on_event: Callable[[dict], None] = lambda event: None):
         self.system = system
         self.target = target  # the number of generators the run wants

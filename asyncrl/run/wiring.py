@@ -33,7 +33,7 @@ from asyncrl.datafiles import check_prompts
 from asyncrl.config import Config
 from asyncrl.ray_mailbox import RayMailbox, ShardedMailbox, sum_stats
 from asyncrl.run.placement import LEARNER_NAME, ask, role_placement, spawn
-from asyncrl.run.pool import Pool
+from asyncrl.run.pool import GeneratorPool
 from asyncrl.run.status import (
     answered,
     mailbox_actors,
@@ -96,8 +96,8 @@ class System:
         self.resumed: dict[str, Any] = {}
         self.actors: dict[str, Any] = {}
         self.generators: dict[str, Any] = {}  # generator id -> actor (the pool: `asyncrl.run.pool`)
-        self.pool = Pool(self, config.cluster.num_generators if num_generators is None else num_generators,
-                         on_pool_event)
+        self.pool = GeneratorPool(self, config.cluster.num_generators if num_generators is None else num_generators,
+                                  on_pool_event)
         self.mailboxes: dict[str, Any] = {}
         self.run_refs: dict[str, Any] = {}
         self.weight_paths: dict[str, str] = {}  # generator id -> its weight path (`asyncrl.transport`)
@@ -125,8 +125,8 @@ class System:
         resume = self._resume_point()  # None for a fresh run
         learning = cfg.mode == "train"  # mode=generate: generators, rewards and the store only
         value_based = learning and cfg.algorithm.value_based
-        if cfg.trainer.record and not self.run_dir:
-            raise ValueError("trainer.record=true needs a run directory (trainer.run_dir)")
+        if cfg.trainer.store_trajectories and not self.run_dir:
+            raise ValueError("trainer.store_trajectories=true needs a run directory (trainer.run_dir)")
         # The control plane (mailboxes, prompt source, assembler, reward endpoints, recorder) sits on
         # this node, the run's own: on a cluster it does not share the fate of a generator's node.
         # Hard affinity: a soft one let a busy head's raylet spill a mailbox to a worker node (seen on
@@ -179,9 +179,9 @@ class System:
         self.store = (StoreClient.spawn(self.run_dir, lambda shell, **kw: self._spawn(shell, placement=here, **kw))
                       if self.run_dir and learning else None)
         recorder = (self._spawn(RecorderActor, directory=os.path.join(self.run_dir, STORE_DIRNAME),
-                                max_file_mb=tr.record_file_mb, max_file_age_s=tr.record_file_age_s,
-                                keep_mb=tr.record_keep_mb, placement=here)
-                    if tr.record else None)
+                                max_file_mb=tr.store_file_mb, max_file_age_s=tr.store_file_age_s,
+                                keep_mb=tr.store_keep_mb, placement=here)
+                    if tr.store_trajectories else None)
         prompt_source = self._spawn(
             PromptSourceActor, model=cfg.model, task=cfg.task, algorithm=cfg.algorithm,
             prompts_per_step=tr.prompts_per_step, seed=tr.seed, prompts=boxes["prompts"],
