@@ -102,8 +102,7 @@ class PolicyLearner(TrainingLoop):
         self.sender = WeightSender(plan_buckets(self.policy.delivered_parameters(), bucket_bytes), self.policy.adapter,
                                    DeltaTracker(weight_delta) if weight_delta is not None else None, bucket_bytes)
         # The generators this learner delivers to (they join and leave while it trains).
-        self.receivers = WeightReceivers(self.sender, self._stage, self._delivered_all, self.edges.generators,
-                                         delivery_timeout_s)
+        self.receivers = WeightReceivers(self.sender, self._stage, self._delivered_all, self.edges.generators, delivery_timeout_s)
         self._weights_lock = asyncio.Lock()  # held while the weights change: a copy taken under it is whole
         self._trained_ids = RecentIds(10_000)
         self.incarnation = 0  # how many times this run was resumed
@@ -393,8 +392,7 @@ class PolicyLearnerActor(RoleShell):
             record_batch=(None if recorder is None else
                           lambda record: recorder.add_batch.remote(BATCH_RECORD_ENCODER.encode(record))))
         self.inner = build_policy_learner(model, algorithm, policy, engine, sampling, seed, batches, edges, checkpoints,
-                                          max_steps, parallel, [_rank_call(rank) for rank in ranks],
-                                          delivery_timeout_s)
+                                          max_steps, parallel, [_rank_call(r) for r in ranks], delivery_timeout_s)
 
     async def join_generator(self, generator_id: str, handle, path: str, group: tuple[str, int, str] | None = None) -> int:
         """A generator joins the pool (at start, as a replacement or when the pool grows): for the
