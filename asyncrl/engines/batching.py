@@ -15,7 +15,8 @@ jobs. Invariants, held here:
 * **One version per window.** Weight updates land between windows; every token carries the
   version of its window (`StepToken.version`).
 * **A job left is freed.** Closing a job's stream (its client gone, or done) drops its rows at the
-  next window boundary; a window whose rows are all dropped stops at its next decode step.
+  next window boundary; a window with a streamed job whose rows are all dropped stops at its next
+  decode step (a window of whole answers only runs to its end: at most `window_tokens` more).
 * **Steps as they are sampled, or a window's at once.** A job that streams (`live`) gets each decode
   step as it is sampled; a whole answer gets its steps at the end of each window, one wake-up of
   its reader per window instead of one per token (on a small model those wake-ups, not the
@@ -215,16 +216,22 @@ class WindowBatcher:
 
     async def _window(self, rows: list[_Row], params: SamplingParams) -> None:
         loop, version, window = asyncio.get_running_loop(), self.engine.weight_version, self._window_tokens(rows)
+        live = any(r.job.live for r in rows)
 
         def on_step(items: list[tuple]) -> bool:  # the engine's thread
             loop.call_soon_threadsafe(self._dispatch, rows, items, version)
             return any(not r.done and not r.job.closed for r in rows)
 
+        # No job of this window streams: its steps are read from the outputs, with no call back per
+        # step (a client gone mid-window is dropped at the window's end, at most a window later).
         start = time.perf_counter()
-        outputs = await asyncio.to_thread(self.engine.generate_window_sync, self._inputs(rows), window, params, on_step)
+        outputs = await asyncio.to_thread(self.engine.generate_window_sync, self._inputs(rows), window, params,
+                                          on_step if live else None)
         self.counters["windows"] += 1
         self.counters["window_rows"] += len(rows)
         self.counters["generate_ms"] += int(1000 * (time.perf_counter() - start))
+        if not live:
+            self._hold_outputs(rows, outputs, version)
         for row, out in zip(rows, outputs):
             row.response += out.token_ids.tolist()
             if out.finish_reason is not FinishReason.WINDOW:
@@ -235,6 +242,21 @@ class WindowBatcher:
                 job.held = []
             if not job.live_rows():
                 job.queue.put_nowait(None)
+
+    def _hold_outputs(self, rows: list[_Row], outputs: list, version: int) -> None:
+        """A window's tokens, row by row, as the steps `_dispatch` would have held for them."""
+        for row, out in zip(rows, outputs):
+            if row.done or row.job.closed:
+                continue
+            k, n = row.job.params.top_logprobs, len(out.token_ids)
+            finish = None if out.finish_reason is FinishReason.WINDOW else out.finish_reason
+            tokens, logprobs = out.token_ids.tolist(), out.logprobs.tolist()
+            top_ids = out.top_ids[:, :k].tolist() if k and out.top_ids is not None else None
+            top_lps = out.top_logprobs[:, :k].tolist() if top_ids is not None else None
+            row.job.held += [StepToken(row.index, tokens[i], logprobs[i], finish if i == n - 1 else None,
+                                       (top_ids[i], top_lps[i]) if top_ids is not None else None, version)
+                             for i in range(n)]
+            self.counters["tokens"] += n
 
     def _dispatch(self, rows: list[_Row], items: list[tuple], version: int) -> None:
         """One decode step's tokens to their jobs (on the loop, in order)."""
