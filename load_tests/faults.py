@@ -10,6 +10,7 @@ Scenarios (tiny model, the real actors, mailboxes and gloo broadcast; checkpoint
 
 * kill_generator      one generator of three is killed mid-window: healed in place while the learner
                       trains; then the learner is killed in the same run (a whole restart) to compare
+                      (not with --quick)
 * scale               1 -> 4 -> 2 generators while training
 * kill_learner        the policy learner is killed
 * kill_value_learner  the value learner (T-PPO) is killed

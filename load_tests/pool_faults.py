@@ -155,13 +155,15 @@ def _healed(run: Run, timeline: Timeline, at: float, reference: float, step: int
             "ledger": ledger(run)}
 
 
-def _inject(run: Run, timeline: Timeline, settle_s: float, injected: str, inject) -> dict:
-    """Run `inject()` now, keep the run for `settle_s`, then kill the learner for the whole-restart
-    comparison in the same run."""
+def _inject(run: Run, timeline: Timeline, settle_s: float, injected: str, inject, compare: bool = True) -> dict:
+    """Run `inject()` now, keep the run for `settle_s`, then (`compare`) kill the learner for the
+    whole-restart comparison in the same run."""
     reference, at, step = timeline.rate(time.time() - 2 * WINDOW_S, time.time()), time.time(), run.step
     inject()
     timeline.watch(settle_s)
     healed = _healed(run, timeline, at, reference, step, injected)
+    if not compare:
+        return {"healed_in_place": healed, "ledger": ledger(run)}
     whole = learner_restart(run, timeline, settle_s)
     return {"healed_in_place": healed, "whole_restart_same_run": whole, "ledger": ledger(run)}
 
@@ -175,7 +177,8 @@ def kill_generator(run: Run, quick: bool) -> dict:
         held = wait_mid_window(run.system.generators[victim])
         return _inject(run, timeline, settle,
                        f"ray.kill({victim}) of {len(run.system.pool.live)} holding {held} sequences",
-                       lambda: ray.kill(run.system.generators[victim], no_restart=True))
+                       lambda: ray.kill(run.system.generators[victim], no_restart=True),
+                       compare=not quick)  # --quick: the learner's restart is kill_learner's
     finally:
         timeline.close()
 
