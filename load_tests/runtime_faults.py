@@ -249,14 +249,14 @@ def serve_poll_errors(run_dir: str, quick: bool, extra: list[str]) -> dict:
         errors = []
         for i in range(2 if quick else 5):
             errors.append(_inject_poll_error(base, controller, len(errors)))
-        replaced = _kill_controller(base, controller)
+        replaced = _kill_controller(base, controller, run_dir)
         drained = controller.drain.remote(120).result(timeout_s=300)
         status = _status(base)
         ledger = status["ledger"]
         return {"injected": f"{len(errors)} errors injected into the controller's poll, then the controller "
                             f"replica killed", "poll_errors": errors, "controller_replaced": replaced,
                 "same_run_dir": all(e["run_dir"] == run_dir for e in errors) and replaced["run_dir"] == run_dir,
-                "steps_below_checkpoint": [e for e in errors if e["min_step_after"] < e["checkpoint_step"]],
+                "steps_below_checkpoint": [e for e in [*errors, replaced] if e["min_step_after"] < e["checkpoint_step"]],
                 "ledger": {"admitted": ledger["admitted"], "in_flight": ledger["in_flight"],
                            "trained": ledger["trained"], "dropped": ledger["dropped"],
                            "duplicates": ledger["duplicates"], "balanced": not ledger["problems"],
@@ -324,12 +324,16 @@ def _inject_poll_error(base: str, controller, restarts_before: int) -> dict:
             "policy_after": {k: served[k] for k in ("weight_incarnation", "weight_version")}}
 
 
-def _kill_controller(base: str, controller) -> dict:
-    """Kill the train controller's replica process: Serve starts another, which resumes the run."""
+def _kill_controller(base: str, controller, run_dir: str) -> dict:
+    """Kill the train controller's replica process: Serve starts another, which resumes the run.
+    The bound its steps are held to is the newest checkpoint committed in the run directory (the
+    learner's own `last_checkpoint` is empty until the incarnation running writes one)."""
     import httpx
 
+    from asyncrl import checkpoint
+
     before = _status(base)
-    checkpoint_step = before.get("last_checkpoint", {}).get("step", 0)
+    checkpoint_step = max((step for step, _ in checkpoint.committed(checkpoint.checkpoints_dir(run_dir))), default=0)
     pid = controller.pid.remote().result(timeout_s=60)
     at = time.monotonic()
     os.kill(pid, signal.SIGKILL)
