@@ -231,11 +231,14 @@ def test_a_whole_answer_gets_a_windows_steps_at_once_and_the_same_tokens_as_a_st
         return reads, tokens
 
     async def main():
-        return await job(True), await job(False)
+        alone = await job(True), await job(False)
+        return alone, await asyncio.gather(job(True), job(False))  # together: one window, read both ways
 
-    (live_reads, streamed), (window_reads, whole) = asyncio.run(main())
+    ((live_reads, streamed), (window_reads, whole)), shared = asyncio.run(main())
     assert whole == streamed and all(len(t) == 30 for t in whole.values())
     assert window_reads == 4 and live_reads > 4  # 30 tokens: windows of 8, 8, 8 and 6
+    (shared_live_reads, shared_streamed), (shared_window_reads, shared_whole) = shared
+    assert shared_whole == shared_streamed == whole and shared_window_reads <= 4 < shared_live_reads
 
 
 def test_the_kv_block_a_window_allocates_stays_within_the_bound():
