@@ -5,37 +5,61 @@ time, 2 rounds after a warm-up; prints the best of each and their ratio.
 
     python load_tests/engine_groups.py
 """
-import json, time, torch
-from asyncrl.config import compose
-from asyncrl.models import load_policy
-from asyncrl.engines.torch_engine import TorchEngine
-from asyncrl.engines.base import SamplingParams
-from asyncrl.bench.engine import NEVER
-from asyncrl.generation import sequence_input
-from asyncrl.datafiles import load_examples
-from asyncrl.tasks import encode_prompt
 
-torch.set_num_threads(1)
-config = compose([])
-model, tok = load_policy(config.model)
-model.eval()
-pad = tok.pad_token_id or 0
-ex = load_examples(config.task, "eval", 8)
-prompts = [encode_prompt(e, tok, config.model.use_chat_template, config.task.chat_template_kwargs) for e in ex][:8]
-rows = [p for p in prompts for _ in range(8)]
-engine = TorchEngine(model, NEVER, pad)
-seqs = [sequence_input(p, i, 32) for i, p in enumerate(rows)]
-width = max(len(p) for p in prompts)
-ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-def eng(): engine.generate_window_sync(seqs, 32, SamplingParams(temperature=1.0))
-def gen():
-    with torch.inference_mode():
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=32, min_new_tokens=32, do_sample=True,
-                       temperature=1.0, top_k=0, top_p=1.0, pad_token_id=pad, num_return_sequences=8)
-out = {"engine": [], "generate": []}
-for r in range(3):
-    for name, f in (("engine", eng), ("generate", gen)):
-        t = time.process_time(); f(); dt = time.process_time() - t
-        if r: out[name].append(64 * 32 / dt)
-print(json.dumps({k: max(v) for k, v in out.items()}), "ratio", max(out["engine"]) / max(out["generate"]))
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+PROMPTS, SAMPLES, NEW_TOKENS = 8, 8, 32
+
+
+def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    import torch
+
+    from asyncrl.bench.engine import NEVER
+    from asyncrl.config import compose
+    from asyncrl.datafiles import load_examples
+    from asyncrl.engines.base import SamplingParams
+    from asyncrl.engines.torch_engine import TorchEngine
+    from asyncrl.generation import sequence_input
+    from asyncrl.models import load_policy
+    from asyncrl.tasks import encode_prompt
+
+    torch.set_num_threads(1)
+    config = compose([])
+    model, tokenizer = load_policy(config.model)
+    model.eval()
+    pad = tokenizer.pad_token_id or 0
+    prompts = [encode_prompt(e, tokenizer, config.model.use_chat_template, config.task.chat_template_kwargs)
+               for e in load_examples(config.task, "eval", PROMPTS)][:PROMPTS]
+    engine = TorchEngine(model, NEVER, pad)
+    sequences = [sequence_input(p, i, NEW_TOKENS) for i, p in enumerate(p for p in prompts for _ in range(SAMPLES))]
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+
+    def engine_call():
+        engine.generate_window_sync(sequences, NEW_TOKENS, SamplingParams(temperature=1.0))
+
+    def generate_call():
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                           do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=pad,
+                           num_return_sequences=SAMPLES)
+
+    rates: dict[str, list[float]] = {"engine": [], "generate": []}
+    for round_ in range(3):  # round 0 warms up
+        for name, call in (("engine", engine_call), ("generate", generate_call)):
+            start = time.process_time()
+            call()
+            if round_:
+                rates[name].append(PROMPTS * SAMPLES * NEW_TOKENS / (time.process_time() - start))
+    best = {name: max(r) for name, r in rates.items()}
+    print(json.dumps({"tokens_per_cpu_s": best, "engine_over_generate": best["engine"] / best["generate"]}))
+
+
+if __name__ == "__main__":
+    main()
