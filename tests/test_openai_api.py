@@ -15,6 +15,7 @@ from asyncrl.engines.base import SamplingParams
 from asyncrl.engines.batching import TooLarge, WindowBatcher
 from asyncrl.generation import build_generator_engine, sequence_input
 from asyncrl.openai_api import ChatCompletionRequest, CompletionRequest, OpenAIError
+from asyncrl.schema import FinishReason
 from asyncrl.serve.policy import PolicyServer
 
 TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "the episode's digit",
@@ -213,10 +214,12 @@ def test_concurrent_requests_share_engine_windows_and_get_the_samples_they_get_a
 
 def test_a_whole_answer_gets_a_windows_steps_at_once_and_the_same_tokens_as_a_stream():
     """A job that does not stream wakes its reader once per window (8 tokens), not once per token,
-    and samples exactly what the streamed job with the same seeds samples."""
+    and samples exactly what the streamed job with the same seeds samples: the same tokens, log-probs,
+    most likely tokens (cut to the job's `top_logprobs`) and finish on the last one."""
     engine, _ = build_generator_engine(compose(["model=tiny"]).model, compose(["model=tiny"]).engine)
     batcher = WindowBatcher(engine, max_rows=64, window_tokens=8, max_positions=1 << 20)
-    params = SamplingParams(temperature=1.0, logit_bias=((0, -100.0), (1, -100.0), (2, -100.0)))  # no EOS
+    params = SamplingParams(temperature=1.0, logit_bias=((0, -100.0), (1, -100.0), (2, -100.0)),  # no EOS
+                            top_logprobs=2)
 
     async def job(live):
         steps = batcher.stream([sequence_input([5, 6, 7], 40 + k, 30) for k in range(3)], params, live)
@@ -225,7 +228,7 @@ def test_a_whole_answer_gets_a_windows_steps_at_once_and_the_same_tokens_as_a_st
             async for batch in steps:
                 reads += 1
                 for s in batch:
-                    tokens.setdefault(s.row, []).append(s.token)
+                    tokens.setdefault(s.row, []).append((s.token, s.logprob, s.top, s.finish))
         finally:
             steps.close()
         return reads, tokens
@@ -236,9 +239,16 @@ def test_a_whole_answer_gets_a_windows_steps_at_once_and_the_same_tokens_as_a_st
 
     ((live_reads, streamed), (window_reads, whole)), shared = asyncio.run(main())
     assert whole == streamed and all(len(t) == 30 for t in whole.values())
+    steps = [step for row in whole.values() for step in row]
+    assert all(len(top[0]) == len(top[1]) == 2 for _, _, top, _ in steps)
+    finishes = [finish for *_, finish in steps]  # one per row, on its 30th token
+    assert finishes.count(FinishReason.MAX_LENGTH) == 3 and finishes[29::30] == [FinishReason.MAX_LENGTH] * 3
     assert window_reads == 4 and live_reads > 4  # 30 tokens: windows of 8, 8, 8 and 6
     (shared_live_reads, shared_streamed), (shared_window_reads, shared_whole) = shared
-    assert shared_whole == shared_streamed == whole and shared_window_reads <= 4 < shared_live_reads
+    # In one window of 6 rows the log-probs may differ from a 3-row window's in the last bit: tokens only.
+    assert shared_whole == shared_streamed and shared_window_reads <= 4 < shared_live_reads
+    assert {row: [t[0] for t in steps] for row, steps in shared_whole.items()} == {
+        row: [t[0] for t in steps] for row, steps in whole.items()}
 
 
 def test_the_kv_block_a_window_allocates_stays_within_the_bound():

@@ -249,12 +249,11 @@ class WindowBatcher:
             if row.done or row.job.closed:
                 continue
             k, n = row.job.params.top_logprobs, len(out.token_ids)
-            finish = None if out.finish_reason is FinishReason.WINDOW else out.finish_reason
             tokens, logprobs = out.token_ids.tolist(), out.logprobs.tolist()
             top_ids = out.top_ids[:, :k].tolist() if k and out.top_ids is not None else None
             top_lps = out.top_logprobs[:, :k].tolist() if top_ids is not None else None
-            row.job.held += [StepToken(row.index, tokens[i], logprobs[i], finish if i == n - 1 else None,
-                                       (top_ids[i], top_lps[i]) if top_ids is not None else None, version)
+            row.job.held += [_step_token(row, tokens[i], logprobs[i], out.finish_reason if i == n - 1 else None,
+                                         (top_ids[i], top_lps[i]) if top_ids is not None else None, version)
                              for i in range(n)]
             self.counters["tokens"] += n
 
@@ -265,12 +264,7 @@ class WindowBatcher:
             row = rows[index]
             if row.done or row.job.closed:
                 continue
-            finish = None if reason is None or reason is FinishReason.WINDOW else reason
-            if top is not None and row.job.params.top_logprobs < len(top[0]):
-                k = row.job.params.top_logprobs
-                top = (top[0][:k], top[1][:k])
-            by_job.setdefault(row.job, []).append(StepToken(row.index, token, logprob, finish,
-                                                            top if row.job.params.top_logprobs else None, version))
+            by_job.setdefault(row.job, []).append(_step_token(row, token, logprob, reason, top, version))
             self.counters["tokens"] += 1
         for job, steps in by_job.items():
             if job.live:
@@ -310,6 +304,16 @@ class JobSteps:
             self.batcher.counters["jobs_left"] += 1
         self.job.closed = True
         self.batcher._wake.set()
+
+
+def _step_token(row: _Row, token: int, logprob: float, reason: FinishReason | None, top, version: int) -> StepToken:
+    """One token of a row as its job sees it, whether read per decode step or from a window's
+    outputs: a finish only where the row ends (a window's end is not one), the most likely tokens
+    cut to the job's `top_logprobs` (none when it asks for none)."""
+    k = row.job.params.top_logprobs
+    finish = None if reason is FinishReason.WINDOW else reason
+    return StepToken(row.index, token, logprob, finish, (top[0][:k], top[1][:k]) if k and top is not None else None,
+                     version)
 
 
 def drain(queue: asyncio.Queue) -> list[StepToken]:
