@@ -4,10 +4,12 @@
                                                        # learner on the head), report, down
     sudo python load_tests/cluster.py serve            # the same under `serve run configs/serve.yaml`
     sudo python load_tests/cluster.py scale            # 1, 2, 4, 8 generators spread over the nodes
+    sudo python load_tests/cluster.py delta            # the demo's weight updates, full against delta
+                                                       # (policy.weight_delta), same node and across
     sudo python load_tests/cluster.py up | down        # leave it running / take it down
 
 Two namespaces joined by a veth pair, each with its own address (head 10.77.0.1, worker
-10.77.0.2): `ray start --head` in one with the custom resource `node_learner`, `ray start
+10.77.0.2): `ray start --head` in one with the custom resources `node_learner` and `node_head`, `ray start
 --address=...` in the other with `node_generator`. The driver runs in the head's namespace and
 joins with `cluster.ray_address`; roles are pinned by those resources, so the generator lands on
 the worker and the learner on the head, and the weights cross the namespaces in the learner's own
@@ -22,6 +24,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -88,7 +91,8 @@ def up(worker_cpus: int = 8, head_cpus: int = 8, object_store_mb: int = 1024, pr
     network_up()
     common = ["--disable-usage-stats", f"--object-store-memory={object_store_mb << 20}"]
     in_ns(HEAD, f"{VENV_BIN}/ray", "start", "--head", f"--node-ip-address={HEAD_IP}", f"--port={RAY_PORT}",
-          f"--num-cpus={head_cpus}", "--resources", json.dumps({"node_learner": 1}), "--include-dashboard=false",
+          f"--num-cpus={head_cpus}", "--resources", json.dumps({"node_learner": 1, "node_head": 1}),
+          "--include-dashboard=false",
           *common, env=ray_env(), timeout=180)
     resources = {"node_generator": 1, **({"node_private": 2} if private_dir else {})}
     start = [f"{VENV_BIN}/ray", "start", f"--address={ADDRESS}", f"--node-ip-address={WORKER_IP}",
@@ -235,9 +239,55 @@ def serve(steps: int, out_dir: str, timeout_s: float = 600) -> dict:
                       | {"problems": status["ledger"]["problems"]}}
 
 
+# The demo (the embedded model on its arithmetic task) with the generator's engine in bfloat16: a
+# delta is what changed in the engine's dtype, so it needs the dtype named (`auto` measures it per
+# generator); one held-out prompt, no checkpoints: the run is there for its weight updates.
+DELTA_RUN = ["engine.dtype=bfloat16", "trainer.eval_samples=1", "trainer.checkpoint_every=0",
+             "policy.compute.resources={node_learner: 1}"]
+DELTA_PLACEMENTS = {"same_node": "engine.resources={node_head: 1}", "across_nodes": "engine.resources={node_generator: 1}"}
+
+
+def delta(steps: int, out_dir: str, timeout_s: float = 1800) -> dict:
+    """Full against delta weight updates (`policy.weight_delta`) in the demo, its generator on the
+    learner's node (path `shm`) and on the other node (path `group`): per step, the bytes and seconds
+    of the update after it and the share of the engine's values that changed."""
+    out = {}
+    for placement, pin in DELTA_PLACEMENTS.items():
+        for variant, extra in (("full", []), ("delta", ["policy.weight_delta=true"])):
+            run_dir = tempfile.mkdtemp(prefix=f"cluster-delta-{placement}-{variant}-", dir=out_dir)
+            args = [f"{VENV_BIN}/asyncrl", "train", f"trainer.total_steps={steps}", f"trainer.run_dir={run_dir}",
+                    f"cluster.ray_address={ADDRESS}", *DELTA_RUN, pin, *extra]
+            done = run_in_head(args, timeout_s)
+            if done.returncode != 0:
+                raise RuntimeError(f"asyncrl train failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+            status = json.load(open(os.path.join(run_dir, "summary.json")))["final_status"]
+            records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+            row = {"paths": status["last_broadcast"].get("paths"),
+                   "generator_node": [g["node_ip"] for g in status["generators"]],
+                   "bytes": [r["broadcast_bytes"] for r in records], "seconds": [r["broadcast_s"] for r in records],
+                   "changed_fraction": [r.get("delta_changed_fraction") for r in records],
+                   "ledger_problems": status["ledger"]["problems"]}
+            out[f"{placement}_{variant}"] = row
+            print(placement, variant, json.dumps(row), flush=True)
+    return out
+
+
+def delta_table(result: dict) -> str:
+    """One line per run: the medians over its updates after the first (a delta's first is whole)."""
+    lines = ["| placement | variant | path | bytes / update | s / update | changed values |", "|---|---|---|---|---|---|"]
+    for key, row in result.items():
+        placement, variant = key.rsplit("_", 1)
+        later = slice(1, None) if len(row["bytes"]) > 1 else slice(None)
+        changed = [c for c in row["changed_fraction"][later] if c is not None]
+        lines.append(f"| {placement.replace('_', ' ')} | {variant} | {','.join(row['paths'] or [])} | "
+                     f"{statistics.median(row['bytes'][later]) / 1e6:.1f} MB | {statistics.median(row['seconds'][later]):.2f} | "
+                     + (f"{100 * statistics.median(changed):.1f}% |" if changed else " |"))
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["up", "down", "train", "serve", "scale"])
+    parser.add_argument("command", choices=["up", "down", "train", "serve", "scale", "delta"])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--generators", type=int, nargs="*", default=[1, 2, 4, 8])
     parser.add_argument("--out", default=os.path.join(ROOT, "outputs", "cluster"))
@@ -254,7 +304,12 @@ def main() -> int:
         return 0
     os.makedirs(args.out, exist_ok=True)
     try:
-        if args.command in ("train", "serve"):
+        if args.command == "delta":
+            result = delta(args.steps, tempfile.mkdtemp(prefix="cluster-delta-", dir=args.out))
+            print(delta_table(result))
+            ok = (not any(r["ledger_problems"] for r in result.values())
+                  and result["across_nodes_delta"]["paths"] == ["group"] and result["same_node_delta"]["paths"] == ["shm"])
+        elif args.command in ("train", "serve"):
             out_dir = tempfile.mkdtemp(prefix=f"cluster-{args.command}-", dir=args.out)
             result = (train(args.steps, 1, PINNED, out_dir) if args.command == "train"
                       else serve(min(args.steps, 10), out_dir))
