@@ -273,14 +273,17 @@ def delta(steps: int, out_dir: str, timeout_s: float = 1800) -> dict:
 
 
 def delta_table(result: dict) -> str:
-    """One line per run: the medians over its updates after the first (a delta's first is whole)."""
+    """One line per run: the medians over its updates after the first (a step's record before any
+    update has 0 bytes; a delta's first update is the whole version)."""
     lines = ["| placement | variant | path | bytes / update | s / update | changed values |", "|---|---|---|---|---|---|"]
     for key, row in result.items():
         placement, variant = key.rsplit("_", 1)
-        later = slice(1, None) if len(row["bytes"]) > 1 else slice(None)
-        changed = [c for c in row["changed_fraction"][later] if c is not None]
+        updates = [i for i, sent in enumerate(row["bytes"]) if sent]
+        later = updates[1:] or updates
+        changed = [row["changed_fraction"][i] for i in later if row["changed_fraction"][i] is not None]
         lines.append(f"| {placement.replace('_', ' ')} | {variant} | {','.join(row['paths'] or [])} | "
-                     f"{statistics.median(row['bytes'][later]) / 1e6:.1f} MB | {statistics.median(row['seconds'][later]):.2f} | "
+                     f"{statistics.median(row['bytes'][i] for i in later) / 1e6:.1f} MB | "
+                     f"{statistics.median(row['seconds'][i] for i in later):.2f} | "
                      + (f"{100 * statistics.median(changed):.1f}% |" if changed else " |"))
     return "\n".join(lines)
 
@@ -288,10 +291,11 @@ def delta_table(result: dict) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=["up", "down", "train", "serve", "scale", "delta"])
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, help="learner steps a run takes (default 40; delta: 4, the demo's steps are long)")
     parser.add_argument("--generators", type=int, nargs="*", default=[1, 2, 4, 8])
     parser.add_argument("--out", default=os.path.join(ROOT, "outputs", "cluster"))
     args = parser.parse_args()
+    args.steps = args.steps or (4 if args.command == "delta" else 40)
     if os.geteuid() != 0:
         print("needs root (ip netns)", file=sys.stderr)
         return 2
