@@ -45,8 +45,9 @@ def decode_seconds(decoder, forward, batch: int, context: int, tokens: int) -> t
     return sum(times[:3]), statistics.median(times[len(times) // 2:]), logits
 
 
-def measure(model_preset: str, batches: list[int], context: int, tokens: int) -> dict:
-    """{(variant, batch): (compiling s, decode step s, max |logit - eager logit|)}."""
+def measure(model_preset: str, batches: list[int], context: int, tokens: int, variants: tuple[str, ...] = ()) -> dict:
+    """{(variant, batch): (compiling s, decode step s, max |logit - eager logit|)}, for `variants`
+    (eager first; by default all of VARIANTS)."""
     import torch._dynamo
     import torch._inductor.config as inductor
 
@@ -59,7 +60,7 @@ def measure(model_preset: str, batches: list[int], context: int, tokens: int) ->
     decoder = LlamaDecoder(model.to(torch.bfloat16).eval())
     rows, eager_logits = {}, {}
     try:
-        for variant in VARIANTS:
+        for variant in variants or VARIANTS:
             inductor.freezing = variant.endswith("weights")
             for batch in batches:
                 torch._dynamo.reset()  # each batch compiles afresh (and within dynamo's recompile limit)
@@ -80,9 +81,10 @@ def report(rows: dict, batches: list[int]) -> str:
              "|---|---|---|---|---|"]
     for batch in batches:
         eager = rows["eager", batch][1]
-        cells = [f"{rows[v, batch][1] * 1e3:.1f} ({eager / rows[v, batch][1]:.2f}x)" for v in VARIANTS[1:]]
-        lines.append(f"| {batch} | {eager * 1e3:.1f} | {cells[0]} | {cells[1]} | "
-                     f"{rows[VARIANTS[1], batch][0]:.1f} s, {rows[VARIANTS[2], batch][0]:.1f} s |")
+        cells = [f"{rows[v, batch][1] * 1e3:.1f} ({eager / rows[v, batch][1]:.2f}x)" if (v, batch) in rows else "-"
+                 for v in VARIANTS[1:]]
+        firsts = [f"{rows[v, batch][0]:.1f} s" if (v, batch) in rows else "-" for v in VARIANTS[1:]]
+        lines.append(f"| {batch} | {eager * 1e3:.1f} | {cells[0]} | {cells[1]} | {', '.join(firsts)} |")
     return "\n".join(lines)
 
 

@@ -212,6 +212,38 @@ def test_concurrent_requests_share_engine_windows_and_get_the_samples_they_get_a
     asyncio.run(main())
 
 
+def test_clients_back_a_few_milliseconds_apart_share_one_window_when_the_batcher_gathers():
+    """Four closed-loop clients: their answers end with one window and their next requests arrive
+    5 ms apart. Started at once (gather 0) the next window holds the first request alone and the
+    others wait for it; gathering (up to 0.5 s, ended as soon as the 4 rows are back) they share
+    one window."""
+    engine, _ = build_generator_engine(compose(["model=tiny"]).model, compose(["model=tiny"]).engine)
+    params = SamplingParams(temperature=1.0, logit_bias=((0, -100.0), (1, -100.0), (2, -100.0)))  # no EOS
+
+    async def answer(batcher, seed):
+        steps = batcher.stream([sequence_input([5, 6, 7], seed, 8)], params, live=False)
+        try:
+            return [s.token async for batch in steps for s in batch]
+        finally:
+            steps.close()
+
+    async def rounds(gather_s):
+        batcher = WindowBatcher(engine, max_rows=64, window_tokens=8, max_positions=1 << 20, gather_s=gather_s)
+        first = await asyncio.gather(*(answer(batcher, seed) for seed in range(4)))  # one window of 4 rows
+
+        async def returning(seed):
+            await asyncio.sleep(0.005 * seed)
+            return await answer(batcher, 10 + seed)
+
+        second = await asyncio.gather(*(returning(seed) for seed in range(4)))
+        assert all(len(tokens) == 8 for tokens in first + second)
+        return batcher.counters["windows"], batcher.counters["window_rows"]
+
+    assert asyncio.run(rounds(0.5)) == (2, 8)
+    windows, rows = asyncio.run(rounds(0.0))
+    assert windows >= 3 and rows == 8  # the first request back ran alone
+
+
 def test_a_whole_answer_gets_a_windows_steps_at_once_and_the_same_tokens_as_a_stream():
     """A job that does not stream wakes its reader once per window (8 tokens), not once per token,
     and samples exactly what the streamed job with the same seeds samples: the same tokens, log-probs,

@@ -3,6 +3,7 @@ line parses and its config composes, each `make` target, load-test script and fl
 Serve application of `configs/serve.yaml` composes and each URL names a route that is there.
 `load_tests/readme_commands.py` runs them (the short ones in CI time, all of them with --all)."""
 
+import functools
 import os
 import re
 import shlex
@@ -38,12 +39,19 @@ def test_every_asyncrl_command_parses_and_its_config_composes(line):
         compose(args.overrides)
 
 
+@functools.cache
+def help_of(script: str) -> subprocess.CompletedProcess:
+    """`script --help`, once per script: the README runs some scripts several ways, and a script
+    that imports Ray and torch takes seconds to answer."""
+    return subprocess.run([sys.executable, os.path.join(ROOT, script), "--help"], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+
+
 @pytest.mark.parametrize("line", [c for c in readme_commands() if "load_tests/" in c])
 def test_every_load_test_and_flag_exists(line):
     words = shlex.split(line)
     script = next(w for w in words if w.startswith("load_tests/"))
-    out = subprocess.run([sys.executable, os.path.join(ROOT, script), "--help"], capture_output=True, text=True,
-                         timeout=120, cwd=ROOT)
+    out = help_of(script)
     assert out.returncode == 0, out.stderr[-2000:]
     for flag in (w for w in words[words.index(script) + 1:] if w.startswith("--")):
         assert flag in out.stdout, (script, flag)

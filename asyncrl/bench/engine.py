@@ -15,6 +15,10 @@ token against this CPU's measured throughput for the model's own matmul shapes a
 the variant's dtype and thread count (attention, sampling and everything else counted as free, so
 the ceiling is an upper bound).
 
+The last row is the batch a GRPO generator runs: groups of rows sharing a prompt (8 prompts x 8
+samples at batch 64), the engine handed the rows (it prefills each prompt once), `generate` the
+prompts with `num_return_sequences`.
+
 A second table times responses generated window by window (T-PPO's small windows), with the KV
 caches kept between windows against re-reading every context (`max_kept_bytes=0`).
 
@@ -78,25 +82,20 @@ def run(quick: bool = False, overrides: list[str] | None = None) -> dict:
              "processor": device_name(device), "precision": precision.summary(),
              "mean_prompt_tokens": float(np.mean([len(p) for p in prompts[:max(batches)]]))}
     context = setup["mean_prompt_tokens"] + new_tokens / 2
-    results = {}
-    for batch in batches:
-        chosen = [prompts[i % len(prompts)] for i in range(batch)]
-        wall, cpu = paired_rounds(engines, user_model, chosen, new_tokens, pad, rounds, device)
-        by_dtype = {dt: decode_ceiling(user_model, batch, dt, context, device, threads) for dt in {dtype, torch.float32}}
-        ceilings = {"engine": by_dtype[dtype], "engine_fp32": by_dtype[torch.float32], "generate": by_dtype[torch.float32]}
-        row = {"batch": batch}
-        for name in wall:
-            row[f"{name}_tokens_per_s"] = float(np.median([batch * new_tokens / t for t in wall[name]]))
-            row[f"{name}_tokens_per_cpu_s"] = float(np.median([batch * new_tokens / t for t in cpu[name]]))
-            row[f"{name}_ceiling_tokens_per_s"] = ceilings[name]["tokens_per_s"]
-            measured = row[f"{name}_tokens_per_cpu_s" if threads == 1 else f"{name}_tokens_per_s"]
-            row[f"{name}_share_of_ceiling"] = measured / ceilings[name]["tokens_per_s"]
-        for name in engines:  # paired: the median of the per-round ratios
-            row[f"{name}_over_generate"] = float(np.median([g / e for e, g in zip(wall[name], wall["generate"])]))
-            row[f"{name}_over_generate_cpu"] = float(np.median([g / e for e, g in zip(cpu[name], cpu["generate"])]))
-        row["matmul_gflops"] = {name: c["matmul_gflops"] for name, c in ceilings.items() if name != "engine_fp32"}
-        results[f"batch_{batch}"] = row
-        print(f"batch {batch}: {row}", flush=True)
+    # Distinct prompts at each batch, then the batch a GRPO generator runs: groups of rows that
+    # share a prompt (the engine prefills it once; `generate` gets `num_return_sequences`).
+    group_batch, group_size = (4, 2) if quick else (64, 8)
+    shapes = [(f"batch_{b}", b, 1) for b in batches] + [(f"groups_{group_batch}", group_batch, group_size)]
+    results, ceilings = {}, {}
+    for name, batch, samples in shapes:
+        if batch not in ceilings:
+            by_dtype = {dt: decode_ceiling(user_model, batch, dt, context, device, threads) for dt in {dtype, torch.float32}}
+            ceilings[batch] = {"engine": by_dtype[dtype], "engine_fp32": by_dtype[torch.float32],
+                               "generate": by_dtype[torch.float32]}
+        chosen = [prompts[i % len(prompts)] for i in range(batch // samples)]
+        timings = paired_rounds(engines, user_model, chosen, new_tokens, pad, rounds, device, samples)
+        results[name] = batch_row(batch, samples, new_tokens, threads, timings, ceilings[batch])
+        print(f"{name}: {results[name]}", flush=True)
     windowed = kept_cache_rounds(engines["engine"], prompts, quick, rounds)
     del engines
     families = family_rounds(user_model, dtype, prompts, pad, (4,) if quick else (16, 64), new_tokens, rounds, device)
@@ -106,10 +105,31 @@ def run(quick: bool = False, overrides: list[str] | None = None) -> dict:
     return {"setup": setup, "batches": results, "windows": windowed, "families": families, "sglang": sglang}
 
 
+def batch_row(batch: int, samples: int, new_tokens: int, threads: int, timings: tuple[dict, dict],
+              ceilings: dict) -> dict:
+    """One row of the table: tokens/s by wall and CPU clock, shares of the ceiling, paired ratios."""
+    wall, cpu = timings
+    row = {"batch": batch, "samples_per_prompt": samples}
+    for name in wall:
+        row[f"{name}_tokens_per_s"] = float(np.median([batch * new_tokens / t for t in wall[name]]))
+        row[f"{name}_tokens_per_cpu_s"] = float(np.median([batch * new_tokens / t for t in cpu[name]]))
+        row[f"{name}_ceiling_tokens_per_s"] = ceilings[name]["tokens_per_s"]
+        measured = row[f"{name}_tokens_per_cpu_s" if threads == 1 else f"{name}_tokens_per_s"]
+        row[f"{name}_share_of_ceiling"] = measured / ceilings[name]["tokens_per_s"]
+    for name in ("engine", "engine_fp32"):  # paired: the median of the per-round ratios
+        row[f"{name}_over_generate"] = float(np.median([g / e for e, g in zip(wall[name], wall["generate"])]))
+        row[f"{name}_over_generate_cpu"] = float(np.median([g / e for e, g in zip(cpu[name], cpu["generate"])]))
+    row["matmul_gflops"] = {name: c["matmul_gflops"] for name, c in ceilings.items() if name != "engine_fp32"}
+    return row
+
+
 def paired_rounds(engines: dict, user_model, prompts: list[list[int]], new_tokens: int, pad: int, rounds: int,
-                  device: str) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """Wall and CPU seconds per call of each variant, one call each per round after a warm-up round."""
-    sequences = [sequence_input(p, i, new_tokens) for i, p in enumerate(prompts)]
+                  device: str, samples: int = 1) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Wall and CPU seconds per call of each variant, one call each per round after a warm-up round.
+    With `samples` > 1 each prompt gets that many rows, as a GRPO group: the engine is handed the
+    rows (it computes what they share once), `generate` the prompts with `num_return_sequences`."""
+    rows = [p for p in prompts for _ in range(samples)]
+    sequences = [sequence_input(p, i, new_tokens) for i, p in enumerate(rows)]
     width = max(len(p) for p in prompts)
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
     attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
@@ -120,7 +140,7 @@ def paired_rounds(engines: dict, user_model, prompts: list[list[int]], new_token
         with torch.inference_mode():
             user_model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=new_tokens,
                                 min_new_tokens=new_tokens, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                                pad_token_id=pad)
+                                pad_token_id=pad, num_return_sequences=samples)
 
     calls["generate"] = generate
     wall: dict[str, list[float]] = {name: [] for name in calls}
@@ -294,7 +314,9 @@ def report(result: dict) -> str:
                  for v in ("engine", "engine_fp32", "generate")]
         theirs = f"{sglang[name]['sglang_tokens_per_s']:.1f}" if name in sglang else "-"
         ratios = [f"{r[f'{v}_over_generate']:.2f}x / {r[f'{v}_over_generate_cpu']:.2f}x" for v in ("engine", "engine_fp32")]
-        lines.append(f"| {r['batch']} | {' | '.join(cells)} | {theirs} | {' | '.join(ratios)} | "
+        samples = r.get("samples_per_prompt", 1)
+        label = f"{r['batch']} ({r['batch'] // samples} prompts x {samples})" if samples > 1 else f"{r['batch']}"
+        lines.append(f"| {label} | {' | '.join(cells)} | {theirs} | {' | '.join(ratios)} | "
                      f"{r['engine_ceiling_tokens_per_s']:.0f}, {r['generate_ceiling_tokens_per_s']:.0f} | "
                      f"{r['matmul_gflops']['engine']:.0f}, {r['matmul_gflops']['generate']:.0f} |")
     if "skipped" in sglang:

@@ -5,7 +5,8 @@ runs engine windows of `window_tokens` over the rows of every job in flight: a w
 engine call, so 16 concurrent clients cost about one client's decode steps, not 16 times as
 many. Between two windows the loop drops the rows that ended (EOS, length, a stop string or a
 tool call found by the caller, a client gone), applies a pending weight update, and admits waiting
-jobs. Invariants, held here:
+jobs; when fewer rows are ready than the window before had, it waits up to `gather_s` for the
+clients of that window to come back. Invariants, held here:
 
 * **Bounded.** A window's rows never exceed `max_rows`, and the KV block it allocates (the
   engine's own count, `TorchEngine.window_positions`: rows x (longest kept cache + longest
@@ -92,8 +93,10 @@ class _Job:
 class WindowBatcher:
     """Continuous batching over `engine` (a `TorchEngine`); see the module's invariants."""
 
-    def __init__(self, engine, max_rows: int, window_tokens: int, max_positions: int):
+    def __init__(self, engine, max_rows: int, window_tokens: int, max_positions: int, gather_s: float = 0.0):
         self.engine, self.max_rows, self.window_tokens, self.max_positions = engine, max_rows, window_tokens, max_positions
+        self.gather_s = gather_s
+        self._last_rows = 0  # the rows of the window before
         self._jobs: list[_Job] = []  # in arrival order: those running first, then those waiting
         self._wake = asyncio.Event()
         self._update: tuple[Callable[[], None], asyncio.Future] | None = None
@@ -166,7 +169,11 @@ class WindowBatcher:
             self._wake.clear()
             await self._apply_update()
             self._jobs = [j for j in self._jobs if j.live_rows()]
+            if self._live_rows() < self._last_rows:
+                await self._gather()
+                self._jobs = [j for j in self._jobs if j.live_rows()]
             rows, params = self._plan()
+            self._last_rows = len(rows)
             if not rows:
                 continue
             self._wake.set()  # more windows follow while rows are left
@@ -177,6 +184,24 @@ class WindowBatcher:
                     job.queue.put_nowait(exc)
                     for row in job.rows:
                         row.done = True
+
+    def _live_rows(self) -> int:
+        return sum(len(j.live_rows()) for j in self._jobs)
+
+    async def _gather(self) -> None:
+        """Wait up to `gather_s` while fewer rows are ready than the window before had. Clients
+        whose answers ended with that window send their next requests a few milliseconds apart;
+        a window started for the first of them would keep the others waiting a whole window."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.gather_s
+        while self._live_rows() < self._last_rows and (left := deadline - loop.time()) > 0:
+            self._wake.clear()
+            try:  # (not `wait_for`: on 3.11 it can swallow a cancellation that races its timeout)
+                async with asyncio.timeout(left):
+                    await self._wake.wait()
+            except TimeoutError:
+                break
+        self._wake.set()
 
     async def _apply_update(self) -> None:
         if self._update is None:
