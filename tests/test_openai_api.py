@@ -277,10 +277,15 @@ def test_a_whole_answer_gets_a_windows_steps_at_once_and_the_same_tokens_as_a_st
     assert finishes.count(FinishReason.MAX_LENGTH) == 3 and finishes[29::30] == [FinishReason.MAX_LENGTH] * 3
     assert window_reads == 4 and live_reads > 4  # 30 tokens: windows of 8, 8, 8 and 6
     (shared_live_reads, shared_streamed), (shared_window_reads, shared_whole) = shared
-    # In one window of 6 rows the log-probs may differ from a 3-row window's in the last bit: tokens only.
-    assert shared_whole == shared_streamed and shared_window_reads <= 4 < shared_live_reads
-    assert {row: [t[0] for t in steps] for row, steps in shared_whole.items()} == {
-        row: [t[0] for t in steps] for row, steps in whole.items()}
+    # In one window of 6 rows a row's log-probs may differ in the last bit with its place in the
+    # batch (the matrix products block rows; seen once in a few runs): tokens and finishes exactly,
+    # log-probs to 1e-5.
+    def tokens(job):
+        return {row: [(t[0], t[3]) for t in steps] for row, steps in job.items()}
+
+    assert tokens(shared_whole) == tokens(shared_streamed) == tokens(whole)
+    assert all(abs(a[1] - b[1]) < 1e-5 for row in shared_whole for a, b in zip(shared_whole[row], shared_streamed[row]))
+    assert shared_window_reads <= 4 < shared_live_reads
 
 
 def test_the_kv_block_a_window_allocates_stays_within_the_bound():

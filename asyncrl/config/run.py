@@ -161,10 +161,10 @@ class ServeConfig(Section):
     """Policy endpoint, embedded engine: tokens per sequence per engine window. Between windows,
     finished and abandoned requests leave, waiting ones join and weight updates land."""
     batch_gather_s: NonNegativeFloat = 0.05
-    """Policy endpoint, embedded engine: when fewer sequences are ready than the last window had,
-    wait up to this long for more before the next window starts (clients whose answers just ended
-    send their next requests milliseconds apart; a window started for the first would keep the
-    rest waiting a whole window). 0 = start at once."""
+    """Policy endpoint, embedded engine: when every sequence of the last window has ended and fewer
+    new ones are ready than it had, wait up to this long for more before the next window starts
+    (clients whose answers just ended send their next requests milliseconds apart; a window
+    started for the first would keep the rest waiting a whole window). 0 = start at once."""
     max_kv_mb: PositiveInt = 1024
     """Policy endpoint, embedded engine: the KV cache one window may allocate (every sequence's
     keys and values at the window's width). Requests wait for room; one that could never fit is

@@ -5,8 +5,8 @@ runs engine windows of `window_tokens` over the rows of every job in flight: a w
 engine call, so 16 concurrent clients cost about one client's decode steps, not 16 times as
 many. Between two windows the loop drops the rows that ended (EOS, length, a stop string or a
 tool call found by the caller, a client gone), applies a pending weight update, and admits waiting
-jobs; when fewer rows are ready than the window before had, it waits up to `gather_s` for the
-clients of that window to come back. Invariants, held here:
+jobs; when every row of the window before has ended and fewer new rows are ready than it had,
+it waits up to `gather_s` for the clients of that window to come back. Invariants, held here:
 
 * **Bounded.** A window's rows never exceed `max_rows`, and the KV block it allocates (the
   engine's own count, `TorchEngine.window_positions`: rows x (longest kept cache + longest
@@ -169,7 +169,7 @@ class WindowBatcher:
             self._wake.clear()
             await self._apply_update()
             self._jobs = [j for j in self._jobs if j.live_rows()]
-            if self._live_rows() < self._last_rows:
+            if self._starts_afresh() and self._live_rows() < self._last_rows:
                 await self._gather()
                 self._jobs = [j for j in self._jobs if j.live_rows()]
             rows, params = self._plan()
@@ -188,10 +188,16 @@ class WindowBatcher:
     def _live_rows(self) -> int:
         return sum(len(j.live_rows()) for j in self._jobs)
 
+    def _starts_afresh(self) -> bool:
+        """No row of the window before goes on: the next window holds only new requests."""
+        return not any(j.started for j in self._jobs if j.live_rows())
+
     async def _gather(self) -> None:
-        """Wait up to `gather_s` while fewer rows are ready than the window before had. Clients
-        whose answers ended with that window send their next requests a few milliseconds apart;
-        a window started for the first of them would keep the others waiting a whole window."""
+        """Wait up to `gather_s` while fewer rows are ready than the window before had, when
+        every row of that window has ended. Clients whose answers ended with it send their next
+        requests a few milliseconds apart; a window started for the first of them would keep the
+        others waiting a whole window. (While rows go on, their window runs at once: a wait there
+        would tax every window in which some answer ended.)"""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.gather_s
         while self._live_rows() < self._last_rows and (left := deadline - loop.time()) > 0:
