@@ -207,7 +207,7 @@ class WindowBatcher:
                     await self._wake.wait()
             except TimeoutError:
                 break
-        self._wake.set()
+        self._wake.set()  # what came meanwhile (a weight update too) is the loop's next pass
 
     async def _apply_update(self) -> None:
         if self._update is None:
