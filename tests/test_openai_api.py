@@ -241,7 +241,44 @@ def test_clients_back_a_few_milliseconds_apart_share_one_window_when_the_batcher
 
     assert asyncio.run(rounds(0.5)) == (2, 8)
     windows, rows = asyncio.run(rounds(0.0))
-    assert windows >= 3 and rows == 8  # the first request back ran alone
+    assert windows >= 3 and rows > 8  # the first request back started alone (the others joined later)
+
+
+def test_a_request_arriving_mid_window_joins_at_the_next_step_and_changes_no_sample():
+    """A long answer runs in a 64-token window; a short request arriving after its first steps cuts
+    that window at the next decode step and ends long before it (without the cut it would wait the
+    whole window). The long answer goes on from its kept KV cache and samples what it samples alone."""
+    engine, _ = build_generator_engine(compose(["model=tiny"]).model, compose(["model=tiny"]).engine)
+    params = SamplingParams(temperature=1.0, logit_bias=((0, -100.0), (1, -100.0), (2, -100.0)))  # no EOS
+
+    async def answer(batcher, seed, max_tokens, ended, live=False):
+        steps = batcher.stream([sequence_input([5, 6, 7], seed, max_tokens)], params, live=live)
+        tokens = []
+        try:
+            async for batch in steps:
+                tokens += [s.token for s in batch]
+                if len(tokens) >= 4 and "long started" not in ended:
+                    ended.append("long started")
+        finally:
+            steps.close()
+        ended.append(seed)
+        return tokens
+
+    async def main():
+        alone = await answer(WindowBatcher(engine, max_rows=64, window_tokens=64, max_positions=1 << 20), 1, 100, [])
+        batcher = WindowBatcher(engine, max_rows=64, window_tokens=64, max_positions=1 << 20)
+        ended: list = []
+        long = asyncio.create_task(answer(batcher, 1, 100, ended, live=True))
+        while "long started" not in ended:
+            await asyncio.sleep(0.001)
+        short = await answer(batcher, 2, 8, ended)
+        return alone, await long, short, ended, batcher.counters
+
+    reused = engine.kept.stats["reused"]
+    alone, long, short, ended, counters = asyncio.run(main())
+    assert ended == ["long started", 2, 1] and len(short) == 8 and counters["windows_cut"] >= 1
+    assert long == alone and len(long) == 100
+    assert engine.kept.stats["reused"] > reused  # the cut rows went on from their kept caches
 
 
 def test_a_whole_answer_gets_a_windows_steps_at_once_and_the_same_tokens_as_a_stream():

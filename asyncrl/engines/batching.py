@@ -5,8 +5,11 @@ runs engine windows of `window_tokens` over the rows of every job in flight: a w
 engine call, so 16 concurrent clients cost about one client's decode steps, not 16 times as
 many. Between two windows the loop drops the rows that ended (EOS, length, a stop string or a
 tool call found by the caller, a client gone), applies a pending weight update, and admits waiting
-jobs; when every row of the window before has ended and fewer new rows are ready than it had,
-it waits up to `gather_s` for the clients of that window to come back. Invariants, held here:
+jobs. A request that arrives while a window runs and could join it (the same settings, room)
+cuts that window at its next decode step, so it waits a step, not the rest of a window (the rows
+of the cut window go on in the next, their KV caches kept). When every row of the window before
+has ended and fewer new rows are ready than it had, the loop waits up to `gather_s` for the
+clients of that window to come back. Invariants, held here:
 
 * **Bounded.** A window's rows never exceed `max_rows`, and the KV block it allocates (the
   engine's own count, `TorchEngine.window_positions`: rows x (longest kept cache + longest
@@ -34,6 +37,7 @@ window by window, oldest first.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
 from collections import Counter
@@ -101,9 +105,12 @@ class WindowBatcher:
         self._wake = asyncio.Event()
         self._update: tuple[Callable[[], None], asyncio.Future] | None = None
         self._task: asyncio.Task | None = None
-        # jobs taken, jobs whose caller left before their end, tokens sampled, windows, rows over them.
+        self._running: tuple[SamplingParams, int] | None = None  # the window in progress: its settings, rows
+        self._cut = threading.Event()  # read by the engine's thread after each decode step
+        # jobs taken, jobs whose caller left before their end, tokens sampled, windows, rows over them,
+        # windows cut short for a request that could join.
         self.counters: Counter = Counter(dict.fromkeys(("jobs", "jobs_left", "tokens", "windows", "window_rows",
-                                                        "generate_ms"), 0))
+                                                        "generate_ms", "windows_cut"), 0))
 
     @property
     def weight_version(self) -> int:
@@ -135,8 +142,17 @@ class WindowBatcher:
                     for i, s in enumerate(sequences)]
         self._jobs.append(job)
         self.counters["jobs"] += 1
+        self._cut_for(job)
         self._start()
         return JobSteps(self, job)
+
+    def _cut_for(self, job: _Job) -> None:
+        """Cut the window in progress at its next decode step when `job` could join the next one.
+        (The KV bound is checked when the next window is planned: a job that does not fit it then
+        waits, at the price of one window cut short.)"""
+        if (self._running is not None and job.group == self._running[0]
+                and self._running[1] + len(job.rows) <= self.max_rows):
+            self._cut.set()
 
     async def load(self, apply: Callable[[], None]) -> None:
         """Run `apply` (a weight load into the engine) between two windows; returns once done."""
@@ -256,8 +272,14 @@ class WindowBatcher:
         # No job of this window streams: its steps are read from the outputs, with no call back per
         # step (a client gone mid-window is dropped at the window's end, at most a window later).
         start = time.perf_counter()
-        outputs = await asyncio.to_thread(self.engine.generate_window_sync, self._inputs(rows), window, params,
-                                          on_step if live else None)
+        self._running = (rows[0].job.group, len(rows))
+        self._cut.clear()
+        try:
+            outputs = await asyncio.to_thread(self.engine.generate_window_sync, self._inputs(rows), window, params,
+                                              on_step if live else None, self._cut)
+        finally:
+            self._running = None
+        self.counters["windows_cut"] += self._cut.is_set()
         self.counters["windows"] += 1
         self.counters["window_rows"] += len(rows)
         self.counters["generate_ms"] += int(1000 * (time.perf_counter() - start))

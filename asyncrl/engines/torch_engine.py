@@ -206,17 +206,21 @@ class TorchEngine:
 
     @torch.inference_mode()
     def generate_window_sync(
-        self, sequences: list[SequenceInput], window_tokens: int, params: SamplingParams, on_step=None
+        self, sequences: list[SequenceInput], window_tokens: int, params: SamplingParams, on_step=None,
+        cut: threading.Event | None = None,
     ) -> list[WindowOutput]:
+        """`on_step(items)`: each decode step as `stream_window` yields it; returning False stops the
+        window (its rows' kept caches are dropped). `cut`: once set, the window ends after the step
+        in progress as a full window ends (its rows go on in a next window, their caches kept)."""
         if window_tokens < 1:
             raise ValueError(f"window_tokens must be >= 1, got {window_tokens}")
         if not sequences:
             return []
         with self._lock:
-            return self._generate(sequences, window_tokens, params, on_step)
+            return self._generate(sequences, window_tokens, params, on_step, cut)
 
     def _generate(self, sequences: list[SequenceInput], window_tokens: int, params: SamplingParams,
-                  on_step=None) -> list[WindowOutput]:
+                  on_step=None, cut: threading.Event | None = None) -> list[WindowOutput]:
         contexts = [np.concatenate([s.prompt_ids, s.response_ids]).astype(np.int64) for s in sequences]
         rows = _Rows.of(sequences, contexts, window_tokens, self.max_positions, self.device)  # checks budgets first
         if self.decoder is None:
@@ -235,7 +239,7 @@ class TorchEngine:
             self.largest_block_positions = max(self.largest_block_positions, window.block.valid.numel())
         adjust = _LogitAdjust.of([sequences[i] for i in order], params, self.vocab_size, self.device)
         decoded = _decode(window, rows.select(order), window_tokens, params, self.eos_token_ids, on_step, order,
-                          adjust)
+                          adjust, cut)
         outputs = decoded.outputs()
         if self.decoder is not None and decoded.complete:
             keep = {sequences[i].key: window.kept(row, outputs[row].token_ids) for row, i in enumerate(order)
@@ -338,9 +342,9 @@ class _LogitAdjust:
 
 
 def _decode(window, rows: _Rows, window_tokens: int, params: SamplingParams, eos_ids: torch.Tensor, on_step,
-            order: list[int], adjust: _LogitAdjust | None = None) -> _Decoded:
+            order: list[int], adjust: _LogitAdjust | None = None, cut: threading.Event | None = None) -> _Decoded:
     """The sampling loop: one token per running row per step, until every row ended or filled
-    its window. `window.start()` gives the first logits, `window.step(tokens)` the next."""
+    its window, or `cut` is set. `window.start()` gives the first logits, `window.step(tokens)` the next."""
     batch, dev = len(rows.prior), rows.prior.device
     hold_eos = bool((rows.min_tokens > rows.prior).any())
     tokens = torch.zeros((batch, window_tokens), dtype=torch.long, device=dev)
@@ -373,9 +377,11 @@ def _decode(window, rows: _Rows, window_tokens: int, params: SamplingParams, eos
         out_of_length = running & ~hit_eos & (produced >= rows.length_left)
         reason = torch.where(hit_eos, 0, reason)
         reason = torch.where(out_of_length, 1, reason)
-        last = step == window_tokens - 1 or bool((reason >= 0).all()) or bool((produced >= rows.budget).all())
-        stopped = on_step is not None and not on_step(
-            _step_items(tok, tok_lp, running, reason, produced >= rows.budget, order, top))
+        window_full = produced >= rows.budget
+        if cut is not None and cut.is_set():  # the rows still running fill their window here
+            window_full = torch.ones_like(window_full)
+        last = step == window_tokens - 1 or bool((reason >= 0).all()) or bool(window_full.all())
+        stopped = on_step is not None and not on_step(_step_items(tok, tok_lp, running, reason, window_full, order, top))
         if stopped or last:  # stopped: the consumer of a stream is gone
             return _Decoded(tokens, logprobs, produced, reason, not stopped, scored, top_ids, top_lps)
         logits = window.step(tok)
