@@ -237,48 +237,52 @@ def test_clients_back_a_few_milliseconds_apart_share_one_window_when_the_batcher
 
         second = await asyncio.gather(*(returning(seed) for seed in range(4)))
         assert all(len(tokens) == 8 for tokens in first + second)
+        await asyncio.sleep(0.2)  # answers are handed over on their last step, before their window's end
         return batcher.counters["windows"], batcher.counters["window_rows"]
 
     assert asyncio.run(rounds(0.5)) == (2, 8)
     windows, rows = asyncio.run(rounds(0.0))
-    assert windows >= 3 and rows > 8  # the first request back started alone (the others joined later)
+    assert windows >= 3 and rows == 8  # the first request back ran alone
 
 
-def test_a_request_arriving_mid_window_joins_at_the_next_step_and_changes_no_sample():
-    """A long answer runs in a 64-token window; a short request arriving after its first steps cuts
-    that window at the next decode step and ends long before it (without the cut it would wait the
-    whole window). The long answer goes on from its kept KV cache and samples what it samples alone."""
+@pytest.mark.parametrize(("cut_after_s", "short_streams"), [(0.0, True), (0.0, False), (None, True)])
+def test_a_request_arriving_mid_window_joins_at_the_next_step_and_changes_no_sample(cut_after_s, short_streams):
+    """A long answer runs in a 64-token window; a short streamed request arriving as it starts cuts
+    that window at its next decode step (`cut_after_s=0`) and has all its 8 tokens before the long
+    one has 32 (streamed or not: a whole answer is handed over on its last step, not at its window's
+    end); never cut (None) it waits for the whole window (64). Either way the
+    long answer goes on from its kept KV cache and samples what it samples alone."""
     engine, _ = build_generator_engine(compose(["model=tiny"]).model, compose(["model=tiny"]).engine)
     params = SamplingParams(temperature=1.0, logit_bias=((0, -100.0), (1, -100.0), (2, -100.0)))  # no EOS
 
-    async def answer(batcher, seed, max_tokens, ended, live=False):
+    async def answer(batcher, seed, max_tokens, tokens, live=True):
         steps = batcher.stream([sequence_input([5, 6, 7], seed, max_tokens)], params, live=live)
-        tokens = []
         try:
             async for batch in steps:
                 tokens += [s.token for s in batch]
-                if len(tokens) >= 4 and "long started" not in ended:
-                    ended.append("long started")
         finally:
             steps.close()
-        ended.append(seed)
         return tokens
 
     async def main():
         alone = await answer(WindowBatcher(engine, max_rows=64, window_tokens=64, max_positions=1 << 20), 1, 100, [])
-        batcher = WindowBatcher(engine, max_rows=64, window_tokens=64, max_positions=1 << 20)
-        ended: list = []
-        long = asyncio.create_task(answer(batcher, 1, 100, ended, live=True))
-        while "long started" not in ended:
-            await asyncio.sleep(0.001)
-        short = await answer(batcher, 2, 8, ended)
-        return alone, await long, short, ended, batcher.counters
+        batcher = WindowBatcher(engine, max_rows=64, window_tokens=64, max_positions=1 << 20,
+                                cut_after_s=cut_after_s)
+        long_tokens: list[int] = []
+        long = asyncio.create_task(answer(batcher, 1, 100, long_tokens))
+        while not batcher.stats()["running_requests"]:  # its window has started
+            await asyncio.sleep(0)
+        short = await answer(batcher, 2, 8, [], live=short_streams)
+        return alone, len(long_tokens), await long, short, batcher.counters
 
     reused = engine.kept.stats["reused"]
-    alone, long, short, ended, counters = asyncio.run(main())
-    assert ended == ["long started", 2, 1] and len(short) == 8 and counters["windows_cut"] >= 1
-    assert long == alone and len(long) == 100
-    assert engine.kept.stats["reused"] > reused  # the cut rows went on from their kept caches
+    alone, long_when_short_ended, long, short, counters = asyncio.run(main())
+    assert len(short) == 8 and long == alone and len(long) == 100
+    if cut_after_s is not None:
+        assert long_when_short_ended < 32 and counters["windows_cut"] >= 1
+    else:
+        assert long_when_short_ended >= 64 and counters["windows_cut"] == 0
+    assert engine.kept.stats["reused"] > reused  # the long answer's next windows went on from kept caches
 
 
 def test_a_whole_answer_gets_a_windows_steps_at_once_and_the_same_tokens_as_a_stream():

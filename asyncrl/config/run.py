@@ -159,7 +159,14 @@ class ServeConfig(Section):
     window (more wait for a later one). One request with more is refused (400), on SGLang too."""
     batch_window_tokens: PositiveInt = 16
     """Policy endpoint, embedded engine: tokens per sequence per engine window. Between windows,
-    finished and abandoned requests leave, waiting ones join and weight updates land."""
+    finished and abandoned requests leave, waiting ones join and weight updates land; a request
+    that could join the window in progress cuts it (`batch_cut_after_s`)."""
+    batch_cut_after_s: NonNegativeFloat = 0.0
+    """Policy endpoint, embedded engine: a request that arrives while a window runs and could join
+    it (the same sampling settings, a free row) ends that window at its next decode step once the
+    window has run this long (0: at the next step), so it waits a step, not the rest of the window.
+    Each new window costs its rows' KV caches copied into a fresh block: raise this where steps are
+    much cheaper than that copy. Above a window's time (say 60), windows are never cut."""
     batch_gather_s: NonNegativeFloat = 0.05
     """Policy endpoint, embedded engine: when every sequence of the last window has ended and fewer
     new ones are ready than it had, wait up to this long for more before the next window starts

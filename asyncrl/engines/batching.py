@@ -6,8 +6,9 @@ engine call, so 16 concurrent clients cost about one client's decode steps, not 
 many. Between two windows the loop drops the rows that ended (EOS, length, a stop string or a
 tool call found by the caller, a client gone), applies a pending weight update, and admits waiting
 jobs. A request that arrives while a window runs and could join it (the same settings, room)
-cuts that window at its next decode step, so it waits a step, not the rest of a window (the rows
-of the cut window go on in the next, their KV caches kept). When every row of the window before
+cuts that window at its next decode step once it has run `cut_after_s`, so it waits a step or
+a few, not the rest of a window (the rows of the cut window go on in the next, their KV caches
+kept; None: never cut). When every row of the window before
 has ended and fewer new rows are ready than it had, the loop waits up to `gather_s` for the
 clients of that window to come back. Invariants, held here:
 
@@ -84,6 +85,7 @@ class _Job:
     live: bool = True
     closed: bool = False
     started: bool = False
+    ended: bool = False  # its stream's end is queued
     held: list[StepToken] = field(default_factory=list)  # a whole answer's steps of the window running
 
     @property
@@ -97,15 +99,17 @@ class _Job:
 class WindowBatcher:
     """Continuous batching over `engine` (a `TorchEngine`); see the module's invariants."""
 
-    def __init__(self, engine, max_rows: int, window_tokens: int, max_positions: int, gather_s: float = 0.0):
+    def __init__(self, engine, max_rows: int, window_tokens: int, max_positions: int, gather_s: float = 0.0,
+                 cut_after_s: float | None = None):
         self.engine, self.max_rows, self.window_tokens, self.max_positions = engine, max_rows, window_tokens, max_positions
-        self.gather_s = gather_s
+        self.gather_s, self.cut_after_s = gather_s, cut_after_s
         self._last_rows = 0  # the rows of the window before
         self._jobs: list[_Job] = []  # in arrival order: those running first, then those waiting
         self._wake = asyncio.Event()
         self._update: tuple[Callable[[], None], asyncio.Future] | None = None
         self._task: asyncio.Task | None = None
         self._running: tuple[SamplingParams, int] | None = None  # the window in progress: its settings, rows
+        self._window_started = 0.0
         self._cut = threading.Event()  # read by the engine's thread after each decode step
         # jobs taken, jobs whose caller left before their end, tokens sampled, windows, rows over them,
         # windows cut short for a request that could join.
@@ -146,11 +150,15 @@ class WindowBatcher:
         self._start()
         return JobSteps(self, job)
 
+    def _cut_now(self) -> bool:
+        """The engine's thread, after each decode step of a window: end the window here?"""
+        return self._cut.is_set() and time.perf_counter() - self._window_started >= self.cut_after_s
+
     def _cut_for(self, job: _Job) -> None:
         """Cut the window in progress at its next decode step when `job` could join the next one.
         (The KV bound is checked when the next window is planned: a job that does not fit it then
         waits, at the price of one window cut short.)"""
-        if (self._running is not None and job.group == self._running[0]
+        if (self.cut_after_s is not None and self._running is not None and job.group == self._running[0]
                 and self._running[1] + len(job.rows) <= self.max_rows):
             self._cut.set()
 
@@ -269,14 +277,18 @@ class WindowBatcher:
             loop.call_soon_threadsafe(self._dispatch, rows, items, version)
             return any(not r.done and not r.job.closed for r in rows)
 
+        def on_end(ended: list[tuple]) -> None:  # the engine's thread
+            loop.call_soon_threadsafe(self._deliver_ended, rows, ended, version)
+
         # No job of this window streams: its steps are read from the outputs, with no call back per
-        # step (a client gone mid-window is dropped at the window's end, at most a window later).
+        # step (a client gone mid-window is dropped at the window's end, at most a window later),
+        # but a row that ends is handed over on the step it ends (`on_end`).
         start = time.perf_counter()
-        self._running = (rows[0].job.group, len(rows))
+        self._running, self._window_started = (rows[0].job.group, len(rows)), time.perf_counter()
         self._cut.clear()
         try:
             outputs = await asyncio.to_thread(self.engine.generate_window_sync, self._inputs(rows), window, params,
-                                              on_step if live else None, self._cut)
+                                              on_step if live else None, self._cut_now, None if live else on_end)
         finally:
             self._running = None
         self.counters["windows_cut"] += self._cut.is_set()
@@ -293,11 +305,29 @@ class WindowBatcher:
             if job.held:
                 job.queue.put_nowait(job.held)
                 job.held = []
-            if not job.live_rows():
-                job.queue.put_nowait(None)
+            self._end_if_done(job)
+
+    @staticmethod
+    def _end_if_done(job: _Job) -> None:
+        if not job.live_rows() and not job.ended:
+            job.ended = True
+            job.queue.put_nowait(None)
+
+    def _deliver_ended(self, rows: list[_Row], ended: list[tuple], version: int) -> None:
+        """Rows of a window of whole answers that ended on a step: their tokens to their jobs now,
+        and a job whose every row has ended is done (its client need not wait for the window)."""
+        self._hold_outputs([rows[i] for i, _ in ended], [out for _, out in ended], version)
+        for i, _ in ended:
+            rows[i].done = True
+        for job in {rows[i].job for i, _ in ended}:
+            if job.held:
+                job.queue.put_nowait(job.held)
+                job.held = []
+            self._end_if_done(job)
 
     def _hold_outputs(self, rows: list[_Row], outputs: list, version: int) -> None:
-        """A window's tokens, row by row, as the steps `_dispatch` would have held for them."""
+        """A window's tokens, row by row, as the steps `_dispatch` would have held for them (a row
+        already handed over, done, is not)."""
         for row, out in zip(rows, outputs):
             if row.done or row.job.closed:
                 continue
@@ -313,17 +343,26 @@ class WindowBatcher:
     def _dispatch(self, rows: list[_Row], items: list[tuple], version: int) -> None:
         """One decode step's tokens to their jobs (on the loop, in order)."""
         by_job: dict[_Job, list[StepToken]] = {}
+        ended: set[_Job] = set()
         for index, token, logprob, reason, top in items:
             row = rows[index]
             if row.done or row.job.closed:
                 continue
             by_job.setdefault(row.job, []).append(_step_token(row, token, logprob, reason, top, version))
             self.counters["tokens"] += 1
+            if reason is not None and reason is not FinishReason.WINDOW:
+                row.done = True  # (its job's stream can end now, not at the window's end)
+                ended.add(row.job)
         for job, steps in by_job.items():
             if job.live:
                 job.queue.put_nowait(steps)
             else:
                 job.held += steps
+            if job in ended:  # a whole answer with a row ended: what it has so far, now
+                if job.held:
+                    job.queue.put_nowait(job.held)
+                    job.held = []
+                self._end_if_done(job)
 
 
 class JobSteps:

@@ -17,7 +17,7 @@ import functools
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
@@ -207,20 +207,22 @@ class TorchEngine:
     @torch.inference_mode()
     def generate_window_sync(
         self, sequences: list[SequenceInput], window_tokens: int, params: SamplingParams, on_step=None,
-        cut: threading.Event | None = None,
+        cut: Callable[[], bool] | None = None, on_end=None,
     ) -> list[WindowOutput]:
         """`on_step(items)`: each decode step as `stream_window` yields it; returning False stops the
-        window (its rows' kept caches are dropped). `cut`: once set, the window ends after the step
-        in progress as a full window ends (its rows go on in a next window, their caches kept)."""
+        window (its rows' kept caches are dropped). `cut()`: asked after each decode step; True ends
+        the window there as a full window ends (its rows go on in a next window, their caches kept).
+        `on_end(ended)`: on a step where rows ended (EOS or length), `[(index in sequences, its
+        WindowOutput)]`, so a caller need not wait for the window's end to have them."""
         if window_tokens < 1:
             raise ValueError(f"window_tokens must be >= 1, got {window_tokens}")
         if not sequences:
             return []
         with self._lock:
-            return self._generate(sequences, window_tokens, params, on_step, cut)
+            return self._generate(sequences, window_tokens, params, on_step, cut, on_end)
 
     def _generate(self, sequences: list[SequenceInput], window_tokens: int, params: SamplingParams,
-                  on_step=None, cut: threading.Event | None = None) -> list[WindowOutput]:
+                  on_step=None, cut: Callable[[], bool] | None = None, on_end=None) -> list[WindowOutput]:
         contexts = [np.concatenate([s.prompt_ids, s.response_ids]).astype(np.int64) for s in sequences]
         rows = _Rows.of(sequences, contexts, window_tokens, self.max_positions, self.device)  # checks budgets first
         if self.decoder is None:
@@ -239,7 +241,7 @@ class TorchEngine:
             self.largest_block_positions = max(self.largest_block_positions, window.block.valid.numel())
         adjust = _LogitAdjust.of([sequences[i] for i in order], params, self.vocab_size, self.device)
         decoded = _decode(window, rows.select(order), window_tokens, params, self.eos_token_ids, on_step, order,
-                          adjust, cut)
+                          adjust, cut, on_end)
         outputs = decoded.outputs()
         if self.decoder is not None and decoded.complete:
             keep = {sequences[i].key: window.kept(row, outputs[row].token_ids) for row, i in enumerate(order)
@@ -289,6 +291,16 @@ class _Decoded:
     scored: torch.Tensor | None = None  # uint8 [B, W] (`scored_positions`), None when every position was
     top_ids: torch.Tensor | None = None  # [B, W, k] with `params.top_logprobs` = k
     top_logprobs: torch.Tensor | None = None
+
+    def output(self, row: int) -> WindowOutput:
+        """One row's output (a row that ended: its positions are written no more)."""
+        n, top = int(self.produced[row]), self.top_ids is not None
+        return WindowOutput(token_ids=self.tokens[row, :n].to(torch.int32).cpu().numpy(),
+                            logprobs=self.logprobs[row, :n].cpu().numpy().copy(),
+                            finish_reason=_FINISH[int(self.reason[row])],
+                            scored=None if self.scored is None else self.scored[row, :n].cpu().numpy().copy(),
+                            top_ids=self.top_ids[row, :n].to(torch.int32).cpu().numpy() if top else None,
+                            top_logprobs=self.top_logprobs[row, :n].cpu().numpy().copy() if top else None)
 
     def outputs(self) -> list[WindowOutput]:
         # Whole arrays to numpy once, then rows (per-row tensor slicing cost 2.5 ms a window at batch 64).
@@ -342,9 +354,10 @@ class _LogitAdjust:
 
 
 def _decode(window, rows: _Rows, window_tokens: int, params: SamplingParams, eos_ids: torch.Tensor, on_step,
-            order: list[int], adjust: _LogitAdjust | None = None, cut: threading.Event | None = None) -> _Decoded:
+            order: list[int], adjust: _LogitAdjust | None = None, cut: Callable[[], bool] | None = None,
+            on_end=None) -> _Decoded:
     """The sampling loop: one token per running row per step, until every row ended or filled
-    its window, or `cut` is set. `window.start()` gives the first logits, `window.step(tokens)` the next."""
+    its window, or `cut` says so. `window.start()` gives the first logits, `window.step(tokens)` the next."""
     batch, dev = len(rows.prior), rows.prior.device
     hold_eos = bool((rows.min_tokens > rows.prior).any())
     tokens = torch.zeros((batch, window_tokens), dtype=torch.long, device=dev)
@@ -378,10 +391,13 @@ def _decode(window, rows: _Rows, window_tokens: int, params: SamplingParams, eos
         reason = torch.where(hit_eos, 0, reason)
         reason = torch.where(out_of_length, 1, reason)
         window_full = produced >= rows.budget
-        if cut is not None and cut.is_set():  # the rows still running fill their window here
+        if cut is not None and cut():  # the rows still running fill their window here
             window_full = torch.ones_like(window_full)
         last = step == window_tokens - 1 or bool((reason >= 0).all()) or bool(window_full.all())
         stopped = on_step is not None and not on_step(_step_items(tok, tok_lp, running, reason, window_full, order, top))
+        if on_end is not None and (ended := (running & (reason >= 0)).nonzero().flatten().tolist()):
+            so_far = _Decoded(tokens, logprobs, produced, reason, True, scored, top_ids, top_lps)
+            on_end([(order[row], so_far.output(row)) for row in ended])
         if stopped or last:  # stopped: the consumer of a stream is gone
             return _Decoded(tokens, logprobs, produced, reason, not stopped, scored, top_ids, top_lps)
         logits = window.step(tok)

@@ -47,7 +47,7 @@ class EmbeddedPolicy:
         self.engine, self.precision = build_generator_engine(config.model, config.engine)
         positions = (config.serve.max_kv_mb << 20) // kv_bytes_per_position(self.engine.model)
         self.batcher = WindowBatcher(self.engine, config.serve.max_batch_sequences, config.serve.batch_window_tokens,
-                                     positions, config.serve.batch_gather_s)
+                                     positions, config.serve.batch_gather_s, config.serve.batch_cut_after_s)
         self.vocab_size = self.engine.vocab_size
 
     @property
