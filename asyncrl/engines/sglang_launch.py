@@ -12,8 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 
 import msgspec
 
@@ -24,29 +22,20 @@ def hf_directory(model: ModelConfig) -> str:
     """A Hugging Face directory holding `model` (its weights and tokenizer)."""
     if model.source == "hf":
         return model.path
-    from asyncrl.models import embedded_gguf_dir, load_policy
+    from asyncrl.models import cache_root, cached_directory, embedded_gguf_dir, load_policy
 
     key = msgspec.to_builtins(model)
     if model.source == "gguf":  # a new wheel of the same name is another model
         stat = os.stat(os.path.join(model.path or embedded_gguf_dir(), model.gguf_file))
         key["gguf_stat"] = [stat.st_size, stat.st_mtime_ns]
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    root = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "asyncrl", "hf")
-    directory = os.path.join(root, f"{model.name}-{digest}")
-    if os.path.isdir(directory):
-        return directory
-    os.makedirs(root, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".staging-", dir=root)
-    lm, tokenizer = load_policy(model)
-    lm.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    try:
-        os.rename(staging, directory)  # whole or absent; a generator beside this one may have won
-    except OSError:
-        if not os.path.isdir(directory):
-            raise
-        shutil.rmtree(staging)
-    return directory
+
+    def write(staging: str) -> None:
+        lm, tokenizer = load_policy(model)
+        lm.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+
+    return cached_directory(cache_root("hf"), f"{model.name}-{digest}", write)
 
 
 def eos_ids(directory: str) -> list[int]:

@@ -21,7 +21,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from asyncrl.algo.sampling import (
     greedy_from_logprobs,
@@ -33,6 +33,7 @@ from asyncrl.algo.sampling import (
 from asyncrl.engines import llama_decoder
 from asyncrl.engines.base import SamplingParams, SequenceInput, WindowOutput, scored_positions
 from asyncrl.engines.kv_cache import CachedWindow, KeptCaches, share_prefixes
+from asyncrl.engines.padded_window import PaddedWindow
 from asyncrl.lora import AdapterMerger, adapter_modules
 from asyncrl.precision import Precision, choose_precision
 from asyncrl.schema import FinishReason
@@ -226,7 +227,7 @@ class TorchEngine:
         contexts = [np.concatenate([s.prompt_ids, s.response_ids]).astype(np.int64) for s in sequences]
         rows = _Rows.of(sequences, contexts, window_tokens, self.max_positions, self.device)  # checks budgets first
         if self.decoder is None:
-            window, order = _PaddedWindow(self.model, contexts, window_tokens, self.pad_token_id), list(range(len(sequences)))
+            window, order = PaddedWindow(self.model, contexts, window_tokens, self.pad_token_id), list(range(len(sequences)))
         else:
             stamp = self.weights_stamp()
             kept = self.kept.take([s.key for s in sequences], contexts, stamp)
@@ -420,39 +421,6 @@ def _sample(logits: torch.Tensor, rows: _Rows, step: int, params: SamplingParams
     tok, tok_lp = greedy_from_logprobs(dist) if params.greedy else sample_from_logprobs(dist, rows.seeds, positions)
     return tok, tok_lp, torch.topk(dist, top_n, dim=-1) if top_n else None
 
-
-
-class _PaddedWindow:
-    """A window on transformers' own forward, for models `LlamaDecoder` does not cover: contexts
-    left-padded to one width, a `DynamicCache` that lives for this window only."""
-
-    def __init__(self, model, contexts: list[np.ndarray], window_tokens: int, pad_token_id: int):
-        batch, dev = len(contexts), next(model.parameters()).device
-        width = max(len(c) for c in contexts)
-        self.model, self.width = model, width
-        self.input_ids = torch.full((batch, width), pad_token_id, dtype=torch.long, device=dev)
-        # Allocated once for the whole window; decode steps take a growing prefix view.
-        self.full_mask = torch.ones((batch, width + window_tokens), dtype=torch.long, device=dev)
-        self.full_mask[:, :width] = 0
-        for row, ctx in enumerate(contexts):
-            self.input_ids[row, width - len(ctx):] = torch.from_numpy(ctx).to(dev)
-            self.full_mask[row, width - len(ctx):width] = 1
-        self.next_position = torch.tensor([len(c) for c in contexts], device=dev)
-        self.cache = DynamicCache()
-        self.steps = 0
-
-    def start(self) -> torch.Tensor:
-        mask = self.full_mask[:, :self.width]
-        out = self.model(input_ids=self.input_ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                         past_key_values=self.cache, use_cache=True, logits_to_keep=1)
-        return out.logits[:, -1, :]
-
-    def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        self.steps += 1
-        out = self.model(input_ids=tokens[:, None], attention_mask=self.full_mask[:, :self.width + self.steps],
-                         position_ids=(self.next_position + self.steps - 1)[:, None], past_key_values=self.cache,
-                         use_cache=True)
-        return out.logits[:, -1, :]
 
 
 _FINISH = {0: FinishReason.EOS, 1: FinishReason.MAX_LENGTH, -1: FinishReason.WINDOW}
