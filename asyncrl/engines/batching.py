@@ -8,9 +8,9 @@ tool call found by the caller, a client gone), applies a pending weight update, 
 jobs. A request that arrives while a window runs and could join it (the same settings, room)
 cuts that window at its next decode step once it has run `cut_after_s`, so it waits a step or
 a few, not the rest of a window (the rows of the cut window go on in the next, their KV caches
-kept; None: never cut). When every row of the window before
-has ended and fewer new rows are ready than it had, the loop waits up to `gather_s` for the
-clients of that window to come back. Invariants, held here:
+kept; None: never cut). When every row of the window before has ended and fewer new rows are
+ready than it had, the loop waits up to `gather_s` for the clients of that window to come back.
+Invariants, held here:
 
 * **Bounded.** A window's rows never exceed `max_rows`, and the KV block it allocates (the
   engine's own count, `TorchEngine.window_positions`: rows x (longest kept cache + longest
@@ -23,9 +23,10 @@ clients of that window to come back. Invariants, held here:
   next window boundary; a window with a streamed job whose rows are all dropped stops at its next
   decode step (a window of whole answers only runs to its end: at most `window_tokens` more).
 * **Steps as they are sampled, or a window's at once.** A job that streams (`live`) gets each decode
-  step as it is sampled; a whole answer gets its steps at the end of each window, one wake-up of
-  its reader per window instead of one per token (on a small model those wake-ups, not the
-  decoding, bound how many requests a second one replica answers). Its stop strings are then
+  step as it is sampled; a whole answer gets its steps at the end of each window and on the step
+  a row of it ends, a wake-up of its reader per window instead of one per token (on a small model
+  those wake-ups, not the decoding, bound how many requests a second one replica answers). Either
+  ends on the step its last row ends, not at its window's end. Its stop strings are then
   found at the window's end: the tokens past one are dropped, as they are from a stream.
 * **Same samples.** Counter-based seeds: a row's tokens do not depend on which rows share its
   windows or where windows cut it (`asyncrl.algo.sampling`).
