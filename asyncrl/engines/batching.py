@@ -113,7 +113,7 @@ class WindowBatcher:
         self._window_started = 0.0
         self._cut = threading.Event()  # read by the engine's thread after each decode step
         # jobs taken, jobs whose caller left before their end, tokens sampled, windows, rows over them,
-        # windows cut short for a request that could join.
+        # windows a request that could join asked to cut.
         self.counters: Counter = Counter(dict.fromkeys(("jobs", "jobs_left", "tokens", "windows", "window_rows",
                                                         "generate_ms", "windows_cut"), 0))
 
@@ -303,13 +303,14 @@ class WindowBatcher:
             if out.finish_reason is not FinishReason.WINDOW:
                 row.done = True
         for job in {r.job for r in rows}:
-            if job.held:
-                job.queue.put_nowait(job.held)
-                job.held = []
-            self._end_if_done(job)
+            self._hand_over(job)
 
     @staticmethod
-    def _end_if_done(job: _Job) -> None:
+    def _hand_over(job: _Job) -> None:
+        """What `job` holds, to its reader; its end too once every row has ended (once)."""
+        if job.held:
+            job.queue.put_nowait(job.held)
+            job.held = []
         if not job.live_rows() and not job.ended:
             job.ended = True
             job.queue.put_nowait(None)
@@ -321,10 +322,7 @@ class WindowBatcher:
         for i, _ in ended:
             rows[i].done = True
         for job in {rows[i].job for i, _ in ended}:
-            if job.held:
-                job.queue.put_nowait(job.held)
-                job.held = []
-            self._end_if_done(job)
+            self._hand_over(job)
 
     def _hold_outputs(self, rows: list[_Row], outputs: list, version: int) -> None:
         """A window's tokens, row by row, as the steps `_dispatch` would have held for them (a row
@@ -359,11 +357,8 @@ class WindowBatcher:
                 job.queue.put_nowait(steps)
             else:
                 job.held += steps
-            if job in ended:  # a whole answer with a row ended: what it has so far, now
-                if job.held:
-                    job.queue.put_nowait(job.held)
-                    job.held = []
-                self._end_if_done(job)
+            if job in ended:  # a row ended: a whole answer gets what it has so far now
+                self._hand_over(job)
 
 
 class JobSteps:
