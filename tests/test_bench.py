@@ -94,3 +94,34 @@ def test_the_engine_benchmark_times_distinct_prompts_and_grpo_groups_against_gen
     assert "missing" in result["sglang"]["skipped"]
     text = engine.report(result)
     assert "| 4 (2 prompts x 2) |" in text and "| 1 |" in text
+
+
+def test_the_int8_benchmark_measures_speed_and_the_shift_of_each_rounding():
+    """`load_tests/int8_products.py` on the tiny model: every dtype is timed at every row count, every
+    variant's shift from fp32 is measured, and each variant rounds what it says it rounds (int8
+    weights keep at most 255 levels a row, within half a step; per-row activations 256 levels)."""
+    import os
+    import sys
+
+    import torch
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "load_tests"))
+    import int8_products
+
+    result = int8_products.measure(["model=tiny", "task=tiny"], prompts=2, new_tokens=8)
+    assert set(result["speed"]) == set(int8_products.ROWS)
+    assert all(s > 0 for row in result["speed"].values() for s in row.values())
+    assert set(result["shift"]) == set(int8_products.VARIANTS)
+    assert all(0 < s["logprob_change_mean"] <= s["logprob_change_max"] for s in result["shift"].values())
+    assert "| int8 W8A8 per row |" in int8_products.report(result)
+
+    layer = torch.nn.Linear(64, 8)
+    rounded = int8_products.variant_model(torch.nn.Sequential(layer), "int8 weights")[0].weight.detach()
+    step = layer.weight.detach().abs().amax(1, keepdim=True) / 127
+    assert all(len(row.unique()) <= 255 for row in rounded)
+    assert ((rounded - layer.weight.detach()).abs() <= step / 2 + 1e-7).all()
+    assert not torch.equal(rounded, layer.weight.detach())
+    x = torch.randn(3, 1000)
+    (quantized,) = int8_products._int8_rows(None, (x,))
+    assert all(len(row.unique()) <= 256 for row in quantized)
+    assert ((quantized - x).abs() <= (x.amax(-1, keepdim=True) - x.amin(-1, keepdim=True)) / 255 / 2 + 1e-6).all()
