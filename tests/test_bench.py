@@ -1,6 +1,7 @@
 """The benchmarks' measuring parts on tiny sizes: they run, move every byte, and report sane figures
 (the figures themselves live in docs/benchmarks.md, never in assertions on speed)."""
 
+import pytest
 import torch
 
 from asyncrl.bench import broadcast, learner, mailbox
@@ -56,11 +57,13 @@ def test_mailbox_across_ray_msgspec_and_pickle(ray_session):
     assert "256 tokens" in mailbox.report(result)
 
 
+@pytest.mark.slow
 def test_the_compile_benchmark_times_the_engines_own_decode_step_eager_and_compiled():
     """`load_tests/engine_compile.py` on the tiny model: the compiled variant decodes the same
     tokens to the same logits as eager (a compiled step that computed something else would not be
-    a comparison). The frozen-weights variant, whose only difference is inductor's `freezing`
-    switch, costs another compile (45 s of CI) and is left to the script's own runs."""
+    a comparison). Slow (`make test-slow`): compiling costs 50 s of CI for a measurement whose answer
+    is that the engine stays eager. The frozen-weights variant, whose only difference is
+    inductor's `freezing` switch, costs another compile and is left to the script's own runs."""
     import os
     import sys
 

@@ -150,15 +150,15 @@ def test_train_stops_when_its_sample_budget_is_spent(tmp_path):
     finished that many samples (how methods are compared at equal samples), says why, and evaluates."""
     run = tmp_path / "run"
     out = asyncrl("train", "model=tiny", "task=tiny", "algorithm=dapo", f"trainer.run_dir={run}",
-                  "trainer.max_generated_samples=2000", "trainer.total_steps=100000", "trainer.eval_samples=8",
+                  "trainer.max_generated_samples=600", "trainer.total_steps=100000", "trainer.eval_samples=8",
                   "trainer.checkpoint_every=0", "trainer.wandb_mode=disabled", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert "trainer.max_generated_samples=2000" in summary["stop_reason"] and summary["eval_after"] is not None
-    assert 0 < summary["steps"] < 100000 and summary["final_status"]["samples_generated"] >= 2000
+    assert "trainer.max_generated_samples=600" in summary["stop_reason"] and summary["eval_after"] is not None
+    assert 0 < summary["steps"] < 100000 and summary["final_status"]["samples_generated"] >= 600
     # it stopped at the poll that saw the budget spent: at most that poll's stamp and the stop's own
-    over = {r["samples_generated"] for r in records if r["samples_generated"] >= 2000}
+    over = {r["samples_generated"] for r in records if r["samples_generated"] >= 600}
     assert len(over) <= 2 and records[-1]["step"] == summary["steps"], over
     assert f"stopped after step {summary['steps']}: the sample budget" in out.stdout
     from asyncrl.config import ConfigError, compose
