@@ -245,14 +245,35 @@ def test_clients_back_a_few_milliseconds_apart_share_one_window_when_the_batcher
     assert windows >= 3 and rows == 8  # the first request back ran alone
 
 
-@pytest.mark.parametrize(("cut_after_s", "short_streams"), [(0.0, True), (0.0, False), (None, True)])
-def test_a_request_arriving_mid_window_joins_at_the_next_step_and_changes_no_sample(cut_after_s, short_streams):
+def padded_path_engine():
+    """An engine on transformers' padded path: a family the engine's own decoder does not know
+    (Mistral), tiny and random; its EOS is token 0."""
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from asyncrl.engines.torch_engine import TorchEngine
+
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, sliding_window=None))
+    engine = TorchEngine(model.eval(), (0,))
+    assert not engine.keeps_caches
+    return engine
+
+
+@pytest.mark.parametrize(("cut_after_s", "short_streams", "padded"),
+                         [(0.0, True, False), (0.0, False, False), (None, True, False), (0.0, True, True)])
+def test_a_request_arriving_mid_window_joins_at_the_next_step_and_changes_no_sample(cut_after_s, short_streams, padded):
     """A long answer runs in a 64-token window; a short streamed request arriving as it starts cuts
     that window at its next decode step (`cut_after_s=0`) and has all its 8 tokens before the long
     one has 32 (streamed or not: a whole answer is handed over on its last step, not at its window's
-    end); never cut (None) it waits for the whole window (64). Either way the
-    long answer goes on from its kept KV cache and samples what it samples alone."""
-    engine, _ = build_generator_engine(compose(["model=tiny"]).model, compose(["model=tiny"]).engine)
+    end); never cut (None) it waits for the whole window (64). Either way the long answer goes on
+    from its kept KV cache and samples what it samples alone. On transformers' padded path, which
+    keeps no caches and would re-read every context after a cut, windows are never cut."""
+    if padded:
+        engine = padded_path_engine()
+    else:
+        engine, _ = build_generator_engine(compose(["model=tiny"]).model, compose(["model=tiny"]).engine)
     params = SamplingParams(temperature=1.0, logit_bias=((0, -100.0), (1, -100.0), (2, -100.0)))  # no EOS
 
     async def answer(batcher, seed, max_tokens, tokens, live=True):
@@ -278,11 +299,12 @@ def test_a_request_arriving_mid_window_joins_at_the_next_step_and_changes_no_sam
     reused = engine.kept.stats["reused"]
     alone, long_when_short_ended, long, short, counters = asyncio.run(main())
     assert len(short) == 8 and long == alone and len(long) == 100
-    if cut_after_s is not None:
+    if cut_after_s is not None and not padded:
         assert long_when_short_ended < 32 and counters["windows_cut"] >= 1
     else:
         assert long_when_short_ended >= 64 and counters["windows_cut"] == 0
-    assert engine.kept.stats["reused"] > reused  # the long answer's next windows went on from kept caches
+    if not padded:
+        assert engine.kept.stats["reused"] > reused  # the long answer's next windows went on from kept caches
 
 
 def test_a_whole_answer_gets_a_windows_steps_at_once_and_the_same_tokens_as_a_stream():

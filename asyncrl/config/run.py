@@ -166,7 +166,9 @@ class ServeConfig(Section):
     it (the same sampling settings, a free row) ends that window at its next decode step once the
     window has run this long (0: at the next step), so it waits a step, not the rest of the window.
     Each new window costs its rows' KV caches copied into a fresh block: raise this where steps are
-    much cheaper than that copy. Above a window's time (say 60), windows are never cut."""
+    much cheaper than that copy. Above a window's time (say 60), windows are never cut. A model on
+    transformers' padded path (a family the engine's decoder does not know) is never cut: it keeps
+    no caches, so each window re-reads every context."""
     batch_gather_s: NonNegativeFloat = 0.05
     """Policy endpoint, embedded engine: when every sequence of the last window has ended and fewer
     new ones are ready than it had, wait up to this long for more before the next window starts

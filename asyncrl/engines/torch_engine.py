@@ -96,6 +96,12 @@ class TorchEngine:
     def weight_version(self) -> int:
         return self._version
 
+    @property
+    def keeps_caches(self) -> bool:
+        """Whether a sequence's next window goes on from its kept KV cache (the engine's own decoder),
+        rather than re-reading its whole context (transformers' padded path)."""
+        return self.decoder is not None
+
     async def generate_window(
         self, sequences: list[SequenceInput], window_tokens: int, params: SamplingParams
     ) -> list[WindowOutput]:
