@@ -10,8 +10,9 @@ cuts that window at its next decode step once it has run `cut_after_s`, so it wa
 a few, not the rest of a window (the rows of the cut window go on in the next, their KV caches
 kept; None: never cut). An engine that keeps no caches across windows (transformers' padded path)
 is never cut: there every window re-reads its rows' whole contexts (a 64-token answer in windows of
-8 costs 3.3x one window on the embedded model's shapes). When every row of the window before has ended and fewer new rows are
-ready than it had, the loop waits up to `gather_s` for the clients of that window to come back.
+8 costs 3.3x one window on the embedded model's shapes). When every row of the window before has
+ended and fewer new rows are ready than it had, the loop waits up to `gather_s` for the clients of
+that window to come back.
 Invariants, held here:
 
 * **Bounded.** A window's rows never exceed `max_rows`, and the KV block it allocates (the
