@@ -16,7 +16,7 @@ unacknowledged prompts went to another; the first copy to finish is the sample. 
 generator's segments are still taken: the samples it finished (of prompts it may have
 acknowledged, so nobody makes them again) count.
 
-With a recorder (`trainer.store_trajectories=true`), every finished sample's record (`asyncrl.store`)
+With a recorder (`trainer.store_trajectories=true`), every finished sample's record (`asyncrl.storage.trajectory_store`)
 is sent when its fate here is known: kept (sent to the learner), dropped (with the reason) or recorded
 (`mode=generate`), with its reward and the values its advantages used.
 """
@@ -42,14 +42,14 @@ from asyncrl.assembly.strategies import build_strategy
 from asyncrl.assembly.values import ValueEdges
 from asyncrl.config import (NO_BOUND, AlgorithmConfig, EngineConfig, ModelConfig, OverlongShaping, RewardConfig,
                             RouteConfig, route_checks)
-from asyncrl.generation import decode
-from asyncrl.mailbox import Mailbox
-from asyncrl.models import load_tokenizer
+from asyncrl.engines.generation import decode
+from asyncrl.messages.mailbox import Mailbox
+from asyncrl.messages.structs import (DropReason, Reward, RewardRequest, SampleState, Segment, TrainBatch, final_turn_start,
+                                      sample_id)
+from asyncrl.models.loading import load_tokenizer
 from asyncrl.rewards.hybrid import RewardRouter, build_reward_router
-from asyncrl.schema import (DropReason, Reward, RewardRequest, SampleState, Segment, TrainBatch, final_turn_start,
-                            sample_id)
 from asyncrl.staleness import has_trained_tokens, mask_stale_tokens
-from asyncrl.store import TrajectoryRecord, record_of
+from asyncrl.storage.trajectory_store import TrajectoryRecord, record_of
 
 ScoreFn = Callable[[list[RewardRequest]], Awaitable[list[Reward]]]
 # The prompt source, told once per step: ledger events (sample ids, new state, reason of a drop) and
@@ -396,7 +396,7 @@ class AssemblerActor(RoleShell):
                  prompts_per_step: int, segments: Mailbox, batches: Mailbox, endpoints: dict[str, Any],
                  ledger, value_learner=None, trajectories: Mailbox | None = None, batch_prefix: str = "batch",
                  recorder=None, mode: str = "train", synchronous: bool = False):
-        from asyncrl.store import RECORDS_ENCODER
+        from asyncrl.storage.trajectory_store import RECORDS_ENCODER
 
         torch.set_num_threads(1)
         self.router = build_reward_router(reward, endpoints)

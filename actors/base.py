@@ -8,7 +8,7 @@ from typing import Any
 
 import ray
 
-from asyncrl.weight_sync import WeightGroup, node_address
+from asyncrl.weights.sync import WeightGroup, node_address
 
 
 class TrainingLoop:

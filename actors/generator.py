@@ -29,15 +29,15 @@ import numpy as np
 import torch
 
 from actors.base import RoleShell, WeightGroupMember
-from asyncrl import transport
 from asyncrl.config import EngineConfig, EnvironmentConfig, ModelConfig, SamplingConfig
 from asyncrl.engines.base import Engine, SamplingParams, long_tail_min_tokens
+from asyncrl.engines.generation import EngineCalls, build_generator_engine, sequence_input
 from asyncrl.environments.episodes import EnvironmentClient, Episodes, build_episodes, observation_of
 from asyncrl.environments.tools import Episode
-from asyncrl.generation import EngineCalls, build_generator_engine, sequence_input
-from asyncrl.mailbox import Mailbox, keep_leases
-from asyncrl.schema import FinishReason, PromptRequest, Segment, observation_mask, sample_id, scored_mask
-from asyncrl.weight_sync import Delivery, WeightGroup
+from asyncrl.messages.mailbox import Mailbox, keep_leases
+from asyncrl.messages.structs import FinishReason, PromptRequest, Segment, observation_mask, sample_id, scored_mask
+from asyncrl.weights import transport
+from asyncrl.weights.sync import Delivery, WeightGroup
 
 
 @dataclass
@@ -68,7 +68,7 @@ class Generator:
                  generator_id: str = "gen-0", long_tail: tuple[float, int] = (0.0, 0),
                  episodes: Episodes | None = None, lease_s: float = 600.0, precision: dict | None = None):
         self.engine = engine
-        self.precision = precision or {}  # the engine's, as chosen at start-up (`asyncrl.precision`)
+        self.precision = precision or {}  # the engine's, as chosen at start-up (`asyncrl.models.precision`)
         self.prompts = prompts
         self.segments = segments
         self.params = params
@@ -106,7 +106,7 @@ class Generator:
 
     async def receive_weights(self, delivery: Delivery, payload=None) -> float:
         """Take version `delivery.weight_version` between windows (at once if the engine updates
-        mid-window), by its path (`asyncrl.transport`): `payload` is the shared-memory layout (shm)
+        mid-window), by its path (`asyncrl.weights.transport`): `payload` is the shared-memory layout (shm)
         or the CUDA IPC handles; the group path receives by broadcast. Returns the seconds
         generation paused for it."""
         if not self._running:  # joining the pool (its loop starts after this) or stopped: load now
@@ -417,7 +417,7 @@ def build_generator(model: ModelConfig, engine: EngineConfig, sampling: Sampling
     max_windows = engine.max_windows or math.ceil(engine.max_response_tokens / engine.window_tokens)
     episodes = None
     if environment is not None and environment.enabled:
-        from asyncrl.models import load_tokenizer
+        from asyncrl.models.loading import load_tokenizer
 
         client = EnvironmentClient(environment_endpoint, environment.timeout_s, environment.retries)
         episodes = build_episodes(environment, load_tokenizer(model), client, use_chat_template=model.use_chat_template,

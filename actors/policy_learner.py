@@ -5,7 +5,7 @@ Consumes `TrainBatch`es (deduplicated by batch id: a redelivered batch is never 
 masks the tokens that are too stale for the weights it is about to train (the staleness bound is
 enforced here), trains on the batch (`ppo_epochs` x `mini_batches` optimizer updates), bumps
 `weight_version`, and delivers the new weights to every generator in the background
-(`asyncrl.transport`): training continues while a delivery is in flight, and when several versions
+(`asyncrl.weights.transport`): training continues while a delivery is in flight, and when several versions
 pile up only the newest is sent. Its listeners (the assembler, the prompt source) are told both
 versions through one conduit, `set_versions(weight_version, delivered_version)`: the version
 trained, and the version every generator holds.
@@ -16,7 +16,7 @@ parts (the prompt source's cursor and ledger, the value learner) are written, th
 and the directory is committed atomically. Taking the batches before the ledger is what keeps
 resume exact: a sample is either in a saved batch, or open in the ledger and regenerated, or
 already ended. The run directory's node begins and commits every checkpoint
-(`asyncrl.checkpoint_store`): a learner on a node without that disk ships its part there.
+(`asyncrl.storage.checkpoint_transfer`): a learner on a node without that disk ships its part there.
 """
 
 from __future__ import annotations
@@ -33,18 +33,18 @@ import torch
 from ray.exceptions import RayTaskError
 
 from actors.base import RoleShell, TrainingLoop
-from asyncrl import checkpoint
-from asyncrl.checkpoint_store import StoreClient, local_copy, write_part
 from asyncrl.config import NO_BOUND, AlgorithmConfig, EngineConfig, ModelConfig, PolicyConfig, SamplingConfig
 from asyncrl.learning.rank import PolicyRank, build_policy_rank, learner_backend
-from asyncrl.mailbox import Mailbox, RecentIds
-from asyncrl.schema import SampleState, TrainBatch
-from asyncrl.sharding import join as join_ranks
+from asyncrl.messages.mailbox import Mailbox, RecentIds
+from asyncrl.messages.structs import SampleState, TrainBatch
 from asyncrl.staleness import mask_stale_tokens, mean_staleness, trained_versions
-from asyncrl.store import BATCH_CODEC, BATCH_RECORD_ENCODER, BatchRecord
-from asyncrl.transport import WeightReceivers, WeightSender
-from asyncrl.weight_sync import free_port, node_address, plan_buckets
-from asyncrl.weights_delta import DeltaTracker
+from asyncrl.storage import checkpoint
+from asyncrl.storage.checkpoint_transfer import StoreClient, local_copy, write_part
+from asyncrl.storage.trajectory_store import BATCH_CODEC, BATCH_RECORD_ENCODER, BatchRecord
+from asyncrl.weights.delta import DeltaTracker
+from asyncrl.weights.sharding import join as join_ranks
+from asyncrl.weights.sync import free_port, node_address, plan_buckets
+from asyncrl.weights.transport import WeightReceivers, WeightSender
 
 # Calls a rank of a sharded learner: `call(method name, *args)` -> awaitable (its Ray actor).
 RankCall = Callable[..., Awaitable[Any]]
@@ -399,7 +399,7 @@ class PolicyLearnerActor(RoleShell):
         `group` path, this learner meets it at `group` (host, port, backend; the generator joins the
         same pair at the same time); then it gets the current version. Returns that version."""
         if group is not None:
-            from asyncrl.weight_sync import WeightGroup
+            from asyncrl.weights.sync import WeightGroup
 
             host, port, backend = group
             # Bounded as every delivery (cluster.generator_timeout_s): a cut-off peer must not hold the others'.

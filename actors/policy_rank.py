@@ -9,8 +9,8 @@ import torch
 
 from asyncrl.config import AlgorithmConfig, EngineConfig, ModelConfig, PolicyConfig, SamplingConfig
 from asyncrl.learning.rank import build_policy_rank, learner_backend
-from asyncrl.sharding import join as join_ranks
-from asyncrl.weight_sync import node_address
+from asyncrl.weights.sharding import join as join_ranks
+from asyncrl.weights.sync import node_address
 
 
 class PolicyRankActor:

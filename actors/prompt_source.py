@@ -7,11 +7,11 @@ prompt is issued only while the budget allows, counted against the version every
 ahead of training, and dropped work (dynamic sampling, stale rows, value warm-up) is replaced.
 The learner's check at its step is the other side.
 
-It keeps the ledger of samples (`asyncrl.ledger`): it admits every sample it issues, and the
+It keeps the ledger of samples (`asyncrl.storage.ledger`): it admits every sample it issues, and the
 assembler and the learner report how each one moves on and ends (the assembler in one call per
 step for all its events).
 
-It retires prompts with no learning signal (`asyncrl.retirement`): a solved one sits out an epoch,
+It retires prompts with no learning signal (`asyncrl.data.retirement`): a solved one sits out an epoch,
 an unsolved one comes back as the policy moves (after growing numbers of versions), up to a bound.
 When every prompt sits out, the unsolved one due soonest is tried at once (nothing else can be
 issued). When every prompt is solved or given up, nothing is left to learn: nothing is generated
@@ -37,17 +37,17 @@ import torch
 
 from actors.base import RoleShell
 from asyncrl.algo.selection import curriculum_sources
-from asyncrl.checkpoint_store import StoreClient, local_copy, write_part
 from asyncrl.config import (NO_BOUND, AlgorithmConfig, EngineConfig, EnvironmentConfig, ModelConfig, RewardConfig,
                             RouteConfig, SamplingConfig, TaskConfig)
-from asyncrl.ledger import LedgerSnapshot, SampleLedger
-from asyncrl.mailbox import Mailbox
-from asyncrl.models import load_tokenizer
-from asyncrl.retirement import Retirements, SampleVerdict
-from asyncrl.schema import Codec, DropReason, PromptRequest, SampleState
+from asyncrl.data.files import drop_overlong, load_examples
+from asyncrl.data.retirement import Retirements, SampleVerdict
+from asyncrl.data.tasks import Example, encode_prompt
+from asyncrl.messages.mailbox import Mailbox
+from asyncrl.messages.structs import Codec, DropReason, PromptRequest, SampleState
+from asyncrl.models.loading import load_tokenizer
 from asyncrl.staleness import admission_budget
-from asyncrl.datafiles import drop_overlong, load_examples
-from asyncrl.tasks import Example, encode_prompt
+from asyncrl.storage.checkpoint_transfer import StoreClient, local_copy, write_part
+from asyncrl.storage.ledger import LedgerSnapshot, SampleLedger
 
 
 class CursorSnapshot(msgspec.Struct, kw_only=True):
@@ -316,7 +316,7 @@ class PromptSourceActor(RoleShell):
                       reward: RewardConfig, seed: int, endpoints: dict[str, Any]) -> dict:
         """Pre-PPO prompt selection before the first prompt is issued; a no-op when off or resumed
         (a resumed run keeps the selection its checkpoint holds)."""
-        from asyncrl.pre_ppo import select_prompts
+        from asyncrl.data.pre_ppo import select_prompts
         from asyncrl.rewards.hybrid import build_reward_router
 
         if task.pre_ppo_fraction <= 0 or self.restored:

@@ -1,4 +1,4 @@
-"""Trajectory recorder: writes the run's trajectory store (`asyncrl.store`) in its own process (the
+"""Trajectory recorder: writes the run's trajectory store (`asyncrl.storage.trajectory_store`) in its own process (the
 role and its Ray shell).
 
 The assembler sends the records of finished samples (kept or dropped) and the learner the batches
@@ -16,14 +16,14 @@ import time
 import msgspec
 
 from actors.base import RoleShell
-from asyncrl.checkpoint import disk_refusal
-from asyncrl.store import BATCH_RECORD_DECODER, BATCH_SCHEMA, RECORDS_DECODER, TRAJECTORY_SCHEMA, StoreWriter
+from asyncrl.storage.checkpoint import disk_refusal
+from asyncrl.storage.trajectory_store import BATCH_RECORD_DECODER, BATCH_SCHEMA, RECORDS_DECODER, TRAJECTORY_SCHEMA, StoreWriter
 
 
 class TrajectoryRecorder:
     def __init__(self, directory: str, max_file_bytes: int = 64 << 20, max_file_age_s: float = 600.0,
                  flush_s: float = 5.0, keep_bytes: int = 0):
-        """`keep_bytes` > 0: the store's oldest closed files go past this total (`asyncrl.store`)."""
+        """`keep_bytes` > 0: the store's oldest closed files go past this total (`asyncrl.storage.trajectory_store`)."""
         self.directory = directory
         self.trajectories = StoreWriter(directory, "trajectories", TRAJECTORY_SCHEMA, max_file_bytes, max_file_age_s,
                                         keep_bytes)

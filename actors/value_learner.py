@@ -23,17 +23,17 @@ import numpy as np
 import torch
 
 from actors.base import RoleShell, TrainingLoop
-from asyncrl import checkpoint
-from asyncrl.checkpoint_store import StoreClient, local_copy, write_part
-from asyncrl.config import AlgorithmConfig, CriticConfig, ModelConfig, SamplingConfig
-from asyncrl.learning.scoring import response_logprobs
 from asyncrl.algo.warmup import warmup_finished
+from asyncrl.config import AlgorithmConfig, CriticConfig, ModelConfig, SamplingConfig
 from asyncrl.learning.rank import learner_precision
+from asyncrl.learning.scoring import response_logprobs
 from asyncrl.learning.tensors import build_optimizer
 from asyncrl.learning.value import center_value_head, predict_values, value_step
-from asyncrl.mailbox import Mailbox, RecentIds
-from asyncrl.models import load_model, load_tokenizer, value_model_from_checkpoint, value_model_from_policy
-from asyncrl.schema import ScoredTrajectory
+from asyncrl.messages.mailbox import Mailbox, RecentIds
+from asyncrl.messages.structs import ScoredTrajectory
+from asyncrl.models.loading import load_model, load_tokenizer, value_model_from_checkpoint, value_model_from_policy
+from asyncrl.storage import checkpoint
+from asyncrl.storage.checkpoint_transfer import StoreClient, local_copy, write_part
 
 
 class ValueLearner(TrainingLoop):

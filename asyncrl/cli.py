@@ -14,10 +14,10 @@ def _generate(args: argparse.Namespace) -> int:
 
     from asyncrl.config import compose
     from asyncrl.engines.base import SamplingParams
-    from asyncrl.generation import complete
-    from asyncrl.generation import build_engine
-    from asyncrl.datafiles import load_examples
-    from asyncrl.tasks import encode_prompt
+    from asyncrl.engines.generation import complete
+    from asyncrl.engines.generation import build_engine
+    from asyncrl.data.files import load_examples
+    from asyncrl.data.tasks import encode_prompt
 
     config = compose(args.overrides)
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -43,14 +43,14 @@ def _eval(args: argparse.Namespace) -> int:
     from asyncrl import evaluation
     from asyncrl.config import ConfigError, compose
 
-    from asyncrl.checkpoint import policy_dir
+    from asyncrl.storage.checkpoint import policy_dir
 
     # What the checkpoint's run or the endpoint says (task, lengths, model name), then the user's own
     # overrides, which win (a task the user names replaces the derived task settings), then the
     # checkpoint's weights (what --checkpoint means).
     derived, weights = [], []
     if args.checkpoint:
-        from asyncrl import lora
+        from asyncrl.weights import lora
 
         derived += evaluation.run_overrides(args.checkpoint)
         path = policy_dir(args.checkpoint)
@@ -75,7 +75,7 @@ def _eval(args: argparse.Namespace) -> int:
                                                      config.engine.max_response_tokens, api_key=api_key)
         label = f"{args.endpoint} (weight versions {sorted(v for v in versions if v)})"
     else:
-        from asyncrl.generation import build_engine
+        from asyncrl.engines.generation import build_engine
 
         engine, tokenizer = build_engine(config.model)
         texts = evaluation.sample_engine(config, engine, tokenizer, examples, n, args.temperature)
@@ -94,8 +94,8 @@ def _data_example(args: argparse.Namespace) -> int:
     import os
 
     from asyncrl.config import compose
-    from asyncrl.datafiles import write_examples
-    from asyncrl.tasks import arithmetic_examples
+    from asyncrl.data.files import write_examples
+    from asyncrl.data.tasks import arithmetic_examples
 
     task = compose(["task=arithmetic", *args.overrides]).task
     splits = {"train": arithmetic_examples("train", task.num_train_prompts, task.seed),
@@ -139,8 +139,8 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 
 def _export(args: argparse.Namespace) -> int:
-    from asyncrl import lora
-    from asyncrl.checkpoint import export_hf, policy_dir
+    from asyncrl.weights import lora
+    from asyncrl.storage.checkpoint import export_hf, policy_dir
 
     source = policy_dir(args.source)
     if lora.is_adapter_dir(source):
@@ -181,7 +181,7 @@ class _TrainHelp(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None):
         from asyncrl.config import compose
-        from asyncrl.config_help import config_help
+        from asyncrl.config.help import config_help
 
         parser.print_help()
         print()
@@ -283,7 +283,7 @@ def _main(argv: list[str] | None) -> int:
         print(f"asyncrl {args.command}: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # a disk that cannot take what the run writes: what to do, in one line
-        from asyncrl.checkpoint import DiskRefused
+        from asyncrl.storage.checkpoint import DiskRefused
 
         if not isinstance(exc, DiskRefused):
             raise

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from asyncrl.config import Config, compose, to_record, to_yaml
+from asyncrl.engines.generation import build_engine
 from asyncrl.evaluation import greedy_accuracy
-from asyncrl.generation import build_engine
 from asyncrl.run import Run
 from asyncrl.run.placement import init_ray
 from asyncrl.run.records import REWARD_KEY
@@ -44,7 +44,7 @@ class Ending:
 
 def train(config: Config, progress: bool = True, eval_prompts: int | None = None) -> dict:
     """Run `trainer.total_steps` learner steps; returns a summary with held-out accuracy before/after."""
-    from asyncrl import checkpoint
+    from asyncrl.storage import checkpoint
 
     run_dir = checkpoint.resolve_run_dir(config.trainer.run_dir, config.resume)
     write_config(config, run_dir)
@@ -52,7 +52,7 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     engine, tokenizer = build_engine(config.model)
     if config.resume and (latest := checkpoint.latest_valid(run_dir)[0]) is not None:
-        from asyncrl import lora
+        from asyncrl.weights import lora
 
         part = os.path.join(latest, "policy")
         if lora.is_adapter_dir(part):  # LoRA: the adapter merged into the base
@@ -307,7 +307,7 @@ def train_cli(overrides: list[str], config_dir: str | None = None, config_name: 
         print(to_yaml(config), end="")
         return 0
     if config.model.lora_rank:  # against the model itself: a module it lacks is refused here, in one line
-        from asyncrl import lora
+        from asyncrl.weights import lora
 
         lora.check_targets(config.model)
     if config.mode != "train":  # the generate and learn modes have drivers of their own

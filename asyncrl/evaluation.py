@@ -13,10 +13,10 @@ import os
 import numpy as np
 
 from asyncrl.config import Config
+from asyncrl.data.files import drop_overlong, load_examples
+from asyncrl.data.tasks import Example, encode_prompt, score_response
 from asyncrl.engines.base import SamplingParams
-from asyncrl.generation import complete
-from asyncrl.datafiles import drop_overlong, load_examples
-from asyncrl.tasks import Example, encode_prompt, score_response
+from asyncrl.engines.generation import complete
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -39,7 +39,7 @@ def summarize(correct: list[list[bool]], ks: list[int]) -> dict:
 def held_out(config: Config, max_prompts: int | None = None) -> list[Example]:
     examples = load_examples(config.task, "eval")
     if config.task.max_prompt_length:
-        from asyncrl.models import load_tokenizer
+        from asyncrl.models.loading import load_tokenizer
 
         tokenizer = load_tokenizer(config.model)
         tokens = [encode_prompt(ex, tokenizer, config.model.use_chat_template, config.task.chat_template_kwargs) for ex in examples]
@@ -178,7 +178,7 @@ def score(config: Config, examples: list[Example], texts: list[list[str]]) -> li
     from asyncrl.rewards.endpoint import build_scorer
     from asyncrl.rewards.hybrid import route_for
     from asyncrl.rewards.verifiers import episode_truth
-    from asyncrl.schema import RewardRequest
+    from asyncrl.messages.structs import RewardRequest
 
     reward = config.reward
     by_endpoint: dict[str, list[tuple[int, int, RewardRequest]]] = {}

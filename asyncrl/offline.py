@@ -29,23 +29,24 @@ import torch
 from actors.assembler import Assembler
 from actors.policy_learner import CheckpointPolicy, LearnerEdges, build_policy_learner
 from actors.value_learner import build_value_learner
-from asyncrl import checkpoint, lora
 from asyncrl.algo.shaping import shaped_score
 from asyncrl.assembly.rows import merge_segments
 from asyncrl.assembly.strategies import build_strategy
 from asyncrl.assembly.values import ValueEdges
 from asyncrl.config import NO_BOUND, Config, PairwiseAdvantage, to_record
+from asyncrl.data.files import file_examples, read_rows
+from asyncrl.data.tasks import encode_prompt, score_response
 from asyncrl.evaluation import greedy_accuracy, progress_bar
 from asyncrl.learning.dqo import dqo_step
-from asyncrl.learning.tensors import build_optimizer
 from asyncrl.learning.scoring import response_logprobs
-from asyncrl.mailbox import InProcessMailbox
-from asyncrl.models import load_model, load_tokenizer
-from asyncrl.schema import (Reward, RewardRequest, ScoredTrajectory, Segment, float32_array, ground_truth_text,
-                            int32_array)
-from asyncrl.store import BatchRecord, TrajectoryRecord, read_trajectories, reward_of, segments_of
-from asyncrl.datafiles import file_examples, read_rows
-from asyncrl.tasks import encode_prompt, score_response
+from asyncrl.learning.tensors import build_optimizer
+from asyncrl.messages.mailbox import InProcessMailbox
+from asyncrl.messages.structs import (Reward, RewardRequest, ScoredTrajectory, Segment, float32_array, ground_truth_text,
+                                      int32_array)
+from asyncrl.models.loading import load_model, load_tokenizer
+from asyncrl.storage import checkpoint
+from asyncrl.storage.trajectory_store import BatchRecord, TrajectoryRecord, read_trajectories, reward_of, segments_of
+from asyncrl.weights import lora
 
 
 # --- mode=generate -----------------------------------------------------------------------------------
@@ -200,7 +201,7 @@ def learn_dqo(config: Config, records: list[TrajectoryRecord], run_dir: str, pro
     """DQO from recorded responses: evaluate, train `trainer.total_steps` updates (or the epochs),
     evaluate, checkpoint."""
     from asyncrl.engines.torch_engine import TorchEngine
-    from asyncrl.models import eos_token_ids
+    from asyncrl.models.loading import eos_token_ids
 
     tr = config.trainer
     tokenizer = load_tokenizer(config.model)
@@ -305,7 +306,7 @@ async def replay(config: Config, records: list[TrajectoryRecord], run_dir: str, 
                                    edges,
                                    CheckpointPolicy(run_dir, keep=tr.checkpoint_keep), max_steps=tr.total_steps)
     from asyncrl.engines.torch_engine import TorchEngine
-    from asyncrl.models import eos_token_ids
+    from asyncrl.models.loading import eos_token_ids
 
     engine_eval = TorchEngine(learner.model, eos_token_ids(learner.model, tokenizer), tokenizer.pad_token_id or 0)
     before = greedy_accuracy(config, engine_eval, tokenizer, progress="eval before" if progress else "")
@@ -342,7 +343,7 @@ def replay_batch(config: Config, record: BatchRecord, checkpoint_dir: str | None
     weights and optimizer state the batch was trained from (the initial ones for the run's first
     batch, else the checkpoint of that step), trains it once; returns the step's metrics, to set
     against the recorded loss and gradient norm (the golden-batch test)."""
-    from asyncrl.store import BATCH_CODEC
+    from asyncrl.storage.trajectory_store import BATCH_CODEC
 
     learner = build_policy_learner(config.model, config.algorithm, config.policy, config.engine, config.sampling,
                                    config.trainer.seed, InProcessMailbox(2))
@@ -398,7 +399,7 @@ def _start_run(config: Config) -> str:
 
 
 def _value_model(config: Config, tokenizer):
-    from asyncrl.models import value_model_from_checkpoint, value_model_from_policy
+    from asyncrl.models.loading import value_model_from_checkpoint, value_model_from_policy
 
     if config.critic.init_path:
         return value_model_from_checkpoint(config.critic.init_path, config.model, tokenizer)

@@ -28,7 +28,7 @@ from typing import Iterable
 import msgspec
 import numpy as np
 
-from asyncrl.schema import TrainingRow
+from asyncrl.messages.structs import TrainingRow
 
 
 def row_staleness(weight_version: int, new_versions: np.ndarray) -> int:

@@ -53,7 +53,7 @@ def measure(model_preset: str, batches: list[int], context: int, tokens: int, va
 
     from asyncrl.config import compose
     from asyncrl.engines.llama_decoder import LlamaDecoder
-    from asyncrl.models import load_policy
+    from asyncrl.models.loading import load_policy
 
     torch.set_num_threads(1)  # as a generator runs (engine.threads)
     model, _ = load_policy(compose([f"model={model_preset}"]).model)

@@ -56,8 +56,8 @@ import ray
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from asyncrl.config import compose  # noqa: E402
-from asyncrl.run.placement import init_ray  # noqa: E402
 from asyncrl.run import Run  # noqa: E402
+from asyncrl.run.placement import init_ray  # noqa: E402
 from load_tests import pool_faults, runtime_faults  # noqa: E402
 
 BASE = ["model=tiny", "task=tiny", "algorithm=grpo", "trainer.prompts_per_step=2", "trainer.checkpoint_every=3",
@@ -275,7 +275,7 @@ def _fill(directory: str) -> str:
 def full_disk(run_dir: str, quick: bool) -> dict:
     import subprocess
 
-    from asyncrl import checkpoint
+    from asyncrl.storage import checkpoint
 
     if os.geteuid() != 0:
         raise RuntimeError("full_disk mounts a tmpfs: run as root")
@@ -330,7 +330,7 @@ def _listing_on_the_private_node(path: str) -> list[str]:
 
 def private_run_dir(run_dir: str, quick: bool) -> dict:
     """(Inside the head's namespace, the worker's run directory a private tmpfs: `cluster.up`.)"""
-    from asyncrl import checkpoint
+    from asyncrl.storage import checkpoint
 
     # The learner on the worker node, the generators and the control plane on the head. (Not
     # `_start`: removing the directory would detach the worker's private mount on it.)

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from asyncrl.config import compose, to_dict  # noqa: E402
 from asyncrl.driver import train  # noqa: E402
-from asyncrl.store import BATCH_RECORD_ENCODER, read_batches  # noqa: E402
+from asyncrl.storage.trajectory_store import BATCH_RECORD_ENCODER, read_batches  # noqa: E402
 
 GOLDEN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "data", "golden")
 # Each exercises other parts of the policy step: per-sequence means (GRPO); token mean, dual clip and

@@ -20,10 +20,10 @@ It prints one table, each row a figure beside what it is measured against:
   fp32 and in bf16 autocast, with the learners' fused AdamW; and AdamW's step alone, fused against
   torch's default;
 * a weight update between two processes by the path a generator on the learner's device takes
-  (`asyncrl.transport`: CUDA IPC on a GPU, shared memory on a CPU) into a real engine, against a
+  (`asyncrl.weights.transport`: CUDA IPC on a GPU, shared memory on a CPU) into a real engine, against a
   device-to-device copy (on a CPU, a memory copy) of the same bytes;
 * the engine's log-probs against the learner's on the same sampled tokens, in bf16 (and in fp32);
-* an FSDP2 step at world size 1 (`asyncrl.sharding`) against the plain step from the same weights.
+* an FSDP2 step at world size 1 (`asyncrl.weights.sharding`) against the plain step from the same weights.
 
 Each check runs on its own: one that fails is a row saying why, and the script then exits 1.
 Sized to finish in well under 8 minutes on one H100; `--quick` (with `--tiny`: the tiny model's
@@ -54,22 +54,22 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from asyncrl import sharding  # noqa: E402
 from asyncrl.bench.broadcast import device_copy_seconds, memcpy_seconds  # noqa: E402
 from asyncrl.bench.learner import synthetic_batch  # noqa: E402
 from asyncrl.config import compose  # noqa: E402
 from asyncrl.config.fields import replaced  # noqa: E402
 from asyncrl.engines.base import SamplingParams  # noqa: E402
+from asyncrl.engines.generation import sequence_input  # noqa: E402
 from asyncrl.engines.torch_engine import TorchEngine, engine_precision  # noqa: E402
-from asyncrl.generation import sequence_input  # noqa: E402
 from asyncrl.learning.policy import proximal_logprobs  # noqa: E402
 from asyncrl.learning.rank import PolicyRank, learner_precision, policy_objective  # noqa: E402
-from asyncrl.learning.tensors import adamw, collate  # noqa: E402
 from asyncrl.learning.scoring import PolicyForward  # noqa: E402
-from asyncrl.models import build_tiny_model, build_tiny_tokenizer  # noqa: E402
-from asyncrl.schema import FinishReason, Segment, TrainingRow, float32_array, int32_array  # noqa: E402
-from asyncrl.transport import WeightSender, load  # noqa: E402
-from asyncrl.weight_sync import free_port, plan_buckets  # noqa: E402
+from asyncrl.learning.tensors import adamw, collate  # noqa: E402
+from asyncrl.messages.structs import FinishReason, Segment, TrainingRow, float32_array, int32_array  # noqa: E402
+from asyncrl.models.loading import build_tiny_model, build_tiny_tokenizer  # noqa: E402
+from asyncrl.weights import sharding  # noqa: E402
+from asyncrl.weights.sync import free_port, plan_buckets  # noqa: E402
+from asyncrl.weights.transport import WeightSender, load  # noqa: E402
 
 # SmolLM2-135M-Instruct's architecture, as transformers reads it from the embedded GGUF file
 # (`model.source=gguf`; tests/test_gpu_check.py holds these to that file's config).
@@ -408,7 +408,7 @@ def check_logprobs(ctx: Check) -> tuple[list[Row], dict]:
 
 
 def check_fsdp(ctx: Check) -> tuple[list[Row], dict]:
-    """One learner rank sharded by FSDP2 (`asyncrl.sharding`, the default group: NCCL on a GPU, gloo
+    """One learner rank sharded by FSDP2 (`asyncrl.weights.sharding`, the default group: NCCL on a GPU, gloo
     on a CPU) against the plain rank, both from the same weights on the same batch: the first
     step's loss and gradient norm must agree (the updated weights' largest difference is reported:
     Adam's first step moves a weight by about the learning rate whatever the size of its gradient, so

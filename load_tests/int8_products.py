@@ -59,7 +59,7 @@ def _seconds(call, repeats: int = 3) -> float:
 
 def product_seconds(model: torch.nn.Module, rows: int) -> dict[str, float]:
     """Seconds for one pass over the model's linear layers at `rows` rows, per dtype."""
-    from asyncrl.precision import linear_shapes
+    from asyncrl.models.precision import linear_shapes
 
     totals = {"fp32": 0.0, "bf16": 0.0, "int8": 0.0}
     with torch.inference_mode():
@@ -111,8 +111,8 @@ def variant_model(model: torch.nn.Module, variant: str) -> torch.nn.Module:
 def sampled_sequences(model, tokenizer, config, prompts: int, new_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(token ids `[n, T]` left-padded, attention mask, mask of the response tokens): the task's eval
     prompts with responses the fp32 model sampled at temperature 1."""
-    from asyncrl.datafiles import load_examples
-    from asyncrl.tasks import encode_prompt
+    from asyncrl.data.files import load_examples
+    from asyncrl.data.tasks import encode_prompt
 
     examples = load_examples(config.task, "eval", prompts)[:prompts]
     encoded = [encode_prompt(e, tokenizer, config.model.use_chat_template, config.task.chat_template_kwargs)
@@ -154,8 +154,8 @@ def distribution_shift(model, sequences) -> dict[str, dict[str, float]]:
 
 def measure(overrides: list[str], prompts: int, new_tokens: int) -> dict:
     from asyncrl.config import compose
-    from asyncrl.models import load_policy
-    from asyncrl.precision import device_name
+    from asyncrl.models.loading import load_policy
+    from asyncrl.models.precision import device_name
 
     torch.set_num_threads(1)  # as a generator runs (engine.threads)
     config = compose(overrides)

@@ -117,7 +117,7 @@ def main() -> int:
     from asyncrl.config import compose
     from asyncrl.serve.reward import deploy_declaratively, reward_app_config
     from asyncrl.run.placement import init_ray
-    from asyncrl.weight_sync import free_port
+    from asyncrl.weights.sync import free_port
 
     os.makedirs(args.out, exist_ok=True)
     overrides = WORKLOADS[args.model] + " trainer.wandb_mode=disabled trainer.checkpoint_every=200"

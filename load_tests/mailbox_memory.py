@@ -17,7 +17,7 @@ import os
 import time
 import uuid
 
-from asyncrl.ray_mailbox import MailboxActor
+from asyncrl.messages.ray_mailbox import MailboxActor
 
 
 def resident_mb() -> float:

@@ -23,10 +23,10 @@ import ray
 from ray import serve
 
 from asyncrl.config import RouteConfig
+from asyncrl.messages.structs import RewardRequest
 from asyncrl.rewards.hybrid import RewardRouter, ServeRewardEndpoints
-from asyncrl.schema import RewardRequest
 from asyncrl.serve.reward import deploy_declaratively, reward_app_config
-from asyncrl.weight_sync import free_port
+from asyncrl.weights.sync import free_port
 
 
 def deploy(version: str, code_wall_s: float) -> None:

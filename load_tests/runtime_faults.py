@@ -231,7 +231,7 @@ def serve_poll_errors(run_dir: str, quick: bool, extra: list[str]) -> dict:
     from ray import serve
 
     from asyncrl.serve.reward import deploy_declaratively
-    from asyncrl.weight_sync import free_port
+    from asyncrl.weights.sync import free_port
 
     shutil.rmtree(run_dir, ignore_errors=True)
     port = free_port()
@@ -330,7 +330,7 @@ def _kill_controller(base: str, controller, run_dir: str) -> dict:
     learner's own `last_checkpoint` is empty until the incarnation running writes one)."""
     import httpx
 
-    from asyncrl import checkpoint
+    from asyncrl.storage import checkpoint
 
     before = _status(base)
     checkpoint_step = max((step for step, _ in checkpoint.committed(checkpoint.checkpoints_dir(run_dir))), default=0)

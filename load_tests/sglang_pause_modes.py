@@ -95,7 +95,7 @@ def main() -> None:
     from asyncrl.config import compose
     from asyncrl.engines.sglang_launch import hf_directory
     from asyncrl.learning.scoring import response_logprobs
-    from asyncrl.models import load_policy
+    from asyncrl.models.loading import load_policy
 
     config = compose(["model=tiny", "model.max_positions=2048"])
     models = {0: load_policy(config.model)[0]}

@@ -17,7 +17,7 @@ import ray
 from ray import serve
 
 from asyncrl.serve.train import build_train
-from asyncrl.weight_sync import free_port
+from asyncrl.weights.sync import free_port
 
 
 def main() -> None:

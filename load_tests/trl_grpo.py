@@ -28,9 +28,9 @@ def main() -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from asyncrl.config import compose
-    from asyncrl.models import load_policy
-    from asyncrl.datafiles import load_examples
-    from asyncrl.tasks import score_response
+    from asyncrl.models.loading import load_policy
+    from asyncrl.data.files import load_examples
+    from asyncrl.data.tasks import score_response
 
     torch.set_num_threads(args.threads)
     config = compose(json.loads(args.overrides))

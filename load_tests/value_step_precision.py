@@ -25,8 +25,8 @@ def _one(precision: str, overrides: list[str], steps: int, queue) -> None:
     from actors.value_learner import build_value_learner
     from asyncrl.config import compose
     from asyncrl.learning.value import value_step
-    from asyncrl.mailbox import InProcessMailbox
-    from asyncrl.schema import FinishReason, ScoredTrajectory, Segment, float32_array, int32_array
+    from asyncrl.messages.mailbox import InProcessMailbox
+    from asyncrl.messages.structs import FinishReason, ScoredTrajectory, Segment, float32_array, int32_array
 
     torch.set_num_threads(1)
     config = compose(["algorithm=vapo", *overrides, f"critic.compute.precision={precision}"])

@@ -42,7 +42,7 @@ def embedded_policy():
     the first load in a fresh cache reads the GGUF file (~30 s), later ones its cached directory
     (~3 s). Tests only run it forward or copy it."""
     from asyncrl.config import compose
-    from asyncrl.models import load_policy
+    from asyncrl.models.loading import load_policy
 
     return load_policy(compose([]).model)
 
@@ -52,7 +52,7 @@ def smol_tokenizer():
     """The embedded model's tokenizer (SmolLM2: ChatML special tokens, its own chat template), read
     from the GGUF file once for the session (~10 s)."""
     from asyncrl.config import compose
-    from asyncrl.models import load_tokenizer
+    from asyncrl.models.loading import load_tokenizer
 
     return load_tokenizer(compose([]).model)
 

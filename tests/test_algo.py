@@ -185,7 +185,7 @@ def test_whiten_rows_is_masked_whiten_over_the_trained_tokens():
     """The assembler's `whiten_rows` (production) whitens exactly as `masked_whiten` (tested above):
     rows concatenated, loss-masked tokens excluded and left at 0."""
     from asyncrl.assembly.rows import whiten_rows
-    from asyncrl.schema import FinishReason, Segment, TrainingRow, float32_array, int32_array
+    from asyncrl.messages.structs import FinishReason, Segment, TrainingRow, float32_array, int32_array
 
     def row(advantages, loss_mask):
         n = len(advantages)

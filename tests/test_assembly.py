@@ -8,8 +8,8 @@ from actors.assembler import Assembler
 from asyncrl.algo.advantages import group_normalised
 from asyncrl.assembly.groups import GroupStrategy
 from asyncrl.config import DynamicSampling, OverlongShaping
-from asyncrl.mailbox import InProcessMailbox
-from asyncrl.schema import FinishReason, Reward, Segment, float32_array, int32_array
+from asyncrl.messages.mailbox import InProcessMailbox
+from asyncrl.messages.structs import FinishReason, Reward, Segment, float32_array, int32_array
 
 SETTINGS = DynamicSampling(enabled=True)
 

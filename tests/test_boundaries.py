@@ -74,8 +74,8 @@ def test_bodies_are_capped_as_they_stream(monkeypatch):
 NO_CGROUP_SCRIPT = f"""
 import json
 from asyncrl.config import VerifierEndpoint
+from asyncrl.messages.structs import RewardRequest
 from asyncrl.rewards.verifier import Verifier
-from asyncrl.schema import RewardRequest
 req = RewardRequest(prompt_id='p', sample_idx=0, response_text='def add(a, b):\\n    return a + b\\n',
                     ground_truth={ADD_ASSERTS!r}, data_source='code')
 refused = Verifier().score([req])[0]

@@ -12,11 +12,11 @@ import time
 import pytest
 import ray
 
-from asyncrl import checkpoint
-from asyncrl.checkpoint_store import StoreClient, local_copy, write_part
 from asyncrl.config import compose
 from asyncrl.run import Run
 from asyncrl.run.wiring import System
+from asyncrl.storage import checkpoint
+from asyncrl.storage.checkpoint_transfer import StoreClient, local_copy, write_part
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs (root)")
 
@@ -237,7 +237,7 @@ def test_parts_are_shipped_where_the_directory_is_not_seen(tmp_path, monkeypatch
         open(os.path.join(directory, "value", "model.safetensors"), "wb").write(payload)
         open(os.path.join(directory, "empty"), "wb").close()
 
-    import asyncrl.checkpoint_store as transfer
+    import asyncrl.storage.checkpoint_transfer as transfer
 
     monkeypatch.setattr(transfer, "CHUNK_BYTES", 1 << 20)  # several chunks per file
     write_part(elsewhere, tmp, part)

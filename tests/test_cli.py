@@ -212,8 +212,8 @@ def test_data_example_writes_the_files_the_readme_trains_on(tmp_path, monkeypatc
 
     from asyncrl.config import compose
     from asyncrl.evaluation import held_out
-    from asyncrl.datafiles import load_examples
-    from asyncrl.tasks import arithmetic_examples
+    from asyncrl.data.files import load_examples
+    from asyncrl.data.tasks import arithmetic_examples
 
     out = asyncrl("data", "example", "--out", "data", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -4,10 +4,10 @@ import os
 import pytest
 
 from asyncrl.config import ConfigError, compose, config_dir
-from asyncrl.models import build_tiny_tokenizer
+from asyncrl.data.files import file_examples
+from asyncrl.data.tasks import arithmetic_examples, encode_prompt, score_response, tiny_examples, tiny_seq_examples
+from asyncrl.models.loading import build_tiny_tokenizer
 from asyncrl.rewards.math import math_correct, score_from_correct
-from asyncrl.datafiles import file_examples
-from asyncrl.tasks import arithmetic_examples, encode_prompt, score_response, tiny_examples, tiny_seq_examples
 
 
 def _group_options(group):

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from asyncrl.config import ConfigError, compose
-from asyncrl.datafiles import DataKeys, check_prompts, drop_overlong, file_examples, load_examples
+from asyncrl.data.files import DataKeys, check_prompts, drop_overlong, file_examples, load_examples
 
 ROWS = [{"data_source": "gsm8k", "prompt": [{"role": "user", "content": f"{i}+1?"}],
          "reward_model": {"ground_truth": str(i + 1)}, "extra_info": {"index": i, "split": "train"}} for i in range(4)]
@@ -63,7 +63,7 @@ def test_a_ground_truth_that_is_not_a_string_reaches_the_reward_as_it_is(tmp_pat
     assert example.ground_truth == tests
     import numpy as np
 
-    from asyncrl.schema import Codec, FinishReason, RewardRequest, Segment
+    from asyncrl.messages.structs import Codec, FinishReason, RewardRequest, Segment
 
     # Through the messages a sample crosses, the dict stays a dict.
     decoded = Codec(RewardRequest).decode(Codec(RewardRequest).encode(
@@ -106,7 +106,7 @@ def test_prompts_longer_than_the_limit_are_dropped_and_counted(tmp_path, capsys)
     assert drop_overlong(examples, [[1] * 9] * 4, 0, "train")[0] == examples  # 0: no limit
     # Through the prompt source's builder, with the tiny model's tokenizer (a character a token).
     from actors.prompt_source import build_prompt_source
-    from asyncrl.mailbox import InProcessMailbox
+    from asyncrl.messages.mailbox import InProcessMailbox
 
     varied = [{**ROWS[0], "prompt": text, "extra_info": {"index": i}} for i, text in enumerate(["1?", "12+1?", "123+45+6?"])]
     jsonl(tmp_path / "varied.jsonl", varied)

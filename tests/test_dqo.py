@@ -7,12 +7,12 @@ import torch
 
 from asyncrl.algo.dqo import dqo_losses, importance_weights, soft_targets
 from asyncrl.config import ModelConfig
-from asyncrl.learning.scoring import response_logprobs
 from asyncrl.config import (Compute, CriticConfig, DQOConfig, Optimizer, PolicyCompute, PolicyConfig,
                             SamplingConfig)
 from asyncrl.learning.dqo import dqo_step
-from asyncrl.models import build_tiny_model, value_model_from_policy
-from asyncrl.schema import FinishReason, ScoredTrajectory, Segment, float32_array, int32_array
+from asyncrl.learning.scoring import response_logprobs
+from asyncrl.messages.structs import FinishReason, ScoredTrajectory, Segment, float32_array, int32_array
+from asyncrl.models.loading import build_tiny_model, value_model_from_policy
 
 
 def t(*rows):

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from asyncrl.config import compose
+from asyncrl.data.tasks import arithmetic_examples, encode_prompt
 from asyncrl.engines.base import SamplingParams, SequenceInput
+from asyncrl.engines.generation import build_engine
 from asyncrl.evaluation import greedy_accuracy
-from asyncrl.generation import build_engine
-from asyncrl.tasks import arithmetic_examples, encode_prompt
 
 CONFIG = ["engine.max_response_tokens=24"]
 
@@ -47,7 +47,7 @@ def test_embedded_model_checkpoint_is_a_loadable_hugging_face_directory(embedded
 
     from transformers import AutoModelForCausalLM
 
-    from asyncrl import checkpoint
+    from asyncrl.storage import checkpoint
 
     engine, tokenizer = embedded
     model = engine.model
@@ -76,9 +76,9 @@ def test_embedded_bf16_engine_logprobs_are_within_the_bound_of_the_fp32_learners
     production function) of the same tokens: the mismatch the learner's `rollout_kl_*` metrics
     measure every step."""
     from asyncrl.engines.torch_engine import TorchEngine
-    from asyncrl.generation import sequence_input
+    from asyncrl.engines.generation import sequence_input
     from asyncrl.learning.scoring import token_logprobs
-    from asyncrl.models import eos_token_ids
+    from asyncrl.models.loading import eos_token_ids
 
     model, tokenizer = embedded_policy
     engine = TorchEngine(model, eos_token_ids(model, tokenizer), tokenizer.pad_token_id, dtype=torch.bfloat16)

@@ -5,17 +5,17 @@ import pytest
 import torch
 
 from asyncrl.algo.sampling import (
-    counter_uniform,
-    filtered_logprobs,
-    sample_from_logits,
-    sample_from_logprobs,
-    step_logprobs,
-)
+                                   counter_uniform,
+                                   filtered_logprobs,
+                                   sample_from_logits,
+                                   sample_from_logprobs,
+                                   step_logprobs,
+                                   )
 from asyncrl.config import ModelConfig
 from asyncrl.engines.base import SamplingParams, SequenceInput
 from asyncrl.engines.torch_engine import TorchEngine
-from asyncrl.models import build_tiny_model, build_tiny_tokenizer
-from asyncrl.schema import FinishReason, int32_array
+from asyncrl.messages.structs import FinishReason, int32_array
+from asyncrl.models.loading import build_tiny_model, build_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,9 @@ from asyncrl.config import ModelConfig
 from asyncrl.engines.base import SamplingParams, SequenceInput
 from asyncrl.engines.torch_engine import TorchEngine
 from asyncrl.learning.scoring import token_logprobs
-from asyncrl.mailbox import InProcessMailbox
-from asyncrl.models import build_tiny_model, build_tiny_tokenizer
-from asyncrl.schema import FinishReason, PromptRequest, int32_array
+from asyncrl.messages.mailbox import InProcessMailbox
+from asyncrl.messages.structs import FinishReason, PromptRequest, int32_array
+from asyncrl.models.loading import build_tiny_model, build_tiny_tokenizer
 
 VOCAB = len(build_tiny_tokenizer())
 NO_EOS = (10_000,)  # outside the vocabulary: never sampled, so every window is full

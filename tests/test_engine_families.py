@@ -19,7 +19,7 @@ from asyncrl.algo.sampling import filtered_logprobs
 from asyncrl.engines.base import SamplingParams, SequenceInput
 from asyncrl.engines.torch_engine import TorchEngine
 from asyncrl.learning.scoring import token_logprobs
-from asyncrl.schema import FinishReason, int32_array
+from asyncrl.messages.structs import FinishReason, int32_array
 
 VOCAB = 64
 NO_EOS = (10_000,)  # outside the vocabulary: never sampled, every window full

@@ -21,12 +21,12 @@ from asyncrl.environments.episodes import EnvironmentClient, Episodes, LocalEnvi
 from asyncrl.environments.formats import ChatMLTools, Malformed, ToolCall, TinyTools
 from asyncrl.environments.templates import ChatTemplate
 from asyncrl.environments.tools import Episode, LookupTool, episode_secret
-from asyncrl.learning.tensors import collate
 from asyncrl.learning.scoring import response_logprobs
-from asyncrl.mailbox import InProcessMailbox
-from asyncrl.models import build_tiny_model, build_tiny_tokenizer
-from asyncrl.schema import (FinishReason, PromptRequest, Segment, TrainingRow, observation_mask, scored_mask,
-                            segment_row)
+from asyncrl.learning.tensors import collate
+from asyncrl.messages.mailbox import InProcessMailbox
+from asyncrl.messages.structs import (FinishReason, PromptRequest, Segment, TrainingRow, observation_mask, scored_mask,
+                                      segment_row)
+from asyncrl.models.loading import build_tiny_model, build_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

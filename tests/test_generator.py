@@ -6,13 +6,13 @@ import threading
 import numpy as np
 
 from actors.generator import Generator
+from asyncrl.config import ModelConfig
 from asyncrl.engines.base import SamplingParams
 from asyncrl.engines.torch_engine import TorchEngine
-from asyncrl.mailbox import InProcessMailbox
-from asyncrl.config import ModelConfig
-from asyncrl.models import build_tiny_model, build_tiny_tokenizer
-from asyncrl.schema import FinishReason, PromptRequest, int32_array
-from asyncrl.weight_sync import Delivery, SharedSlots
+from asyncrl.messages.mailbox import InProcessMailbox
+from asyncrl.messages.structs import FinishReason, PromptRequest, int32_array
+from asyncrl.models.loading import build_tiny_model, build_tiny_tokenizer
+from asyncrl.weights.sync import Delivery, SharedSlots
 
 
 def make_generator(window=3, max_tokens=8, max_windows=0, max_inflight=4):
@@ -236,7 +236,7 @@ def test_generator_to_assembler_merges_whole_responses():
     from asyncrl.algo.advantages import group_normalised
     from asyncrl.assembly.groups import GroupStrategy
     from asyncrl.config import DynamicSampling, OverlongShaping
-    from asyncrl.schema import Reward
+    from asyncrl.messages.structs import Reward
 
     async def main():
         gen, prompts, segments = make_generator(window=32, max_tokens=64, max_windows=2, max_inflight=16)

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from asyncrl.config import KLPenalty, Optimizer, PolicyCompute, PolicyConfig, PolicyLoss, SamplingConfig
-from asyncrl.learning.policy import Objective, policy_step
-from asyncrl.learning.tensors import collate
-from asyncrl.learning.scoring import token_logprobs
 from asyncrl.config import ModelConfig
-from asyncrl.models import build_tiny_model
-from asyncrl.schema import FinishReason, Segment, TrainingRow, float32_array, int32_array
+from asyncrl.learning.policy import Objective, policy_step
+from asyncrl.learning.scoring import token_logprobs
+from asyncrl.learning.tensors import collate
+from asyncrl.messages.structs import FinishReason, Segment, TrainingRow, float32_array, int32_array
+from asyncrl.models.loading import build_tiny_model
 
 
 def sample(i, prompt_len, prior_len, new_len, adv):

@@ -5,10 +5,10 @@ import os
 import numpy as np
 import pytest
 
-from asyncrl import checkpoint
-from asyncrl.ledger import SampleLedger
-from asyncrl.mailbox import RecentIds
-from asyncrl.schema import FinishReason, PromptRequest, Segment, TrainBatch, TrainingRow
+from asyncrl.messages.mailbox import RecentIds
+from asyncrl.messages.structs import FinishReason, PromptRequest, Segment, TrainBatch, TrainingRow
+from asyncrl.storage import checkpoint
+from asyncrl.storage.ledger import SampleLedger
 
 
 def request(prompt_id: str, group_size: int = 3) -> PromptRequest:
@@ -196,8 +196,8 @@ def test_tied_weights_are_stored_once_and_reload_equal(tmp_path, capfd):
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from asyncrl.models import build_tiny_tokenizer
-    from asyncrl.sharding import full_weights
+    from asyncrl.models.loading import build_tiny_tokenizer
+    from asyncrl.weights.sharding import full_weights
 
     tokenizer = build_tiny_tokenizer()
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""LoRA (`model.lora_rank`, `asyncrl.lora`): the merge by hand, our forward against peft's own
+"""LoRA (`model.lora_rank`, `asyncrl.weights.lora`): the merge by hand, our forward against peft's own
 model, the embedded engine merging each version's adapter into its unmerged base (three versions
 in a row, through the learner's own sender and the shared-memory path), a LoRA checkpoint's resume
 and export, and a target module the model lacks refused at start-up. On the tiny random model:
@@ -13,15 +13,15 @@ import numpy as np
 import pytest
 import torch
 
-from asyncrl import lora, transport
 from asyncrl.bench.learner import synthetic_batch
 from asyncrl.config import ConfigError, compose
 from asyncrl.engines.base import SamplingParams
-from asyncrl.generation import build_engine, sequence_input
+from asyncrl.engines.generation import build_engine, sequence_input
 from asyncrl.learning.rank import build_policy_rank
 from asyncrl.learning.scoring import PolicyForward, response_logprobs
-from asyncrl.models import load_policy
-from asyncrl.weight_sync import plan_buckets
+from asyncrl.models.loading import load_policy
+from asyncrl.weights import lora, transport
+from asyncrl.weights.sync import plan_buckets
 
 LORA = ["model=tiny", "model.lora_rank=4", "model.lora_alpha=8"]
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18]]
@@ -78,7 +78,7 @@ def test_learner_forward_merged_model_and_engine_give_peft_models_logits(targets
 
 
 def lora_spec(config):
-    from asyncrl.weight_sync import AdapterSpec
+    from asyncrl.weights.sync import AdapterSpec
 
     return AdapterSpec(config.model.lora_rank, config.model.lora_alpha)
 
@@ -167,7 +167,7 @@ def test_a_head_tied_to_the_embedding_is_not_adaptable():
 def test_resume_from_a_lora_checkpoint_gives_the_same_adapter_and_it_exports(tmp_path):
     from actors.policy_learner import CheckpointPolicy, build_policy_learner
     from asyncrl.cli import main
-    from asyncrl.mailbox import InProcessMailbox
+    from asyncrl.messages.mailbox import InProcessMailbox
 
     config = compose([*LORA, "policy.optimizer.lr=0.02"])
 
@@ -215,7 +215,7 @@ def test_dqo_offline_trains_the_adapter_alone(tmp_path):
     trains, the base does not, and the checkpoint holds the adapter."""
     import json
 
-    from asyncrl.checkpoint import policy_dir
+    from asyncrl.storage.checkpoint import policy_dir
     from asyncrl.offline import learn
 
     data = tmp_path / "labelled.jsonl"

@@ -4,9 +4,9 @@ import time
 import msgspec
 import pytest
 
-from asyncrl.mailbox import InProcessMailbox, MailboxCore
-from asyncrl.ray_mailbox import RayMailbox
-from asyncrl.schema import PromptRequest, int32_array
+from asyncrl.messages.mailbox import InProcessMailbox, MailboxCore
+from asyncrl.messages.ray_mailbox import RayMailbox
+from asyncrl.messages.structs import PromptRequest, int32_array
 
 
 class Msg(msgspec.Struct, frozen=True):
@@ -229,8 +229,8 @@ def test_a_sharded_mailbox_keeps_a_samples_windows_together_and_loses_nothing(ra
     them, a sample's windows share a shard (in order), and a lease never acknowledged comes back."""
     import asyncio
 
-    from asyncrl.ray_mailbox import ShardedMailbox
-    from asyncrl.schema import FinishReason, Segment, float32_array, int32_array
+    from asyncrl.messages.ray_mailbox import ShardedMailbox
+    from asyncrl.messages.structs import FinishReason, Segment, float32_array, int32_array
 
     def seg(prompt, sample, turn):
         return Segment(prompt_id=prompt, sample_idx=sample, window=turn, group_id=prompt, group_size=4,

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl.config import compose
-from asyncrl.models import cache_root, cached_directory, embedded_gguf_dir, gguf_location
+from asyncrl.models.loading import cache_root, cached_directory, embedded_gguf_dir, gguf_location
 
 
 @pytest.mark.slow
@@ -43,7 +43,7 @@ def test_a_cache_that_cannot_be_written_falls_back_to_the_gguf_file_with_a_notic
     (tmp_path / "a_file").write_text("")  # the cache root would be under a file: no directory can be made
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "a_file" / "cache"))
     model_config = compose([]).model
-    with caplog.at_level(logging.WARNING, logger="asyncrl.models"):
+    with caplog.at_level(logging.WARNING, logger="asyncrl.models.loading"):
         directory, gguf = gguf_location(model_config)
     assert directory == embedded_gguf_dir() and gguf == {"gguf_file": model_config.gguf_file}
     assert "cache cannot be written" in caplog.text

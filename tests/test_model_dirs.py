@@ -12,8 +12,8 @@ from ray import serve
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, Qwen2Config, Qwen3Config
 
 from asyncrl.config import ConfigError, compose
-from asyncrl.models import build_tiny_tokenizer, eos_token_ids, load_policy, load_tokenizer
-from asyncrl.tasks import encode_prompt, tiny_examples
+from asyncrl.data.tasks import encode_prompt, tiny_examples
+from asyncrl.models.loading import build_tiny_tokenizer, eos_token_ids, load_policy, load_tokenizer
 
 # Written in the tiny alphabet, so that every rendered character is a token of the tiny vocabulary:
 # the user's text, then "=" as the assistant's turn; "#" first when thinking is off.
@@ -64,10 +64,10 @@ def test_a_model_source_without_its_directory_is_refused_in_one_line():
 
 @pytest.mark.slow
 def test_a_qwen3_directory_trains_serves_and_exports(ray_session, tmp_path):
-    from asyncrl.checkpoint import export_hf
+    from asyncrl.storage.checkpoint import export_hf
     from asyncrl.driver import train
     from asyncrl.serve.reward import deploy_declaratively
-    from asyncrl.weight_sync import free_port
+    from asyncrl.weights.sync import free_port
 
     directory = save_model(tmp_path / "tiny-qwen3", "qwen3")
     overrides = ["model=tiny", "task=tiny", "algorithm=grpo", "model.source=hf", f"model.path={directory}",

@@ -10,12 +10,12 @@ import threading
 
 import pytest
 
+from asyncrl.api.requests import ChatCompletionRequest, CompletionRequest, OpenAIError
 from asyncrl.config import compose
 from asyncrl.engines.base import SamplingParams
 from asyncrl.engines.batching import TooLarge, WindowBatcher
-from asyncrl.generation import build_generator_engine, sequence_input
-from asyncrl.openai_api import ChatCompletionRequest, CompletionRequest, OpenAIError
-from asyncrl.schema import FinishReason
+from asyncrl.engines.generation import build_generator_engine, sequence_input
+from asyncrl.messages.structs import FinishReason
 from asyncrl.serve.policy import PolicyServer
 
 TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "the episode's digit",
@@ -449,7 +449,7 @@ def test_the_models_configured_template_and_the_tasks_template_options_render_th
     empty thought after each), and its prompt is the one training's episodes start from."""
     from asyncrl.environments.tools import tool_specs
     from asyncrl.serve.policy_requests import chat_prompt
-    from asyncrl.tasks import Example, encode_prompt
+    from asyncrl.data.tasks import Example, encode_prompt
 
     # In the tiny alphabet: the tools' names and ":", the turns' text, "=" as the generation prompt,
     # "##" after it when thinking is off.

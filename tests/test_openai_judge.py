@@ -12,10 +12,10 @@ import pytest
 from ray import serve
 
 from asyncrl.config import OpenAIJudgeEndpoint
+from asyncrl.messages.structs import PairRequest, RewardRequest
 from asyncrl.rewards.endpoint import RewardEndpoint, build_scorer
-from asyncrl.schema import PairRequest, RewardRequest
 from asyncrl.serve.reward import deploy_declaratively
-from asyncrl.weight_sync import free_port
+from asyncrl.weights.sync import free_port
 
 
 @pytest.fixture(scope="module")

@@ -4,12 +4,11 @@ selection before training, and the curriculum in the prompt source."""
 
 import pytest
 
-from asyncrl.config import compose
-from asyncrl.driver import train
-from asyncrl.mailbox import InProcessMailbox
-from asyncrl.tasks import Example
-
 from actors.prompt_source import PromptSource
+from asyncrl.config import compose
+from asyncrl.data.tasks import Example
+from asyncrl.driver import train
+from asyncrl.messages.mailbox import InProcessMailbox
 
 
 @pytest.mark.slow

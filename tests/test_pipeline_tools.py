@@ -7,7 +7,7 @@ import pytest
 
 from asyncrl.config import compose
 from asyncrl.driver import train
-from asyncrl.store import read_trajectories
+from asyncrl.storage.trajectory_store import read_trajectories
 
 TOOL = ["model=tiny", "task=tiny_tool", "algorithm=grpo", "trainer.wandb_mode=disabled"]
 

@@ -8,7 +8,7 @@ import numpy as np
 
 from asyncrl.config import compose
 from asyncrl.driver import train
-from asyncrl.store import read_trajectories
+from asyncrl.storage.trajectory_store import read_trajectories
 
 VERL_REWARD = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):

@@ -17,7 +17,7 @@ import pytest
 from ray import serve
 
 from asyncrl.serve.reward import deploy_declaratively
-from asyncrl.weight_sync import free_port
+from asyncrl.weights.sync import free_port
 
 TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "the episode's digit",
                                            "parameters": {"type": "object", "properties": {}}}}]

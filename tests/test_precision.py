@@ -1,4 +1,4 @@
-"""bf16 or fp32 by a probe of the model's own matmul shapes on this machine (`asyncrl.precision`),
+"""bf16 or fp32 by a probe of the model's own matmul shapes on this machine (`asyncrl.models.precision`),
 the one rule behind `engine.dtype=auto`, `policy.compute.precision=auto` and
 `critic.compute.precision=auto`, and how each role reports it."""
 
@@ -10,16 +10,16 @@ import torch
 from asyncrl.config import ModelConfig, compose
 from asyncrl.engines.torch_engine import engine_precision
 from asyncrl.learning.rank import learner_precision
-from asyncrl.mailbox import InProcessMailbox
-from asyncrl.models import build_tiny_model, build_tiny_tokenizer
-from asyncrl.precision import (
-    BF16_MIN_PARAMETERS,
-    BF16_MIN_SPEEDUP,
-    choose_precision,
-    device_name,
-    linear_shapes,
-    probe_seconds,
-)
+from asyncrl.messages.mailbox import InProcessMailbox
+from asyncrl.models.loading import build_tiny_model, build_tiny_tokenizer
+from asyncrl.models.precision import (
+                                      BF16_MIN_PARAMETERS,
+                                      BF16_MIN_SPEEDUP,
+                                      choose_precision,
+                                      device_name,
+                                      linear_shapes,
+                                      probe_seconds,
+                                      )
 
 VOCAB = len(build_tiny_tokenizer())
 
@@ -68,7 +68,7 @@ def test_each_role_logs_and_reports_its_choice(models, caplog):
     from actors.generator import build_generator
 
     small, _ = models
-    with caplog.at_level(logging.INFO, logger="asyncrl.precision"):
+    with caplog.at_level(logging.INFO, logger="asyncrl.models.precision"):
         chosen = learner_precision("auto", small, "cpu", "policy learner")
     assert chosen.name == "fp32" and caplog.records[-1].getMessage().startswith("policy learner precision: fp32 (auto:")
     config = compose(["model=tiny", "task=tiny"])

@@ -5,6 +5,7 @@ Serve application of `configs/serve.yaml` composes and each URL names a route th
 
 import functools
 import os
+import pathlib
 import re
 import shlex
 import subprocess
@@ -75,3 +76,34 @@ def test_serve_yaml_applications_compose_and_the_readme_urls_exist():
     for path in re.findall(r"127\.0\.0\.1:8000(/[\w/]*)", text):
         if path not in ("/v1", "/train/"):  # the policy's base URL and the status page
             assert path in routes or path.rstrip("/") in routes, path
+
+
+def _map_of_the_tree() -> str:
+    text = open(os.path.join(ROOT, "README.md")).read()
+    start = text.index("## Map of the tree")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end != -1 else None]
+
+
+def test_the_map_of_the_tree_names_every_package_and_module_and_nothing_that_is_gone():
+    """Each package of `asyncrl/` and `actors/` has its row, and each module is named in its package's
+    row (`name.py`); each path and `name.py` the map gives exists."""
+
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `([^`]+)`[^|]*\| (.*) \|$", _map_of_the_tree(), re.M)}
+    missing = []
+    for package in ["actors", "asyncrl", *sorted(str(p.parent.relative_to(ROOT)) for p in
+                                                   pathlib.Path(ROOT, "asyncrl").glob("*/__init__.py"))]:
+        row = rows.get(f"{package}/")  # `asyncrl/` is the row of the modules at its top
+        if row is None:
+            missing.append(f"{package}/ has no row")
+            continue
+        for module in sorted(pathlib.Path(ROOT, package).glob("*.py")):
+            if module.name != "__init__.py" and f"`{module.name}`" not in row:
+                missing.append(f"{package}/{module.name} is not in its row")
+        for named in re.findall(r"`([\w]+\.py)`", row):
+            if not pathlib.Path(ROOT, package, named).exists():
+                missing.append(f"{package}/{named} is named but does not exist")
+    for path in rows:
+        if not os.path.exists(os.path.join(ROOT, path)):
+            missing.append(f"{path} is in the map but not in the tree")
+    assert not missing, "\n".join(missing)

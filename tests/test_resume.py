@@ -10,9 +10,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from actors.prompt_source import SNAPSHOT_CODEC
-from asyncrl import checkpoint
 from asyncrl.config import compose
 from asyncrl.run.wiring import System
+from asyncrl.storage import checkpoint
 
 
 def run_until(system: System, step: int, timeout_s: float = 240.0) -> list[dict]:

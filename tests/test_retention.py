@@ -12,7 +12,7 @@ import pyarrow as pa
 from asyncrl.run.records import RunRecords
 from asyncrl.serve import train as train_app
 from asyncrl.serve.guards import FiniteJSONResponse
-from asyncrl.store import StoreWriter, store_files
+from asyncrl.storage.trajectory_store import StoreWriter, store_files
 
 STATUS = {"samples_trained": 0, "samples_dropped": 0, "samples_generated": 0, "tool_calls": 0,
           "generator_busy_fraction": 0.0, "generator_paused_for_weights_fraction": 0.0, "last_broadcast": {}}

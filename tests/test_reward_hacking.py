@@ -16,17 +16,17 @@ import uuid
 import pytest
 from fastapi.testclient import TestClient
 
-from asyncrl.serve import guards, reward as reward_app, train as train_app
+from actors.assembler import Assembler
 from asyncrl.bench.hostile import ADD_ASSERTS, HOSTILE_CODE
+from asyncrl.config import RouteConfig
+from asyncrl.config import OverlongShaping
+from asyncrl.messages.structs import Reward, RewardRequest
 from asyncrl.rewards.code import plan_assert
 from asyncrl.rewards.hybrid import combine_rewards
-from asyncrl.config import RouteConfig
 from asyncrl.rewards.sandbox import SandboxLimits, probe_isolation, project_root, run_program
 from asyncrl.rewards.verifier import Verifier
 from asyncrl.rewards.verifiers import verify
-from actors.assembler import Assembler
-from asyncrl.config import OverlongShaping
-from asyncrl.schema import Reward, RewardRequest
+from asyncrl.serve import guards, reward as reward_app, train as train_app
 
 ISOLATION = probe_isolation()
 needs_namespaces = pytest.mark.skipif(not ISOLATION["namespaces"], reason="no namespaces on this machine")
@@ -174,7 +174,7 @@ def test_memory_and_disk_are_limited_per_sandbox():
 def test_without_isolation_code_rewards_are_refused_unless_opted_in(tmp_path):
     # A machine with no `unshare` at all (PATH without util-linux): nothing can be isolated.
     script = ("import json\nfrom asyncrl.config import VerifierEndpoint\nfrom asyncrl.rewards.verifier import Verifier\n"
-              "from asyncrl.schema import RewardRequest\n"
+              "from asyncrl.messages.structs import RewardRequest\n"
               f"req = RewardRequest(prompt_id='p', sample_idx=0, response_text='def add(a, b):\\n    return a + b\\n', "
               f"ground_truth={ADD_ASSERTS!r}, data_source='code')\n"
               "refused = Verifier().score([req])[0]\n"
@@ -254,7 +254,7 @@ def test_policy_requests_are_bounded_by_their_kv_cache():
     more sequences than a window holds, or a KV block over the bound at their longest."""
     from asyncrl.config import compose
     from asyncrl.engines.batching import TooLarge, WindowBatcher
-    from asyncrl.generation import build_generator_engine, sequence_input
+    from asyncrl.engines.generation import build_generator_engine, sequence_input
 
     config = compose(["model=tiny"])
     batcher = WindowBatcher(build_generator_engine(config.model, config.engine)[0], max_rows=64, window_tokens=16,

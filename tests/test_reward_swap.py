@@ -7,9 +7,9 @@ import pytest
 from ray import serve
 
 from asyncrl.config import compose
-from asyncrl.serve.reward import deploy_declaratively, reward_app_config
 from asyncrl.run.wiring import System
-from asyncrl.weight_sync import free_port
+from asyncrl.serve.reward import deploy_declaratively, reward_app_config
+from asyncrl.weights.sync import free_port
 
 OVERRIDES = "model=tiny task=tiny algorithm=grpo trainer.wandb_mode=disabled reward.use_serve=true"
 REWARD_TOKEN = "swap-test-token"  # POST /score needs one (`asyncrl.serve.guards`)
@@ -104,7 +104,7 @@ def test_a_reward_function_of_ones_own_swaps_with_its_file_and_version(ray_sessi
     """A `kind: python` endpoint as its own Serve application (verl's `custom_reward_function.path`):
     a new file with a new `version` (a user_config change) is read again while training runs, and
     later rewards carry the new version."""
-    from asyncrl.schema import RewardRequest
+    from asyncrl.messages.structs import RewardRequest
 
     reward = tmp_path / "reward.py"
     reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"

@@ -14,14 +14,13 @@ from asyncrl.algo.advantages import pairwise_advantages
 from asyncrl.algo.selection import curriculum_sources, domain_zscores, select_hardest
 from asyncrl.algo.shaping import prm_dense_rewards, symmetrized_preference
 from asyncrl.config import RouteConfig
-from asyncrl.models import build_tiny_tokenizer
+from asyncrl.config import GenerativeJudgeEndpoint
+from asyncrl.messages.structs import PairRequest, RewardRequest, int32_array
+from asyncrl.models.loading import build_tiny_tokenizer
 from asyncrl.rewards.endpoint import RewardEndpoint
 from asyncrl.rewards.hybrid import RewardRouter
-from asyncrl.rewards.verifiers import verify
-from asyncrl.schema import PairRequest, RewardRequest, int32_array
-
-from asyncrl.config import GenerativeJudgeEndpoint
 from asyncrl.rewards.judge import GenerativeJudge, LocalVerdicts, quote
+from asyncrl.rewards.verifiers import verify
 
 
 def request(text, truth="42", source="math", idx=0, prompt="What is 6 times 7?", token_ids=None):
@@ -262,9 +261,9 @@ def test_pre_ppo_selection_is_per_domain_and_scale_invariant():
 
 
 def test_pre_ppo_keeps_the_hardest_and_merges_them_with_the_train_prompts():
-    from asyncrl.pre_ppo import pre_ppo_selection
-    from asyncrl.schema import Reward
-    from asyncrl.tasks import Example
+    from asyncrl.data.pre_ppo import pre_ppo_selection
+    from asyncrl.messages.structs import Reward
+    from asyncrl.data.tasks import Example
 
     def example(i, source):
         return Example(prompt_id=f"p{i}", messages=[{"role": "user", "content": f"q{i}"}], ground_truth="1",
@@ -297,8 +296,8 @@ def test_pre_ppo_keeps_the_hardest_and_merges_them_with_the_train_prompts():
 
 
 def test_pre_ppo_breaks_binary_ties_at_random_and_averages_several_responses():
-    from asyncrl.pre_ppo import candidate_scores
-    from asyncrl.schema import Reward
+    from asyncrl.data.pre_ppo import candidate_scores
+    from asyncrl.messages.structs import Reward
 
     # Twenty prompts all scoring 0 with one 0/1 response each: file order would always pick the
     # first two; the seeded order picks others, and differs by seed.
@@ -317,8 +316,8 @@ def test_pre_ppo_scores_candidates_through_the_reward_router():
     """Pre-PPO's rewards come through the same router as the assembler's: a failing first call is
     retried (the router's retries), and the selection uses the answer of the retry."""
     from asyncrl.config import compose
-    from asyncrl.pre_ppo import select_prompts
-    from asyncrl.tasks import encode_prompt, tiny_examples
+    from asyncrl.data.pre_ppo import select_prompts
+    from asyncrl.data.tasks import encode_prompt, tiny_examples
 
     config = compose(["model=tiny", "task=tiny", "task.pre_ppo_fraction=0.2"])
     endpoint = RewardEndpoint("verifier", {"kind": "verifier"}, None, "zero_one")

@@ -7,16 +7,16 @@ import json
 import numpy as np
 import pytest
 
-from asyncrl.algo.selection import group_verdict, retirement_reason
-from asyncrl.mailbox import InProcessMailbox
 from actors.assembler import Assembler
+from actors.prompt_source import PromptSource
 from asyncrl.algo.advantages import group_normalised
+from asyncrl.algo.selection import group_verdict, retirement_reason
 from asyncrl.assembly.groups import GroupStrategy
 from asyncrl.config import DynamicSampling, OverlongShaping
-from actors.prompt_source import PromptSource
-from asyncrl.retirement import Retirements
-from asyncrl.schema import FinishReason, Reward, Segment, float32_array, int32_array
-from asyncrl.tasks import Example
+from asyncrl.data.retirement import Retirements
+from asyncrl.data.tasks import Example
+from asyncrl.messages.mailbox import InProcessMailbox
+from asyncrl.messages.structs import FinishReason, Reward, Segment, float32_array, int32_array
 
 
 def test_group_verdicts_and_when_they_retire_a_prompt():

@@ -2,17 +2,17 @@ import msgspec
 import numpy as np
 import pytest
 
-from asyncrl.schema import (
-    Codec,
-    FinishReason,
-    PromptRequest,
-    Reward,
-    Segment,
-    TrainBatch,
-    TrainingRow,
-    float32_array,
-    int32_array,
-)
+from asyncrl.messages.structs import (
+                                      Codec,
+                                      FinishReason,
+                                      PromptRequest,
+                                      Reward,
+                                      Segment,
+                                      TrainBatch,
+                                      TrainingRow,
+                                      float32_array,
+                                      int32_array,
+                                      )
 
 
 def make_segment(n_new=5, n_prior=3, finished=False, window=1) -> Segment:

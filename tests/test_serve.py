@@ -25,7 +25,7 @@ from asyncrl.config import compose
 from asyncrl.driver import train
 from asyncrl.run.records import RUN_FIELDS
 from asyncrl.serve.reward import deploy_declaratively, reward_app_config
-from asyncrl.weight_sync import free_port
+from asyncrl.weights.sync import free_port
 
 # critic.warmup.steps=1: the policy trains only after a value step, so every record carries value metrics.
 # The KL to the reference is in the reward (the PPO baseline): the value learner scores the reference.
@@ -254,7 +254,7 @@ def _engine_distribution(weights: dict, prompt: str, tokens: list[str], temperat
     import torch
 
     from asyncrl.algo.sampling import filtered_logprobs
-    from asyncrl.models import load_policy
+    from asyncrl.models.loading import load_policy
 
     model, tokenizer = load_policy(compose(OVERRIDES.split()).model)
     model.load_state_dict(weights)
@@ -392,7 +392,7 @@ def test_every_admin_route_needs_the_token_and_checkpoint_writes_one(apps):
     r = httpx.post(f"{apps}/train/admin/checkpoint", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=120)
     assert r.status_code == 200, r.text
     path = r.json()["path"]
-    from asyncrl.checkpoint import verify
+    from asyncrl.storage.checkpoint import verify
 
     assert verify(path)["step"] >= trained  # a whole, checksummed checkpoint of the step reached (or a later one)
     metrics = httpx.get(f"{apps}/train/metrics/prometheus", timeout=30)

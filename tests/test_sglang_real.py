@@ -24,11 +24,11 @@ if importlib.util.find_spec("sglang") is None:
 
 from asyncrl.config import compose  # noqa: E402
 from asyncrl.engines.base import SamplingParams  # noqa: E402
-from asyncrl.generation import sequence_input  # noqa: E402
+from asyncrl.engines.generation import sequence_input  # noqa: E402
 from asyncrl.learning.scoring import LOGPROB_FLOOR, response_logprobs  # noqa: E402
-from asyncrl.models import build_tiny_tokenizer  # noqa: E402
-from asyncrl.schema import FinishReason  # noqa: E402
-from asyncrl.weight_sync import SharedSlots  # noqa: E402
+from asyncrl.messages.structs import FinishReason  # noqa: E402
+from asyncrl.models.loading import build_tiny_tokenizer  # noqa: E402
+from asyncrl.weights.sync import SharedSlots  # noqa: E402
 
 # float32 on both sides: SGLang's CPU kernels and the learner's forward agree to ~1e-6.
 TOLERANCE = 1e-4
@@ -331,9 +331,9 @@ def test_the_generator_role_loads_versions_before_and_while_it_runs(loop, engine
     mid-window (`updates_mid_window`). Every token's recorded version is the one SGLang reported,
     and its log-prob is the learner's under those weights."""
     from actors.generator import Generator
-    from asyncrl.mailbox import InProcessMailbox
-    from asyncrl.schema import PromptRequest, int32_array
-    from asyncrl.weight_sync import Delivery
+    from asyncrl.messages.mailbox import InProcessMailbox
+    from asyncrl.messages.structs import PromptRequest, int32_array
+    from asyncrl.weights.sync import Delivery
 
     prompts, segments = InProcessMailbox(100, lease_s=600), InProcessMailbox(10_000, lease_s=600)
     generator = Generator(engine, prompts, segments, SamplingParams(temperature=1.0), window_tokens=48,
@@ -455,7 +455,7 @@ def test_the_policy_endpoint_answers_from_sglang(loop, engine, tiny):
     tool calls behave as on the embedded engine."""
     import json
 
-    from asyncrl.openai_api import ChatCompletionRequest
+    from asyncrl.api.requests import ChatCompletionRequest
     from asyncrl.serve.policy import PolicyServer
     from asyncrl.serve.policy_engine import SGLangPolicy
 
@@ -505,9 +505,9 @@ def test_a_lora_version_is_merged_into_the_base_and_its_tokens_are_the_learners(
     the base weights of the model directory (never into an earlier version) and loads the merged
     modules. Two versions in a row, the second through the shared-memory path as the learner sends
     it; every token's log-prob is the learner's peft model's."""
-    from asyncrl import lora, transport
+    from asyncrl.weights import lora, transport
     from asyncrl.config import ModelConfig
-    from asyncrl.weight_sync import AdapterSpec, Delivery
+    from asyncrl.weights.sync import AdapterSpec, Delivery
 
     settings = ModelConfig(source="hf", lora_rank=4, lora_alpha=8)
     params = SamplingParams(temperature=1.0)

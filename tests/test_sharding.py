@@ -15,11 +15,11 @@ import torch.multiprocessing as mp
 from asyncrl.config import ModelConfig
 from asyncrl.config import KLPenalty, Optimizer, PolicyCompute, PolicyConfig, PolicyLoss, SamplingConfig
 from asyncrl.learning.policy import Objective
-from asyncrl.models import build_tiny_model
 from asyncrl.learning.rank import PolicyRank
-from asyncrl.schema import FinishReason, Segment, TrainingRow, float32_array, int32_array
-from asyncrl.sharding import DataParallel, join, leave, parts_of_rank, rendezvous_store
-from asyncrl.weight_sync import free_port
+from asyncrl.messages.structs import FinishReason, Segment, TrainingRow, float32_array, int32_array
+from asyncrl.models.loading import build_tiny_model
+from asyncrl.weights.sharding import DataParallel, join, leave, parts_of_rank, rendezvous_store
+from asyncrl.weights.sync import free_port
 
 
 def test_micro_batches_are_dealt_round_robin_and_short_shares_get_a_ghost():
@@ -125,7 +125,7 @@ LORA_MODEL = ModelConfig(source="tiny", seed=3, lora_rank=4, lora_alpha=8)
 
 
 def _lora_rank(parallel=None) -> PolicyRank:
-    from asyncrl import lora
+    from asyncrl.weights import lora
 
     torch.manual_seed(0)
     lm = build_tiny_model(LORA_MODEL, 30)
@@ -148,7 +148,7 @@ def _lora_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 def test_lora_over_two_ranks_is_the_one_rank_lora_step_and_keeps_the_adapter_alone(tmp_path):
     """FSDP2 over LoRA (frozen base weights beside the adapter in each unit): the adapter the
     generators get, the merged weights and the checkpoint state are the one-rank learner's."""
-    from asyncrl import lora
+    from asyncrl.weights import lora
 
     single = _lora_rank()
     metrics = [single.step(_batch()) for _ in range(2)]

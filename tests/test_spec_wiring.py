@@ -12,29 +12,29 @@ import numpy as np
 import pytest
 import torch
 
+from actors.assembler import Assembler
+from actors.policy_learner import PolicyLearner
+from asyncrl.algo.advantages import group_normalised, pairwise_advantages
 from asyncrl.algo.losses import behaviour_weights, kl_penalty, ppo_policy_loss, rollout_mismatch
 from asyncrl.algo.sampling import filtered_logprobs, step_logprobs
+from asyncrl.assembly.decisions import Scored
+from asyncrl.assembly.groups import PairwiseStrategy, group_rows
 from asyncrl.assembly.rows import with_whole_response
+from asyncrl.assembly.values import ValueEdges, ValueStrategy
 from asyncrl.config import (ConfigError, CriticConfig, DynamicSampling, GAEAdvantage, KLPenalty, ModelConfig, Optimizer,
                             OverlongShaping, PolicyCompute, PolicyConfig, PolicyLoss, SamplingConfig, ValueLoss, compose)
 from asyncrl.config.fields import replaced
 from asyncrl.config.learner import Compute
 from asyncrl.learning.policy import Objective, policy_step
-from asyncrl.learning.tensors import collate
-from asyncrl.learning.scoring import token_logprobs
-from asyncrl.learning.value import value_step
-from asyncrl.mailbox import InProcessMailbox
-from asyncrl.models import build_tiny_model, value_model_from_policy
-from actors.assembler import Assembler
-from asyncrl.algo.advantages import group_normalised, pairwise_advantages
-from asyncrl.assembly.decisions import Scored
-from asyncrl.assembly.groups import PairwiseStrategy, group_rows
-from asyncrl.assembly.values import ValueEdges, ValueStrategy
 from asyncrl.learning.rank import PolicyRank
+from asyncrl.learning.scoring import token_logprobs
+from asyncrl.learning.tensors import collate
+from asyncrl.learning.value import value_step
+from asyncrl.messages.mailbox import InProcessMailbox
+from asyncrl.messages.structs import (FinishReason, Reward, ScoredTrajectory, Segment, TrainBatch, TrainingRow, float32_array,
+                                      int32_array)
+from asyncrl.models.loading import build_tiny_model, value_model_from_policy
 from asyncrl.staleness import mask_stale_tokens
-from actors.policy_learner import PolicyLearner
-from asyncrl.schema import (FinishReason, Reward, ScoredTrajectory, Segment, TrainBatch, TrainingRow, float32_array,
-                            int32_array)
 
 
 def segment(new, prior=(), finished=True, pid="p", idx=0, version=0, prior_version=None, group_size=1, seed=0,
@@ -454,7 +454,7 @@ def run_assembler_group(estimator, group):
 
 
 def test_the_reference_anchor_is_a_response_not_a_bare_answer():
-    from asyncrl.tasks import reference_response
+    from asyncrl.data.tasks import reference_response
 
     assert reference_response("arithmetic", "42") == "The answer is \\boxed{42}."
     assert reference_response("tiny", "7") == "7"
@@ -612,7 +612,7 @@ def test_the_gpu_learners_settings_run_on_cpu_bf16_autocast_and_checkpointing():
 
     auto, fp32 = step()  # policy.compute.precision=auto: the tiny model is too small for bf16 to pay
     assert auto.policy.objective.policy.compute.precision == "fp32" and auto.stats()["precision"] == "fp32"
-    assert "under 10M" in auto.stats()["precision_choice"]["reason"]  # how auto chose (asyncrl.precision)
+    assert "under 10M" in auto.stats()["precision_choice"]["reason"]  # how auto chose (asyncrl.models.precision)
     learner, bf16 = step("policy.compute.precision=bf16", "policy.compute.gradient_checkpointing=true")
     assert learner.policy.objective.policy.compute.precision == "bf16" and learner.model.is_gradient_checkpointing
     assert all(p.dtype == torch.float32 for p in learner.model.parameters())  # master weights stay fp32

@@ -15,10 +15,10 @@ import pytest
 
 from asyncrl.assembly.rows import merge_segments
 from asyncrl.config import compose, config_from_dict
+from asyncrl.messages.structs import FinishReason, Reward, Segment, float32_array, int32_array
 from asyncrl.offline import replay_batch
-from asyncrl.schema import FinishReason, Reward, Segment, float32_array, int32_array
-from asyncrl.store import (BATCH_RECORD_DECODER, TRAJECTORY_SCHEMA, StoreWriter, read_batches, read_trajectories,
-                           record_of, reward_of, segments_of, store_files)
+from asyncrl.storage.trajectory_store import (BATCH_RECORD_DECODER, TRAJECTORY_SCHEMA, StoreWriter, read_batches, read_trajectories,
+                                              record_of, reward_of, segments_of, store_files)
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "golden")
 
@@ -110,8 +110,8 @@ print(json.dumps({{"rows": len(frame), "datasets_rows": len(data), "columns": li
 
 @pytest.mark.slow
 def test_a_recorded_run_is_read_elsewhere_replayed_and_learned_from_offline(solved_dapo_run, tmp_path):
-    from asyncrl.checkpoint import policy_dir
-    from asyncrl.models import build_tiny_tokenizer, value_model_from_checkpoint
+    from asyncrl.storage.checkpoint import policy_dir
+    from asyncrl.models.loading import build_tiny_tokenizer, value_model_from_checkpoint
     from asyncrl.offline import learn
 
     _, summary, run = solved_dapo_run  # DAPO until solved, recorded: kept and no-signal groups

@@ -25,19 +25,16 @@ PACKAGES = ("asyncrl", "actors")
 # Layer of each module (prefix match, longest first). A module may import its own layer or lower.
 LAYERS = {
     # Definitions: the typed config, the messages, the pure algorithms.
-    0: ["asyncrl.config", "asyncrl.schema", "asyncrl.wire", "asyncrl.algo"],
+    0: ["asyncrl.config", "asyncrl.messages", "asyncrl.algo"],
     # Plumbing: moving and keeping things, blind to what they mean.
-    1: ["asyncrl.mailbox", "asyncrl.ray_mailbox", "asyncrl.ledger", "asyncrl.weight_sync", "asyncrl.transport",
-        "asyncrl.checkpoint", "asyncrl.checkpoint_store", "asyncrl.store", "asyncrl.sharding", "asyncrl.metrics",
-        "asyncrl.plots", "asyncrl.staleness", "asyncrl.weights_delta"],
-    # The domain: models and engines, tasks, rewards, environments, assembly, learning.
-    2: ["asyncrl.engines", "asyncrl.models", "asyncrl.precision", "asyncrl.tasks", "asyncrl.rewards",
-        "asyncrl.assembly", "asyncrl.learning", "asyncrl.generation", "asyncrl.openai_api", "asyncrl.openai_tools",
-        "asyncrl.openai_choices", "asyncrl.openai_responses", "asyncrl.retirement",
-        "asyncrl.environments", "asyncrl.datafiles", "asyncrl.user_code", "asyncrl.lora"],
-    3: ["actors", "asyncrl.pre_ppo", "asyncrl.evaluation"],
+    1: ["asyncrl.messages.mailbox", "asyncrl.messages.ray_mailbox", "asyncrl.storage", "asyncrl.weights",
+        "asyncrl.metrics", "asyncrl.plots", "asyncrl.staleness"],
+    # The domain: models and engines, data, rewards, environments, assembly, learning, the OpenAI surface.
+    2: ["asyncrl.engines", "asyncrl.models", "asyncrl.data", "asyncrl.rewards", "asyncrl.assembly",
+        "asyncrl.learning", "asyncrl.api", "asyncrl.environments", "asyncrl.user_code", "asyncrl.weights.lora"],
+    3: ["actors", "asyncrl.data.pre_ppo", "asyncrl.evaluation"],
     4: ["asyncrl.run"],
-    5: ["asyncrl.driver", "asyncrl.serve", "asyncrl.cli", "asyncrl.bench", "asyncrl.offline", "asyncrl.config_help"],
+    5: ["asyncrl.driver", "asyncrl.serve", "asyncrl.cli", "asyncrl.bench", "asyncrl.offline", "asyncrl.config.help"],
 }
 # Imports a package of the project may never make (a prefix of the imported module's name).
 FORBIDDEN = {"asyncrl.algo": ["asyncrl", "actors"], "asyncrl.config": ["asyncrl.algo", "asyncrl.learning"],
@@ -176,7 +173,7 @@ def test_modules_and_functions_stay_readable():
 
 def test_every_config_field_has_a_docstring():
     """A field is followed by a string (its docstring) in its section's source, as `--help` reads it."""
-    from asyncrl.config_help import field_docs
+    from asyncrl.config.help import field_docs
 
     missing = sorted({f"{leaf.owner.__name__}.{leaf.name}" for leaf in schema.leaves(Config)
                       if not field_docs(leaf.owner).get(leaf.name)})

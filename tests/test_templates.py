@@ -10,14 +10,14 @@ import json
 
 import pytest
 
+from asyncrl.api.requests import ChatCompletionRequest
+from asyncrl.api.tools import conversation_ids
 from asyncrl.config import EnvironmentConfig
+from asyncrl.data.tasks import Example, encode_prompt
 from asyncrl.environments.episodes import Episodes, LocalEnvironment
 from asyncrl.environments.formats import ChatMLTools, ToolCall
 from asyncrl.environments.templates import ChatTemplate, TemplateError, encode
 from asyncrl.environments.tools import Episode, PythonTool, tool_specs
-from asyncrl.openai_api import ChatCompletionRequest
-from asyncrl.openai_tools import conversation_ids
-from asyncrl.tasks import Example, encode_prompt
 from chat_templates import QWEN25
 
 PYTHON = tool_specs(EnvironmentConfig(name="python"))

@@ -13,9 +13,9 @@ import zipfile
 import pytest
 
 from asyncrl.config import ConfigError, PythonRewardEndpoint, compose
+from asyncrl.messages.structs import RewardRequest
 from asyncrl.rewards.endpoint import RewardEndpoint, build_scorer
 from asyncrl.rewards.user_function import detect_signature, load_function
-from asyncrl.schema import RewardRequest
 
 VERL_REWARD = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
@@ -171,7 +171,7 @@ def test_signatures_and_files_that_cannot_work_are_refused_at_start_up(tmp_path)
         load_function(write(tmp_path, "r.py", VERL_REWARD), "score_it")
     with pytest.raises(FileNotFoundError):
         load_function(str(tmp_path / "missing.py"), "compute_score")
-    from asyncrl.datafiles import check_prompts
+    from asyncrl.data.files import check_prompts
 
     config = compose(["model=tiny", "task=tiny", f"+reward.endpoints.mine={{kind: python, path: {tmp_path}/missing.py}}",
                       "reward.routes=[{match: '*', endpoints: [mine]}]"])

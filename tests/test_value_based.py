@@ -7,15 +7,15 @@ import torch
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
 from asyncrl.assembly.rows import Outcome, value_rows, whiten_rows
-from asyncrl.schema import segment_row
+from asyncrl.config import (Compute, CriticConfig, GAEAdvantage, KLPenalty, ModelConfig, Optimizer, PolicyCompute,
+                            PolicyConfig, PolicyLoss, SamplingConfig, ValueLoss)
 from asyncrl.config.fields import replaced
 from asyncrl.learning.policy import Objective, policy_step
 from asyncrl.learning.tensors import collate
 from asyncrl.learning.value import predict_values, value_step
-from asyncrl.config import (Compute, CriticConfig, GAEAdvantage, KLPenalty, ModelConfig, Optimizer, PolicyCompute,
-                            PolicyConfig, PolicyLoss, SamplingConfig, ValueLoss)
-from asyncrl.models import build_tiny_model, value_model_from_policy, value_model_from_reward_model
-from asyncrl.schema import FinishReason, ScoredTrajectory, Segment, TrainingRow, float32_array, int32_array
+from asyncrl.messages.structs import segment_row
+from asyncrl.messages.structs import FinishReason, ScoredTrajectory, Segment, TrainingRow, float32_array, int32_array
+from asyncrl.models.loading import build_tiny_model, value_model_from_policy, value_model_from_reward_model
 
 SETTINGS = GAEAdvantage(gamma=1.0, lam=1.0, window_training=True)
 W = 4  # engine.window_tokens

@@ -12,9 +12,9 @@ from asyncrl.algo.warmup import mean_return_bias, warmup_finished
 from asyncrl.assembly.values import ValueEdges, ValueStrategy
 from asyncrl.config import ConfigError, DynamicSampling, GAEAdvantage, ModelConfig, OverlongShaping, compose
 from asyncrl.learning.value import center_value_head, predict_values
-from asyncrl.mailbox import InProcessMailbox
-from asyncrl.models import build_tiny_model, value_model_from_policy
-from asyncrl.schema import FinishReason, Reward, ScoredTrajectory, Segment, float32_array, int32_array
+from asyncrl.messages.mailbox import InProcessMailbox
+from asyncrl.messages.structs import FinishReason, Reward, ScoredTrajectory, Segment, float32_array, int32_array
+from asyncrl.models.loading import build_tiny_model, value_model_from_policy
 
 
 def test_settings_an_advantage_cannot_honour_are_refused_with_the_reason():

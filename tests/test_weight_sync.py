@@ -1,4 +1,4 @@
-"""Weight transfer (`asyncrl.weight_sync`): the distributed group (two real processes over gloo) and
+"""Weight transfer (`asyncrl.weights.sync`): the distributed group (two real processes over gloo) and
 shared memory (two slot files written in turn, a real engine in another process adopting views), through
 one interface."""
 
@@ -14,9 +14,9 @@ import ray
 import torch
 import torch.multiprocessing as mp
 
-from asyncrl.transport import choose_paths
-from asyncrl.weight_sync import (SHARED_PREFIX, Delivery, SharedSlots, SharedVersion, WeightGroup, WeightTransferError,
-                                 free_port, plan_buckets, remove_orphaned_slots, shared_directory, shared_views)
+from asyncrl.weights.sync import (SHARED_PREFIX, Delivery, SharedSlots, SharedVersion, WeightGroup, WeightTransferError,
+                                  free_port, plan_buckets, remove_orphaned_slots, shared_directory, shared_views)
+from asyncrl.weights.transport import choose_paths
 
 
 def _weights(seed):
@@ -98,7 +98,7 @@ class _Holder:
     def __init__(self):
         from asyncrl.config import ModelConfig
         from asyncrl.engines.torch_engine import TorchEngine
-        from asyncrl.models import build_tiny_model
+        from asyncrl.models.loading import build_tiny_model
 
         self.engine = TorchEngine(build_tiny_model(ModelConfig(source="tiny", seed=9), 30), eos_token_ids=[1])
 
@@ -137,7 +137,7 @@ def _sums(weights) -> dict:
 
 def test_the_shared_memory_path_hands_the_engine_views_without_a_copy(ray_session):
     from asyncrl.config import ModelConfig
-    from asyncrl.models import build_tiny_model
+    from asyncrl.models.loading import build_tiny_model
 
     learner = build_tiny_model(ModelConfig(source="tiny", seed=3), 30)
     slots = SharedSlots()

@@ -1,4 +1,4 @@
-"""Delta weight updates (`policy.weight_delta`, `asyncrl.weights_delta`): what a delta holds, worked
+"""Delta weight updates (`policy.weight_delta`, `asyncrl.weights.delta`): what a delta holds, worked
 by hand; the generator's weights rebuilt bit for bit over several versions through the learner's
 own sender and both paths an update takes (shared memory, the distributed group); a delta refused
 by an engine holding another version. Seconds."""
@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from asyncrl import transport, weights_delta
 from asyncrl.config import compose
-from asyncrl.generation import build_engine
-from asyncrl.weight_sync import WeightGroup, WeightTransferError, free_port, plan_buckets
-from asyncrl.weights_delta import DeltaTracker
+from asyncrl.engines.generation import build_engine
+from asyncrl.weights import transport, delta as weights_delta
+from asyncrl.weights.delta import DeltaTracker
+from asyncrl.weights.sync import WeightGroup, WeightTransferError, free_port, plan_buckets
 
 
 def test_a_delta_holds_nothing_of_an_unchanged_tensor_indices_of_a_sparse_one_and_a_dense_one_whole():

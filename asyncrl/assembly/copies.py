@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import collections
 
-from asyncrl.mailbox import RecentIds
-from asyncrl.schema import Segment
+from asyncrl.messages.mailbox import RecentIds
+from asyncrl.messages.structs import Segment
 
 
 class SampleCopies:

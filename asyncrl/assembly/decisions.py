@@ -17,7 +17,7 @@ from typing import ClassVar, Protocol
 import numpy as np
 
 from asyncrl.assembly.rows import Outcome
-from asyncrl.schema import DropReason, Reward, ScoredTrajectory, Segment, TrainingRow
+from asyncrl.messages.structs import DropReason, Reward, ScoredTrajectory, Segment, TrainingRow
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ from asyncrl.algo.shaping import filter_metric, group_has_signal
 from asyncrl.assembly.decisions import Decision, ReadyBatch, Scored
 from asyncrl.assembly.rows import reward_to_go, undiscounted_rewards
 from asyncrl.config import DynamicSampling
-from asyncrl.schema import DropReason, PairRequest, Reward, TrainingRow, ground_truth_text
-from asyncrl.tasks import reference_response
+from asyncrl.data.tasks import reference_response
+from asyncrl.messages.structs import DropReason, PairRequest, Reward, TrainingRow, ground_truth_text
 
 JudgeFn = Callable[[list[PairRequest]], Awaitable[list[dict]]]
 

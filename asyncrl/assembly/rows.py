@@ -14,7 +14,7 @@ import torch
 from asyncrl.algo.advantages import masked_whiten
 from asyncrl.algo.shaping import is_positive, kl_reward
 from asyncrl.config import GAEAdvantage, KLPenalty
-from asyncrl.schema import Segment, TrainingRow, observation_mask, scored_mask
+from asyncrl.messages.structs import Segment, TrainingRow, observation_mask, scored_mask
 
 
 @dataclass(frozen=True)

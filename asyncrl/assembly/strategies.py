@@ -14,8 +14,8 @@ from asyncrl.assembly.decisions import AssemblyStrategy, Decision, Scored
 from asyncrl.assembly.groups import BatchReturnsStrategy, GroupStrategy, PairwiseStrategy
 from asyncrl.assembly.values import ValueEdges, ValueStrategy
 from asyncrl.config import AlgorithmConfig, EngineConfig, GAEAdvantage, PairwiseAdvantage
+from asyncrl.messages.structs import TrainingRow
 from asyncrl.rewards.hybrid import RewardRouter
-from asyncrl.schema import TrainingRow
 
 # Advantage kind (`asyncrl.algo.advantages.Advantage.kind`) -> the strategy that feeds it.
 STRATEGIES: dict[str, type] = {"group": GroupStrategy, "batch": BatchReturnsStrategy, "pairwise": PairwiseStrategy,

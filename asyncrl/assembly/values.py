@@ -20,8 +20,8 @@ from asyncrl.assembly.groups import group_drop_reason
 from asyncrl.assembly.rows import (RunningMoments, cut_row_batch, kl_rewards, recorded_values, value_rows, whiten_rows,
                                    widen_positive_rows)
 from asyncrl.config import DynamicSampling, GAEAdvantage, KLPenalty
-from asyncrl.mailbox import RecentIds
-from asyncrl.schema import DropReason, ScoredTrajectory, Segment, TrainingRow, segment_row
+from asyncrl.messages.mailbox import RecentIds
+from asyncrl.messages.structs import DropReason, ScoredTrajectory, Segment, TrainingRow, segment_row
 
 ValuesFn = Callable[[list[tuple[np.ndarray, np.ndarray]]], Awaitable[tuple[list[np.ndarray], int]]]
 LogprobsFn = Callable[[list[tuple[np.ndarray, np.ndarray]]], Awaitable[list[np.ndarray]]]

@@ -1,4 +1,4 @@
-"""Weight update cost, by path (`asyncrl.weight_sync`), against a plain memory copy of the same
+"""Weight update cost, by path (`asyncrl.weights.sync`), against a plain memory copy of the same
 bytes (the ceiling: an update moves each byte at least once). Paired rounds.
 
 * `shm` (a generator on the learner's node): the learner puts the weights into shared memory (Ray's
@@ -24,8 +24,8 @@ import torch.multiprocessing as mp
 
 from asyncrl.bench.common import HALF_B, ONE_HALF_B
 from asyncrl.config import compose
-from asyncrl.weight_sync import (Delivery, SharedSlots, SharedVersion, WeightGroup, free_port, from_cuda_ipc, plan_buckets,
-                                 shared_views, to_cuda_ipc)
+from asyncrl.weights.sync import (Delivery, SharedSlots, SharedVersion, WeightGroup, free_port, from_cuda_ipc, plan_buckets,
+                                  shared_views, to_cuda_ipc)
 
 def shapes_of(model_name: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Parameter names and shapes, built on the meta device (no memory, no init)."""
@@ -34,12 +34,12 @@ def shapes_of(model_name: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]
     if model_name in ("0.5b", "1.5b"):
         config = AutoConfig.for_model(**(HALF_B if model_name == "0.5b" else ONE_HALF_B))
     elif model_name == "embedded":
-        from asyncrl.models import load_policy
+        from asyncrl.models.loading import load_policy
 
         model, _ = load_policy(compose([]).model)
         return {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
     elif model_name == "tiny":
-        from asyncrl.models import load_policy
+        from asyncrl.models.loading import load_policy
 
         model, _ = load_policy(compose(["model=tiny"]).model)
         return {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters()}

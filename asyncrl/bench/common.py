@@ -12,7 +12,7 @@ from typing import Callable
 
 import numpy as np
 
-from asyncrl.schema import FinishReason, Segment, float32_array, int32_array
+from asyncrl.messages.structs import FinishReason, Segment, float32_array, int32_array
 
 
 def machine() -> dict:

@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 from asyncrl.bench.common import machine  # noqa: F401  (the JSON's machine block)
-from asyncrl.schema import FinishReason, Segment, TrainBatch, float32_array, int32_array
+from asyncrl.messages.structs import FinishReason, Segment, TrainBatch, float32_array, int32_array
 
 GROUP_SIZE, PROMPTS_PER_STEP = 8, 16
 
@@ -115,13 +115,13 @@ def one_rate(rate: float, shards: int, seconds: float, tokens: int, producers: i
     import ray
 
     from asyncrl.config import compose
-    from asyncrl.ray_mailbox import RayMailbox, ShardedMailbox
+    from asyncrl.messages.ray_mailbox import RayMailbox, ShardedMailbox
     from actors.assembler import AssemblerActor
     from actors.prompt_source import PromptSourceActor
     from actors.reward_endpoint import reward_endpoint_actors
     from asyncrl.run.placement import spawn
     from asyncrl.run.status import mailbox_actors
-    from asyncrl.schema import PromptRequest
+    from asyncrl.messages.structs import PromptRequest
 
     config = compose(["model=tiny", "task=tiny", "algorithm=grpo", f"algorithm.group_size={GROUP_SIZE}",
                       f"trainer.prompts_per_step={PROMPTS_PER_STEP}", "algorithm.max_staleness_versions=8"])

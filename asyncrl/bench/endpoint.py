@@ -127,11 +127,11 @@ def run(quick: bool, overrides: list[str]) -> dict:
     from ray import serve
 
     from asyncrl.config import compose
-    from asyncrl.models import eos_token_ids, load_policy
+    from asyncrl.models.loading import eos_token_ids, load_policy
     from asyncrl.run.placement import init_ray
     from asyncrl.serve.policy import build_policy
     from asyncrl.serve.train import build_train
-    from asyncrl.weight_sync import free_port
+    from asyncrl.weights.sync import free_port
 
     # The full run measures the model a user serves (the embedded one; a decode step there is model
     # work, where the tiny model's 2 ms step is interpreter work); --quick the tiny model. A learner

@@ -2,7 +2,7 @@
 generates exactly `new_tokens`: EOS is never sampled), paired rounds:
 
 * `engine`: `TorchEngine` as the generators run it (`engine.dtype=auto`: bfloat16 where this
-  machine's probe measured it faster, `asyncrl.precision`);
+  machine's probe measured it faster, `asyncrl.models.precision`);
 * `engine_fp32`: the same engine in float32 (what bfloat16 brings, apart from the rest);
 * `generate`: transformers' `generate` on a float32 model, as a user calls it;
 * SGLang on this CPU, from `.venv-sglang` (its own benchmark, `engine=sglang_cpu`, run as a
@@ -45,13 +45,13 @@ import numpy as np
 import torch
 
 from asyncrl.config import compose
-from asyncrl.datafiles import load_examples
+from asyncrl.data.files import load_examples
+from asyncrl.data.tasks import encode_prompt
 from asyncrl.engines.base import SamplingParams
+from asyncrl.engines.generation import sequence_input
 from asyncrl.engines.torch_engine import TorchEngine, engine_precision
-from asyncrl.generation import sequence_input
-from asyncrl.models import load_policy
-from asyncrl.precision import device_name
-from asyncrl.tasks import encode_prompt
+from asyncrl.models.loading import load_policy
+from asyncrl.models.precision import device_name
 
 ROOT = Path(__file__).resolve().parents[2]
 NEVER = [-1]  # an EOS id no token has: every row runs its full length

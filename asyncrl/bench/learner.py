@@ -20,14 +20,14 @@ from asyncrl.config import compose
 from asyncrl.config.fields import replaced
 from asyncrl.learning.rank import PolicyRank, policy_objective
 from asyncrl.learning.tensors import adamw
-from asyncrl.models import load_model, load_tokenizer
-from asyncrl.schema import (
-    FinishReason,
-    Segment,
-    TrainingRow,
-    float32_array,
-    int32_array,
-)
+from asyncrl.messages.structs import (
+                                      FinishReason,
+                                      Segment,
+                                      TrainingRow,
+                                      float32_array,
+                                      int32_array,
+                                      )
+from asyncrl.models.loading import load_model, load_tokenizer
 
 
 def synthetic_batch(rows: int, prompt: int, response: int, vocab: int, seed: int = 0) -> list[TrainingRow]:

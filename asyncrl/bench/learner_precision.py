@@ -15,16 +15,16 @@ import numpy as np
 import torch
 
 from asyncrl.config.fields import replaced
+from asyncrl.data.files import load_examples
+from asyncrl.data.tasks import encode_prompt
 from asyncrl.engines.base import SamplingParams
+from asyncrl.engines.generation import sequence_input
 from asyncrl.engines.torch_engine import TorchEngine
-from asyncrl.generation import sequence_input
 from asyncrl.learning.policy import Objective, policy_step, proximal_logprobs
-from asyncrl.learning.tensors import collate
 from asyncrl.learning.scoring import PolicyForward
-from asyncrl.models import eos_token_ids
-from asyncrl.schema import Segment, TrainingRow, float32_array, int32_array
-from asyncrl.datafiles import load_examples
-from asyncrl.tasks import encode_prompt
+from asyncrl.learning.tensors import collate
+from asyncrl.messages.structs import Segment, TrainingRow, float32_array, int32_array
+from asyncrl.models.loading import eos_token_ids
 
 
 def sampled_batch(config, lm, tokenizer, rows: int, response: int, seed: int = 0) -> list[TrainingRow]:

@@ -1,14 +1,14 @@
 """What a weight update costs as a LoRA adapter or as a delta, against the whole version: the rows
 `asyncrl bench broadcast` adds to its paths. Each variant goes through the learner's own sender
-(`asyncrl.transport.WeightSender`) and a generator process's own load (`asyncrl.transport.load`
+(`asyncrl.weights.transport.WeightSender`) and a generator process's own load (`asyncrl.weights.transport.load`
 into a `TorchEngine` holding the model), over shared memory (`shm`, the learner's node) and the
 distributed group (`group`, gloo over TCP here: another node's path):
 
 * `full`: every weight, as the learner holds them (float32); the engine computes in bfloat16.
 * `lora8`, `lora64`: the adapter of rank 8 / 64 on every linear layer (A and B in float32); the
-  engine merges it into its unmerged base (`asyncrl.lora.AdapterMerger`).
+  engine merges it into its unmerged base (`asyncrl.weights.lora.AdapterMerger`).
 * `delta`: every weight moved by an Adam-sized step (each by +-lr, lr 1e-5: the demo's) and sent as
-  what changed in the engine's bfloat16 since the last version (`asyncrl.weights_delta`).
+  what changed in the engine's bfloat16 since the last version (`asyncrl.weights.delta`).
 
 Update time: the sender's staging and sending, and the generator's load, until it answers. Also
 (`engine_modes`): the embedded engine with a rank-32 adapter merged into its weights against LoRA
@@ -24,9 +24,9 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-from asyncrl import transport
-from asyncrl.weight_sync import AdapterSpec, WeightGroup, free_port, plan_buckets
-from asyncrl.weights_delta import DeltaTracker
+from asyncrl.weights import transport
+from asyncrl.weights.delta import DeltaTracker
+from asyncrl.weights.sync import AdapterSpec, WeightGroup, free_port, plan_buckets
 
 ENGINE_DTYPE = torch.bfloat16
 LR = 1e-5
@@ -41,7 +41,7 @@ def build_model(model_name: str, layers: int | None, dtype=ENGINE_DTYPE, meta: b
 
     if model_name in ("embedded", "tiny"):
         from asyncrl.config import compose
-        from asyncrl.models import load_policy
+        from asyncrl.models.loading import load_policy
 
         model, _ = load_policy(compose(["model=tiny"] if model_name == "tiny" else []).model)
         return model.to(dtype)
@@ -62,7 +62,7 @@ def build_model(model_name: str, layers: int | None, dtype=ENGINE_DTYPE, meta: b
 
 def learner_tensors(model, variant: str) -> dict[str, torch.Tensor]:
     """What the learner holds of the variant: float32 weights, or a LoRA adapter of the rank named."""
-    from asyncrl.lora import adaptable_modules
+    from asyncrl.weights.lora import adaptable_modules
 
     if not variant.startswith("lora"):
         g = torch.Generator().manual_seed(3)
@@ -173,8 +173,8 @@ def engine_modes(rank: int = 32, batch: int = 16, tokens: int = 32, rounds: int 
     `tokens` new tokens after a 40-token prompt), paired rounds."""
     from asyncrl.config import compose
     from asyncrl.engines.base import SamplingParams
-    from asyncrl.generation import build_engine, sequence_input
-    from asyncrl.lora import adaptable_modules
+    from asyncrl.engines.generation import build_engine, sequence_input
+    from asyncrl.weights.lora import adaptable_modules
 
     torch.set_num_threads(1)
     config = compose([])

@@ -11,9 +11,9 @@ import statistics
 import time
 
 from asyncrl.bench.common import make_segment
-from asyncrl.mailbox import InProcessMailbox
-from asyncrl.ray_mailbox import RayMailbox
-from asyncrl.schema import Segment
+from asyncrl.messages.mailbox import InProcessMailbox
+from asyncrl.messages.ray_mailbox import RayMailbox
+from asyncrl.messages.structs import Segment
 
 BATCH = 32  # segments per put/get call, as the generator and assembler batch them
 

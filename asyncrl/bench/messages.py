@@ -7,7 +7,7 @@ import pickle
 import numpy as np
 
 from asyncrl.bench.common import make_segment, paired, time_per_call
-from asyncrl.schema import Codec, Segment
+from asyncrl.messages.structs import Codec, Segment
 
 
 def run(quick: bool = False, overrides: list[str] | None = None) -> dict:

@@ -23,11 +23,11 @@ import numpy as np
 import torch
 
 from asyncrl.config import Config
+from asyncrl.data.files import load_examples
+from asyncrl.data.tasks import encode_prompt
 from asyncrl.engines.base import SamplingParams
-from asyncrl.generation import build_engine, sequence_input
-from asyncrl.datafiles import load_examples
-from asyncrl.tasks import encode_prompt
-from asyncrl.weight_sync import SharedSlots
+from asyncrl.engines.generation import build_engine, sequence_input
+from asyncrl.weights.sync import SharedSlots
 
 
 class LoopEngine:
@@ -124,7 +124,7 @@ def engine_report(results: dict) -> str:
 def update_speed(config: Config, rounds: int, memcpy_seconds) -> dict:
     """Seconds per update into an idle SGLang engine by each path, beside a copy of the same bytes
     (`memcpy_seconds(bytes, rounds)`, the broadcast benchmark's ceiling)."""
-    from asyncrl.models import load_policy
+    from asyncrl.models.loading import load_policy
 
     model, _ = load_policy(config.model)
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -19,7 +19,7 @@ WORKLOAD = ["model=tiny", "task=tiny", "algorithm=grpo", "trainer.wandb_mode=dis
 
 def one_run(store_trajectories: bool, steps: int, overrides: list[str]) -> dict:
     from asyncrl.driver import train
-    from asyncrl.store import read_trajectories
+    from asyncrl.storage.trajectory_store import read_trajectories
 
     with tempfile.TemporaryDirectory() as run_dir:
         config = compose([*WORKLOAD, f"trainer.total_steps={steps}",

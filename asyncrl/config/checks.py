@@ -57,8 +57,8 @@ def _algorithm_checks(config) -> list[tuple[bool, str]]:
 
 
 def _lora_checks(config) -> list[tuple[bool, str]]:
-    """LoRA and delta updates (`asyncrl.lora`, `asyncrl.weights_delta`). Whether the model has the
-    target modules is checked against the model itself at start-up (`asyncrl.lora.check_targets`)."""
+    """LoRA and delta updates (`asyncrl.weights.lora`, `asyncrl.weights.delta`). Whether the model has the
+    target modules is checked against the model itself at start-up (`asyncrl.weights.lora.check_targets`)."""
     m, p = config.model, config.policy
     targets = m.target_modules
     return [

@@ -37,7 +37,7 @@ class Compute(Section):
     precision: Precision = "auto"
     """auto | fp32 | bf16 (autocast: fp32 master weights and optimizer state, bf16 matmuls; the
     critic's scalar head stays fp32). auto: the rule of `engine.dtype`, measured at start-up on this
-    device, not read from CPU flags (`asyncrl/precision.py`): bf16 where the model's own linear
+    device, not read from CPU flags (`asyncrl/models/precision.py`): bf16 where the model's own linear
     shapes (at 256 rows) run at least 1.25x faster in bf16 than in fp32 and the model has 10M+
     parameters (the tiny one stays fp32); the ranks of a sharded learner decide on their summed
     timings. Logged, and reported in the learner's stats (policy: `precision`, `precision_choice`;

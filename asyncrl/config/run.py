@@ -8,9 +8,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from asyncrl.config.fields import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, Section, UnitFloat
-
 from asyncrl.config.algorithm import AlgorithmConfig
+from asyncrl.config.fields import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, Section, UnitFloat
 from asyncrl.config.learner import CriticConfig, PolicyConfig
 from asyncrl.config.model import EngineConfig, ModelConfig, SamplingConfig
 from asyncrl.config.reward import RewardConfig
@@ -81,7 +80,7 @@ class TrainerConfig(Section):
     """offline | online | disabled (WANDB_MODE in the environment wins)."""
     store_trajectories: bool = False
     """Keep every finished trajectory (kept or dropped, with its reward, versions and values) and
-    every trained batch in `<run_dir>/trajectories/` as Parquet files (`asyncrl.store`)."""
+    every trained batch in `<run_dir>/trajectories/` as Parquet files (`asyncrl.storage.trajectory_store`)."""
     store_file_mb: PositiveInt = 64
     """A store file is closed and a new one begun past this size..."""
     store_file_age_s: PositiveFloat = 600.0

@@ -15,7 +15,7 @@ import torch
 
 from asyncrl.config import SamplingConfig
 from asyncrl.config.fields import NonNegativeInt, PositiveFloat
-from asyncrl.schema import FinishReason
+from asyncrl.messages.structs import FinishReason
 
 
 class SamplingParams(SamplingConfig, frozen=True):
@@ -129,8 +129,8 @@ class Engine(Protocol):
         """Load new weights (all or some parameters) and set the version."""
 
     def adopt_shared(self, shared, version: int) -> None:
-        """Take a version from the node's shared memory (`asyncrl.weight_sync.SharedVersion`)."""
+        """Take a version from the node's shared memory (`asyncrl.weights.sync.SharedVersion`)."""
 
     def load_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], adapter, version: int) -> None:
-        """Take a LoRA version: `<module>.lora_A`, `<module>.lora_B` (`asyncrl.weight_sync.AdapterSpec`
+        """Take a LoRA version: `<module>.lora_A`, `<module>.lora_B` (`asyncrl.weights.sync.AdapterSpec`
         says the scale), merged into the base weights of those modules, never into an earlier version."""

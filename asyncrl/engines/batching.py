@@ -53,7 +53,7 @@ from typing import Callable
 import msgspec
 
 from asyncrl.engines.base import SamplingParams, SequenceInput
-from asyncrl.schema import FinishReason
+from asyncrl.messages.structs import FinishReason
 
 log = logging.getLogger(__name__)
 

@@ -44,8 +44,8 @@ import numpy as np
 import torch
 
 from asyncrl.engines.base import SamplingParams, SequenceInput, WindowOutput, scored_positions
-from asyncrl.schema import FinishReason
-from asyncrl.weight_sync import SharedVersion
+from asyncrl.messages.structs import FinishReason
+from asyncrl.weights.sync import SharedVersion
 
 # How long an update waits for the requests it aborted to come back before it fails.
 DRAIN_TIMEOUT_S = 120.0
@@ -111,7 +111,7 @@ class SGLangEngine:
         self.serializer = MultiprocessingSerializer
         self.tp_size = int(server_args["tp_size"])
         self.model_path = server_args["model_path"]
-        self._lora = None  # `asyncrl.lora.AdapterMerger`, from the first adapter on
+        self._lora = None  # `asyncrl.weights.lora.AdapterMerger`, from the first adapter on
         self.truncation = TruncatedSampling.to_str()
         # The initial version as an integer string: SGLang's default is "default", and every
         # token's weight-version span carries it.
@@ -271,9 +271,9 @@ class SGLangEngine:
         self._run(self._load(list(named_tensors), version))
 
     def load_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], adapter, version: int) -> None:
-        """A LoRA version: merged here into the base of its modules (`asyncrl.lora.AdapterMerger`),
+        """A LoRA version: merged here into the base of its modules (`asyncrl.weights.lora.AdapterMerger`),
         then loaded like any version (only the adapted modules' weights)."""
-        from asyncrl.lora import AdapterMerger, adapter_modules
+        from asyncrl.weights.lora import AdapterMerger, adapter_modules
 
         tensors = {name: t.clone() for name, t in named_tensors}
         if self._lora is None:
@@ -281,7 +281,7 @@ class SGLangEngine:
         self._run(self._load(list(self._lora.merged(tensors, adapter.scaling)), version))
 
     def adopt_shared(self, shared: SharedVersion, version: int) -> None:
-        """Load a version from the node's shared-memory slot (`asyncrl.weight_sync.SharedSlots`):
+        """Load a version from the node's shared-memory slot (`asyncrl.weights.sync.SharedSlots`):
         SGLang's scheduler maps the file and copies from it (`sglang_scheduler.load_shared`)."""
         from asyncrl.engines.sglang_scheduler import SHARED_LOADER, shared_payload
 

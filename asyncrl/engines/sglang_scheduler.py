@@ -7,7 +7,7 @@
   and SGLang's own top-k/top-p off, SGLang samples from `softmax(cut / T)`, exactly the
   distribution the learner scores (`asyncrl.learning.token_logprobs`), and returns its log-prob.
 * `load_shared`: SGLang's weight loader for a version in the node's shared memory
-  (`asyncrl.weight_sync`'s slot files): the update carries the file's layout, SGLang's scheduler
+  (`asyncrl.weights.sync`'s slot files): the update carries the file's layout, SGLang's scheduler
   maps the file and copies from it, so names and offsets cross processes, not the weights.
 """
 
@@ -18,7 +18,7 @@ import torch
 from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor
 
 from asyncrl.algo.sampling import filtered_logprobs
-from asyncrl.weight_sync import SharedVersion, shared_views
+from asyncrl.weights.sync import SharedVersion, shared_views
 
 
 class TruncatedSampling(CustomLogitProcessor):

@@ -17,7 +17,7 @@ import uuid
 
 from asyncrl.engines.base import SamplingParams, SequenceInput
 from asyncrl.engines.batching import StepToken, drain
-from asyncrl.schema import FinishReason
+from asyncrl.messages.structs import FinishReason
 
 
 class SGLangSteps:

@@ -24,28 +24,28 @@ import torch
 from transformers import PreTrainedModel
 
 from asyncrl.algo.sampling import (
-    greedy_from_logprobs,
-    penalised_logits,
-    sample_from_logits,
-    sample_from_logprobs,
-    step_logprobs,
-)
+                                   greedy_from_logprobs,
+                                   penalised_logits,
+                                   sample_from_logits,
+                                   sample_from_logprobs,
+                                   step_logprobs,
+                                   )
 from asyncrl.engines import llama_decoder
 from asyncrl.engines.base import SamplingParams, SequenceInput, WindowOutput, scored_positions
 from asyncrl.engines.kv_cache import CachedWindow, KeptCaches, share_prefixes
 from asyncrl.engines.padded_window import PaddedWindow
-from asyncrl.lora import AdapterMerger, adapter_modules
-from asyncrl.precision import Precision, choose_precision
-from asyncrl.schema import FinishReason
-from asyncrl import weights_delta
-from asyncrl.weight_sync import AdapterSpec, SharedVersion, WeightTransferError, shared_views
+from asyncrl.messages.structs import FinishReason
+from asyncrl.models.precision import Precision, choose_precision
+from asyncrl.weights import delta as weights_delta
+from asyncrl.weights.lora import AdapterMerger, adapter_modules
+from asyncrl.weights.sync import AdapterSpec, SharedVersion, WeightTransferError, shared_views
 
 log = logging.getLogger(__name__)
 
 
 def engine_precision(name: str, device: str, model, rows: int) -> Precision:
     """`engine.dtype` for `model` (`.dtype`: the torch dtype); auto: measured at `rows` rows, a
-    decode step's batch (`asyncrl.precision.choose_precision`)."""
+    decode step's batch (`asyncrl.models.precision.choose_precision`)."""
     if name not in ("auto", "float32", "bfloat16"):
         raise ValueError(f"engine dtype must be auto, float32 or bfloat16, got {name!r}")
     return choose_precision(name, model, device, rows, "engine")
@@ -153,7 +153,7 @@ class TorchEngine:
 
     def load_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], adapter: AdapterSpec,
                      version: int) -> None:
-        """A LoRA version (`asyncrl.lora`): its adapter merged into the unmerged base of its modules,
+        """A LoRA version (`asyncrl.weights.lora`): its adapter merged into the unmerged base of its modules,
         a copy taken at the first adapter (a LoRA run sends nothing else, so the weights are the
         base then). Merging once per version was faster than LoRA in the forward (docs/benchmarks.md)."""
         tensors = dict(named_tensors)
@@ -162,7 +162,7 @@ class TorchEngine:
         self.update_weights(self._lora.merged(tensors, adapter.scaling), version)
 
     def apply_delta(self, named_tensors: Iterable[tuple[str, torch.Tensor]], base_version: int, version: int) -> None:
-        """What changed since `base_version` (`asyncrl.weights_delta`), written into the engine's own weights."""
+        """What changed since `base_version` (`asyncrl.weights.delta`), written into the engine's own weights."""
         with self._lock:
             if self._version != base_version or self._shared is not None:
                 raise WeightTransferError(f"a delta from version {base_version}, but the engine holds version "
@@ -207,7 +207,7 @@ class TorchEngine:
         return self._updates, tuple((p.data_ptr(), p._version) for p in self.model.parameters())
 
     def adopt_shared(self, shared: SharedVersion, version: int) -> None:
-        """Adopt a version in the node's shared memory (`asyncrl.weight_sync.SharedSlots`) as views."""
+        """Adopt a version in the node's shared memory (`asyncrl.weights.sync.SharedSlots`) as views."""
         views = shared_views(shared)
         self.adopt_weights(views, version, keepalive=views)
 

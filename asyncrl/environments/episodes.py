@@ -6,7 +6,7 @@ Token-exact by construction: the policy's tokens are kept as sampled (a turn is 
 that completes the call, never decoded and encoded again); the observation is encoded once, from
 the chat template's rendering of the environment's text (`asyncrl.environments.templates`: the
 turn's end, the tool turn, the next generation prompt), and appended after them. The prompt lists
-the environment's tools through the same template (`asyncrl.tasks.encode_prompt`).
+the environment's tools through the same template (`asyncrl.data.tasks.encode_prompt`).
 """
 
 from __future__ import annotations
@@ -148,8 +148,8 @@ def complete_episodes(engine, tokenizer, episodes: Episodes, prompts: list[list[
     call, EOS, the budget), the observation appended, the next turn, up to `episodes.max_turns`
     calls. The completions' text is the final turn's (what a verifier reads), their tokens every
     turn's. The same turn boundaries as the generators' (`Episodes.call_end` / `observe`)."""
-    from asyncrl.generation import Completion, decode, sequence_input
-    from asyncrl.schema import FinishReason, final_turn_start
+    from asyncrl.engines.generation import Completion, decode, sequence_input
+    from asyncrl.messages.structs import FinishReason, final_turn_start
 
     runs = [_Run(list(p), s, e, [], [], []) for p, s, e in zip(prompts, seeds, identities)]
     for start in range(0, len(runs), batch_size):

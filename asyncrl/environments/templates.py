@@ -1,6 +1,6 @@
 """Conversations with tools as the model's own chat template writes them, in pieces: the one
 rendering that training episodes (`asyncrl.environments.episodes`) and the policy endpoint
-(`asyncrl.openai_tools`) share.
+(`asyncrl.api.tools`) share.
 
 A conversation's context is the concatenation of each piece encoded on its own:
 

@@ -9,10 +9,10 @@ import torch
 
 from asyncrl.algo.dqo import dqo_losses
 from asyncrl.config import CriticConfig, DQOConfig, PolicyConfig, SamplingConfig
-from asyncrl.learning.tensors import clip_and_step, device_of, layout_rows, micro_batches_of, row_length, width_of
 from asyncrl.learning.scoring import token_logprobs
+from asyncrl.learning.tensors import clip_and_step, device_of, layout_rows, micro_batches_of, row_length, width_of
 from asyncrl.learning.value import trajectory_rewards
-from asyncrl.schema import ScoredTrajectory, segment_row
+from asyncrl.messages.structs import ScoredTrajectory, segment_row
 
 
 def dqo_step(policy, value_model, policy_optimizer, value_optimizer, trajectories: list[ScoredTrajectory],

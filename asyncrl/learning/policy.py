@@ -15,12 +15,12 @@ import torch
 
 from asyncrl.algo.losses import (agg_loss, behaviour_weights, kl_penalty, positive_example_nll, ppo_policy_loss,
                                  rollout_mismatch)
-from asyncrl.learning.tensors import (Collated, autocast, clip_and_step, collate, device_of, mini_batch_rows,
-                                   rank_micro_batches, row_length, width_of)
-from asyncrl.learning.scoring import token_logprobs
 from asyncrl.config import KLPenalty, PolicyConfig, PolicyLoss, SamplingConfig
-from asyncrl.schema import TrainingRow
-from asyncrl.sharding import DataParallel
+from asyncrl.learning.scoring import token_logprobs
+from asyncrl.learning.tensors import (Collated, autocast, clip_and_step, collate, device_of, mini_batch_rows,
+                                      rank_micro_batches, row_length, width_of)
+from asyncrl.messages.structs import TrainingRow
+from asyncrl.weights.sharding import DataParallel
 
 
 class Objective(msgspec.Struct, frozen=True):
@@ -76,7 +76,7 @@ def _policy_update(model, optimizer, collated: Collated, objective: Objective, r
     returned (every row, summed over the ranks) for the later updates. `mismatch`: where each
     micro-batch's rollout mismatch goes (the first update's forward is at the proximal weights).
     Sharded (`parallel`): each rank accumulates its micro-batches' gradients, each scaled by the
-    whole batch's totals, and the ranks' gradients are summed (`asyncrl.sharding`), so the update
+    whole batch's totals, and the ranks' gradients are summed (`asyncrl.weights.sharding`), so the update
     is the one-rank update; the metric sums are summed over the ranks too."""
     total_tokens = max(float(collated.response_mask.sum()), 1.0)
     total_seqs = max(float((collated.response_mask.sum(-1) > 0).sum()), 1.0)

@@ -14,23 +14,24 @@ from typing import Any
 import msgspec
 import torch
 
-from asyncrl import checkpoint, lora, sharding
 from asyncrl.config import AlgorithmConfig, EngineConfig, ModelConfig, PolicyConfig, SamplingConfig
 from asyncrl.learning.policy import Objective, policy_step
-from asyncrl.learning.tensors import build_optimizer
 from asyncrl.learning.scoring import PolicyForward
-from asyncrl.models import load_model, load_tokenizer
-from asyncrl.precision import Precision, choose_precision
-from asyncrl.schema import TrainingRow
-from asyncrl.sharding import DataParallel
-from asyncrl.weight_sync import AdapterSpec
+from asyncrl.learning.tensors import build_optimizer
+from asyncrl.messages.structs import TrainingRow
+from asyncrl.models.loading import load_model, load_tokenizer
+from asyncrl.models.precision import Precision, choose_precision
+from asyncrl.storage import checkpoint
+from asyncrl.weights import lora, sharding
+from asyncrl.weights.sharding import DataParallel
+from asyncrl.weights.sync import AdapterSpec
 
 # The policy's parameters inside `PolicyForward` (the module the optimizer and FSDP see).
 PREFIX = "lm."
 
 
 class PolicyRank:
-    """`peft_model`: LoRA's `PeftModel` around `lm` (`asyncrl.lora.wrap`; `model_config` its settings):
+    """`peft_model`: LoRA's `PeftModel` around `lm` (`asyncrl.weights.lora.wrap`; `model_config` its settings):
     the optimizer then holds the adapter only, the generators receive it alone (`delivered`), a
     checkpoint keeps it alone, and `snapshot` is the merged weights."""
 
@@ -78,7 +79,7 @@ class PolicyRank:
 
     def delivered_parameters(self):
         """(name, tensor) of what the generators receive, live (for planning transfers and the shm
-        path): every parameter, or with LoRA the adapter (`asyncrl.lora.adapter_tensors`)."""
+        path): every parameter, or with LoRA the adapter (`asyncrl.weights.lora.adapter_tensors`)."""
         named = self.lm.named_parameters()
         return named if self.adapter is None else lora.adapter_tensors(named)
 
@@ -102,7 +103,7 @@ class PolicyRank:
 
     def save_policy(self, directory: str, weights: dict[str, torch.Tensor], tokenizer) -> None:
         """The policy part of a checkpoint from `state()`'s weights: a Hugging Face directory, or with
-        LoRA the adapter in peft's format (`asyncrl.lora.save_adapter`)."""
+        LoRA the adapter in peft's format (`asyncrl.weights.lora.save_adapter`)."""
         if self.adapter is None:
             checkpoint.save_policy(self.lm, tokenizer, directory, state_dict=weights)
         else:
@@ -173,7 +174,7 @@ LEARNER_PROBE_ROWS = 256
 
 def learner_precision(name: str, model, device: str, role: str, parallel: DataParallel | None = None) -> Precision:
     """`policy.compute.precision` or `critic.compute.precision` for `model`
-    (`asyncrl.precision.choose_precision` at `LEARNER_PROBE_ROWS` rows). The ranks of a sharded
+    (`asyncrl.models.precision.choose_precision` at `LEARNER_PROBE_ROWS` rows). The ranks of a sharded
     learner decide on their timings summed, so all take the same."""
     combine = None if parallel is None else (lambda fp32_s, bf16_s: tuple(
         parallel.sum({"fp32": fp32_s, "bf16": bf16_s})[k] for k in ("fp32", "bf16")))

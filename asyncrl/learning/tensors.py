@@ -15,8 +15,8 @@ import torch
 
 from asyncrl.algo.shaping import is_positive
 from asyncrl.config import Optimizer
-from asyncrl.schema import TrainingRow, observation_mask, segment_row, scored_mask
-from asyncrl.sharding import DataParallel, parts_of_rank
+from asyncrl.messages.structs import TrainingRow, observation_mask, segment_row, scored_mask
+from asyncrl.weights.sharding import DataParallel, parts_of_rank
 
 
 @dataclass

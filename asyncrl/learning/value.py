@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from asyncrl.learning.tensors import (autocast, clip_and_step, device_of, layout_rows, length_sorted_chunks, micro_batches_of,
-                                   row_length, width_of)
 from asyncrl.config import CriticConfig
-from asyncrl.schema import ScoredTrajectory, observation_mask, segment_row
+from asyncrl.learning.tensors import (autocast, clip_and_step, device_of, layout_rows, length_sorted_chunks, micro_batches_of,
+                                      row_length, width_of)
+from asyncrl.messages.structs import ScoredTrajectory, observation_mask, segment_row
 
 
 def trajectory_rewards(trajectory: ScoredTrajectory) -> np.ndarray:

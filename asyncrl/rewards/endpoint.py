@@ -22,8 +22,8 @@ import msgspec
 from asyncrl.config import (Endpoint, GenerativeJudgeEndpoint, ModelConfig, OpenAIJudgeEndpoint, ProcessRewardEndpoint,
                             PythonRewardEndpoint, ScalarRewardEndpoint, VerifierEndpoint)
 from asyncrl.config.reward import EndpointBase
+from asyncrl.messages.structs import PairRequest, Reward, RewardRequest
 from asyncrl.rewards.calls import run_cancellable
-from asyncrl.schema import PairRequest, Reward, RewardRequest
 
 
 def endpoint_config(raw: dict | Endpoint) -> Endpoint:
@@ -43,7 +43,7 @@ def _verifier(endpoint: VerifierEndpoint, model: ModelConfig | None, default_sty
 
 
 def _generative_judge(endpoint: GenerativeJudgeEndpoint, model: ModelConfig | None, default_style: str):
-    from asyncrl.models import load_model, load_tokenizer
+    from asyncrl.models.loading import load_model, load_tokenizer
     from asyncrl.rewards.judge import GenerativeJudge, LocalVerdicts
 
     if endpoint.model_path:

@@ -22,7 +22,7 @@ import numpy as np
 
 from asyncrl.config import (GenerativeJudgeEndpoint, OpenAIJudgeEndpoint, RewardConfig, RouteConfig,
                             VerifierEndpoint)
-from asyncrl.schema import PairRequest, Reward, RewardRequest
+from asyncrl.messages.structs import PairRequest, Reward, RewardRequest
 
 CallFn = Callable[[str, list[RewardRequest]], Awaitable[list[Reward]]]
 CompareFn = Callable[[str, list[PairRequest]], Awaitable[list[dict]]]

@@ -19,8 +19,8 @@ import torch
 
 from asyncrl.algo.shaping import symmetrized_preference
 from asyncrl.config import GenerativeJudgeEndpoint, OpenAIJudgeEndpoint
+from asyncrl.messages.structs import PairRequest, Reward, RewardRequest, ground_truth_text, has_ground_truth
 from asyncrl.rewards.verifier import failed, not_applicable
-from asyncrl.schema import PairRequest, Reward, RewardRequest, ground_truth_text, has_ground_truth
 
 
 # Every text under judgement is quoted between markers, and the instructions say that quoted text

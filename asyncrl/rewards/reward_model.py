@@ -10,8 +10,8 @@ import torch
 
 from asyncrl.algo.shaping import prm_dense_rewards
 from asyncrl.config import ProcessRewardEndpoint, ScalarRewardEndpoint
+from asyncrl.messages.structs import Reward, RewardRequest
 from asyncrl.rewards.verifier import failed, not_applicable
-from asyncrl.schema import Reward, RewardRequest
 
 
 class ScalarRewardModel:

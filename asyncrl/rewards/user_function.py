@@ -29,10 +29,10 @@ from typing import Callable
 import pebble
 
 from asyncrl.config import PythonRewardEndpoint
+from asyncrl.messages.structs import Reward, RewardRequest
 from asyncrl.rewards.calls import current_call
 from asyncrl.rewards.user_worker import call_trl, call_verl, load_function, load_in_worker
 from asyncrl.rewards.verifier import failed, not_applicable
-from asyncrl.schema import Reward, RewardRequest
 
 VERL_ARGUMENTS = ("data_source", "solution_str", "ground_truth", "extra_info")
 

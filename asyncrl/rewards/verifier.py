@@ -8,9 +8,9 @@ source has no ground truth is marked not applicable, so a hybrid route falls thr
 from __future__ import annotations
 
 from asyncrl.config import VerifierEndpoint
+from asyncrl.messages.structs import Reward, RewardRequest, has_ground_truth
 from asyncrl.rewards.sandbox import SandboxLimits
 from asyncrl.rewards.verifiers import episode_truth, kind_for, verify
-from asyncrl.schema import Reward, RewardRequest, has_ground_truth
 
 
 def not_applicable(req: RewardRequest, source: str, version: str, why: str) -> Reward:

@@ -12,8 +12,8 @@ import zlib
 from dataclasses import dataclass, field
 
 from asyncrl.config.reward import VerifierKind
+from asyncrl.messages.structs import ground_truth_text
 from asyncrl.rewards.math import MATH_TIMEOUT_S, math_correct, score_from_correct
-from asyncrl.schema import ground_truth_text
 
 # The kinds `verify` checks (`none`: no rule applies, a hybrid route falls through to a judge).
 VERIFIER_KINDS = tuple(kind for kind in typing.get_args(VerifierKind) if kind != "none")

@@ -36,11 +36,11 @@ from typing import Any, Callable
 import msgspec
 from ray.exceptions import RayError, RayTaskError
 
-from asyncrl import checkpoint
 from asyncrl.config import Config
 from asyncrl.run.pool import autoscale_step
 from asyncrl.run.records import RunRecords
 from asyncrl.run.wiring import System
+from asyncrl.storage import checkpoint
 
 RESTART_ATTEMPTS = 4
 RESTART_WAIT_S = 10.0

@@ -3,7 +3,7 @@ driver's summary): one summary of the roles' own stats."""
 
 from __future__ import annotations
 
-from asyncrl.ray_mailbox import ShardedMailbox
+from asyncrl.messages.ray_mailbox import ShardedMailbox
 
 
 def answered(calls: dict, timeout_s: float) -> list[dict]:

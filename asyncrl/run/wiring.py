@@ -27,24 +27,24 @@ from actors.prompt_source import PromptSourceActor
 from actors.recorder import RecorderActor
 from actors.reward_endpoint import reward_endpoint_actors
 from actors.value_learner import ValueLearnerActor
-from asyncrl import checkpoint
-from asyncrl.checkpoint_store import StoreClient
-from asyncrl.datafiles import check_prompts
 from asyncrl.config import Config
-from asyncrl.ray_mailbox import RayMailbox, ShardedMailbox, sum_stats
+from asyncrl.data.files import check_prompts
+from asyncrl.messages.ray_mailbox import RayMailbox, ShardedMailbox, sum_stats
+from asyncrl.messages.structs import PromptRequest, ScoredTrajectory, Segment, TrainBatch
 from asyncrl.run.placement import LEARNER_NAME, ask, role_placement, spawn
 from asyncrl.run.pool import GeneratorPool
 from asyncrl.run.status import (
-    answered,
-    mailbox_actors,
-    reward_endpoint_table,
-    summarize,
-)
-from asyncrl.schema import PromptRequest, ScoredTrajectory, Segment, TrainBatch
-from asyncrl.sharding import rendezvous_store
+                                answered,
+                                mailbox_actors,
+                                reward_endpoint_table,
+                                summarize,
+                                )
 from asyncrl.staleness import open_prompts_bound
-from asyncrl.store import STORE_DIRNAME
-from asyncrl.weight_sync import free_port, node_address
+from asyncrl.storage import checkpoint
+from asyncrl.storage.checkpoint_transfer import StoreClient
+from asyncrl.storage.trajectory_store import STORE_DIRNAME
+from asyncrl.weights.sharding import rendezvous_store
+from asyncrl.weights.sync import free_port, node_address
 
 
 @dataclass
@@ -100,7 +100,7 @@ class System:
                                   on_pool_event)
         self.mailboxes: dict[str, Any] = {}
         self.run_refs: dict[str, Any] = {}
-        self.weight_paths: dict[str, str] = {}  # generator id -> its weight path (`asyncrl.transport`)
+        self.weight_paths: dict[str, str] = {}  # generator id -> its weight path (`asyncrl.weights.transport`)
         self.pre_ppo: dict = {}
         self.started_at = 0.0
         self.placement_group = None  # cluster.placement colocated/spread: removed at stop
@@ -175,7 +175,7 @@ class System:
         self.environment = environment_actor(cfg.environment, here) if cfg.environment.enabled else None
         self._created += [self.environment] if self.environment is not None else []
         # Every checkpoint is begun and committed on this node, the run directory's (roles elsewhere
-        # ship their parts to it: `asyncrl.checkpoint_store`).
+        # ship their parts to it: `asyncrl.storage.checkpoint_transfer`).
         self.store = (StoreClient.spawn(self.run_dir, lambda shell, **kw: self._spawn(shell, placement=here, **kw))
                       if self.run_dir and learning else None)
         recorder = (self._spawn(RecorderActor, directory=os.path.join(self.run_dir, STORE_DIRNAME),

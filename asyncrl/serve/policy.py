@@ -33,9 +33,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
+from asyncrl.api.requests import (ChatCompletionRequest, CompletionRequest, OpenAIError, describe_invalid_request,
+                                  openai_error)
 from asyncrl.config import Config
-from asyncrl.openai_api import (ChatCompletionRequest, CompletionRequest, OpenAIError, describe_invalid_request,
-                                openai_error)
 from asyncrl.run.placement import LEARNER_NAME, NAMESPACE
 from asyncrl.serve import guards
 from asyncrl.serve.guards import BodyLimit, BodyTooLarge, config_from_args
@@ -87,8 +87,8 @@ class PolicyServer:
     def __init__(self, config: Config, poll_s: float = 1.0, policy=None):
         """`policy`: an engine already built (`asyncrl.serve.policy_engine`), else one of the run's kind."""
         from asyncrl.environments.templates import renderer
-        from asyncrl.models import load_tokenizer
-        from asyncrl.openai_tools import tool_format
+        from asyncrl.models.loading import load_tokenizer
+        from asyncrl.api.tools import tool_format
         from asyncrl.serve.policy_engine import build_policy_engine
 
         guards.BODY_LIMIT["value"] = config.serve.max_body_mb << 20  # through the module: one per process

@@ -42,7 +42,7 @@ class EmbeddedPolicy:
 
     def __init__(self, config: Config):
         from asyncrl.engines.batching import WindowBatcher
-        from asyncrl.generation import build_generator_engine
+        from asyncrl.engines.generation import build_generator_engine
 
         self.engine, self.precision = build_generator_engine(config.model, config.engine)
         positions = (config.serve.max_kv_mb << 20) // kv_bytes_per_position(self.engine.model)
@@ -75,7 +75,7 @@ class SGLangPolicy:
     def __init__(self, config: Config, engine=None):
         """`engine`: an `SGLangEngine` already started for `config.model` (else one is)."""
         from asyncrl.engines.sglang_launch import start_sglang
-        from asyncrl.models import load_tokenizer
+        from asyncrl.models.loading import load_tokenizer
 
         self.engine = engine if engine is not None else start_sglang(config.model, config.engine, config.trainer.seed)
         self.vocab_size = len(load_tokenizer(config.model))

@@ -11,19 +11,19 @@ from dataclasses import dataclass
 
 import jinja2
 
+from asyncrl.api.choices import ChoiceText, Delta
+from asyncrl.api.requests import (OpenAIError, check_model_name, choice_seeds, logprobs_asked, response_tokens,
+                                  sampling_of, stops_of)
+from asyncrl.api.responses import Answer, Chunks
 from asyncrl.engines.batching import TooLarge
-from asyncrl.generation import sequence_input
-from asyncrl.openai_api import (OpenAIError, check_model_name, choice_seeds, logprobs_asked, response_tokens,
-                                sampling_of, stops_of)
-from asyncrl.openai_choices import ChoiceText, Delta
-from asyncrl.openai_responses import Answer, Chunks
+from asyncrl.engines.generation import sequence_input
 
 
 def chat_prompt(server, body) -> tuple[list[int], str]:
     """A chat request's prompt tokens (the conversation in pieces, as an episode's) and the text
     written for the model before it samples (the start of a required call); in a worker thread."""
     from asyncrl.environments.templates import encode
-    from asyncrl.openai_tools import ToolsError, check_tools, conversation_ids, forced_start
+    from asyncrl.api.tools import ToolsError, check_tools, conversation_ids, forced_start
 
     try:
         check_tools(body)
@@ -52,7 +52,7 @@ class Prepared:
 
     @classmethod
     def of(cls, server, body, prompt_ids: list[list[int]], chat: bool, start: str = "") -> "Prepared":
-        from asyncrl.openai_tools import CallReader, offered
+        from asyncrl.api.tools import CallReader, offered
 
         check_model_name(body.model, server.config.model.name)
         asked = logprobs_asked(body, chat)
@@ -130,7 +130,7 @@ async def answer(prepared: Prepared, steps, request_id: str, model: str, version
 
 
 async def events(prepared: Prepared, steps, request_id: str, model: str, version: int):
-    """The server-sent events of a streamed request (`asyncrl.openai_responses.Chunks`)."""
+    """The server-sent events of a streamed request (`asyncrl.api.responses.Chunks`)."""
     body = prepared.body
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     chunks = Chunks(request_id, model, prepared.chat, prepared.asked, include_usage)

@@ -15,10 +15,10 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from ray import serve
 
+from asyncrl.api.requests import describe_invalid_request
 from asyncrl.config import ConfigError
-from asyncrl.openai_api import describe_invalid_request
+from asyncrl.messages.structs import RewardRequest
 from asyncrl.rewards.endpoint import RewardEndpoint
-from asyncrl.schema import RewardRequest
 from asyncrl.serve.guards import config_from_args, reward_guard
 
 

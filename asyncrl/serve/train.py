@@ -92,7 +92,7 @@ train_api.middleware("http")(admin_guard)
 
 def serve_run(config: Config, app_name: str) -> tuple[str, Config]:
     """The train app's run directory, and its config (`resume` set when it continues the run there)."""
-    from asyncrl.checkpoint import latest_valid, resolve_run_dir
+    from asyncrl.storage.checkpoint import latest_valid, resolve_run_dir
 
     if not config.serve.resume_run:
         return resolve_run_dir(config.trainer.run_dir, config.resume, prefix="serve-"), config

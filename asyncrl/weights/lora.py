@@ -6,7 +6,7 @@ to the generators, and its merge into the base weights they hold.
   optimizer holds A and B only. The model keeps its transformers class (peft injects its layers
   into it), so the learner's forward, FSDP2's units and the embedded engine's decoder are unchanged.
 * A version reaches a generator as its adapter: `<module>.lora_A` `[r, in]` and `<module>.lora_B`
-  `[out, r]` per module, plus rank and alpha (`asyncrl.weight_sync.AdapterSpec`). The generator keeps
+  `[out, r]` per module, plus rank and alpha (`asyncrl.weights.sync.AdapterSpec`). The generator keeps
   the base weights of those modules unmerged (`AdapterMerger`) and loads `merge(W0, A, B, scale)`
   for each version: version n+1 is never merged on top of version n.
 * Checkpoints and `asyncrl export --adapter` hold the adapter in peft's own format
@@ -77,7 +77,7 @@ def check_targets(model_config: ModelConfig) -> list[str]:
     device: no weights are read). Raises `ConfigError` naming the modules it has."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from asyncrl.models import build_tiny_model, build_tiny_tokenizer, embedded_gguf_dir
+    from asyncrl.models.loading import build_tiny_model, build_tiny_tokenizer, embedded_gguf_dir
 
     with torch.device("meta"):
         if model_config.source == "tiny":
@@ -233,7 +233,7 @@ def saved_model_config(directory: str) -> ModelConfig:
 def merged_model(directory: str):
     """The base model of a saved adapter with the adapter merged into it (a plain transformers
     model), and its tokenizer."""
-    from asyncrl.models import load_policy
+    from asyncrl.models.loading import load_policy
 
     model_config = saved_model_config(directory)
     lm, tokenizer = load_policy(model_config)

@@ -20,9 +20,9 @@ from typing import Any
 import msgspec
 import numpy as np
 
-# The wire format (arrays as msgpack extensions, codecs) lives in `asyncrl.wire`; the names every
+# The wire format (arrays as msgpack extensions, codecs) lives in `asyncrl.messages.wire`; the names every
 # role uses with the messages are here too.
-from asyncrl.wire import Codec, check_array, encode, float32_array, int32_array  # noqa: F401
+from asyncrl.messages.wire import Codec, check_array, encode, float32_array, int32_array  # noqa: F401
 
 # --- messages ---------------------------------------------------------------------------------
 
@@ -43,7 +43,7 @@ class FinishReason(str, enum.Enum):
 
 
 class SampleState(str, enum.Enum):
-    """Where a sample is in the ledger (`asyncrl.ledger`); a state only moves forward, in this order."""
+    """Where a sample is in the ledger (`asyncrl.storage.ledger`); a state only moves forward, in this order."""
 
     IN_FLIGHT = "in_flight"
     AWAITING_REWARD = "awaiting_reward"

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 
 from asyncrl.config import Config, ConfigError, RewardConfig, TaskConfig
-from asyncrl.tasks import BUILTIN_TASKS, Example
+from asyncrl.data.tasks import BUILTIN_TASKS, Example
 
 
 @dataclass(frozen=True)
@@ -150,7 +150,7 @@ def check_prompts(config: Config) -> None:
 def refuse_unscorable(examples: list[Example], reward: RewardConfig) -> None:
     """Rows whose route needs a ground truth and that have none are refused, by where they are."""
     from asyncrl.rewards.hybrid import needs_ground_truth
-    from asyncrl.schema import has_ground_truth
+    from asyncrl.messages.structs import has_ground_truth
 
     needs: dict[str, bool] = {}
     missing = [ex.where or ex.prompt_id for ex in examples if not has_ground_truth(ex.ground_truth)

@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from asyncrl.schema import Codec, Reward, Segment, TrainBatch, ground_truth_text
+from asyncrl.messages.structs import Codec, Reward, Segment, TrainBatch, ground_truth_text
 
 STORE_DIRNAME = "trajectories"
 INPROGRESS = ".inprogress"
@@ -107,7 +107,7 @@ class BatchRecord(msgspec.Struct, kw_only=True, frozen=True):
     loss: float
     grad_norm: float
     rows: int
-    batch: bytes  # the TrainBatch, msgspec-encoded (asyncrl.schema)
+    batch: bytes  # the TrainBatch, msgspec-encoded (asyncrl.messages.structs)
     recorded_at: float = 0.0
 
 
@@ -147,7 +147,7 @@ def record_of(merged: Segment, window_ends: list[int], reward: Reward | None, pr
 
 def segments_of(record: TrajectoryRecord) -> list[Segment]:
     """The record as the generator's windows were (one `Segment` per window), for replay."""
-    from asyncrl.schema import FinishReason
+    from asyncrl.messages.structs import FinishReason
 
     ids = np.asarray(record.response_token_ids, dtype=np.int32)
     logp = np.asarray(record.behaviour_logprobs, dtype=np.float32)

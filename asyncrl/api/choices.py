@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from asyncrl.schema import FinishReason
+from asyncrl.messages.structs import FinishReason
 
 
 @dataclass

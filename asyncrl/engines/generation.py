@@ -20,8 +20,8 @@ import torch
 from asyncrl.config import EngineConfig, ModelConfig
 from asyncrl.engines.base import SamplingParams, SequenceInput
 from asyncrl.engines.torch_engine import TorchEngine, engine_precision
-from asyncrl.models import eos_token_ids, load_policy
-from asyncrl.schema import FinishReason
+from asyncrl.messages.structs import FinishReason
+from asyncrl.models.loading import eos_token_ids, load_policy
 
 EMPTY = np.zeros(0, dtype=np.int32)
 

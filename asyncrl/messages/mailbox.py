@@ -22,7 +22,7 @@ A mailbox is owned by its consumer. The guarantees, stated once here and enforce
   the message; one another consumer took is lost to the renewer (it is not in the answer).
 
 Implementations behind one interface (`Mailbox`): `InProcessMailbox` (asyncio, one process) here;
-across processes `asyncrl.ray_mailbox`: `RayMailbox` (a client of a `MailboxActor`; messages cross
+across processes `asyncrl.messages.ray_mailbox`: `RayMailbox` (a client of a `MailboxActor`; messages cross
 the process boundary as msgspec bytes, never pickled user objects) and `ShardedMailbox` (several
 `RayMailbox` shards as one, for many producers).
 """

@@ -2,10 +2,10 @@
 names the paths and says what each side does on each.
 
 * `shm`: generators on the learner's node (CPU) map two slot files in shared memory that the
-  learner writes in turn (`asyncrl.weight_sync.SharedSlots`); adopting a version is a pointer swap.
+  learner writes in turn (`asyncrl.weights.sync.SharedSlots`); adopting a version is a pointer swap.
 * `cuda_ipc`: generators on the learner's GPU rebuild the learner's tensors from CUDA IPC handles.
 * `group`: generators on other nodes receive bucketed broadcasts over a `torch.distributed` group
-  of their own (`asyncrl.weight_sync.WeightGroup`: gloo on CPU, NCCL on GPU).
+  of their own (`asyncrl.weights.sync.WeightGroup`: gloo on CPU, NCCL on GPU).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Any, Awaitable, Callable, Iterable
 
 import torch
 
-from asyncrl.weight_sync import (AdapterSpec, BucketPlan, Delivery, SharedSlots, SharedVersion, WeightGroup,
-                                 from_cuda_ipc, plan_buckets, shared_views, to_cuda_ipc)
-from asyncrl.weights_delta import DeltaTracker
+from asyncrl.weights.delta import DeltaTracker
+from asyncrl.weights.sync import (AdapterSpec, BucketPlan, Delivery, SharedSlots, SharedVersion, WeightGroup,
+                                  from_cuda_ipc, plan_buckets, shared_views, to_cuda_ipc)
 
 PATHS = ("shm", "cuda_ipc", "group")
 
@@ -52,7 +52,7 @@ class Staged:
     handles: dict | None = None  # cuda_ipc
     plan: BucketPlan | None = None  # a delta's own plan (the sender's fixed one otherwise)
     delta_base: int | None = None  # `Delivery.delta_base`
-    delta: dict | None = None  # a delta's counts (`asyncrl.weights_delta.encode`)
+    delta: dict | None = None  # a delta's counts (`asyncrl.weights.delta.encode`)
 
 
 class WeightSender:
@@ -63,9 +63,9 @@ class WeightSender:
     breaks no one else's delivery, and one that joins needs no one else to meet again. The price:
     the learner sends the bytes once per remote generator instead of one broadcast to all.
 
-    What a version is: every weight; with `adapter` a LoRA adapter (`asyncrl.lora`); with `delta`
+    What a version is: every weight; with `adapter` a LoRA adapter (`asyncrl.weights.lora`); with `delta`
     (`policy.weight_delta`) what changed since the version every generator holds, in the engine's
-    dtype (`asyncrl.weights_delta`)."""
+    dtype (`asyncrl.weights.delta`)."""
 
     def __init__(self, plan: BucketPlan, adapter: AdapterSpec | None = None, delta: DeltaTracker | None = None,
                  bucket_bytes: int = 64 << 20):

@@ -5,7 +5,7 @@ Every rank holds a shard of the parameters and of Adam's state, sees the whole b
 its share of the micro-batches (`parts_of_rank`); gradients are summed over the ranks (each rank's
 loss is already scaled by the whole batch's totals), so one sharded step equals the one-rank step.
 The ranks form the default process group of their processes: the weight group to the generators
-is its own group (`asyncrl.weight_sync.WeightGroup`), so both can exist in the learner.
+is its own group (`asyncrl.weights.sync.WeightGroup`), so both can exist in the learner.
 
 Every function here that touches the weights is a collective: all ranks call it, in the same order.
 """

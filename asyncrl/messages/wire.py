@@ -1,6 +1,6 @@
 """How messages travel: msgpack, with numpy arrays as extension values holding raw little-endian
 bytes (never Python lists of numbers), and a reusable codec per message type. The messages
-themselves: `asyncrl.schema`."""
+themselves: `asyncrl.messages.structs`."""
 
 from __future__ import annotations
 

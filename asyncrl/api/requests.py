@@ -9,7 +9,7 @@ either honoured or refused by name: a request never gets silently less than it a
   (`max_completion_tokens`, or its older name `max_tokens`; chat without one: what is left of the
   context, capped at `serve.max_response_tokens`; legacy completions without one: 16, as OpenAI's),
   `presence_penalty`, `frequency_penalty`, `logit_bias`, log-probs, streaming with usage, tools
-  (`asyncrl.openai_tools`).
+  (`asyncrl.api.tools`).
 * Accepted because they ask for nothing the answer must show: `user`, `safety_identifier`,
   `prompt_cache_key`, `parallel_tool_calls` (at most one call per choice satisfies either value),
   and the defaults of the fields below.
@@ -35,8 +35,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from asyncrl.algo.sampling import choice_seed
+from asyncrl.api.tools import AssistantToolCall, ToolChoice, ToolSpec
 from asyncrl.engines.base import SamplingParams
-from asyncrl.openai_tools import AssistantToolCall, ToolChoice, ToolSpec
 
 
 class OpenAIError(Exception):

@@ -12,7 +12,7 @@ would only meet the same disk, so the run stops with that one error.
     policy/                 the policy as a Hugging Face directory (safetensors, config, tokenizer):
                             `transformers` loads it as is; `asyncrl export` copies it out. Tied
                             weights (an output embedding that is the input one) are stored once.
-                            LoRA (model.lora_rank): the adapter in peft's format instead (`asyncrl.lora`)
+                            LoRA (model.lora_rank): the adapter in peft's format instead (`asyncrl.weights.lora`)
     learner.pt              optimizer and LR-scheduler state (tensors and numbers only)
     learner.json            step, weight version, counters, incarnation
     batches.msgpack         assembled batches not yet trained (msgspec)
@@ -38,7 +38,7 @@ from typing import Any
 import msgspec
 import torch
 
-from asyncrl.schema import Codec, TrainBatch
+from asyncrl.messages.structs import Codec, TrainBatch
 
 MANIFEST = "manifest.json"
 REPLACED = ".replaced"  # a checkpoint set aside while one of the same step takes its place

@@ -1,7 +1,7 @@
 """Mailboxes across processes: a Ray actor holds the queue (`MailboxActor`, the shared core of
-`asyncrl.mailbox` over encoded bytes); `RayMailbox` is its client, picklable, encoding messages with
+`asyncrl.messages.mailbox` over encoded bytes); `RayMailbox` is its client, picklable, encoding messages with
 msgspec before they leave the process; `ShardedMailbox` spreads one mailbox over several actors
-for many producers. The guarantees are `asyncrl.mailbox`'s."""
+for many producers. The guarantees are `asyncrl.messages.mailbox`'s."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import asyncio
 import collections
 from typing import Any, Generic, Iterable, Sequence
 
-from asyncrl.mailbox import AsyncMailboxBase, M, MailboxStats
-from asyncrl.schema import Codec
+from asyncrl.messages.mailbox import AsyncMailboxBase, M, MailboxStats
+from asyncrl.messages.structs import Codec
 
 
 class MailboxActor(AsyncMailboxBase[bytes]):

@@ -26,7 +26,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from asyncrl import checkpoint
+from asyncrl.storage import checkpoint
 
 CHUNK_BYTES = 8 << 20  # one call carries this much of a file
 IN_FLIGHT = 4  # chunks on their way at once (memory: IN_FLIGHT x CHUNK_BYTES)

@@ -23,14 +23,14 @@ from collections.abc import Callable
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    LlamaConfig,
-    LlamaForCausalLM,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-    PreTrainedTokenizerFast,
-)
+                          AutoModelForCausalLM,
+                          AutoTokenizer,
+                          LlamaConfig,
+                          LlamaForCausalLM,
+                          PreTrainedModel,
+                          PreTrainedTokenizerBase,
+                          PreTrainedTokenizerFast,
+                          )
 
 from asyncrl.config import ModelConfig
 

@@ -14,12 +14,12 @@ import numpy as np
 
 from asyncrl.algo.selection import select_hardest
 from asyncrl.config import EngineConfig, ModelConfig, SamplingConfig, TaskConfig
+from asyncrl.data.files import file_examples
+from asyncrl.data.tasks import Example, encode_prompt
 from asyncrl.engines.base import SamplingParams
-from asyncrl.generation import build_engine, complete_async
+from asyncrl.engines.generation import build_engine, complete_async
+from asyncrl.messages.structs import Reward, RewardRequest
 from asyncrl.rewards.hybrid import RewardRouter
-from asyncrl.schema import Reward, RewardRequest
-from asyncrl.datafiles import file_examples
-from asyncrl.tasks import Example, encode_prompt
 
 # Suffix of a selected train prompt's second copy: prompt ids stay unique in the prompt source.
 REPEAT_SUFFIX = "#hard"

@@ -1,5 +1,5 @@
 """The mechanisms that move the policy's weights from the learner to the generators; which one a
-generator gets, and what each side does with it, is `asyncrl.transport`.
+generator gets, and what each side does with it, is `asyncrl.weights.transport`.
 
 The learner publishes each new version once and tells every generator how to fetch it (a
 `Delivery`); the path of a generator is chosen from where it landed:
@@ -59,7 +59,7 @@ class BucketPlan(msgspec.Struct, frozen=True):
 
 
 class AdapterSpec(msgspec.Struct, frozen=True):
-    """A version sent as a LoRA adapter (`asyncrl.lora`): its tensors are `<module>.lora_A` and
+    """A version sent as a LoRA adapter (`asyncrl.weights.lora`): its tensors are `<module>.lora_A` and
     `<module>.lora_B`, merged by the generator as W0 + (alpha / rank) * B @ A."""
 
     rank: int
@@ -71,11 +71,11 @@ class AdapterSpec(msgspec.Struct, frozen=True):
 
 
 class Delivery(msgspec.Struct, frozen=True):
-    """How one version reaches one generator: its path (`asyncrl.transport`), and for `group` the
+    """How one version reaches one generator: its path (`asyncrl.weights.transport`), and for `group` the
     bucket plan. `adapter`: the tensors are a LoRA adapter. `delta_base` (`policy.weight_delta`):
     None when deltas are off; -1 for a whole version in the engine's dtype (kept as the engine's
     own copy, which later deltas change); else the version the tensors are a delta from
-    (`asyncrl.weights_delta`)."""
+    (`asyncrl.weights.delta`)."""
 
     weight_version: int
     path: str

@@ -25,7 +25,7 @@ from typing import Iterable
 
 import msgspec
 
-from asyncrl.schema import DropReason, PromptRequest, SampleState, sample_id
+from asyncrl.messages.structs import DropReason, PromptRequest, SampleState, sample_id
 
 STATES = tuple(SampleState)
 _RANK = {state: i for i, state in enumerate(STATES)}

@@ -25,7 +25,7 @@ from openai.types.chat.chat_completion_message_function_tool_call import ChatCom
 from openai.types.chat.chat_completion_token_logprob import ChatCompletionTokenLogprob, TopLogprob
 from openai.types.completion_choice import Logprobs as CompletionLogprobs
 
-from asyncrl.openai_choices import ChoiceText, Delta
+from asyncrl.api.choices import ChoiceText, Delta
 
 
 def as_json(model) -> dict:

@@ -1,6 +1,6 @@
 """The built-in tasks: prompt sets with ground truth that generate their own data (the tiny tasks,
 arithmetic word problems), and how a task's responses are scored by default (`score_response`), a
-pure function. Users' own files: `asyncrl.datafiles`.
+pure function. Users' own files: `asyncrl.data.files`.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def arithmetic_tool_examples(split: str, n: int, seed: int = 0) -> list[Example]
 
 
 # The built-in tasks by `task.name`: (split, prompts wanted, seed) -> examples. `task=file` reads the
-# user's own (`asyncrl.datafiles`).
+# user's own (`asyncrl.data.files`).
 BUILTIN_TASKS = {
     "tiny": lambda split, n, seed: tiny_examples(split),
     "tiny_seq": lambda split, n, seed: tiny_seq_examples(split),
@@ -145,7 +145,7 @@ def reference_response(data_source: str, ground_truth) -> str:
     task asks a response to end (a judge compares two responses, not a response with a bare
     number). Maths: the instruction's `\\boxed{}`; code and the tiny tasks: the answer itself."""
     from asyncrl.rewards.verifiers import kind_for
-    from asyncrl.schema import ground_truth_text
+    from asyncrl.messages.structs import ground_truth_text
 
     if kind_for(data_source) == "math":
         return f"The answer is \\boxed{{{ground_truth_text(ground_truth)}}}."
