@@ -442,3 +442,8 @@ class AssemblerActor(RoleShell):
 
     def stats(self) -> dict:
         return {**super().stats(), "reward_router": self.router.stats()}
+
+    def reward_health(self) -> dict:
+        """Small, read at every poll: samples scored, rewards failed, each endpoint's first failure."""
+        return {"samples_scored": self.inner.counters["samples_scored"],
+                "reward_failures": self.inner.counters["reward_failures"], "endpoints": self.router.failures()}

@@ -9,17 +9,48 @@ import sys
 import time
 
 
+def _composed(args: argparse.Namespace, derived: dict | None = None, weights: dict | None = None):
+    """The command's config: `derived` settings (what a checkpoint or an endpoint says: dotted field
+    -> value, or a group -> one of its options), the user's overrides (which win), then `weights`
+    (field -> value); verl's and TRL's names said in one line each. Derived settings and weights are
+    data (`compose(values=...)`): never parsed or interpolated as the user's overrides are. None when
+    `--cfg` printed it (the command then ends)."""
+    from asyncrl.config import compose, to_yaml
+
+    named = {o.split("=", 1)[0].lstrip("+~") for o in args.overrides}
+    kept = {k: v for k, v in (derived or {}).items() if not any(k == n or k.startswith(n + ".") for n in named)}
+    groups = [f"{k}={v}" for k, v in kept.items() if "." not in k]  # an option name of asyncrl's own
+    values = {**{k: v for k, v in kept.items() if "." in k}, **(weights or {})}
+    notices: list[str] = []
+    config = compose([*groups, *args.overrides], args.config_name, args.config_dir, notices, values)
+    for line in notices:
+        print(f"asyncrl {args.command}: {line}", file=sys.stderr)
+    if args.cfg:
+        print(to_yaml(config), end="")
+        return None
+    return config
+
+
+def _train(args: argparse.Namespace) -> int:
+    config = _composed(args)
+    if config is None:
+        return 0
+    from asyncrl.driver import train_cli  # torch and Ray: only for a run
+
+    return train_cli(config)
+
+
 def _generate(args: argparse.Namespace) -> int:
     import torch
 
-    from asyncrl.config import compose
-    from asyncrl.engines.base import SamplingParams
-    from asyncrl.engines.generation import complete
-    from asyncrl.engines.generation import build_engine
     from asyncrl.data.files import load_examples
     from asyncrl.data.tasks import encode_prompt
+    from asyncrl.engines.base import SamplingParams
+    from asyncrl.engines.generation import build_engine, complete
 
-    config = compose(args.overrides)
+    config = _composed(args)
+    if config is None:
+        return 0
     torch.set_num_threads(max(1, torch.get_num_threads()))
     start = time.perf_counter()
     engine, tokenizer = build_engine(config.model)
@@ -39,38 +70,55 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _eval(args: argparse.Namespace) -> int:
+def _eval_config(args: argparse.Namespace, api_key: str):
+    """`asyncrl eval`'s config: what the checkpoint's run or the endpoint says (task, lengths, model
+    name), then the user's own overrides, which win (a task the user names replaces the derived task
+    settings), then the checkpoint's weights (what --checkpoint means)."""
     from asyncrl import evaluation
-    from asyncrl.config import ConfigError, compose
-
     from asyncrl.storage.checkpoint import policy_dir
 
-    # What the checkpoint's run or the endpoint says (task, lengths, model name), then the user's own
-    # overrides, which win (a task the user names replaces the derived task settings), then the
-    # checkpoint's weights (what --checkpoint means).
-    derived, weights = [], []
+    derived, weights = {}, {}
     if args.checkpoint:
         from asyncrl.weights import lora
 
-        derived += evaluation.run_overrides(args.checkpoint)
+        derived.update(evaluation.run_settings(args.checkpoint))
         path = policy_dir(args.checkpoint)
         if lora.is_adapter_dir(path):  # a LoRA run's: the merged model, written aside
             import tempfile
 
-            path = lora.export(path, tempfile.mkdtemp(prefix="asyncrl-eval-"), adapter_only=False)
-        weights = ["model.source=hf", f"model.path={path}"]
+            path = lora.export(path, tempfile.mkdtemp(prefix="asyncrl-eval-"), adapter_only=False,
+                               trust_remote_code=_trusts_code(args))
+        weights = {"model.source": "hf", "model.path": path}
     if args.endpoint:
-        derived += evaluation.endpoint_overrides(args.endpoint)
-    named = {o.split("=", 1)[0].lstrip("+~") for o in args.overrides}
-    kept = [o for o in derived if not any(o.split("=", 1)[0] == n or o.startswith(n + ".") for n in named)]
-    config = compose([*kept, *args.overrides, *weights])
+        derived.update(evaluation.endpoint_settings(args.endpoint, api_key))
+    return _composed(args, derived, weights)
+
+
+def _trusts_code(args: argparse.Namespace) -> bool:
+    """The user's own `model.trust_remote_code` (their overrides and recipes): the one thing that
+    lets a model directory's code run. A checkpoint's saved model settings never do."""
+    if not args.overrides and not getattr(args, "config_dir", None):
+        return False
+    from asyncrl.config import compose
+
+    return compose(args.overrides, getattr(args, "config_name", "config"),
+                   getattr(args, "config_dir", None)).model.trust_remote_code
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from asyncrl import evaluation
+    from asyncrl.config import ConfigError
+
+    api_key = os.environ.get(args.api_key_env, "") if args.api_key_env else ""
+    if args.api_key_env and not api_key:
+        raise ConfigError(f"--api-key-env {args.api_key_env}: that environment variable is not set")
+    config = _eval_config(args, api_key)
+    if config is None:
+        return 0
     ks = sorted({int(k) for k in args.k.split(",")})
     n = max(args.n, max(ks))
     examples = evaluation.held_out(config, args.prompts)
     if args.endpoint:
-        api_key = os.environ.get(args.api_key_env, "") if args.api_key_env else ""
-        if args.api_key_env and not api_key:
-            raise ConfigError(f"--api-key-env {args.api_key_env}: that environment variable is not set")
         texts, versions = evaluation.sample_endpoint(args.endpoint, config.model.name, examples, n, args.temperature,
                                                      config.engine.max_response_tokens, api_key=api_key)
         label = f"{args.endpoint} (weight versions {sorted(v for v in versions if v)})"
@@ -80,10 +128,14 @@ def _eval(args: argparse.Namespace) -> int:
         engine, tokenizer = build_engine(config.model)
         texts = evaluation.sample_engine(config, engine, tokenizer, examples, n, args.temperature)
         label = args.checkpoint or config.model.name
+    failures: list[str] = []
     result = {"model": label, "task": config.task.name, "temperature": args.temperature,
-              **evaluation.summarize(evaluation.score(config, examples, texts), ks)}
+              **evaluation.summarize(evaluation.score(config, examples, texts, failures), ks),
+              "rewards_failed": len(failures), "reward_failure": failures[0] if failures else ""}
     table, paths = evaluation.write_table(result, args.out)
     print(table)
+    if failures:  # each scored as wrong: the table's figures are not the model's
+        print(f"{len(failures)} of {sum(map(len, texts))} rewards failed: {failures[0]}", file=sys.stderr)
     print(f"wrote {' and '.join(paths)}")
     return 0
 
@@ -139,19 +191,27 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 
 def _export(args: argparse.Namespace) -> int:
-    from asyncrl.weights import lora
+    from asyncrl.config import ConfigError
+    from asyncrl.models.loading import refuse_own_code
     from asyncrl.storage.checkpoint import export_hf, policy_dir
+    from asyncrl.weights import lora
 
+    others = [o for o in args.overrides if o.split("=", 1)[0] != "model.trust_remote_code"]
+    if others:
+        raise ConfigError(f"takes one setting, model.trust_remote_code=true (to run the model directory's own "
+                          f"code), not {' '.join(others)}")
+    trusted = _trusts_code(args)
     source = policy_dir(args.source)
     if lora.is_adapter_dir(source):
-        out = lora.export(source, args.out, args.adapter)
+        out = lora.export(source, args.out, args.adapter, trust_remote_code=trusted)
         how = "peft's PeftModel.from_pretrained(base, dir)" if args.adapter else "transformers' from_pretrained"
         print(f"exported to {out} (load it with {how})")
         return 0
     if args.adapter:
         raise FileNotFoundError(f"{source} holds a full fine-tune (model.lora_rank=0): no adapter to export; "
                                 f"drop --adapter for the model")
-    print(f"exported to {export_hf(args.source, args.out)} (load it with transformers' from_pretrained)")
+    refuse_own_code(source, trusted)
+    print(f"exported to {export_hf(args.source, args.out, trusted)} (load it with transformers' from_pretrained)")
     return 0
 
 
@@ -189,6 +249,14 @@ class _TrainHelp(argparse.Action):
         parser.exit()
 
 
+def _config_options(command: argparse.ArgumentParser) -> None:
+    """The options every command that composes a config takes."""
+    command.add_argument("--config-dir", default=None,
+                         help="a directory of your own recipes, searched before asyncrl's (whose groups stay available)")
+    command.add_argument("--config-name", default="config", help="the primary recipe (a YAML of --config-dir)")
+    command.add_argument("--cfg", action="store_true", help="print the composed config as YAML and exit")
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line as `main` reads it (the README check parses every command with it)."""
     parser = argparse.ArgumentParser(prog="asyncrl", description=__doc__)
@@ -196,6 +264,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
     gen = sub.add_parser("generate", help="generate from the configured model (engine smoke check)")
     gen.add_argument("-n", type=int, default=4, help="number of held-out task prompts")
+    _config_options(gen)
     gen.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=tiny")
     gen.set_defaults(func=_generate)
 
@@ -203,13 +272,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                            formatter_class=argparse.RawDescriptionHelpFormatter,
                            description="Train for trainer.total_steps and exit (Ctrl-C stops cleanly, checkpointed).")
     train.add_argument("-h", "--help", action=_TrainHelp, help="show this help, every config group and field, and exit")
-    train.add_argument("--config-dir", default=None,
-                       help="a directory of your own recipes, searched before asyncrl's (whose groups stay available)")
-    train.add_argument("--config-name", default="config", help="the primary recipe (a YAML of --config-dir)")
-    train.add_argument("--cfg", action="store_true", help="print the composed config as YAML and exit")
+    _config_options(train)
     train.add_argument("overrides", nargs="*", help="Hydra overrides: group=option, section.field=value (listed below)")
-    train.set_defaults(func=lambda a: __import__("asyncrl.driver", fromlist=["x"]).train_cli(
-        a.overrides, a.config_dir, a.config_name, a.cfg))
+    train.set_defaults(func=_train)
 
     ev = sub.add_parser("eval", help="pass@1 and pass@k on held-out prompts (a checkpoint, the model, or a live endpoint)")
     ev.add_argument("--checkpoint", default="", help="a run directory, an asyncrl checkpoint or a Hugging Face directory")
@@ -222,6 +287,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ev.add_argument("--temperature", type=float, default=0.7)
     ev.add_argument("--prompts", type=int, default=None, help="at most this many held-out prompts")
     ev.add_argument("--out", default="outputs/eval", help="directory for eval.json and eval.md (default: %(default)s)")
+    _config_options(ev)
     ev.add_argument("overrides", nargs="*")
     ev.set_defaults(func=_eval)
 
@@ -239,7 +305,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     export.add_argument("out", help="the directory to write (safetensors, config, tokenizer)")
     export.add_argument("--adapter", action="store_true",
                         help="a LoRA run's adapter alone, in peft's format (default: the merged model)")
-    export.set_defaults(func=_export, overrides=[])
+    export.add_argument("overrides", nargs="*", metavar="model.trust_remote_code=true",
+                        help="run the model directory's own code (auto_map): a checkpoint's settings never do")
+    export.set_defaults(func=_export)
 
     scale = sub.add_parser("scale", help="set the number of generators of a running service (serve run)")
     scale.add_argument("count", type=int, help="generators wanted")
@@ -274,14 +342,17 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     args = parse(argv)
     from asyncrl.config import ConfigError
-    from asyncrl.run.placement import RayStartError
+    from asyncrl.errors import RewardsFailing, StartupError
 
     try:
         return int(args.func(args) or 0)
     # A mistake in the command line, or a machine where Ray cannot start: one line, no traceback.
-    except (ConfigError, FileNotFoundError, FileExistsError, RayStartError) as exc:
+    except (ConfigError, FileNotFoundError, FileExistsError, StartupError) as exc:
         print(f"asyncrl {args.command}: {exc}", file=sys.stderr)
         return 2
+    except RewardsFailing as exc:  # the run stopped at once: its rewards all fail
+        print(f"asyncrl {args.command}: {exc}", file=sys.stderr)
+        return RewardsFailing.exit_status
     except Exception as exc:  # a disk that cannot take what the run writes: what to do, in one line
         from asyncrl.storage.checkpoint import DiskRefused
 

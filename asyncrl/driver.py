@@ -13,16 +13,17 @@ import contextlib
 import json
 import os
 import signal
-import sys
 import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from asyncrl.config import Config, compose, to_record, to_yaml
+from asyncrl.config import Config, to_record
+from asyncrl.data.files import check_prompts, fit_notices
 from asyncrl.engines.generation import build_engine
-from asyncrl.evaluation import greedy_accuracy
+from asyncrl.errors import RewardsFailing
+from asyncrl.evaluation import accuracy_line, greedy_accuracy
 from asyncrl.run import Run
 from asyncrl.run.placement import init_ray
 from asyncrl.run.records import REWARD_KEY
@@ -40,6 +41,7 @@ class Ending:
     last_checkpoint: str | None = None
     final_status: dict | None = None
     weights: tuple | None = None  # (version, weights) of the last step
+    rewards_failing: str = ""  # the run stopped at once: every reward of its first samples failed
 
 
 def train(config: Config, progress: bool = True, eval_prompts: int | None = None) -> dict:
@@ -51,16 +53,22 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
     init_ray(config)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     engine, tokenizer = build_engine(config.model)
+    for line in fit_notices(config, tokenizer, engine.max_positions):
+        print(f"notice: {line}", flush=True)
     if config.resume and (latest := checkpoint.latest_valid(run_dir)[0]) is not None:
         from asyncrl.weights import lora
 
         part = os.path.join(latest, "policy")
         if lora.is_adapter_dir(part):  # LoRA: the adapter merged into the base
-            engine.update_weights(lora.merged_model(part)[0].named_parameters(), 0)
+            engine.update_weights(lora.merged_model(part, config.model.trust_remote_code)[0].named_parameters(), 0)
         else:
             checkpoint.load_policy_weights(engine.model, part)
     before = greedy_accuracy(config, engine, tokenizer, eval_prompts, progress="eval before" if progress else "")
-    print(f"held-out accuracy before training: {before['accuracy']:.3f} (n={before['n']})", flush=True)
+    print(accuracy_line("before training", before), flush=True)
+    if config.reward.fail_fast_samples and before["n"] and before["rewards_failed"] == before["n"]:
+        raise RewardsFailing(f"every reward of the held-out evaluation failed ({before['n']} of {before['n']}): "
+                             f"{before['reward_failure']}. Fix the reward and start again "
+                             f"(reward.fail_fast_samples=0 trains on regardless)")
     wandb_run = _init_wandb(config, run_dir)
     evals: list[dict] = []
 
@@ -94,7 +102,8 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
         with _sigint_deferred():  # the actors must not be left running
             run.stop()
     wall = time.time() - run.log.started
-    after = _evaluate_after(config, engine, tokenizer, eval_prompts, ending, run.log.steps_recorded, wall, progress)
+    after = None if ending.rewards_failing else _evaluate_after(config, engine, tokenizer, eval_prompts, ending,
+                                                                 run.log.steps_recorded, wall, progress)
     run.write_plots()
     if ending.interrupted:
         last = ending.last_checkpoint or checkpoint.latest_valid(run_dir)[0]
@@ -103,7 +112,7 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
     summary = {"run_dir": run_dir, "eval_before": before, "eval_after": after, "train_wall_s": wall,
                "reached_target": _reached_target(run.records, config), "evals": evals, "resumed": run.resumed,
                "restarts": run.restarts, "steps": run.log.steps_recorded, "final_status": ending.final_status or {},
-               "interrupted": ending.interrupted, "stop_reason": ending.stop_reason,
+               "interrupted": ending.interrupted, "stop_reason": ending.stop_reason or ending.rewards_failing,
                "last_checkpoint": ending.last_checkpoint, "records": run.records}
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump({k: v for k, v in summary.items() if k != "records"}, f, indent=2, default=str)
@@ -111,6 +120,8 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
         wandb_run.summary.update({"eval_accuracy_before": before["accuracy"],
                                   "eval_accuracy_after": after["accuracy"] if after else None})
         wandb_run.finish()
+    if ending.rewards_failing:
+        raise RewardsFailing(ending.rewards_failing)
     return summary
 
 
@@ -140,24 +151,16 @@ def _watch(run: Run, config: Config, progress: bool, ctrl_c: "_CtrlC") -> Ending
                 if polled.restart is not None:
                     _say(bar, f"restarted in {polled.restart['restart_s']:.1f}s from step {polled.restart['step']} "
                               f"after {polled.restart['reason']}")
+                for line in polled.reward_notices:
+                    _say(bar, line)
                 _show(bar, polled.records, run)
                 ending.stop_reason = _stop_reason(run, config)
-                if ending.stop_reason:
+                ending.rewards_failing = polled.rewards_failing
+                if ending.stop_reason or ending.rewards_failing:
                     break
             ctrl_c.loop_over = True  # from here a Ctrl-C skips what is left, as a second one does
             ending.interrupted = ctrl_c.noted
-            if ending.interrupted or ending.stop_reason:
-                run.stop_learning()
-                run.poll(check_health=False)  # the steps done meanwhile
-                _say(bar, f"stopped after step {run.step}" + (f": {ending.stop_reason}" if ending.stop_reason else ""))
-            if bar is not None:
-                bar.close()
-            if config.trainer.checkpoint_every and run.records:
-                # The final step's checkpoint (waits for one the learner is writing, if any).
-                ending.last_checkpoint = run.checkpoint()
-                print(f"checkpoint: {ending.last_checkpoint}", flush=True)
-            ending.final_status = run.status()
-            ending.weights = run.weights()
+            _finish(run, config, ending, bar)
     except KeyboardInterrupt:  # a second Ctrl-C: stop now; a checkpoint being written is never half there
         ending.interrupted = True
         print("\nstopping without the final checkpoint and evaluation", flush=True)
@@ -165,6 +168,28 @@ def _watch(run: Run, config: Config, progress: bool, ctrl_c: "_CtrlC") -> Ending
         if bar is not None:
             bar.close()
     return ending
+
+
+def _finish(run: Run, config: Config, ending: Ending, bar) -> None:
+    """After the watch loop: the learner stopped, the final checkpoint, status and weights. A run
+    whose rewards all fail stops at once: nothing it trained is worth keeping or evaluating."""
+    if ending.rewards_failing:
+        if bar is not None:
+            bar.close()
+        ending.final_status = run.status()
+        return
+    if ending.interrupted or ending.stop_reason:
+        run.stop_learning()
+        run.poll(check_health=False)  # the steps done meanwhile
+        _say(bar, f"stopped after step {run.step}" + (f": {ending.stop_reason}" if ending.stop_reason else ""))
+    if bar is not None:
+        bar.close()
+    if config.trainer.checkpoint_every and run.records:
+        # The final step's checkpoint (waits for one the learner is writing, if any).
+        ending.last_checkpoint = run.checkpoint()
+        print(f"checkpoint: {ending.last_checkpoint}", flush=True)
+    ending.final_status = run.status()
+    ending.weights = run.weights()
 
 
 def _stop_reason(run: Run, config: Config) -> str:
@@ -226,8 +251,7 @@ def _evaluate_after(config, engine, tokenizer, eval_prompts, ending: Ending, ste
     except KeyboardInterrupt:
         print("\nfinal evaluation skipped", flush=True)
         return None
-    print(f"held-out accuracy after {steps} steps: {after['accuracy']:.3f} (n={after['n']}), "
-          f"{wall / 60:.1f} min of training", flush=True)
+    print(f"{accuracy_line(f'after {steps} steps', after)}, {wall / 60:.1f} min of training", flush=True)
     return after
 
 
@@ -246,8 +270,10 @@ def _show(bar, records: list[dict], run: Run) -> None:
     bar.update(records[-1]["step"] - bar.n)
     rate = records[-1]["samples_per_s"]  # the number the plot and the status page show
     retired = run.log.retired_share
+    failed = records[-1].get("reward_failed", 0)
     bar.set_postfix(reward=f"{records[-1][REWARD_KEY]:.3f}", samples_per_s="-" if rate is None else f"{rate:.1f}",
-                    **({"retired": f"{retired:.0%}"} if retired else {}))
+                    **({"retired": f"{retired:.0%}"} if retired else {}),
+                    **({"reward_failed": failed} if failed else {}))
 
 
 def _say(bar, line: str) -> None:
@@ -295,17 +321,10 @@ def _init_wandb(config: Config, run_dir: str):
                       settings=wandb.Settings(quiet=True))
 
 
-def train_cli(overrides: list[str], config_dir: str | None = None, config_name: str = "config",
-              print_config: bool = False) -> int:
-    """`asyncrl train`: compose (a user's recipe from `config_dir` too), say what other frameworks'
-    names became, then print the config (`--cfg`) or run it."""
-    notices: list[str] = []
-    config = compose(overrides, config_name, config_dir, notices)
-    for line in notices:
-        print(f"asyncrl train: {line}", file=sys.stderr)
-    if print_config:
-        print(to_yaml(config), end="")
-        return 0
+def train_cli(config: Config) -> int:
+    """`asyncrl train` of a composed config: the user's files checked before Ray or a model starts,
+    then the run of its mode."""
+    check_prompts(config)  # the reward file imports, its function is there, the data reads
     if config.model.lora_rank:  # against the model itself: a module it lacks is refused here, in one line
         from asyncrl.weights import lora
 

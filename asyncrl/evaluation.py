@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from typing import Any
 
 import numpy as np
 
@@ -94,60 +95,89 @@ def greedy_accuracy(config: Config, engine, tokenizer, max_prompts: int | None =
     with progress_bar(len(examples), progress, bool(progress)) as bar:
         completions = respond(config, engine, tokenizer, examples, 1, SamplingParams(greedy=True),
                               list(range(len(examples))), on_batch=bar.update)
-    correct = score(config, examples, [[c.text] for c in completions])
+    failures: list[str] = []
+    correct = score(config, examples, [[c.text] for c in completions], failures)
     return {"accuracy": sum(c[0] for c in correct) / max(len(examples), 1), "n": len(examples),
-            "response_length_mean": float(np.mean([len(c.token_ids) for c in completions])) if completions else 0.0}
+            "response_length_mean": float(np.mean([len(c.token_ids) for c in completions])) if completions else 0.0,
+            "rewards_failed": len(failures), "reward_failure": failures[0] if failures else ""}
 
 
-def run_overrides(path: str) -> list[str]:
-    """The task and response length of the run a checkpoint comes from (its `config.json`), as
-    overrides: `asyncrl eval --checkpoint` scores the task the run trained on. [] for a plain
-    Hugging Face directory."""
+def accuracy_line(label: str, result: dict) -> str:
+    """`held-out accuracy <label>: 0.750 (n=8)`, and how many of its rewards failed and why: a failed
+    reward scores as wrong, and an accuracy of rewards that failed is no accuracy."""
+    line = f"held-out accuracy {label}: {result['accuracy']:.3f} (n={result['n']})"
+    if result.get("rewards_failed"):
+        line += f", {result['rewards_failed']} of {result['n']} rewards failed: {result['reward_failure']}"
+    return line
+
+
+def run_settings(path: str) -> dict[str, Any]:
+    """The task and response length of the run a checkpoint comes from (its `config.json`):
+    `asyncrl eval --checkpoint` scores the task the run trained on. {} for a plain Hugging Face
+    directory. Data for `compose(values=...)` (see `_task_settings`), never override strings."""
     path = os.path.abspath(path)
     for candidate in (path, os.path.dirname(os.path.dirname(path))):  # a run dir, or run/checkpoints/step_k
         config_path = os.path.join(candidate, "config.json")
         if os.path.exists(config_path):
             with open(config_path) as f:
                 saved = json.load(f)
-            if "task" in saved and "trainer" in saved:  # asyncrl's, not a model's config.json
-                return [*_task_overrides(saved["task"], saved["engine"]["max_response_tokens"]),
-                        f"model.use_chat_template={saved['model']['use_chat_template']}"]
-    return []
+            if isinstance(saved, dict) and "task" in saved and "trainer" in saved:  # asyncrl's, not a model's
+                engine, model = saved.get("engine") or {}, saved.get("model") or {}
+                settings = _task_settings(saved["task"], engine.get("max_response_tokens"))
+                if "use_chat_template" in model:
+                    settings["model.use_chat_template"] = model["use_chat_template"]
+                return _checked(settings, f"--checkpoint {config_path}")
+    return {}
 
 
-def endpoint_overrides(url: str) -> list[str]:
-    """The model name, task and response length a live policy endpoint reports (GET /models), as
-    overrides: `asyncrl eval --endpoint` scores the task that policy learns, whatever the local
-    defaults are (the user's own overrides come after and win)."""
+def endpoint_settings(url: str, api_key: str = "") -> dict[str, Any]:
+    """The model name, task and response length a live policy endpoint reports (GET /models, with
+    `api_key` when given): `asyncrl eval --endpoint` scores the task that policy learns, whatever
+    the local defaults are (the user's own overrides win). Data, as `run_settings`."""
     import httpx
 
     from asyncrl.config import ConfigError
 
     try:
-        reply = httpx.get(url.rstrip("/") + "/models", timeout=30)
+        reply = httpx.get(url.rstrip("/") + "/models", timeout=30,
+                          headers={"authorization": f"Bearer {api_key}"} if api_key else None)
         reply.raise_for_status()
         card = reply.json()["data"][0]
-    except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
+        settings = {"model.name": card["id"], **_task_settings(card.get("task") or {}, card.get("max_response_tokens"))}
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
         raise ConfigError(f"--endpoint {url}: no policy endpoint answers GET /models there ({exc})") from exc
-    return [f"model.name={card['id']}", *_task_overrides(card.get("task") or {}, card.get("max_response_tokens"))]
+    return _checked(settings, f"--endpoint {url}")
 
 
-def _task_overrides(task: dict, max_response_tokens: int | None) -> list[str]:
-    """Overrides that select a run's task: its config group where one is named so (which brings the
-    task's own settings, as `task=tiny` on the command line does), then the run's values."""
+def _task_settings(task: dict, max_response_tokens: int | None) -> dict[str, Any]:
+    """Dotted fields that select a run's task, and the run's values. Key `task` (no dot) is the
+    config group named so, if there is one (it brings the task's own settings, as `task=tiny` on
+    the command line does): one of asyncrl's own option names, never the text as it came."""
     from asyncrl.config import config_groups
 
-    overrides = []
+    settings: dict[str, Any] = {}
+    task = task if isinstance(task, dict) else {}
     if task.get("name") in config_groups().get("task", []):
-        overrides.append(f"task={task['name']}")
-    for key in ("name", "seed", "num_eval_prompts"):
-        if key in task:
-            overrides.append(f"task.{key}={task[key]}")
+        settings["task"] = task["name"]
+    settings.update({f"task.{key}": task[key] for key in ("name", "seed", "num_eval_prompts") if key in task})
     if task.get("eval_path") or task.get("path"):
-        overrides.append(f"task.eval_path={task.get('eval_path') or task.get('path')}")
+        settings["task.eval_path"] = task.get("eval_path") or task.get("path")
     if max_response_tokens:
-        overrides.append(f"engine.max_response_tokens={max_response_tokens}")
-    return overrides
+        settings["engine.max_response_tokens"] = max_response_tokens
+    return settings
+
+
+def _checked(settings: dict[str, Any], source: str) -> dict[str, Any]:
+    """`settings`, each value checked against its field: one that does not fit is refused naming
+    where it came from."""
+    from asyncrl.config import ConfigError
+    from asyncrl.config.compose import value_problem
+
+    for key, value in settings.items():
+        problem = value_problem(key, value) if "." in key else None
+        if problem is not None:
+            raise ConfigError(f"{source}: {problem}")
+    return settings
 
 
 def sample_endpoint(url: str, model: str, examples: list[Example], n: int, temperature: float, max_tokens: int,
@@ -168,12 +198,14 @@ def sample_endpoint(url: str, model: str, examples: list[Example], n: int, tempe
     return texts, versions
 
 
-def score(config: Config, examples: list[Example], texts: list[list[str]]) -> list[list[bool]]:
+def score(config: Config, examples: list[Example], texts: list[list[str]],
+          failures: list[str] | None = None) -> list[list[bool]]:
     """Each response checked as the run rewards it: by the first endpoint of its data source's route
     when that is a verifier or a reward function of the user's (`kind: python`: correct is its `acc`
     when it gives one, else a score above 0); where the route starts with a model (a judge, a reward
     model: a model to load here), by the data source's default verifier. Sample j of a task with an
-    answer per episode is checked against the episode's (`episode_truth`)."""
+    answer per episode is checked against the episode's (`episode_truth`). A failed reward is wrong,
+    and its reason goes to `failures` (with its sample)."""
     from asyncrl.algo.shaping import is_positive
     from asyncrl.rewards.endpoint import build_scorer
     from asyncrl.rewards.hybrid import route_for
@@ -202,6 +234,8 @@ def score(config: Config, examples: list[Example], texts: list[list[str]]) -> li
                 scorer.close()
         for (i, j, _), r in zip(items, rewards):
             correct[i][j] = not r.failed and is_positive(r.correct, r.score)
+            if r.failed and failures is not None:
+                failures.append(f"{r.details.get('error', 'failed')} (prompt {r.prompt_id}, sample {r.sample_idx})")
     return correct
 
 

@@ -280,9 +280,10 @@ def test_episode_settings_a_run_cannot_honour_are_refused():
 
 
 def test_the_docs_table_of_foreign_names_is_the_code_s():
-    from asyncrl.config.names import foreign_table
+    from asyncrl.config.names import foreign_table, ignored_table
 
-    assert foreign_table() in open(os.path.join(os.path.dirname(config_dir()), "docs", "config.md")).read()
+    docs = open(os.path.join(os.path.dirname(config_dir()), "docs", "config.md")).read()
+    assert foreign_table() in docs and ignored_table() in docs
 
 
 def test_a_config_directory_without_a_primary_recipe_adds_its_options_first(tmp_path):

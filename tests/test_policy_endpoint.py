@@ -28,15 +28,29 @@ TINY = ("model=tiny task=tiny_tool serve.follow_learner=false model.max_position
         "serve.max_kv_mb=8")
 
 
+POLICY = {"name": "policy", "route_prefix": "/v1", "import_path": "asyncrl.serve.policy:build_policy",
+          "args": {"overrides": TINY}}
+API_KEY = "sk-asyncrl-test-7f3a"
+
+
 @pytest.fixture(scope="module")
 def url(ray_session):
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    deploy_declaratively([{"name": "policy", "route_prefix": "/v1", "import_path": "asyncrl.serve.policy:build_policy",
-                           "args": {"overrides": TINY}}], timeout_s=300)
+    deploy_declaratively([POLICY], timeout_s=300)
     yield f"http://127.0.0.1:{port}"
     serve.delete("policy")
     serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def keyed_url(url):
+    """The same policy with `serve.api_key` set, as a second application beside the first."""
+    keyed = {**POLICY, "name": "policy-keyed", "route_prefix": "/keyed/v1",
+             "args": {"overrides": f"{TINY} serve.api_key={API_KEY}"}}
+    deploy_declaratively([POLICY, keyed], timeout_s=300)
+    yield f"{url}/keyed/v1"
+    serve.delete("policy-keyed")
 
 
 class Statuses:
@@ -74,6 +88,24 @@ def test_the_openai_client_plain_streaming_tools_and_max_completion_tokens(url):
     assert [(t.index, t.function.name, t.function.arguments) for t in calls] == [(0, "lookup", "{}")]
     health = httpx.get(f"{url}/v1/health", timeout=30).json()
     assert health["ok"] and health["engine"] == "torch" and health["running_sequences"] == 0
+
+
+def test_with_an_api_key_every_route_but_health_wants_it(keyed_url):
+    """As vLLM's --api-key: the official client with a wrong key, and a request with none, get
+    OpenAI's 401; with the key, an answer; /health answers anyone."""
+    messages = [{"role": "user", "content": "5:"}]
+    with pytest.raises(openai.AuthenticationError) as refused:
+        openai.OpenAI(base_url=keyed_url, api_key="sk-wrong", max_retries=0).chat.completions.create(
+            model="tiny", messages=messages, max_completion_tokens=2)
+    assert refused.value.status_code == 401 and refused.value.code == "invalid_api_key"
+    for bare in (httpx.post(f"{keyed_url}/completions", json={"prompt": "1:", "max_tokens": 1}, timeout=60),
+                 httpx.get(f"{keyed_url}/models", timeout=60)):
+        assert bare.status_code == 401 and bare.json()["error"]["type"] == "invalid_request_error", bare.text
+    client = openai.OpenAI(base_url=keyed_url, api_key=API_KEY)
+    reply = client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=2)
+    assert reply.usage.completion_tokens >= 1 and reply.choices[0].message.content is not None
+    assert client.models.list().data[0].id == "tiny"
+    assert httpx.get(f"{keyed_url}/health", timeout=30).json()["ok"]
 
 
 # The tiny policy calls its tool two times in three, whatever the answer: an agent loop would end by

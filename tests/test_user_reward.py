@@ -175,7 +175,7 @@ def test_signatures_and_files_that_cannot_work_are_refused_at_start_up(tmp_path)
 
     config = compose(["model=tiny", "task=tiny", f"+reward.endpoints.mine={{kind: python, path: {tmp_path}/missing.py}}",
                       "reward.routes=[{match: '*', endpoints: [mine]}]"])
-    with pytest.raises(ConfigError, match="reward.endpoints.mine: FileNotFoundError"):
+    with pytest.raises(ConfigError, match=r"reward.endpoints.mine \(.*missing.py:compute_score\): FileNotFoundError"):
         check_prompts(config)
 
 

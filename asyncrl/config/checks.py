@@ -29,6 +29,9 @@ def _algorithm_checks(config) -> list[tuple[bool, str]]:
          "algorithm.overlong.buffer_tokens must be < engine.max_response_tokens"),
         (config.model.source != "hf" or bool(config.model.path),
          "model.source=hf needs model.path: the Hugging Face directory to load"),
+        (config.task.name == "file" or not (config.task.path or config.task.eval_path),
+         f"task.path and task.eval_path are read by task=file only; task={config.task.name} has prompts of its "
+         f"own: add task=file to train on the files"),
         (not (config.environment.name and config.environment.class_path),
          "environment.name and environment.class_path name two environments: set one"),
         (gae is None or not gae.kl_in_reward or a.kl.coef > 0,

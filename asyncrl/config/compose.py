@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+from typing import Any
 
 import msgspec
 from omegaconf import DictConfig, OmegaConf
@@ -22,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 import asyncrl.config.schema as schema
 from asyncrl.config.checks import ConfigError, validate
 from asyncrl.config.files import config_dir, config_groups
-from asyncrl.config.names import FOREIGN, foreign_notice, migrate, renamed_message
+from asyncrl.config.names import FOREIGN, foreign_notice, ignored_notice, ignored_reason, migrate, renamed_message
 from asyncrl.config.run import Config
 
 log = logging.getLogger("asyncrl.config")
@@ -50,7 +51,7 @@ for _name, _resolver in (("detected_device", detected_device), ("by_device", by_
 
 
 def compose(overrides: list[str] | None = None, config_name: str = "config", user_dir: str | None = None,
-            notices: list[str] | None = None) -> Config:
+            notices: list[str] | None = None, values: dict[str, Any] | None = None) -> Config:
     """Compose the Hydra config with overrides and return it validated.
 
     `user_dir` (`--config-dir`): a directory of the user's recipes, searched before the package's,
@@ -58,6 +59,8 @@ def compose(overrides: list[str] | None = None, config_name: str = "config", use
     Hydra picks the config groups; every dotted override is applied here, walked along the schema:
     `+` only adds an entry to a mapping (`+reward.endpoints.judge={kind: genrm}`), never a field.
     `notices`: where the one-line notices for verl's and TRL's names go (default: the log).
+    `values`: dotted fields set last, to what a checkpoint, a run directory or an endpoint said:
+    data, never an override string, so nothing in them is parsed or interpolated (`set_values`).
     """
     user_dir = os.path.abspath(user_dir) if user_dir else None  # Hydra takes absolute directories only
     if user_dir and not os.path.isdir(user_dir):
@@ -67,18 +70,65 @@ def compose(overrides: list[str] | None = None, config_name: str = "config", use
     group_overrides = [o for o in parsed if o.key_or_group in groups]
     for override in group_overrides:
         _check_group_choice(override, groups[override.key_or_group])
+    group_lines = [o.input_line for o in group_overrides] + _implied_groups(parsed, group_overrides)
     said = notices if notices is not None else []
-    raw = _hydra_compose(config_name, [o.input_line for o in group_overrides], user_dir)
-    merged = _with_defaults(raw, said)
-    for override in parsed:
-        if override not in group_overrides:
+    raw = _hydra_compose(config_name, group_lines, user_dir)
+    ignored: list[str] = []
+    merged = _with_defaults(raw, said, ignored)
+    # Entries that add to a mapping first, so that a dotted name may come before the entry it sets
+    # (`custom_reward_function.name=...` before `.path=...`); the order is otherwise the user's.
+    for override in sorted((o for o in parsed if o not in group_overrides), key=_adds_first):
+        if ignored_reason(override.key_or_group) is not None and not _ours(override.key_or_group, merged):
+            ignored.append(override.key_or_group)
+        else:
             _apply(merged, override, said)
-    config = _derived(_convert(merged))
+    if ignored:
+        said.append(ignored_notice(ignored))
+    config = _derived(_convert(merged, values or {}))
     _check(config, groups)
     if notices is None:
         for line in said:
             log.warning(line)
     return config
+
+
+# Names that select data files: they imply `task=file`, the task that reads them.
+DATA_FILE_KEYS = ("task.path", "task.eval_path", *(k for k, e in FOREIGN.items()
+                                                    if {"task.path", "task.eval_path"} & set(e.ours)))
+
+
+def _implied_groups(parsed: list, group_overrides: list) -> list[str]:
+    """`task=file` where a data file is named (verl's `data.train_files`, TRL's `dataset_name`, our
+    `task.path`) and no task is; a built-in task named beside a data file is refused."""
+    files = [o.key_or_group for o in parsed if o.key_or_group.lstrip("+") in DATA_FILE_KEYS]
+    if not files:
+        return []
+    tasks = [o for o in group_overrides if o.key_or_group == "task"]
+    if not tasks:
+        return ["task=file"]
+    named = tasks[-1].value()
+    if named != "file":
+        raise ConfigError(f"{files[0]} names a data file, which task=file reads, but task={named} is a built-in "
+                          f"task with prompts of its own: drop task={named} (or {files[0]})")
+    return []
+
+
+def _adds_first(override) -> int:
+    entry = FOREIGN.get(override.key_or_group)
+    return 0 if override.is_add() or (entry is not None and entry.adds) else 1
+
+
+def _ours(key: str, merged: DictConfig | None = None) -> bool:
+    """Whether `key` names a field or entry of our config (never taken for another framework's)."""
+    kind, node, path = Config, merged, ""
+    try:
+        for part in key.lstrip("+~").split("."):
+            kind = schema.child(kind, node, part, path)
+            node = node.get(part) if node is not None and hasattr(node, "get") else None
+            path = f"{path}.{part}" if path else part
+    except schema.SchemaError:
+        return False
+    return True
 
 
 def _derived(config: Config) -> Config:
@@ -95,7 +145,7 @@ def _derived(config: Config) -> Config:
 def config_from_dict(data: dict) -> Config:
     """A config written by `to_dict` (a run's `config.json`, also one written before fields moved)
     back as a validated `Config`."""
-    config = _derived(_convert(OmegaConf.create(migrate(data))))
+    config = _derived(_typed(migrate(data)))  # data: an `${...}` in it stays text
     _check(config, None)
     return config
 
@@ -104,7 +154,7 @@ def to_dict(config: Config) -> dict:
     return msgspec.to_builtins(config)
 
 
-SECRET_FIELDS = ("serve.admin_token", "serve.reward_token")
+SECRET_FIELDS = ("serve.admin_token", "serve.reward_token", "serve.api_key")
 """Fields that hold a secret: never written into a record (config.json, the wandb config). A key
 of an API (the openai judge's) is never in the config at all: only the name of its variable."""
 REDACTED = "<redacted>"
@@ -153,13 +203,16 @@ def _hydra_compose(config_name: str, group_lines: list[str], user_dir: str | Non
         raise ConfigError(f"invalid config: {_first_line(exc)}") from exc
 
 
-def _with_defaults(raw: DictConfig, said: list[str]) -> DictConfig:
+def _with_defaults(raw: DictConfig, said: list[str], ignored: list[str]) -> DictConfig:
     """The schema's defaults with the composed YAML merged on top (a union whose YAML picks another
-    variant starts from that variant's defaults); names of other frameworks in the YAML translated."""
+    variant starts from that variant's defaults); names of other frameworks in the YAML translated,
+    verl's infrastructure settings set aside into `ignored`."""
     data = OmegaConf.to_container(raw, resolve=False)
-    foreign = [(key, value) for key, value in _leaves(data) if key in FOREIGN]
-    for key, _ in foreign:
+    leaves = list(_leaves(data))
+    foreign = [(key, value) for key, value in leaves if key in FOREIGN]
+    for key, _ in leaves:
         _drop(data, key)
+    ignored += [key for key, _ in leaves if key not in FOREIGN]
     merged = OmegaConf.create(_merge(msgspec.to_builtins(Config()), data, Config, ""))
     for key, value in foreign:
         _apply_foreign(merged, key, value, key, said)
@@ -188,15 +241,49 @@ def _merge(base, update, kind, path: str):
     return update
 
 
-def _convert(merged: DictConfig) -> Config:
+def _convert(merged: DictConfig, values: dict[str, Any]) -> Config:
     try:
         data = OmegaConf.to_container(merged, resolve=True)
     except Exception as exc:
         raise ConfigError(f"invalid config: {_first_line(exc)}") from exc
+    set_values(data, values)  # after the resolution: OmegaConf never sees them
+    return _typed(data)
+
+
+def _typed(data: dict) -> Config:
     try:
         return msgspec.convert(data, Config)
     except msgspec.ValidationError as exc:
         raise ConfigError(_conversion_message(data, str(exc))) from exc
+
+
+def set_values(data: dict, values: dict[str, Any]) -> None:
+    """Set dotted fields of a resolved config's `data` to `values` as they are: settings read from a
+    checkpoint, a run directory or an endpoint are data, so an `${...}` in them stays text. A value
+    its field does not take is a `ConfigError` naming the field."""
+    for key, value in values.items():
+        problem = value_problem(key, value, data)
+        if problem is not None:
+            raise ConfigError(problem)
+        *parents, name = key.split(".")
+        node = data
+        for part in parents:
+            node = node[part]
+        node[name] = value
+
+
+def value_problem(key: str, value: Any, data: dict | None = None) -> str | None:
+    """Why dotted field `key` cannot take `value` (None when it can). `data`: the config it goes
+    into (default: the defaults), whose unions' tags decide which fields there are."""
+    node, kind, path = to_dict(Config()) if data is None else data, Config, ""
+    try:
+        for part in key.split("."):
+            kind = schema.child(kind, node, part, path)
+            node = node.get(part) if isinstance(node, dict) else None
+            path = f"{path}.{part}" if path else part
+    except schema.SchemaError as exc:
+        return str(exc)
+    return schema.value_error(key, kind, value)
 
 
 def _conversion_message(data: dict, detail: str) -> str:
@@ -239,7 +326,7 @@ def _leaves(data, prefix: str = ""):
     if isinstance(data, dict):
         for key, value in data.items():
             path = f"{prefix}.{key}" if prefix else str(key)
-            if path in FOREIGN:
+            if path in FOREIGN or (ignored_reason(path) is not None and not _ours(path)):
                 yield path, value
             else:
                 yield from _leaves(value, path)

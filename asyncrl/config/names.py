@@ -142,8 +142,6 @@ FOREIGN: dict[str, Foreign] = {
     "data.train_batch_size": _verl("trainer.prompts_per_step"),
     "data.prompt_key": _verl("task.prompt_key"),
     "data.max_prompt_length": _verl("task.max_prompt_length"),
-    "data.filter_overlong_prompts": _refused(
-        "verl", "asyncrl drops prompts longer than task.max_prompt_length whenever that is set (0: keep all)"),
     # verl's custom reward function becomes a `kind: python` endpoint, scoring every data source.
     "custom_reward_function.path": Foreign("verl", ("reward.endpoints.custom", "reward.routes"),
                                            lambda v: ({"kind": "python", "path": v},
@@ -172,8 +170,6 @@ FOREIGN: dict[str, Foreign] = {
     f"{_ARO}.actor.ppo_mini_batch_size": _refused(
         "verl", "it counts prompts per update; asyncrl counts updates per batch: set "
                 "policy.mini_batches=train_batch_size/ppo_mini_batch_size"),
-    f"{_ARO}.actor.ppo_micro_batch_size_per_gpu": _refused(
-        "verl", "asyncrl sizes micro-batches in tokens: policy.compute.micro_batch_tokens"),
     f"{_ARO}.actor.ppo_max_token_len_per_gpu": _verl("policy.compute.micro_batch_tokens"),
     f"{_ARO}.actor.optim.lr": _verl("policy.optimizer.lr"),
     f"{_ARO}.actor.optim.weight_decay": _verl("policy.optimizer.weight_decay"),
@@ -202,7 +198,6 @@ FOREIGN: dict[str, Foreign] = {
     "trainer.default_local_dir": _verl("trainer.run_dir"),
     "trainer.resume_mode": _verl("resume", convert=_choice({"auto": True, "disable": False}, "trainer.resume_mode")),
     "trainer.total_epochs": _refused("verl", "asyncrl counts learner steps: trainer.total_steps"),
-    "trainer.n_gpus_per_node": _refused("verl", "Ray places each role: policy.compute.gpus, engine.gpus"),
     # TRL (GRPOConfig)
     "num_generations": _trl("algorithm.group_size"),
     "max_completion_length": _trl("engine.max_response_tokens"),
@@ -227,9 +222,76 @@ FOREIGN: dict[str, Foreign] = {
     "scale_rewards": _trl("algorithm.advantage.type", convert=_choice(
         {"True": "grpo", "true": "grpo", "group": "grpo", "False": "drgrpo", "false": "drgrpo", "none": "drgrpo"},
         "scale_rewards")),
+    "dataset_name": _trl("task.path"),
     "per_device_train_batch_size": _refused("TRL", "asyncrl batches by prompts: trainer.prompts_per_step"),
     "gradient_accumulation_steps": _refused("TRL", "asyncrl accumulates by tokens: policy.compute.micro_batch_tokens"),
 }
+
+
+# Names of verl's that set how verl uses its machines, with no meaning here: not applied, and listed
+# together in one notice per run with what asyncrl does instead (`fnmatch` patterns over a dotted
+# name or any of its parents: `*.fsdp_config` covers every key below it).
+IGNORED: dict[str, str] = {
+    "trainer.logger": "asyncrl writes metrics.jsonl, the console and a wandb run (trainer.wandb_mode)",
+    "trainer.nnodes": "Ray places each role on the cluster it is given (cluster.ray_address)",
+    "trainer.n_gpus_per_node": "Ray places each role: policy.compute.gpus, engine.gpus",
+    "trainer.experiment_name": "the run directory names a run (trainer.run_dir)",
+    "trainer.val_before_train": "the held-out set is always evaluated before and after",
+    "trainer.log_val_generations": "every trajectory can be kept: trainer.store_trajectories",
+    "trainer.critic_warmup": "the critic's warm-up is critic.warmup.steps",
+    "trainer.device": "each role's device is its own: engine.device, policy.compute.device",
+    "ray_init.*": "Ray is started by asyncrl (cluster.ray_address, cluster.object_store_mb)",
+    "data.truncation": "prompts longer than task.max_prompt_length are dropped and counted, never cut",
+    "data.filter_overlong_prompts": "prompts longer than task.max_prompt_length are dropped whenever it is set",
+    "data.return_raw_chat": "prompts are rendered by the policy's chat template (model.use_chat_template)",
+    "data.shuffle": "the prompt source walks a seeded shuffle of the prompts (task.seed)",
+    "data.dataloader_num_workers": "the prompt source reads the data once at start-up",
+    "data.val_batch_size": "evaluation batches by the engine's rows",
+    "*.fsdp_config": "the learner's sharding is policy.compute.ranks (FSDP2)",
+    "*.strategy": "the learner's sharding is policy.compute.ranks (FSDP2)",
+    "*.ulysses_sequence_parallel_size": "no sequence parallelism: micro-batches are sized in tokens",
+    "*.use_dynamic_bsz": "micro-batches are always packed by tokens (policy.compute.micro_batch_tokens)",
+    "*.ppo_micro_batch_size_per_gpu": "micro-batches are sized in tokens: policy.compute.micro_batch_tokens",
+    "*.ppo_micro_batch_size": "micro-batches are sized in tokens: policy.compute.micro_batch_tokens",
+    "*.log_prob_micro_batch_size_per_gpu": "log-probs are computed in the learner's token-sized micro-batches",
+    "*.log_prob_micro_batch_size": "log-probs are computed in the learner's token-sized micro-batches",
+    "*.log_prob_max_token_len_per_gpu": "log-probs are computed in the learner's token-sized micro-batches",
+    "*.forward_micro_batch_size_per_gpu": "the critic's micro-batches are critic.compute.micro_batch_tokens",
+    "*.ppo_max_token_len_per_gpu": "the critic's micro-batches are critic.compute.micro_batch_tokens",
+    "*.use_remove_padding": "rows are packed without padding where the model allows it",
+    "*.use_torch_compile": "the learner runs eager; `asyncrl bench compile` measures compiling",
+    "actor_rollout_ref.model.use_shm": "the model is read from its directory once per process",
+    "actor_rollout_ref.rollout.mode": "generation is always asynchronous, in windows (engine.window_tokens)",
+    "actor_rollout_ref.rollout.enforce_eager": "the engine's own settings: engine.*",
+    "actor_rollout_ref.rollout.free_cache_engine": "the engine keeps its KV caches across windows (engine.*)",
+    "actor_rollout_ref.rollout.load_format": "weights reach the engine from the learner (policy.weight_transport)",
+    "actor_rollout_ref.rollout.max_num_batched_tokens": "the engine batches by rows: engine.*",
+    "actor_rollout_ref.rollout.max_num_seqs": "the engine batches by rows: engine.*",
+    "actor_rollout_ref.rollout.enable_chunked_prefill": "the engine's own settings: engine.*",
+    "actor_rollout_ref.rollout.dtype": "the engine's dtype is engine.dtype",
+    "actor_rollout_ref.ref.*": "the reference policy is the initial weights, held by the learner when algorithm.kl.coef > 0",
+    "reward_model.reward_manager": "a reward is an endpoint: reward.endpoints, custom_reward_function.path",
+    "reward_model.launch_reward_fn_async": "reward functions always run in worker processes beside training",
+}
+
+
+def ignored_reason(key: str) -> str | None:
+    """What asyncrl does instead of verl's infrastructure setting `key` (None: not one of them)."""
+    from fnmatch import fnmatchcase
+
+    parts = key.lstrip("+~").split(".")
+    for end in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:end])
+        for pattern, reason in IGNORED.items():
+            if fnmatchcase(prefix, pattern):
+                return reason
+    return None
+
+
+def ignored_notice(keys: list[str]) -> str:
+    """The one notice of a run for every ignored setting, each with what asyncrl does instead."""
+    listed = "".join(f"\n  {key}: {ignored_reason(key)}" for key in keys)
+    return f"{len(keys)} of verl's settings have no meaning here and are not applied:{listed}"
 
 
 def foreign_notice(key: str, entry: Foreign, assignments: list[tuple[str, Any]]) -> str:
@@ -320,4 +382,11 @@ def foreign_table() -> str:
     for key, entry in FOREIGN.items():
         ours = f"refused: {entry.refused}" if entry.refused else ", ".join(f"`{o}`" for o in entry.ours)
         lines.append(f"| `{key}` | {entry.framework} | {ours} |")
+    return "\n".join(lines)
+
+
+def ignored_table() -> str:
+    """verl's machinery settings as a markdown table (docs/config.md holds it beside `foreign_table`)."""
+    lines = ["| verl's setting | not applied: what asyncrl does instead |", "|---|---|"]
+    lines += [f"| `{pattern}` | {reason} |" for pattern, reason in IGNORED.items()]
     return "\n".join(lines)

@@ -159,6 +159,11 @@ class RewardConfig(Section):
     retries: NonNegativeInt = 3
     """Retries of a reward call that failed with an error, while its deadline allows (a call that
     ran out of time is not retried: its retry would only add work to a slow endpoint)."""
+    fail_fast_samples: NonNegativeInt = 32
+    """When every reward of the first this many scored samples failed (or every reward of the
+    held-out evaluation before training), `asyncrl train` stops at once with exit status 1, naming
+    the function, the exception and the sample; under `serve run` the status and the log say it
+    and training goes on (a reward application can be redeployed). 0: never stop for it."""
     use_serve: bool = False
     """Call the Serve applications `reward-<name>` (deployed by `serve run configs/serve.yaml`)
     instead of starting the endpoints as actors: they can then be redeployed while training runs."""

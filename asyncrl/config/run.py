@@ -150,6 +150,11 @@ class ServeConfig(Section):
     """With no reward token, serve POST /reward/<name>/score to callers on this machine (loopback)
     anyway: a development machine's opt-in. Never behind a same-host reverse proxy or a mesh
     sidecar, which make every caller loopback."""
+    api_key: str = ""
+    """Bearer key the policy endpoint asks every caller for (`Authorization: Bearer <key>`, as vLLM's
+    `--api-key`; a missing or wrong one is a 401), on every route but /health; empty =
+    ASYNCRL_API_KEY from the environment; neither set = the endpoint answers whoever reaches it. A
+    secret: records write it as <redacted>."""
     follow_learner: bool = True
     """The policy endpoint adopts the running learner's weights as they change; false = it serves
     the model's own weights (a frozen reference beside a run, or a policy loaded from model.path)."""

@@ -133,18 +133,50 @@ def check_prompts(config: Config) -> None:
         if endpoint.kind == "python":
             try:
                 detect_signature(load_function(endpoint.path, endpoint.function), endpoint.signature)
-            except (ValueError, ImportError, FileNotFoundError, SyntaxError) as exc:
-                raise ConfigError(f"reward.endpoints.{name}: {type(exc).__name__}: {exc}") from exc
+            except Exception as exc:  # noqa: BLE001 - a user's module may raise anything as it imports
+                raise ConfigError(f"reward.endpoints.{name} ({endpoint.path}:{endpoint.function}): "
+                                  f"{type(exc).__name__}: {exc}") from exc
     if config.environment.class_path:
         try:
             load_attribute(*split_class_path(config.environment.class_path), what="class")
-        except (ValueError, ImportError, FileNotFoundError, SyntaxError) as exc:
+        except Exception as exc:  # noqa: BLE001
             raise ConfigError(f"environment.class_path: {type(exc).__name__}: {exc}") from exc
     if config.task.name != "file":
         return
     refuse_unscorable(load_examples(config.task, "train"), config.reward)
     if config.task.eval_path:
         load_examples(config.task, "eval")
+
+
+def fit_notices(config: Config, tokenizer, context_tokens: int) -> list[str]:
+    """Where the defaults do not fit a user's data (`task=file`): prompts that leave a whole
+    response no room in the model's context, and answers longer than a response may be. Each line
+    names the setting to change."""
+    from asyncrl.data.tasks import encode_prompt
+    from asyncrl.messages.structs import ground_truth_text, has_ground_truth
+
+    if config.task.name != "file":
+        return []
+    examples = load_examples(config.task, "train")
+    budget, notices = config.engine.max_response_tokens, []
+    if not config.task.max_prompt_length:
+        lengths = [len(encode_prompt(ex, tokenizer, config.model.use_chat_template, config.task.chat_template_kwargs))
+                   for ex in examples]
+        crowded = sum(n + budget > context_tokens for n in lengths)
+        if crowded:
+            notices.append(f"{crowded} of {len(examples)} prompts are longer than the model's {context_tokens}-token "
+                           f"context less a response (engine.max_response_tokens={budget}): set "
+                           f"task.max_prompt_length={max(context_tokens - budget, 1)} to drop them")
+    answers = [ground_truth_text(ex.ground_truth) for ex in examples if has_ground_truth(ex.ground_truth)]
+    long = sum(len(tokenizer(text, add_special_tokens=False)["input_ids"]) > budget for text in answers)
+    if long:
+        notices.append(f"{long} of {len(answers)} answers ({config.task.answer_key or 'reward_model.ground_truth'}) "
+                       f"are longer than engine.max_response_tokens={budget} tokens, so no response can hold one: "
+                       f"raise engine.max_response_tokens")
+    if not config.task.eval_path:
+        notices.append("no task.eval_path: the held-out accuracy is measured on training prompts "
+                       "(task.eval_path names held-out files)")
+    return notices
 
 
 def refuse_unscorable(examples: list[Example], reward: RewardConfig) -> None:

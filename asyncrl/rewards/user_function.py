@@ -52,7 +52,8 @@ def detect_signature(function: Callable, asked: str) -> str:
 
 
 def finite(value) -> float | None:
-    """A score as a float, or None when it is not a finite number (a bool counts as 0/1)."""
+    """A score as a float, or None when it is not a finite number (a bool counts as 0/1; numpy's and
+    torch's scalars arrive as Python numbers, `user_worker.plain`)."""
     if isinstance(value, (int, float)) and math.isfinite(float(value)):
         return float(value)
     return None
@@ -150,6 +151,8 @@ class PythonReward:
             why = f"{self.endpoint.function} ran past {self.endpoint.call_timeout_s:g} s (killed)"
         elif isinstance(why, FutureCancelled):
             why = f"{self.endpoint.function} was stopped: the call's deadline (reward.timeout_s) passed"
+        elif isinstance(why, BaseException):  # what a user's traceback would say first, and where
+            why = f"{type(why).__name__}: {why} in {self.endpoint.function} ({self.endpoint.path})"
         return failed(request, self.name, self.version, why)
 
     def stats(self) -> dict:

@@ -37,13 +37,26 @@ def _run(result):
     return asyncio.run(result) if inspect.isawaitable(result) else result
 
 
+def plain(value: Any) -> Any:
+    """What users' functions return, as Python numbers: numpy scalars and arrays and torch tensors
+    (0-d or of the batch's length) through their own `tolist`, inside dicts and lists too, as verl
+    and TRL accept them. Neither library is imported here: a worker stays light."""
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if type(value).__module__.split(".")[0] in ("numpy", "torch") and callable(getattr(value, "tolist", None)):
+        return plain(value.tolist())
+    return value
+
+
 def call_verl(arguments: dict) -> Any:
     """One verl-style call in a worker: with the arguments the function names (all of them when it
     takes **kwargs)."""
     parameters = inspect.signature(_FUNCTION).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-    return _run(_FUNCTION(**{k: v for k, v in arguments.items() if takes_any or k in parameters}))
+    return plain(_run(_FUNCTION(**{k: v for k, v in arguments.items() if takes_any or k in parameters})))
 
 
 def call_trl(prompts: list, completions: list, columns: dict) -> Any:
-    return _run(_FUNCTION(prompts=prompts, completions=completions, **columns))
+    return plain(_run(_FUNCTION(prompts=prompts, completions=completions, **columns)))

@@ -39,6 +39,7 @@ from ray.exceptions import RayError, RayTaskError
 from asyncrl.config import Config
 from asyncrl.run.pool import autoscale_step
 from asyncrl.run.records import RunRecords
+from asyncrl.run.status import reward_failure_lines
 from asyncrl.run.wiring import System
 from asyncrl.storage import checkpoint
 
@@ -90,6 +91,8 @@ class Poll:
     records: list[dict] = field(default_factory=list)  # new step records, as written
     restart: dict | None = None  # set when the system was restarted from a checkpoint
     retirements: list[dict] = field(default_factory=list)  # prompts retired (or back) since the last poll
+    reward_notices: list[str] = field(default_factory=list)  # an endpoint's first failed reward, said once
+    rewards_failing: str = ""  # every reward of the first samples failed: why (`reward.fail_fast_samples`)
 
 
 class Run:
@@ -110,6 +113,8 @@ class Run:
         self.last_step_at = time.time()
         self._exhaustion_checked_at = 0.0
         self._autoscale = {"at": time.monotonic(), "wait_batch_s": 0.0, "polls": 0, "batches_full": 0}
+        self._rewards_announced: set[str] = set()  # endpoints whose first failure was said
+        self.rewards_failing = ""  # the status says it under Serve, where the run goes on
 
     def start(self) -> "Run":
         self.system = System(self.config, self.run_dir, self.max_steps, on_pool_event=self.log.pool_event).start()
@@ -161,6 +166,8 @@ class Run:
         if self.inject_poll_errors > 0:
             self.inject_poll_errors -= 1
             raise InjectedFault("an error injected into the run's poll (load test)")
+        notices, self.rewards_failing = reward_failure_lines(
+            self.system.reward_health(), self._rewards_announced, self.config.reward.fail_fast_samples)
         new = self.system.pop_metrics()
         if not new:
             quiet_s = time.time() - self.last_step_at
@@ -173,14 +180,16 @@ class Run:
                 raise StallError(
                     f"no learner step for {self.stall_timeout_s:.0f}s at step {status['step']}; "
                     f"samples dropped by reason: {status['dropped_by_reason']}, queues: {status['queue_depths']}, "
-                    f"prompts: {_prompt_state(status)}")
-            return Poll()
+                    f"prompts: {_prompt_state(status)}"
+                    + (f"; the last reward failure: {failure}" if (failure := status["assembler"].get(
+                        "last_reward_failure")) else ""))
+            return Poll(reward_notices=notices, rewards_failing=self.rewards_failing)
         self.last_step_at = time.time()
         self.last_status = self.system.status()
         retirements = self.log.add(new, self.last_status, bool(self.system.resumed))
         if self.config.cluster.autoscale:
             self._autoscale_step(self.last_status)
-        return Poll(records=new, retirements=retirements)
+        return Poll(records=new, retirements=retirements, reward_notices=notices, rewards_failing=self.rewards_failing)
 
     def restart_after(self, exc: BaseException, reason: str = "") -> dict:
         """`exc` ended this incarnation: restart from the checkpoint, record it (`restarts.jsonl`);

@@ -8,11 +8,13 @@ from typing import Any
 
 import ray
 
+from asyncrl.errors import StartupError
+
 NAMESPACE = "asyncrl"
 LEARNER_NAME = "asyncrl-policy-learner"
 
 
-class RayStartError(RuntimeError):
+class RayStartError(StartupError):
     """Ray could not start on this machine (the message says what to do)."""
 
 

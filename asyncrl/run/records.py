@@ -118,6 +118,7 @@ class RunRecords:
                  "generator_paused_for_weights_fraction": status["generator_paused_for_weights_fraction"],
                  "broadcast_s": status["last_broadcast"].get("total_s", 0.0),
                  "broadcast_bytes": status["last_broadcast"].get("bytes", 0.0),
+                 "reward_failed": status["assembler"].get("reward_failures", 0),
                  "wall_time_s": time.time() - self.started}
         if "delta_elements" in status["last_broadcast"]:  # policy.weight_delta: the share of values that changed
             stamp["delta_changed_fraction"] = (status["last_broadcast"]["delta_elements_changed"]
@@ -157,8 +158,11 @@ class RunRecords:
         self.pool_events = (self.pool_events + [event])[-50:]
 
     def write_plots(self) -> None:
-        """The run's PNGs in its directory (the same for both entry points)."""
+        """The run's PNGs in its directory (the same for both entry points); none before a first step."""
         from asyncrl.plots import plot_curve, write_plots
+
+        if not self.records:
+            return
 
         plot_curve(self.records, os.path.join(self.run_dir, "reward_curve.png"), key=REWARD_KEY,
                    title="reward of generated samples (before dynamic sampling)")

@@ -70,3 +70,26 @@ def summarize(learner: dict, all_generators: list[dict], assembler: dict, mailbo
         "assembler": assembler,
         "wall_time_s": wall_s,
     }
+
+
+def reward_failure_lines(health: dict, announced: set[str], fail_fast_samples: int) -> tuple[list[str], str]:
+    """What a run says of failing rewards (`health`: `System.reward_health`): each endpoint's first
+    failure once (`announced` holds the endpoints already said), with the exception and the sample;
+    and when every reward of at least `fail_fast_samples` scored samples failed (0: never), the one
+    line the run stops on ("" otherwise)."""
+    notices, first = [], ""
+    for name, seen in sorted(health["endpoints"].items()):
+        failure = seen["first_failure"]
+        if not failure:
+            continue
+        said = (f"reward endpoint {name!r} failed: {failure['error']} "
+                f"(prompt {failure['prompt_id']}, sample {failure['sample_idx']})")
+        first = first or said
+        if name not in announced:
+            announced.add(name)
+            notices.append(f"{said}; failed rewards are counted in each step's reward_failed")
+    scored, failed = health["samples_scored"], health["reward_failures"]
+    if fail_fast_samples and scored >= fail_fast_samples and failed == scored:
+        return notices, (f"every reward of the first {scored} samples failed, so nothing can be learned: {first}. "
+                         f"Fix the reward and start again (reward.fail_fast_samples=0 trains on regardless)")
+    return notices, ""

@@ -394,6 +394,10 @@ class System:
                           "weight_paths": dict(self.weight_paths), "failed_deliveries": learner.get("failed_generators", {})}
         return status
 
+    def reward_health(self) -> dict:
+        """The assembler's count of scored samples and failed rewards, with each endpoint's first failure."""
+        return answer(self.actors["assembler"].reward_health.remote(), "the assembler", "reward_health")
+
     def pop_metrics(self) -> list[dict]:
         """Policy-step records; with a value learner, each carries its latest value-step metrics."""
         records = answer(self.actors["learner"].pop_metrics.remote(), "the learner", "pop_metrics")

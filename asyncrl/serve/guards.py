@@ -18,6 +18,7 @@ from asyncrl.config import Config, compose
 ADMIN_TOKEN = {"value": ""}
 REWARD_TOKEN = {"value": ""}
 BODY_LIMIT = {"value": 0}  # the policy endpoint's body limit in bytes (set in PolicyServer.__init__)
+API_KEY = {"value": ""}  # the policy endpoint's bearer key (set in PolicyServer.__init__; "" = open)
 REWARD_LOCAL_WITHOUT_TOKEN = {"value": False}  # serve.reward_local_without_token (opt-in)
 MAX_ADMIN_BODY_BYTES = 1 << 20
 MAX_SCORE_BODY_BYTES = 16 << 20
@@ -50,13 +51,22 @@ def config_from_args(args: dict[str, Any]) -> Config:
 
 
 def _route_path(request: Request) -> str:
+    return _scope_path(request.scope)
+
+
+def _scope_path(scope) -> str:
     """The path inside the application (Serve mounts it under its route prefix)."""
-    path, root = request.scope.get("path", ""), request.scope.get("root_path", "")
+    path, root = scope.get("path", ""), scope.get("root_path", "")
     return path[len(root):] if root and path.startswith(root) else path
 
 
 def _bearer_matches(request: Request, token: str) -> bool:
-    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    return _bearer_is(request.headers.get("authorization", ""), token)
+
+
+def _bearer_is(authorization: str, token: str) -> bool:
+    """Whether an Authorization header carries `token` as its bearer token (in constant time)."""
+    scheme, _, given = authorization.partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
 
 
@@ -126,6 +136,24 @@ async def reward_guard(request: Request, call_next):
         return await capped_body(request, call_next, MAX_SCORE_BODY_BYTES)
     return await call_next(request)
 
+
+
+class BearerKey:
+    """ASGI middleware of the policy endpoint: with `API_KEY["value"]` set, every route but the open
+    ones (/health: liveness probes carry no key) wants `Authorization: Bearer <key>`, as vLLM's
+    `--api-key` does, compared in constant time from the headers alone, before a body is read.
+    `refuse()` is the 401 response. (Websocket scopes pass: the endpoint has no websocket route.)"""
+
+    def __init__(self, app, refuse, open_paths: tuple[str, ...] = ("/health",)):
+        self.app, self.refuse, self.open_paths = app, refuse, open_paths
+
+    async def __call__(self, scope, receive, send):
+        key = API_KEY["value"]
+        if scope["type"] == "http" and key and _scope_path(scope) not in self.open_paths:
+            authorization = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
+            if not _bearer_is(authorization, key):
+                return await self.refuse()(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 class BodyTooLarge(HTTPException):

@@ -6,11 +6,13 @@ across requests, or SGLang), and pulls new weights from the learner (a named act
 version moves, instead of joining the weight delivery: Serve replicas come and go independently of
 the run, and a query must never hold a generator's delivery.
 
-Abuse is bounded before it costs: a body over `serve.max_body_mb` is a 413 before it is read
-(`guards.BodyLimit`); tokenising, detokenising and building answers run off the event loop; a
-request whose client goes away is cancelled and its sequences leave the engine at the next window;
-a request's KV cache is checked against the bound before it is admitted. `GET /health` answers
-from the loop alone, with the engine's load.
+Abuse is bounded before it costs: with `serve.api_key` (or ASYNCRL_API_KEY) set, a caller without
+that bearer key is a 401 on every route but /health, before anything else (`guards.BearerKey`); a
+body over `serve.max_body_mb` is a 413 before it is read (`guards.BodyLimit`); tokenising,
+detokenising and building answers run off the event loop; a request whose client goes away is
+cancelled and its sequences leave the engine at the next window; a request's KV cache is checked
+against the bound before it is admitted. `GET /health` answers from the loop alone, with the
+engine's load.
 
 A version is read with the learner's incarnation id (`weight_tag`): a run restarted from its
 checkpoint, or a new run, starts another line of versions whose numbers may be lower than the one
@@ -22,6 +24,7 @@ No `from __future__ import annotations` here (see `asyncrl.serve.train`).
 
 import asyncio
 import json
+import os
 import time
 import uuid
 from typing import Any
@@ -45,6 +48,17 @@ VERSION_HEADER = "x-asyncrl-weight-version"
 
 policy_api = FastAPI(title="asyncrl policy")
 policy_api.add_middleware(BodyLimit, refuse=lambda exc: openai_error(413, str(exc.detail), None, "request_too_large"))
+
+
+def _unauthorized() -> JSONResponse:
+    response = openai_error(401, "missing or wrong API key: send it as `Authorization: Bearer <key>`", None,
+                            "invalid_api_key")
+    response.headers["www-authenticate"] = "Bearer"
+    return response
+
+
+# Added last, so outermost: a caller without the key gets its 401 before any body is read.
+policy_api.add_middleware(guards.BearerKey, refuse=_unauthorized)
 
 
 @policy_api.exception_handler(RequestValidationError)
@@ -92,6 +106,7 @@ class PolicyServer:
         from asyncrl.serve.policy_engine import build_policy_engine
 
         guards.BODY_LIMIT["value"] = config.serve.max_body_mb << 20  # through the module: one per process
+        guards.API_KEY["value"] = config.serve.api_key or os.environ.get("ASYNCRL_API_KEY", "")
         torch.set_num_threads(config.engine.threads)  # an engine beside the run's: its thread budget
         self.config = config
         self.policy = policy if policy is not None else build_policy_engine(config)

@@ -103,6 +103,26 @@ def reward_app_config(name: str, overrides: str, user_config: dict | None = None
     return app
 
 
+def missing_reward_apps(reward, deployed: set[str]) -> list[str]:
+    """The endpoints the routes call (`reward.use_serve`: each is the application `reward-<name>`)
+    that no application of `deployed` serves."""
+    used = {name for route in reward.routes for name in (*route.endpoints, *route.dense)}
+    return sorted(name for name in used if f"reward-{name}" not in deployed)
+
+
+def refuse_missing_reward_apps(reward, deployed: set[str], overrides: str) -> None:
+    """At the train application's start: a reward endpoint with no application of its own would
+    fail every reward it is asked for. Refused, with the entries to add to the config file."""
+    import yaml
+
+    missing = missing_reward_apps(reward, deployed)
+    if missing:
+        entries = yaml.safe_dump([reward_app_config(name, overrides) for name in missing], sort_keys=False)
+        raise ConfigError(f"reward.use_serve=true calls each reward endpoint as the Serve application reward-<name>, "
+                          f"and {', '.join(f'reward-{name}' for name in missing)} is not deployed: add to the "
+                          f"config file's applications (the same overrides as the train application):\n{entries}")
+
+
 def deploy_declaratively(applications: list[dict], timeout_s: float = 300.0) -> None:
     """Deploy applications from config-file entries, as `serve deploy` and `serve run <file>` do,
     and wait until they run. Use this, not `serve.run`, to swap a reward endpoint: an imperative

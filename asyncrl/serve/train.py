@@ -119,6 +119,7 @@ class TrainController:
         logging.getLogger("ray.serve").info(
             "asyncrl: training runs (run directory %s%s); status at /train/status and /train/, the policy at /v1",
             self.run_dir, ", resumed from step %d" % self.run.resumed["step"] if self.run.resumed else "")
+        self._said_failing = False  # the log said that every reward fails
         self.failure: str | None = None  # why the run does not train now
         self.fatal = False  # the run cannot come back in this controller: the health check fails
         self.started_at = time.time()
@@ -136,7 +137,7 @@ class TrainController:
         while True:
             await asyncio.sleep(1.0)
             try:
-                await asyncio.to_thread(self.run.poll)  # any error of the run restarts it
+                polled = await asyncio.to_thread(self.run.poll)  # any error of the run restarts it
             except RestartBudgetSpent as spent:
                 await self._restart_when_allowed(spent)
                 continue
@@ -144,12 +145,23 @@ class TrainController:
                 self.failure, self.fatal = str(exc), True  # replaces this controller, which resumes the run
                 logging.getLogger("ray.serve").error("asyncrl: the run cannot recover here: %s", exc)
                 return
+            self._say_reward_failures(polled)
             if time.monotonic() - plotted_at > plot_every_s and self.run.records:
                 plotted_at = time.monotonic()
                 try:
                     await asyncio.to_thread(self.run.write_plots)
                 except Exception as exc:  # noqa: BLE001 - a plot is not worth the run
                     logging.getLogger("ray.serve").warning("asyncrl: plots not written: %s", exc)
+
+    def _say_reward_failures(self, polled) -> None:
+        """An endpoint's first failed reward, and rewards that all fail, in Serve's log (the status
+        says the latter too). Training goes on: a fixed reward application can be deployed."""
+        log = logging.getLogger("ray.serve")
+        for line in polled.reward_notices:
+            log.warning("asyncrl: %s", line)
+        if polled.rewards_failing and not self._said_failing:
+            log.error("asyncrl: %s", polled.rewards_failing)
+        self._said_failing = bool(polled.rewards_failing)
 
     async def _restart_when_allowed(self, spent: RestartBudgetSpent) -> None:
         """The window's restarts are spent: wait until it allows the next, then restart (again, while
@@ -196,6 +208,7 @@ class TrainController:
                                 for g in status["generators"]]
         status["pool"]["events"] = self.run.log.pool_events[-20:]
         status["run_dir"] = self.run_dir
+        status["rewards_failing"] = self.run.rewards_failing  # "" while any reward succeeds
         status["started_at"] = self.started_at
         status["restarts"] = len(self.run.restarts)
         status["reward_curve"] = [(r["step"], r[REWARD_KEY]) for r in self.history[-200:]]
@@ -301,4 +314,18 @@ class TrainController:
 
 
 def build_train(args: dict[str, Any]) -> serve.Application:
-    return TrainController.bind(config_from_args(args))
+    config = config_from_args(args)
+    if config.reward.use_serve:
+        # Refused here, as the config's applications are built (Serve knows them all by now), not by
+        # a replica, which Serve would start again and again before giving up.
+        from ray.serve.exceptions import RayServeException
+
+        from asyncrl.serve.reward import refuse_missing_reward_apps
+
+        try:
+            deployed = set(serve.status().applications)
+        except RayServeException:  # `serve run` of this builder alone: no Serve yet, nothing else deployed
+            deployed = set()
+        overrides = args.get("overrides", "")
+        refuse_missing_reward_apps(config.reward, deployed, overrides if isinstance(overrides, str) else " ".join(overrides))
+    return TrainController.bind(config)

@@ -414,24 +414,25 @@ def policy_dir(path: str) -> str:
     raise FileNotFoundError(f"{path} is neither a run directory, a checkpoint, nor a Hugging Face directory")
 
 
-def export_hf(path: str, out_dir: str) -> str:
+def export_hf(path: str, out_dir: str, trust_remote_code: bool = False) -> str:
     """Copy the policy of a run or checkpoint (verified first) to a Hugging Face directory. A
     checkpoint written before tied weights were stored once is re-saved through transformers, so
-    the export stores them once."""
+    the export stores them once. `trust_remote_code`: the user's word, never the checkpoint's."""
     source = policy_dir(path)
-    if _stores_a_tie_twice(source):
+    if _stores_a_tie_twice(source, trust_remote_code):
         from transformers import AutoModelForCausalLM
 
         shutil.copytree(source, out_dir, dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
-        AutoModelForCausalLM.from_pretrained(source, dtype="auto").save_pretrained(out_dir, safe_serialization=True)
+        AutoModelForCausalLM.from_pretrained(source, dtype="auto", trust_remote_code=trust_remote_code).save_pretrained(
+            out_dir, safe_serialization=True)
     else:
         shutil.copytree(source, out_dir, dirs_exist_ok=True)
     _default_modes(out_dir)  # checkpoints written before the modes were set
     return out_dir
 
 
-def _stores_a_tie_twice(directory: str) -> bool:
+def _stores_a_tie_twice(directory: str, trust_remote_code: bool) -> bool:
     """Do the safetensors files of a Hugging Face directory hold two names of one tied weight? The
     ties are the architecture's (a weightless copy of the model on the meta device)."""
     from safetensors import safe_open
@@ -442,5 +443,6 @@ def _stores_a_tie_twice(directory: str) -> bool:
         with safe_open(shard, "pt") as f:
             stored.update(f.keys())
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))
+        config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
+        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     return any(len(stored.intersection(names)) > 1 for names in tied_names(skeleton))

@@ -230,12 +230,13 @@ def saved_model_config(directory: str) -> ModelConfig:
         return msgspec.convert(json.load(f), ModelConfig)
 
 
-def merged_model(directory: str):
+def merged_model(directory: str, trust_remote_code: bool = False):
     """The base model of a saved adapter with the adapter merged into it (a plain transformers
-    model), and its tokenizer."""
+    model), and its tokenizer. `trust_remote_code`: the user's, never the saved settings' (a
+    checkpoint is data: its base model's own code runs only when the user says so)."""
     from asyncrl.models.loading import load_policy
 
-    model_config = saved_model_config(directory)
+    model_config = msgspec.structs.replace(saved_model_config(directory), trust_remote_code=trust_remote_code)
     lm, tokenizer = load_policy(model_config)
     adapter = read_adapter(directory)
     weights = dict(lm.named_parameters())
@@ -247,15 +248,16 @@ def merged_model(directory: str):
     return lm, tokenizer
 
 
-def export(policy_dir: str, out_dir: str, adapter_only: bool) -> str:
+def export(policy_dir: str, out_dir: str, adapter_only: bool, trust_remote_code: bool = False) -> str:
     """`asyncrl export` of a LoRA checkpoint's policy: the merged model as a Hugging Face directory,
-    or (`adapter_only`) the adapter in peft's format with the tokenizer and the base's settings."""
+    or (`adapter_only`) the adapter in peft's format with the tokenizer and the base's settings.
+    `trust_remote_code`: as `merged_model`."""
     import shutil
 
     if adapter_only:
         shutil.copytree(policy_dir, out_dir, dirs_exist_ok=True)
         return out_dir
-    lm, tokenizer = merged_model(policy_dir)
+    lm, tokenizer = merged_model(policy_dir, trust_remote_code)
     lm.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     return out_dir
