@@ -208,7 +208,7 @@ class Assembler:
             rows, finished_stats = self.strategy.finish_batch(rows)
             stats.update(finished_stats, staleness_max_assembled=stale["staleness_max"],
                          stale_tokens_masked_assembled=stale["stale_tokens_masked"])
-        out = TrainBatch(batch_id=f"{self.batch_prefix}-{self._batch_index}", samples=rows,
+        out = TrainBatch(batch_id=f"{self.batch_prefix}-{self._batch_index}", rows=rows,
                          stats={**stats, **self._generated_stats(), "assembled_at": time.time()},
                          skip_reason=batch.skip_reason)
         self._batch_index += 1

@@ -38,8 +38,8 @@ from asyncrl.learning.rank import PolicyRank, build_policy_rank, learner_backend
 from asyncrl.messages.mailbox import Mailbox, RecentIds
 from asyncrl.messages.structs import SampleState, TrainBatch
 from asyncrl.staleness import mask_stale_tokens, mean_staleness, trained_versions
-from asyncrl.storage import checkpoint
-from asyncrl.storage.checkpoint_transfer import StoreClient, local_copy, write_part
+from asyncrl.storage import checkpoint, checkpoint_parts
+from asyncrl.storage.checkpoint_transfer import WriterClient, local_copy, write_part
 from asyncrl.storage.trajectory_store import BATCH_CODEC, BATCH_RECORD_ENCODER, BatchRecord
 from asyncrl.weights.delta import DeltaTracker
 from asyncrl.weights.sharding import join as join_ranks
@@ -58,8 +58,8 @@ class LearnerEdges:
     generators: dict[str, Any] = field(default_factory=dict)  # generator id -> handle (`receive_weights`)
     listeners: list[VersionListener] = field(default_factory=list)  # told both versions
     trained: Callable[[list[str]], Awaitable[Any]] | None = None  # the ledger: sample ids trained
-    # Write a part into the checkpoint being written (its path on the run's node; the store to ship it to).
-    checkpoint_parts: list[Callable[[str, StoreClient], Awaitable[Any]]] = field(default_factory=list)
+    # Write a part into the checkpoint being written (its path on the run's node; the writer to ship it to).
+    checkpoint_parts: list[Callable[[str, WriterClient], Awaitable[Any]]] = field(default_factory=list)
     record_batch: Callable[[BatchRecord], Any] | None = None  # the store: each batch as trained
 
 
@@ -69,7 +69,7 @@ class CheckpointPolicy:
     every_steps: int = 0  # 0: not by steps
     every_s: float = 0.0  # 0: not by time
     keep: int = 1
-    store: StoreClient | None = None  # the run directory's checkpoint store (default: in this process)
+    writer: WriterClient | None = None  # the run directory's checkpoint writer (default: in this process)
 
     def due(self, step: int, since_last_s: float) -> bool:
         if not self.run_dir:
@@ -89,7 +89,7 @@ class PolicyLearner(TrainingLoop):
         self.batches = batches
         self.edges = edges or LearnerEdges()
         self.checkpoints = checkpoints
-        self.store = checkpoints.store or (StoreClient.local(checkpoints.run_dir) if checkpoints.run_dir else None)
+        self.writer = checkpoints.writer or (WriterClient.local(checkpoints.run_dir) if checkpoints.run_dir else None)
         self.tokenizer = tokenizer
         # The staleness bound holds here, at the step, against the version being trained.
         self.max_staleness_versions = max_staleness_versions
@@ -182,12 +182,12 @@ class PolicyLearner(TrainingLoop):
         if batch.batch_id in self._trained_ids:
             self.counters["duplicate_batches"] += 1
             return None
-        if not batch.samples:
+        if not batch.rows:
             return self._skip(batch)
         start = time.perf_counter()
         # Tokens too old for the weights about to be trained are masked out of the loss, whatever
         # the assembler knew when it built the batch (versions it is told arrive late, batches queue).
-        samples, stale = mask_stale_tokens(batch.samples, self.weight_version, self.max_staleness_versions)
+        samples, stale = mask_stale_tokens(batch.rows, self.weight_version, self.max_staleness_versions)
         self.counters["stale_tokens_masked"] += int(stale["stale_tokens_masked"])
         async with self._weights_lock:
             metrics = await self._on_every_rank("step", samples)
@@ -195,7 +195,7 @@ class PolicyLearner(TrainingLoop):
             self.step += 1
             self.weight_version += 1
         if self.edges.record_batch is not None:
-            trained = msgspec.structs.replace(batch, samples=samples)
+            trained = msgspec.structs.replace(batch, rows=samples)
             self.edges.record_batch(BatchRecord(
                 batch_id=batch.batch_id, step=self.step, trained_from_version=self.weight_version - 1,
                 loss=metrics["loss"], grad_norm=metrics["grad_norm"], rows=len(samples),
@@ -206,9 +206,9 @@ class PolicyLearner(TrainingLoop):
         self._adam_steps = self.policy.optimizer_steps()
         self.timing["train_s"] += time.perf_counter() - start
         self._trained_ids.add(batch.batch_id)
-        finished_ids = [s.segment.sample_id for s in batch.samples if s.segment.finished]
+        finished_ids = [s.segment.sample_id for s in batch.rows if s.segment.finished]
         self.counters["samples_trained"] += len(finished_ids)
-        self.counters["rows_trained"] += len(batch.samples)
+        self.counters["rows_trained"] += len(batch.rows)
         record = {
             "step": self.step,
             "weight_version": self.weight_version,
@@ -218,7 +218,7 @@ class PolicyLearner(TrainingLoop):
             # it trained: the bound `max_staleness_versions` holds for `staleness_max`.
             **stale,
             "staleness_mean": mean_staleness(self.weight_version - 1, [trained_versions(t) for t in samples]),
-            "response_length_mean": sum(len(s.segment.new_token_ids) for s in batch.samples) / len(batch.samples),
+            "response_length_mean": sum(len(s.segment.new_token_ids) for s in batch.rows) / len(batch.rows),
             "lr": self.policy.scheduler.get_last_lr()[0],
             "train_s": time.perf_counter() - start,
         }
@@ -278,23 +278,23 @@ class PolicyLearner(TrainingLoop):
     async def save_checkpoint(self) -> str:
         """Write a checkpoint of the current step (between two steps) and return its path (on the
         run directory's node). A disk that refuses raises `checkpoint.CheckpointWriteError`."""
-        if self.store is None:
+        if self.writer is None:
             raise RuntimeError("checkpoints need a run directory")
         async with self._step_lock:  # also waits for a checkpoint in progress
             if self.last_checkpoint.get("step") == self.step:  # this step is saved already
                 return self.last_checkpoint["path"]
             start = time.perf_counter()
-            tmp = await asyncio.to_thread(self.store.call, "begin", self.step)
+            tmp = await asyncio.to_thread(self.writer.call, "begin", self.step)
             try:
                 pending = await self.batches.drain_unacked()  # before the ledger: see the module doc
-                await asyncio.gather(*(part(tmp, self.store) for part in self.edges.checkpoint_parts))
+                await asyncio.gather(*(part(tmp, self.writer) for part in self.edges.checkpoint_parts))
                 async with self._weights_lock:
                     state = await self._on_every_rank("state")
-                await asyncio.to_thread(write_part, self.store, tmp,
+                await asyncio.to_thread(write_part, self.writer, tmp,
                                         lambda directory: self._write_state(directory, pending, *state))
-                path = await asyncio.to_thread(self.store.call, "commit", tmp, self.step, self.checkpoints.keep)
+                path = await asyncio.to_thread(self.writer.call, "commit", tmp, self.step, self.checkpoints.keep)
             except BaseException as exc:
-                await asyncio.to_thread(self.store.call, "discard", tmp)  # what it took, back
+                await asyncio.to_thread(self.writer.call, "discard", tmp)  # what it took, back
                 if isinstance(exc, checkpoint.CheckpointWriteError):
                     # Its own message (a part's arrives wrapped by Ray): the run stops on this error.
                     raise checkpoint.CheckpointWriteError(str(exc.cause if isinstance(exc, RayTaskError) else exc)) \
@@ -312,15 +312,15 @@ class PolicyLearner(TrainingLoop):
                      scheduler: dict) -> None:
         self.policy.save_policy(os.path.join(directory, "policy"), weights, self.tokenizer)  # LoRA: the adapter
         # The optimizer's state by parameter name, whole: the same file for any number of ranks.
-        checkpoint.save_tensors({"optimizer": optimizer, "scheduler": scheduler}, os.path.join(directory, "learner.pt"))
-        checkpoint.save_json({"step": self.step, "weight_version": self.weight_version, "incarnation": self.incarnation,
+        checkpoint_parts.save_tensors({"optimizer": optimizer, "scheduler": scheduler}, os.path.join(directory, "learner.pt"))
+        checkpoint_parts.save_json({"step": self.step, "weight_version": self.weight_version, "incarnation": self.incarnation,
                               "counters": self.counters}, os.path.join(directory, "learner.json"))
-        checkpoint.save_batches(pending_batches, os.path.join(directory, "batches.msgpack"))
+        checkpoint_parts.save_batches(pending_batches, os.path.join(directory, "batches.msgpack"))
 
     async def load_checkpoint(self, directory: str) -> None:
         """Continue from a checkpoint (its path on the run directory's node): weights, optimizer,
         scheduler, step, version, counters."""
-        copy = local_copy(self.store, directory, ["policy", "learner.pt", "learner.json"])
+        copy = local_copy(self.writer, directory, ["policy", "learner.pt", "learner.json"])
         local = await asyncio.to_thread(copy.__enter__)
         try:
             await self._load_checkpoint(local)
@@ -329,11 +329,11 @@ class PolicyLearner(TrainingLoop):
 
     async def _load_checkpoint(self, directory: str) -> None:
         weights = self.policy.read_policy(os.path.join(directory, "policy"))
-        state = checkpoint.load_tensors(os.path.join(directory, "learner.pt"))
+        state = checkpoint_parts.load_tensors(os.path.join(directory, "learner.pt"))
         async with self._weights_lock:
             await self._on_every_rank("load", {}, {}, state["scheduler"],
                                       rank0_args=(weights, state["optimizer"], state["scheduler"]))
-        meta = checkpoint.load_json(os.path.join(directory, "learner.json"))
+        meta = checkpoint_parts.load_json(os.path.join(directory, "learner.json"))
         self.step, self.weight_version = int(meta["step"]), int(meta["weight_version"])
         self.incarnation = int(meta.get("incarnation", 0)) + 1
         self.counters.update({k: v for k, v in meta["counters"].items() if k in self.counters})
@@ -445,6 +445,6 @@ def _rank_call(actor):
 
 
 def _part_writer(actor):
-    async def write(directory: str, store: StoreClient) -> None:
-        await actor.save_checkpoint_part.remote(directory, store)
+    async def write(directory: str, writer: WriterClient) -> None:
+        await actor.save_checkpoint_part.remote(directory, writer)
     return write

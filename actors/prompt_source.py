@@ -40,13 +40,13 @@ from asyncrl.algo.selection import curriculum_sources
 from asyncrl.config import (NO_BOUND, AlgorithmConfig, EngineConfig, EnvironmentConfig, ModelConfig, RewardConfig,
                             RouteConfig, SamplingConfig, TaskConfig)
 from asyncrl.data.files import drop_overlong, load_examples
-from asyncrl.data.retirement import Retirements, SampleVerdict
+from asyncrl.data.retirement import Retirements, SampleOutcome
 from asyncrl.data.tasks import Example, encode_prompt
 from asyncrl.messages.mailbox import Mailbox
 from asyncrl.messages.structs import Codec, DropReason, PromptRequest, SampleState
 from asyncrl.models.loading import load_tokenizer
 from asyncrl.staleness import admission_budget
-from asyncrl.storage.checkpoint_transfer import StoreClient, local_copy, write_part
+from asyncrl.storage.checkpoint_transfer import WriterClient, local_copy, write_part
 from asyncrl.storage.ledger import LedgerSnapshot, SampleLedger
 
 
@@ -63,9 +63,9 @@ class CursorSnapshot(msgspec.Struct, kw_only=True):
     examples: list[dict] | None = None
     prompt_token_ids: list[list[int]] | None = None
     # Retired prompts (example id -> reason, until issued, since, times, issue number, until version,
-    # given up) and recent verdicts. A checkpoint from before the last two has five.
+    # given up) and recent group outcomes. A checkpoint from before the last two has five.
     retired: dict[str, list[str | int]] = {}
-    verdicts: dict[str, list[str | None]] = {}
+    outcomes: dict[str, list[str | None]] = msgspec.field(default_factory=dict, name="verdicts")  # its name on disk
 
 
 SNAPSHOT_CODEC = Codec(CursorSnapshot)
@@ -129,7 +129,7 @@ class PromptSource:
             self.dropped_prompts += moved / self.group_size
             self._budget_changed.set()
 
-    def record_events(self, events: list[LedgerEvent], outcomes: list[SampleVerdict]) -> None:
+    def record_events(self, events: list[LedgerEvent], outcomes: list[SampleOutcome]) -> None:
         """The assembler's events since its last call, in one call: ledger moves and samples' rewards."""
         for sample_ids, state, reason in events:
             self.record(sample_ids, state, reason)
@@ -228,7 +228,7 @@ class PromptSource:
             requests = self._admissible()
             if requests:
                 await self.out.put(requests)
-            else:  # no budget, or every prompt is retired: wait for a verdict, or a new version
+            else:  # no budget, or every prompt is retired: wait for an outcome, or a new version
                 await self._wait_for_budget()
 
     def _admissible(self) -> list[PromptRequest]:
@@ -260,14 +260,14 @@ class PromptSource:
 
     def snapshot(self) -> CursorSnapshot:
         replaced = self.examples_replaced
-        retired, verdicts = self.retirements.snapshot()
+        retired, outcomes = self.retirements.snapshot()
         return CursorSnapshot(
             epoch=self.epoch, index=self.index, issued=self.issued, dropped_prompts=self.dropped_prompts,
             skipped_by_curriculum=self.skipped_by_curriculum, ledger=self.ledger.snapshot(),
             examples=[{"prompt_id": e.prompt_id, "messages": e.messages, "ground_truth": e.ground_truth,
                        "data_source": e.data_source} for e in self.examples] if replaced else None,
             prompt_token_ids=[list(map(int, t)) for t in self.prompt_token_ids] if replaced else None,
-            retired=retired, verdicts=verdicts)
+            retired=retired, outcomes=outcomes)
 
     def restore(self, snap: CursorSnapshot, held_sample_ids: set[str], delivered_version: int) -> None:
         """Continue from a checkpoint: cursor, budget, ledger; queue the prompts to issue again."""
@@ -279,7 +279,7 @@ class PromptSource:
         self._order = self._shuffle(self.epoch)
         self.dropped_prompts, self.skipped_by_curriculum = snap.dropped_prompts, snap.skipped_by_curriculum
         self.delivered_version = delivered_version
-        self.retirements.restore(snap.retired, snap.verdicts)
+        self.retirements.restore(snap.retired, snap.outcomes)
         self.ledger, reissue = SampleLedger.restore(snap.ledger, held_sample_ids)
         self.reissue = collections.deque(reissue)
 
@@ -336,22 +336,22 @@ class PromptSourceActor(RoleShell):
     def record_events(self, events, outcomes) -> None:
         self.inner.record_events(events, outcomes)
 
-    def save_checkpoint_part(self, directory: str, store: StoreClient) -> None:
+    def save_checkpoint_part(self, directory: str, writer: WriterClient) -> None:
         """The cursor and ledger into the checkpoint being written at `directory` (through the run
-        directory's `store` where this node does not see it)."""
+        directory's `writer` where this node does not see it)."""
         encoded = SNAPSHOT_CODEC.encode(self.inner.snapshot())
 
         def save(into: str) -> None:
             with open(os.path.join(into, SNAPSHOT_FILE), "wb") as f:
                 f.write(encoded)
 
-        write_part(store, directory, save)
+        write_part(writer, directory, save)
 
     def restore(self, directory: str, held_sample_ids: set[str], delivered_version: int,
-                store: StoreClient | None = None) -> int:
+                writer: WriterClient | None = None) -> int:
         """Continue from a checkpoint (its path on the run directory's node, read through its
-        `store`); returns how many prompts will be issued again."""
-        with local_copy(store, directory, [SNAPSHOT_FILE]) as local, open(os.path.join(local, SNAPSHOT_FILE), "rb") as f:
+        `writer`); returns how many prompts will be issued again."""
+        with local_copy(writer, directory, [SNAPSHOT_FILE]) as local, open(os.path.join(local, SNAPSHOT_FILE), "rb") as f:
             self.inner.restore(SNAPSHOT_CODEC.decode(f.read()), held_sample_ids, delivered_version)
         self.restored = True
         return len(self.inner.reissue)

@@ -32,8 +32,8 @@ from asyncrl.learning.value import center_value_head, predict_values, value_step
 from asyncrl.messages.mailbox import Mailbox, RecentIds
 from asyncrl.messages.structs import ScoredTrajectory
 from asyncrl.models.loading import load_model, load_tokenizer, value_model_from_checkpoint, value_model_from_policy
-from asyncrl.storage import checkpoint
-from asyncrl.storage.checkpoint_transfer import StoreClient, local_copy, write_part
+from asyncrl.storage import checkpoint_parts
+from asyncrl.storage.checkpoint_transfer import WriterClient, local_copy, write_part
 
 
 class ValueLearner(TrainingLoop):
@@ -154,19 +154,19 @@ class ValueLearner(TrainingLoop):
 
     # --- checkpoints -------------------------------------------------------------------------------
 
-    async def save_checkpoint_part(self, directory: str, store: StoreClient | None = None) -> None:
+    async def save_checkpoint_part(self, directory: str, writer: WriterClient | None = None) -> None:
         """Write the value model, optimizer and version into the checkpoint being written at
-        `directory` (shipped to the run directory's `store` where this node does not see it). The
+        `directory` (shipped to the run directory's `writer` where this node does not see it). The
         partial batch held here is not saved: its trajectories were regenerated-or-trained policy
         samples already, and the critic simply sees other ones."""
         def save(into: str) -> None:
-            checkpoint.save_value_part(into, self.model, self.optimizer, self.version, dict(self.counters))
+            checkpoint_parts.save_value_part(into, self.model, self.optimizer, self.version, dict(self.counters))
 
         async with self._train_lock:  # between steps, the serving copy equals the model
-            if store is None:
+            if writer is None:
                 await asyncio.to_thread(save, directory)
             else:
-                await asyncio.to_thread(write_part, store, directory, save)
+                await asyncio.to_thread(write_part, writer, directory, save)
 
     def load_checkpoint(self, directory: str) -> None:
         from safetensors.torch import load_file
@@ -175,8 +175,8 @@ class ValueLearner(TrainingLoop):
         state = load_file(os.path.join(part, "model.safetensors"))
         self.model.load_state_dict(state)
         self.serving.load_state_dict(state)
-        self.optimizer.load_state_dict(checkpoint.load_tensors(os.path.join(part, "optimizer.pt"))["optimizer"])
-        meta = checkpoint.load_json(os.path.join(part, "state.json"))
+        self.optimizer.load_state_dict(checkpoint_parts.load_tensors(os.path.join(part, "optimizer.pt"))["optimizer"])
+        meta = checkpoint_parts.load_json(os.path.join(part, "state.json"))
         self.version = int(meta["version"])
         for _ in range(self.version):  # the learning-rate schedule steps once per value step
             self.scheduler.step()
@@ -218,16 +218,16 @@ def build_value_learner(model: ModelConfig, critic: CriticConfig, algorithm: Alg
 class ValueLearnerActor(RoleShell):
     def __init__(self, model: ModelConfig, critic: CriticConfig, algorithm: AlgorithmConfig, sampling: SamplingConfig,
                  seed: int, trajectories: Mailbox, resume_from: str | None = None,
-                 checkpoint_store: StoreClient | None = None):
-        """`resume_from`: a checkpoint's path on the run directory's node, read through its store."""
+                 checkpoint_writer: WriterClient | None = None):
+        """`resume_from`: a checkpoint's path on the run directory's node, read through its writer."""
         torch.set_num_threads(critic.compute.threads)
         self.inner = build_value_learner(model, critic, algorithm, sampling, seed, trajectories)
         if resume_from:
-            with local_copy(checkpoint_store, resume_from, [checkpoint.VALUE_PART]) as local:
+            with local_copy(checkpoint_writer, resume_from, [checkpoint_parts.VALUE_PART]) as local:
                 self.inner.load_checkpoint(local)
 
-    async def save_checkpoint_part(self, directory: str, store: StoreClient | None = None) -> None:
-        await self.inner.save_checkpoint_part(directory, store)
+    async def save_checkpoint_part(self, directory: str, writer: WriterClient | None = None) -> None:
+        await self.inner.save_checkpoint_part(directory, writer)
 
     async def values(self, rows):
         return await self.inner.values(rows)

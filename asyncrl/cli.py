@@ -75,7 +75,7 @@ def _eval_config(args: argparse.Namespace, api_key: str):
     name), then the user's own overrides, which win (a task the user names replaces the derived task
     settings), then the checkpoint's weights (what --checkpoint means)."""
     from asyncrl import evaluation
-    from asyncrl.storage.checkpoint import policy_dir
+    from asyncrl.storage.checkpoint_parts import policy_dir
 
     derived, weights = {}, {}
     if args.checkpoint:
@@ -193,7 +193,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 def _export(args: argparse.Namespace) -> int:
     from asyncrl.config import ConfigError
     from asyncrl.models.loading import refuse_own_code
-    from asyncrl.storage.checkpoint import export_hf, policy_dir
+    from asyncrl.storage.checkpoint_parts import export_hf, policy_dir
     from asyncrl.weights import lora
 
     others = [o for o in args.overrides if o.split("=", 1)[0] != "model.trust_remote_code"]
@@ -261,7 +261,19 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line as `main` reads it (the README check parses every command with it)."""
     parser = argparse.ArgumentParser(prog="asyncrl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    _model_commands(sub)
+    _file_and_service_commands(sub)
+    # Options may come after the Hydra overrides (`bench engine model=tiny --quick`).
+    args, extra = parser.parse_known_args(argv)
+    unknown = [a for a in extra if a.startswith("-")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.overrides = list(getattr(args, "overrides", [])) + extra
+    return args
 
+
+def _model_commands(sub) -> None:
+    """generate, train, eval: the commands that compose a config and run a model."""
     gen = sub.add_parser("generate", help="generate from the configured model (engine smoke check)")
     gen.add_argument("-n", type=int, default=4, help="number of held-out task prompts")
     _config_options(gen)
@@ -291,6 +303,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ev.add_argument("overrides", nargs="*")
     ev.set_defaults(func=_eval)
 
+
+def _file_and_service_commands(sub) -> None:
+    """data, export, scale, bench."""
     data = sub.add_parser("data", help="prompt files in verl's layout for task=file")
     data_sub = data.add_subparsers(dest="data_command", required=True)
     example = data_sub.add_parser("example", help="write the built-in arithmetic task as train/test files")
@@ -321,14 +336,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     bench.add_argument("--run-dir", default="outputs/bench")
     bench.add_argument("overrides", nargs="*")
     bench.set_defaults(func=_bench)
-
-    # Options may come after the Hydra overrides (`bench engine model=tiny --quick`).
-    args, extra = parser.parse_known_args(argv)
-    unknown = [a for a in extra if a.startswith("-")]
-    if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    args.overrides = list(getattr(args, "overrides", [])) + extra
-    return args
 
 
 def main(argv: list[str] | None = None) -> int:

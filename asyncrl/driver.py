@@ -51,24 +51,8 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
     run_dir = checkpoint.resolve_run_dir(config.trainer.run_dir, config.resume)
     write_config(config, run_dir)
     init_ray(config)
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
-    engine, tokenizer = build_engine(config.model)
-    for line in fit_notices(config, tokenizer, engine.max_positions):
-        print(f"notice: {line}", flush=True)
-    if config.resume and (latest := checkpoint.latest_valid(run_dir)[0]) is not None:
-        from asyncrl.weights import lora
-
-        part = os.path.join(latest, "policy")
-        if lora.is_adapter_dir(part):  # LoRA: the adapter merged into the base
-            engine.update_weights(lora.merged_model(part, config.model.trust_remote_code)[0].named_parameters(), 0)
-        else:
-            checkpoint.load_policy_weights(engine.model, part)
-    before = greedy_accuracy(config, engine, tokenizer, eval_prompts, progress="eval before" if progress else "")
-    print(accuracy_line("before training", before), flush=True)
-    if config.reward.fail_fast_samples and before["n"] and before["rewards_failed"] == before["n"]:
-        raise RewardsFailing(f"every reward of the held-out evaluation failed ({before['n']} of {before['n']}): "
-                             f"{before['reward_failure']}. Fix the reward and start again "
-                             f"(reward.fail_fast_samples=0 trains on regardless)")
+    engine, tokenizer = _evaluation_engine(config, run_dir)
+    before = _evaluate_before(config, engine, tokenizer, eval_prompts, progress)
     wandb_run = _init_wandb(config, run_dir)
     evals: list[dict] = []
 
@@ -114,15 +98,51 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
                "restarts": run.restarts, "steps": run.log.steps_recorded, "final_status": ending.final_status or {},
                "interrupted": ending.interrupted, "stop_reason": ending.stop_reason or ending.rewards_failing,
                "last_checkpoint": ending.last_checkpoint, "records": run.records}
-    with open(os.path.join(run_dir, "summary.json"), "w") as f:
-        json.dump({k: v for k, v in summary.items() if k != "records"}, f, indent=2, default=str)
-    if wandb_run is not None:
-        wandb_run.summary.update({"eval_accuracy_before": before["accuracy"],
-                                  "eval_accuracy_after": after["accuracy"] if after else None})
-        wandb_run.finish()
+    _write_summary(summary, run_dir, wandb_run)
     if ending.rewards_failing:
         raise RewardsFailing(ending.rewards_failing)
     return summary
+
+
+def _evaluation_engine(config: Config, run_dir: str):
+    """The driver's own engine for the held-out evaluations (the resumed run's weights when it
+    resumes), and the notices of defaults that do not fit the data."""
+    from asyncrl.storage import checkpoint, checkpoint_parts
+
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    engine, tokenizer = build_engine(config.model)
+    for line in fit_notices(config, tokenizer, engine.max_positions):
+        print(f"notice: {line}", flush=True)
+    if config.resume and (latest := checkpoint.latest_valid(run_dir)[0]) is not None:
+        from asyncrl.weights import lora
+
+        part = os.path.join(latest, "policy")
+        if lora.is_adapter_dir(part):  # LoRA: the adapter merged into the base
+            engine.update_weights(lora.merged_model(part, config.model.trust_remote_code)[0].named_parameters(), 0)
+        else:
+            checkpoint_parts.load_policy_weights(engine.model, part)
+    return engine, tokenizer
+
+
+def _evaluate_before(config: Config, engine, tokenizer, eval_prompts: int | None, progress: bool) -> dict:
+    """The held-out accuracy before training; a run whose every evaluation reward failed stops here."""
+    before = greedy_accuracy(config, engine, tokenizer, eval_prompts, progress="eval before" if progress else "")
+    print(accuracy_line("before training", before), flush=True)
+    if config.reward.fail_fast_samples and before["n"] and before["rewards_failed"] == before["n"]:
+        raise RewardsFailing(f"every reward of the held-out evaluation failed ({before['n']} of {before['n']}): "
+                             f"{before['reward_failure']}. Fix the reward and start again "
+                             f"(reward.fail_fast_samples=0 trains on regardless)")
+    return before
+
+
+def _write_summary(summary: dict, run_dir: str, wandb_run) -> None:
+    with open(os.path.join(run_dir, "summary.json"), "w") as f:
+        json.dump({k: v for k, v in summary.items() if k != "records"}, f, indent=2, default=str)
+    if wandb_run is not None:
+        after = summary["eval_after"]
+        wandb_run.summary.update({"eval_accuracy_before": summary["eval_before"]["accuracy"],
+                                  "eval_accuracy_after": after["accuracy"] if after else None})
+        wandb_run.finish()
 
 
 def write_config(config: Config, run_dir: str) -> str:

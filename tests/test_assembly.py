@@ -55,8 +55,8 @@ def test_multi_window_sample_is_merged_and_group_emitted_once():
         await segments.put([seg("p", 0, 1, True, [4])])
         await asm.step(timeout=0.01)
         out = await drain(asm, batches)
-        assert len(out) == 1 and len(out[0].samples) == 2
-        merged = {s.segment.sample_idx: s for s in out[0].samples}
+        assert len(out) == 1 and len(out[0].rows) == 2
+        merged = {s.segment.sample_idx: s for s in out[0].rows}
         assert merged[0].segment.new_token_ids.tolist() == [7, 3, 4]
         assert merged[0].advantages.tolist() == [np.float32(0.70710576)] * 3
         assert merged[1].advantages[0] < 0
@@ -73,7 +73,7 @@ def test_redelivered_segment_is_counted_once():
         await asm.step(timeout=0.01)
         asm._ingest([first])  # a redelivery after the mailbox forgot it (e.g. a restarted generator)
         out = await drain(asm, batches)
-        assert len(out) == 1 and len(out[0].samples) == 2
+        assert len(out) == 1 and len(out[0].rows) == 2
         assert asm.stats()["duplicate_segments"] == 1
 
     asyncio.run(main())
@@ -91,7 +91,7 @@ def test_dynamic_sampling_drops_and_stale_tokens_are_masked_as_the_batch_leaves(
         await segments.put([seg("part", 0, 0, True, [7], version=2), seg("part", 1, 0, True, [1], version=3)])
         out = await drain(asm, batches)
         assert len(out) == 1
-        by_idx = {s.segment.sample_idx: s for s in out[0].samples}
+        by_idx = {s.segment.sample_idx: s for s in out[0].rows}
         assert list(by_idx) == [1] and by_idx[1].loss_mask is None
         assert by_idx[1].advantages[0] < 0  # its sibling's outcome still sets it
         assert out[0].stats["staleness_max_assembled"] == 2 and out[0].stats["stale_tokens_masked_assembled"] == 1
@@ -159,8 +159,8 @@ def test_two_copies_of_a_sample_are_kept_as_one_never_mixed():
             await segments.put(part)
             await asm.step(timeout=0.01)
         out = await drain(asm, batches)
-        assert len(out) == 1 and len(out[0].samples) == 2
-        merged = {s.segment.sample_idx: s.segment for s in out[0].samples}
+        assert len(out) == 1 and len(out[0].rows) == 2
+        merged = {s.segment.sample_idx: s.segment for s in out[0].rows}
         assert merged[0].new_token_ids.tolist() == [7, 3, 4, 5] and merged[0].generator_id == "g1"
         assert [ids for ids, state, _ in events if state == "awaiting_reward"].count(["p/0"]) == 1
         assert asm.stats()["copies_discarded"] == 1 and asm.stats()["partial_samples"] == 0
@@ -179,8 +179,8 @@ def test_a_retired_generators_finished_samples_still_count():
         assert asm.retire_generator("g1") == 1  # one partial copy left to finish (or be replaced)
         await segments.put([window("r", 0, 1, True, [7], "g1"), window("r", 1, 0, True, [3], "g1")])
         out = await drain(asm, batches)
-        assert len(out) == 1 and sorted(s.segment.sample_id for s in out[0].samples) == ["r/0", "r/1"]
-        assert {s.segment.sample_id: s.segment.new_token_ids.tolist() for s in out[0].samples}["r/0"] == [7, 7]
+        assert len(out) == 1 and sorted(s.segment.sample_id for s in out[0].rows) == ["r/0", "r/1"]
+        assert {s.segment.sample_id: s.segment.new_token_ids.tolist() for s in out[0].rows}["r/0"] == [7, 7]
         kept = [sid for ids, state, _ in events if state == "awaiting_training" for sid in ids]
         assert sorted(kept) == ["r/0", "r/1"] and asm.stats()["partial_samples"] == 0
 
@@ -211,8 +211,8 @@ def test_reinforce_plus_plus_advantages_are_whitened_over_the_batch_as_it_leaves
         await segments.put([seg("a", 0, 0, True, [7, 3]), seg("a", 1, 0, True, [5]),
                             seg("b", 0, 0, True, [7]), seg("b", 1, 0, True, [4])])
         out = await drain(asm, batches)
-        assert len(out) == 1 and len(out[0].samples) == 4
-        rows = {(s.segment.prompt_id, s.segment.sample_idx): s.advantages.tolist() for s in out[0].samples}
+        assert len(out) == 1 and len(out[0].rows) == 4
+        rows = {(s.segment.prompt_id, s.segment.sample_idx): s.advantages.tolist() for s in out[0].rows}
         std = (1.2 / 4) ** 0.5
         np.testing.assert_allclose(rows["a", 0], [0.4 / std] * 2, rtol=1e-5)
         np.testing.assert_allclose(rows["a", 1] + rows["b", 1], [-0.6 / std] * 2, rtol=1e-5)

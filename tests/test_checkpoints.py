@@ -15,8 +15,8 @@ import ray
 from asyncrl.config import compose
 from asyncrl.run import Run
 from asyncrl.run.wiring import System
-from asyncrl.storage import checkpoint
-from asyncrl.storage.checkpoint_transfer import StoreClient, local_copy, write_part
+from asyncrl.storage import checkpoint, checkpoint_parts
+from asyncrl.storage.checkpoint_transfer import WriterClient, local_copy, write_part
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs (root)")
 
@@ -26,7 +26,7 @@ def write_checkpoint(run_dir, step: int, payload: bytes = b"x" * 100, keep: int 
     os.makedirs(os.path.join(tmp, "policy"))
     with open(os.path.join(tmp, "policy", "model.safetensors"), "wb") as f:
         f.write(payload)
-    checkpoint.save_json({"step": step}, os.path.join(tmp, "learner.json"))
+    checkpoint_parts.save_json({"step": step}, os.path.join(tmp, "learner.json"))
     return checkpoint.commit(tmp, step, keep)
 
 
@@ -95,24 +95,24 @@ def fill(directory) -> str:
 @needs_root
 def test_a_full_disk_gives_one_clear_error_and_keeps_the_last_checkpoint(small_disk):
     run_dir = str(small_disk)
-    store = StoreClient.local(run_dir)
+    writer = WriterClient.local(run_dir)
     kept = write_checkpoint(run_dir, 3)
     filler = fill(checkpoint.checkpoints_dir(run_dir))
-    tmp = store.call("begin", 6)
+    tmp = writer.call("begin", 6)
     with pytest.raises(checkpoint.CheckpointWriteError) as refused:
-        write_part(store, tmp, lambda d: open(os.path.join(d, "part.bin"), "wb").write(b"y" * (1 << 20)))
+        write_part(writer, tmp, lambda d: open(os.path.join(d, "part.bin"), "wb").write(b"y" * (1 << 20)))
     message = str(refused.value)
     assert "step 6" in message and "No space left on device" in message and "step_00000003" in message
     assert "resume=true" in message
-    store.call("discard", tmp)
+    writer.call("discard", tmp)
     # The commit's own writes (the manifest) on a full disk: the same error, its partial directory gone.
-    tmp = store.call("begin", 6)
+    tmp = writer.call("begin", 6)
     os.remove(filler)
     with open(os.path.join(tmp, "data.bin"), "wb") as f:
         f.write(b"z" * 1000)
     fill(checkpoint.checkpoints_dir(run_dir))
     with pytest.raises(checkpoint.CheckpointWriteError, match="No space left"):
-        store.call("commit", tmp, 6, 1)
+        writer.call("commit", tmp, 6, 1)
     assert not os.path.exists(tmp)
     assert checkpoint.latest_valid(run_dir) == (kept, [])
 
@@ -208,28 +208,28 @@ def test_a_learner_whose_node_does_not_see_the_run_directory(private_node):
         assert {"learner.json", "learner.pt", "prompt_source.msgpack", "value/model.safetensors",
                 "value/state.json"} <= files and any(f.startswith("policy/") for f in files)
         assert "checkpoints" not in ray.get(listing_there.remote(run_dir))  # nothing landed on the node's disk
-        step = checkpoint.load_json(os.path.join(path, "learner.json"))["step"]
+        step = checkpoint_parts.load_json(os.path.join(path, "learner.json"))["step"]
     finally:
         first.stop()
-    # Resumed: the learners on that node read the checkpoint through the head's store.
+    # Resumed: the learners on that node read the checkpoint through the head's writer.
     second = System(compose(overrides + ["resume=true"]), name_actors=False, run_dir=run_dir).start()
     try:
         assert second.resumed["checkpoint"] == path and second.resumed["step"] == step
         learner = ray.get(second.actors["learner"].stats.remote())  # (it may have trained on meanwhile)
         assert learner["step"] >= step >= 2 and learner["incarnation"] == 1
         value = ray.get(second.actors["value_learner"].stats.remote())
-        saved_value = checkpoint.load_json(os.path.join(path, "value", "state.json"))["version"]
+        saved_value = checkpoint_parts.load_json(os.path.join(path, "value", "state.json"))["version"]
         assert value["value_version"] >= saved_value
     finally:
         second.stop()
 
 
 def test_parts_are_shipped_where_the_directory_is_not_seen(tmp_path, monkeypatch):
-    # A store whose marker this process cannot read: it behaves as on another node (ship and fetch).
-    store = StoreClient.local(str(tmp_path / "run"))
-    elsewhere = StoreClient(store.target, store.marker + ".not-here", store.token)
-    assert store.sees_directory() and not elsewhere.sees_directory()
-    tmp = store.call("begin", 2)
+    # A writer whose marker this process cannot read: it behaves as on another node (ship and fetch).
+    writer = WriterClient.local(str(tmp_path / "run"))
+    elsewhere = WriterClient(writer.target, writer.marker + ".not-here", writer.token)
+    assert writer.sees_directory() and not elsewhere.sees_directory()
+    tmp = writer.call("begin", 2)
     payload = os.urandom(3 * (1 << 20) + 5)
 
     def part(directory):
@@ -241,11 +241,11 @@ def test_parts_are_shipped_where_the_directory_is_not_seen(tmp_path, monkeypatch
 
     monkeypatch.setattr(transfer, "CHUNK_BYTES", 1 << 20)  # several chunks per file
     write_part(elsewhere, tmp, part)
-    path = store.call("commit", tmp, 2, 1)
+    path = writer.call("commit", tmp, 2, 1)
     with local_copy(elsewhere, path, ["value"]) as local:
         assert local != path and open(os.path.join(local, "value", "model.safetensors"), "rb").read() == payload
     assert not os.path.exists(local)
     assert set(checkpoint.verify(path)["files"]) == {"value/model.safetensors", "empty"}
     with pytest.raises(ValueError, match="outside"):
-        store.call("write", tmp, "../../escape", 0, b"x")
+        writer.call("write", tmp, "../../escape", 0, b"x")
     shutil.rmtree(tmp_path / "run")

@@ -47,11 +47,12 @@ def test_embedded_model_checkpoint_is_a_loadable_hugging_face_directory(embedded
 
     from transformers import AutoModelForCausalLM
 
-    from asyncrl.storage import checkpoint
+
+    from asyncrl.storage import checkpoint_parts
 
     engine, tokenizer = embedded
     model = engine.model
-    checkpoint.save_policy(model, tokenizer, str(tmp_path / "policy"))
+    checkpoint_parts.save_policy(model, tokenizer, str(tmp_path / "policy"))
     assert "quantization_config" not in json.load(open(tmp_path / "policy" / "config.json"))
     loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "policy"))
     for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
@@ -60,7 +61,7 @@ def test_embedded_model_checkpoint_is_a_loadable_hugging_face_directory(embedded
     with torch.no_grad():
         for p in fresh.parameters():
             p.add_(1.0)
-    checkpoint.load_policy_weights(fresh, str(tmp_path / "policy"))
+    checkpoint_parts.load_policy_weights(fresh, str(tmp_path / "policy"))
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
     assert os.path.exists(tmp_path / "policy" / "tokenizer.json")
 

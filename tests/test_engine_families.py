@@ -15,15 +15,13 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, \
     Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from asyncrl.algo.sampling import filtered_logprobs
-from asyncrl.engines.base import SamplingParams, SequenceInput
+from asyncrl.engines.base import SamplingParams
 from asyncrl.engines.torch_engine import TorchEngine
 from asyncrl.learning.scoring import token_logprobs
-from asyncrl.messages.structs import FinishReason, int32_array
+from engine_checks import (NO_EOS, PROMPTS, assert_kept_kv_equals_reprefill,
+                           assert_own_forward_matches_transformers, seq, teacher_forced)
 
 VOCAB = 64
-NO_EOS = (10_000,)  # outside the vocabulary: never sampled, every window full
-PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14], [4], [20, 21, 22, 23, 24, 25, 26, 27, 28]]
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, pad_token_id=0)
 FAMILIES = {
@@ -49,17 +47,6 @@ def family_model(family: str, seed: int = 0):
     return model.eval()
 
 
-def seq(i, response=(), keyed=False):
-    return SequenceInput(prompt_ids=int32_array(PROMPTS[i]), response_ids=int32_array(list(response)), seed=10 + i,
-                         max_response_tokens=64, key=f"s{i}" if keyed else None)
-
-
-def teacher_forced(model, prompt, response, params):
-    ids = torch.tensor([list(prompt) + list(response)])
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0]
-    lp = filtered_logprobs(logits[len(prompt) - 1:-1], params.temperature, params.top_k, params.top_p)
-    return lp.gather(-1, torch.tensor(response)[:, None]).squeeze(-1).numpy()
 
 
 def test_the_families_have_what_the_forward_must_handle():
@@ -76,17 +63,7 @@ def test_the_families_have_what_the_forward_must_handle():
 def test_own_forward_logprobs_match_transformers_forward_in_fp32(family, params):
     """fp32: the bound of the Llama path (`tests/test_engine.py`): 1e-4 nats from a teacher-forced
     pass, and the same tokens and log-probs (1e-5) as the engine on transformers' forward."""
-    model = family_model(family)
-    own, padded = TorchEngine(model, NO_EOS), TorchEngine(model, NO_EOS)
-    assert own.decoder is not None
-    padded.decoder = None
-    outs = own.generate_window_sync([seq(i) for i in range(5)], 12, params)
-    theirs = padded.generate_window_sync([seq(i) for i in range(5)], 12, params)
-    for i, (out, other) in enumerate(zip(outs, theirs)):
-        np.testing.assert_allclose(out.logprobs, teacher_forced(model, PROMPTS[i], out.token_ids.tolist(), params),
-                                   atol=1e-4)
-        assert out.token_ids.tolist() == other.token_ids.tolist()
-        np.testing.assert_allclose(out.logprobs, other.logprobs, atol=1e-5)
+    assert_own_forward_matches_transformers(family_model(family), params)
 
 
 # The Llama path's bf16 bounds (tests/test_engine_cache.py: BF16_MEAN_BOUND, BF16_MAX_BOUND).
@@ -115,29 +92,14 @@ def test_bf16_logprobs_are_within_the_llama_paths_bound_of_the_fp32_forward(fami
 def test_kept_kv_across_windows_equals_re_prefill(family):
     """Rows join and leave across three windows; with KV kept, the same tokens and log-probs as
     an engine that re-reads every context."""
-    model = family_model(family, seed=1)
-    cached, fresh = TorchEngine(model, NO_EOS), TorchEngine(model, NO_EOS)
-    rows = [[0, 1, 2], [0, 1, 2, 3, 4], [0, 2, 3, 4]]
-    got = {e: ({i: [] for i in range(5)}, {i: [] for i in range(5)}) for e in ("cached", "fresh")}
-    for window in rows:
-        for name, engine, keyed in (("cached", cached, True), ("fresh", fresh, False)):
-            tokens, logprobs = got[name]
-            outs = engine.generate_window_sync([seq(i, tokens[i], keyed) for i in window], 5, SamplingParams())
-            for i, out in zip(window, outs):
-                assert out.finish_reason is FinishReason.WINDOW
-                tokens[i] += out.token_ids.tolist()
-                logprobs[i] += out.logprobs.tolist()
-    assert got["cached"][0] == got["fresh"][0]
-    for i in range(5):
-        np.testing.assert_allclose(got["cached"][1][i], got["fresh"][1][i], atol=1e-5)
-    assert cached.kept.stats["reused"] == 3 + 4 and fresh.kept.stats["reused"] == 0
+    assert_kept_kv_equals_reprefill(family_model(family, seed=1))
 
 
 def test_a_family_the_decoder_does_not_know_falls_back_with_a_notice(caplog):
     """Mistral (not one of the families) and a Qwen2 whose sliding window is shorter than its
     context: transformers' forward, said once at start-up with the reason, and still right."""
     torch.manual_seed(0)
-    models = {"model_type 'mistral' is not one of llama, qwen2, qwen3":
+    models = {"model_type 'mistral' is not one of llama, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe":
               MistralForCausalLM(MistralConfig(**SHAPE, sliding_window=None)).eval(),
               "sliding-window attention (16 tokens)":
               Qwen2ForCausalLM(Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=16,

@@ -18,7 +18,7 @@ import pytest
 
 from asyncrl.config import compose, to_dict
 from asyncrl.models.loading import build_tiny_model, build_tiny_tokenizer
-from asyncrl.storage import checkpoint
+from asyncrl.storage import checkpoint, checkpoint_parts
 
 SECRET = "probe-secret-5d41402abc4b2a76"
 INTERPOLATION = "${oc.env:PROBE_SECRET}"
@@ -70,7 +70,7 @@ def crafted_lora_run(run_dir, base: str) -> None:
     policy = os.path.join(tmp, "policy")
     os.makedirs(policy)
     save_file({}, os.path.join(policy, lora.ADAPTER_WEIGHTS))
-    checkpoint.save_json(settings, os.path.join(policy, lora.MODEL_FILE))
+    checkpoint_parts.save_json(settings, os.path.join(policy, lora.MODEL_FILE))
     checkpoint.commit(tmp, 1, 1)
 
 
@@ -176,7 +176,7 @@ def test_a_runs_config_json_is_read_as_data(tmp_path):
     checkpoint.commit(tmp, 1, 1)
     saved = to_dict(compose(["model=tiny"]))
     saved["task"].update(name="file", eval_path=INTERPOLATION)
-    checkpoint.save_json(saved, str(run_dir / "config.json"))
+    checkpoint_parts.save_json(saved, str(run_dir / "config.json"))
     done = asyncrl("eval", "--checkpoint", str(run_dir), "--n", "1", "--k", "1", "--out", str(tmp_path / "eval"),
                    env={"PROBE_SECRET": SECRET})
     assert SECRET not in done.stdout + done.stderr

@@ -12,7 +12,8 @@ from asyncrl.engines.torch_engine import TorchEngine
 from asyncrl.messages.mailbox import InProcessMailbox
 from asyncrl.messages.structs import FinishReason, PromptRequest, int32_array
 from asyncrl.models.loading import build_tiny_model, build_tiny_tokenizer
-from asyncrl.weights.sync import Delivery, SharedSlots
+from asyncrl.weights.shared_memory import SharedSlots
+from asyncrl.weights.sync import Delivery
 
 
 def make_generator(window=3, max_tokens=8, max_windows=0, max_inflight=4):
@@ -257,6 +258,6 @@ def test_generator_to_assembler_merges_whole_responses():
         out = await batches.get(100, timeout=0.1)
         assert len(out) == 4
         for batch in out:
-            assert all(len(s.segment.new_token_ids) == 64 for s in batch.samples)
+            assert all(len(s.segment.new_token_ids) == 64 for s in batch.rows)
 
     asyncio.run(main())

@@ -7,7 +7,7 @@ import pytest
 
 from asyncrl.messages.mailbox import RecentIds
 from asyncrl.messages.structs import FinishReason, PromptRequest, Segment, TrainBatch, TrainingRow
-from asyncrl.storage import checkpoint
+from asyncrl.storage import checkpoint, checkpoint_parts
 from asyncrl.storage.ledger import SampleLedger
 
 
@@ -99,7 +99,7 @@ def write_checkpoint(run_dir, step: int, payload: bytes = b"x" * 100, keep: int 
     os.makedirs(os.path.join(tmp, "policy"))
     with open(os.path.join(tmp, "policy", "model.safetensors"), "wb") as f:
         f.write(payload)
-    checkpoint.save_json({"step": step}, os.path.join(tmp, "learner.json"))
+    checkpoint_parts.save_json({"step": step}, os.path.join(tmp, "learner.json"))
     return checkpoint.commit(tmp, step, keep)
 
 
@@ -177,14 +177,14 @@ def _row(sample: str, turn: int, finished: bool) -> TrainingRow:
 
 
 def test_saved_batches_keep_only_samples_that_end_in_them(tmp_path):
-    batches = [TrainBatch(batch_id="b1", samples=[_row("p/0", 0, False), _row("p/1", 0, False)]),
-               TrainBatch(batch_id="b2", samples=[_row("p/0", 1, True)])]
+    batches = [TrainBatch(batch_id="b1", rows=[_row("p/0", 0, False), _row("p/1", 0, False)]),
+               TrainBatch(batch_id="b2", rows=[_row("p/0", 1, True)])]
     path = str(tmp_path / "batches.msgpack")
-    checkpoint.save_batches(batches, path)
-    kept, held = checkpoint.resumable_batches(checkpoint.load_batches(path))
+    checkpoint_parts.save_batches(batches, path)
+    kept, held = checkpoint_parts.resumable_batches(checkpoint_parts.load_batches(path))
     assert held == {"p/0"}
     # p/1's first window goes: p/1 is regenerated whole, and its old window must not train too.
-    assert [[(r.segment.sample_id, r.segment.window) for r in b.samples] for b in kept] == [[("p/0", 0)], [("p/0", 1)]]
+    assert [[(r.segment.sample_id, r.segment.window) for r in b.rows] for b in kept] == [[("p/0", 0)], [("p/0", 1)]]
 
 
 def test_tied_weights_are_stored_once_and_reload_equal(tmp_path, capfd):
@@ -214,7 +214,7 @@ def test_tied_weights_are_stored_once_and_reload_equal(tmp_path, capfd):
             return set(f.keys())
 
     policy = str(tmp_path / "policy")
-    checkpoint.save_policy(model, tokenizer, policy, state_dict=weights)
+    checkpoint_parts.save_policy(model, tokenizer, policy, state_dict=weights)
     # Quietly: a progress bar per checkpoint was most of a long run's log; bars elsewhere stay on.
     assert "Writing model shards" not in capfd.readouterr().err
     assert hf_logging.is_progress_bar_enabled()
@@ -229,7 +229,7 @@ def test_tied_weights_are_stored_once_and_reload_equal(tmp_path, capfd):
 
     assert_reloads_equal(policy)
     fresh = LlamaForCausalLM(model.config)
-    checkpoint.load_policy_weights(fresh, policy)
+    checkpoint_parts.load_policy_weights(fresh, policy)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
 
     # A checkpoint written the old way (copies passed as they were): exported with the tie stored once.
@@ -237,8 +237,8 @@ def test_tied_weights_are_stored_once_and_reload_equal(tmp_path, capfd):
     model.save_pretrained(old / "policy", state_dict=weights)
     tokenizer.save_pretrained(old / "policy")
     assert "lm_head.weight" in stored(old / "policy")
-    out = checkpoint.export_hf(str(old / "policy"), str(tmp_path / "hf"))
+    out = checkpoint_parts.export_hf(str(old / "policy"), str(tmp_path / "hf"))
     assert "lm_head.weight" not in stored(out) and os.path.exists(os.path.join(out, "tokenizer.json"))
     assert_reloads_equal(out)
     # A policy stored right is copied as it is.
-    assert checkpoint.export_hf(policy, str(tmp_path / "hf2")) and stored(tmp_path / "hf2") == stored(policy)
+    assert checkpoint_parts.export_hf(policy, str(tmp_path / "hf2")) and stored(tmp_path / "hf2") == stored(policy)

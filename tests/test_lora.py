@@ -215,7 +215,7 @@ def test_dqo_offline_trains_the_adapter_alone(tmp_path):
     trains, the base does not, and the checkpoint holds the adapter."""
     import json
 
-    from asyncrl.storage.checkpoint import policy_dir
+    from asyncrl.storage.checkpoint_parts import policy_dir
     from asyncrl.offline import learn
 
     data = tmp_path / "labelled.jsonl"

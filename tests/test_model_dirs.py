@@ -64,7 +64,7 @@ def test_a_model_source_without_its_directory_is_refused_in_one_line():
 
 @pytest.mark.slow
 def test_a_qwen3_directory_trains_serves_and_exports(ray_session, tmp_path):
-    from asyncrl.storage.checkpoint import export_hf
+    from asyncrl.storage.checkpoint_parts import export_hf
     from asyncrl.driver import train
     from asyncrl.serve.reward import deploy_declaratively
     from asyncrl.weights.sync import free_port

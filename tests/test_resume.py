@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from actors.prompt_source import SNAPSHOT_CODEC
 from asyncrl.config import compose
 from asyncrl.run.wiring import System
-from asyncrl.storage import checkpoint
+from asyncrl.storage import checkpoint, checkpoint_parts
 
 
 def run_until(system: System, step: int, timeout_s: float = 240.0) -> list[dict]:
@@ -28,7 +28,7 @@ def run_until(system: System, step: int, timeout_s: float = 240.0) -> list[dict]
 def read_checkpoint(path: str):
     with open(os.path.join(path, "prompt_source.msgpack"), "rb") as f:
         cursor = SNAPSHOT_CODEC.decode(f.read())
-    return cursor, checkpoint.load_json(os.path.join(path, "learner.json"))
+    return cursor, checkpoint_parts.load_json(os.path.join(path, "learner.json"))
 
 
 @pytest.mark.slow
@@ -63,13 +63,13 @@ def test_kill_after_step_k_and_resume(ray_session, tmp_path, setup):
     # whose every token had gone stale), counted by the learner and saved with it.
     updates_at_k = learner_meta["counters"]["optimizer_updates"]
     # (The optimizer state is by parameter name, whole: the same file for any number of ranks.)
-    adam = checkpoint.load_tensors(os.path.join(ckpt, "learner.pt"))["optimizer"]["state"]
+    adam = checkpoint_parts.load_tensors(os.path.join(ckpt, "learner.pt"))["optimizer"]["state"]
     assert {int(state["step"]) for state in adam.values()} == {updates_at_k}
     assert 0 < updates_at_k <= k * compose(overrides).policy.mini_batches
 
     value_version_at_k = None
     if "algorithm=tppo" in setup:
-        value_version_at_k = checkpoint.load_json(os.path.join(ckpt, "value", "state.json"))["version"]
+        value_version_at_k = checkpoint_parts.load_json(os.path.join(ckpt, "value", "state.json"))["version"]
         assert value_version_at_k >= 1
 
     second = System(compose(overrides + ["resume=true"]), name_actors=False, run_dir=run_dir).start()
@@ -146,7 +146,7 @@ def test_checkpoint_exports_a_hugging_face_directory(ray_session, tmp_path):
         version, weights = system.weights()
     finally:
         system.stop()
-    out = checkpoint.export_hf(path, str(tmp_path / "hf"))
+    out = checkpoint_parts.export_hf(path, str(tmp_path / "hf"))
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(out))
     # Every exported file gets the same default mode (safetensors' temporary file was 0600).
     assert {os.stat(os.path.join(out, f)).st_mode & 0o777 for f in os.listdir(out)} == {0o666 & ~_umask()}
@@ -156,7 +156,7 @@ def test_checkpoint_exports_a_hugging_face_directory(ray_session, tmp_path):
     assert ids.shape[1] == 4  # the character-level tokenizer came along
     state = dict(model.named_parameters())
     # The exported weights are the learner's at the checkpoint.
-    assert version == checkpoint.load_json(os.path.join(path, "learner.json"))["weight_version"] >= 2
+    assert version == checkpoint_parts.load_json(os.path.join(path, "learner.json"))["weight_version"] >= 2
     for name, tensor in weights.items():
         assert torch.equal(state[name].detach(), tensor), name
 

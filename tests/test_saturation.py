@@ -10,7 +10,7 @@ import pytest
 from actors.assembler import Assembler
 from actors.prompt_source import PromptSource
 from asyncrl.algo.advantages import group_normalised
-from asyncrl.algo.selection import group_verdict, retirement_reason
+from asyncrl.algo.selection import group_outcome, retirement_reason
 from asyncrl.assembly.groups import GroupStrategy
 from asyncrl.config import DynamicSampling, OverlongShaping
 from asyncrl.data.retirement import Retirements
@@ -19,12 +19,12 @@ from asyncrl.messages.mailbox import InProcessMailbox
 from asyncrl.messages.structs import FinishReason, Reward, Segment, float32_array, int32_array
 
 
-def test_group_verdicts_and_when_they_retire_a_prompt():
-    assert group_verdict([True] * 4, [1.0] * 4, [False] * 4) == "solved"
-    assert group_verdict([False] * 4, [0.0] * 4, [False] * 4) == "unsolved"
-    assert group_verdict([True, False], [1.0, 0.0], [False] * 2) is None  # signal
-    assert group_verdict([None, None], [0.3, 0.3], [False] * 2) == "no_signal"  # a BT model's equal scores
-    assert group_verdict([True, True], [1.0, 0.0], [False, True]) is None  # a failed reward: no verdict
+def test_group_outcomes_and_when_they_retire_a_prompt():
+    assert group_outcome([True] * 4, [1.0] * 4, [False] * 4) == "solved"
+    assert group_outcome([False] * 4, [0.0] * 4, [False] * 4) == "unsolved"
+    assert group_outcome([True, False], [1.0, 0.0], [False] * 2) is None  # signal
+    assert group_outcome([None, None], [0.3, 0.3], [False] * 2) == "no_signal"  # a BT model's equal scores
+    assert group_outcome([True, True], [1.0, 0.0], [False, True]) is None  # a failed reward: no outcome
     assert retirement_reason(["solved"], 2) is None
     assert retirement_reason([None, "solved", "solved"], 2) == "solved"
     assert retirement_reason(["solved", "unsolved"], 2) is None
@@ -130,7 +130,7 @@ def test_when_every_prompt_sits_out_the_unsolved_are_retried_at_once_each_retry_
 
 
 def test_a_parked_prompt_has_one_retry_out_at_a_time():
-    """Two retries issued before the first's verdict came would spend two retries on one look at
+    """Two retries issued before the first's outcome came would spend two retries on one look at
     the same policy (the prompt source issues several prompts per call)."""
     src = source(n=2)
     for request in [src.next_request() for _ in range(4)]:
@@ -177,9 +177,9 @@ def test_bounded_refill_trains_on_what_has_signal_or_skips_saying_why():
         return partial, skip, asm.counters
 
     partial, skip, counters = asyncio.run(main())
-    assert len(partial) == 1 and len(partial[0].samples) == 2 and partial[0].stats["groups_in_batch"] == 1.0
+    assert len(partial) == 1 and len(partial[0].rows) == 2 and partial[0].stats["groups_in_batch"] == 1.0
     assert partial[0].stats["refill_rounds"] == 2.0 and not partial[0].skip_reason
-    assert len(skip) == 1 and skip[0].samples == [] and "no group with a learning signal" in skip[0].skip_reason
+    assert len(skip) == 1 and skip[0].rows == [] and "no group with a learning signal" in skip[0].skip_reason
     assert counters["batches_partial"] == 1 and counters["steps_skipped_no_signal"] == 1
 
 

@@ -76,10 +76,10 @@ def test_other_messages_round_trip():
     seg = make_segment()
     batch = TrainBatch(
         batch_id="b0",
-        samples=[TrainingRow(segment=seg, score=1.0, advantages=float32_array(np.ones(5)))],
+        rows=[TrainingRow(segment=seg, score=1.0, advantages=float32_array(np.ones(5)))],
     )
     back_batch = Codec(TrainBatch).decode(Codec(TrainBatch).encode(batch))
-    assert_segments_equal(back_batch.samples[0].segment, seg)
+    assert_segments_equal(back_batch.rows[0].segment, seg)
 
 
 def test_construction_validates_lengths_and_dtypes():

@@ -28,7 +28,7 @@ from asyncrl.engines.generation import sequence_input  # noqa: E402
 from asyncrl.learning.scoring import LOGPROB_FLOOR, response_logprobs  # noqa: E402
 from asyncrl.messages.structs import FinishReason  # noqa: E402
 from asyncrl.models.loading import build_tiny_tokenizer  # noqa: E402
-from asyncrl.weights.sync import SharedSlots  # noqa: E402
+from asyncrl.weights.shared_memory import SharedSlots  # noqa: E402
 
 # float32 on both sides: SGLang's CPU kernels and the learner's forward agree to ~1e-6.
 TOLERANCE = 1e-4

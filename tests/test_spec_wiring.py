@@ -101,10 +101,10 @@ def test_the_learner_masks_tokens_too_stale_for_the_weights_it_trains():
         learner.weight_version = learner.step = 10
         old = TrainingRow(segment=segment([20, 21, 22], version=7), score=1.0, advantages=float32_array([1.0] * 3))
         fresh = TrainingRow(segment=segment([23, 24], pid="q", version=9), score=1.0, advantages=float32_array([1.0] * 2))
-        record = await learner.train_on(TrainBatch(batch_id="b0", samples=[old, fresh], stats={"staleness_max_assembled": 1.0}))
+        record = await learner.train_on(TrainBatch(batch_id="b0", rows=[old, fresh], stats={"staleness_max_assembled": 1.0}))
         assert record["staleness_max"] == 1 and record["stale_tokens_masked"] == 3 and record["tokens_trained"] == 2
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
-        record = await learner.train_on(TrainBatch(batch_id="b1", samples=[old], stats={}))
+        record = await learner.train_on(TrainBatch(batch_id="b1", rows=[old], stats={}))
         assert record["stale_tokens_masked"] == 3 and record["skipped_updates"] == 1
         assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
         assert learner.counters["stale_tokens_masked"] == 6
@@ -196,7 +196,7 @@ def test_the_critic_learns_the_overlong_shaped_return():
     and so must the critic's target (T-PPO's early windows learn only through V)."""
     first, last = segment([1, 2], finished=False), segment([3, 4], prior=[1, 2])
     out, trajectories = run_assembler(value_estimator(TPPO), [[first], [last]], shaping=SHAPED)
-    finished_rows = [s for b in out for s in b.samples if s.segment.finished]
+    finished_rows = [s for b in out for s in b.rows if s.segment.finished]
     assert [r.score for r in finished_rows] == [0.0]
     assert [t.score for t in trajectories] == [0.0]
 
@@ -207,7 +207,7 @@ def test_the_critic_learns_the_overlong_shaped_return():
 def test_a_correct_response_imitates_every_window_and_the_policy_loss_only_its_last():
     first, last = segment([1, 2], finished=False), segment([3, 4], prior=[1, 2])
     out, _ = run_assembler(value_estimator(TPPO, nll=True), [[first], [last]], shaping=SHAPED)
-    rows = {s.segment.finished: s for b in out for s in b.samples}
+    rows = {s.segment.finished: s for b in out for s in b.rows}
     whole = rows[True]
     assert whole.segment.new_token_ids.tolist() == [1, 2, 3, 4] and len(whole.segment.prior_response_ids) == 0
     assert whole.loss_mask.tolist() == [0, 0, 1, 1] and whole.advantages[:2].tolist() == [0.0, 0.0]
@@ -517,7 +517,7 @@ def test_kl_reward_hand_values_and_it_enters_gae_and_the_critics_return():
     expected = [-0.05, 0.05]  # KL = [0.5, −0.5]
     assert trajectories[0].token_rewards.tolist() == pytest.approx(expected)
     v = 0.25  # value_estimator's constant V: the advantages are rewards-to-go minus V
-    assert out[0].samples[0].advantages.tolist() == pytest.approx([-0.05 + 0.05 + 1.0 - v, 0.05 + 1.0 - v])
+    assert out[0].rows[0].advantages.tolist() == pytest.approx([-0.05 + 0.05 + 1.0 - v, 0.05 + 1.0 - v])
 
 
 def test_the_value_learner_scores_the_reference_under_the_samplers_distribution():

@@ -110,7 +110,7 @@ print(json.dumps({{"rows": len(frame), "datasets_rows": len(data), "columns": li
 
 @pytest.mark.slow
 def test_a_recorded_run_is_read_elsewhere_replayed_and_learned_from_offline(solved_dapo_run, tmp_path):
-    from asyncrl.storage.checkpoint import policy_dir
+    from asyncrl.storage.checkpoint_parts import policy_dir
     from asyncrl.models.loading import build_tiny_tokenizer, value_model_from_checkpoint
     from asyncrl.offline import learn
 

@@ -98,7 +98,7 @@ def test_dynamic_sampling_drops_whole_response_groups_without_signal_for_the_ppo
         return out, learned, events
 
     out, learned, events = asyncio.run(main())
-    assert [sorted(s.segment.prompt_id for s in b.samples) for b in out] == [["mixed", "mixed"]]
+    assert [sorted(s.segment.prompt_id for s in b.rows) for b in out] == [["mixed", "mixed"]]
     drops = sorted(sid for ids, state, reason in events if state == "dropped" for sid in ids if reason == "no_signal")
     assert drops == ["solved/0", "solved/1"]
     assert len(learned) == 4  # the critic still learns from the group the policy skipped

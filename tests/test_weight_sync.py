@@ -14,8 +14,8 @@ import ray
 import torch
 import torch.multiprocessing as mp
 
-from asyncrl.weights.sync import (SHARED_PREFIX, Delivery, SharedSlots, SharedVersion, WeightGroup, WeightTransferError,
-                                  free_port, plan_buckets, remove_orphaned_slots, shared_directory, shared_views)
+from asyncrl.weights.shared_memory import SHARED_PREFIX, SharedSlots, SharedVersion, remove_orphaned_slots, shared_directory, shared_views
+from asyncrl.weights.sync import Delivery, WeightGroup, WeightTransferError, free_port, plan_buckets
 from asyncrl.weights.transport import choose_paths
 
 

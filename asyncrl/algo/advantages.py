@@ -243,7 +243,7 @@ def reinforce_plus_plus(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: 
 
 
 @dataclass(frozen=True)
-class Advantage:
+class Estimator:
     """An estimator: its kind (what it is fed, see the module docstring) and its pure function."""
 
     kind: str  # group | pairwise | batch | value
@@ -251,11 +251,11 @@ class Advantage:
 
 
 # The one mapping from `algorithm.advantage.type` to its function.
-ADVANTAGES: dict[str, Advantage] = {
-    "grpo": Advantage("group", group_normalised),
-    "drgrpo": Advantage("group", group_centred),
-    "rloo": Advantage("group", leave_one_out),
-    "reinforce_plus_plus": Advantage("batch", reinforce_plus_plus),
-    "pairwise": Advantage("pairwise", pairwise_advantages),
-    "gae": Advantage("value", egae),
+ADVANTAGES: dict[str, Estimator] = {
+    "grpo": Estimator("group", group_normalised),
+    "drgrpo": Estimator("group", group_centred),
+    "rloo": Estimator("group", leave_one_out),
+    "reinforce_plus_plus": Estimator("batch", reinforce_plus_plus),
+    "pairwise": Estimator("pairwise", pairwise_advantages),
+    "gae": Estimator("value", egae),
 }

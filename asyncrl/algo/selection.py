@@ -62,10 +62,10 @@ def curriculum_sources(step: int, stages: list[tuple[int, list[str]]]) -> set[st
 # --- prompt retirement (saturated prompts) ------------------------------------------------------------
 
 
-def group_verdict(correct: list[bool | None], scores: list[float], failed: list[bool], metric: str = "acc") -> str | None:
+def group_outcome(correct: list[bool | None], scores: list[float], failed: list[bool], metric: str = "acc") -> str | None:
     """What a finished group says about its prompt, by DAPO's filter metric: `solved` (every sample
     correct), `unsolved` (every sample wrong), `no_signal` (all equal otherwise: equal scores of a
-    reward without a correctness flag), or None (a learning signal; a failed reward: no verdict)."""
+    reward without a correctness flag), or None (a learning signal; a failed reward: no outcome)."""
     if any(failed) or not correct:
         return None
     if group_has_signal(filter_metric(correct, scores, metric)):
@@ -75,13 +75,13 @@ def group_verdict(correct: list[bool | None], scores: list[float], failed: list[
     return "no_signal"
 
 
-def retirement_reason(verdicts: list[str | None], after_groups: int, retire_unsolved: bool = True) -> str | None:
+def retirement_reason(outcomes: list[str | None], after_groups: int, retire_unsolved: bool = True) -> str | None:
     """Why a prompt is retired from sampling, or None: its last `after_groups` groups all gave the
-    same verdict of no signal (`solved`; `unsolved` and `no_signal` only with `retire_unsolved`).
+    same outcome of no signal (`solved`; `unsolved` and `no_signal` only with `retire_unsolved`).
     Such groups carry no gradient under group-relative advantages, so sampling them again is waste."""
-    if after_groups <= 0 or len(verdicts) < after_groups:
+    if after_groups <= 0 or len(outcomes) < after_groups:
         return None
-    last = verdicts[-after_groups:]
+    last = outcomes[-after_groups:]
     if last[0] is None or any(v != last[0] for v in last):
         return None
     return last[0] if last[0] == "solved" or retire_unsolved else None

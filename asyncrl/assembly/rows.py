@@ -118,15 +118,45 @@ def value_rows(rows: list[Segment], values: list[np.ndarray], outcomes: list[Out
 
     if not rows:
         return []
+    token_rewards, value_t, mask, next_values, shaped_scores = _value_tensors(rows, values, outcomes,
+                                                                              token_rewards_extra)
+    finished = torch.tensor([r.finished for r in rows])
+    generated = torch.tensor([len(r.prior_response_ids) + len(r.new_token_ids) for r in rows])
+    if gae.length_adaptive_alpha > 0:
+        lengths = (tppo_lambda_lengths(generated, finished, window_tokens) if gae.window_training
+                   else generated.to(torch.float64))
+        lam = length_adaptive_lambda(lengths, gae.length_adaptive_alpha,
+                                     floor=gae.lam if gae.lambda_floor else None)
+    else:
+        lam = gae.lam
+    advantages, _ = advantage_fn(token_rewards, value_t, mask, finished, gae.gamma, lam, gae.edge_mask_tokens,
+                                 next_values=next_values if gae.bootstrap == "next" else None)
+    out = []
+    for i, (row, outcome) in enumerate(zip(rows, outcomes)):
+        n = len(row.new_token_ids)
+        loss_mask = np.ones(n, dtype=np.uint8)
+        if not row.finished and gae.edge_mask_tokens > 0:
+            loss_mask[max(0, n - gae.edge_mask_tokens):] = 0
+        out.append(TrainingRow(
+            segment=row, score=shaped_scores[i], advantages=advantages[i, :n].float().numpy().copy(),
+            correct=outcome.correct if outcome is not None else None, loss_mask=loss_mask,
+            value_version=value_version,
+        ))
+    return out
+
+
+def _value_tensors(rows: list[Segment], values: list[np.ndarray], outcomes: list[Outcome | None],
+                   token_rewards_extra: list[np.ndarray] | None):
+    """`[B, n_max]` float64 token rewards (the shaped outcome on a finished row's last token, its
+    dense rewards on its slice, the extra per-token rewards), values and the policy mask, each row's
+    value after its last token, and the shaped scores."""
     n_max = max(len(r.new_token_ids) for r in rows)
     batch = len(rows)
     token_rewards = torch.zeros(batch, n_max, dtype=torch.float64)
     value_t = torch.zeros(batch, n_max, dtype=torch.float64)
     mask = torch.zeros(batch, n_max, dtype=torch.float64)
-    finished = torch.tensor([r.finished for r in rows])
-    generated = torch.tensor([len(r.prior_response_ids) + len(r.new_token_ids) for r in rows])
-    shaped_scores: list[float] = []
     next_values = torch.zeros(batch, dtype=torch.float64)
+    shaped_scores: list[float] = []
     for i, (row, v, outcome) in enumerate(zip(rows, values, outcomes)):
         n = len(row.new_token_ids)
         if len(v) != n + 1:
@@ -150,27 +180,7 @@ def value_rows(rows: list[Segment], values: list[np.ndarray], outcomes: list[Out
                 dense = np.asarray(outcome.token_rewards, dtype=np.float64)[offset : offset + n]
                 token_rewards[i, : len(dense)] += torch.from_numpy(dense)
         shaped_scores.append(score)
-    if gae.length_adaptive_alpha > 0:
-        lengths = (tppo_lambda_lengths(generated, finished, window_tokens) if gae.window_training
-                   else generated.to(torch.float64))
-        lam = length_adaptive_lambda(lengths, gae.length_adaptive_alpha,
-                                     floor=gae.lam if gae.lambda_floor else None)
-    else:
-        lam = gae.lam
-    advantages, _ = advantage_fn(token_rewards, value_t, mask, finished, gae.gamma, lam, gae.edge_mask_tokens,
-                                 next_values=next_values if gae.bootstrap == "next" else None)
-    out = []
-    for i, (row, outcome) in enumerate(zip(rows, outcomes)):
-        n = len(row.new_token_ids)
-        loss_mask = np.ones(n, dtype=np.uint8)
-        if not row.finished and gae.edge_mask_tokens > 0:
-            loss_mask[max(0, n - gae.edge_mask_tokens):] = 0
-        out.append(TrainingRow(
-            segment=row, score=shaped_scores[i], advantages=advantages[i, :n].float().numpy().copy(),
-            correct=outcome.correct if outcome is not None else None, loss_mask=loss_mask,
-            value_version=value_version,
-        ))
-    return out
+    return token_rewards, value_t, mask, next_values, shaped_scores
 
 
 def recorded_values(by_offset: dict[int, np.ndarray], response_tokens: int) -> np.ndarray | None:

@@ -4,6 +4,7 @@ store-only strategy of `mode=generate`."""
 from __future__ import annotations
 
 import functools
+import inspect
 from dataclasses import dataclass
 from typing import Callable, ClassVar
 
@@ -17,7 +18,7 @@ from asyncrl.config import AlgorithmConfig, EngineConfig, GAEAdvantage, Pairwise
 from asyncrl.messages.structs import TrainingRow
 from asyncrl.rewards.hybrid import RewardRouter
 
-# Advantage kind (`asyncrl.algo.advantages.Advantage.kind`) -> the strategy that feeds it.
+# Advantage kind (`asyncrl.algo.advantages.Estimator.kind`) -> the strategy that feeds it.
 STRATEGIES: dict[str, type] = {"group": GroupStrategy, "batch": BatchReturnsStrategy, "pairwise": PairwiseStrategy,
                                "value": ValueStrategy}
 
@@ -61,5 +62,8 @@ def build_strategy(algorithm: AlgorithmConfig, engine: EngineConfig, prompts_per
 
         return PairwiseStrategy(a.dynamic_sampling, prompts_per_step, entry.fn, judge=judge, decode=decode,
                                 anchor=advantage.anchor)
-    # The variant's own fields are its function's keyword arguments.
-    return kind(a.dynamic_sampling, prompts_per_step, functools.partial(entry.fn, **msgspec.structs.asdict(advantage)))
+    # The variant's own fields are its function's keyword arguments: bound here, so that a field the
+    # function does not take fails at start-up, not at the first group.
+    fields = msgspec.structs.asdict(advantage)
+    inspect.signature(entry.fn).bind_partial(**fields)
+    return kind(a.dynamic_sampling, prompts_per_step, functools.partial(entry.fn, **fields))

@@ -24,8 +24,8 @@ import torch.multiprocessing as mp
 
 from asyncrl.bench.common import HALF_B, ONE_HALF_B
 from asyncrl.config import compose
-from asyncrl.weights.sync import (Delivery, SharedSlots, SharedVersion, WeightGroup, free_port, from_cuda_ipc, plan_buckets,
-                                  shared_views, to_cuda_ipc)
+from asyncrl.weights.shared_memory import SharedSlots, SharedVersion, shared_views
+from asyncrl.weights.sync import Delivery, WeightGroup, free_port, from_cuda_ipc, plan_buckets, to_cuda_ipc
 
 def shapes_of(model_name: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Parameter names and shapes, built on the meta device (no memory, no init)."""

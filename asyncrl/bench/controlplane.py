@@ -88,7 +88,7 @@ class BookkeepingLearner:
         while self._running:
             got: list[TrainBatch] = await self.batches.get(1, timeout=0.5)
             for batch in got:
-                ids = [s.segment.sample_id for s in batch.samples if s.segment.finished]
+                ids = [s.segment.sample_id for s in batch.rows if s.segment.finished]
                 await self.prompt_source.record.remote(ids, "trained", "")
                 await self.batches.ack([batch.batch_id])
                 self.trained += len(ids)
@@ -110,8 +110,32 @@ class BookkeepingLearner:
         return {"trained": self.trained, "version": self.version}
 
 
-def one_rate(rate: float, shards: int, seconds: float, tokens: int, producers: int) -> dict:
+def _measure(actors: dict, learner, assembler, seconds: float) -> tuple[int, float, dict[str, float]]:
+    """After a warm-up (the first batch through), the samples trained in `seconds` and each actor's
+    share of a core meanwhile."""
     import psutil
+    import ray
+
+    processes = {name: psutil.Process(ray.get(a.pid.remote())) for name, a in actors.items()}
+    deadline = time.monotonic() + 300  # warm up: actors started, the first batch through
+    while ray.get(learner.stats.remote())["trained"] == 0:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no batch through the control plane in 300 s: {ray.get(assembler.stats.remote())}")
+        time.sleep(0.5)
+    time.sleep(min(5.0, seconds / 3))
+    before = {name: p.cpu_times() for name, p in processes.items()}
+    trained0, start = ray.get(learner.stats.remote())["trained"], time.monotonic()
+    time.sleep(seconds)
+    elapsed = time.monotonic() - start
+    trained = ray.get(learner.stats.remote())["trained"] - trained0
+    cpu = {}
+    for name, p in processes.items():
+        after = p.cpu_times()
+        cpu[name] = (after.user + after.system - before[name].user - before[name].system) / elapsed
+    return trained, elapsed, cpu
+
+
+def one_rate(rate: float, shards: int, seconds: float, tokens: int, producers: int) -> dict:
     import ray
 
     from asyncrl.config import compose
@@ -144,22 +168,7 @@ def one_rate(rate: float, shards: int, seconds: float, tokens: int, producers: i
               **{"mailbox-prompts": prompts.actor, "mailbox-batches": batches.actor},
               **{f"mailbox-segments-{i}": a for i, a in enumerate(mailbox_actors(segments))}}
     loops = [a.run.remote() for a in (assembler, learner, prompt_source, *makers)]
-    processes = {name: psutil.Process(ray.get(a.pid.remote())) for name, a in actors.items()}
-    deadline = time.monotonic() + 300  # warm up: actors started, the first batch through
-    while ray.get(learner.stats.remote())["trained"] == 0:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no batch through the control plane in 300 s: {ray.get(assembler.stats.remote())}")
-        time.sleep(0.5)
-    time.sleep(min(5.0, seconds / 3))
-    before = {name: p.cpu_times() for name, p in processes.items()}
-    trained0, start = ray.get(learner.stats.remote())["trained"], time.monotonic()
-    time.sleep(seconds)
-    elapsed = time.monotonic() - start
-    trained = ray.get(learner.stats.remote())["trained"] - trained0
-    cpu = {}
-    for name, p in processes.items():
-        after = p.cpu_times()
-        cpu[name] = (after.user + after.system - before[name].user - before[name].system) / elapsed
+    trained, elapsed, cpu = _measure(actors, learner, assembler, seconds)
     ledger = ray.get(prompt_source.ledger.remote())
     for a in (assembler, learner, prompt_source, *makers):
         a.stop.remote()

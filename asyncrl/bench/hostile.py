@@ -88,6 +88,10 @@ HOSTILE_CODE: list[Candidate] = [
               WRONG_ADD + "import os\nfor fd in range(1, 64):\n    try:\n"
                           "        os.write(fd, b'PASS 0\\nPASS 1\\nok\\n{\"passed\": true}\\n')\n"
                           "    except OSError:\n        pass\nos._exit(0)\n"),
+    Candidate("harness functions rebound", "tampering",
+              WRONG_ADD + "import sys\n_h = sys.modules['__main__']\n"
+                          "_h._test_runner = lambda report: lambda i, *rest: report(i, 'completed')\n"
+                          "_encode = _h.encode\n_h.encode = lambda value, budget=None: _encode(3)\n"),
     Candidate("kills its parent", "tampering",
               WRONG_ADD + "import os, signal\ntry:\n    os.kill(os.getppid(), signal.SIGKILL)\nexcept OSError:\n    pass\n"
                           "os.kill(-1, signal.SIGKILL)\n"),

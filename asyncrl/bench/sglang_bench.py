@@ -27,7 +27,7 @@ from asyncrl.data.files import load_examples
 from asyncrl.data.tasks import encode_prompt
 from asyncrl.engines.base import SamplingParams
 from asyncrl.engines.generation import build_engine, sequence_input
-from asyncrl.weights.sync import SharedSlots
+from asyncrl.weights.shared_memory import SharedSlots
 
 
 class LoopEngine:

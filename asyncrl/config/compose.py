@@ -14,17 +14,16 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from typing import Any
 
 import msgspec
 from omegaconf import DictConfig, OmegaConf
 
-import asyncrl.config.schema as schema
 from asyncrl.config.checks import ConfigError, validate
 from asyncrl.config.files import config_dir, config_groups
 from asyncrl.config.names import FOREIGN, foreign_notice, ignored_notice, ignored_reason, migrate, renamed_message
 from asyncrl.config.run import Config
+import asyncrl.config.schema as schema
 
 log = logging.getLogger("asyncrl.config")
 
@@ -254,7 +253,7 @@ def _typed(data: dict) -> Config:
     try:
         return msgspec.convert(data, Config)
     except msgspec.ValidationError as exc:
-        raise ConfigError(_conversion_message(data, str(exc))) from exc
+        raise ConfigError(schema.conversion_message(Config, data, str(exc))) from exc
 
 
 def set_values(data: dict, values: dict[str, Any]) -> None:
@@ -284,42 +283,6 @@ def value_problem(key: str, value: Any, data: dict | None = None) -> str | None:
     except schema.SchemaError as exc:
         return str(exc)
     return schema.value_error(key, kind, value)
-
-
-def _conversion_message(data: dict, detail: str) -> str:
-    """msgspec's error (`... - at $.a.b`) as one line naming the field, with the field's own words."""
-    match = re.search(r" - at `\$\.?([^`]*)`", detail)
-    where = match.group(1) if match else ""
-    parts = [p for p in re.split(r"\.|\[(\d+|\.\.\.)\]", where) if p]
-    node, kind, path = data, Config, ""
-    try:
-        for part in parts:
-            if part == "...":  # msgspec does not name the mapping's key: the first entry that fails
-                part = _failing_entry(node, schema.child(kind, node, next(iter(node), ""), path))
-            kind = schema.child(kind, node, part, path)
-            node = node[int(part)] if isinstance(node, list) else node[part]
-            path = f"{path}.{part}" if path else part
-    except (schema.SchemaError, KeyError, IndexError, TypeError) as exc:
-        return f"invalid config: {exc if isinstance(exc, schema.SchemaError) else detail}"
-    unknown = re.match(r"Object contains unknown field `([^`]+)`", detail)
-    if unknown:
-        try:
-            schema.child(kind, node, unknown.group(1), path)
-        except schema.SchemaError as exc:
-            return str(exc)
-    missing = re.match(r"Object missing required field `([^`]+)`", detail)
-    if missing:
-        return f"{path}.{missing.group(1)} is required"
-    return schema.value_error(path, kind, node) or f"invalid config: {detail}"
-
-
-def _failing_entry(mapping: dict, entry_type) -> str:
-    for key, value in mapping.items():
-        try:
-            msgspec.convert(value, entry_type)
-        except msgspec.ValidationError:
-            return key
-    return next(iter(mapping))
 
 
 def _leaves(data, prefix: str = ""):

@@ -8,6 +8,7 @@ schema through it, so a range or a name is written once, on the field.
 from __future__ import annotations
 
 import difflib
+import re
 import types
 import typing
 from functools import cache
@@ -249,3 +250,40 @@ def elsewhere(root: type, name: str, cutoff: float = 0.75) -> str:
     if not close:
         return ""
     return "; did you mean " + " or ".join(repr(p) for p in paths[close[0]][:3]) + "?"
+
+
+def conversion_message(root: type, data: dict, detail: str) -> str:
+    """msgspec's error converting `data` to `root` (`... - at $.a.b`) as one line naming the field,
+    with the field's own words."""
+    match = re.search(r" - at `\$\.?([^`]*)`", detail)
+    where = match.group(1) if match else ""
+    parts = [p for p in re.split(r"\.|\[(\d+|\.\.\.)\]", where) if p]
+    node, kind, path = data, root, ""
+    try:
+        for part in parts:
+            if part == "...":  # msgspec does not name the mapping's key: the first entry that fails
+                part = _failing_entry(node, child(kind, node, next(iter(node), ""), path))
+            kind = child(kind, node, part, path)
+            node = node[int(part)] if isinstance(node, list) else node[part]
+            path = f"{path}.{part}" if path else part
+    except (SchemaError, KeyError, IndexError, TypeError) as exc:
+        return f"invalid config: {exc if isinstance(exc, SchemaError) else detail}"
+    unknown = re.match(r"Object contains unknown field `([^`]+)`", detail)
+    if unknown:
+        try:
+            child(kind, node, unknown.group(1), path)
+        except SchemaError as exc:
+            return str(exc)
+    missing = re.match(r"Object missing required field `([^`]+)`", detail)
+    if missing:
+        return f"{path}.{missing.group(1)} is required"
+    return value_error(path, kind, node) or f"invalid config: {detail}"
+
+
+def _failing_entry(mapping: dict, entry_type) -> str:
+    for key, value in mapping.items():
+        try:
+            msgspec.convert(value, entry_type)
+        except msgspec.ValidationError:
+            return key
+    return next(iter(mapping))

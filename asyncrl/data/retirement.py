@@ -1,7 +1,7 @@
 """Retirement of prompts with no learning signal: the prompt source's record of each prompt's recent
 groups, which prompts sit out and until when, and the log of it (`retirements.jsonl`).
 
-A group's verdict (all correct / all wrong / mixed) comes from the rewards the assembler saw; a
+A group's outcome (all correct / all wrong / mixed) comes from the rewards the assembler saw; a
 prompt whose last `after_groups` groups had no signal is retired for a while. The rules are the
 pure functions of `asyncrl.algo.selection`.
 
@@ -24,12 +24,12 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass
 
-from asyncrl.algo.selection import group_verdict, retirement_reason
+from asyncrl.algo.selection import group_outcome, retirement_reason
 
 MAX_DOUBLINGS = 2  # an unsolved prompt's wait grows to at most 2**2 = 4 times `retry_versions`
 # A scored sample as the prompt source judges its prompt by it: (issued prompt id, sample index,
 # correct, score, failed).
-SampleVerdict = tuple[str, int, "bool | None", float, bool]
+SampleOutcome = tuple[str, int, "bool | None", float, bool]
 
 
 @dataclass
@@ -41,7 +41,7 @@ class Retirement:
     issue_no: int = 0  # the issue of the group that retired it: older groups cannot bring it back
     until_version: int = 0  # unsolved: skipped until the delivered version reaches this
     given_up: bool = False  # unsolved after `max_retries` retries: retired for good
-    retrying: bool = False  # unsolved: a retry is out, its verdict not in (one retry at a time)
+    retrying: bool = False  # unsolved: a retry is out, its outcome not in (one retry at a time)
 
     @property
     def solved(self) -> bool:
@@ -54,10 +54,10 @@ class Retirements:
         self.group_size = group_size
         self.after_groups, self.epochs, self.unsolved, self.filter_metric = after_groups, epochs, unsolved, filter_metric
         self.retry_versions, self.max_retries = retry_versions, max_retries
-        self._groups: collections.OrderedDict[str, dict[int, SampleVerdict]] = collections.OrderedDict()
-        self.verdicts: dict[str, collections.deque] = {}  # example id -> its recent groups' verdicts
+        self._groups: collections.OrderedDict[str, dict[int, SampleOutcome]] = collections.OrderedDict()
+        self.outcomes: dict[str, collections.deque] = {}  # example id -> its recent groups' outcomes
         self.retired: dict[str, Retirement] = {}  # example id -> why and until when
-        self.issue_no: dict[str, int] = {}  # open prompt id -> its issue number (ordering verdicts)
+        self.issue_no: dict[str, int] = {}  # open prompt id -> its issue number (ordering outcomes)
         self.log: collections.deque[dict] = collections.deque(maxlen=100)
         self.logged = 0  # events ever logged (the next one's sequence number)
         self.counts = collections.Counter()  # retired / back / skipped / retests / by reason
@@ -76,7 +76,7 @@ class Retirements:
                 # One retry out at a time: two at the same version would spend two retries on one look.
                 retired.retrying = True
 
-    def note_outcome(self, outcome: SampleVerdict, issued: int, examples: int, delivered_version: int) -> None:
+    def note_outcome(self, outcome: SampleOutcome, issued: int, examples: int, delivered_version: int) -> None:
         """One sample's reward; when its group is complete, judge the prompt."""
         prompt_id, idx = outcome[0], outcome[1]
         group = self._groups.setdefault(prompt_id, {})
@@ -87,16 +87,16 @@ class Retirements:
             return
         del self._groups[prompt_id]
         members = [group[i] for i in sorted(group)]
-        verdict = group_verdict([m[2] for m in members], [m[3] for m in members], [m[4] for m in members],
+        outcome = group_outcome([m[2] for m in members], [m[3] for m in members], [m[4] for m in members],
                                 self.filter_metric)
         issue_no = self.issue_no.pop(prompt_id, issued)
-        self._judge(prompt_id.rpartition("@")[0], verdict, issue_no, issued + self.epochs * examples, delivered_version)
+        self._judge(prompt_id.rpartition("@")[0], outcome, issue_no, issued + self.epochs * examples, delivered_version)
 
-    def _judge(self, example_id: str, verdict: str | None, issue_no: int, until: int, delivered_version: int) -> None:
+    def _judge(self, example_id: str, outcome: str | None, issue_no: int, until: int, delivered_version: int) -> None:
         if not self.enabled:
             return
-        recent = self.verdicts.setdefault(example_id, collections.deque(maxlen=self.after_groups))
-        recent.append(verdict)
+        recent = self.outcomes.setdefault(example_id, collections.deque(maxlen=self.after_groups))
+        recent.append(outcome)
         reason = retirement_reason(list(recent), self.after_groups, self.unsolved)
         previous = self.retired.get(example_id)
         if previous is not None:
@@ -104,7 +104,7 @@ class Retirements:
         if reason is None:
             # A group with signal issued no earlier than the retiring one: back in the rotation (a
             # group issued before it and scored late says nothing newer).
-            if previous is not None and verdict is None and issue_no >= previous.issue_no:
+            if previous is not None and outcome is None and issue_no >= previous.issue_no:
                 del self.retired[example_id]
                 self.counts["back"] += 1
                 self._log(example_id, "back", previous.reason, delivered_version)
@@ -163,7 +163,7 @@ class Retirements:
         if ready:
             self.counts["retests"] += 1
             return min(ready, key=lambda k: self.retired[k].until_version)
-        if parked or not may_retest_solved:  # a retry is out: its verdict first
+        if parked or not may_retest_solved:  # a retry is out: its outcome first
             return None
         self.counts["retests"] += 1
         return min(self.retired, key=lambda k: (self.retired[k].until_issued, self.retired[k].until_version))
@@ -181,9 +181,9 @@ class Retirements:
 
     def snapshot(self) -> tuple[dict, dict]:
         return ({k: [r.reason, r.until_issued, r.since_version, r.times, r.issue_no, r.until_version, int(r.given_up)]
-                 for k, r in self.retired.items()}, {k: list(v) for k, v in self.verdicts.items()})
+                 for k, r in self.retired.items()}, {k: list(v) for k, v in self.outcomes.items()})
 
-    def restore(self, retired: dict, verdicts: dict) -> None:
+    def restore(self, retired: dict, outcomes: dict) -> None:
         # A checkpoint from before version-based retries has five fields: the rest take their defaults.
         self.retired = {k: Retirement(*v[:6], given_up=bool(v[6]) if len(v) > 6 else False) for k, v in retired.items()}
-        self.verdicts = {k: collections.deque(v, maxlen=max(1, self.after_groups)) for k, v in verdicts.items()}
+        self.outcomes = {k: collections.deque(v, maxlen=max(1, self.after_groups)) for k, v in outcomes.items()}

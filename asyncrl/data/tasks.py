@@ -136,8 +136,8 @@ def score_response(data_source: str, response: str, ground_truth, style: str) ->
     """(score, correct, prediction) of a response with the default verifier of its data source."""
     from asyncrl.rewards.verifiers import kind_for, verify
 
-    verdict = verify(kind_for(data_source), response, ground_truth, style)
-    return verdict.score, verdict.correct, str(verdict.details.get("pred", ""))
+    check = verify(kind_for(data_source), response, ground_truth, style)
+    return check.score, check.correct, str(check.details.get("pred", ""))
 
 
 def reference_response(data_source: str, ground_truth) -> str:

@@ -129,7 +129,7 @@ class Engine(Protocol):
         """Load new weights (all or some parameters) and set the version."""
 
     def adopt_shared(self, shared, version: int) -> None:
-        """Take a version from the node's shared memory (`asyncrl.weights.sync.SharedVersion`)."""
+        """Take a version from the node's shared memory (`asyncrl.weights.shared_memory.SharedVersion`)."""
 
     def load_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], adapter, version: int) -> None:
         """Take a LoRA version: `<module>.lora_A`, `<module>.lora_B` (`asyncrl.weights.sync.AdapterSpec`

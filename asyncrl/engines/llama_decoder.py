@@ -1,9 +1,11 @@
 """The embedded engine's own forward for Llama-architecture models, over a KV block it owns.
 
-Three families share the architecture: Llama, Qwen2 (Qwen2.5 too: biases on the q/k/v
+Three dense families share the architecture: Llama, Qwen2 (Qwen2.5 too: biases on the q/k/v
 projections) and Qwen3 (an RMSNorm over each head of q and k, before the rotary embedding, and an
 explicit `head_dim`). Biases come with the model's own projection modules; the per-head norms are
-used where the attention module has them.
+used where the attention module has them. Three mixture-of-experts families have the same
+attention (Mixtral: Llama's; Qwen2-MoE: Qwen2's; Qwen3-MoE: Qwen3's) and a sparse MLP on some or
+all layers, computed by `asyncrl.engines.moe`; a forward can record or replay their routes.
 
 transformers' forward grows a `DynamicCache` by concatenation at every decode step (8% of a
 step at batch 64, measured), builds its masks from one shared cache position, and cannot take
@@ -22,7 +24,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-FAMILIES = ("llama", "qwen2", "qwen3")
+from asyncrl.engines import moe
+
+FAMILIES = ("llama", "qwen2", "qwen3") + moe.MOE_FAMILIES
 # Rotary variants whose frequencies do not depend on the sequence length (transformers computes
 # `inv_freq` once for them); "dynamic" and "longrope" rescale with the length.
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -31,8 +35,8 @@ _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 def unsupported(model) -> str | None:
     """Why `LlamaDecoder` cannot compute this model's forward (one phrase), or None when it can:
     a transformers model of one of `FAMILIES` with static rotary frequencies, SiLU, full attention
-    on every layer (a sliding window shorter than the context is not implemented) and one plain
-    linear head."""
+    on every layer (a sliding window shorter than the context is not implemented), one plain
+    linear head, and experts in the layout `asyncrl.engines.moe` reads."""
     config = model.config
     family = getattr(config, "model_type", None)
     if family not in FAMILIES:
@@ -46,12 +50,15 @@ def unsupported(model) -> str | None:
     if getattr(config, "pretraining_tp", 1) != 1:
         return "pretraining_tp > 1 splits the projections"
     window = getattr(config, "sliding_window", None)
-    if ("sliding_attention" in (getattr(config, "layer_types", None) or ()) and window is not None
-            and window < config.max_position_embeddings):
+    layer_types = getattr(config, "layer_types", None)
+    # Qwen2/Qwen3/Qwen2-MoE name their windowed layers; Mixtral and Qwen3-MoE window every layer
+    # when the config has a window (Qwen3-MoE's is None unless `use_sliding_window`).
+    windowed = "sliding_attention" in layer_types if layer_types is not None else bool(window)
+    if windowed and window is not None and window < config.max_position_embeddings:
         return f"sliding-window attention ({window} tokens) is not implemented"
     if not (hasattr(model, "lm_head") and hasattr(model, "model")):
         return f"{type(model).__name__} has no plain LM head"
-    return None
+    return moe.unsupported(model) if family in moe.MOE_FAMILIES else None
 
 
 def supports(model) -> bool:
@@ -94,21 +101,32 @@ class LlamaDecoder:
         self.scale = float(attn.scaling)
         # Qwen3: q and k normalised per head (over head_dim) before the rotary embedding.
         self.qk_norm = hasattr(attn, "q_norm")
+        # Each layer's index among the sparse (MoE) layers, None for a dense MLP.
+        sparse = [moe.is_sparse(layer) for layer in model.model.layers]
+        self.sparse_index = [sum(sparse[:i]) if is_sparse else None for i, is_sparse in enumerate(sparse)]
+        self.moe = moe.MoeMLP(config) if self.sparse_layers else None
 
     @property
     def layers(self) -> int:
         return len(self.model.model.layers)
+
+    @property
+    def sparse_layers(self) -> int:
+        """Layers with a mixture-of-experts MLP (the second axis of `moe.Routes`)."""
+        return sum(i is not None for i in self.sparse_index)
 
     def new_block(self, rows: int, columns: int) -> KVBlock:
         weight = self.model.lm_head.weight
         return KVBlock(self.layers, rows, self.kv_heads, columns, self.head_dim, weight.dtype, weight.device)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, block: KVBlock, rows: slice,
-                start: int, logits: bool = True) -> torch.Tensor | None:
+                start: int, logits: bool = True, routes: moe.Routes | None = None) -> torch.Tensor | None:
         """`tokens`, `positions`: `[b, S]` for block rows `rows` (b of them), written at columns
         `start..start+S`; `block.valid` must already mark those columns of real tokens. Each
         query attends to the valid columns up to its own. Returns float logits `[b, vocab]` of
-        column `start+S-1` (None with `logits=False`: only the keys and values are wanted)."""
+        column `start+S-1` (None with `logits=False`: only the keys and values are wanted).
+        `routes` (MoE models, opt-in): records the experts every position chose at every sparse
+        layer, or forces them (`moe.Routes`)."""
         inner = self.model.model
         width = tokens.shape[1]
         end = start + width
@@ -123,7 +141,11 @@ class LlamaDecoder:
         hidden = inner.embed_tokens(tokens)
         cos, sin = self._rotary(positions, hidden.dtype)
         for index, layer in enumerate(inner.layers):
-            hidden = self._layer(layer, hidden, cos, sin, block.data[index], rows, start, end, mask)
+            hidden = self._attention(layer, hidden, cos, sin, block.data[index], rows, start, end, mask)
+            hidden = hidden + self._mlp(layer, _rms_norm(hidden, layer.post_attention_layernorm),
+                                        self.sparse_index[index], routes)
+        if routes is not None and self.moe is not None:
+            routes.finish()
         if not logits:
             return None
         last = _rms_norm(hidden[:, -1], inner.norm)
@@ -136,7 +158,7 @@ class LlamaDecoder:
         return ((angles.cos() * rotary.attention_scaling).to(dtype),
                 (angles.sin() * rotary.attention_scaling).to(dtype))
 
-    def _layer(self, layer, hidden, cos, sin, kv, rows, start, end, mask):
+    def _attention(self, layer, hidden, cos, sin, kv, rows, start, end, mask):
         b, width, _ = hidden.shape
         attn = layer.self_attn
         x = _rms_norm(hidden, layer.input_layernorm)
@@ -151,10 +173,18 @@ class LlamaDecoder:
         kv[1, rows, :, start:end] = v
         out = F.scaled_dot_product_attention(q, kv[0, rows, :, :end], kv[1, rows, :, :end], attn_mask=mask,
                                              scale=self.scale, enable_gqa=self.grouped_query)
-        hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(b, width, self.heads * self.head_dim))
+        return hidden + attn.o_proj(out.transpose(1, 2).reshape(b, width, self.heads * self.head_dim))
+
+    def _mlp(self, layer, x, sparse_index, routes):
         mlp = layer.mlp
-        x = _rms_norm(hidden, layer.post_attention_layernorm)
-        return hidden + mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+        if sparse_index is None:
+            return mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+        b, width, hidden = x.shape
+        forced = routes.forced_at(sparse_index) if routes is not None else None
+        out, ids = self.moe(mlp, x.reshape(-1, hidden), forced)
+        if routes is not None:
+            routes.record(ids, b, width)
+        return out.view(b, width, hidden)
 
 
 def _rms_norm(hidden: torch.Tensor, norm) -> torch.Tensor:

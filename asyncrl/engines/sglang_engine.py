@@ -45,7 +45,7 @@ import torch
 
 from asyncrl.engines.base import SamplingParams, SequenceInput, WindowOutput, scored_positions
 from asyncrl.messages.structs import FinishReason
-from asyncrl.weights.sync import SharedVersion
+from asyncrl.weights.shared_memory import SharedVersion
 
 # How long an update waits for the requests it aborted to come back before it fails.
 DRAIN_TIMEOUT_S = 120.0
@@ -281,7 +281,7 @@ class SGLangEngine:
         self._run(self._load(list(self._lora.merged(tensors, adapter.scaling)), version))
 
     def adopt_shared(self, shared: SharedVersion, version: int) -> None:
-        """Load a version from the node's shared-memory slot (`asyncrl.weights.sync.SharedSlots`):
+        """Load a version from the node's shared-memory slot (`asyncrl.weights.shared_memory.SharedSlots`):
         SGLang's scheduler maps the file and copies from it (`sglang_scheduler.load_shared`)."""
         from asyncrl.engines.sglang_scheduler import SHARED_LOADER, shared_payload
 

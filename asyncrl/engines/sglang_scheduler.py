@@ -18,7 +18,7 @@ import torch
 from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor
 
 from asyncrl.algo.sampling import filtered_logprobs
-from asyncrl.weights.sync import SharedVersion, shared_views
+from asyncrl.weights.shared_memory import SharedVersion, shared_views
 
 
 class TruncatedSampling(CustomLogitProcessor):

@@ -2,7 +2,8 @@
 
 Samples with `asyncrl.algo.sampling` (temperature, top-p, top-k, FIRE, counter-based seeds) and
 records the log-prob of each token under the distribution it was drawn from (the engine's own:
-in bfloat16, the bfloat16 model's). Llama, Qwen2/2.5 and Qwen3 models run on the engine's own
+in bfloat16, the bfloat16 model's). Llama, Qwen2/2.5 and Qwen3 models, and the mixture-of-experts
+Mixtral, Qwen2-MoE and Qwen3-MoE (their experts: `asyncrl.engines.moe`), run on the engine's own
 forward (`asyncrl.engines.llama_decoder`) over a preallocated KV block, and keep each keyed
 sequence's KV cache from one window to its next while the weights do not change
 (`asyncrl.engines.kv_cache`); other models run transformers' forward over left-padded batches,
@@ -38,7 +39,8 @@ from asyncrl.messages.structs import FinishReason
 from asyncrl.models.precision import Precision, choose_precision
 from asyncrl.weights import delta as weights_delta
 from asyncrl.weights.lora import AdapterMerger, adapter_modules
-from asyncrl.weights.sync import AdapterSpec, SharedVersion, WeightTransferError, shared_views
+from asyncrl.weights.shared_memory import SharedVersion, shared_views
+from asyncrl.weights.sync import AdapterSpec, WeightTransferError
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +209,7 @@ class TorchEngine:
         return self._updates, tuple((p.data_ptr(), p._version) for p in self.model.parameters())
 
     def adopt_shared(self, shared: SharedVersion, version: int) -> None:
-        """Adopt a version in the node's shared memory (`asyncrl.weights.sync.SharedSlots`) as views."""
+        """Adopt a version in the node's shared memory (`asyncrl.weights.shared_memory.SharedSlots`) as views."""
         views = shared_views(shared)
         self.adopt_weights(views, version, keepalive=views)
 

@@ -9,6 +9,8 @@ those only the tokens whose behaviour distribution the learner can score (`Segme
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import msgspec
 import numpy as np
 import torch
@@ -66,6 +68,25 @@ def proximal_logprobs(model, collated: Collated, policy: PolicyConfig, sampling:
     return out
 
 
+@dataclass
+class _Update:
+    """What every micro-batch of one update reads: the batch, its totals (each micro-batch's loss is
+    scaled by the whole batch's), and where the proximal log-probs and the rollout mismatch go."""
+
+    model: object
+    collated: Collated
+    objective: Objective
+    reference_model: object
+    proximal: torch.Tensor | None
+    correction: tuple[str, float] | None
+    own: torch.Tensor | None  # this update's own log-probs, when it is the batch's first (π_prox)
+    mismatch: list | None
+    total_tokens: float
+    total_seqs: float
+    norm_constant: float
+    total_nll_tokens: float
+
+
 def _policy_update(model, optimizer, collated: Collated, objective: Objective, reference_model,
                    proximal: torch.Tensor | None, correction: tuple[str, float] | None = None,
                    mismatch: list | None = None,
@@ -78,66 +99,75 @@ def _policy_update(model, optimizer, collated: Collated, objective: Objective, r
     Sharded (`parallel`): each rank accumulates its micro-batches' gradients, each scaled by the
     whole batch's totals, and the ranks' gradients are summed (`asyncrl.weights.sharding`), so the update
     is the one-rank update; the metric sums are summed over the ranks too."""
-    total_tokens = max(float(collated.response_mask.sum()), 1.0)
-    total_seqs = max(float((collated.response_mask.sum(-1) > 0).sum()), 1.0)
-    policy, sampling, loss = objective.policy, objective.sampling, objective.policy.loss
-    compute = policy.compute
-    norm_constant = float(loss.norm_tokens or collated.response_mask.shape[-1])
+    loss = objective.policy.loss
     total_nll_tokens = float(collated.nll_mask.sum())
+    update = _Update(
+        model=model, collated=collated, objective=objective, reference_model=reference_model, proximal=proximal,
+        correction=correction, mismatch=mismatch, total_nll_tokens=total_nll_tokens,
+        own=None if correction is None or proximal is not None else torch.zeros(collated.targets.shape,
+                                                                                device=collated.targets.device),
+        total_tokens=max(float(collated.response_mask.sum()), 1.0),
+        total_seqs=max(float((collated.response_mask.sum(-1) > 0).sum()), 1.0),
+        norm_constant=float(loss.norm_tokens or collated.response_mask.shape[-1]))
     # Nothing to train (every token masked): the metrics are still computed (every record has the
     # same fields), but no step is taken: an Adam step on zero gradients would still move the
     # weights by its momentum.
     nothing = not float(collated.response_mask.sum()) and not total_nll_tokens
-    own = None if correction is None or proximal is not None else torch.zeros(collated.targets.shape,
-                                                                              device=collated.targets.device)
     model.train()
     optimizer.zero_grad(set_to_none=True)
     sums: dict[str, float] = {}
-    for rows, ghost in rank_micro_batches(collated, compute.micro_batch_tokens, parallel):
-        sl = (rows, slice(0, width_of(collated.attention_mask, rows)))
-        mask = collated.response_mask[sl]
-        share = 0.0 if ghost else 1.0  # a ghost runs the collectives and counts for nothing
-        with autocast(model, compute.precision):
-            logp, entropy = token_logprobs(model, collated.input_ids[sl], collated.attention_mask[sl],
-                                           collated.targets[sl], sampling.temperature, with_entropy=True,
-                                           positions=_trained_positions(collated, sl), top_k=sampling.top_k,
-                                           top_p=sampling.top_p, chunk_tokens=compute.logits_chunk_tokens)
-        anchor = weights = None
-        if correction is not None:
-            anchor = logp.detach().float() if own is not None else proximal[sl]
-            weights = behaviour_weights(anchor, collated.old_logprobs[sl], mask, *correction)
-            if own is not None and not ghost:
-                own[sl] = anchor
-        pg_loss, metrics = ppo_policy_loss(
-            logp, collated.old_logprobs[sl], collated.advantages[sl], mask,
-            loss.clip_low, loss.clip_high, loss.dual_clip, loss.agg, norm_constant,
-            proximal_logp=anchor, behaviour_weight=weights,
-        )
-        if mismatch is not None and not ghost:
-            mismatch.append((rollout_mismatch(logp.detach(), collated.old_logprobs[sl], mask), float(mask.sum())))
-        total, nll = _loss_terms(pg_loss, metrics, logp, entropy, collated, sl, objective, reference_model,
-                                 norm_constant, total_nll_tokens)
-        weight = _micro_batch_weight(loss.agg, mask, total_tokens, total_seqs)
-        ((total * weight + objective.nll_coef * nll) * share).backward()
-        sums["nll_positive"] = sums.get("nll_positive", 0.0) + nll.item() * share
-        token_share = float(mask.sum()) / total_tokens * share
-        metrics["entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1))
-        metrics["loss"] = total.item()
-        for key, value in metrics.items():
-            sums[key] = sums.get(key, 0.0) + value * token_share
+    for rows, ghost in rank_micro_batches(collated, objective.policy.compute.micro_batch_tokens, parallel):
+        _micro_batch(update, (rows, slice(0, width_of(collated.attention_mask, rows))), ghost, sums)
     if parallel is not None:
         sums = parallel.sum(sums)
-        if own is not None:
-            parallel.sum_tensor(own)
+        if update.own is not None:
+            parallel.sum_tensor(update.own)
     # The batch's flag, set after the sum over ranks (every rank sees the whole batch: summed, two
     # ranks counted a skipped update twice and the learner's update count fell behind Adam's).
     sums["skipped_updates"] = float(nothing)
     if nothing:
         optimizer.zero_grad(set_to_none=True)
         model.eval()
-        return {**sums, "grad_norm": 0.0}, own
-    grad_norm = clip_and_step(model, optimizer, policy.optimizer.grad_clip)
-    return {**sums, "grad_norm": float(grad_norm)}, own
+        return {**sums, "grad_norm": 0.0}, update.own
+    grad_norm = clip_and_step(model, optimizer, objective.policy.optimizer.grad_clip)
+    return {**sums, "grad_norm": float(grad_norm)}, update.own
+
+
+def _micro_batch(update: _Update, sl, ghost: bool, sums: dict[str, float]) -> None:
+    """One micro-batch's forward and backward (gradients accumulate), its metrics added to `sums`
+    by its share of the batch's tokens. A ghost runs the collectives and counts for nothing."""
+    collated, objective = update.collated, update.objective
+    sampling, loss, compute = objective.sampling, objective.policy.loss, objective.policy.compute
+    mask = collated.response_mask[sl]
+    share = 0.0 if ghost else 1.0
+    with autocast(update.model, compute.precision):
+        logp, entropy = token_logprobs(update.model, collated.input_ids[sl], collated.attention_mask[sl],
+                                       collated.targets[sl], sampling.temperature, with_entropy=True,
+                                       positions=_trained_positions(collated, sl), top_k=sampling.top_k,
+                                       top_p=sampling.top_p, chunk_tokens=compute.logits_chunk_tokens)
+    anchor = weights = None
+    if update.correction is not None:
+        anchor = logp.detach().float() if update.own is not None else update.proximal[sl]
+        weights = behaviour_weights(anchor, collated.old_logprobs[sl], mask, *update.correction)
+        if update.own is not None and not ghost:
+            update.own[sl] = anchor
+    pg_loss, metrics = ppo_policy_loss(
+        logp, collated.old_logprobs[sl], collated.advantages[sl], mask,
+        loss.clip_low, loss.clip_high, loss.dual_clip, loss.agg, update.norm_constant,
+        proximal_logp=anchor, behaviour_weight=weights,
+    )
+    if update.mismatch is not None and not ghost:
+        update.mismatch.append((rollout_mismatch(logp.detach(), collated.old_logprobs[sl], mask), float(mask.sum())))
+    total, nll = _loss_terms(pg_loss, metrics, logp, entropy, collated, sl, objective, update.reference_model,
+                             update.norm_constant, update.total_nll_tokens)
+    weight = _micro_batch_weight(loss.agg, mask, update.total_tokens, update.total_seqs)
+    ((total * weight + objective.nll_coef * nll) * share).backward()
+    sums["nll_positive"] = sums.get("nll_positive", 0.0) + nll.item() * share
+    token_share = float(mask.sum()) / update.total_tokens * share
+    metrics["entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1))
+    metrics["loss"] = total.item()
+    for key, value in metrics.items():
+        sums[key] = sums.get(key, 0.0) + value * token_share
 
 
 def _loss_terms(pg_loss: torch.Tensor, metrics: dict, logp: torch.Tensor, entropy: torch.Tensor, collated: Collated,

@@ -21,7 +21,7 @@ from asyncrl.learning.tensors import build_optimizer
 from asyncrl.messages.structs import TrainingRow
 from asyncrl.models.loading import load_model, load_tokenizer
 from asyncrl.models.precision import Precision, choose_precision
-from asyncrl.storage import checkpoint
+from asyncrl.storage import checkpoint, checkpoint_parts
 from asyncrl.weights import lora, sharding
 from asyncrl.weights.sharding import DataParallel
 from asyncrl.weights.sync import AdapterSpec
@@ -105,14 +105,14 @@ class PolicyRank:
         """The policy part of a checkpoint from `state()`'s weights: a Hugging Face directory, or with
         LoRA the adapter in peft's format (`asyncrl.weights.lora.save_adapter`)."""
         if self.adapter is None:
-            checkpoint.save_policy(self.lm, tokenizer, directory, state_dict=weights)
+            checkpoint_parts.save_policy(self.lm, tokenizer, directory, state_dict=weights)
         else:
             lora.save_adapter(directory, self.peft_model, weights, self.model_config, tokenizer)
 
     def read_policy(self, directory: str) -> dict[str, torch.Tensor]:
         """The weights a checkpoint's policy part holds, checked against this rank's model."""
         if self.adapter is None:
-            return checkpoint.read_policy_weights(self.lm, directory)
+            return checkpoint_parts.read_policy_weights(self.lm, directory)
         if not lora.is_adapter_dir(directory):
             raise checkpoint.CorruptCheckpoint(f"{directory}: model.lora_rank={self.adapter.rank}, but this "
                                                f"checkpoint holds no LoRA adapter (a full fine-tune's?)")

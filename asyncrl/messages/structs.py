@@ -356,7 +356,7 @@ class TrainBatch(msgspec.Struct, kw_only=True, frozen=True):
     """A training batch for a learner. `batch_id` is unique, so a batch is trained at most once."""
 
     batch_id: str
-    samples: list[TrainingRow]
+    rows: list[TrainingRow] = msgspec.field(name="samples")  # its name in saved batches before it was `rows`
     # Metrics of the assembly that produced this batch (dropped groups, staleness, ...).
     stats: dict[str, float] = {}
     # Why a batch has no rows: the learner skips the step and records this (bounded refill).

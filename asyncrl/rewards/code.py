@@ -1,4 +1,4 @@
-"""Code verifier: run a response's program against unit tests in the sandbox, with a verdict the
+"""Code verifier: run a response's program against unit tests in the sandbox, with a result the
 program cannot forge.
 
 Ground truth (a JSON string, as code RL datasets in verl's layout carry it) is one of:
@@ -45,7 +45,7 @@ def extract_code(response: str) -> str:
 
 
 @dataclass
-class CodeVerdict:
+class CodeReport:
     passed: int
     total: int
     details: list[str]
@@ -168,69 +168,86 @@ def _run_harness(code: str, planned: list[HarnessTest], limits: SandboxLimits) -
              "tests.json": json.dumps({"per_test_s": per_test_s,
                                        "tests": [{"kind": t.kind, "source": t.source} for t in planned]})}
     result = run_program(files, ["python", "-I", "-S", "harness.py"], stdin=nonce + "\n", limits=run_limits)
-    records: dict[int, tuple[str, str]] = {}
     suspicious: set[str] = set()
-    loaded = done = False
-    load_failure = ""
-    for line in result.stdout.splitlines():
+    report = _read_report(result.stdout, nonce, len(planned), suspicious)
+    outcomes = [_outcome(test, report.records.get(index, ("missing", "")), report, result, suspicious)
+                for index, test in enumerate(planned)]
+    return outcomes, sorted(suspicious)
+
+
+@dataclass
+class _HarnessReport:
+    records: dict[int, tuple[str, str]]  # test index -> (status, payload)
+    loaded: bool = False
+    done: bool = False
+    load_failure: str = ""
+
+
+def _read_report(stdout: str, nonce: str, planned: int, suspicious: set[str]) -> _HarnessReport:
+    """The harness's lines (each opens with the nonce only it knows); any other line, or a second
+    line for one test, is the candidate forging the report."""
+    report = _HarnessReport(records={})
+    for line in stdout.splitlines():
         head, _, rest = line.partition(" ")
         if head != nonce:
             suspicious.add("forged_report")  # the candidate wrote on the harness's channel
             continue
         what, _, payload = rest.partition(" ")
         if what == "loaded":
-            loaded = True
+            report.loaded = True
         elif what == "done":
-            done = True
+            report.done = True
         elif what == "load_exit":
-            load_failure = "the program exited while loading"
+            report.load_failure = "the program exited while loading"
             suspicious.add("early_exit")
         elif what == "load_error":
-            load_failure = f"the program failed to load: {_payload(payload)}"
+            report.load_failure = f"the program failed to load: {_payload(payload)}"
         elif what.isdigit():
             index = int(what)
-            if index in records or index >= len(planned):
+            if index in report.records or index >= planned:
                 suspicious.add("forged_report")  # only a holder of the nonce could write this
-                records[index] = ("forged", "")
+                report.records[index] = ("forged", "")
                 continue
             status, _, value = payload.partition(" ")
-            records[index] = (status, value)
-    outcomes = []
-    for index, test in enumerate(planned):
-        status, payload = records.get(index, ("missing", ""))
-        if status == "value" and test.kind == "value":
-            try:
-                outcomes.append(judge_value(test.check, decode(json.loads(payload))))
-            except (ValueError, TypeError, KeyError, RecursionError) as exc:
-                suspicious.add("forged_report")
-                outcomes.append((False, f"unreadable value: {type(exc).__name__}"))
-        elif status == "completed" and test.kind == "program":
-            outcomes.append((True, "ok"))
-        elif status == "error":
-            outcomes.append((False, _payload(payload)))
-        elif status == "not_plain":
-            suspicious.add("fake_value")
-            outcomes.append((False, f"fake value: the test got {_payload(payload)}"))
-        elif status == "exit":
-            suspicious.add("exit_during_test")
-            outcomes.append((False, "the test exited the interpreter"))
-        elif status == "timeout":
-            outcomes.append((False, "timeout"))
-        elif load_failure:
-            outcomes.append((False, load_failure))
-        elif result.timed_out:
-            outcomes.append((False, "timeout"))
-        else:
-            if result.returncode == 0 and not done:
-                suspicious.add("early_exit")  # only an exit call ends the harness cleanly before it is done
-            why = "the program ended before this test ran" if loaded else "the program never loaded"
-            tail = (result.stderr.strip().splitlines() or [f"exit {result.returncode}"])[-1][:200]
-            outcomes.append((False, f"{why} ({tail})"))
-    return outcomes, sorted(suspicious)
+            report.records[index] = (status, value)
+    return report
+
+
+def _outcome(test: HarnessTest, record: tuple[str, str], report: _HarnessReport, result,
+             suspicious: set[str]) -> tuple[bool, str]:
+    """One test's (passed, reason) from its record in the report."""
+    status, payload = record
+    if status == "value" and test.kind == "value":
+        try:
+            return judge_value(test.check, decode(json.loads(payload)))
+        except (ValueError, TypeError, KeyError, RecursionError) as exc:
+            suspicious.add("forged_report")
+            return False, f"unreadable value: {type(exc).__name__}"
+    if status == "completed" and test.kind == "program":
+        return True, "ok"
+    if status == "error":
+        return False, _payload(payload)
+    if status == "not_plain":
+        suspicious.add("fake_value")
+        return False, f"fake value: the test got {_payload(payload)}"
+    if status == "exit":
+        suspicious.add("exit_during_test")
+        return False, "the test exited the interpreter"
+    if status == "timeout":
+        return False, "timeout"
+    if report.load_failure:
+        return False, report.load_failure
+    if result.timed_out:
+        return False, "timeout"
+    if result.returncode == 0 and not report.done:
+        suspicious.add("early_exit")  # only an exit call ends the harness cleanly before it is done
+    why = "the program ended before this test ran" if report.loaded else "the program never loaded"
+    tail = (result.stderr.strip().splitlines() or [f"exit {result.returncode}"])[-1][:200]
+    return False, f"{why} ({tail})"
 
 
 def run_tests(code: str, tests: dict, limits: SandboxLimits = SandboxLimits(), max_tests: int = 16,
-              parallel: int = 2) -> CodeVerdict:
+              parallel: int = 2) -> CodeReport:
     outcomes: list[tuple[bool, str]] = []
     suspicious: set[str] = set()
     planned = [plan_assert(a) for a in tests.get("asserts", [])[:max_tests]]
@@ -255,5 +272,5 @@ def run_tests(code: str, tests: dict, limits: SandboxLimits = SandboxLimits(), m
         cases = list(zip(tests["inputs"], tests["outputs"]))[:max_tests]
         with ThreadPoolExecutor(max_workers=max(1, parallel)) as workers:
             outcomes += list(workers.map(run_io, cases))
-    return CodeVerdict(passed=sum(ok for ok, _ in outcomes), total=len(outcomes), details=[d for _, d in outcomes],
+    return CodeReport(passed=sum(ok for ok, _ in outcomes), total=len(outcomes), details=[d for _, d in outcomes],
                        suspicious=sorted(suspicious))

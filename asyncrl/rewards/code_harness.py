@@ -127,7 +127,10 @@ def _alarm(signum, frame):
     raise TestTimeout()
 
 
-def main():
+def _report_channel():
+    """The nonce from stdin, and a `report(*fields)` writing nonce-led lines to the original stdout,
+    taken before the candidate runs (stdout and stdin then point at /dev/null: what it prints is
+    not a record)."""
     nonce = b""
     while not nonce.endswith(b"\n"):
         chunk = os.read(0, 64)
@@ -138,21 +141,66 @@ def main():
     report_fd = _dup(1)
     devnull = _open(os.devnull, os.O_RDWR)
     _dup2(devnull, 0)
-    _dup2(devnull, 1)  # what the candidate prints is not a record
+    _dup2(devnull, 1)
     _close(devnull)
 
     def report(*fields):
         line = b" ".join([nonce, *[f if _isinstance(f, bytes) else _str(f).encode() for f in fields]]) + b"\n"
         _write(report_fd, line)
 
-    job = json.load(open("tests.json"))
-    per_test_s = float(job.get("per_test_s", 0)) or None
+    return report
+
+
+def _compiled_tests(job):
     compiled = []
     for test in job["tests"]:
         try:
             compiled.append(compile_test(test["kind"], test["source"]))
         except SyntaxError as exc:
             compiled.append(exc)
+    return compiled
+
+
+def _test_runner(report):
+    """`run_one(index, code, kind, namespace, per_test_s)`: one test in a fresh copy of the namespace,
+    its time bounded by the alarm. Made before the candidate runs, with every name it calls taken
+    then: a candidate that rebinds the harness module's names (`encode`, `json.dumps`, ...) changes
+    nothing it uses."""
+    encode_value, dumps, describe, setitimer, real = encode, _dumps, _describe, signal.setitimer, signal.ITIMER_REAL
+    timeout, not_plain, run_eval, run_exec, as_text = TestTimeout, NotPlain, eval, exec, _str
+
+    def run_one(index, code, kind, namespace, per_test_s):
+        if per_test_s:
+            setitimer(real, per_test_s)
+        try:
+            if kind == "value":
+                value = encode_value(run_eval(code, dict(namespace)))
+                setitimer(real, 0)
+                report(index, "value", dumps(value))
+            else:
+                run_exec(code, dict(namespace))
+                setitimer(real, 0)
+                report(index, "completed")
+        except timeout:
+            report(index, "timeout")
+        except SystemExit as exc:
+            setitimer(real, 0)
+            report(index, "exit", dumps(as_text(exc.code)))
+        except not_plain as exc:
+            setitimer(real, 0)
+            report(index, "not_plain", dumps(as_text(exc)))
+        except BaseException as exc:
+            setitimer(real, 0)
+            report(index, "error", dumps(describe(exc)))
+
+    return run_one
+
+
+def main():
+    report = _report_channel()
+    job = json.load(open("tests.json"))
+    per_test_s = float(job.get("per_test_s", 0)) or None
+    compiled = _compiled_tests(job)
     pristine = dict(builtins.__dict__)
     source = open("solution.py", encoding="utf-8", errors="replace").read()
     try:
@@ -160,6 +208,7 @@ def main():
     except SyntaxError:
         defined = set()
     candidate = {"__name__": "__main__", "__builtins__": builtins, "__file__": "solution.py"}
+    run_one, plain_check = _test_runner(report), plain  # before the candidate runs (see `_test_runner`)
     try:
         exec(compile(source, "solution.py", "exec", dont_inherit=True), candidate)
     except SystemExit as exc:
@@ -173,35 +222,13 @@ def main():
     # the candidate defined a function or class of that name itself (the test is about it).
     namespace = {k: v for k, v in candidate.items() if k not in pristine or k in defined}
     namespace["__builtins__"] = pristine
-    namespace["__plain__"] = plain
+    namespace["__plain__"] = plain_check
     signal.signal(signal.SIGALRM, _alarm)
     for index, code in enumerate(compiled):
         if _isinstance(code, SyntaxError):
             report(index, "error", _dumps("the test does not parse: %s" % code))
             continue
-        kind = job["tests"][index]["kind"]
-        if per_test_s:
-            signal.setitimer(signal.ITIMER_REAL, per_test_s)
-        try:
-            if kind == "value":
-                value = encode(eval(code, dict(namespace)))
-                signal.setitimer(signal.ITIMER_REAL, 0)
-                report(index, "value", _dumps(value))
-            else:
-                exec(code, dict(namespace))
-                signal.setitimer(signal.ITIMER_REAL, 0)
-                report(index, "completed")
-        except TestTimeout:
-            report(index, "timeout")
-        except SystemExit as exc:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            report(index, "exit", _dumps(_str(exc.code)))
-        except NotPlain as exc:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            report(index, "not_plain", _dumps(_str(exc)))
-        except BaseException as exc:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            report(index, "error", _dumps(_describe(exc)))
+        run_one(index, code, job["tests"][index]["kind"], namespace, per_test_s)
     report("done")
 
 

@@ -50,12 +50,11 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from dataclasses import dataclass, field
 
 from asyncrl.rewards.cgroup import SandboxCgroup, cgroup_layout
 from asyncrl.rewards.sandbox_init import LAUNCHER
+from asyncrl.rewards.supervisor import supervise
 
 log = logging.getLogger(__name__)
 
@@ -256,31 +255,6 @@ def _rlimits(limits: SandboxLimits) -> dict[str, int]:
     }
 
 
-def _read_capped(stream, cap: int, out: list, flags: dict) -> None:
-    total = 0
-    while True:
-        chunk = stream.read(8192)
-        if not chunk:
-            return
-        if total < cap:
-            out.append(chunk[: cap - total])
-        total += len(chunk)
-        if total > cap:
-            flags["truncated"] = True
-
-
-def _write_stdin(stream, data: bytes) -> None:
-    try:
-        stream.write(data)
-    except (BrokenPipeError, OSError, ValueError):
-        pass  # the program ended or closed its stdin: what it did not read does not matter
-    finally:
-        try:
-            stream.close()
-        except (BrokenPipeError, OSError):
-            pass
-
-
 def _new_uid() -> int:
     """A uid no other sandbox of this machine holds now: this process's block, then a counter."""
     return _UID_BASE + os.getpid() % 4096 * 4096 + next(_UIDS) % 4096
@@ -340,37 +314,11 @@ def _run(mode: str, files: dict[str, str], argv: list[str], stdin: str, limits: 
                    "argv": argv, "env": env}
             command = [*_unshare_command(mode), python, "-I", "-S", "-c", LAUNCHER, json.dumps(job)]
             cwd, preexec = "/", _namespaced_preexec(cgroup, os.getpid())
-        start = time.monotonic()
-        proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                cwd=cwd, env=env, start_new_session=True, preexec_fn=preexec)
-        out, err, flags = [], [], {}
-        threads = [threading.Thread(target=_read_capped, args=(proc.stdout, limits.max_output_bytes, out, flags), daemon=True),
-                   threading.Thread(target=_read_capped, args=(proc.stderr, limits.max_output_bytes, err, flags), daemon=True),
-                   threading.Thread(target=_write_stdin, args=(proc.stdin, stdin.encode("utf-8", errors="replace")), daemon=True)]
-        for t in threads:
-            t.start()
-        timed_out = False
-        try:
-            proc.wait(timeout=limits.wall_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # unshare dies -> --kill-child ends the namespace
-            except (ProcessLookupError, PermissionError):
-                pass
-            if cgroup is not None:
-                cgroup.kill()  # what escaped the process group (setsid) is still in the cgroup
-            proc.wait()
-        for t in threads:
-            t.join(timeout=2)
-        return SandboxResult(
-            returncode=None if timed_out else proc.returncode,
-            stdout=b"".join(out).decode("utf-8", errors="replace"),
-            stderr=b"".join(err).decode("utf-8", errors="replace"),
-            timed_out=timed_out, output_truncated=bool(flags.get("truncated")),
-            wall_s=time.monotonic() - start, isolation={"mode": mode, "cgroup": cgroup is not None},
-        )
+        ended = supervise(command, cwd, env, preexec, stdin, limits.wall_s, limits.max_output_bytes,
+                          kill_escaped=cgroup.kill if cgroup is not None else None)
+        return SandboxResult(returncode=ended.returncode, stdout=ended.stdout, stderr=ended.stderr,
+                             timed_out=ended.timed_out, output_truncated=ended.output_truncated,
+                             wall_s=ended.wall_s, isolation={"mode": mode, "cgroup": cgroup is not None})
     finally:
         if cgroup is not None:
             cgroup.remove()

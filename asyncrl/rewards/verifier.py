@@ -62,11 +62,11 @@ class Verifier:
                 continue
             truth = episode_truth(req.ground_truth, req.prompt_id, req.sample_idx)
             try:
-                verdict = verify(kind, req.response_text, truth, style, limits, e.math_timeout_s)
-                rewards.append(Reward(prompt_id=req.prompt_id, sample_idx=req.sample_idx, score=verdict.score,
-                                      correct=verdict.correct, source=self.name, source_version=self.version,
-                                      details={"verifier": kind, **verdict.details},
-                                      suspicious=list(verdict.suspicious)))
+                check = verify(kind, req.response_text, truth, style, limits, e.math_timeout_s)
+                rewards.append(Reward(prompt_id=req.prompt_id, sample_idx=req.sample_idx, score=check.score,
+                                      correct=check.correct, source=self.name, source_version=self.version,
+                                      details={"verifier": kind, **check.details},
+                                      suspicious=list(check.suspicious)))
             except Exception as exc:  # a verifier bug or bad ground truth must not lose the sample
                 self.failed += 1
                 rewards.append(failed(req, self.name, self.version, exc))

@@ -1,8 +1,8 @@
 """Rule-based reasoning-task verifiers (RTV): math answers, code against unit tests, format checks,
-and the built-in tiny tasks. One entry point, `verify(kind, ...)`, returning a `Verdict`.
+and the built-in tiny tasks. One entry point, `verify(kind, ...)`, returning a `Check`.
 
 A verifier is pure with respect to its inputs (the code verifier runs a sandboxed subprocess), so
-an endpoint can call it from any thread; every failure mode becomes a failing verdict with a reason.
+an endpoint can call it from any thread; every failure mode becomes a failing check with a reason.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ MAX_RESPONSE_CHARS = 256 << 10  # longer responses are judged on their tail / re
 
 
 @dataclass
-class Verdict:
+class Check:
     score: float
     correct: bool
     details: dict = field(default_factory=dict)
@@ -50,7 +50,7 @@ def kind_for(data_source: str) -> str:
     return "math"
 
 
-def format_verdict(response: str, min_chars: int = 1, max_chars: int = 8192, require_boxed: bool = True) -> Verdict:
+def format_check(response: str, min_chars: int = 1, max_chars: int = 8192, require_boxed: bool = True) -> Check:
     """Format check: an answer is present (a \\boxed{} or an "Answer:" line) and the length is sane."""
     from asyncrl.rewards.math import extract_answer
 
@@ -63,11 +63,11 @@ def format_verdict(response: str, min_chars: int = 1, max_chars: int = 8192, req
     if answer is None or (require_boxed and not answer.startswith("\\boxed")):
         problems.append("no final answer")
     ok = not problems
-    return Verdict(1.0 if ok else 0.0, ok, {"format_problems": problems})
+    return Check(1.0 if ok else 0.0, ok, {"format_problems": problems})
 
 
 def verify(kind: str, response: str, ground_truth, style: str = "zero_one", code_limits=None,
-           math_timeout_s: float = MATH_TIMEOUT_S) -> Verdict:
+           math_timeout_s: float = MATH_TIMEOUT_S) -> Check:
     """Score one response. `style`: zero_one (1/0) or plus_minus (+1/-1, DAPO); the code verifier
     scores all-pass and reports the per-test pass fraction. `ground_truth`: text (a number is read
     as written); the code verifier also takes its tests as a dict."""
@@ -79,28 +79,28 @@ def verify(kind: str, response: str, ground_truth, style: str = "zero_one", code
     ground_truth = ground_truth_text(ground_truth)
     if kind in ("tiny", "tiny_tool"):  # the first character (of an episode's final turn)
         pred = response[:1]
-        return Verdict(score_from_correct(pred == ground_truth, style), pred == ground_truth, {"pred": pred})
+        return Check(score_from_correct(pred == ground_truth, style), pred == ground_truth, {"pred": pred})
     if kind == "tiny_seq":
         pred = response[: len(ground_truth)]
         hits = sum(a == b for a, b in zip(pred, ground_truth))
         credit = hits / len(ground_truth)
-        return Verdict(credit if style == "zero_one" else 2 * credit - 1, hits == len(ground_truth), {"pred": pred})
+        return Check(credit if style == "zero_one" else 2 * credit - 1, hits == len(ground_truth), {"pred": pred})
     if kind == "math":
         correct, pred, problem = math_correct(response[-MAX_RESPONSE_CHARS:], ground_truth, timeout_s=math_timeout_s)
         details = {"pred": pred[:200], **({"problem": problem} if problem else {})}
-        return Verdict(score_from_correct(correct, style), correct, details)
+        return Check(score_from_correct(correct, style), correct, details)
     if kind == "code":
         from asyncrl.rewards.code import extract_code, parse_tests, run_tests
         from asyncrl.rewards.sandbox import SandboxLimits
 
         if len(response) > MAX_RESPONSE_CHARS:
-            return Verdict(score_from_correct(False, style), False, {"error": "response too long to run"})
+            return Check(score_from_correct(False, style), False, {"error": "response too long to run"})
         tests = parse_tests(ground_truth)
-        verdict = run_tests(extract_code(response), tests, code_limits or SandboxLimits())
-        return Verdict(score_from_correct(verdict.all_passed, style), verdict.all_passed,
-                       {"pass_fraction": verdict.pass_fraction, "passed": verdict.passed, "tests": verdict.total,
-                        "failures": [d for d in verdict.details if d != "ok"][:5]}, suspicious=verdict.suspicious)
+        report = run_tests(extract_code(response), tests, code_limits or SandboxLimits())
+        return Check(score_from_correct(report.all_passed, style), report.all_passed,
+                     {"pass_fraction": report.pass_fraction, "passed": report.passed, "tests": report.total,
+                      "failures": [d for d in report.details if d != "ok"][:5]}, suspicious=report.suspicious)
     if kind == "format":
-        verdict = format_verdict(response)
-        return Verdict(score_from_correct(verdict.correct, style), verdict.correct, verdict.details)
+        check = format_check(response)
+        return Check(score_from_correct(check.correct, style), check.correct, check.details)
     raise ValueError(f"unknown verifier kind {kind!r}; expected one of {VERIFIER_KINDS}")

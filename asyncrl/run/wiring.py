@@ -40,8 +40,8 @@ from asyncrl.run.status import (
                                 summarize,
                                 )
 from asyncrl.staleness import open_prompts_bound
-from asyncrl.storage import checkpoint
-from asyncrl.storage.checkpoint_transfer import StoreClient
+from asyncrl.storage import checkpoint, checkpoint_parts
+from asyncrl.storage.checkpoint_transfer import WriterClient
 from asyncrl.storage.trajectory_store import STORE_DIRNAME
 from asyncrl.weights.sharding import rendezvous_store
 from asyncrl.weights.sync import free_port, node_address
@@ -108,7 +108,7 @@ class System:
         self._created: list[Any] = []  # every role actor made by start()
         self._endpoints: dict[str, Any] = {}  # reward endpoint actors (none under Serve)
         self.environment: Any = None  # the environment endpoint actor (a task with an environment)
-        self.store: StoreClient | None = None  # the checkpoints' writer, on the run directory's node
+        self.checkpoint_writer: WriterClient | None = None  # the checkpoints' writer, on the run directory's node
         self._last_value: dict = {}
         self.draining = False  # `drain` stopped the prompt source
 
@@ -176,7 +176,7 @@ class System:
         self._created += [self.environment] if self.environment is not None else []
         # Every checkpoint is begun and committed on this node, the run directory's (roles elsewhere
         # ship their parts to it: `asyncrl.storage.checkpoint_transfer`).
-        self.store = (StoreClient.spawn(self.run_dir, lambda shell, **kw: self._spawn(shell, placement=here, **kw))
+        self.checkpoint_writer = (WriterClient.spawn(self.run_dir, lambda shell, **kw: self._spawn(shell, placement=here, **kw))
                       if self.run_dir and learning else None)
         recorder = (self._spawn(RecorderActor, directory=os.path.join(self.run_dir, STORE_DIRNAME),
                                 max_file_mb=tr.store_file_mb, max_file_age_s=tr.store_file_age_s,
@@ -198,7 +198,7 @@ class System:
         value_learner = (self._spawn(
             ValueLearnerActor, model=cfg.model, critic=cfg.critic, algorithm=cfg.algorithm, sampling=cfg.sampling,
             seed=tr.seed, trajectories=boxes["trajectories"], resume_from=resume and resume.checkpoint,
-            checkpoint_store=self.store, placement=learner_options[ranks]) if value_based else None)
+            checkpoint_writer=self.checkpoint_writer, placement=learner_options[ranks]) if value_based else None)
         assembler = self._spawn(
             AssemblerActor, model=cfg.model, algorithm=cfg.algorithm, engine=cfg.engine, reward=cfg.reward,
             prompts_per_step=tr.prompts_per_step, segments=boxes["segments"], batches=boxes["batches"],
@@ -239,7 +239,7 @@ class System:
             checkpoint_parts=[prompt_source] + ([value_learner] if value_learner is not None else []),
             checkpoints=CheckpointPolicy(self.run_dir, tr.checkpoint_every if self.run_dir else 0,
                                          tr.checkpoint_every_s if self.run_dir else 0.0, tr.checkpoint_keep,
-                                         self.store),
+                                         self.checkpoint_writer),
             max_steps=self.max_steps, recorder=recorder, ranks=rank_actors, rendezvous=rendezvous,
             delivery_timeout_s=self.config.cluster.generator_timeout_s,
             placement=options[0], actor_name=LEARNER_NAME if self.name_actors else None)  # found by name
@@ -253,7 +253,7 @@ class System:
         if "learner" in self.actors:
             answer(self.actors["learner"].resume.remote(resume.checkpoint), "the learner", "resume", WORK_TIMEOUT_S)
         self.resumed["reissued_prompts"] = answer(self.actors["prompt_source"].restore.remote(
-            resume.checkpoint, resume.held_sample_ids, resume.weight_version, self.store), "the prompt source",
+            resume.checkpoint, resume.held_sample_ids, resume.weight_version, self.checkpoint_writer), "the prompt source",
             "restore", WORK_TIMEOUT_S)
         if resume.saved_batches:
             batches = self.mailboxes["batches"]
@@ -287,8 +287,8 @@ class System:
         if path is None:
             raise FileNotFoundError(f"resume=true: no valid checkpoint in {checkpoint.checkpoints_dir(self.run_dir)}"
                                     + (f" (rejected: {'; '.join(rejected)})" if rejected else ""))
-        saved_batches, held = checkpoint.resumable_batches(checkpoint.load_batches(os.path.join(path, "batches.msgpack")))
-        learner_meta = checkpoint.load_json(os.path.join(path, "learner.json"))
+        saved_batches, held = checkpoint_parts.resumable_batches(checkpoint_parts.load_batches(os.path.join(path, "batches.msgpack")))
+        learner_meta = checkpoint_parts.load_json(os.path.join(path, "learner.json"))
         point = ResumePoint(checkpoint=path, saved_batches=saved_batches, held_sample_ids=held,
                             weight_version=learner_meta["weight_version"],
                             incarnation=int(learner_meta.get("incarnation", 0)) + 1)

@@ -4,11 +4,11 @@ The run directory belongs to the node of the process that runs the run (the driv
 train`, or the Serve controller): its records and its checkpoints are there, and a restart,
 `resume=true`, evaluation and export read them there. A role on another node (a GPU learner, a
 value learner) may not see that directory (no shared filesystem). So the one writer of the
-checkpoints directory is `CheckpointStore`, on the run directory's node (its Ray shell:
-`actors.checkpoint_store`): it begins and commits every checkpoint. A role that sees the
-directory (it finds the store's marker file with the store's token: one node, or a shared
+checkpoints directory is `CheckpointWriter`, on the run directory's node (a Ray actor of its own:
+`WriterClient.spawn`): it begins and commits every checkpoint. A role that sees the
+directory (it finds the writer's marker file with the writer's token: one node, or a shared
 filesystem) writes its part straight into the checkpoint being written; one that does not writes
-its part into a staging directory of its own node and ships the files in chunks to the store; on
+its part into a staging directory of its own node and ships the files in chunks to the writer; on
 resume it fetches the files it needs the same way (`local_copy`).
 
 A checkpoint on the run's node also outlives the learner's node: a restart places the learner
@@ -30,11 +30,11 @@ from asyncrl.storage import checkpoint
 
 CHUNK_BYTES = 8 << 20  # one call carries this much of a file
 IN_FLIGHT = 4  # chunks on their way at once (memory: IN_FLIGHT x CHUNK_BYTES)
-CALL_TIMEOUT_S = 600.0  # a store that does not answer a chunk in this long is hung, not slow
-MARKER = ".checkpoint_store"  # in the run directory (the checkpoints directory holds checkpoints only)
+CALL_TIMEOUT_S = 600.0  # a writer that does not answer a chunk in this long is hung, not slow
+MARKER = ".checkpoint_writer"  # in the run directory (the checkpoints directory holds checkpoints only)
 
 
-class CheckpointStore:
+class CheckpointWriter:
     """Every write to one run's checkpoints directory, on the run directory's node. Paths given by
     callers are checked to stay inside it."""
 
@@ -123,37 +123,37 @@ def publish_marker(run_dir: str) -> tuple[str, str]:
 
 
 @dataclass(frozen=True)
-class StoreClient:
-    """A role's way to its run's `CheckpointStore`: the store itself (in this process) or its Ray
+class WriterClient:
+    """A role's way to its run's `CheckpointWriter`: the writer itself (in this process) or its Ray
     actor, with where its marker is (read once, when the run wires its roles)."""
 
-    target: Any  # a CheckpointStore, or its actor's handle
+    target: Any  # a CheckpointWriter, or its actor's handle
     marker: str
     token: str
 
     @classmethod
-    def local(cls, run_dir: str) -> "StoreClient":
-        store = CheckpointStore(run_dir)
-        return cls(store, *store.where())
+    def local(cls, run_dir: str) -> "WriterClient":
+        writer = CheckpointWriter(run_dir)
+        return cls(writer, *writer.where())
 
     @classmethod
-    def spawn(cls, run_dir: str, spawn: Callable[..., Any]) -> "StoreClient":
-        """The store as an actor that `spawn(CheckpointStore, **kwargs)` makes on this node, the run
+    def spawn(cls, run_dir: str, spawn: Callable[..., Any]) -> "WriterClient":
+        """The writer as an actor that `spawn(CheckpointWriter, **kwargs)` makes on this node, the run
         directory's; its marker is written from here, so nothing waits for the actor to start."""
         marker, token = publish_marker(run_dir)
-        return cls(spawn(CheckpointStore, run_dir=os.path.abspath(run_dir), token=token), marker, token)
+        return cls(spawn(CheckpointWriter, run_dir=os.path.abspath(run_dir), token=token), marker, token)
 
     def call(self, method: str, *args):
-        """A store method, in this process or on the store's node (blocking: call from a thread)."""
-        if isinstance(self.target, CheckpointStore):
+        """A writer method, in this process or on the writer's node (blocking: call from a thread)."""
+        if isinstance(self.target, CheckpointWriter):
             return getattr(self.target, method)(*args)
         import ray
 
         return ray.get(getattr(self.target, method).remote(*args), timeout=CALL_TIMEOUT_S)
 
     def submit(self, method: str, *args):
-        """Start a store method: its Ray reference (None in this process, where it ran already)."""
-        if isinstance(self.target, CheckpointStore):
+        """Start a writer method: its Ray reference (None in this process, where it ran already)."""
+        if isinstance(self.target, CheckpointWriter):
             getattr(self.target, method)(*args)
             return None
         return getattr(self.target, method).remote(*args)
@@ -175,18 +175,18 @@ class StoreClient:
             return False
 
 
-def write_part(store: StoreClient, tmp: str, write: Callable[[str], None]) -> None:
+def write_part(writer: WriterClient, tmp: str, write: Callable[[str], None]) -> None:
     """Have `write(directory)` write a part of the checkpoint being written at `tmp`: straight into
     it where this process sees it, else into a staging directory here whose files are shipped to
-    the store. A disk that refuses raises `checkpoint.CheckpointWriteError`."""
+    the writer. A disk that refuses raises `checkpoint.CheckpointWriteError`."""
     step = checkpoint.step_of(tmp)
-    if store.sees_directory():
+    if writer.sees_directory():
         _refusals(write, tmp, step, os.path.dirname(tmp))
         return
     stage = tempfile.mkdtemp(prefix="asyncrl-checkpoint-part-")
     try:
         _refusals(write, stage, step, None)  # this node's staging disk
-        _upload(store, stage, tmp)
+        _upload(writer, stage, tmp)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
 
@@ -201,7 +201,7 @@ def _refusals(write: Callable[[str], None], directory: str, step: int, root: str
         raise refused from None
 
 
-def _upload(store: StoreClient, stage: str, tmp: str) -> None:
+def _upload(writer: WriterClient, stage: str, tmp: str) -> None:
     """Every file under `stage` into the checkpoint `tmp`, in chunks, a few on their way at once."""
     pending: list = []
     for directory, _, files in os.walk(stage):
@@ -213,31 +213,31 @@ def _upload(store: StoreClient, stage: str, tmp: str) -> None:
                 while True:
                     data = f.read(CHUNK_BYTES)
                     if data or offset == 0:  # an empty file is written too
-                        pending.append(store.submit("write", tmp, rel, offset, data))
+                        pending.append(writer.submit("write", tmp, rel, offset, data))
                     if len(pending) >= IN_FLIGHT:
-                        store.settle(pending[:1])
+                        writer.settle(pending[:1])
                         pending = pending[1:]
                     if len(data) < CHUNK_BYTES:
                         break
                     offset += len(data)
-    store.settle(pending)
+    writer.settle(pending)
 
 
 @contextlib.contextmanager
-def local_copy(store: StoreClient | None, path: str, names: list[str]) -> Iterator[str]:
+def local_copy(writer: WriterClient | None, path: str, names: list[str]) -> Iterator[str]:
     """A directory holding the files `names` of the checkpoint at `path` (a path on the run's node):
-    `path` itself where this process sees it, else a copy fetched from the store (removed after)."""
-    if store is None or store.sees_directory():
+    `path` itself where this process sees it, else a copy fetched from the writer (removed after)."""
+    if writer is None or writer.sees_directory():
         yield path
         return
     stage = tempfile.mkdtemp(prefix="asyncrl-checkpoint-")
     try:
-        for rel, size in store.call("files", path, names):
+        for rel, size in writer.call("files", path, names):
             target = os.path.join(stage, rel)
             os.makedirs(os.path.dirname(target), exist_ok=True)
             with open(target, "wb") as f:
                 for offset in range(0, size, CHUNK_BYTES):
-                    f.write(store.call("read", path, rel, offset, CHUNK_BYTES))
+                    f.write(writer.call("read", path, rel, offset, CHUNK_BYTES))
         yield stage
     finally:
         shutil.rmtree(stage, ignore_errors=True)

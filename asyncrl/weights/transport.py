@@ -2,7 +2,7 @@
 names the paths and says what each side does on each.
 
 * `shm`: generators on the learner's node (CPU) map two slot files in shared memory that the
-  learner writes in turn (`asyncrl.weights.sync.SharedSlots`); adopting a version is a pointer swap.
+  learner writes in turn (`asyncrl.weights.shared_memory.SharedSlots`); adopting a version is a pointer swap.
 * `cuda_ipc`: generators on the learner's GPU rebuild the learner's tensors from CUDA IPC handles.
 * `group`: generators on other nodes receive bucketed broadcasts over a `torch.distributed` group
   of their own (`asyncrl.weights.sync.WeightGroup`: gloo on CPU, NCCL on GPU).
@@ -18,8 +18,8 @@ from typing import Any, Awaitable, Callable, Iterable
 import torch
 
 from asyncrl.weights.delta import DeltaTracker
-from asyncrl.weights.sync import (AdapterSpec, BucketPlan, Delivery, SharedSlots, SharedVersion, WeightGroup,
-                                  from_cuda_ipc, plan_buckets, shared_views, to_cuda_ipc)
+from asyncrl.weights.shared_memory import SharedSlots, SharedVersion, shared_views
+from asyncrl.weights.sync import AdapterSpec, BucketPlan, Delivery, WeightGroup, from_cuda_ipc, plan_buckets, to_cuda_ipc
 
 PATHS = ("shm", "cuda_ipc", "group")
 

@@ -23,29 +23,23 @@ import random
 import time
 
 import msgspec
-import numpy as np
 import torch
 
 from actors.assembler import Assembler
 from actors.policy_learner import CheckpointPolicy, LearnerEdges, build_policy_learner
 from actors.value_learner import build_value_learner
-from asyncrl.algo.shaping import shaped_score
-from asyncrl.assembly.rows import merge_segments
 from asyncrl.assembly.strategies import build_strategy
 from asyncrl.assembly.values import ValueEdges
 from asyncrl.config import NO_BOUND, Config, PairwiseAdvantage, to_record
-from asyncrl.data.files import file_examples, read_rows
-from asyncrl.data.tasks import encode_prompt, score_response
 from asyncrl.evaluation import greedy_accuracy, progress_bar
 from asyncrl.learning.dqo import dqo_step
-from asyncrl.learning.scoring import response_logprobs
 from asyncrl.learning.tensors import build_optimizer
 from asyncrl.messages.mailbox import InProcessMailbox
-from asyncrl.messages.structs import (Reward, RewardRequest, ScoredTrajectory, Segment, float32_array, ground_truth_text,
-                                      int32_array)
+from asyncrl.messages.structs import Reward, RewardRequest, ScoredTrajectory, Segment
 from asyncrl.models.loading import load_model, load_tokenizer
-from asyncrl.storage import checkpoint
-from asyncrl.storage.trajectory_store import BatchRecord, TrajectoryRecord, read_trajectories, reward_of, segments_of
+from asyncrl.offline.records import offline_records, reference_logprobs, scored_trajectory, with_behaviour
+from asyncrl.storage import checkpoint, checkpoint_parts
+from asyncrl.storage.trajectory_store import BatchRecord, TrajectoryRecord, reward_of, segments_of
 from asyncrl.weights import lora
 
 
@@ -90,93 +84,6 @@ def generate_and_store(config: Config, progress: bool = True) -> dict:
     print(f"recorded {summary['samples_recorded']} samples in {wall:.1f}s ({summary['samples_per_s']:.1f} samples/s), "
           f"reward mean {summary['reward_mean']:.3f}; store: {summary['store']}", flush=True)
     return summary
-
-
-# --- mode=learn: the data --------------------------------------------------------------------------
-
-
-def offline_records(config: Config) -> list[TrajectoryRecord]:
-    """The records to learn from: a trajectory store, or a file of labelled responses in verl's layout
-    (scored by the task's verifier when it has no `score`; sampled from the reference policy, so the
-    behaviour log-probs are the reference's: filled in by `with_behaviour`)."""
-    data = config.offline.data
-    if os.path.isdir(data):
-        records = read_trajectories(data, tuple(config.offline.statuses))
-    else:
-        records = labelled_records(data, config)
-    records = [r for r in records if not r.reward_failed and r.score is not None]
-    if not records:
-        raise ValueError(f"offline.data={data}: no scored trajectory to learn from")
-    return records
-
-
-def labelled_records(path: str, config: Config) -> list[TrajectoryRecord]:
-    """Rows of a jsonl/parquet file: verl's prompt layout plus `response` (text) and an optional
-    `score` (else the task's verifier scores the response against the ground truth)."""
-    rows = read_rows(path)
-    examples = file_examples(path, distinct_ids=False)
-    tokenizer = load_tokenizer(config.model)
-    out = []
-    for i, (row, example) in enumerate(zip(rows, examples)):
-        if "response" not in row:
-            raise ValueError(f"{path}: row {i} has no `response` field (a labelled response)")
-        prompt_ids = encode_prompt(example, tokenizer, config.model.use_chat_template,
-                                   config.task.chat_template_kwargs)
-        response_ids = tokenizer.encode(row["response"], add_special_tokens=False) + [tokenizer.eos_token_id]
-        if "score" in row:
-            score, correct = float(row["score"]), row.get("correct")
-        else:
-            score, correct, _ = score_response(example.data_source, row["response"], example.ground_truth,
-                                               config.task.reward)
-        out.append(TrajectoryRecord(
-            sample_id=f"{example.prompt_id}/{i}", prompt_id=example.prompt_id, sample_idx=0,
-            group_id=f"{example.prompt_id}/{i}", group_size=1, data_source=example.data_source,
-            ground_truth=ground_truth_text(example.ground_truth), prompt_text=example.text, response_text=row["response"],
-            prompt_token_ids=prompt_ids, response_token_ids=response_ids,
-            behaviour_logprobs=[], token_versions=[0] * len(response_ids), window_ends=[len(response_ids)],
-            finish_reason="eos", seed=0, generator_id="file", score=score, correct=correct,
-            reward_source="file" if "score" in row else "verifier", status="recorded"))
-    return out
-
-
-def reference_logprobs(records: list[TrajectoryRecord], config: Config, reference=None) -> list[np.ndarray]:
-    """log π_ref of every record's response tokens under the data's sampling settings (the initial
-    policy of `config.model` unless `reference` is given)."""
-    tokenizer = load_tokenizer(config.model)
-    if reference is None:
-        reference = load_model(config.model, tokenizer).requires_grad_(False)
-    sampling = config.sampling
-    rows = [(int32_array(r.prompt_token_ids), int32_array(r.response_token_ids)) for r in records]
-    return response_logprobs(reference, rows, sampling.temperature, sampling.top_k, sampling.top_p,
-                             tokenizer.pad_token_id or 0, config.policy.compute.micro_batch_tokens)
-
-
-def with_behaviour(records: list[TrajectoryRecord], reference: list[np.ndarray] | None,
-                   config: Config) -> list[TrajectoryRecord]:
-    """Records of labelled responses carry no behaviour log-probs: they were sampled from the
-    reference policy, so its log-probs stand in (computed when not given)."""
-    missing = [i for i, r in enumerate(records) if not r.behaviour_logprobs]
-    if not missing:
-        return records
-    if reference is None:
-        reference = reference_logprobs([records[i] for i in missing], config)
-        reference = dict(zip(missing, reference))
-    out = list(records)
-    for i in missing:
-        out[i] = msgspec.structs.replace(records[i], behaviour_logprobs=np.asarray(reference[i], dtype=np.float32).tolist())
-    return out
-
-
-def scored_trajectory(record: TrajectoryRecord, config: Config) -> ScoredTrajectory:
-    """A record as the critic and DQO see it: the whole response, its shaped score (the reward the
-    online run trained with) and process rewards."""
-    merged = merge_segments(segments_of(record))
-    n = len(record.response_token_ids)
-    overlong = config.algorithm.overlong
-    score = shaped_score(record.score, n, config.engine.max_response_tokens, overlong.buffer_tokens,
-                         overlong.penalty_factor)
-    token_rewards = None if record.token_rewards is None else float32_array(record.token_rewards)
-    return ScoredTrajectory(segment=merged, score=score, token_rewards=token_rewards, correct=record.correct)
 
 
 # --- mode=learn ------------------------------------------------------------------------------------------
@@ -266,7 +173,7 @@ async def pretrain_value(config: Config, records: list[TrajectoryRecord], run_di
                     metrics_file.write(json.dumps({"step": learner.version, **record}) + "\n")
     tmp = checkpoint.begin(run_dir, learner.version)
     await learner.save_checkpoint_part(tmp)
-    checkpoint.save_json({"step": learner.version, "mode": "learn", "offline_train": "value"},
+    checkpoint_parts.save_json({"step": learner.version, "mode": "learn", "offline_train": "value"},
                          os.path.join(tmp, "learner.json"))
     path = checkpoint.commit(tmp, learner.version, config.trainer.checkpoint_keep)
     print(f"value model pretrained for {learner.version} steps; critic.init_path={path}/value", flush=True)
@@ -354,7 +261,7 @@ def replay_batch(config: Config, record: BatchRecord, checkpoint_dir: str | None
                          f"learner is at {learner.weight_version} (pass the checkpoint of step "
                          f"{record.trained_from_version})")
     batch = BATCH_CODEC.decode(record.batch)  # recorded as trained (stale tokens already masked)
-    return learner.policy.step(batch.samples)
+    return learner.policy.step(batch.rows)
 
 
 class RecordedRewards:
@@ -412,12 +319,12 @@ def _save(run_dir: str, step: int, policy, tokenizer, value_model, value_optimiz
     and settings, the adapter alone in peft's format) and `value/` (the value model)."""
     tmp = checkpoint.begin(run_dir, step)
     if adapter is None:
-        checkpoint.save_policy(policy, tokenizer, os.path.join(tmp, "policy"))
+        checkpoint_parts.save_policy(policy, tokenizer, os.path.join(tmp, "policy"))
     else:
         lora.save_adapter(os.path.join(tmp, "policy"), adapter[0], {n: p.detach() for n, p in policy.named_parameters()
                                                                     if lora.is_adapter(n)}, adapter[1], tokenizer)
-    checkpoint.save_value_part(tmp, value_model, value_optimizer, step, {})
-    checkpoint.save_json({"step": step, "weight_version": step, "mode": "learn", **meta}, os.path.join(tmp, "learner.json"))
+    checkpoint_parts.save_value_part(tmp, value_model, value_optimizer, step, {})
+    checkpoint_parts.save_json({"step": step, "weight_version": step, "mode": "learn", **meta}, os.path.join(tmp, "learner.json"))
     return checkpoint.commit(tmp, step, 1)
 
 
