@@ -61,6 +61,9 @@ def test_verls_data_names_select_the_file_task_and_a_built_in_task_beside_them_i
     with pytest.raises(ConfigError, match=r"data.train_files names a data file.*task=arithmetic is a built-in"):
         compose(["task=arithmetic", "data.train_files=a.parquet"])
     assert compose(["task=file", "data.train_files=a.parquet"]).task.name == "file"
+    # A built-in task's settings for the user's files: named so, it is the file task.
+    both = compose(["task=tiny", "task.name=file", "task.path=a.parquet"])
+    assert (both.task.name, both.task.path) == ("file", "a.parquet")
 
 
 def test_dotted_names_are_order_free():

@@ -100,8 +100,8 @@ def _implied_groups(parsed: list, group_overrides: list) -> list[str]:
     """`task=file` where a data file is named (verl's `data.train_files`, TRL's `dataset_name`, our
     `task.path`) and no task is; a built-in task named beside a data file is refused."""
     files = [o.key_or_group for o in parsed if o.key_or_group.lstrip("+") in DATA_FILE_KEYS]
-    if not files:
-        return []
+    if not files or any(o.key_or_group == "task.name" and o.value() == "file" for o in parsed):
+        return []  # no file named, or a task's settings with the file task's name (`task=tiny task.name=file`)
     tasks = [o for o in group_overrides if o.key_or_group == "task"]
     if not tasks:
         return ["task=file"]

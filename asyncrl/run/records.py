@@ -118,7 +118,7 @@ class RunRecords:
                  "generator_paused_for_weights_fraction": status["generator_paused_for_weights_fraction"],
                  "broadcast_s": status["last_broadcast"].get("total_s", 0.0),
                  "broadcast_bytes": status["last_broadcast"].get("bytes", 0.0),
-                 "reward_failed": status["assembler"].get("reward_failures", 0),
+                 "reward_failed": status.get("assembler", {}).get("reward_failures", 0),
                  "wall_time_s": time.time() - self.started}
         if "delta_elements" in status["last_broadcast"]:  # policy.weight_delta: the share of values that changed
             stamp["delta_changed_fraction"] = (status["last_broadcast"]["delta_elements_changed"]

@@ -29,6 +29,7 @@ import msgspec
 from fastapi import FastAPI, HTTPException
 from fastapi.responses import HTMLResponse
 from pydantic import BaseModel, Field
+import ray
 from ray import serve
 
 from asyncrl.config import Config
@@ -315,7 +316,7 @@ class TrainController:
 
 def build_train(args: dict[str, Any]) -> serve.Application:
     config = config_from_args(args)
-    if config.reward.use_serve:
+    if config.reward.use_serve and ray.is_initialized():  # built by Serve (not imported to look at)
         # Refused here, as the config's applications are built (Serve knows them all by now), not by
         # a replica, which Serve would start again and again before giving up.
         from ray.serve.exceptions import RayServeException
