@@ -3,10 +3,14 @@
 #   docker build -t asyncrl:gpu .
 #   docker run --gpus all --shm-size 16g -p 8000:8000 asyncrl:gpu            # serve run configs/serve.yaml
 #   docker run --gpus all asyncrl:gpu asyncrl train model.source=hf model.path=/models/... trainer.total_steps=200
-# Code rewards run policy-written programs in namespaces; Docker's default seccomp profile refuses
-# them, and asyncrl then refuses code rewards (docs/reward_hacking.md). Allow namespaces with
-#   docker run --security-opt seccomp=unconfined --cap-add SYS_ADMIN ...
-# or accept running code without isolation: -e ASYNCRL_SANDBOX_ALLOW_UNISOLATED=1 (resource limits only).
+# Code rewards run policy-written programs in namespaces, which Docker's default seccomp profile
+# allows only to a container with SYS_ADMIN (without it asyncrl refuses code rewards:
+# docs/reward_hacking.md). Keep that profile and add the capability:
+#   docker run --cap-add SYS_ADMIN ...          (and --security-opt apparmor=unconfined on an AppArmor host)
+# seccomp=unconfined is not needed. SYS_ADMIN is the container's root processes', never the
+# programs': they run without capabilities under the sandbox's own seccomp filter (README, "Code
+# rewards in Docker", says what the capability exposes). Or accept running code without namespaces:
+# -e ASYNCRL_SANDBOX_ALLOW_UNISOLATED=1 (resource limits and the seccomp filter only).
 # The tag matches the `[sglang]` extra's pin in pyproject.toml (sglang 0.5.23; CUDA 13 images).
 # Docker does not run on CI's machines: tests/test_image.py builds the tree these COPY lines make,
 # runs this file's `pip install` lines into a fresh environment and trains from it.

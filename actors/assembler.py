@@ -2,23 +2,21 @@
 reward router, and turns them into `TrainBatch`es through the run's assembly strategy (the role,
 its builder, its Ray shell).
 
-The strategy decides (`asyncrl.assembly`: kept, dropped with a reason, ready batches,
-trajectories for the critic); this role alone acts on what it decides: the ledger events (sent to
-the prompt source in one call per step), the counters, the trajectory store, the staleness mask
-(once, as a batch leaves: against the weight version it was told last) and the batches. Overlong
-shaping is applied here, once, when a reward arrives.
+The strategy decides (`asyncrl.assembly`: kept, dropped with a reason, ready batches, trajectories
+for the critic); this role alone acts on what it decides: the ledger events (sent to the prompt
+source in one call per step), the counters, the trajectory store, the staleness mask (once, as a
+batch leaves: against the weight version it was told last) and the batches. Overlong shaping is
+applied here, once, when a reward arrives; a prompt's data row is fetched once, for the reward
+calls (`asyncrl.assembly.prompt_rows`).
 
 Segments are deduplicated by id (`prompt/sample/turn`, per generator), so a redelivered segment is
 counted once; a sample is scored once; a group or row is emitted or dropped once. One copy of a
 sample is kept (`asyncrl.assembly.copies`): two exist when a prompt's lease ran out while its
 generator still worked on it, or when a generator left the pool (`retire_generator`) and its
 unacknowledged prompts went to another; the first copy to finish is the sample. A retired
-generator's segments are still taken: the samples it finished (of prompts it may have
-acknowledged, so nobody makes them again) count.
-
-With a recorder (`trainer.store_trajectories=true`), every finished sample's record (`asyncrl.storage.trajectory_store`)
-is sent when its fate here is known: kept (sent to the learner), dropped (with the reason) or recorded
-(`mode=generate`), with its reward and the values its advantages used.
+generator's segments are still taken: what it finished counts. With a recorder, every finished
+sample's record (`asyncrl.storage.trajectory_store`) is sent when its fate here is known: kept,
+dropped (with the reason) or recorded (`mode=generate`), with its reward and values.
 """
 
 from __future__ import annotations
@@ -37,6 +35,7 @@ from actors.base import RoleShell
 from asyncrl.algo.shaping import shaped_score
 from asyncrl.assembly.copies import SampleCopies
 from asyncrl.assembly.decisions import AssemblyStrategy, Decision, ReadyBatch, Scored
+from asyncrl.assembly.prompt_rows import PromptRows, scoring_with_rows
 from asyncrl.assembly.rows import merge_segments
 from asyncrl.assembly.strategies import build_strategy
 from asyncrl.assembly.values import ValueEdges
@@ -47,6 +46,7 @@ from asyncrl.messages.mailbox import Mailbox
 from asyncrl.messages.structs import (DropReason, Reward, RewardRequest, SampleState, Segment, TrainBatch, final_turn_start,
                                       sample_id)
 from asyncrl.models.loading import load_tokenizer
+from asyncrl.redaction import masked
 from asyncrl.rewards.hybrid import RewardRouter, build_reward_router
 from asyncrl.staleness import has_trained_tokens, mask_stale_tokens
 from asyncrl.storage.trajectory_store import TrajectoryRecord, record_of
@@ -239,7 +239,7 @@ class Assembler:
         self.counters["samples_scored"] += 1
         self.counters["reward_failures"] += int(reward.failed)
         if reward.failed:  # the counter says how many, this says why
-            self.last_reward_failure = str(reward.details.get("error", ""))[:300]
+            self.last_reward_failure = masked(reward.details.get("error", ""))[:300]
         self.counters[f"rewards_by_version.{reward.source_version or reward.source}"] += 1
         for conduct in reward.suspicious:  # reward hacking, by kind
             self.counters[f"suspicious.{conduct}"] += 1
@@ -279,7 +279,7 @@ class Assembler:
         for seg in segments:
             taken, parts = self._copies.add(seg)
             if taken and self.strategy.row_kind == "windows" and self._copies.is_row(seg):
-                rows.append(seg)
+                rows.append(self._copies.with_prior_routes(seg, parts))
             if parts is not None:
                 self._finish(parts, rows, to_score)
         return rows, to_score
@@ -374,14 +374,17 @@ def build_assembler(model: ModelConfig, algorithm: AlgorithmConfig, engine: Engi
                     prompts_per_step: int, segments: Mailbox, batches: Mailbox, value_edges: ValueEdges | None = None,
                     trajectories: Mailbox | None = None, events: EventsFn = lambda events, outcomes: None,
                     store_trajectories: StoreTrajectoriesFn | None = None, batch_prefix: str = "batch",
-                    mode: str = "train", synchronous: bool = False) -> Assembler:
+                    mode: str = "train", synchronous: bool = False, rows: PromptRows | None = None) -> Assembler:
+    """`rows`: the prompts' data rows, fetched once per prompt for the reward calls (None: a
+    request carries what its segment brought)."""
     tokenizer = load_tokenizer(model)
 
     def decode_ids(ids):
         return decode(tokenizer, ids)
 
     strategy = build_strategy(algorithm, engine, prompts_per_step, router, decode_ids, value_edges, mode)
-    return Assembler(segments, batches, router.score, decode_ids, strategy, algorithm.overlong,
+    score = router.score if rows is None else scoring_with_rows(router.score, rows)
+    return Assembler(segments, batches, score, decode_ids, strategy, algorithm.overlong,
                      engine.max_response_tokens,
                      max_staleness_versions=algorithm.max_staleness_versions if mode == "train" else NO_BOUND,
                      events=events, trajectories=trajectories, batch_prefix=batch_prefix,
@@ -402,25 +405,18 @@ class AssemblerActor(RoleShell):
         self.router = build_reward_router(reward, endpoints)
         self.endpoint_names = set(reward.endpoints)
         edges = None
-        if value_learner is not None:
-            async def values(rows):
-                return await value_learner.values.remote(rows)
-
-            async def ready() -> bool:
-                return await value_learner.ready.remote()
-
-            async def reference_logprobs(rows):
-                return await value_learner.reference_logprobs.remote(rows)
-
-            edges = ValueEdges(values=values, ready=ready, reference_logprobs=reference_logprobs)
+        if value_learner is not None:  # (a Ray call's reference is awaitable: the edges are the calls)
+            edges = ValueEdges(values=value_learner.values.remote, ready=value_learner.ready.remote,
+                               reference_logprobs=value_learner.reference_logprobs.remote)
         # Nobody waits (but for the last call at stop): the recorder writes at its own pace.
         def store_trajectories(records):
             return recorder.add_trajectories.remote(RECORDS_ENCODER.encode(records))
 
+        self.prompt_rows = PromptRows(ledger.rows.remote)
         self.inner = build_assembler(model, algorithm, engine, self.router, prompts_per_step, segments, batches, edges,
                                      trajectories, lambda events, outcomes: ledger.record_events.remote(events, outcomes),
                                      store_trajectories if recorder is not None else None, batch_prefix, mode,
-                                     synchronous)
+                                     synchronous, self.prompt_rows)
 
     def set_versions(self, weight_version: int, delivered_version: int) -> None:
         self.inner.set_versions(weight_version, delivered_version)
@@ -441,7 +437,7 @@ class AssemblerActor(RoleShell):
         return msgspec.to_builtins(parsed)
 
     def stats(self) -> dict:
-        return {**super().stats(), "reward_router": self.router.stats()}
+        return {**super().stats(), "reward_router": self.router.stats(), "prompt_rows_fetched": self.prompt_rows.fetched}
 
     def reward_health(self) -> dict:
         """Small, read at every poll: samples scored, rewards failed, each endpoint's first failure."""

@@ -35,6 +35,7 @@ from asyncrl.engines.generation import EngineCalls, build_generator_engine, sequ
 from asyncrl.environments.episodes import EnvironmentClient, Episodes, build_episodes, observation_of
 from asyncrl.environments.tools import Episode
 from asyncrl.messages.mailbox import Mailbox, keep_leases
+from asyncrl.messages.routes import joined_routes
 from asyncrl.messages.structs import FinishReason, PromptRequest, Segment, observation_mask, sample_id, scored_mask
 from asyncrl.weights import transport
 from asyncrl.weights.sync import Delivery, WeightGroup
@@ -257,13 +258,12 @@ class Generator:
     def _advance(self, seq: _Sequence, out, version: int) -> tuple[Segment, bool]:
         """The segment of one sequence's window, and whether its turn ended in a tool call (the
         window is cut just after the token that completes the call)."""
-        tokens, logprobs, scored = out.token_ids, out.logprobs, out.scored
-        versions = out.versions if out.versions is not None else np.full(len(tokens), version, dtype=np.int32)
-        called = None if self.episodes is None else self.episodes.call_end(seq.response_ids[seq.turn_start:], tokens)
+        versions = out.versions if out.versions is not None else np.full(len(out.token_ids), version, dtype=np.int32)
+        arrays = [out.token_ids, out.logprobs, versions, out.scored, out.routes]  # per token (scored, routes: or None)
+        called = self.episodes.call_end(seq.response_ids[seq.turn_start:], out.token_ids) if self.episodes else None
         last_window = self.max_windows > 0 and seq.window + 1 >= self.max_windows
         if called is not None:
-            tokens, logprobs, versions = tokens[:called], logprobs[:called], versions[:called]
-            scored = None if scored is None else scored[:called]
+            arrays = [None if a is None else a[:called] for a in arrays]
             finished = seq.tool_calls >= self.episodes.max_turns or last_window
             reason = (FinishReason.MAX_TURNS if seq.tool_calls >= self.episodes.max_turns else
                       FinishReason.MAX_LENGTH if last_window else FinishReason.TOOL_CALL)
@@ -271,9 +271,9 @@ class Generator:
             finished = out.finished or last_window
             # The K-th window ends a response whether or not it reached EOS.
             reason = out.finish_reason if out.finished or not finished else FinishReason.MAX_LENGTH
-        return self._segment(seq, tokens, logprobs, versions, scored, finished, reason), called is not None and not finished
+        return self._segment(seq, *arrays, finished, reason), called is not None and not finished
 
-    def _segment(self, seq: _Sequence, tokens, logprobs, versions, scored, finished: bool,
+    def _segment(self, seq: _Sequence, tokens, logprobs, versions, scored, routes, finished: bool,
                  reason: FinishReason) -> Segment:
         request = seq.request
         return Segment(
@@ -282,7 +282,7 @@ class Generator:
             prior_response_ids=np.asarray(seq.response_ids, dtype=np.int32),
             prior_versions=np.asarray(seq.versions, dtype=np.int32),
             prior_observation=np.asarray(seq.observation, dtype=np.uint8) if seq.tool_calls else None,
-            new_token_ids=tokens, new_logprobs=logprobs, new_versions=versions, new_scored=scored,
+            new_token_ids=tokens, new_logprobs=logprobs, new_versions=versions, new_scored=scored, new_routes=routes,
             finished=finished, finish_reason=reason, data_source=request.data_source,
             ground_truth=request.ground_truth, seed=request.seed + seq.sample_idx, generator_id=self.generator_id,
             group_size=request.group_size, row=request.row if finished else None)
@@ -328,7 +328,8 @@ class Generator:
                 new_logprobs=np.concatenate([segment.new_logprobs, np.zeros(k, dtype=np.float32)]),
                 new_versions=np.concatenate([segment.new_versions, np.full(k, last_version, dtype=np.int32)]),
                 new_scored=np.concatenate([scored_mask(segment).astype(np.uint8), np.zeros(k, dtype=np.uint8)]),
-                new_observation=np.concatenate([np.zeros(n, dtype=np.uint8), np.ones(k, dtype=np.uint8)]))
+                new_observation=np.concatenate([np.zeros(n, dtype=np.uint8), np.ones(k, dtype=np.uint8)]),
+                new_routes=joined_routes([(segment.new_routes, n), (None, k)]))  # the learner routes observations
             self.counters["observation_tokens"] += k
             segments.append(segment)
             self._extend(seq, segment)
@@ -402,8 +403,8 @@ class Generator:
         wall = max(time.monotonic() - self._started, 1e-9)
         return {**self.counters, **self.timing, "generator_id": self.generator_id,
                 "delivered_version": self.engine.weight_version, "inflight_sequences": self.held,
-                "engine_call_s": self.engine_calls.oldest_s(), "wall_s": wall,  # (the oldest window or load: liveness)
-                "busy_fraction": self.timing["generate_s"] / wall,
+                "engine_call_s": self.engine_calls.oldest_s(getattr(self.engine, "last_step_at", 0.0)),  # liveness
+                "wall_s": wall, "busy_fraction": self.timing["generate_s"] / wall,
                 "paused_for_weights_fraction": self.timing["weight_update_s"] / wall, "engine_precision": self.precision}
 
 

@@ -109,6 +109,7 @@ class PromptSource:
         self.max_prompts = max_prompts  # 0 = unbounded (mode=generate issues a fixed number)
         self.retirements = retirements or Retirements(group_size)
         self.retest_every_s, self._last_retest = retest_every_s, time.monotonic()
+        self._rows_by_id: dict[str, dict] | None = None  # `rows`' index, built when first asked
 
     @property
     def budget(self) -> int:
@@ -136,6 +137,17 @@ class PromptSource:
         for outcome in outcomes:
             self.retirements.note_outcome(outcome, self.issued, len(self.examples), self.delivered_version)
 
+    def rows(self, prompt_ids: list[str]) -> dict[str, dict | None] | None:
+        """The data rows of issued prompts (by the id they were issued under), for the reward
+        functions that read them; None: no example of this task has a row (built-in tasks), so
+        the caller need not ask again. A row travels from here once per prompt, not with each
+        request, segment, batch and checkpoint."""
+        if self._rows_by_id is None:  # (built once: the examples change only before the first issue)
+            self._rows_by_id = {ex.prompt_id: ex.row for ex in self.examples if ex.row is not None}
+        if not self._rows_by_id:
+            return None
+        return {pid: self._rows_by_id.get(pid.rsplit("@", 1)[0]) for pid in prompt_ids}
+
     def set_examples(self, examples: list[Example], prompt_token_ids: list[list[int]]) -> None:
         """Replace the prompt set before the first issue (Pre-PPO selection)."""
         if self.issued:
@@ -143,6 +155,7 @@ class PromptSource:
         if not examples:
             raise ValueError("the prompt selection is empty")
         self.examples, self.prompt_token_ids = examples, prompt_token_ids
+        self._rows_by_id = None
         self.examples_replaced = True
         self.epoch, self.index = 0, 0
         self._order = self._shuffle(0)
@@ -203,8 +216,7 @@ class PromptSource:
             group_size=self.group_size,
             data_source=example.data_source,
             ground_truth=example.ground_truth,
-            prompt_text=example.text,
-            row=example.row,
+            prompt_text=example.text,  # (the row stays here: `rows` hands it to the assembler once)
             seed=(self.seed * 1_000_003 + self.issued) * 1024,
         )
         self.ledger.admit(request)
@@ -335,6 +347,9 @@ class PromptSourceActor(RoleShell):
 
     def record_events(self, events, outcomes) -> None:
         self.inner.record_events(events, outcomes)
+
+    def rows(self, prompt_ids: list[str]) -> dict[str, dict | None] | None:
+        return self.inner.rows(prompt_ids)
 
     def save_checkpoint_part(self, directory: str, writer: WriterClient) -> None:
         """The cursor and ledger into the checkpoint being written at `directory` (through the run

@@ -26,6 +26,7 @@ from actors.base import RoleShell, TrainingLoop
 from asyncrl.algo.warmup import warmup_finished
 from asyncrl.config import AlgorithmConfig, CriticConfig, ModelConfig, SamplingConfig
 from asyncrl.learning.rank import learner_precision
+from asyncrl.learning.routing import route_shape
 from asyncrl.learning.scoring import response_logprobs
 from asyncrl.learning.tensors import build_optimizer
 from asyncrl.learning.value import center_value_head, predict_values, value_step
@@ -39,10 +40,11 @@ from asyncrl.storage.checkpoint_transfer import WriterClient, local_copy, write_
 class ValueLearner(TrainingLoop):
     def __init__(self, value_model, trajectories: Mailbox, critic: CriticConfig, gamma: float = 1.0,
                  pad_token_id: int = 0, reference=None, sampling: SamplingConfig | None = None,
-                 center_head: bool = False):
+                 center_head: bool = False, router_replay: bool = False):
         """`critic`: its section (`compute.precision` resolved), with the warm-up (no policy row
         trains until it is over); `gamma`: the advantage's discount; `center_head`: start the
-        critic's head at the mean return of the first batch (a fresh head, not a trained one)."""
+        critic's head at the mean return of the first batch (a fresh head, not a trained one);
+        `router_replay`: rows' recorded routes replayed on a mixture-of-experts critic and reference."""
         self.model = value_model.eval()
         self.precision_choice: dict = {}  # how `compute.precision` was chosen (`learner_precision`)
         # The frozen initial policy and the distribution the generators sample from (KL in the reward).
@@ -55,6 +57,7 @@ class ValueLearner(TrainingLoop):
         self.batch_trajectories = critic.batch_trajectories
         self.warmup = critic.warmup
         self.center_head = center_head
+        self.router_replay = router_replay
         self._explained: list[float] = []  # the fresh-value explained variance of each warm-up step
         self._warmed_up = critic.warmup.steps == 0
         self.pad_token_id = pad_token_id
@@ -76,27 +79,28 @@ class ValueLearner(TrainingLoop):
         """The warm-up (value pretraining) is over: it learned what it could, or ran its longest."""
         return self._warmed_up
 
-    async def values(self, rows: list[tuple[np.ndarray, np.ndarray]]) -> tuple[list[np.ndarray], int]:
-        """`V(s_t)` for the new tokens of each (context, new) row plus the state after its last
-        token (n + 1 values), and the value version used."""
+    async def values(self, rows: list[tuple]) -> tuple[list[np.ndarray], int]:
+        """`V(s_t)` for the new tokens of each (context, new[, routes]) row plus the state after its
+        last token (n + 1 values), and the value version used."""
         start = time.perf_counter()
         async with self._serving_lock:
             version = self.version
             out = await asyncio.to_thread(predict_values, self.serving, rows, self.pad_token_id,
-                                          self.critic.compute.micro_batch_tokens, True, self.critic.compute.precision)
+                                          self.critic.compute.micro_batch_tokens, True, self.critic.compute.precision,
+                                          self.router_replay)
         self.timing["serve_s"] += time.perf_counter() - start
         self.counters["value_requests"] += 1
         self.counters["rows_valued"] += len(rows)
         return out, version
 
-    async def reference_logprobs(self, rows: list[tuple[np.ndarray, np.ndarray]]) -> list[np.ndarray]:
-        """log π_ref of each (context, new) row's new tokens, under the generators' sampling settings."""
+    async def reference_logprobs(self, rows: list[tuple]) -> list[np.ndarray]:
+        """log π_ref of each (context, new[, routes]) row's new tokens, under the generators' sampling settings."""
         if self.reference is None:
             raise RuntimeError("this value learner holds no reference policy (algorithm.advantage.kl_in_reward is off)")
         p = self.sampling
         start = time.perf_counter()
         out = await asyncio.to_thread(response_logprobs, self.reference, rows, p.temperature, p.top_k, p.top_p,
-                                      self.pad_token_id, self.critic.compute.micro_batch_tokens)
+                                      self.pad_token_id, self.critic.compute.micro_batch_tokens, self.router_replay)
         self.timing["serve_s"] += time.perf_counter() - start
         self.counters["rows_referenced"] += len(rows)
         return out
@@ -108,9 +112,9 @@ class ValueLearner(TrainingLoop):
             if self.center_head and self.version == 0:
                 shift = await asyncio.to_thread(center_value_head, self.model, batch, self.gamma,
                                                 self.pad_token_id, self.critic.compute.micro_batch_tokens,
-                                                self.critic.compute.precision)
+                                                self.critic.compute.precision, self.router_replay)
             metrics = await asyncio.to_thread(value_step, self.model, self.optimizer, batch, self.critic, self.gamma,
-                                              self.pad_token_id)
+                                              self.pad_token_id, self.router_replay)
             self.scheduler.step()
             async with self._serving_lock:
                 self.serving.load_state_dict(self.model.state_dict())
@@ -210,7 +214,10 @@ def build_value_learner(model: ModelConfig, critic: CriticConfig, algorithm: Alg
     learner = ValueLearner(value_model.to(critic.compute.device), trajectories,
                            msgspec.structs.replace(critic, compute=compute), algorithm.advantage.gamma,
                            tokenizer.pad_token_id or 0, reference=reference, sampling=sampling,
-                           center_head=critic.head_init == "mean_return" and not critic.init_path)
+                           center_head=critic.head_init == "mean_return" and not critic.init_path,
+                           # The rows' routes are the policy's: a critic of the policy's own trunk takes them.
+                           router_replay=model.router_replay != "off" and not critic.init_path
+                           and route_shape(value_model) is not None)
     learner.precision_choice = precision.summary()
     return learner
 

@@ -87,7 +87,7 @@ def _eval_config(args: argparse.Namespace, api_key: str):
             import tempfile
 
             path = lora.export(path, tempfile.mkdtemp(prefix="asyncrl-eval-"), adapter_only=False,
-                               trust_remote_code=_trusts_code(args))
+                               trust_remote_code=_trusts_code(args), dtype="float32")  # evaluated as trained
         weights = {"model.source": "hf", "model.path": path}
     if args.endpoint:
         derived.update(evaluation.endpoint_settings(args.endpoint, api_key))
@@ -193,25 +193,32 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 def _export(args: argparse.Namespace) -> int:
     from asyncrl.config import ConfigError
     from asyncrl.models.loading import refuse_own_code
-    from asyncrl.storage.checkpoint_parts import export_hf, policy_dir
+    from asyncrl.storage.checkpoint_parts import EXPORT_DTYPES, export_hf, policy_dir, stored_dtypes
     from asyncrl.weights import lora
 
     others = [o for o in args.overrides if o.split("=", 1)[0] != "model.trust_remote_code"]
     if others:
         raise ConfigError(f"takes one setting, model.trust_remote_code=true (to run the model directory's own "
                           f"code), not {' '.join(others)}")
+    if args.dtype and args.dtype not in EXPORT_DTYPES:
+        raise ConfigError(f"--dtype {args.dtype}: must be one of {', '.join(EXPORT_DTYPES)}")
+    if args.dtype and args.adapter:
+        raise ConfigError("--dtype sets the merged model's weights; --adapter copies the adapter as it was trained")
     trusted = _trusts_code(args)
     source = policy_dir(args.source)
     if lora.is_adapter_dir(source):
-        out = lora.export(source, args.out, args.adapter, trust_remote_code=trusted)
+        out = lora.export(source, args.out, args.adapter, trust_remote_code=trusted, dtype=args.dtype)
         how = "peft's PeftModel.from_pretrained(base, dir)" if args.adapter else "transformers' from_pretrained"
-        print(f"exported to {out} (load it with {how})")
+        print(f"exported to {out}{'' if args.adapter else ', weights in ' + ', '.join(sorted(stored_dtypes(out)))} "
+              f"(load it with {how})")
         return 0
     if args.adapter:
         raise FileNotFoundError(f"{source} holds a full fine-tune (model.lora_rank=0): no adapter to export; "
                                 f"drop --adapter for the model")
     refuse_own_code(source, trusted)
-    print(f"exported to {export_hf(args.source, args.out, trusted)} (load it with transformers' from_pretrained)")
+    out = export_hf(args.source, args.out, trusted, args.dtype)
+    print(f"exported to {out}, weights in {', '.join(sorted(stored_dtypes(out)))} "
+          f"(load it with transformers' from_pretrained)")
     return 0
 
 
@@ -320,6 +327,9 @@ def _file_and_service_commands(sub) -> None:
     export.add_argument("out", help="the directory to write (safetensors, config, tokenizer)")
     export.add_argument("--adapter", action="store_true",
                         help="a LoRA run's adapter alone, in peft's format (default: the merged model)")
+    export.add_argument("--dtype", default="", metavar="bfloat16|float16|float32",
+                        help="the weights' dtype, a LoRA run's merged model's too (default: the dtype of the model "
+                             "directory the run trained from, as its config.json names it; else float32)")
     export.add_argument("overrides", nargs="*", metavar="model.trust_remote_code=true",
                         help="run the model directory's own code (auto_map): a checkpoint's settings never do")
     export.set_defaults(func=_export)

@@ -25,6 +25,7 @@ from asyncrl.engines.generation import build_engine
 from asyncrl.errors import RewardsFailing
 from asyncrl.evaluation import accuracy_line, greedy_accuracy
 from asyncrl.run import Run
+from asyncrl.run.loggers import StepLoggers, open_loggers
 from asyncrl.run.placement import init_ray
 from asyncrl.run.records import REWARD_KEY
 
@@ -49,11 +50,12 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
     from asyncrl.storage import checkpoint
 
     run_dir = checkpoint.resolve_run_dir(config.trainer.run_dir, config.resume)
+    progress = progress and "console" in config.trainer.loggers
     write_config(config, run_dir)
     init_ray(config)
     engine, tokenizer = _evaluation_engine(config, run_dir)
     before = _evaluate_before(config, engine, tokenizer, eval_prompts, progress)
-    wandb_run = _init_wandb(config, run_dir)
+    loggers = open_loggers(config, run_dir)  # wandb, TensorBoard: the run's own, resumed with it
     evals: list[dict] = []
 
     ctrl_c = _CtrlC()
@@ -73,7 +75,7 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
 
     if progress:
         print("starting the run's actors (each loads the model: about a minute on a quiet machine)", flush=True)
-    run = Run(config, run_dir, max_steps=config.trainer.total_steps, annotate=evaluate_every, wandb_run=wandb_run,
+    run = Run(config, run_dir, max_steps=config.trainer.total_steps, annotate=evaluate_every, loggers=loggers,
               history_limit=HISTORY_RECORDS)
     try:
         run.start()
@@ -98,7 +100,7 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
                "restarts": run.restarts, "steps": run.log.steps_recorded, "final_status": ending.final_status or {},
                "interrupted": ending.interrupted, "stop_reason": ending.stop_reason or ending.rewards_failing,
                "last_checkpoint": ending.last_checkpoint, "records": run.records}
-    _write_summary(summary, run_dir, wandb_run)
+    _write_summary(summary, run_dir, loggers)
     if ending.rewards_failing:
         raise RewardsFailing(ending.rewards_failing)
     return summary
@@ -135,14 +137,12 @@ def _evaluate_before(config: Config, engine, tokenizer, eval_prompts: int | None
     return before
 
 
-def _write_summary(summary: dict, run_dir: str, wandb_run) -> None:
+def _write_summary(summary: dict, run_dir: str, loggers: StepLoggers) -> None:
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump({k: v for k, v in summary.items() if k != "records"}, f, indent=2, default=str)
-    if wandb_run is not None:
-        after = summary["eval_after"]
-        wandb_run.summary.update({"eval_accuracy_before": summary["eval_before"]["accuracy"],
-                                  "eval_accuracy_after": after["accuracy"] if after else None})
-        wandb_run.finish()
+    after = summary["eval_after"]
+    loggers.finish({"eval_accuracy_before": summary["eval_before"]["accuracy"],
+                    "eval_accuracy_after": after["accuracy"] if after else None})
 
 
 def write_config(config: Config, run_dir: str) -> str:
@@ -328,17 +328,6 @@ def _reached_target(records: list[dict], config: Config) -> bool:
     if target is None or len(records) < window:
         return False
     return float(np.mean([r[REWARD_KEY] for r in records[-window:]])) >= target
-
-
-def _init_wandb(config: Config, run_dir: str):
-    mode = os.environ.get("WANDB_MODE", config.trainer.wandb_mode)
-    if mode == "disabled":
-        return None
-    import wandb
-
-    # quiet: no run summary printed after the run (the driver prints its own figures, labelled).
-    return wandb.init(project=config.trainer.wandb_project, dir=run_dir, mode=mode, config=to_record(config),
-                      settings=wandb.Settings(quiet=True))
 
 
 def train_cli(config: Config) -> int:

@@ -18,6 +18,7 @@ from asyncrl.data.files import drop_overlong, load_examples
 from asyncrl.data.tasks import Example, encode_prompt, score_response
 from asyncrl.engines.base import SamplingParams
 from asyncrl.engines.generation import complete
+from asyncrl.redaction import masked
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -235,7 +236,7 @@ def score(config: Config, examples: list[Example], texts: list[list[str]],
         for (i, j, _), r in zip(items, rewards):
             correct[i][j] = not r.failed and is_positive(r.correct, r.score)
             if r.failed and failures is not None:
-                failures.append(f"{r.details.get('error', 'failed')} (prompt {r.prompt_id}, sample {r.sample_idx})")
+                failures.append(f"{masked(r.details.get('error', 'failed'))} (prompt {r.prompt_id}, sample {r.sample_idx})")
     return correct
 
 

@@ -47,7 +47,11 @@ MODELS = {
 
 def moe_model(name: str, seed: int = 0):
     torch.manual_seed(seed)
-    model = MODELS[name]()
+    return at_trained_scale(MODELS[name]())
+
+
+def at_trained_scale(model):
+    """`model` (drawn by transformers at its 0.02 scale) redrawn at a trained model's scale."""
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if pname.endswith("mlp.gate.weight") or pname.endswith("shared_expert_gate.weight"):

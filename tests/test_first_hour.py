@@ -74,13 +74,13 @@ def test_dotted_names_are_order_free():
 
 def test_verls_machinery_settings_are_listed_in_one_notice_with_what_asyncrl_does_instead():
     notices: list[str] = []
-    compose(["trainer.logger=[console,wandb]", "trainer.nnodes=1", "data.truncation=error",
+    compose(["trainer.val_before_train=false", "trainer.nnodes=1", "data.truncation=error",
              "actor_rollout_ref.actor.fsdp_config.param_offload=true",
              "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "trainer.n_gpus_per_node=8"], notices=notices)
     listed = [line for line in notices if "not applied" in line]
     assert len(listed) == 1 and listed[0].startswith("7 of verl's settings"), notices
-    for key in ("trainer.logger: ", "actor_rollout_ref.actor.fsdp_config.param_offload: the learner's sharding",
+    for key in ("trainer.val_before_train: ", "actor_rollout_ref.actor.fsdp_config.param_offload: the learner's sharding",
                 "data.truncation: prompts longer than task.max_prompt_length"):
         assert key in listed[0]
     # None of our own fields is ever taken for one of verl's.

@@ -105,7 +105,7 @@ def test_every_field_is_honoured_or_refused_by_name(server):
     async def main():
         for fields, param in [({"response_format": {"type": "json_object"}}, "response_format"),
                               ({"store": True}, "store"), ({"reasoning_effort": "high"}, "reasoning_effort"),
-                              ({"audio": {"voice": "alloy"}}, "audio"), ({"top_k": 5}, "top_k"),
+                              ({"audio": {"voice": "alloy"}}, "audio"), ({"typical_p": 0.5}, "typical_p"),
                               ({"functions": [{"name": "f"}]}, "functions"), ({"service_tier": "flex"}, "service_tier"),
                               ({"logit_bias": {"99999": 1}}, "logit_bias"), ({"tool_choice": "required"}, "tool_choice"),
                               ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
@@ -119,6 +119,21 @@ def test_every_field_is_honoured_or_refused_by_name(server):
         assert ok["choices"][0]["finish_reason"] in ("stop", "length")
         with pytest.raises(OpenAIError, match="echo"):
             await completion(server, prompt="5:", echo=True)
+
+    call(main())
+
+
+def test_vllms_top_k_and_min_p_are_honoured(server):
+    """Sent as vLLM's clients send them (`extra_body`): top_k=1, or min_p=1, leaves only the most
+    likely token, so a hot temperature answers what greedy decoding answers; -1 is vLLM's off."""
+    async def main():
+        greedy = await chat(server, max_tokens=12, temperature=0.0)
+        for fields in ({"top_k": 1}, {"min_p": 1.0}):
+            hot = await chat(server, max_tokens=12, temperature=1.5, seed=5, **fields)
+            assert hot["choices"][0]["message"]["content"] == greedy["choices"][0]["message"]["content"], fields
+        off = await chat(server, max_tokens=12, temperature=1.0, seed=5, top_k=-1)
+        plain = await chat(server, max_tokens=12, temperature=1.0, seed=5)
+        assert off["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
 
     call(main())
 
@@ -203,7 +218,7 @@ def test_concurrent_requests_share_engine_windows_and_get_the_samples_they_get_a
         endless = SamplingParams(temperature=1.0, logit_bias=((0, -100.0), (1, -100.0), (2, -100.0)))
         together = await asyncio.gather(*(job(s, hot if s % 2 else cold) for s in range(6)),
                                         job(99, endless, max_tokens=120, leave_after=20))  # one leaves early
-        assert list(together[:6]) == alone  # settings differ: they take turns; samples are the same
+        assert list(together[:6]) == alone  # settings differ, windows are shared; samples are the same
         assert batcher.counters["windows"] - windows < sum(
             -(-len(t) // 8) for a in alone for t in a.values())  # fewer windows than rows run alone
         await asyncio.sleep(0.2)
@@ -480,3 +495,35 @@ def test_the_models_configured_template_and_the_tasks_template_options_render_th
                             server.config.environment)
     assert trained == chat_prompt(server, ChatCompletionRequest(messages=example.messages,
                                                                 tools=tool_specs(server.config.environment)))[0]
+
+
+def test_a_request_gets_the_weight_version_it_asks_for_or_a_409():
+    """`weight_version` (exact) and `min_weight_version`: answered from those weights, waited for
+    while a newer version is on its way (up to `serve.version_wait_s`), else 409 naming the version held."""
+    server = server_of("serve.version_wait_s=1.0")
+    held = server.policy.weight_version
+    named = list(server.policy.engine.model.named_parameters())
+
+    async def main():
+        exact = await chat(server, max_tokens=3, weight_version=held)
+        assert exact["weight_version"] == held
+        for fields, param in (({"weight_version": held + 5}, "weight_version"),
+                              ({"min_weight_version": held + 5}, "min_weight_version")):
+            with pytest.raises(OpenAIError) as refused:
+                await chat(server, max_tokens=3, **fields)
+            assert refused.value.status == 409 and refused.value.param == param, refused.value.message
+            assert f"serves version {held}" in refused.value.message
+
+        async def land_later():
+            await asyncio.sleep(0.3)
+            await server.policy.load(named, held + 2)
+
+        later = asyncio.ensure_future(land_later())
+        waited = await chat(server, max_tokens=3, min_weight_version=held + 2)  # waits for it, then answers
+        await later
+        assert waited["weight_version"] == held + 2
+        with pytest.raises(OpenAIError, match="a newer one replaced it") as old:
+            await chat(server, max_tokens=3, weight_version=held)
+        assert old.value.status == 409
+
+    call(main())

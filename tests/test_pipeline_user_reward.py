@@ -102,3 +102,38 @@ def test_a_reward_function_that_fails_every_way_leaves_the_run_whole(ray_session
         assert any(expected in reason for reason in reasons), (expected, reasons)
     lines = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert len(lines) == 4 and np.isfinite([r["loss"] for r in lines]).all()
+
+
+ROW_ONLY_REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    # The answer is in the row alone (the ground truth column is a decoy): a row that did not
+    # arrive is a KeyError, a failed reward, and the run stops.
+    assert len(extra_info["reference"]) == 1 << 20
+    return float(solution_str[:1] == extra_info["next"])
+'''
+
+
+def test_a_prompts_row_reaches_its_reward_once_per_prompt_not_with_every_sample(ray_session, tmp_path):
+    """Rows of 1 MB each (a long reference text): the reward function reads the answer from its
+    row, which the assembler fetched from the prompt source once per prompt; segments, batches
+    and the prompts mailbox carry none (their mailboxes hold kilobytes, not G megabytes a prompt)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"data_source": "mine", "prompt": [{"role": "user", "content": f"{d}:"}],
+             "reward_model": {"ground_truth": "x"},
+             "extra_info": {"next": str((d + 1) % 10), "reference": "r" * (1 << 20)}} for d in range(10)]
+    for split in ("train", "test"):
+        pq.write_table(pa.Table.from_pylist(rows), tmp_path / f"{split}.parquet")
+    (tmp_path / "reward.py").write_text(ROW_ONLY_REWARD)
+    config = compose(TINY + [f"task.path={tmp_path}/train.parquet", f"task.eval_path={tmp_path}/test.parquet",
+                             f"trainer.run_dir={tmp_path}/run", f"custom_reward_function.path={tmp_path}/reward.py",
+                             "trainer.total_steps=3"])
+    summary = train(config, progress=False, eval_prompts=4)
+    status = summary["final_status"]
+    assert summary["steps"] == 3 and status["assembler"]["reward_failures"] == 0
+    scored, fetched = status["assembler"]["samples_scored"], status["assembler"]["prompt_rows_fetched"]
+    issued = status["prompt_source"]["issued"]
+    assert 0 < fetched <= issued and fetched * 4 < scored, (fetched, issued, scored)  # per prompt, not per sample
+    peak = max(box["bytes_peak"] for box in status["queue_depths"].values())
+    assert peak < 1 << 20, status["queue_depths"]  # no mailbox ever held a row

@@ -150,8 +150,8 @@ def test_hybrid_routes_first_mix_and_dense(tmp_path):
         "prm": RewardEndpoint("prm", {"kind": "prm", "model_path": str(tmp_path / "prm")}),
     }
 
-    async def call(name, requests):
-        return await endpoints[name].score(requests)
+    async def call(name, requests, budget_s):
+        return await endpoints[name].score(requests, budget_s)
 
     routes = [RouteConfig(match="chat", endpoints=["verifier", "bt"], combine="first"),
               RouteConfig(match="mixed", endpoints=["verifier", "bt"], combine="mix", weights=[0.5, 0.5]),
@@ -178,10 +178,10 @@ def test_hybrid_routes_first_mix_and_dense(tmp_path):
 
 
 def test_router_turns_a_hanging_or_raising_endpoint_into_failed_rewards():
-    async def hang(name, requests):
+    async def hang(name, requests, budget_s):
         await asyncio.sleep(10)
 
-    async def boom(name, requests):
+    async def boom(name, requests, budget_s):
         raise RuntimeError("replica died")
 
     # An error is retried while the deadline allows.
@@ -200,7 +200,7 @@ def test_router_turns_a_hanging_or_raising_endpoint_into_failed_rewards():
 
 
 def test_a_pairwise_judge_that_hangs_gives_failed_verdicts_by_the_deadline():
-    async def hang(name, pairs):
+    async def hang(name, pairs, budget_s):
         await asyncio.sleep(30)
 
     router = RewardRouter([RouteConfig()], None, timeout_s=0.3, retries=0, compare=hang)
@@ -323,11 +323,11 @@ def test_pre_ppo_scores_candidates_through_the_reward_router():
     endpoint = RewardEndpoint("verifier", {"kind": "verifier"}, None, "zero_one")
     calls = []
 
-    async def call(name, requests):
+    async def call(name, requests, budget_s):
         calls.append(name)
         if len(calls) == 1:
             raise RuntimeError("replica restarting")
-        return await endpoint.score(requests)
+        return await endpoint.score(requests, budget_s)
 
     router = RewardRouter([RouteConfig(endpoints=["verifier"])], call, timeout_s=30, retries=2)
     train = tiny_examples("train")

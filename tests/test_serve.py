@@ -7,6 +7,7 @@ The train app runs PPO, so its records carry value-learner metrics, and they are
 those `asyncrl train` writes for the same overrides (one run monitor behind both)."""
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -26,11 +27,14 @@ from asyncrl.driver import train
 from asyncrl.run.records import RUN_FIELDS
 from asyncrl.serve.reward import deploy_declaratively, reward_app_config
 from asyncrl.weights.sync import free_port
+from logged_files import tensorboard_scalars
 
 # critic.warmup.steps=1: the policy trains only after a value step, so every record carries value metrics.
 # The KL to the reference is in the reward (the PPO baseline): the value learner scores the reference.
+# TensorBoard: the train app logs its step records from its controller, as `asyncrl train` does.
 OVERRIDES = ("model=tiny task=tiny algorithm=ppo critic.warmup.steps=1 trainer.wandb_mode=disabled "
-             "trainer.checkpoint_every=0 algorithm.advantage.kl_in_reward=true algorithm.kl.coef=0.05")
+             "trainer.checkpoint_every=0 algorithm.advantage.kl_in_reward=true algorithm.kl.coef=0.05 "
+             "trainer.loggers=[console,tensorboard]")
 TOOL_OVERRIDES = "model=tiny task=tiny_tool trainer.wandb_mode=disabled serve.follow_learner=false"
 ADMIN_TOKEN = "test-admin-token"
 APPS = {"train": "/train", "policy": "/v1", "reward-verifier": "/reward/verifier"}
@@ -172,6 +176,16 @@ def test_serve_train_app_and_asyncrl_train_write_the_same_records(apps, cli_run)
     # The KL to the reference entered the token rewards (k3 >= 0, so the reward is <= 0), both ways.
     assert all(r["kl_reward_token_mean"] <= 0.0 for r in cli + served)
     assert summary["final_status"]["value_learner"]["rows_referenced"] > 0
+    # Both logged their records to TensorBoard through one helper (`asyncrl.run.loggers`), each from its own process.
+    logged = tensorboard_scalars(os.path.join(summary["run_dir"], "tensorboard"))
+    assert [step for step, _ in logged["value_loss"]] == [r["step"] for r in cli]
+    served_logged = tensorboard_scalars(str(RUN_DIRS["serve"] / "tensorboard"))
+    served_steps = [step for step, _ in served_logged["value_loss"]]
+    assert served_steps and served_steps == sorted(set(served_steps))  # each step once
+    by_step = {r["step"]: r for r in records_with_value_metrics(RUN_DIRS["serve"] / "metrics.jsonl")}
+    assert [value for _, value in served_logged["value_loss"]] == pytest.approx([by_step[s]["value_loss"]
+                                                                                   for s in served_steps])
+    assert set(logged) == set(served_logged), set(logged) ^ set(served_logged)
     # The status page shows what `asyncrl train`'s summary holds (less the per-generator list).
     status = httpx.get(f"{apps}/train/status", timeout=30).json()
     final = {k for k in summary["final_status"] if k != "generators"}

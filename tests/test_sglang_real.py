@@ -172,6 +172,23 @@ def test_top_k_top_p_tokens_carry_the_logprob_of_the_truncated_distribution(loop
     assert np.median(gaps) > 0.05
 
 
+def test_min_p_as_the_policy_endpoint_asks_it_cuts_as_our_sampler_does(loop, engine, models):
+    """vLLM's `min_p`, a request's setting on the policy endpoint, passed to SGLang through our own
+    truncation: each token is within the min-p set and carries that set's renormalised log-prob."""
+    from asyncrl.algo.sampling import filtered_logprobs
+
+    params = SamplingParams(temperature=1.0, min_p=0.3)
+    sequences = [sequence_input(p, seed=70 + i, max_response_tokens=24) for i, p in enumerate(PROMPTS)]
+    model = models[engine.weight_version]
+    for prompt, out in zip(PROMPTS, generate(loop, engine, sequences, 24, params)):
+        ids = torch.tensor([list(prompt) + out.token_ids.tolist()])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
+        expected = filtered_logprobs(logits, 1.0, min_p=0.3).gather(-1, torch.as_tensor(out.token_ids, dtype=torch.long)[:, None])
+        assert torch.isfinite(expected).all(), "a token below min-p was drawn"
+        np.testing.assert_allclose(out.logprobs, expected.squeeze(-1).numpy(), atol=TOLERANCE, rtol=0)
+
+
 def test_top_logprobs_are_those_of_the_distribution_sampled_from(loop, engine, models):
     """`SamplingParams.top_logprobs` as the policy endpoint asks for it: each position's most likely
     tokens under the cut distribution (top-k 5 at T=0.8), -inf past the cut, as the embedded engine."""

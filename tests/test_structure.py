@@ -25,7 +25,7 @@ PACKAGES = ("asyncrl", "actors")
 # Layer of each module (prefix match, longest first). A module may import its own layer or lower.
 LAYERS = {
     # Definitions: the typed config, the messages, the pure algorithms.
-    0: ["asyncrl.config", "asyncrl.messages", "asyncrl.algo", "asyncrl.errors"],
+    0: ["asyncrl.config", "asyncrl.messages", "asyncrl.algo", "asyncrl.errors", "asyncrl.redaction"],
     # Plumbing: moving and keeping things, blind to what they mean.
     1: ["asyncrl.messages.mailbox", "asyncrl.messages.ray_mailbox", "asyncrl.storage", "asyncrl.weights",
         "asyncrl.metrics", "asyncrl.plots", "asyncrl.staleness"],

@@ -11,7 +11,7 @@ import ray
 
 from asyncrl.config import compose
 from asyncrl.run import Run
-from asyncrl.run import wiring
+from asyncrl.run import deadlines
 
 
 def test_a_call_that_outlives_its_bound_names_the_role(ray_session):
@@ -22,15 +22,18 @@ def test_a_call_that_outlives_its_bound_names_the_role(ray_session):
 
     actor = Wedged.remote()
     start = time.monotonic()
-    with pytest.raises(wiring.RoleHung, match="the assembler did not answer stats within 1s"):
-        wiring.answer(actor.stats.remote(), "the assembler", "stats", timeout_s=1.0)
+    with pytest.raises(deadlines.RoleHung, match="the assembler did not answer stats within 1s"):
+        deadlines.answer(actor.stats.remote(), "the assembler", "stats", timeout_s=1.0)
     assert time.monotonic() - start < 5
     ray.kill(actor)
 
 
 @pytest.mark.slow
-def test_a_hung_role_restarts_the_run_instead_of_hanging_it(ray_session, tmp_path, monkeypatch):
-    monkeypatch.setattr(wiring, "CONTROL_TIMEOUT_S", 5.0)
+@pytest.mark.parametrize("generator_killed", [False, True])
+def test_a_hung_role_restarts_the_run_instead_of_hanging_it(ray_session, tmp_path, monkeypatch, generator_killed):
+    """The assembler stopped; with `generator_killed` a generator is killed at the same moment, so
+    the pool heals it while the assembler cannot answer its retirement (that wait had no end)."""
+    monkeypatch.setattr(deadlines, "CONTROL_TIMEOUT_S", 5.0)
     run_dir = str(tmp_path)
     config = compose(["model=tiny", "task=tiny", "algorithm=grpo", "trainer.prompts_per_step=2",
                       "trainer.checkpoint_every=2", f"trainer.run_dir={run_dir}"])
@@ -43,7 +46,12 @@ def test_a_hung_role_restarts_the_run_instead_of_hanging_it(ray_session, tmp_pat
             run.poll()
             time.sleep(0.2)
         stopped = ray.get(run.system.actors["assembler"].pid.remote())
+        if generator_killed:  # dead before the assembler stops: the next poll heals it first
+            gid, handle = next(iter(run.system.generators.items()))
+            ray.kill(handle)
+            ray.wait([run.system.run_refs[f"generator:{gid}"]], timeout=60)
         os.kill(stopped, signal.SIGSTOP)  # alive to Ray, answering nothing
+        stopped_at = time.time()
         polls: list = []
 
         def poll_until_restart():
@@ -59,6 +67,9 @@ def test_a_hung_role_restarts_the_run_instead_of_hanging_it(ray_session, tmp_pat
         watcher.join(timeout=200)
         assert not watcher.is_alive(), "the run's poll hung on the stuck role"
         assert polls and "RoleHung" in polls[0]["reason"] and "assembler" in polls[0]["reason"], polls
+        if generator_killed:
+            assert "retire_generator" in polls[0]["reason"], polls
+        assert time.time() - stopped_at < 120  # the bound (5 s), a restart's start, a loaded machine
         assert polls[0]["step"] >= 2 and run.system.ledger()["counts"]["admitted"] >= 0  # the new system answers
     finally:
         if stopped is not None:

@@ -59,45 +59,80 @@ def counter_uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tenso
     return (mantissa.to(torch.float64) + 0.5) / float(1 << 53)
 
 
+Setting = float | torch.Tensor
+"""A sampling setting: one value for every row, or one per row (`[B]`), so that rows with settings
+of their own share a decode step (the policy endpoint's requests)."""
+
+
+def _column(value: Setting) -> Setting:
+    """A setting as it broadcasts against `[B, V]`."""
+    return value[:, None] if isinstance(value, torch.Tensor) else value
+
+
+def _top_k_floor(scaled: torch.Tensor, top_k: int | torch.Tensor) -> torch.Tensor | None:
+    """Each row's k-th largest entry `[B, 1]` (-inf where the row has no limit), or None when no
+    row has one. A per-row `top_k` takes the largest k once and each row's own k-th of them."""
+    vocab = scaled.shape[-1]
+    if not isinstance(top_k, torch.Tensor):
+        return torch.topk(scaled, top_k, dim=-1).values[..., -1:] if top_k and top_k < vocab else None
+    limited = (top_k > 0) & (top_k < vocab)
+    if not bool(limited.any()):
+        return None
+    largest = torch.topk(scaled, int(top_k[limited].max()), dim=-1).values
+    kth = largest.gather(-1, (top_k.clamp(min=1, max=largest.shape[-1]) - 1)[:, None])
+    return torch.where(limited[:, None], kth, float("-inf"))
+
+
 def filtered_logprobs(
-    logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0
+    logits: torch.Tensor, temperature: Setting, top_k: int | torch.Tensor = 0, top_p: Setting = 1.0,
+    min_p: Setting = 0.0,
 ) -> torch.Tensor:
     """Log-probabilities `[B, V]` of the distribution actually sampled from.
 
     Logits are divided by `temperature`, then restricted to the `top_k` most likely tokens
-    (0 = no limit) and to the smallest set whose probability reaches `top_p`; excluded tokens get
-    -inf and the rest are renormalised. With `top_k=0, top_p=1` this is `log_softmax(logits/T)`,
-    the distribution the learner uses, so behaviour log-probs and learner log-probs agree.
+    (0 = no limit), to the smallest set whose probability reaches `top_p`, and to the tokens whose
+    probability is at least `min_p` times the most likely one's (0 = off); excluded tokens get
+    -inf and the rest are renormalised. Each setting is one value or one per row (`Setting`); a
+    row's result does not depend on the other rows' settings. With `top_k=0, top_p=1, min_p=0` this
+    is `log_softmax(logits/T)`, the distribution the learner uses, so behaviour log-probs and
+    learner log-probs agree.
     """
-    if temperature <= 0:
+    if bool(torch.as_tensor(temperature).le(0).any()):
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    scaled = logits.float() / temperature
-    if top_k and top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, top_k, dim=-1).values[..., -1:]
+    scaled = logits.float() / _column(temperature)
+    kth = _top_k_floor(scaled, top_k)
+    if kth is not None:
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    if top_p < 1.0:
+    nucleus = torch.as_tensor(top_p) < 1.0
+    if bool(nucleus.any()):
         sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
         probs = torch.softmax(sorted_logits, dim=-1)
         # Keep a token if the mass strictly before it is < top_p (the first token is always kept).
         mass_before = torch.cumsum(probs, dim=-1) - probs
-        remove_sorted = mass_before >= top_p
+        remove_sorted = mass_before >= _column(top_p)
+        if nucleus.dim():  # rows without a nucleus keep every token (rounding can pass a mass of 1)
+            remove_sorted &= nucleus[:, None]
         # Explicitly: the cumsum's rounding can leave a tiny positive mass before the first token,
         # which a tiny top_p (fuzzing sent 5e-324) would remove, leaving no token at all.
         remove_sorted[..., 0] = False
         remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
         scaled = scaled.masked_fill(remove, float("-inf"))
+    if bool(torch.as_tensor(min_p).gt(0).any()):  # p >= min_p * p_max, as log-masses (log 0 = -inf: off)
+        floor = scaled.amax(dim=-1, keepdim=True) + torch.log(torch.as_tensor(_column(min_p), dtype=torch.float32))
+        scaled = scaled.masked_fill(scaled < floor, float("-inf"))
     return torch.log_softmax(scaled, dim=-1)
 
 
-def penalised_logits(logits: torch.Tensor, counts: torch.Tensor | None, presence: float, frequency: float,
+def penalised_logits(logits: torch.Tensor, counts: torch.Tensor | None, presence: Setting, frequency: Setting,
                      bias: torch.Tensor | None) -> torch.Tensor:
     """OpenAI's presence / frequency penalties and `logit_bias`, on raw logits `[B, V]` before the
     temperature: `logit[j] - frequency * c[j] - presence * (c[j] > 0) + bias[j]`, where `c[j]` `[B, V]`
-    counts token j in the row's response so far (`counts`; None: no penalty). The distribution
-    sampled from, and so the reported log-probs, are those of the adjusted logits."""
+    counts token j in the row's response so far (`counts`; None: no penalty) and `bias` is `[V]` or
+    `[B, V]`; the penalties are one value or one per row. The distribution sampled from, and so the
+    reported log-probs, are those of the adjusted logits."""
     out = logits.float()
-    if counts is not None and (presence or frequency):
-        out = out - frequency * counts - presence * (counts > 0).float()
+    if counts is not None and bool(torch.as_tensor(presence).ne(0).any() or torch.as_tensor(frequency).ne(0).any()):
+        out = out - _column(frequency) * counts - _column(presence) * (counts > 0).float()
     if bias is not None:
         out = out + bias
     return out
@@ -136,16 +171,16 @@ def sample_from_logprobs(
 
 
 def sample_from_logits(
-    logits: torch.Tensor, temperature: float, seeds: torch.Tensor, positions: torch.Tensor
+    logits: torch.Tensor, temperature: Setting, seeds: torch.Tensor, positions: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`sample_from_logprobs(filtered_logprobs(logits, temperature), ...)` without top-k/top-p, in
     fewer passes over `[B, V]`: the inverse CDF runs over `exp(x - max)` unnormalised, and a
     token's log-prob is `x - max - log(sum)`, the log-softmax at that entry. At batch 64 on a 49k
     vocabulary: 11.6 ms a step against 19.3 ms (log-softmax, exp, cumulative sum: one `[B, V]`
-    pass fewer)."""
-    if temperature <= 0:
+    pass fewer). `temperature`: one, or one per row."""
+    if bool(torch.as_tensor(temperature).le(0).any()):
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    scaled = logits.float() / temperature
+    scaled = logits.float() / _column(temperature)
     top = scaled.amax(dim=-1, keepdim=True)
     tokens, chosen, total = _inverse_cdf_draw((scaled - top).exp_(), scaled, seeds, positions)
     return tokens, chosen - top.squeeze(-1) - total.log()
@@ -159,23 +194,28 @@ def greedy_from_logprobs(logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 def step_logprobs(
     logits: torch.Tensor,
     positions: torch.Tensor,
-    temperature: float,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    first_token_temperature: float | None = None,
-    first_token_top_k: int = 0,
+    temperature: Setting,
+    top_k: int | torch.Tensor = 0,
+    top_p: Setting = 1.0,
+    first_token_temperature: Setting | None = None,
+    first_token_top_k: int | torch.Tensor = 0,
+    min_p: Setting = 0.0,
 ) -> torch.Tensor:
     """Per-row sampling distribution for one decoding step, with FIRE (arXiv 2410.21236).
 
     Rows at response position 0 use the hot `first_token_temperature` restricted to
-    `first_token_top_k` when FIRE is on; every other row uses the regular settings. The returned
-    log-probs are those of the distribution each row is actually sampled from, so the behaviour
-    log-prob of a FIRE first token is exact and the PPO ratio stays importance-correct.
+    `first_token_top_k` when FIRE is on (per row: NaN where a row has it off); every other row uses
+    the regular settings. The returned log-probs are those of the distribution each row is actually
+    sampled from, so the behaviour log-prob of a FIRE first token is exact and the PPO ratio stays
+    importance-correct.
     """
-    regular = filtered_logprobs(logits, temperature, top_k, top_p)
+    regular = filtered_logprobs(logits, temperature, top_k, top_p, min_p)
     if first_token_temperature is None:
         return regular
     first = positions == 0
+    if isinstance(first_token_temperature, torch.Tensor):
+        first = first & ~first_token_temperature.isnan()
+        first_token_temperature = first_token_temperature.nan_to_num(1.0)
     if not bool(first.any()):
         return regular
     hot = filtered_logprobs(logits, first_token_temperature, first_token_top_k, 1.0)

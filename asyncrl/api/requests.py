@@ -5,11 +5,14 @@ Bad requests raise `OpenAIError` (or fail validation), which the app turns into 
 OpenAI-style body `{"error": {"message", "type", "param", "code"}}`. Every field OpenAI defines is
 either honoured or refused by name: a request never gets silently less than it asked for.
 
-* Honoured: sampling (`temperature`, `top_p`, `seed`, `n`, `stop`), the length
+* Honoured: sampling (`temperature`, `top_p`, `seed`, `n`, `stop`, and vLLM's `top_k` and `min_p`,
+  which clients send as `extra_body`), the length
   (`max_completion_tokens`, or its older name `max_tokens`; chat without one: what is left of the
   context, capped at `serve.max_response_tokens`; legacy completions without one: 16, as OpenAI's),
   `presence_penalty`, `frequency_penalty`, `logit_bias`, log-probs, streaming with usage, tools
-  (`asyncrl.api.tools`).
+  (`asyncrl.api.tools`); asyncrl's own `min_weight_version` and `weight_version` (the weights an
+  answer must come from: waited for up to `serve.version_wait_s`, else 409; an exact version that
+  an update replaced during a whole answer is a 409 too, the answer not given).
 * Accepted because they ask for nothing the answer must show: `user`, `safety_identifier`,
   `prompt_cache_key`, `parallel_tool_calls` (at most one call per choice satisfies either value),
   and the defaults of the fields below.
@@ -105,6 +108,8 @@ class _Sampling(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1, le=1 << 20)  # vLLM's: -1 or 0 = off
+    min_p: float = Field(0.0, ge=0.0, le=1.0)  # vLLM's
     n: int = Field(1, ge=1, le=16)
     seed: int | None = Field(None, ge=0, lt=1 << 62)
     # At most 4 stop strings, as in OpenAI's API, each short: every one is searched in every delta.
@@ -113,6 +118,9 @@ class _Sampling(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(None, max_length=300)
+    # asyncrl's: the weights an answer must come from (a version at least this, or exactly this).
+    min_weight_version: int | None = Field(None, ge=0)
+    weight_version: int | None = Field(None, ge=0)
 
     def refuse_unhonoured(self) -> None:
         """A 400 naming the first field this endpoint would not honour (see the module's lists)."""
@@ -252,6 +260,7 @@ def sampling_of(body: _Sampling, top_logprobs: int, vocab_size: int) -> Sampling
                               "logit_bias")
         bias.append((int(key), float(value)))
     return SamplingParams(temperature=1.0 if greedy else body.temperature, top_p=body.top_p, greedy=greedy,
+                          top_k=max(body.top_k, 0), min_p=body.min_p,
                           top_logprobs=top_logprobs, presence_penalty=body.presence_penalty,
                           frequency_penalty=body.frequency_penalty, logit_bias=tuple(sorted(bias)))
 

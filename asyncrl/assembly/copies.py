@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import collections
 
+import msgspec
+
 from asyncrl.messages.mailbox import RecentIds
+from asyncrl.messages.routes import joined_routes
 from asyncrl.messages.structs import Segment
 
 
@@ -69,6 +72,19 @@ class SampleCopies:
         if seg.finished:
             return True
         return owner == seg.generator_id
+
+    def with_prior_routes(self, seg: Segment, parts: list[Segment] | None = None) -> Segment:
+        """A window row (just taken) with the routes of its copy's earlier windows, its context's
+        generated tokens (`parts`: the copy's windows when `seg` finished it). A copy whose earlier
+        windows are not all here leaves the row as it is: the learner routes that context itself."""
+        if seg.new_routes is None or seg.prior_routes is not None or seg.window == 0:
+            return seg
+        earlier = [p for p in (parts or self._copies.get(seg.sample_id, {}).get(seg.generator_id, []))
+                   if p.window < seg.window]
+        if len(earlier) != seg.window:
+            return seg
+        return msgspec.structs.replace(seg, prior_routes=joined_routes(
+            [(p.new_routes, len(p.new_token_ids)) for p in earlier]))
 
     def retire(self, generator_id: str) -> int:
         """A generator left the pool: nothing of it is dropped. Returns how many partial copies it leaves."""

@@ -14,7 +14,8 @@ import torch
 from asyncrl.algo.advantages import masked_whiten
 from asyncrl.algo.shaping import is_positive, kl_reward
 from asyncrl.config import GAEAdvantage, KLPenalty
-from asyncrl.messages.structs import Segment, TrainingRow, observation_mask, scored_mask
+from asyncrl.messages.routes import joined_routes
+from asyncrl.messages.structs import Segment, TrainingRow, observation_mask, response_routes, scored_mask
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,8 @@ def merge_segments(segments: list[Segment]) -> Segment:
             [scored_mask(s).astype(np.uint8) for s in segments]),
         new_observation=None if all(s.new_observation is None for s in segments) else np.concatenate(
             [observation_mask(s).astype(np.uint8) for s in segments]),
+        # Each window's routes as recorded, under the weights of its own tokens.
+        new_routes=joined_routes([(s.new_routes, len(s.new_token_ids)) for s in segments]),
         finished=True,
         finish_reason=last.finish_reason,
         data_source=last.data_source,
@@ -215,7 +218,7 @@ def with_whole_response(sample: TrainingRow) -> TrainingRow:
         new_observation=None if seg.new_observation is None and seg.prior_observation is None else np.concatenate(
             [np.zeros(prior, dtype=np.uint8) if seg.prior_observation is None else seg.prior_observation,
              observation_mask(seg).astype(np.uint8)]),
-        prior_observation=None)
+        prior_observation=None, new_routes=response_routes(seg), prior_routes=None)
     loss_mask = np.ones(len(seg.new_token_ids), dtype=np.uint8) if sample.loss_mask is None else sample.loss_mask
     return msgspec.structs.replace(
         sample, segment=whole,

@@ -15,10 +15,27 @@ import numpy as np
 from asyncrl.messages.structs import FinishReason, Segment, float32_array, int32_array
 
 
+def cpu_description() -> str:
+    """The CPU's model name and the flags that decide our defaults (bf16, AMX), for every timing:
+    e.g. "Intel(R) Xeon(R) Processor (amx, avx512_bf16)"."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+    except OSError:
+        return platform.processor() or platform.machine()
+    name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")),
+                platform.machine())
+    flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+    shown = [label for flag, label in (("amx_tile", "amx"), ("avx512_bf16", "avx512_bf16"), ("avx512f", "avx512"),
+                                       ("avx2", "avx2")) if flag in flags]
+    return f"{name} ({', '.join(shown[:2]) or 'no avx2'})"
+
+
 def machine() -> dict:
     import torch
 
     return {
+        "cpu": cpu_description(),
         "cpu_count": os.cpu_count(),
         "processor": platform.processor() or platform.machine(),
         "python": platform.python_version(),

@@ -4,6 +4,9 @@ silently ignored. (Ranges and allowed names live on the fields: `asyncrl.config.
 
 from __future__ import annotations
 
+import json
+import os
+
 from asyncrl.config.algorithm import GAEAdvantage, PairwiseAdvantage
 from asyncrl.config.reward import GenerativeJudgeEndpoint, ProcessRewardEndpoint, RouteConfig
 
@@ -56,6 +59,40 @@ def _algorithm_checks(config) -> list[tuple[bool, str]]:
         (config.task.pre_ppo_fraction == 0 or config.task.pre_ppo_endpoint in config.reward.endpoints,
          "task.pre_ppo_endpoint must name an entry of reward.endpoints"),
         *_lora_checks(config),
+        *_router_checks(config),
+    ]
+
+
+def model_family(model) -> tuple[str | None, bool]:
+    """(model_type, whether it is a mixture of experts) of the `model` section, as far as is known
+    without loading it: the tiny and the embedded models are Llamas, a directory says in its
+    `config.json`; (None, False) where it cannot be read (the learner checks the model itself)."""
+    if model.source == "tiny" or (model.source == "gguf" and not model.path):
+        return "llama", False
+    try:
+        with open(os.path.join(model.path, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None, False
+    if not isinstance(config, dict):
+        return None, False
+    experts = ("num_experts", "num_local_experts", "n_routed_experts")
+    return config.get("model_type"), any(isinstance(config.get(k), int) and config[k] > 0 for k in experts)
+
+
+def _router_checks(config) -> list[tuple[bool, str]]:
+    """Routing replay asked for explicitly (`model.router_replay=rollout`; auto does what the model allows)."""
+    m = config.model
+    if m.router_replay != "rollout":
+        return []
+    family, sparse = model_family(m)
+    where = f"model.path={m.path}" if m.path else f"model.source={m.source}"
+    return [
+        (family is None or sparse, f"model.router_replay=rollout replays a mixture-of-experts model's routes, but "
+                                   f"{where} is a dense {family} model: set model.router_replay=auto or off"),
+        (config.engine.name == "torch", "model.router_replay=rollout replays the routes the embedded engine records "
+                                        "(engine=torch); SGLang's (--enable-return-routed-experts) are not read: set "
+                                        "model.router_replay=off, or engine=torch"),
     ]
 
 
@@ -145,13 +182,13 @@ def _reward_checks(config) -> list[tuple[bool, str]]:
                        f"its token rewards would fall "
                        f"on the observations"))
         # The endpoint's own bound on one call must end before the call's deadline: else a hung
-        # function or server is only ever cut off by the deadline, which cancels the whole call.
+        # function or server is only ever cut off by the deadline, with every sample not yet scored.
         own = {"python": "call_timeout_s", "openai": "request_timeout_s"}.get(e.kind)
         if own is not None:
             checks.append((getattr(e, own) < r.timeout_s,
                            f"reward.endpoints.{name}.{own}={getattr(e, own):g} must be below reward.timeout_s="
                            f"{r.timeout_s:g} (the deadline of a whole call): else a hung sample or request is only "
-                           f"cut off by the deadline, which cancels the whole call and fails every reward in it"))
+                           f"cut off by the deadline, which fails it with every sample of the call not yet scored"))
     checks += route_checks(r.routes, set(r.endpoints))
     if isinstance(advantage, PairwiseAdvantage):
         checks.append((isinstance(r.endpoints.get(advantage.endpoint), GenerativeJudgeEndpoint),

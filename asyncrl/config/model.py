@@ -60,6 +60,15 @@ class ModelConfig(Section):
     ends so), or all-linear (every linear layer but the output head). The head (lm_head) is adapted
     only when named and not tied to the input embedding. A name the model does not have is refused
     at start-up, naming the ones it has."""
+    router_replay: Literal["auto", "off", "rollout"] = "auto"
+    """Routing replay (R3) for a mixture-of-experts model (Mixtral, Qwen2-MoE, Qwen3-MoE). rollout:
+    the learners' forward sends each generated token through the experts the rollout chose for it
+    (the embedded engine records them with every token), the gating weights recomputed by the
+    learner's router at those experts; prompt tokens are routed by the learner. off: the learner
+    routes every token itself. auto: rollout on a mixture-of-experts model, nothing on a dense one;
+    rollout set on a dense model is refused. Replayed or not, the step records say how often the
+    learner's router would choose otherwise (`router_mismatch`) and the experts' load. verl's
+    actor_rollout_ref.actor.router_replay.mode=R3 is rollout."""
 
     def directory_name(self) -> str:
         """What `name` defaults to: the model directory's name, the embedded model's, or `tiny`."""

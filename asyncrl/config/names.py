@@ -180,6 +180,9 @@ FOREIGN: dict[str, Foreign] = {
     f"{_ARO}.model.lora_rank": _verl("model.lora_rank"),
     f"{_ARO}.model.lora_alpha": _verl("model.lora_alpha"),
     f"{_ARO}.model.target_modules": _verl("model.target_modules"),
+    # verl's R3 replays the rollout's routes; its R2 replays its own old-log-prob forward's, which asyncrl has not.
+    f"{_ARO}.actor.router_replay.mode": _verl("model.router_replay", convert=_choice(
+        {"R3": "rollout", "disabled": "off"}, "actor_rollout_ref.actor.router_replay.mode")),
     f"{_ARO}.rollout.temperature": _verl("sampling.temperature"),
     f"{_ARO}.rollout.top_p": _verl("sampling.top_p"),
     f"{_ARO}.rollout.top_k": _verl("sampling.top_k", convert=lambda v: (max(int(v), 0),)),  # verl: -1 = off
@@ -195,6 +198,8 @@ FOREIGN: dict[str, Foreign] = {
     "trainer.save_freq": _verl("trainer.checkpoint_every", convert=lambda v: (max(int(v), 0),)),  # verl: -1 = never
     "trainer.test_freq": _verl("trainer.eval_every", convert=lambda v: (max(int(v), 0),)),
     "trainer.project_name": _verl("trainer.wandb_project"),
+    # verl takes a list, or one name as a string (its older recipes).
+    "trainer.logger": _verl("trainer.loggers", convert=lambda v: ([v] if isinstance(v, str) else list(v),)),
     "trainer.default_local_dir": _verl("trainer.run_dir"),
     "trainer.resume_mode": _verl("resume", convert=_choice({"auto": True, "disable": False}, "trainer.resume_mode")),
     "trainer.total_epochs": _refused("verl", "asyncrl counts learner steps: trainer.total_steps"),
@@ -232,10 +237,8 @@ FOREIGN: dict[str, Foreign] = {
 # together in one notice per run with what asyncrl does instead (`fnmatch` patterns over a dotted
 # name or any of its parents: `*.fsdp_config` covers every key below it).
 IGNORED: dict[str, str] = {
-    "trainer.logger": "asyncrl writes metrics.jsonl, the console and a wandb run (trainer.wandb_mode)",
     "trainer.nnodes": "Ray places each role on the cluster it is given (cluster.ray_address)",
     "trainer.n_gpus_per_node": "Ray places each role: policy.compute.gpus, engine.gpus",
-    "trainer.experiment_name": "the run directory names a run (trainer.run_dir)",
     "trainer.val_before_train": "the held-out set is always evaluated before and after",
     "trainer.log_val_generations": "every trajectory can be kept: trainer.store_trajectories",
     "trainer.critic_warmup": "the critic's warm-up is critic.warmup.steps",

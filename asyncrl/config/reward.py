@@ -93,6 +93,15 @@ class PythonRewardEndpoint(EndpointBase, tag="python", kw_only=True):
     timeout can be ended and a CPU-bound scorer runs beside the endpoint's event loop)."""
     call_timeout_s: PositiveFloat = 30.0
     """A call (one sample; with trl, one batch) that takes longer is killed: a failed reward."""
+    worker_memory_mb: NonNegativeInt = 8192
+    """Address space (RLIMIT_AS, MiB) of each worker process, the function's imports included: a
+    call that allocates past it is a failed reward ("ran out of memory") and its worker is replaced
+    by a fresh one. Virtual memory, so larger than what the worker holds (numpy's import alone maps
+    ~150 MB, torch's ~650 MB). 0: no limit."""
+    worker_max_calls: NonNegativeInt = 10000
+    """A worker is replaced by a fresh one after this many calls, so memory the function leaks or
+    caches is given back (a new worker imports the file again: ~0.2 s, more with heavy imports).
+    0: never."""
 
 
 class OpenAIJudgeEndpoint(EndpointBase, tag="openai", kw_only=True):
@@ -116,7 +125,8 @@ class OpenAIJudgeEndpoint(EndpointBase, tag="openai", kw_only=True):
     max_concurrency: PositiveInt = 8
     """Requests in flight at once."""
     request_timeout_s: PositiveFloat = 60.0
-    """One request slower than this is retried, then its reward fails."""
+    """One attempt of a request, whole (not per read: a server that trickles bytes is cut off here,
+    its connection closed); a request that failed is retried, then its reward fails."""
     retries: NonNegativeInt = 2
     """Retries of a request that failed or timed out (with backoff)."""
 
@@ -154,8 +164,10 @@ class RewardConfig(Section):
     routes: list[RouteConfig] = msgspec.field(default_factory=lambda: [RouteConfig()])
     """The first route whose pattern matches a sample's data_source scores it."""
     timeout_s: PositiveFloat = 120.0
-    """The deadline of a reward call, retries included: a call still running then is cancelled at
-    the endpoint and its rewards recorded as failed (never a hang). A pairwise judgement has the same."""
+    """The deadline of a reward call, retries included (never a hang): the endpoint stops the call a
+    margin before it and answers with the rewards it had scored, the samples not scored failed with
+    the reason; a call that does not answer by the deadline is cancelled at the endpoint, all its
+    rewards failed. A pairwise judgement has the same."""
     retries: NonNegativeInt = 3
     """Retries of a reward call that failed with an error, while its deadline allows (a call that
     ran out of time is not retried: its retry would only add work to a slow endpoint)."""

@@ -74,10 +74,25 @@ class TrainerConfig(Section):
     """Synchronous baseline: issue a batch of prompts, wait for all of it, train, wait for the new
     weights to reach the generators, repeat (no staleness). Windows are whole responses
     (`engine.window_tokens` is set to `engine.max_response_tokens`)."""
+    loggers: list[Literal["console", "wandb", "tensorboard"]] = msgspec.field(
+        default_factory=lambda: ["console", "wandb"])
+    """Where the step records go besides `metrics.jsonl` (always written): console (`asyncrl
+    train`'s progress bar), wandb (a wandb run that follows the run directory across resumes and
+    restarts: `wandb_mode`), tensorboard (scalars in `<run_dir>/tensorboard/`). verl's
+    `trainer.logger` sets it; the Serve `train` app logs to wandb and TensorBoard too."""
+    experiment_name: str = ""
+    """The run's name in wandb (verl's name for it); empty = the run directory's name."""
     wandb_project: str = "asyncrl"
     """The wandb project of the run's metrics."""
+    wandb_group: str = ""
+    """The wandb group the run joins (runs compared together: seeds, algorithms); empty = none."""
+    wandb_tags: list[str] = msgspec.field(default_factory=list)
+    """The wandb run's tags."""
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"
-    """offline | online | disabled (WANDB_MODE in the environment wins)."""
+    """offline | online | disabled (WANDB_MODE in the environment wins). Offline, each process of a
+    run (a resume, a Serve controller) writes `<run_dir>/wandb/offline-run-<time>-<id>/` with the
+    one id of `<run_dir>/loggers.json`: `wandb sync <run_dir>/wandb/offline-run-*` uploads them as
+    one run."""
     store_trajectories: bool = False
     """Keep every finished trajectory (kept or dropped, with its reward, versions and values) and
     every trained batch in `<run_dir>/trajectories/` as Parquet files (`asyncrl.storage.trajectory_store`)."""
@@ -111,6 +126,10 @@ class ClusterConfig(Section):
     way to the policy endpoint and to evaluation (the embedded model: 0.5 GB each)."""
     mailbox_capacity: PositiveInt = 256
     """Segments the generators' mailbox holds before it applies backpressure."""
+    mailbox_bytes: NonNegativeInt = 1 << 30
+    """Each mailbox of a run (prompts, segments, batches, trajectories) also applies backpressure
+    once the encoded messages it holds reach this many bytes (a sharded one: this over its shards);
+    a message larger than this alone still passes an empty mailbox. 0: messages counted only."""
     segment_shards: PositiveInt = 1
     """Mailbox actors behind the generators' segments (a sample's windows stay in one): one actor
     moves a few thousand segments a second; give many generators several."""
@@ -120,8 +139,10 @@ class ClusterConfig(Section):
     the prompts it works on every quarter of this)."""
     generator_timeout_s: PositiveFloat = 120.0
     """A generator that does not answer for this long (its stats, or a weight delivery), or whose
-    engine call in progress (a window, a weight load) has run this long, is healed: its work goes
-    back through the ledger to the others and a replacement joins. It must exceed the longest window."""
+    engine call in progress (a window, a weight load) has gone this long without progress, is
+    healed: its work goes back through the ledger to the others and a replacement joins. Progress
+    is a decode step on the embedded engine (a window longer than this that decodes is live); on
+    SGLang it is the call's end, so there it must exceed the longest window."""
     drain_timeout_s: NonNegativeFloat = 60.0
     """A generator leaving the pool finishes its sequences for up to this long, then hands the rest back."""
     autoscale: bool = False
@@ -158,6 +179,10 @@ class ServeConfig(Section):
     follow_learner: bool = True
     """The policy endpoint adopts the running learner's weights as they change; false = it serves
     the model's own weights (a frozen reference beside a run, or a policy loaded from model.path)."""
+    version_wait_s: NonNegativeFloat = 30.0
+    """Policy endpoint: a request asking for a weight version not yet held (`min_weight_version`,
+    or an exact `weight_version` above the one served) waits up to this long for it to land, then
+    is refused with 409 naming the version held."""
     max_batch_sequences: PositiveInt = 64
     """Policy endpoint: sequences (requests x n choices) the embedded engine decodes together in one
     window (more wait for a later one). One request with more is refused (400), on SGLang too."""
@@ -167,8 +192,8 @@ class ServeConfig(Section):
     that could join the window in progress cuts it (`batch_cut_after_s`)."""
     batch_cut_after_s: NonNegativeFloat = 0.0
     """Policy endpoint, embedded engine: a request that arrives while a window runs and could join
-    it (the same sampling settings, a free row) ends that window at its next decode step once the
-    window has run this long (0: at the next step), so it waits a step, not the rest of the window.
+    it (a free row; rows of any sampling settings share a window) ends that window at its next
+    decode step once the window has run this long (0: at the next step), so it waits a step, not the rest of the window.
     Each new window costs its rows' KV caches copied into a fresh block: raise this where steps are
     much cheaper than that copy. Above a window's time (say 60), windows are never cut. A model on
     transformers' padded path (a family the engine's decoder does not know) is never cut: it keeps

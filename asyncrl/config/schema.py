@@ -181,6 +181,11 @@ def value_error(path: str, kind, value) -> str | None:
             return f"{path}={value} is out of range: it must be {bounds(kind)}"
     if typing.get_origin(inner) is typing.Literal and isinstance(value, str):
         return f"{path}={value}: must be {describe(kind)}{nearest(value, typing.get_args(inner))}"
+    if typing.get_origin(inner) is list and isinstance(value, list):
+        entry = bare(typing.get_args(inner)[0])
+        bad = [v for v in value if typing.get_origin(entry) is typing.Literal and value_error(path, entry, v)]
+        if bad:  # a list of names (`trainer.loggers`): the name it does not know, and the nearest
+            return f"{path}: {bad[0]!r} is not {describe(entry)}{nearest(str(bad[0]), typing.get_args(entry))}"
     structured = is_section(inner) or variants(kind) is not None or typing.get_origin(inner) in (dict, list)
     if structured and isinstance(value, (dict, list)):
         return f"{path}: {detail.replace('$.', path + '.').replace(' - at `$`', '')}"

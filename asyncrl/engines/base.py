@@ -38,11 +38,21 @@ class SamplingParams(SamplingConfig, frozen=True):
     """OpenAI's penalty on tokens already in the response, by how often each occurred."""
     logit_bias: tuple[tuple[int, float], ...] = ()
     """OpenAI's per-token logit bias, as (token id, bias) pairs."""
+    min_p: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0
+    """vLLM's min-p: only tokens at least this fraction as likely as the most likely one (0 = off).
+    A request's setting (the policy endpoint), not a run's: the learners score a run's samples
+    under its `sampling` section, which has none."""
 
     @classmethod
     def of(cls, sampling: SamplingConfig, **request) -> "SamplingParams":
         """A run's `sampling` section as a request's parameters (`request`: greedy, top_logprobs)."""
         return cls(**msgspec.structs.asdict(sampling), **request)
+
+    @property
+    def truncation(self) -> tuple[float, int, float, float]:
+        """(temperature, top-k, top-p, min-p) as an engine that takes them apart (SGLang) samples:
+        greedy is temperature 0 with nothing cut."""
+        return (0.0, 0, 1.0, 0.0) if self.greedy else (self.temperature, self.top_k, self.top_p, self.min_p)
 
     @property
     def adjusts_logits(self) -> bool:
@@ -87,19 +97,27 @@ class WindowOutput(msgspec.Struct, kw_only=True, frozen=True):
     # a token top-p/top-k leaves out, which cannot be drawn). None when not asked for.
     top_ids: np.ndarray | None = None
     top_logprobs: np.ndarray | None = None
+    # [N, sparse_layers, top_k] uint8 or int16 (`asyncrl.messages.routes`): a mixture-of-experts
+    # model's experts at the position each token was sampled from (routing replay). None: a dense
+    # model, or an engine that does not record them.
+    routes: np.ndarray | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not FinishReason.WINDOW
 
 
-def scored_positions(prior: torch.Tensor, min_tokens: torch.Tensor, window_tokens: int, fire: bool) -> torch.Tensor | None:
+def scored_positions(prior: torch.Tensor, min_tokens: torch.Tensor, window_tokens: int,
+                     fire: bool | torch.Tensor) -> torch.Tensor | None:
     """uint8 `[B, window]`: 0 at the positions whose distribution was not the policy's at the run's
     settings: FIRE's first response token, and positions where EOS was held back (below a row's
-    minimum length). None when every position was. Both engines mark them so (`WindowOutput.scored`)."""
+    minimum length). None when every position was. Both engines mark them so (`WindowOutput.scored`).
+    `fire`: FIRE on for every row, or per row `[B]`."""
     positions = prior[:, None] + torch.arange(window_tokens)[None, :]
     unscored = positions < min_tokens[:, None]
-    if fire:
+    if isinstance(fire, torch.Tensor):
+        unscored |= (positions == 0) & fire.cpu()[:, None]
+    elif fire:
         unscored |= positions == 0
     return None if not bool(unscored.any()) else (~unscored).to(torch.uint8)
 

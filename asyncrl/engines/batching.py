@@ -5,7 +5,7 @@ runs engine windows of `window_tokens` over the rows of every job in flight: a w
 engine call, so 16 concurrent clients cost about one client's decode steps, not 16 times as
 many. Between two windows the loop drops the rows that ended (EOS, length, a stop string or a
 tool call found by the caller, a client gone), applies a pending weight update, and admits waiting
-jobs. A request that arrives while a window runs and could join it (the same settings, room)
+jobs. A request that arrives while a window runs and could join it (room for its rows)
 cuts that window at its next decode step once it has run `cut_after_s`, so it waits a step or
 a few, not the rest of a window (the rows of the cut window go on in the next, their KV caches
 kept; None: never cut). An engine that keeps no caches across windows (transformers' padded path)
@@ -34,9 +34,11 @@ Invariants, held here:
 * **Same samples.** Counter-based seeds: a row's tokens do not depend on which rows share its
   windows or where windows cut it (`asyncrl.algo.sampling`).
 
-Rows batch together only under equal sampling settings (one `SamplingParams` per engine call; the
-alternatives asked for are the most any of them asks). Settings differ: their jobs take turns,
-window by window, oldest first.
+Rows batch together whatever their sampling settings: each row takes its job's own (temperature,
+top-p, top-k, min-p, greedy, penalties, logit bias; seed and length are the row's own), per row in
+one decode step (`asyncrl.engines.row_sampling`), so a client with settings of its own waits for
+room, not for the jobs of other settings to finish. The alternatives computed are the most any
+job asks for; each job gets its own count.
 """
 
 from __future__ import annotations
@@ -95,10 +97,6 @@ class _Job:
     ended: bool = False  # its stream's end is queued
     held: list[StepToken] = field(default_factory=list)  # a whole answer's steps of the window running
 
-    @property
-    def group(self) -> SamplingParams:
-        return msgspec.structs.replace(self.params, top_logprobs=0)
-
     def live_rows(self) -> list[_Row]:
         return [] if self.closed else [r for r in self.rows if not r.done]
 
@@ -119,7 +117,7 @@ class WindowBatcher:
         self._wake = asyncio.Event()
         self._update: tuple[Callable[[], None], asyncio.Future] | None = None
         self._task: asyncio.Task | None = None
-        self._running: tuple[SamplingParams, int] | None = None  # the window in progress: its settings, rows
+        self._running: int | None = None  # the rows of the window in progress
         self._window_started = 0.0
         self._cut = threading.Event()  # read by the engine's thread after each decode step
         # jobs taken, jobs whose caller left before their end, tokens sampled, windows, rows over them,
@@ -169,8 +167,8 @@ class WindowBatcher:
         """Cut the window in progress at its next decode step when `job` could join the next one.
         (The KV bound is checked when the next window is planned: a job that does not fit it then
         waits, at the price of one window cut short.)"""
-        if (self.cut_after_s is not None and self._running is not None and job.group == self._running[0]
-                and self._running[1] + len(job.rows) <= self.max_rows):
+        if (self.cut_after_s is not None and self._running is not None
+                and self._running + len(job.rows) <= self.max_rows):
             self._cut.set()
 
     async def load(self, apply: Callable[[], None]) -> None:
@@ -207,13 +205,13 @@ class WindowBatcher:
             if self._starts_afresh() and self._live_rows() < self._last_rows:
                 await self._gather()
                 self._jobs = [j for j in self._jobs if j.live_rows()]
-            rows, params = self._plan()
+            rows = self._plan()
             self._last_rows = len(rows)
             if not rows:
                 continue
             self._wake.set()  # more windows follow while rows are left
             try:
-                await self._window(rows, params)
+                await self._window(rows)
             except Exception as exc:  # the engine failed: the jobs of this window fail with it
                 for job in {r.job for r in rows}:
                     job.queue.put_nowait(exc)
@@ -254,24 +252,18 @@ class WindowBatcher:
         except Exception as exc:  # the follower reports it; the old weights keep serving
             future.set_exception(exc)
 
-    def _plan(self) -> tuple[list[_Row], SamplingParams | None]:
-        """This window's rows: the jobs of the oldest job's settings, oldest first, while they fit."""
-        if not self._jobs:
-            return [], None
-        group = self._jobs[0].group
+    def _plan(self) -> list[_Row]:
+        """This window's rows: the jobs in flight, oldest first, while they fit."""
         rows: list[_Row] = []
-        top = 0
         for job in self._jobs:
-            if job.group != group:
-                continue
             candidate = rows + job.live_rows()
             window = self._window_tokens(candidate)
             if rows and (len(candidate) > self.max_rows or
                          self.engine.window_positions(self._inputs(candidate), window) > self.max_positions):
                 continue  # waits for a later window (a smaller job behind it may still fit)
-            rows, top = candidate, max(top, job.params.top_logprobs)
+            rows = candidate
             job.started = True
-        return rows, msgspec.structs.replace(group, top_logprobs=top)
+        return rows
 
     def _window_tokens(self, rows: list[_Row]) -> int:
         return min(self.window_tokens, max(r.sequence.max_response_tokens - len(r.response) for r in rows))
@@ -280,7 +272,7 @@ class WindowBatcher:
     def _inputs(rows: list[_Row]) -> list[SequenceInput]:
         return [msgspec.structs.replace(r.sequence, response_ids=_ids(r.response)) for r in rows]
 
-    async def _window(self, rows: list[_Row], params: SamplingParams) -> None:
+    async def _window(self, rows: list[_Row]) -> None:
         loop, version, window = asyncio.get_running_loop(), self.engine.weight_version, self._window_tokens(rows)
         live = any(r.job.live for r in rows)
 
@@ -295,9 +287,10 @@ class WindowBatcher:
         # step (a client gone mid-window is dropped at the window's end, at most a window later),
         # but a row that ends is handed over on the step it ends (`on_end`).
         start = time.perf_counter()
-        self._running, self._window_started = (rows[0].job.group, len(rows)), time.perf_counter()
+        self._running, self._window_started = len(rows), time.perf_counter()
         self._cut.clear()
         try:
+            params = [r.job.params for r in rows]
             outputs = await asyncio.to_thread(self.engine.generate_window_sync, self._inputs(rows), window, params,
                                               on_step if live else None, self._cut_now, None if live else on_end)
         finally:

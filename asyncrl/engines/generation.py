@@ -142,9 +142,13 @@ class EngineCalls:
         finally:
             del self._started[token]
 
-    def oldest_s(self) -> float:
-        """How long the oldest call in progress has run (0: none runs)."""
-        return time.monotonic() - min(self._started.values()) if self._started else 0.0
+    def oldest_s(self, progress_at: float = 0.0) -> float:
+        """How long the oldest call in progress has run without progress (0: none runs).
+        `progress_at`: the engine's last sign of work within a call (a decode step, monotonic
+        time), so a long window that is decoding is not taken for a wedged one."""
+        if not self._started:
+            return 0.0
+        return time.monotonic() - max(min(self._started.values()), progress_at)
 
     def inject(self, **faults: float) -> dict:
         unknown = sorted(set(faults) - set(self.faults))

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from asyncrl.engines import moe
 from asyncrl.engines.llama_decoder import KVBlock, LlamaDecoder
 
 
@@ -161,11 +162,17 @@ class CachedWindow:
     column per decode step. Holes between the parts are masked. `start` prefills the suffixes in
     chunks of similar length (a continuing row's suffix is one token, a new row's a prompt: one
     chunk would pad every continuing row to a prompt's length); the caller orders rows by suffix
-    length, longest first, so each chunk is a slice of rows."""
+    length, longest first, so each chunk is a slice of rows.
+
+    `routes_dtype` (a mixture-of-experts model; None: not recorded): after `start` and each `step`,
+    `routes` holds the experts `[B, sparse_layers, top_k]` of the position whose logits were
+    returned, in this dtype: the route of the token sampled from them."""
 
     def __init__(self, decoder: LlamaDecoder, contexts: list[np.ndarray], kept: list[KeptKV | None],
-                 window_tokens: int, pad_token_id: int):
+                 window_tokens: int, pad_token_id: int, routes_dtype: torch.dtype | None = None):
         self.decoder, self.contexts, self.pad_token_id = decoder, contexts, pad_token_id
+        self.routes_dtype = routes_dtype if decoder.moe is not None else None
+        self.routes: torch.Tensor | None = None
         self.reused = [0 if k is None else len(k.tokens) for k in kept]
         self.suffix = [len(c) - n for c, n in zip(contexts, self.reused)]
         if any(b > a for a, b in zip(self.suffix, self.suffix[1:])):
@@ -189,16 +196,20 @@ class CachedWindow:
     def start(self, logits: bool = True) -> torch.Tensor | None:
         """Feed every row's suffix; the logits `[B, vocab]` of each row's last context token (None
         with `logits=False`: only the keys and values are wanted)."""
-        out, row = [], 0
+        out, routes, row = [], [], 0
         while row < len(self.contexts):
             end = row + 1
             while end < len(self.contexts) and 2 * self.suffix[end] > self.suffix[row]:
                 end += 1
-            out.append(self._prefill(row, end, logits))
+            chunk = moe.Routes() if self.routes_dtype is not None and logits else None
+            out.append(self._prefill(row, end, logits, chunk))
+            if chunk is not None:
+                routes.append(chunk.chosen[:, -1])  # the last column: where the logits are
             row = end
+        self.routes = torch.cat(routes).to(self.routes_dtype) if routes else None
         return torch.cat(out) if logits else None
 
-    def _prefill(self, first: int, end: int, logits: bool) -> torch.Tensor | None:
+    def _prefill(self, first: int, end: int, logits: bool, routes: moe.Routes | None = None) -> torch.Tensor | None:
         width, device = self.suffix[first], self.block.valid.device
         tokens = np.full((end - first, width), self.pad_token_id, dtype=np.int64)
         positions = np.zeros((end - first, width), dtype=np.int64)
@@ -207,14 +218,16 @@ class CachedWindow:
             tokens[i - first, width - s:] = self.contexts[i][n:]
             positions[i - first, width - s:] = np.arange(n, n + s)
         return self.decoder.forward(torch.from_numpy(tokens).to(device), torch.from_numpy(positions).to(device),
-                                    self.block, slice(first, end), self.first_decode - width, logits)
+                                    self.block, slice(first, end), self.first_decode - width, logits, routes)
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per row (`[B]`); the logits of the next."""
         column = self.first_decode + self.steps
         self.block.valid[:, column] = True
+        routes = moe.Routes() if self.routes_dtype is not None else None
         logits = self.decoder.forward(tokens[:, None], (self.positions + self.steps)[:, None], self.block,
-                                      slice(None), column)
+                                      slice(None), column, routes=routes)
+        self.routes = routes.chosen[:, 0].to(self.routes_dtype) if routes is not None else None
         self.steps += 1
         return logits
 

@@ -105,6 +105,8 @@ class LlamaDecoder:
         sparse = [moe.is_sparse(layer) for layer in model.model.layers]
         self.sparse_index = [sum(sparse[:i]) if is_sparse else None for i, is_sparse in enumerate(sparse)]
         self.moe = moe.MoeMLP(config) if self.sparse_layers else None
+        self.experts = next((layer.mlp.experts.gate_up_proj.shape[0] for layer in model.model.layers
+                             if moe.is_sparse(layer)), 0)  # per sparse layer (0: a dense model)
 
     @property
     def layers(self) -> int:

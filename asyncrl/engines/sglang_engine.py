@@ -158,12 +158,12 @@ class SGLangEngine:
         min_new = max(0, seq.min_response_tokens - prior)
         finish = None
         # Greedy: SGLang's temperature 0 (argmax; the log-prob is that of softmax(logits)).
-        regular = (0.0, 0, 1.0) if params.greedy else (params.temperature, params.top_k, params.top_p)
+        regular = params.truncation
         fire = params.first_token_temperature is not None and not params.greedy
         if fire and prior == 0:
             # FIRE: the first response token alone, at the hot temperature under its top-k guard.
             finish = await self._request(context, out, 1, min_new, seq.seed,
-                                         (params.first_token_temperature, params.first_token_top_k, 1.0),
+                                         (params.first_token_temperature, params.first_token_top_k, 1.0, 0.0),
                                          params.top_logprobs)
         if finish is None and len(out.ids) < budget:
             finish = await self._request(context, out, budget - len(out.ids), max(0, min_new - len(out.ids)),
@@ -183,7 +183,7 @@ class SGLangEngine:
                             top_ids=top_ids, top_logprobs=top_logprobs)
 
     async def _request(self, context: list[int], out: _Tokens, max_new: int, min_new: int, seed: int,
-                       setting: tuple[float, int, float], top_n: int = 0) -> str | None:
+                       setting: tuple[float, int, float, float], top_n: int = 0) -> str | None:
         """Up to `max_new` tokens after `context + out.ids`, appended to `out`. A request cut by a
         weight update continues from its last token under the new weights. Returns "stop" (EOS) or
         None (the budget used)."""
@@ -214,20 +214,21 @@ class SGLangEngine:
             self.counters["continued"] += 1
             self.counters["continued_cached_tokens"] += cached_tokens
 
-    def _sampling(self, max_new: int, min_new: int, seed: int, setting: tuple[float, int, float],
+    def _sampling(self, max_new: int, min_new: int, seed: int, setting: tuple[float, int, float, float],
                   adjust: SamplingParams | None = None) -> dict:
-        """SGLang's sampling parameters (`sglang.srt.sampling.sampling_params.SamplingParams`). Its
-        own top-k / top-p stay off: `TruncatedSampling` cuts the logits (`custom_params`)."""
+        """SGLang's sampling parameters (`sglang.srt.sampling.sampling_params.SamplingParams`) for
+        `setting` (temperature, top-k, top-p, min-p). Its own top-k / top-p / min-p stay off:
+        `TruncatedSampling` cuts the logits (`custom_params`), as our sampler does."""
         from asyncrl.engines.sglang_scheduler import truncation
 
-        temperature, top_k, top_p = setting
+        temperature, top_k, top_p, min_p = setting
         sampling = {"max_new_tokens": max_new, "min_new_tokens": min(min_new, max_new), "temperature": temperature,
                     "stop_token_ids": self.eos_token_ids, "sampling_seed": seed}
         if adjust is not None and adjust.adjusts_logits:  # the policy endpoint's penalties and bias
             sampling.update(presence_penalty=adjust.presence_penalty, frequency_penalty=adjust.frequency_penalty,
                             logit_bias={str(i): b for i, b in adjust.logit_bias} or None)
-        if temperature > 0 and (top_k > 0 or top_p < 1.0):
-            sampling["custom_params"] = truncation(temperature, top_k, top_p)
+        if temperature > 0 and (top_k > 0 or top_p < 1.0 or min_p > 0):
+            sampling["custom_params"] = truncation(temperature, top_k, top_p, min_p)
         return sampling
 
     async def _submit(self, input_ids: list[int], sampling: dict, top_n: int = 0) -> tuple[str, dict]:

@@ -22,11 +22,11 @@ from asyncrl.weights.shared_memory import SharedVersion, shared_views
 
 
 class TruncatedSampling(CustomLogitProcessor):
-    """Per row `custom_params` `{"temperature": T, "top_k": k, "top_p": p}`: logits outside the
-    sampler's top-k / top-p set (at temperature T, as the sampler cuts them) become -inf."""
+    """Per row `custom_params` `{"temperature": T, "top_k": k, "top_p": p, "min_p": m}`: logits outside
+    the sampler's top-k / top-p / min-p set (at temperature T, as the sampler cuts them) become -inf."""
 
     def __call__(self, logits: torch.Tensor, custom_param_list: list[dict] | None = None) -> torch.Tensor:
-        settings = [(p["temperature"], p["top_k"], p["top_p"]) for p in custom_param_list]
+        settings = [(p["temperature"], p["top_k"], p["top_p"], p.get("min_p", 0.0)) for p in custom_param_list]
         # Rows of one run share their settings (two sets with FIRE): one call per distinct set.
         for key in set(settings):
             rows = torch.tensor([i for i, s in enumerate(settings) if s == key], device=logits.device)
@@ -35,8 +35,8 @@ class TruncatedSampling(CustomLogitProcessor):
         return logits
 
 
-def truncation(temperature: float, top_k: int, top_p: float) -> dict:
-    return {"temperature": float(temperature), "top_k": int(top_k), "top_p": float(top_p)}
+def truncation(temperature: float, top_k: int, top_p: float, min_p: float = 0.0) -> dict:
+    return {"temperature": float(temperature), "top_k": int(top_k), "top_p": float(top_p), "min_p": float(min_p)}
 
 
 # SGLang's weight loader for `shared_payload`, named in the engine's `custom_weight_loader`.

@@ -64,7 +64,7 @@ class SGLangSteps:
     async def _generate(self, i: int, seq: SequenceInput) -> None:
         engine, params = self.engine, self.params
         context = [int(t) for t in seq.prompt_ids] + [int(t) for t in seq.response_ids]
-        setting = (0.0, 0, 1.0) if params.greedy else (params.temperature, params.top_k, params.top_p)
+        setting = params.truncation
         budget = seq.max_response_tokens - len(seq.response_ids)
         done: list[int] = []
         while len(done) < budget:

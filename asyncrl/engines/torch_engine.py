@@ -7,7 +7,9 @@ Mixtral, Qwen2-MoE and Qwen3-MoE (their experts: `asyncrl.engines.moe`), run on 
 forward (`asyncrl.engines.llama_decoder`) over a preallocated KV block, and keep each keyed
 sequence's KV cache from one window to its next while the weights do not change
 (`asyncrl.engines.kv_cache`); other models run transformers' forward over left-padded batches,
-re-reading each context (said once, when the engine is built).
+re-reading each context (said once, when the engine is built). A mixture-of-experts model's tokens
+come with their routes (`WindowOutput.routes`: the experts of the position each was sampled from),
+which the learners replay.
 """
 
 from __future__ import annotations
@@ -17,24 +19,20 @@ import copy
 import functools
 import logging
 import threading
+import time
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from asyncrl.algo.sampling import (
-                                   greedy_from_logprobs,
-                                   penalised_logits,
-                                   sample_from_logits,
-                                   sample_from_logprobs,
-                                   step_logprobs,
-                                   )
 from asyncrl.engines import llama_decoder
 from asyncrl.engines.base import SamplingParams, SequenceInput, WindowOutput, scored_positions
 from asyncrl.engines.kv_cache import CachedWindow, KeptCaches, share_prefixes
 from asyncrl.engines.padded_window import PaddedWindow
+from asyncrl.engines.row_sampling import LogitAdjust, RowSampling, sample_step
+from asyncrl.messages.routes import route_dtype
 from asyncrl.messages.structs import FinishReason
 from asyncrl.models.precision import Precision, choose_precision
 from asyncrl.weights import delta as weights_delta
@@ -72,6 +70,7 @@ class TorchEngine:
         if self.eos_token_ids.numel() == 0:
             raise ValueError("an engine needs at least one EOS token id")
         self.pad_token_id = pad_token_id
+        self.last_step_at = 0.0  # monotonic time of the last decode step: a long window's progress
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 1 << 30))
         reason = llama_decoder.unsupported(model)
         if reason is not None:
@@ -79,6 +78,9 @@ class TorchEngine:
                         "left-padded, its whole context re-read, no KV kept across windows): %s",
                         type(model).__name__, reason)
         self.decoder = llama_decoder.LlamaDecoder(model) if reason is None else None
+        # A mixture-of-experts model's routes are recorded with every token (`WindowOutput.routes`).
+        experts = self.decoder.experts if self.decoder is not None else 0
+        self.routes_dtype = getattr(torch, route_dtype(experts).name) if experts else None
         self.kept = KeptCaches(max_kept_bytes)
         self.share_prefixes = True  # rows of a window compute what their prompts share once (`share_prefixes`)
         self.largest_block_positions = 0  # rows x columns of the largest KV block a window allocated
@@ -203,6 +205,9 @@ class TorchEngine:
         columns = max(kept) + max(len(c) - k for c, k in zip(contexts, kept)) + window_tokens - 1
         return len(sequences) * columns
 
+    def _stepped(self) -> None:
+        self.last_step_at = time.monotonic()
+
     def weights_stamp(self) -> tuple:
         """Changes whenever the weights may have: a load through the engine, or any parameter
         replaced or modified in place (an optimizer step on a model the engine shares)."""
@@ -215,10 +220,11 @@ class TorchEngine:
 
     @torch.inference_mode()
     def generate_window_sync(
-        self, sequences: list[SequenceInput], window_tokens: int, params: SamplingParams, on_step=None,
-        cut: Callable[[], bool] | None = None, on_end=None,
+        self, sequences: list[SequenceInput], window_tokens: int, params: SamplingParams | Sequence[SamplingParams],
+        on_step=None, cut: Callable[[], bool] | None = None, on_end=None,
     ) -> list[WindowOutput]:
-        """`on_step(items)`: each decode step as `stream_window` yields it; returning False stops the
+        """`params`: one setting for every sequence, or one each (`asyncrl.engines.row_sampling`).
+        `on_step(items)`: each decode step as `stream_window` yields it; returning False stops the
         window (its rows' kept caches are dropped). `cut()`: asked after each decode step; True ends
         the window there as a full window ends (its rows go on in a next window, their caches kept).
         `on_end(ended)`: on a step where rows ended (EOS or length), `[(index in sequences, its
@@ -230,8 +236,8 @@ class TorchEngine:
         with self._lock:
             return self._generate(sequences, window_tokens, params, on_step, cut, on_end)
 
-    def _generate(self, sequences: list[SequenceInput], window_tokens: int, params: SamplingParams,
-                  on_step=None, cut: Callable[[], bool] | None = None, on_end=None) -> list[WindowOutput]:
+    def _generate(self, sequences: list[SequenceInput], window_tokens: int,
+                  params: SamplingParams | Sequence[SamplingParams], on_step=None, cut: Callable[[], bool] | None = None, on_end=None) -> list[WindowOutput]:
         contexts = [np.concatenate([s.prompt_ids, s.response_ids]).astype(np.int64) for s in sequences]
         rows = _Rows.of(sequences, contexts, window_tokens, self.max_positions, self.device)  # checks budgets first
         if self.decoder is None:
@@ -246,11 +252,12 @@ class TorchEngine:
             suffix = [len(c) - (0 if k is None else len(k.tokens)) for c, k in zip(contexts, kept)]
             order = sorted(range(len(sequences)), key=lambda i: suffix[i], reverse=True)
             window = CachedWindow(self.decoder, [contexts[i] for i in order], [kept[i] for i in order],
-                                  window_tokens, self.pad_token_id)
+                                  window_tokens, self.pad_token_id, self.routes_dtype)
             self.largest_block_positions = max(self.largest_block_positions, window.block.valid.numel())
-        adjust = _LogitAdjust.of([sequences[i] for i in order], params, self.vocab_size, self.device)
-        decoded = _decode(window, rows.select(order), window_tokens, params, self.eos_token_ids, on_step, order,
-                          adjust, cut, on_end)
+        sampling = RowSampling.of(params, len(sequences), self.vocab_size, self.device).select(order)
+        adjust = LogitAdjust.of([sequences[i] for i in order], sampling, self.vocab_size, self.device)
+        decoded = _decode(window, rows.select(order), window_tokens, sampling, self.eos_token_ids, on_step, order,
+                          adjust, cut, on_end, self._stepped)
         outputs = decoded.outputs()
         if self.decoder is not None and decoded.complete:
             keep = {sequences[i].key: window.kept(row, outputs[row].token_ids) for row, i in enumerate(order)
@@ -300,6 +307,7 @@ class _Decoded:
     scored: torch.Tensor | None = None  # uint8 [B, W] (`scored_positions`), None when every position was
     top_ids: torch.Tensor | None = None  # [B, W, k] with `params.top_logprobs` = k
     top_logprobs: torch.Tensor | None = None
+    routes: torch.Tensor | None = None  # [B, W, sparse_layers, top_k] (a mixture-of-experts model)
 
     def output(self, row: int) -> WindowOutput:
         """One row's output (a row that ended: its positions are written no more)."""
@@ -309,7 +317,8 @@ class _Decoded:
                             finish_reason=_FINISH[int(self.reason[row])],
                             scored=None if self.scored is None else self.scored[row, :n].cpu().numpy().copy(),
                             top_ids=self.top_ids[row, :n].to(torch.int32).cpu().numpy() if top else None,
-                            top_logprobs=self.top_logprobs[row, :n].cpu().numpy().copy() if top else None)
+                            top_logprobs=self.top_logprobs[row, :n].cpu().numpy().copy() if top else None,
+                            routes=None if self.routes is None else self.routes[row, :n].cpu().numpy().copy())
 
     def outputs(self) -> list[WindowOutput]:
         # Whole arrays to numpy once, then rows (per-row tensor slicing cost 2.5 ms a window at batch 64).
@@ -319,52 +328,18 @@ class _Decoded:
         top = self.top_ids is not None
         top_ids = self.top_ids.to(torch.int32).cpu().numpy() if top else None
         top_lps = self.top_logprobs.cpu().numpy() if top else None
+        routes = None if self.routes is None else self.routes.cpu().numpy()
         return [WindowOutput(token_ids=tokens[row, :n].copy(), logprobs=logprobs[row, :n].copy(),
                              finish_reason=_FINISH[code], scored=None if scored is None else scored[row, :n].copy(),
                              top_ids=top_ids[row, :n].copy() if top else None,
-                             top_logprobs=top_lps[row, :n].copy() if top else None)
+                             top_logprobs=top_lps[row, :n].copy() if top else None,
+                             routes=None if routes is None else routes[row, :n].copy())
                 for row, (n, code) in enumerate(zip(self.produced.tolist(), self.reason.tolist()))]
 
 
-@dataclass
-class _LogitAdjust:
-    """OpenAI's penalties and logit bias for a window (`SamplingParams.adjusts_logits`): each row's
-    token counts in its response so far `[B, V]` (None without a penalty), the bias `[V]`."""
-
-    counts: torch.Tensor | None
-    bias: torch.Tensor | None
-    params: SamplingParams
-
-    @classmethod
-    def of(cls, sequences: list[SequenceInput], params: SamplingParams, vocab: int, device) -> "_LogitAdjust | None":
-        if not params.adjusts_logits:
-            return None
-        counts = None
-        if params.presence_penalty or params.frequency_penalty:
-            counts = torch.zeros((len(sequences), vocab), dtype=torch.float32, device=device)
-            for row, s in enumerate(sequences):
-                if len(s.response_ids):
-                    ids = torch.as_tensor(s.response_ids.astype(np.int64), device=device)
-                    counts[row].index_add_(0, ids, torch.ones(len(ids), device=device))
-        bias = None
-        if params.logit_bias:
-            bias = torch.zeros(vocab, dtype=torch.float32, device=device)
-            ids, values = zip(*params.logit_bias)
-            bias[torch.tensor(ids, device=device)] = torch.tensor(values, dtype=torch.float32, device=device)
-        return cls(counts, bias, params)
-
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        p = self.params
-        return penalised_logits(logits, self.counts, p.presence_penalty, p.frequency_penalty, self.bias)
-
-    def count(self, tokens: torch.Tensor, running: torch.Tensor) -> None:
-        if self.counts is not None:
-            self.counts.scatter_add_(1, tokens[:, None], running.float()[:, None])
-
-
-def _decode(window, rows: _Rows, window_tokens: int, params: SamplingParams, eos_ids: torch.Tensor, on_step,
-            order: list[int], adjust: _LogitAdjust | None = None, cut: Callable[[], bool] | None = None,
-            on_end=None) -> _Decoded:
+def _decode(window, rows: _Rows, window_tokens: int, sampling: RowSampling, eos_ids: torch.Tensor, on_step,
+            order: list[int], adjust: LogitAdjust | None = None, cut: Callable[[], bool] | None = None,
+            on_end=None, stepped: Callable[[], None] = lambda: None) -> _Decoded:
     """The sampling loop: one token per running row per step, until every row ended or filled
     its window, or `cut` says so. `window.start()` gives the first logits, `window.step(tokens)` the next."""
     batch, dev = len(rows.prior), rows.prior.device
@@ -374,18 +349,24 @@ def _decode(window, rows: _Rows, window_tokens: int, params: SamplingParams, eos
     produced = torch.zeros(batch, dtype=torch.long, device=dev)
     reason = torch.full((batch,), -1, dtype=torch.long, device=dev)
     logits = window.start()
-    top_n = min(params.top_logprobs, logits.shape[-1])
+    top_n = min(sampling.top_logprobs, logits.shape[-1])
     top_ids = torch.zeros((batch, window_tokens, top_n), dtype=torch.long, device=dev) if top_n else None
     top_lps = torch.zeros((batch, window_tokens, top_n), dtype=torch.float32, device=dev) if top_n else None
-    scored = scored_positions(rows.prior.cpu(), rows.min_tokens.cpu(), window_tokens, params.first_token_temperature is not None)
+    scored = scored_positions(rows.prior.cpu(), rows.min_tokens.cpu(), window_tokens, sampling.fire)
+    # A mixture-of-experts model's window records each token's route (`CachedWindow.routes`).
+    routes = None if getattr(window, "routes", None) is None else window.routes.new_zeros(
+        (batch, window_tokens, *window.routes.shape[1:]))
     for step in range(window_tokens):
         running = reason < 0
+        if routes is not None:  # the route of the position these logits came from
+            routes[:, step] = window.routes
         if adjust is not None:
             logits = adjust.apply(logits)
         if hold_eos:  # rows below their minimum length cannot sample EOS
             early = (rows.prior + step < rows.min_tokens)[:, None]
             logits[:, eos_ids] = torch.where(early, float("-inf"), logits[:, eos_ids])
-        tok, tok_lp, top = _sample(logits, rows, step, params, top_n)
+        tok, tok_lp, top = sample_step(logits, rows.seeds, rows.prior + step, sampling, top_n)
+        stepped()  # progress: a window longer than the pool's liveness bound is not a hung one
         if top is not None:  # a row's positions past its end are cut off by `produced`
             top_lps[:, step], top_ids[:, step] = top.values, top.indices
         tokens[:, step] = torch.where(running, tok, tokens[:, step])
@@ -405,30 +386,12 @@ def _decode(window, rows: _Rows, window_tokens: int, params: SamplingParams, eos
         last = step == window_tokens - 1 or bool((reason >= 0).all()) or bool(window_full.all())
         stopped = on_step is not None and not on_step(_step_items(tok, tok_lp, running, reason, window_full, order, top))
         if on_end is not None and (ended := (running & (reason >= 0)).nonzero().flatten().tolist()):
-            so_far = _Decoded(tokens, logprobs, produced, reason, True, scored, top_ids, top_lps)
+            so_far = _Decoded(tokens, logprobs, produced, reason, True, scored, top_ids, top_lps, routes)
             on_end([(order[row], so_far.output(row)) for row in ended])
         if stopped or last:  # stopped: the consumer of a stream is gone
-            return _Decoded(tokens, logprobs, produced, reason, not stopped, scored, top_ids, top_lps)
+            return _Decoded(tokens, logprobs, produced, reason, not stopped, scored, top_ids, top_lps, routes)
         logits = window.step(tok)
-    return _Decoded(tokens, logprobs, produced, reason, True, scored, top_ids, top_lps)
-
-
-def _sample(logits: torch.Tensor, rows: _Rows, step: int, params: SamplingParams, top_n: int = 0):
-    """`(tokens, their log-probs, top)`: top is None, or with `top_n` the `torch.topk` of the
-    log-probs of the distribution sampled from."""
-    positions = rows.prior + step
-    plain = (params.top_k == 0 and params.top_p >= 1.0
-             and (params.first_token_temperature is None or not bool((positions == 0).any())))
-    if plain and not params.greedy:
-        tok, tok_lp = sample_from_logits(logits, params.temperature, rows.seeds, positions)
-        # The same distribution, `filtered_logprobs` at this temperature: only when asked for.
-        top = torch.topk(torch.log_softmax(logits.float() / params.temperature, -1), top_n, -1) if top_n else None
-        return tok, tok_lp, top
-    dist = step_logprobs(logits, positions, params.temperature, params.top_k, params.top_p,
-                         params.first_token_temperature, params.first_token_top_k)
-    tok, tok_lp = greedy_from_logprobs(dist) if params.greedy else sample_from_logprobs(dist, rows.seeds, positions)
-    return tok, tok_lp, torch.topk(dist, top_n, dim=-1) if top_n else None
-
+    return _Decoded(tokens, logprobs, produced, reason, True, scored, top_ids, top_lps, routes)
 
 
 _FINISH = {0: FinishReason.EOS, 1: FinishReason.MAX_LENGTH, -1: FinishReason.WINDOW}

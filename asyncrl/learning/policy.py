@@ -5,10 +5,13 @@ Algorithm-blind: advantages arrive with the batch (computed by the assembler wit
 reference, entropy, positive-example NLL) and steps the optimizer. Prompt tokens and
 earlier-window context carry no gradient: only `new_token_ids` of each row are scored, and of
 those only the tokens whose behaviour distribution the learner can score (`Segment.new_scored`).
+On a mixture-of-experts model every forward sees the rollout's routes (`asyncrl.learning.routing`):
+replayed with `Objective.router_replay`, measured against the router's own choice either way.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import msgspec
@@ -18,11 +21,14 @@ import torch
 from asyncrl.algo.losses import (agg_loss, behaviour_weights, kl_penalty, positive_example_nll, ppo_policy_loss,
                                  rollout_mismatch)
 from asyncrl.config import KLPenalty, PolicyConfig, PolicyLoss, SamplingConfig
+from asyncrl.learning.routing import RouteStats, refuse_misfit_routes, replayed_routes, route_metrics, route_shape
 from asyncrl.learning.scoring import token_logprobs
 from asyncrl.learning.tensors import (Collated, autocast, clip_and_step, collate, device_of, mini_batch_rows,
                                       rank_micro_batches, row_length, width_of)
 from asyncrl.messages.structs import TrainingRow
 from asyncrl.weights.sharding import DataParallel
+
+log = logging.getLogger(__name__)
 
 
 class Objective(msgspec.Struct, frozen=True):
@@ -34,6 +40,7 @@ class Objective(msgspec.Struct, frozen=True):
     sampling: SamplingConfig
     kl: KLPenalty  # its coef is 0 when the KL is in the reward (the value learner scores it there)
     nll_coef: float = 0.0
+    router_replay: bool = False  # a mixture-of-experts model: the rollout's routes at generated tokens
 
 
 def _micro_batch_weight(mode: str, mask: torch.Tensor, total_tokens: float, total_seqs: float) -> float:
@@ -45,12 +52,16 @@ def _micro_batch_weight(mode: str, mask: torch.Tensor, total_tokens: float, tota
     return 1.0
 
 
+def _routes(collated: Collated, sl) -> torch.Tensor | None:
+    return None if collated.routes is None else collated.routes[sl]
+
+
 def _trained_positions(collated: Collated, sl) -> torch.Tensor:
     return (collated.response_mask[sl] > 0) | (collated.nll_mask[sl] > 0)
 
 
 def proximal_logprobs(model, collated: Collated, policy: PolicyConfig, sampling: SamplingConfig,
-                      parallel: DataParallel | None = None) -> torch.Tensor:
+                      parallel: DataParallel | None = None, replay: bool = False) -> torch.Tensor:
     """log π_prox of every trained token: the current weights, before the batch's first update
     (each rank scores its micro-batches; the sum over ranks fills every row)."""
     out = torch.zeros(collated.targets.shape, device=collated.targets.device)
@@ -58,9 +69,11 @@ def proximal_logprobs(model, collated: Collated, policy: PolicyConfig, sampling:
     with torch.no_grad(), autocast(model, compute.precision):
         for rows, ghost in rank_micro_batches(collated, compute.micro_batch_tokens, parallel):
             sl = (rows, slice(0, width_of(collated.attention_mask, rows)))
-            logp, _ = token_logprobs(model, collated.input_ids[sl], collated.attention_mask[sl], collated.targets[sl],
-                                     sampling.temperature, positions=_trained_positions(collated, sl),
-                                     top_k=sampling.top_k, top_p=sampling.top_p, chunk_tokens=compute.logits_chunk_tokens)
+            with replayed_routes(model, _routes(collated, sl), replay):
+                logp, _ = token_logprobs(model, collated.input_ids[sl], collated.attention_mask[sl],
+                                         collated.targets[sl], sampling.temperature,
+                                         positions=_trained_positions(collated, sl), top_k=sampling.top_k,
+                                         top_p=sampling.top_p, chunk_tokens=compute.logits_chunk_tokens)
             if not ghost:
                 out[sl] = logp.float()
     if parallel is not None:
@@ -85,12 +98,13 @@ class _Update:
     total_seqs: float
     norm_constant: float
     total_nll_tokens: float
+    route_stats: RouteStats | None = None  # measures the routers (the first pass over the rows)
 
 
 def _policy_update(model, optimizer, collated: Collated, objective: Objective, reference_model,
                    proximal: torch.Tensor | None, correction: tuple[str, float] | None = None,
-                   mismatch: list | None = None,
-                   parallel: DataParallel | None = None) -> tuple[dict[str, float], torch.Tensor | None]:
+                   mismatch: list | None = None, parallel: DataParallel | None = None,
+                   route_stats: RouteStats | None = None) -> tuple[dict[str, float], torch.Tensor | None]:
     """One optimizer update over `collated` (micro-batched gradient accumulation). `correction`: the
     behaviour weights' (mode, cap), anchored on `proximal` (log π_prox); with no `proximal`, these
     weights are π_prox (the batch's first update): each micro-batch anchors on its own log-probs,
@@ -108,7 +122,7 @@ def _policy_update(model, optimizer, collated: Collated, objective: Objective, r
                                                                                 device=collated.targets.device),
         total_tokens=max(float(collated.response_mask.sum()), 1.0),
         total_seqs=max(float((collated.response_mask.sum(-1) > 0).sum()), 1.0),
-        norm_constant=float(loss.norm_tokens or collated.response_mask.shape[-1]))
+        norm_constant=float(loss.norm_tokens or collated.response_mask.shape[-1]), route_stats=route_stats)
     # Nothing to train (every token masked): the metrics are still computed (every record has the
     # same fields), but no step is taken: an Adam step on zero gradients would still move the
     # weights by its momentum.
@@ -140,28 +154,32 @@ def _micro_batch(update: _Update, sl, ghost: bool, sums: dict[str, float]) -> No
     sampling, loss, compute = objective.sampling, objective.policy.loss, objective.policy.compute
     mask = collated.response_mask[sl]
     share = 0.0 if ghost else 1.0
-    with autocast(update.model, compute.precision):
-        logp, entropy = token_logprobs(update.model, collated.input_ids[sl], collated.attention_mask[sl],
-                                       collated.targets[sl], sampling.temperature, with_entropy=True,
-                                       positions=_trained_positions(collated, sl), top_k=sampling.top_k,
-                                       top_p=sampling.top_p, chunk_tokens=compute.logits_chunk_tokens)
-    anchor = weights = None
-    if update.correction is not None:
-        anchor = logp.detach().float() if update.own is not None else update.proximal[sl]
-        weights = behaviour_weights(anchor, collated.old_logprobs[sl], mask, *update.correction)
-        if update.own is not None and not ghost:
-            update.own[sl] = anchor
-    pg_loss, metrics = ppo_policy_loss(
-        logp, collated.old_logprobs[sl], collated.advantages[sl], mask,
-        loss.clip_low, loss.clip_high, loss.dual_clip, loss.agg, update.norm_constant,
-        proximal_logp=anchor, behaviour_weight=weights,
-    )
-    if update.mismatch is not None and not ghost:
-        update.mismatch.append((rollout_mismatch(logp.detach(), collated.old_logprobs[sl], mask), float(mask.sum())))
-    total, nll = _loss_terms(pg_loss, metrics, logp, entropy, collated, sl, objective, update.reference_model,
-                             update.norm_constant, update.total_nll_tokens)
-    weight = _micro_batch_weight(loss.agg, mask, update.total_tokens, update.total_seqs)
-    ((total * weight + objective.nll_coef * nll) * share).backward()
+    # Open through the backward: a layer recomputed there (gradient checkpointing) is replayed too.
+    with replayed_routes(update.model, _routes(collated, sl), objective.router_replay,
+                         None if ghost else update.route_stats, collated.attention_mask[sl] > 0):
+        with autocast(update.model, compute.precision):
+            logp, entropy = token_logprobs(update.model, collated.input_ids[sl], collated.attention_mask[sl],
+                                           collated.targets[sl], sampling.temperature, with_entropy=True,
+                                           positions=_trained_positions(collated, sl), top_k=sampling.top_k,
+                                           top_p=sampling.top_p, chunk_tokens=compute.logits_chunk_tokens)
+        anchor = weights = None
+        if update.correction is not None:
+            anchor = logp.detach().float() if update.own is not None else update.proximal[sl]
+            weights = behaviour_weights(anchor, collated.old_logprobs[sl], mask, *update.correction)
+            if update.own is not None and not ghost:
+                update.own[sl] = anchor
+        pg_loss, metrics = ppo_policy_loss(
+            logp, collated.old_logprobs[sl], collated.advantages[sl], mask,
+            loss.clip_low, loss.clip_high, loss.dual_clip, loss.agg, update.norm_constant,
+            proximal_logp=anchor, behaviour_weight=weights,
+        )
+        if update.mismatch is not None and not ghost:
+            update.mismatch.append((rollout_mismatch(logp.detach(), collated.old_logprobs[sl], mask),
+                                    float(mask.sum())))
+        total, nll = _loss_terms(pg_loss, metrics, logp, entropy, collated, sl, objective, update.reference_model,
+                                 update.norm_constant, update.total_nll_tokens)
+        weight = _micro_batch_weight(loss.agg, mask, update.total_tokens, update.total_seqs)
+        ((total * weight + objective.nll_coef * nll) * share).backward()
     sums["nll_positive"] = sums.get("nll_positive", 0.0) + nll.item() * share
     token_share = float(mask.sum()) / update.total_tokens * share
     metrics["entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1))
@@ -194,7 +212,7 @@ def _reference_kl(reference_model, collated: Collated, sl, logp: torch.Tensor, o
     """The KL penalty to the frozen reference over micro-batch `sl`'s trained tokens."""
     mask = collated.response_mask[sl]
     sampling = objective.sampling
-    with torch.no_grad():
+    with torch.no_grad(), replayed_routes(reference_model, _routes(collated, sl), objective.router_replay):
         ref_logp, _ = token_logprobs(reference_model, collated.input_ids[sl], collated.attention_mask[sl],
                                      collated.targets[sl], sampling.temperature, positions=mask > 0,
                                      top_k=sampling.top_k, top_p=sampling.top_p,
@@ -220,6 +238,7 @@ def policy_step(model, optimizer, samples: list[TrainingRow], objective: Objecti
     approximate KL (the trust region at work), and the rollout-training mismatch. `parallel`: this
     rank of a sharded learner (every rank calls it with the whole batch and trains its share)."""
     policy = objective.policy
+    samples, route_stats, refused = _routed(model, samples)
     # Rows sorted by length, micro-batches trimmed to their longest row: little padding with
     # long-tailed lengths. The loss is a sum over rows, so their order does not change it.
     samples = sorted(samples, key=lambda s: row_length(s.segment))
@@ -238,17 +257,17 @@ def policy_step(model, optimizer, samples: list[TrainingRow], objective: Objecti
         proximal = torch.zeros(collated.targets.shape, device=device)
         if len(rest):
             proximal[rest] = proximal_logprobs(model, collated.select(rest.tolist()), policy, objective.sampling,
-                                               parallel)
+                                               parallel, objective.router_replay)
     parts: list = []  # the first update's rollout mismatch, micro-batch by micro-batch
     history = []
-    for _ in range(policy.ppo_epochs):
+    for epoch in range(policy.ppo_epochs):
         for rows in minis:
             index = torch.as_tensor(rows, dtype=torch.long, device=device)
             part = collated if len(minis) == 1 else collated.select(rows)
             first = not history
             prox = None if proximal is None or first else proximal.index_select(0, index)
             metrics, own = _policy_update(model, optimizer, part, objective, reference_model, prox, correction,
-                                          parts if first else None, parallel)
+                                          parts if first else None, parallel, route_stats if epoch == 0 else None)
             if own is not None:
                 proximal.index_copy_(0, index, own)
             history.append(metrics)
@@ -263,7 +282,28 @@ def policy_step(model, optimizer, samples: list[TrainingRow], objective: Objecti
         metrics[f"{key}_first_update"], metrics[f"{key}_last_update"] = history[0][key], history[-1][key]
     metrics["skipped_updates"] = float(sum(h["skipped_updates"] for h in history))
     return {**metrics, **_combine_mismatch(parts), "policy_updates": policy.ppo_epochs * len(minis),
-            "tokens_trained": float(collated.response_mask.sum()), "rows_trained": len(samples)}
+            "tokens_trained": float(collated.response_mask.sum()), "rows_trained": len(samples),
+            **refused, **_route_record(route_stats, parallel)}
+
+
+def _routed(model, samples: list[TrainingRow]) -> tuple[list[TrainingRow], RouteStats | None, dict[str, float]]:
+    """The rows, those whose routes are not the model's refused (said in the log, counted in
+    `router_rows_refused`: they train nothing), and the measure of a mixture-of-experts model's
+    routers over the step's first pass over its rows (None for a dense model)."""
+    shape = route_shape(model)
+    samples, refused = refuse_misfit_routes(samples, shape)
+    if refused:
+        log.warning("policy learner: %d rows train nothing, their routes are not the model's: %s", len(refused),
+                    "; ".join(refused[:3]))
+    counts = {"router_rows_refused": float(len(refused))} if shape is not None or refused else {}
+    return samples, None if shape is None else RouteStats(shape), counts
+
+
+def _route_record(stats: RouteStats | None, parallel: DataParallel | None) -> dict[str, float]:
+    if stats is None:
+        return {}
+    sums = stats.sums()
+    return route_metrics(parallel.sum(sums) if parallel is not None else sums, stats.shape)
 
 
 def _combine_mismatch(parts: list[tuple[dict[str, float], float]]) -> dict[str, float]:

@@ -16,6 +16,7 @@ import torch
 
 from asyncrl.config import AlgorithmConfig, EngineConfig, ModelConfig, PolicyConfig, SamplingConfig
 from asyncrl.learning.policy import Objective, policy_step
+from asyncrl.learning.routing import replay_on
 from asyncrl.learning.scoring import PolicyForward
 from asyncrl.learning.tensors import build_optimizer
 from asyncrl.messages.structs import TrainingRow
@@ -148,23 +149,23 @@ def build_policy_rank(model: ModelConfig, algorithm: AlgorithmConfig, policy: Po
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     precision = learner_precision(policy.compute.precision, lm, policy.compute.device, "policy learner", parallel)
     peft_model = lora.wrap(lm, model) if model.lora_rank else None
-    rank = PolicyRank(lm.to(policy.compute.device), policy_objective(algorithm, policy, engine, sampling, lm, precision),
-                      tokenizer.pad_token_id or 0, parallel, peft_model, model)
+    objective = policy_objective(algorithm, policy, engine, sampling, lm, precision, model.router_replay)
+    rank = PolicyRank(lm.to(policy.compute.device), objective, tokenizer.pad_token_id or 0, parallel, peft_model, model)
     rank.precision = precision
     return rank, tokenizer
 
 
 def policy_objective(algorithm: AlgorithmConfig, policy: PolicyConfig, engine: EngineConfig, sampling: SamplingConfig,
-                     lm, precision: Precision | None = None) -> Objective:
+                     lm, precision: Precision | None = None, router_replay: str = "auto") -> Objective:
     """The run's sections as one policy step reads them: precision resolved for `lm` (`precision`,
     else chosen here), the Dr.GRPO constant defaulting to the response budget, the KL loss term
-    (none when it is a reward)."""
+    (none when it is a reward), routing replay on a mixture-of-experts `lm` (`model.router_replay`)."""
     if precision is None:
         precision = learner_precision(policy.compute.precision, lm, policy.compute.device, "policy learner")
     compute = msgspec.structs.replace(policy.compute, precision=precision.name)
     loss = msgspec.structs.replace(policy.loss, norm_tokens=policy.loss.norm_tokens or engine.max_response_tokens)
     return Objective(msgspec.structs.replace(policy, compute=compute, loss=loss), sampling, algorithm.kl_loss,
-                     algorithm.nll_coef)
+                     algorithm.nll_coef, replay_on(router_replay, lm))
 
 
 # A learner's matmuls have a micro-batch of rows (thousands of tokens); their speed in either dtype

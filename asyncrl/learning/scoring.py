@@ -11,7 +11,8 @@ import torch.utils.checkpoint
 
 from asyncrl.algo.losses import entropy_from_logprobs
 from asyncrl.algo.sampling import filtered_logprobs
-from asyncrl.learning.tensors import device_of, layout_rows, length_sorted_chunks
+from asyncrl.learning.routing import replayed_routes
+from asyncrl.learning.tensors import device_of, layout_rows, length_sorted_chunks, row_routes
 
 
 def _head_only_on(model) -> bool:
@@ -106,10 +107,11 @@ def token_logprobs(model, input_ids, attention_mask, targets, temperature: float
     return logp, entropy
 
 
-def response_logprobs(model, rows: list[tuple[np.ndarray, np.ndarray]], temperature: float, top_k: int = 0,
-                      top_p: float = 1.0, pad_token_id: int = 0, max_tokens: int = 4096) -> list[np.ndarray]:
+def response_logprobs(model, rows: list[tuple], temperature: float, top_k: int = 0, top_p: float = 1.0,
+                      pad_token_id: int = 0, max_tokens: int = 4096, replay: bool = False) -> list[np.ndarray]:
     """log π(new token | context) for each new token of each (context, new) row, under the sampling
-    distribution (`token_logprobs`): e.g. the reference policy's for a KL penalty."""
+    distribution (`token_logprobs`): e.g. the reference policy's for a KL penalty. `replay`: a
+    row's routes (`routed_row`'s third item) are replayed on a mixture-of-experts model."""
     by_index: dict[int, np.ndarray] = {}
     with torch.no_grad():
         for chunk in length_sorted_chunks(rows, max_tokens):
@@ -117,8 +119,9 @@ def response_logprobs(model, rows: list[tuple[np.ndarray, np.ndarray]], temperat
             new = [rows[i][1] for i in chunk]
             targets = layout.place(new, torch.long)
             positions = layout.place([np.ones(len(n), dtype=np.float32) for n in new]) > 0
-            logp, _ = token_logprobs(model, layout.input_ids, layout.attention_mask, targets, temperature,
-                                     positions=positions, top_k=top_k, top_p=top_p)
+            with replayed_routes(model, row_routes(layout, [rows[i] for i in chunk]), replay):
+                logp, _ = token_logprobs(model, layout.input_ids, layout.attention_mask, targets, temperature,
+                                         positions=positions, top_k=top_k, top_p=top_p)
             for j, i in enumerate(chunk):
                 by_index[i] = logp[j, layout.slices[j]].float().cpu().numpy().copy()
     return [by_index[i] for i in range(len(rows))]

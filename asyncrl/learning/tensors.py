@@ -15,7 +15,8 @@ import torch
 
 from asyncrl.algo.shaping import is_positive
 from asyncrl.config import Optimizer
-from asyncrl.messages.structs import TrainingRow, observation_mask, segment_row, scored_mask
+from asyncrl.messages.routes import routed_tokens
+from asyncrl.messages.structs import TrainingRow, observation_mask, response_routes, segment_row, scored_mask
 from asyncrl.weights.sharding import DataParallel, parts_of_rank
 
 
@@ -30,17 +31,20 @@ class Collated:
     old_logprobs: torch.Tensor  # [B, L], behaviour log-probs aligned with targets
     advantages: torch.Tensor  # [B, L]
     nll_mask: torch.Tensor  # [B, L]: every generated token of finished, positive rows (positive-example NLL)
+    # [B, L, sparse_layers, top_k] int16: the rollout's experts at each position (`place_routes`);
+    # None: no row has any (a dense model).
+    routes: torch.Tensor | None = None
 
-    def _tensors(self) -> tuple[torch.Tensor, ...]:
+    def _tensors(self) -> tuple[torch.Tensor | None, ...]:
         return (self.input_ids, self.attention_mask, self.response_mask, self.targets, self.old_logprobs,
-                self.advantages, self.nll_mask)
+                self.advantages, self.nll_mask, self.routes)
 
     def select(self, rows: list[int]) -> "Collated":
         index = torch.as_tensor(rows, dtype=torch.long, device=self.input_ids.device)
-        return Collated(*(t.index_select(0, index) for t in self._tensors()))
+        return Collated(*(None if t is None else t.index_select(0, index) for t in self._tensors()))
 
     def to(self, device: torch.device | str) -> "Collated":
-        return Collated(*(t.to(device) for t in self._tensors()))
+        return Collated(*(None if t is None else t.to(device) for t in self._tensors()))
 
 
 @dataclass
@@ -81,22 +85,43 @@ class RowLayout:
         return [full[i, sl].detach().float().cpu().numpy().copy() for i, sl in enumerate(self.slices)]
 
 
+def place_routes(layout: RowLayout, routes: list[np.ndarray | None]) -> torch.Tensor | None:
+    """`[B, L, sparse_layers, top_k]` int16: each row's routes (`asyncrl.messages.routes`; they
+    cover the row's last tokens) at the positions that score those tokens, -1 elsewhere (the
+    router chooses there: the prompt, padding, tokens not recorded). None when no row has any."""
+    known = [r for r in routes if r is not None]
+    if not known:
+        return None
+    out = torch.full((*layout.input_ids.shape, *known[0].shape[1:]), -1, dtype=torch.int16)
+    for i, (row, sl) in enumerate(zip(routes, layout.slices)):
+        if row is not None:
+            ids = row.astype(np.int16)
+            ids[~routed_tokens(row)] = -1
+            out[i, sl.stop - len(row):sl.stop] = torch.from_numpy(ids)
+    return out.to(layout.input_ids.device)
+
+
+def row_routes(layout: RowLayout, rows: list[tuple]) -> torch.Tensor | None:
+    """`place_routes` of rows laid out by `layout_rows`: a triple's third item, a pair's none."""
+    return place_routes(layout, [row[2] if len(row) > 2 else None for row in rows])
+
+
 def device_of(model) -> torch.device:
     return next(model.parameters()).device
 
 
-def layout_rows(rows: list[tuple[np.ndarray, np.ndarray]], pad_token_id: int = 0, device="cpu") -> RowLayout:
-    """`rows` = (context ids, new ids) pairs, as tensors on `device`. A row needs at least one
-    context token."""
-    if any(len(context) < 1 for context, _ in rows):
+def layout_rows(rows: list[tuple], pad_token_id: int = 0, device="cpu") -> RowLayout:
+    """`rows` = (context ids, new ids) pairs (or `routed_row`'s triples: the routes are placed by
+    `row_routes`), as tensors on `device`. A row needs at least one context token."""
+    if any(len(row[0]) < 1 for row in rows):
         raise ValueError("a row needs at least one context (prompt) token")
-    lengths = [len(c) + len(n) for c, n in rows]
+    lengths = [len(row[0]) + len(row[1]) for row in rows]
     input_ids = np.full((len(rows), max(lengths)), pad_token_id, dtype=np.int64)
     attention_mask = (np.arange(max(lengths))[None, :] < np.array(lengths)[:, None]).astype(np.int64)
-    for i, (context, new) in enumerate(rows):  # numpy row writes: a tenth of torch's per-call cost
+    for i, (context, new, *_) in enumerate(rows):  # numpy row writes: a tenth of torch's per-call cost
         input_ids[i, :len(context)] = context
         input_ids[i, len(context):lengths[i]] = new
-    slices = [slice(len(c) - 1, len(c) - 1 + len(n)) for c, n in rows]
+    slices = [slice(len(row[0]) - 1, len(row[0]) - 1 + len(row[1])) for row in rows]
     return RowLayout(torch.from_numpy(input_ids).to(device), torch.from_numpy(attention_mask).to(device), slices)
 
 
@@ -118,6 +143,7 @@ def collate(samples: list[TrainingRow], pad_token_id: int = 0) -> Collated:
         advantages=layout.place([s.advantages for s in samples]),
         # Every generated token of a positive row, never an environment's observation.
         nll_mask=layout.place([(1.0 - observation_mask(s.segment)) * p for s, p in zip(samples, positive)]),
+        routes=place_routes(layout, [response_routes(s.segment) for s in samples]),
     )
 
 

@@ -6,9 +6,10 @@ import numpy as np
 import torch
 
 from asyncrl.config import CriticConfig
+from asyncrl.learning.routing import replayed_routes
 from asyncrl.learning.tensors import (autocast, clip_and_step, device_of, layout_rows, length_sorted_chunks, micro_batches_of,
-                                      row_length, width_of)
-from asyncrl.messages.structs import ScoredTrajectory, observation_mask, segment_row
+                                      row_length, row_routes, width_of)
+from asyncrl.messages.structs import ScoredTrajectory, observation_mask, routed_row
 
 
 def trajectory_rewards(trajectory: ScoredTrajectory) -> np.ndarray:
@@ -23,15 +24,17 @@ def trajectory_rewards(trajectory: ScoredTrajectory) -> np.ndarray:
     return rewards
 
 
-def predict_values(value_model, rows: list[tuple[np.ndarray, np.ndarray]], pad_token_id: int = 0,
-                   max_tokens: int = 4096, with_next: bool = False, precision: str = "fp32") -> list[np.ndarray]:
+def predict_values(value_model, rows: list[tuple], pad_token_id: int = 0, max_tokens: int = 4096,
+                   with_next: bool = False, precision: str = "fp32", replay: bool = False) -> list[np.ndarray]:
     """`V(s_t)` for each new token of each (context, new) row: the state before the token. With
-    `with_next`, one more value per row: the state after its last token."""
+    `with_next`, one more value per row: the state after its last token. `replay`: a row's routes
+    (`routed_row`'s third item) are replayed on a mixture-of-experts critic."""
     by_index: dict[int, np.ndarray] = {}
     with torch.no_grad(), autocast(value_model, precision):
         for chunk in length_sorted_chunks(rows, max_tokens):
             layout = layout_rows([rows[i] for i in chunk], pad_token_id, device_of(value_model))
-            values = value_model(layout.input_ids, layout.attention_mask).float().cpu()
+            with replayed_routes(value_model, row_routes(layout, [rows[i] for i in chunk]), replay):
+                values = value_model(layout.input_ids, layout.attention_mask).float().cpu()
             for j, i in enumerate(chunk):
                 sl = layout.slices[j]
                 stop = sl.stop + 1 if with_next else sl.stop
@@ -40,7 +43,7 @@ def predict_values(value_model, rows: list[tuple[np.ndarray, np.ndarray]], pad_t
 
 
 def value_step(value_model, optimizer, trajectories: list[ScoredTrajectory], critic: CriticConfig, gamma: float,
-               pad_token_id: int = 0) -> dict[str, float]:
+               pad_token_id: int = 0, replay: bool = False) -> dict[str, float]:
     """One critic update on finished trajectories. Targets are GAE returns with the critic λ (λ=1:
     Monte-Carlo returns, independent of the values); the loss is the clipped value loss around the
     values recorded when each trajectory was valued for its advantages (the PPO recipe: the clip
@@ -52,16 +55,19 @@ def value_step(value_model, optimizer, trajectories: list[ScoredTrajectory], cri
     change only after every micro-batch), and GAE runs row by row, so a micro-batch's returns need
     only its own rows. The explained variance is measured on those fresh values (the critic as it is
     now); `value_explained_variance_recorded` on the recorded anchors (what the rows were valued with).
-    `critic`: its section, with `compute.precision` resolved; `gamma`: the advantage's discount."""
+    `critic`: its section, with `compute.precision` resolved; `gamma`: the advantage's discount;
+    `replay`: the rollout's routes on a mixture-of-experts critic (`asyncrl.learning.routing`)."""
     from asyncrl.algo.advantages import critic_returns
     from asyncrl.algo.losses import value_loss
 
     if not all(t.segment.finished for t in trajectories):
         raise ValueError("the value model trains on finished trajectories only")
     trajectories = sorted(trajectories, key=lambda t: row_length(t.segment))  # see policy_step
-    layout = layout_rows([segment_row(t.segment) for t in trajectories], pad_token_id, device_of(value_model))
-    chunks = [(rows, slice(0, width_of(layout.attention_mask, rows)))
-              for rows in micro_batches_of(layout, critic.compute.micro_batch_tokens)]
+    rows = [routed_row(t.segment) for t in trajectories]
+    layout = layout_rows(rows, pad_token_id, device_of(value_model))
+    routes = row_routes(layout, rows)
+    chunks = [(part, slice(0, width_of(layout.attention_mask, part)))
+              for part in micro_batches_of(layout, critic.compute.micro_batch_tokens)]
     # The critic values policy positions only: an observation is not an action (`gae` carries V and
     # Â across it).
     mask = layout.place([1.0 - observation_mask(t.segment).astype(np.float32) for t in trajectories])
@@ -75,16 +81,17 @@ def value_step(value_model, optimizer, trajectories: list[ScoredTrajectory], cri
     optimizer.zero_grad(set_to_none=True)
     sums = {"value_loss": 0.0, "value_clip_fraction": 0.0}
     for sl in chunks:
-        with autocast(value_model, critic.compute.precision):
-            values = value_model(layout.input_ids[sl], layout.attention_mask[sl])  # float32 (the head's)
-        fresh[sl] = values.detach() * mask[sl]
-        anchors[sl] = torch.where(recorded[sl[0], None], placed[sl], fresh[sl]) * mask[sl]
-        # Positions run left to right through context then response; GAE walks only the masked ones.
-        returns[sl] = critic_returns(rewards[sl], anchors[sl], mask[sl], gamma, critic.loss.lam)
-        loss, metrics = value_loss(values, anchors[sl], returns[sl], mask[sl], critic.loss.clip_low,
-                                   critic.loss.clip_high)
-        share = float(mask[sl].sum()) / total_tokens
-        (loss * share).backward()
+        with replayed_routes(value_model, None if routes is None else routes[sl], replay):
+            with autocast(value_model, critic.compute.precision):
+                values = value_model(layout.input_ids[sl], layout.attention_mask[sl])  # float32 (the head's)
+            fresh[sl] = values.detach() * mask[sl]
+            anchors[sl] = torch.where(recorded[sl[0], None], placed[sl], fresh[sl]) * mask[sl]
+            # Positions run left to right through context then response; GAE walks only the masked ones.
+            returns[sl] = critic_returns(rewards[sl], anchors[sl], mask[sl], gamma, critic.loss.lam)
+            loss, metrics = value_loss(values, anchors[sl], returns[sl], mask[sl], critic.loss.clip_low,
+                                       critic.loss.clip_high)
+            share = float(mask[sl].sum()) / total_tokens
+            (loss * share).backward()
         sums["value_loss"] += loss.item() * share
         sums["value_clip_fraction"] += metrics["value_clip_fraction"] * share
     grad_norm = clip_and_step(value_model, optimizer, critic.optimizer.grad_clip)
@@ -106,15 +113,15 @@ def explained_variance(targets: torch.Tensor, predictions: torch.Tensor) -> floa
 
 
 def center_value_head(value_model, trajectories: list[ScoredTrajectory], gamma: float, pad_token_id: int = 0,
-                      max_tokens: int = 4096, precision: str = "fp32") -> float:
+                      max_tokens: int = 4096, precision: str = "fp32", replay: bool = False) -> float:
     """Start a fresh critic at the mean Monte-Carlo return of `trajectories` (the initial policy's
     first ones): its head's bias moves so that the mean value over their response tokens equals
     their mean return. Returns the shift."""
     from asyncrl.algo.advantages import critic_returns
     from asyncrl.algo.warmup import mean_return_bias
 
-    rows = [segment_row(t.segment) for t in trajectories]
-    values = predict_values(value_model, rows, pad_token_id, max_tokens, precision=precision)
+    rows = [routed_row(t.segment) for t in trajectories]
+    values = predict_values(value_model, rows, pad_token_id, max_tokens, precision=precision, replay=replay)
     returns_sum, values_sum, tokens = 0.0, 0.0, 0
     for t, v in zip(trajectories, values):
         rewards = torch.from_numpy(trajectory_rewards(t)).double()[None]

@@ -50,6 +50,9 @@ class MailboxStats(msgspec.Struct, kw_only=True):
     redelivered_total: int
     acked_total: int
     renewed_total: int = 0
+    bytes: int = 0  # of the messages held (queued and leased), where they are encoded bytes
+    bytes_peak: int = 0  # the most it has held
+    capacity_bytes: int = 0  # 0: no bound on bytes
 
 
 class RecentIds:
@@ -75,15 +78,26 @@ class RecentIds:
             self._ids.popitem(last=False)
 
 
+def _size(item) -> int:
+    """A message's bytes where it is held encoded (across processes); 0 for an object in process."""
+    return len(item) if isinstance(item, (bytes, bytearray, memoryview)) else 0
+
+
 class MailboxCore(Generic[T]):
     """The mailbox state machine; synchronous and clock-injected so it is testable alone."""
 
-    def __init__(self, capacity: int, lease_s: float, dedup_window: int = 100_000):
+    def __init__(self, capacity: int, lease_s: float, dedup_window: int = 100_000, capacity_bytes: int = 0):
+        """`capacity_bytes`: a bound on the bytes held as well as the messages (0: none); a message
+        larger than it alone is accepted into an empty mailbox, so nothing waits for ever."""
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         if lease_s <= 0:
             raise ValueError(f"lease_s must be > 0, got {lease_s}")
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         self.capacity = capacity
+        self.capacity_bytes = capacity_bytes
+        self._bytes = 0
         self.lease_s = lease_s
         self.dedup_window = dedup_window
         self._queue: collections.deque[tuple[str, T]] = collections.deque()
@@ -104,12 +118,16 @@ class MailboxCore(Generic[T]):
         return msg_id in self._queued_ids or msg_id in self._leased or msg_id in self._acked
 
     def offer(self, msg_id: str, item: T) -> bool | None:
-        """Enqueue. Returns True if accepted, False if a duplicate (dropped), None if full."""
+        """Enqueue. Returns True if accepted, False if a duplicate (dropped), None if full (of
+        messages, or of bytes: this one would pass `capacity_bytes` and others are held)."""
         if self.is_duplicate(msg_id):
             self._stats["duplicates_dropped"] += 1
             return False
-        if self.full:
+        size = _size(item)
+        if self.full or (self.capacity_bytes and len(self) and self._bytes + size > self.capacity_bytes):
             return None
+        self._bytes += size
+        self._stats["bytes_peak"] = max(self._stats["bytes_peak"], self._bytes)
         self._queue.append((msg_id, item))
         self._queued_ids.add(msg_id)
         self._stats["put_total"] += 1
@@ -181,9 +199,10 @@ class MailboxCore(Generic[T]):
         for mid in msg_ids:
             self._owners.pop(mid, None)
             if mid in self._leased:
-                del self._leased[mid]
+                self._bytes -= _size(self._leased.pop(mid)[0])
             elif mid in self._queued_ids:
                 self._queued_ids.discard(mid)
+                self._bytes -= sum(_size(it) for m, it in self._queue if m == mid)
                 self._queue = collections.deque((m, it) for m, it in self._queue if m != mid)
             else:
                 continue
@@ -223,6 +242,9 @@ class MailboxCore(Generic[T]):
             redelivered_total=self._stats["redelivered_total"],
             acked_total=self._stats["acked_total"],
             renewed_total=self._stats["renewed_total"],
+            bytes=self._bytes,
+            bytes_peak=self._stats["bytes_peak"],
+            capacity_bytes=self.capacity_bytes,
         )
 
     def _remember_acked(self, msg_id: str) -> None:
@@ -258,8 +280,8 @@ class Mailbox(Protocol[M]):
 class AsyncMailboxBase(Generic[T]):
     """asyncio waiting around a `MailboxCore`; shared by the in-process mailbox and the Ray actor."""
 
-    def __init__(self, capacity: int, lease_s: float = 60.0, dedup_window: int = 100_000):
-        self._core: MailboxCore[T] = MailboxCore(capacity, lease_s, dedup_window)
+    def __init__(self, capacity: int, lease_s: float = 60.0, dedup_window: int = 100_000, capacity_bytes: int = 0):
+        self._core: MailboxCore[T] = MailboxCore(capacity, lease_s, dedup_window, capacity_bytes)
         self._changed = asyncio.Condition()
 
     async def _put_items(self, items: Sequence[tuple[str, T]], timeout: float | None) -> int:
@@ -293,9 +315,12 @@ class AsyncMailboxBase(Generic[T]):
                     return []
 
     async def _wait(self, deadline: float | None, what: str) -> None:
-        """Wait for a change, or until the next lease expires (so redelivery needs no timer task)."""
+        """Wait for a change; a getter also until the next lease expires (so redelivery needs no
+        timer task). A putter waits for changes only: an expired lease frees no room (the message
+        goes back to the queue), and a wake-up at a deadline already past, which nothing but a take
+        expires, was a loop that held the mailbox's event loop (a run stalled with a short lease)."""
         now = time.monotonic()
-        wake = self._core.next_lease_deadline()
+        wake = self._core.next_lease_deadline() if what == "get" else None
         limit = deadline if wake is None else (wake if deadline is None else min(wake, deadline))
         if deadline is not None and now >= deadline:
             raise TimeoutError(f"mailbox {what} timed out")

@@ -54,14 +54,16 @@ class RayMailbox(Generic[M]):
         name: str | None = None,
         dedup_window: int = 100_000,
         placement: dict | None = None,
+        capacity_bytes: int = 0,
     ) -> "RayMailbox[M]":
-        """`placement`: Ray options placing the actor (a scheduling strategy)."""
+        """`placement`: Ray options placing the actor (a scheduling strategy); `capacity_bytes`: a
+        bound on the encoded bytes it holds as well as on its messages (0: none)."""
         import ray
 
         options: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 1000, **(placement or {})}
         if name is not None:
             options["name"] = name
-        actor = ray.remote(MailboxActor).options(**options).remote(capacity, lease_s, dedup_window)
+        actor = ray.remote(MailboxActor).options(**options).remote(capacity, lease_s, dedup_window, capacity_bytes)
         ray.get(actor.ready.remote())
         return cls(actor, message_type)
 
@@ -120,10 +122,10 @@ class ShardedMailbox(Generic[M]):
 
     @classmethod
     def create(cls, message_type: type[M], shards: int, capacity: int, lease_s: float = 60.0,
-               key_attr: str = "msg_id", placement: dict | None = None) -> "ShardedMailbox[M]":
-        per_shard = max(1, -(-capacity // shards))
-        return cls([RayMailbox.create(message_type, per_shard, lease_s, placement=placement) for _ in range(shards)],
-                   key_attr)
+               key_attr: str = "msg_id", placement: dict | None = None, capacity_bytes: int = 0) -> "ShardedMailbox[M]":
+        per_shard, bytes_per_shard = max(1, -(-capacity // shards)), -(-capacity_bytes // shards)
+        return cls([RayMailbox.create(message_type, per_shard, lease_s, placement=placement,
+                                      capacity_bytes=bytes_per_shard) for _ in range(shards)], key_attr)
 
     def __reduce__(self):
         return (ShardedMailbox, (self.shards, self.key_attr))

@@ -22,6 +22,7 @@ import numpy as np
 
 # The wire format (arrays as msgpack extensions, codecs) lives in `asyncrl.messages.wire`; the names every
 # role uses with the messages are here too.
+from asyncrl.messages.routes import check_routes, joined_routes
 from asyncrl.messages.wire import Codec, check_array, encode, float32_array, int32_array  # noqa: F401
 
 # --- messages ---------------------------------------------------------------------------------
@@ -142,6 +143,13 @@ class Segment(msgspec.Struct, kw_only=True, frozen=True):
     # The prompt's data row (`PromptRequest.row`), on a sample's finished segment only: what its
     # reward needs, carried once.
     row: dict[str, Any] | None = None
+    # [N, sparse_layers, top_k] uint8 or int16 (`asyncrl.messages.routes`): the experts a
+    # mixture-of-experts model used for each new token, as the engine recorded them (routing replay).
+    # None: a dense model, or an engine that does not record them.
+    new_routes: np.ndarray | None = None
+    # [R, sparse_layers, top_k]: the routes of the earlier windows' tokens (a window row's context),
+    # filled in by the assembler; None when not held.
+    prior_routes: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         check_array("prompt_token_ids", self.prompt_token_ids, "int32")
@@ -159,6 +167,13 @@ class Segment(msgspec.Struct, kw_only=True, frozen=True):
                 raise ValueError("field `new_scored` must be 0 where `new_observation` is 1 (observations are not trained)")
         if self.prior_observation is not None:
             check_array("prior_observation", self.prior_observation, "uint8", len(self.prior_response_ids))
+        if self.new_routes is not None:
+            check_routes("new_routes", self.new_routes, n)
+        if self.prior_routes is not None:
+            check_routes("prior_routes", self.prior_routes, len(self.prior_response_ids))
+            new = self.new_routes
+            if new is not None and (new.shape[1:] != self.prior_routes.shape[1:] or new.dtype != self.prior_routes.dtype):
+                raise ValueError("fields `prior_routes` and `new_routes` differ in shape or dtype (one model's routes)")
         if self.finished == self.finish_reason.continues:
             raise ValueError(
                 f"field `finish_reason`: {self.finish_reason.value!r} contradicts finished={self.finished}"
@@ -215,6 +230,22 @@ def segment_row(segment: Segment) -> tuple[np.ndarray, np.ndarray]:
     """A segment as a training row: its context (prompt + earlier windows, no gradient) and its new
     tokens. The learner, the value learner and the assembler's value requests all read rows so."""
     return np.concatenate([segment.prompt_token_ids, segment.prior_response_ids]), segment.new_token_ids
+
+
+def routed_row(segment: Segment) -> tuple[np.ndarray, ...]:
+    """`segment_row`, and the routes of its response tokens (`response_routes`) where it has any: a
+    row another learner's forward (values, the reference's log-probs) replays as the policy's does.
+    A dense model's rows stay pairs."""
+    routes = response_routes(segment)
+    return segment_row(segment) if routes is None else (*segment_row(segment), routes)
+
+
+def response_routes(segment: Segment) -> np.ndarray | None:
+    """The routes of every response token of a segment (earlier windows', then this one's), those
+    not held `UNROUTED`; None when it holds none. They cover the row's last tokens: its prompt's
+    positions are routed by the learner."""
+    return joined_routes([(segment.prior_routes, len(segment.prior_response_ids)),
+                          (segment.new_routes, len(segment.new_token_ids))])
 
 
 def has_ground_truth(ground_truth: Any) -> bool:

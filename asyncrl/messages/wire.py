@@ -20,6 +20,7 @@ _EXT_CODE_BY_DTYPE = {
     np.dtype("<i8"): 3,
     np.dtype("<f8"): 4,
     np.dtype("u1"): 5,
+    np.dtype("<i2"): 6,  # expert ids of models with more than 254 experts (`asyncrl.messages.routes`)
 }
 _DTYPE_BY_EXT_CODE = {code: dtype for dtype, code in _EXT_CODE_BY_DTYPE.items()}
 

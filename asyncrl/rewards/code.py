@@ -20,6 +20,7 @@ in `suspicious`, which the metrics count.
 from __future__ import annotations
 
 import ast
+import contextvars
 import json
 import operator
 import os
@@ -270,7 +271,9 @@ def run_tests(code: str, tests: dict, limits: SandboxLimits = SandboxLimits(), m
             return True, "ok"
 
         cases = list(zip(tests["inputs"], tests["outputs"]))[:max_tests]
+        # Each case in this thread's context: its reward call, whose stop kills the case's sandbox.
+        contexts = [contextvars.copy_context() for _ in cases]
         with ThreadPoolExecutor(max_workers=max(1, parallel)) as workers:
-            outcomes += list(workers.map(run_io, cases))
+            outcomes += list(workers.map(lambda context, case: context.run(run_io, case), contexts, cases))
     return CodeReport(passed=sum(ok for ok, _ in outcomes), total=len(outcomes), details=[d for _, d in outcomes],
                        suspicious=sorted(suspicious))

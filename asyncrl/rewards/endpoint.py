@@ -3,7 +3,8 @@ Ray Serve deployment (`serve run`, application `reward-<name>`).
 
 It builds its scorer (verifier, generative judge, BT model, PRM: one per kind, `SCORERS`) from its
 section given as a dict, scores in a worker thread so its event loop stays responsive (a call its
-caller cancels stops the scorer's pending work: `asyncrl.rewards.calls`), and takes a new config in
+caller cancels stops the scorer's pending work; a call given a `budget_s` stops at it and answers
+with the rewards already scored: `asyncrl.rewards.calls`), and takes a new config in
 place through `reconfigure` (Serve's `user_config`): settings and the reported version change
 without a restart; a new model path reloads the model before the swap, so requests never see a
 half-built scorer.
@@ -23,7 +24,7 @@ from asyncrl.config import (Endpoint, GenerativeJudgeEndpoint, ModelConfig, Open
                             PythonRewardEndpoint, ScalarRewardEndpoint, VerifierEndpoint)
 from asyncrl.config.reward import EndpointBase
 from asyncrl.messages.structs import PairRequest, Reward, RewardRequest
-from asyncrl.rewards.calls import run_cancellable
+from asyncrl.rewards.calls import RewardCall, run_in_call
 
 
 def endpoint_config(raw: dict | Endpoint) -> Endpoint:
@@ -103,7 +104,8 @@ class RewardEndpoint:
         self.config = endpoint_config(config)
         self.scorer = build_scorer(self.config, self.model, default_style)
         self.started = time.time()
-        self.counters = {"requests": 0, "rewards": 0, "failed": 0, "reconfigurations": 0, "cancelled": 0}
+        self.counters = {"requests": 0, "rewards": 0, "failed": 0, "reconfigurations": 0, "cancelled": 0,
+                         "stopped_at_deadline": 0}
         # Calls at work on each scorer (by id), and the replaced scorers that wait for theirs to end
         # before they close: a hot swap loses no reward that was being scored.
         self._calls: dict[int, int] = {}
@@ -159,13 +161,16 @@ class RewardEndpoint:
             if last:
                 self._close_when_idle(scorer)
 
-    async def score(self, requests: list[RewardRequest]) -> list[Reward]:
+    async def score(self, requests: list[RewardRequest], budget_s: float | None = None) -> list[Reward]:
+        """The rewards of `requests`. With `budget_s` (the router's deadline less the time to answer)
+        the call stops then and answers with what it scored, the rest failed with the reason."""
+        stop_at = None if budget_s is None else time.monotonic() + budget_s
         self.counters["requests"] += 1
         try:
             await self._fault_delay()
             # The scorer and version of this call, whatever swaps in meanwhile (it finishes on them).
             with self._using() as (scorer, version):
-                rewards = await run_cancellable(scorer.score, requests)
+                rewards = await self._run(scorer.score, requests, stop_at)
         except asyncio.CancelledError:  # the caller's deadline passed: the scorer's pending work is stopped
             self.counters["cancelled"] += 1
             raise
@@ -175,16 +180,23 @@ class RewardEndpoint:
         self.counters["failed"] += sum(r.failed for r in rewards)
         return rewards
 
-    async def compare(self, pairs: list[PairRequest]) -> list[dict]:
+    async def compare(self, pairs: list[PairRequest], budget_s: float | None = None) -> list[dict]:
         if not hasattr(self.scorer, "compare"):
             raise ValueError(f"reward endpoint {self.name} ({self.config.kind}) cannot judge pairs")
+        stop_at = None if budget_s is None else time.monotonic() + budget_s
         try:
             with self._using() as (scorer, version):
-                out = await run_cancellable(scorer.compare, pairs)
+                out = await self._run(scorer.compare, pairs, stop_at)
         except asyncio.CancelledError:
             self.counters["cancelled"] += 1
             raise
         return [{**o, "source_version": version} for o in out]
+
+    async def _run(self, method, items: list, stop_at: float | None):
+        call = RewardCall()
+        out = await run_in_call(call, method, items, stop_at=stop_at)
+        self.counters["stopped_at_deadline"] += int(call.stopped)
+        return out
 
     async def _fault_delay(self) -> None:
         """Fault injection: wait `fault_delay_s`, re-reading it, so clearing the fault (a

@@ -8,7 +8,9 @@ One deadline (`reward.timeout_s`) bounds an endpoint's answer to a call, retries
 error is retried while time is left; a call still running at the deadline is cancelled at the
 endpoint and not retried. A slow endpoint then gets no more work than it was given, where a
 timeout per attempt left each timed-out call running while its retry added another. A pairwise
-judgement has the same deadline.
+judgement has the same deadline. The endpoint is told the deadline less the time to answer
+(`endpoint_budget`): it stops there and answers with the rewards it scored, so a call with one
+slow sample keeps the others'. Every failure text is recorded masked (`asyncrl.redaction`).
 """
 
 from __future__ import annotations
@@ -18,14 +20,33 @@ import fnmatch
 import time
 from typing import Any, Awaitable, Callable
 
+import msgspec
 import numpy as np
 
 from asyncrl.config import (GenerativeJudgeEndpoint, OpenAIJudgeEndpoint, RewardConfig, RouteConfig,
                             VerifierEndpoint)
 from asyncrl.messages.structs import PairRequest, Reward, RewardRequest
+from asyncrl.redaction import masked, register_secret_env
 
-CallFn = Callable[[str, list[RewardRequest]], Awaitable[list[Reward]]]
-CompareFn = Callable[[str, list[PairRequest]], Awaitable[list[dict]]]
+# (endpoint name, requests, budget_s: how long the endpoint may work before it answers with what it has)
+CallFn = Callable[[str, list[RewardRequest], float], Awaitable[list[Reward]]]
+CompareFn = Callable[[str, list[PairRequest], float], Awaitable[list[dict]]]
+# What an endpoint keeps of the time left to answer with the rewards it scored, before the router's
+# deadline cancels the call: the answer crosses Ray or Serve, and a thread must notice the stop.
+ANSWER_MARGIN_SHARE = 0.2
+ANSWER_MARGIN_MAX_S = 5.0
+
+
+def endpoint_budget(remaining_s: float) -> float:
+    """The time an endpoint may score for, of the `remaining_s` before the router's deadline."""
+    return max(0.0, remaining_s - min(ANSWER_MARGIN_MAX_S, ANSWER_MARGIN_SHARE * remaining_s))
+
+
+def with_masked_error(reward: Reward) -> Reward:
+    """The reward with its failure text masked (an endpoint in another process may not know the key)."""
+    if "error" not in reward.details:
+        return reward
+    return msgspec.structs.replace(reward, details={**reward.details, "error": masked(reward.details["error"])})
 
 
 def route_for(data_source: str, routes: list[RouteConfig]) -> RouteConfig:
@@ -129,9 +150,9 @@ class ServeRewardEndpoints:
             self.handles[name] = serve.get_app_handle(f"reward-{name}")
         return self.handles[name]
 
-    async def _call(self, name: str, method: str, payload: list):
+    async def _call(self, name: str, method: str, payload: list, budget_s: float | None):
         try:
-            response = getattr(self._handle(name), method).remote(payload)
+            response = getattr(self._handle(name), method).remote(payload, budget_s)
         except Exception:
             self.handles.pop(name, None)
             raise
@@ -144,11 +165,11 @@ class ServeRewardEndpoints:
             self.handles.pop(name, None)
             raise
 
-    async def score(self, name: str, requests: list[RewardRequest]) -> list[Reward]:
-        return await self._call(name, "score", requests)
+    async def score(self, name: str, requests: list[RewardRequest], budget_s: float | None = None) -> list[Reward]:
+        return await self._call(name, "score", requests, budget_s)
 
-    async def compare(self, name: str, pairs: list) -> list[dict]:
-        return await self._call(name, "compare", pairs)
+    async def compare(self, name: str, pairs: list, budget_s: float | None = None) -> list[dict]:
+        return await self._call(name, "compare", pairs, budget_s)
 
 
 async def cancelling(ref):
@@ -190,19 +211,21 @@ class RewardRouter:
             start = time.perf_counter()
             try:
                 self.counters["calls"] += 1
-                rewards = await asyncio.wait_for(self.call(name, requests), timeout=deadline - time.monotonic())
+                remaining = deadline - time.monotonic()
+                rewards = await asyncio.wait_for(self.call(name, requests, endpoint_budget(remaining)), timeout=remaining)
                 if len(rewards) != len(requests):
                     raise ValueError(f"endpoint {name} answered {len(rewards)} rewards for {len(requests)} requests")
                 self.latencies = (self.latencies + [time.perf_counter() - start])[-1000:]
+                rewards = [with_masked_error(r) for r in rewards]
                 self._count(name, rewards)
-                return list(rewards)
+                return rewards
             except asyncio.TimeoutError:  # the deadline is spent: the call was cancelled, no retry
                 self.counters["timeouts"] += 1
                 last_error = f"endpoint {name} did not answer within the {self.timeout_s:g}s deadline"
                 break
             except Exception as exc:  # a dead replica, a swap in progress, a bad answer: retry
                 self.counters["errors"] += 1
-                last_error = f"endpoint {name}: {type(exc).__name__}: {exc}"[:500]
+                last_error = masked(f"endpoint {name}: {type(exc).__name__}: {exc}")[:500]
             backoff = min(0.5 * 2**attempt, 5.0)
             if attempt == self.retries or time.monotonic() + backoff >= deadline:
                 break
@@ -220,13 +243,13 @@ class RewardRouter:
             seen["rewards"] += 1
             seen["failed"] += int(reward.failed)
             if reward.failed and not seen["first_failure"]:  # what the console says once, at once
-                seen["first_failure"] = {"error": str(reward.details.get("error", error or "failed"))[:500],
+                seen["first_failure"] = {"error": masked(reward.details.get("error", error or "failed"))[:500],
                                          "prompt_id": reward.prompt_id, "sample_idx": reward.sample_idx}
             if not reward.failed:
                 seen["version"] = reward.source_version
                 seen["versions"][reward.source_version] = seen["versions"].get(reward.source_version, 0) + 1
         if error:
-            seen["last_error"] = error
+            seen["last_error"] = masked(error)
         else:
             seen["last_answer_at"] = time.time()
 
@@ -267,12 +290,14 @@ class RewardRouter:
         if self._compare is None:
             raise ValueError("this reward router has no pairwise judge")
         try:
-            return await asyncio.wait_for(self._compare(name, pairs), timeout=self.timeout_s)
+            out = await asyncio.wait_for(self._compare(name, pairs, endpoint_budget(self.timeout_s)),
+                                         timeout=self.timeout_s)
         except asyncio.TimeoutError:  # no verdict: the group is dropped as reward_failed, not trained on a tie
             self.counters["timeouts"] += 1
             error = f"judge {name} did not answer within the {self.timeout_s:g}s deadline"
             self._count(name, [], error)
             return [{"p_first": 0.5, "consistent": True, "failed": True, "error": error} for _ in pairs]
+        return [{**o, "error": masked(o["error"])} if "error" in o else o for o in out]
 
     def failures(self) -> dict[str, dict]:
         """Each endpoint's rewards, failures and first failure: what a run reads at every poll."""
@@ -291,15 +316,17 @@ def build_reward_router(reward, endpoints: dict[str, Any], routes: list[RouteCon
     """A router over the run's reward endpoints (`reward`: the RewardConfig section): the actors of
     `endpoints`, or the Serve applications `reward-<name>` when `reward.use_serve`. `routes`
     default to the config's."""
+    for endpoint in reward.endpoints.values():  # this process records failure texts: it masks the keys
+        register_secret_env(getattr(endpoint, "api_key_env", ""))
     if reward.use_serve:
         serve_endpoints = ServeRewardEndpoints()
         call, compare = serve_endpoints.score, serve_endpoints.compare
     else:
-        async def call(name, requests):
-            return await cancelling(endpoints[name].score.remote(requests))
+        async def call(name, requests, budget_s):
+            return await cancelling(endpoints[name].score.remote(requests, budget_s))
 
-        async def compare(name, pairs):
-            return await cancelling(endpoints[name].compare.remote(pairs))
+        async def compare(name, pairs, budget_s):
+            return await cancelling(endpoints[name].compare.remote(pairs, budget_s))
 
     return RewardRouter(list(routes if routes is not None else reward.routes), call, reward.timeout_s,
                         reward.retries, compare=compare)

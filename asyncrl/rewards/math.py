@@ -8,7 +8,7 @@ in the reward endpoint's worker threads. So `math_correct`, the public check, ru
 worker's main thread with math-verify's timeouts on, under an address-space limit, and a check that
 still overruns its wall-clock budget is killed with its worker and answered as a failure with the
 reason. The unguarded comparison is private: called from a thread on a power tower it holds the
-GIL for minutes.
+GIL for minutes. A reward call that stops (`asyncrl.rewards.calls`) kills the check it waits for.
 """
 
 from __future__ import annotations
@@ -18,10 +18,13 @@ import multiprocessing
 import re
 import resource
 import threading
+from concurrent.futures import CancelledError as FutureCancelled
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import pebble
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+from asyncrl.rewards.calls import CallStopped, current_call
 
 # Only the tail of a response is searched (DAPO's verifier keeps the last 300 characters), so an
 # answer mentioned early and abandoned does not count, and huge responses cost nothing extra.
@@ -133,10 +136,16 @@ def math_correct(response: str, ground_truth: str, require_boxed: bool = False,
         return inner.strip() == ground_truth.strip(), inner[:200], "ground truth too long to parse: compared as text"
     future = _workers().schedule(_math_correct_unguarded, args=(response, ground_truth, require_boxed),
                                  timeout=timeout_s)
+    call = current_call()
+    forget = call.on_stop(future.cancel)  # a stopped call: pebble kills the worker running the check
     try:
         correct, pred = future.result()
         return correct, pred, ""
+    except FutureCancelled:
+        raise CallStopped(call.reason) from None
     except FutureTimeout:
         return False, "", f"math check ran past {timeout_s:g} s (killed)"
     except pebble.ProcessExpired as exc:
         return False, "", f"math check died ({exc}; memory limit {MATH_WORKER_MEMORY_MB} MB)"
+    finally:
+        forget()

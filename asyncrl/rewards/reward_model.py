@@ -1,6 +1,7 @@
 """Model-based reward endpoints that score with a model of their own: a scalar Bradley–Terry reward
 model, and a process reward model (PRM) giving line-level token rewards. (The generative judges:
-`asyncrl.rewards.judge`.)
+`asyncrl.rewards.judge`.) A forward pass cannot be interrupted: a stopped call (`asyncrl.rewards.calls`)
+ends at the next sample, its samples scored kept and the others failed with the reason.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 from asyncrl.algo.shaping import prm_dense_rewards
 from asyncrl.config import ProcessRewardEndpoint, ScalarRewardEndpoint
 from asyncrl.messages.structs import Reward, RewardRequest
+from asyncrl.rewards.calls import current_call
 from asyncrl.rewards.verifier import failed, not_applicable
 
 
@@ -44,7 +46,11 @@ class ScalarRewardModel:
     @torch.no_grad()
     def score(self, requests: list[RewardRequest]) -> list[Reward]:
         out = []
+        call = current_call()
         for r in requests:
+            if call.stopped:
+                out.append(failed(r, self.name, self.version, call.reason))
+                continue
             try:
                 ids = self.tokenizer.encode(r.prompt_text + "\n" + r.response_text, add_special_tokens=False)
                 ids = torch.tensor([ids[-self.MAX_TOKENS:] or [self.model.config.pad_token_id]])
@@ -100,7 +106,11 @@ class ProcessRewardModel:
     @torch.no_grad()
     def score(self, requests: list[RewardRequest]) -> list[Reward]:
         out = []
+        call = current_call()
         for r in requests:
+            if call.stopped:
+                out.append(failed(r, self.name, self.version, call.reason))
+                continue
             try:
                 if r.response_token_ids is None or not len(r.response_token_ids):
                     out.append(not_applicable(r, self.name, self.version, "no response tokens to score"))

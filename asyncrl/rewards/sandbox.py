@@ -15,6 +15,11 @@ Layers:
 * **No privilege**: as root the program runs as a uid of its own (one per sandbox, so process
   limits and signals never reach another sandbox); in a user namespace it keeps uid 0 there with
   an empty capability bounding set. `no_new_privs` in both.
+* **A seccomp filter** (`asyncrl.rewards.sandbox_seccomp`), installed in the program's process
+  just before its exec: EPERM for what a test program never needs and an escape would (ptrace,
+  mount, unshare/setns and namespace flags to clone, kernel modules, eBPF, keyrings, sockets other
+  than AF_UNIX, ...). Where libseccomp or the kernel's support is missing it is `off (why)`, logged,
+  and the rest still applies.
 * **One cgroup per sandbox** (`asyncrl.rewards.cgroup`): memory and process count over all its
   processes together, and a kill that reaches all of them. Where this process cannot create one
   (Docker, most non-root hosts) memory is limited per process only (64 processes of 512 MB each),
@@ -32,7 +37,8 @@ With no namespaces at all there is no isolation to speak of; `run_program` then 
 `SandboxUnavailable` unless the caller opted in (`SandboxLimits.allow_unisolated`, or
 `ASYNCRL_SANDBOX_ALLOW_UNISOLATED=1`), and says so loudly when it does run.
 
-`probe_isolation()` says which layers this machine supports; callers and tests read it.
+`probe_isolation()` says which layers this machine supports (`seccomp`: "on" or "off (why)"); callers
+and tests read it, and each `SandboxResult.isolation` says which ran.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ from dataclasses import dataclass, field
 
 from asyncrl.rewards.cgroup import SandboxCgroup, cgroup_layout
 from asyncrl.rewards.sandbox_init import LAUNCHER
+from asyncrl.rewards.sandbox_seccomp import SeccompFilter, install_filter, seccomp_filter
 from asyncrl.rewards.supervisor import supervise
 
 log = logging.getLogger(__name__)
@@ -184,12 +191,14 @@ def _mode_works(mode: str, python: str) -> bool:
 
 
 def probe_isolation(python: str | None = None) -> dict:
-    """Which layers work on this machine: the namespace mode `auto` picks, and cgroups."""
+    """Which layers work on this machine: the namespace mode `auto` picks, cgroups, and the
+    seccomp filter ("on", or "off (why)")."""
     python = python or sandbox_python()
     modes = [m for m in ("namespaces", "user_namespaces") if _mode_works(m, python)]
     layout = cgroup_layout()
     return {"mode": modes[0] if modes else "none", "modes": modes, "namespaces": bool(modes),
-            "user_namespaces": "user_namespaces" in modes, "cgroups": layout.get("version", 0)}
+            "user_namespaces": "user_namespaces" in modes, "cgroups": layout.get("version", 0),
+            "seccomp": seccomp_filter().state}
 
 
 def _resolve_mode(limits: SandboxLimits, python: str) -> str:
@@ -201,12 +210,13 @@ def _resolve_mode(limits: SandboxLimits, python: str) -> str:
     if modes:
         return modes[0]
     if limits.allow_unisolated or os.environ.get("ASYNCRL_SANDBOX_ALLOW_UNISOLATED") == "1":
-        _warn_unisolated()
+        _warn_unisolated(seccomp_filter().state)
         return "unisolated"
     raise SandboxUnavailable(
         "cannot isolate untrusted code here: neither `unshare` as root nor a user namespace works (a container's "
-        "seccomp profile refuses both). Run where one works, or opt in to running code rewards without isolation "
-        "(code_allow_unisolated=true on the reward endpoint, or ASYNCRL_SANDBOX_ALLOW_UNISOLATED=1)")
+        "seccomp profile refuses both; in Docker, add --cap-add SYS_ADMIN). Run where one works, or opt in to "
+        "running code rewards without isolation (code_allow_unisolated=true on the reward endpoint, or "
+        "ASYNCRL_SANDBOX_ALLOW_UNISOLATED=1)")
 
 
 def _check_cgroup(limits: SandboxLimits) -> None:
@@ -239,10 +249,11 @@ def _parent_death_signal(parent: int) -> None:
         os._exit(125)
 
 
-@functools.lru_cache(maxsize=1)
-def _warn_unisolated() -> None:
-    log.error("RUNNING POLICY-WRITTEN CODE WITHOUT ISOLATION: it can read this machine's files, reach the network "
-              "and signal this user's processes. Only resource limits apply. You opted in.")
+@functools.lru_cache(maxsize=2)
+def _warn_unisolated(seccomp: str) -> None:
+    reach = "reach the network, " if seccomp != "on" else "use its Unix sockets, "
+    log.error("RUNNING POLICY-WRITTEN CODE WITHOUT ISOLATION: it can read this machine's files, %sand signal this "
+              "user's processes. Only resource limits and the seccomp filter (%s) apply. You opted in.", reach, seccomp)
 
 
 def _rlimits(limits: SandboxLimits) -> dict[str, int]:
@@ -287,6 +298,7 @@ def run_program(files: dict[str, str], argv: list[str], stdin: str = "", limits:
 def _run(mode: str, files: dict[str, str], argv: list[str], stdin: str, limits: SandboxLimits, python: str) -> SandboxResult:
     staging = tempfile.mkdtemp(prefix="asyncrl-sandbox-")  # 0700, ours: the program never sees it
     cgroup = None
+    seccomp = seccomp_filter()
     try:
         os.makedirs(os.path.join(staging, "files"))
         for name, text in files.items():
@@ -299,7 +311,7 @@ def _run(mode: str, files: dict[str, str], argv: list[str], stdin: str, limits: 
             cgroup = SandboxCgroup.create((limits.memory_mb + 2 * limits.disk_mb) << 20, limits.max_processes + 2)
         if mode == "unisolated":
             cwd = os.path.join(staging, "files")
-            command, preexec = argv, _unisolated_preexec(limits, rlimits, staging, cgroup)
+            command, preexec = argv, _unisolated_preexec(limits, rlimits, staging, cgroup, seccomp)
             env["HOME"] = cwd
         else:
             uid = _new_uid() if mode == "namespaces" else None
@@ -311,14 +323,15 @@ def _run(mode: str, files: dict[str, str], argv: list[str], stdin: str, limits: 
             hidden = [p for b in binds for p in glob.glob(os.path.join(b, "*-packages"))]
             job = {"root": os.path.join(staging, "root"), "files": os.path.join(staging, "files"), "binds": binds,
                    "links": links, "hidden": hidden, "disk_mb": limits.disk_mb, "limits": rlimits, "uid": uid,
-                   "argv": argv, "env": env}
+                   "argv": argv, "env": env, "seccomp": seccomp.program.hex() if seccomp.on else None}
             command = [*_unshare_command(mode), python, "-I", "-S", "-c", LAUNCHER, json.dumps(job)]
             cwd, preexec = "/", _namespaced_preexec(cgroup, os.getpid())
         ended = supervise(command, cwd, env, preexec, stdin, limits.wall_s, limits.max_output_bytes,
                           kill_escaped=cgroup.kill if cgroup is not None else None)
         return SandboxResult(returncode=ended.returncode, stdout=ended.stdout, stderr=ended.stderr,
                              timed_out=ended.timed_out, output_truncated=ended.output_truncated,
-                             wall_s=ended.wall_s, isolation={"mode": mode, "cgroup": cgroup is not None})
+                             wall_s=ended.wall_s,
+                             isolation={"mode": mode, "cgroup": cgroup is not None, "seccomp": seccomp.state})
     finally:
         if cgroup is not None:
             cgroup.remove()
@@ -334,8 +347,10 @@ def _namespaced_preexec(cgroup: SandboxCgroup | None, parent: int):
     return preexec
 
 
-def _unisolated_preexec(limits: SandboxLimits, rlimits: dict[str, int], staging: str, cgroup: SandboxCgroup | None):
-    """Resource limits only (the caller opted in); as root, also a uid of its own and the cgroup."""
+def _unisolated_preexec(limits: SandboxLimits, rlimits: dict[str, int], staging: str, cgroup: SandboxCgroup | None,
+                        seccomp: SeccompFilter):
+    """Resource limits and the seccomp filter (the caller opted in to no namespaces); as root, also a
+    uid of its own and the cgroup."""
     uid = _new_uid() if os.geteuid() == 0 else None
     parent = os.getpid()
     if uid is not None:
@@ -354,4 +369,7 @@ def _unisolated_preexec(limits: SandboxLimits, rlimits: dict[str, int], staging:
             os.setgid(uid)
             os.setuid(uid)
         _parent_death_signal(parent)  # after the uid change, which would clear it
+        if seccomp.on and install_filter(_LIBC, seccomp.program):  # asked for and refused: never run without it
+            os.write(2, b"sandbox setup failed: the seccomp filter could not be installed\n")
+            os._exit(125)
     return preexec

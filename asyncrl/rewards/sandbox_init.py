@@ -1,10 +1,15 @@
 """The sandbox's PID 1 (`asyncrl.rewards.sandbox`): a program of the standard library alone, run with
 `python -I -S -c LAUNCHER <job>` inside the new namespaces."""
 
+from asyncrl.rewards.sandbox_seccomp import INSTALL_FILTER
+
 # Runs as the sandbox's PID 1 inside the new namespaces, with only the standard library: builds
 # the new root, drops privilege, starts the program, reaps every orphan until the program ends.
-# argv[1] is a JSON job description. Errors exit 125 with the reason on stderr.
-LAUNCHER = r"""
+# argv[1] is a JSON job description. Errors exit 125 with the reason on stderr. The program's
+# process installs the seccomp filter (job["seccomp"], raw BPF in hex) last, just before its exec:
+# PID 1 itself needs mount and chroot, and a filter that was asked for but cannot be installed
+# stops the run rather than letting the program run without it.
+LAUNCHER = INSTALL_FILTER + r"""
 import ctypes, json, os, resource, shutil, sys
 job = json.loads(sys.argv[1])
 libc = ctypes.CDLL(None, use_errno=True)
@@ -71,6 +76,9 @@ if program == 0:
     try:
         if job["uid"] is not None:
             os.setgroups([]); os.setgid(job["uid"]); os.setuid(job["uid"])
+        refused = job["seccomp"] and install_filter(libc, bytes.fromhex(job["seccomp"]))
+        if refused:
+            fail("seccomp filter: %s" % os.strerror(refused))
         os.execve(job["argv"][0], job["argv"], job["env"])
     except OSError as exc:
         os.write(2, ("cannot start %s: %s\n" % (job["argv"][0], exc)).encode())

@@ -10,10 +10,13 @@
 Calls run in worker processes (a `pebble` process pool, spawned: the endpoint holds threads a fork would
 copy; what they run is `asyncrl.rewards.user_worker`, light to import), each with a timeout: a call
 that hangs is killed with its worker, not waited for, and a CPU-bound scorer does not stall the
-endpoint's event loop. A call its caller cancels (the `reward.timeout_s` deadline) kills the
-workers on its samples and drops those not begun. `async def` functions are run to
-completion in the worker. Whatever goes wrong (an exception, a timeout, a value that is not a finite
-number, a list of the wrong length) is a failed reward with the reason, never a lost sample.
+endpoint's event loop. A call that stops (its caller cancels it, or its deadline passes at the
+endpoint: `asyncrl.rewards.calls`) kills the workers on its samples and drops those not begun; the
+samples already scored keep their rewards. Each worker has `worker_memory_mb` of address space (a
+call past it fails as out of memory, its worker replaced) and is replaced after `worker_max_calls`
+calls. `async def` functions are run to completion in the worker. Whatever goes wrong (an exception,
+a timeout, a value that is not a finite number, a list of the wrong length, a worker that died) is a
+failed reward with the reason, never a lost sample.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import pebble
 from asyncrl.config import PythonRewardEndpoint
 from asyncrl.messages.structs import Reward, RewardRequest
 from asyncrl.rewards.calls import current_call
-from asyncrl.rewards.user_worker import call_trl, call_verl, load_function, load_in_worker
+from asyncrl.rewards.user_worker import OUT_OF_MEMORY_EXIT, call_trl, call_verl, load_function, load_in_worker
 from asyncrl.rewards.verifier import failed, not_applicable
 
 VERL_ARGUMENTS = ("data_source", "solution_str", "ground_truth", "extra_info")
@@ -70,11 +73,13 @@ class PythonReward:
         self.signature = detect_signature(function, endpoint.signature)
         print(f"reward endpoint (python): {endpoint.path}:{endpoint.function} called with "
               f"{self.signature}'s signature", flush=True)
-        self.workers = pebble.ProcessPool(max_workers=endpoint.workers, initializer=load_in_worker,
-                                          initargs=(endpoint.path, endpoint.function),
+        self.workers = pebble.ProcessPool(max_workers=endpoint.workers, max_tasks=endpoint.worker_max_calls,
+                                          initializer=load_in_worker,
+                                          initargs=(endpoint.path, endpoint.function, endpoint.worker_memory_mb),
                                           context=multiprocessing.get_context("spawn"))
         atexit.register(self.workers.stop)
-        self.counters = {"calls": 0, "failed": 0, "timed_out": 0, "not_applicable": 0, "samples_cancelled": 0}
+        self.counters = {"calls": 0, "failed": 0, "timed_out": 0, "not_applicable": 0, "samples_cancelled": 0,
+                         "out_of_memory": 0, "workers_died": 0}
 
     @property
     def version(self) -> str:
@@ -96,13 +101,14 @@ class PythonReward:
         return [self._reward(r, f) for r, f in zip(requests, futures)]
 
     def _cancel_with_call(self, futures: list) -> None:
-        """A cancelled call (its caller's deadline passed) cancels its futures: pebble kills the
-        workers running them (a new one starts in each place) and never starts the others."""
+        """A stopped call (cancelled, or past its deadline) cancels its futures not done: pebble
+        kills the workers running them (a new one starts in each place) and never starts the others;
+        those done keep their results."""
         def cancel():
             cancelled = sum(future.cancel() for future in futures)
             self.counters["samples_cancelled"] += cancelled
 
-        current_call().on_cancel(cancel)
+        current_call().on_stop(cancel)
 
     def _reward(self, request: RewardRequest, future) -> Reward:
         self.counters["calls"] += 1
@@ -146,13 +152,22 @@ class PythonReward:
 
     def _failed(self, request: RewardRequest, why) -> Reward:
         self.counters["failed"] += 1
+        function = self.endpoint.function
         if isinstance(why, FutureTimeout):
             self.counters["timed_out"] += 1
-            why = f"{self.endpoint.function} ran past {self.endpoint.call_timeout_s:g} s (killed)"
+            why = f"{function} ran past {self.endpoint.call_timeout_s:g} s (killed)"
         elif isinstance(why, FutureCancelled):
-            why = f"{self.endpoint.function} was stopped: the call's deadline (reward.timeout_s) passed"
+            why = f"{function} was stopped: {current_call().reason or 'the call stopped'}"
+        elif isinstance(why, pebble.ProcessExpired) and why.exitcode == OUT_OF_MEMORY_EXIT:
+            self.counters["out_of_memory"] += 1
+            why = (f"{function} ran out of memory: it asked for more than worker_memory_mb="
+                   f"{self.endpoint.worker_memory_mb} MiB of address space (its worker was replaced)")
+        elif isinstance(why, pebble.ProcessExpired):  # killed from outside, or a library aborted
+            self.counters["workers_died"] += 1
+            why = (f"the worker running {function} died (exit status {why.exitcode}; worker_memory_mb="
+                   f"{self.endpoint.worker_memory_mb}): a new one took its place")
         elif isinstance(why, BaseException):  # what a user's traceback would say first, and where
-            why = f"{type(why).__name__}: {why} in {self.endpoint.function} ({self.endpoint.path})"
+            why = f"{type(why).__name__}: {why} in {function} ({self.endpoint.path})"
         return failed(request, self.name, self.version, why)
 
     def stats(self) -> dict:

@@ -3,25 +3,31 @@
 Bad input never crashes it: an empty, huge or undecodable response, a malformed ground truth or a
 verifier bug becomes a failed zero reward with the reason in `details`. A request whose data
 source has no ground truth is marked not applicable, so a hybrid route falls through to a judge.
+A stopped call (`asyncrl.rewards.calls`) scores no further sample: its math worker or sandbox is
+killed, the samples scored keep their rewards and the others fail with the reason.
+
+`failed` is how every scorer records a failure: its text masked (`asyncrl.redaction`).
 """
 
 from __future__ import annotations
 
 from asyncrl.config import VerifierEndpoint
 from asyncrl.messages.structs import Reward, RewardRequest, has_ground_truth
+from asyncrl.redaction import masked
+from asyncrl.rewards.calls import CallStopped, current_call
 from asyncrl.rewards.sandbox import SandboxLimits
 from asyncrl.rewards.verifiers import episode_truth, kind_for, verify
 
 
 def not_applicable(req: RewardRequest, source: str, version: str, why: str) -> Reward:
     return Reward(prompt_id=req.prompt_id, sample_idx=req.sample_idx, score=0.0, correct=None, source=source,
-                  source_version=version, failed=True, details={"not_applicable": True, "error": why})
+                  source_version=version, failed=True, details={"not_applicable": True, "error": masked(why)})
 
 
 def failed(req: RewardRequest, source: str, version: str, exc: BaseException | str) -> Reward:
-    reason = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+    reason = exc if isinstance(exc, str) else str(exc) if isinstance(exc, CallStopped) else f"{type(exc).__name__}: {exc}"
     return Reward(prompt_id=req.prompt_id, sample_idx=req.sample_idx, score=0.0, correct=False, source=source,
-                  source_version=version, failed=True, details={"error": reason[:500]})
+                  source_version=version, failed=True, details={"error": masked(reason)[:500]})
 
 
 class Verifier:
@@ -52,7 +58,11 @@ class Verifier:
                                isolation=e.code_isolation, allow_unisolated=e.code_allow_unisolated,
                                allow_no_cgroup=e.code_allow_no_cgroup)
         style = e.style or self.default_style
+        call = current_call()
         for req in requests:
+            if call.stopped:  # past the deadline or cancelled: what is scored stays, the rest fails
+                rewards.append(failed(req, self.name, self.version, call.reason))
+                continue
             kind = e.verifier_kinds.get(req.data_source) or kind_for(req.data_source)
             if kind == "none":  # no rule checks this data source (e.g. open-ended chat): a judge should
                 rewards.append(not_applicable(req, self.name, self.version, f"no verifier for {req.data_source!r}"))

@@ -97,12 +97,12 @@ class Poll:
 
 class Run:
     def __init__(self, config: Config, run_dir: str, max_steps: int = 0, stall_timeout_s: float | None = None,
-                 annotate: Callable[[dict], None] | None = None, wandb_run: Any = None, history_limit: int = 0):
+                 annotate: Callable[[dict], None] | None = None, loggers: Any = None, history_limit: int = 0):
         self.config = config
         self.run_dir = run_dir
         self.max_steps = max_steps  # the learner stops there (0: trains until stopped, as under Serve)
         self.stall_timeout_s = config.trainer.stall_timeout_s if stall_timeout_s is None else stall_timeout_s
-        self.log = RunRecords(run_dir, annotate, wandb_run, history_limit, config.trainer.log_file_mb << 20,
+        self.log = RunRecords(run_dir, annotate, loggers, history_limit, config.trainer.log_file_mb << 20,
                               config.trainer.log_files_kept)
         self.restarts: list[dict[str, Any]] = []  # this process's restarts
         # When restarts were tried (this process's and, from restarts.jsonl, earlier ones): the budget.

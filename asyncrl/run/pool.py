@@ -30,6 +30,7 @@ from typing import Any, Callable
 import ray
 
 from actors.generator import GeneratorActor
+from asyncrl.run.deadlines import answer
 from asyncrl.run.placement import ask, spawn
 from asyncrl.weights.transport import choose_paths
 
@@ -71,18 +72,19 @@ class GeneratorPool:
     def join(self, gids: list[str], timeout_s: float = 600.0) -> None:
         """The learner delivers the current version to each of `gids`, each by its path."""
         learner, policy = self.system.actors["learner"], self.system.config.policy
-        nodes = ray.get([self.system.generators[g].node_id.remote() for g in gids], timeout=timeout_s)
-        paths = choose_paths(ray.get(learner.node_id.remote()), nodes, policy.compute.device, policy.weight_transport)
+        nodes = answer([self.system.generators[g].node_id.remote() for g in gids], "new generators", "node_id", timeout_s)
+        paths = choose_paths(answer(learner.node_id.remote(), "the learner", "node_id"), nodes, policy.compute.device,
+                             policy.weight_transport)
         backend = "nccl" if policy.compute.device == "cuda" else "gloo"
         calls = []
         for gid, path in zip(gids, paths):
             group = None
             if path == "group":  # receivers join first, then the sender (a wrong order deadlocks)
-                host, port = ray.get(learner.weight_group_address.remote())
+                host, port = answer(learner.weight_group_address.remote(), "the learner", "weight_group_address")
                 calls.append(self.system.generators[gid].init_weight_group.remote(host, port, 2, 1, backend))
                 group = (host, port, backend)
             calls.append(learner.join_generator.remote(gid, self.system.generators[gid], path, group))
-        ray.get(calls, timeout=timeout_s)
+        answer(calls, "the learner and new generators", "join_generator", timeout_s)
         self.system.weight_paths.update(zip(gids, paths))
 
     def start(self, gid: str) -> None:
@@ -127,11 +129,13 @@ class GeneratorPool:
         return self._event("removed", gid, reason)
 
     def _forget(self, gid: str) -> None:
+        """Each call bounded: a role stuck meanwhile is `RoleHung`, and the run restarts."""
         system = self.system
-        ray.get(system.actors["assembler"].retire_generator.remote(gid))  # first: nothing of it is merged again
-        ray.get(system.mailboxes["prompts"].actor.release.remote(gid))  # then its prompts go to the others
+        # First: nothing of it is merged again; then its prompts go to the others.
+        answer(system.actors["assembler"].retire_generator.remote(gid), "the assembler", f"retire_generator({gid})")
+        answer(system.mailboxes["prompts"].actor.release.remote(gid), "the prompts mailbox", f"release({gid})")
         if "learner" in system.actors:
-            ray.get(system.actors["learner"].leave_generator.remote(gid))
+            answer(system.actors["learner"].leave_generator.remote(gid), "the learner", f"leave_generator({gid})")
         handle = system.generators.pop(gid)
         system.run_refs.pop(f"generator:{gid}", None)
         system.weight_paths.pop(gid, None)
@@ -181,7 +185,7 @@ class GeneratorPool:
         learner = self.system.actors.get("learner")
         if learner is None or not self.system.generators:
             return []
-        failed = ray.get(learner.failed_generators.remote(), timeout=60)
+        failed = answer(learner.failed_generators.remote(), "the learner", "failed_generators")
         return [(gid, why) for gid, why in failed.items() if gid in self.system.generators]
 
     def _unresponsive(self) -> list[tuple[str, str]]:

@@ -1,5 +1,6 @@
 """What a run writes as it goes, the same for `asyncrl train` and the Serve `train` app: each learner
-step's record stamped with the run's counters (`metrics.jsonl`, and wandb), prompt retirements
+step's record stamped with the run's counters (`metrics.jsonl`, and the loggers of
+`asyncrl.run.loggers`: wandb, TensorBoard), prompt retirements
 (`retirements.jsonl`), the generator pool's events (`generators.jsonl`), restarts
 (`restarts.jsonl`), and the plots.
 
@@ -68,18 +69,17 @@ def thin_history(records: list[dict], limit: int) -> list[dict]:
 
 
 class RunRecords:
-    def __init__(self, run_dir: str, annotate: Callable[[dict], None] | None = None, wandb_run: Any = None,
+    def __init__(self, run_dir: str, annotate: Callable[[dict], None] | None = None, loggers: Any = None,
                  history_limit: int = 0, log_file_bytes: int = 0, log_files_kept: int = 0):
         self.run_dir = run_dir
         self.annotate = annotate  # called on each record before it is written (e.g. evaluation)
-        self.wandb_run = wandb_run
+        self.loggers = loggers  # `asyncrl.run.loggers.StepLoggers`: wandb, TensorBoard (None: metrics.jsonl alone)
         self.history_limit = history_limit  # 0 = keep every record in memory
         self.log_file_bytes, self.log_files_kept = log_file_bytes, log_files_kept  # 0 bytes: never roll
         self.records: list[dict] = []
         self.steps_recorded = 0  # records added, less those a restart redoes (`records` may be thinned)
         self.started = time.time()
         self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
-        self._wandb_step = 0
         self._previous_poll: tuple[float, int] | None = None
         # Prompt retirement: events already written, and whether every prompt is retired with nothing
         # left to learn from (`asyncrl train` stops, Serve reports it).
@@ -134,10 +134,9 @@ class RunRecords:
             record.update(stamp)
             if self.annotate is not None:
                 self.annotate(record)
-            if self.wandb_run is not None and record["step"] > self._wandb_step:  # wandb steps only go up
-                self.wandb_run.log(record, step=record["step"])
-                self._wandb_step = record["step"]
         self.append("metrics.jsonl", new)
+        if self.loggers is not None:  # after metrics.jsonl, which has every record whatever a logger does
+            self.loggers.log(new)
         self.records += new
         self.steps_recorded += len(new)
         if self.history_limit:

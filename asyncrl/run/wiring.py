@@ -16,7 +16,6 @@ from typing import Any
 
 import ray
 import torch
-from ray.exceptions import GetTimeoutError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.assembler import AssemblerActor
@@ -31,6 +30,7 @@ from asyncrl.config import Config
 from asyncrl.data.files import check_prompts
 from asyncrl.messages.ray_mailbox import RayMailbox, ShardedMailbox, sum_stats
 from asyncrl.messages.structs import PromptRequest, ScoredTrajectory, Segment, TrainBatch
+from asyncrl.run.deadlines import PREPARE_TIMEOUT_S, WORK_TIMEOUT_S, RoleDied, answer
 from asyncrl.run.placement import LEARNER_NAME, ask, role_placement, spawn
 from asyncrl.run.pool import GeneratorPool
 from asyncrl.run.status import (
@@ -54,31 +54,6 @@ class ResumePoint:
     incarnation: int  # how many times the run was resumed (batch ids stay unique across them)
     saved_batches: list = field(default_factory=list)  # assembled, not yet trained
     held_sample_ids: set = field(default_factory=set)  # samples inside those batches
-
-
-# How long the run waits for a role's answer. A role that does not answer is hung (alive, but
-# stuck): it is treated as dead, so the run restarts instead of waiting for ever.
-CONTROL_TIMEOUT_S = 120.0  # status, metrics, the ledger, versions: answered between two steps
-WORK_TIMEOUT_S = 1800.0  # a checkpoint, the weights, a resume: the model's size in bytes moved
-PREPARE_TIMEOUT_S = 4 * 3600.0  # Pre-PPO's selection generates over the prompts before the first step
-
-
-class RoleDied(RuntimeError):
-    """A role's loop ended (its error, with the role named): the run restarts from the checkpoint."""
-
-
-class RoleHung(RoleDied):
-    """A role did not answer a call within its bound: treated as dead."""
-
-
-def answer(ref, role: str, what: str, timeout_s: float | None = None):
-    """`ray.get` of a role's call, bounded: `RoleHung` (naming the role and the call) past
-    `timeout_s` (default `CONTROL_TIMEOUT_S`)."""
-    timeout_s = CONTROL_TIMEOUT_S if timeout_s is None else timeout_s
-    try:
-        return ray.get(ref, timeout=timeout_s)
-    except GetTimeoutError:
-        raise RoleHung(f"{role} did not answer {what} within {timeout_s:g}s (alive but stuck)") from None
 
 
 class System:
@@ -154,18 +129,18 @@ class System:
         most = max(self.pool.target, cl.max_generators)  # room for the largest pool the run may scale to
         prompts_ahead = max(2, 2 * most * math.ceil(cfg.engine.max_inflight_sequences / cfg.algorithm.group_size))
         prompts_open = min(open_prompts_bound(cfg.algorithm.max_staleness_versions, cfg.trainer.prompts_per_step), 4096)
+        held = {"lease_s": cl.lease_s, "placement": here, "capacity_bytes": cl.mailbox_bytes}
         self.mailboxes = {
-            "prompts": RayMailbox.create(PromptRequest, capacity=prompts_ahead + prompts_open, lease_s=cl.lease_s,
-                                         placement=here),
+            "prompts": RayMailbox.create(PromptRequest, capacity=prompts_ahead + prompts_open, **held),
             # Generators -> assembler; several shards when many generators would saturate one actor.
-            "segments": (ShardedMailbox.create(Segment, cl.segment_shards, cl.mailbox_capacity, cl.lease_s,
-                                               key_attr="sample_id", placement=here) if cl.segment_shards > 1 else
-                         RayMailbox.create(Segment, capacity=cl.mailbox_capacity, lease_s=cl.lease_s, placement=here)),
-            "batches": RayMailbox.create(TrainBatch, capacity=2, lease_s=cl.lease_s, placement=here),
+            "segments": (ShardedMailbox.create(Segment, cl.segment_shards, cl.mailbox_capacity, key_attr="sample_id",
+                                               **held) if cl.segment_shards > 1 else
+                         RayMailbox.create(Segment, capacity=cl.mailbox_capacity, **held)),
+            "batches": RayMailbox.create(TrainBatch, capacity=2, **held),
         }
         if value_based:  # assembler -> value learner
             self.mailboxes["trajectories"] = RayMailbox.create(
-                ScoredTrajectory, capacity=max(4 * cfg.critic.batch_trajectories, 64), lease_s=cl.lease_s, placement=here)
+                ScoredTrajectory, capacity=max(4 * cfg.critic.batch_trajectories, 64), **held)
 
     def _roles(self, resume: "ResumePoint | None", learning: bool, value_based: bool, here: dict) -> None:
         cfg, tr, boxes = self.config, self.config.trainer, self.mailboxes

@@ -173,8 +173,29 @@ class PolicyServer:
         ids, start = await asyncio.to_thread(chat_prompt, self, body)
         return await self._respond(Prepared.of(self, body, [ids], chat=True, start=start), request)
 
+    async def _await_version(self, body) -> None:
+        """Hold a request until the weights it asks for are served (`min_weight_version`, or an
+        exact `weight_version` above the one served), up to `serve.version_wait_s`; else 409."""
+        exact, least = body.weight_version, body.min_weight_version
+        wanted = max(v for v in (exact, least, 0) if v is not None)
+        deadline = time.monotonic() + self.config.serve.version_wait_s
+        while self.policy.weight_version < wanted and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        held = self.policy.weight_version
+        if exact is not None and held != exact:
+            raise OpenAIError(409, f"weight_version {exact} is not held: this endpoint serves version {held}"
+                                   + (" (a newer one replaced it)" if held > exact else
+                                      f" (waited {self.config.serve.version_wait_s:g}s, serve.version_wait_s)"),
+                              "weight_version", "weight_version_not_held")
+        if least is not None and held < least:
+            raise OpenAIError(409, f"min_weight_version {least} is not held within {self.config.serve.version_wait_s:g}s "
+                                   f"(serve.version_wait_s): this endpoint serves version {held}",
+                              "min_weight_version", "weight_version_not_held")
+
     async def _respond(self, prepared: Prepared, request: Request | None):
         request_id = f"{'chatcmpl' if prepared.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        if prepared.body.weight_version is not None or prepared.body.min_weight_version is not None:
+            await self._await_version(prepared.body)
         steps = prepared.start(self.policy)  # a request that cannot fit is refused here
         if prepared.body.stream:
             version = self.policy.weight_version
@@ -194,6 +215,11 @@ class PolicyServer:
         if not work.done() or work.cancelled():
             return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
         payload = work.result()
+        exact = prepared.body.weight_version
+        if exact is not None and set(payload.get("weight_versions", [payload["weight_version"]])) != {exact}:
+            raise OpenAIError(409, f"weight_version {exact} was replaced while the answer was generated (its tokens "
+                                   f"came from versions {payload.get('weight_versions')})", "weight_version",
+                              "weight_version_not_held")
         encoded = await asyncio.to_thread(json.dumps, payload)  # megabytes for many choices with log-probs
         return Response(encoded, media_type="application/json", headers={VERSION_HEADER: str(payload["weight_version"])})
 

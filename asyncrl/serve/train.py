@@ -34,8 +34,9 @@ from ray import serve
 
 from asyncrl.config import Config
 from asyncrl.run import RestartBudgetSpent, Run
+from asyncrl.run.loggers import open_loggers
 from asyncrl.run.records import REWARD_KEY
-from asyncrl.run.wiring import CONTROL_TIMEOUT_S, WORK_TIMEOUT_S, RoleHung
+from asyncrl.run.deadlines import CONTROL_TIMEOUT_S, WORK_TIMEOUT_S, RoleHung
 from asyncrl.serve.guards import FiniteJSONResponse, admin_guard, config_from_args
 
 INITIAL_DATA_MARKER = '<script id="initial-data" type="application/json">null</script>'
@@ -113,9 +114,12 @@ class TrainController:
         guards.ADMIN_TOKEN["value"] = config.serve.admin_token or os.environ.get("ASYNCRL_ADMIN_TOKEN", "")
         self.run_dir, self.config = serve_run(config, serve.get_replica_context().app_name)
         os.makedirs(self.run_dir, exist_ok=True)
-        # The same run as `asyncrl train` (restarted from a checkpoint when a part of it fails). A
-        # service runs until stopped: no stall deadline.
-        self.run = Run(self.config, self.run_dir, stall_timeout_s=float("inf"), history_limit=5000).start()
+        # The same run as `asyncrl train` (restarted from a checkpoint when a part of it fails), its
+        # step records logged from this process as the driver logs them (wandb, TensorBoard: the
+        # run's own, which a replacing controller opens again). A service runs until stopped: no stall deadline.
+        self.loggers = open_loggers(self.config, self.run_dir)
+        self.run = Run(self.config, self.run_dir, stall_timeout_s=float("inf"), history_limit=5000,
+                       loggers=self.loggers).start()
         # The line `serve run` shows when the service is up (Serve logs the replica's logger).
         logging.getLogger("ray.serve").info(
             "asyncrl: training runs (run directory %s%s); status at /train/status and /train/, the policy at /v1",
@@ -311,6 +315,7 @@ class TrainController:
 
     def __del__(self):
         self._task.cancel()
+        self.loggers.finish()  # first: stopping the actors can outlast Serve's graceful shutdown
         self.run.stop()
 
 

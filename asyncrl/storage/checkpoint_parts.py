@@ -182,22 +182,74 @@ def policy_dir(path: str) -> str:
     raise FileNotFoundError(f"{path} is neither a run directory, a checkpoint, nor a Hugging Face directory")
 
 
-def export_hf(path: str, out_dir: str, trust_remote_code: bool = False) -> str:
-    """Copy the policy of a run or checkpoint (verified first) to a Hugging Face directory. A
-    checkpoint written before tied weights were stored once is re-saved through transformers, so
-    the export stores them once. `trust_remote_code`: the user's word, never the checkpoint's."""
+EXPORT_DTYPES = ("bfloat16", "float16", "float32")
+_SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+
+
+def export_hf(path: str, out_dir: str, trust_remote_code: bool = False, dtype: str = "") -> str:
+    """Copy the policy of a run or checkpoint (verified first) to a Hugging Face directory, its
+    weights in `dtype` (default `source_dtype`: a checkpoint holds the learner's fp32 master
+    weights, served in the dtype the model came in), with the tokenizer, chat template and
+    generation config the checkpoint holds. Weights of another dtype, or a checkpoint written
+    before tied weights were stored once, are re-saved through transformers (a tie stored once).
+    `trust_remote_code`: the user's word, never the checkpoint's."""
     source = policy_dir(path)
-    if _stores_a_tie_twice(source, trust_remote_code):
+    dtype = dtype or source_dtype(path)
+    if stored_dtypes(source) != {dtype} or _stores_a_tie_twice(source, trust_remote_code):
         from transformers import AutoModelForCausalLM
 
         shutil.copytree(source, out_dir, dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
-        AutoModelForCausalLM.from_pretrained(source, dtype="auto", trust_remote_code=trust_remote_code).save_pretrained(
-            out_dir, safe_serialization=True)
+        with _no_progress_bars():
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype),
+                                                         trust_remote_code=trust_remote_code)
+            model.save_pretrained(out_dir, safe_serialization=True)
     else:
         shutil.copytree(source, out_dir, dirs_exist_ok=True)
     _default_modes(out_dir)  # checkpoints written before the modes were set
     return out_dir
+
+
+def saved_dtype(directory: str) -> str | None:
+    """The dtype a Hugging Face directory's config.json names (`dtype`; `torch_dtype` before
+    transformers 5) when it is one of `EXPORT_DTYPES`; None when it names none."""
+    try:
+        with open(os.path.join(directory, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    named = config.get("dtype") or config.get("torch_dtype") if isinstance(config, dict) else None
+    return named if named in EXPORT_DTYPES else None
+
+
+def source_dtype(path: str) -> str:
+    """The dtype `asyncrl export` writes unless told: that of the model directory the run trained
+    from (`model.path` with `model.source=hf` in the run's config.json), or of a Hugging Face
+    directory given as is; float32 otherwise (the tiny model, the embedded model's cached fp32
+    directory, a model directory that is gone or names no dtype)."""
+    path = os.path.abspath(path)
+    is_checkpoint = os.path.exists(os.path.join(path, MANIFEST))  # run/checkpoints/step_k: the run's is two up
+    for candidate in [path] + ([os.path.dirname(os.path.dirname(path))] if is_checkpoint else []):
+        try:
+            saved = load_json(os.path.join(candidate, "config.json"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(saved, dict) and "trainer" in saved and "model" in saved:  # a run's, not a model's
+            model = saved["model"] if isinstance(saved["model"], dict) else {}
+            found = saved_dtype(model.get("path", "")) if model.get("source") == "hf" else None
+            return found or "float32"
+    return saved_dtype(path) or "float32"
+
+
+def stored_dtypes(directory: str) -> set[str]:
+    """The dtypes of the floating-point weights in a directory's safetensors files (by their headers)."""
+    from safetensors import safe_open
+
+    found = set()
+    for shard in glob.glob(os.path.join(directory, "*.safetensors")):
+        with safe_open(shard, "pt") as f:
+            found.update(f.get_slice(name).get_dtype() for name in f.keys())
+    return {_SAFETENSORS_DTYPES[d] for d in found if d in _SAFETENSORS_DTYPES}
 
 
 def _stores_a_tie_twice(directory: str, trust_remote_code: bool) -> bool:

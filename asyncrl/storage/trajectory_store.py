@@ -27,7 +27,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from asyncrl.messages.routes import routes_as_lists, routes_from_lists
 from asyncrl.messages.structs import Codec, Reward, Segment, TrainBatch, ground_truth_text
+from asyncrl.redaction import masked
 
 STORE_DIRNAME = "trajectories"
 INPROGRESS = ".inprogress"
@@ -73,6 +75,10 @@ class TrajectoryRecord(msgspec.Struct, kw_only=True, frozen=True):
     # Per response token: 1 where it is an environment's observation (an episode); None: none is.
     token_observation: list[int] | None = None
     reward_error: str = ""  # why the reward failed (reward_failed): the endpoint's reason
+    # A mixture-of-experts model's routes (routing replay): per response token, the experts of its
+    # position, `sparse_layers x route_top_k` ids layer by layer (-1: not recorded); None: none.
+    token_routes: list[list[int]] | None = None
+    route_top_k: int = 0
 
 
 TRAJECTORY_SCHEMA = pa.schema([
@@ -88,7 +94,7 @@ TRAJECTORY_SCHEMA = pa.schema([
     ("suspicious", pa.list_(pa.string())), ("values", pa.list_(pa.float32())), ("status", pa.string()),
     ("drop_reason", pa.string()), ("policy_version", pa.int64()), ("recorded_at", pa.float64()),
     ("token_scored", pa.list_(pa.uint8())), ("token_observation", pa.list_(pa.uint8())),
-    ("reward_error", pa.string()),
+    ("reward_error", pa.string()), ("token_routes", pa.list_(pa.list_(pa.int16()))), ("route_top_k", pa.int16()),
 ])
 
 BATCH_SCHEMA = pa.schema([
@@ -123,6 +129,7 @@ def record_of(merged: Segment, window_ends: list[int], reward: Reward | None, pr
               status: str, drop_reason: str = "", values: np.ndarray | None = None,
               policy_version: int = 0) -> TrajectoryRecord:
     """The record of a finished sample (all windows merged) and its reward."""
+    routes, top_k = routes_as_lists(merged.new_routes)
     return TrajectoryRecord(
         sample_id=merged.sample_id, prompt_id=merged.prompt_id, sample_idx=merged.sample_idx,
         group_id=merged.group_id, group_size=merged.group_size, data_source=merged.data_source,
@@ -135,14 +142,15 @@ def record_of(merged: Segment, window_ends: list[int], reward: Reward | None, pr
         correct=None if reward is None else reward.correct,
         reward_source=reward.source if reward is not None else "",
         reward_version=reward.source_version if reward is not None else "",
-        reward_error=str(reward.details.get("error", ""))[:500] if reward is not None and reward.failed else "",
+        reward_error=masked(reward.details.get("error", ""))[:500] if reward is not None and reward.failed else "",
         reward_failed=bool(reward is not None and reward.failed),
         token_rewards=None if reward is None or reward.token_rewards is None else reward.token_rewards.tolist(),
         suspicious=list(reward.suspicious) if reward is not None else [],
         values=None if values is None else np.asarray(values, dtype=np.float32).tolist(),
         status=status, drop_reason=drop_reason, policy_version=policy_version, recorded_at=time.time(),
         token_scored=None if merged.new_scored is None else merged.new_scored.tolist(),
-        token_observation=None if merged.new_observation is None else merged.new_observation.tolist())
+        token_observation=None if merged.new_observation is None else merged.new_observation.tolist(),
+        token_routes=routes, route_top_k=top_k)
 
 
 def segments_of(record: TrajectoryRecord) -> list[Segment]:
@@ -154,6 +162,7 @@ def segments_of(record: TrajectoryRecord) -> list[Segment]:
     versions = np.asarray(record.token_versions, dtype=np.int32)
     scored = None if record.token_scored is None else np.asarray(record.token_scored, dtype=np.uint8)
     observed = None if record.token_observation is None else np.asarray(record.token_observation, dtype=np.uint8)
+    routes = routes_from_lists(record.token_routes, record.route_top_k)
     ends = list(record.window_ends) or [len(ids)]
     out, start = [], 0
     for window, end in enumerate(ends):
@@ -166,6 +175,7 @@ def segments_of(record: TrajectoryRecord) -> list[Segment]:
             new_scored=None if scored is None else scored[start:end],
             new_observation=None if observed is None else observed[start:end],
             prior_observation=None if observed is None else observed[:start], finished=last,
+            new_routes=None if routes is None else routes[start:end],
             finish_reason=FinishReason(record.finish_reason) if last else
             FinishReason.TOOL_CALL if observed is not None and observed[start:end].any() else FinishReason.WINDOW,
             data_source=record.data_source, ground_truth=record.ground_truth, seed=record.seed,

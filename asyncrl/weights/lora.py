@@ -248,16 +248,22 @@ def merged_model(directory: str, trust_remote_code: bool = False):
     return lm, tokenizer
 
 
-def export(policy_dir: str, out_dir: str, adapter_only: bool, trust_remote_code: bool = False) -> str:
-    """`asyncrl export` of a LoRA checkpoint's policy: the merged model as a Hugging Face directory,
-    or (`adapter_only`) the adapter in peft's format with the tokenizer and the base's settings.
-    `trust_remote_code`: as `merged_model`."""
+def export(policy_dir: str, out_dir: str, adapter_only: bool, trust_remote_code: bool = False, dtype: str = "") -> str:
+    """`asyncrl export` of a LoRA checkpoint's policy: the merged model as a Hugging Face directory
+    in `dtype` (default: the base model directory's, as its config.json names it; else float32;
+    merged in the base's loaded dtype, then cast), or (`adapter_only`) the adapter in peft's format
+    with the tokenizer and the base's settings. `trust_remote_code`: as `merged_model`."""
     import shutil
+
+    from asyncrl.storage.checkpoint_parts import saved_dtype
 
     if adapter_only:
         shutil.copytree(policy_dir, out_dir, dirs_exist_ok=True)
         return out_dir
+    base = saved_model_config(policy_dir)
+    dtype = dtype or (base.source == "hf" and saved_dtype(base.path)) or "float32"
     lm, tokenizer = merged_model(policy_dir, trust_remote_code)
+    lm.to(getattr(torch, dtype))
     lm.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     return out_dir
