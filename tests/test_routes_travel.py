@@ -152,3 +152,51 @@ def test_a_generators_sample_keeps_each_tokens_route_across_a_weight_update():
         assert np.array_equal(merged.new_routes[:4], under_old[:4])
         assert np.array_equal(merged.new_routes[4:], under_new[4:])
         assert not np.array_equal(under_old[4:], under_new[4:])  # the versions route differently
+
+
+def test_t_ppo_window_rows_carry_their_contexts_routes_through_the_assembler():
+    """The real assembler with windows trained as they stream (T-PPO): the second window's row
+    holds the first window's routes as its context's, the value learner is asked with each row's
+    routes, and the critic's trajectory and the whole-response row carry the sample's."""
+    from actors.assembler import Assembler
+    from asyncrl.assembly.values import ValueEdges, ValueStrategy
+    from asyncrl.config import GAEAdvantage, OverlongShaping
+    from asyncrl.messages.structs import Reward
+
+    first, second = routes_of(2, 6), routes_of(2, 7)
+    windows = [window(0, 2, [], first), window(1, 2, [0, 1], second, finished=True)]
+    asked = []
+
+    async def values(rows):
+        asked.extend(rows)
+        return [np.zeros(len(row[1]) + 1, dtype=np.float32) for row in rows], 1
+
+    async def ready():
+        return True
+
+    async def score(requests):
+        return [Reward(prompt_id=r.prompt_id, sample_idx=r.sample_idx, score=1.0, correct=True, source="t")
+                for r in requests]
+
+    async def main():
+        segments, batches, trajectories = InProcessMailbox(100), InProcessMailbox(100), InProcessMailbox(100)
+        strategy = ValueStrategy(edges=ValueEdges(values=values, ready=ready, reference_logprobs=None),
+                                 gae=GAEAdvantage(gamma=1.0, lam=1.0, window_training=True), window_tokens=2,
+                                 rows_per_batch=1, nll_whole_response=True)
+        assembler = Assembler(segments, batches, score, str, strategy, OverlongShaping(), 4,
+                              trajectories=trajectories)
+        for seg in windows:
+            await segments.put([seg])
+            for _ in range(3):
+                await assembler.step(timeout=0.01)
+                await asyncio.sleep(0.01)
+        return await batches.get(100, timeout=0.05), await trajectories.get(100, timeout=0.05)
+
+    batches, trajectories = asyncio.run(main())
+    whole = np.concatenate([first, second])
+    assert [len(row) for row in asked] == [3, 3]
+    assert np.array_equal(asked[0][2], first) and np.array_equal(asked[1][2], whole)
+    rows = [row for batch in batches for row in batch.rows]
+    assert rows[0].segment.prior_routes is None and np.array_equal(rows[0].segment.new_routes, first)
+    assert np.array_equal(response_routes(rows[1].segment), whole)  # the whole response, for the NLL
+    assert np.array_equal(trajectories[0].segment.new_routes, whole)

@@ -24,7 +24,7 @@ from asyncrl.learning.scoring import PolicyForward, token_logprobs
 from asyncrl.learning.tensors import adamw, collate
 from asyncrl.messages.structs import FinishReason, Segment, TrainingRow, int32_array
 from engine_checks import NO_EOS, PROMPTS, seq
-from test_engine_moe import QWEN_MOE, at_trained_scale, moe_model, prefill
+from test_engine_moe import MODELS, QWEN_MOE, RENORMALISES, at_trained_scale, moe_model, prefill
 
 PARAMS = SamplingParams(temperature=1.0)
 
@@ -95,16 +95,18 @@ def generate(model, prompts: list[list[int]], tokens: int):
                          routes=np.concatenate([a.routes, b.routes])) for a, b in zip(first, second)]
 
 
-def test_replayed_routes_give_the_engines_logprobs_and_forcing_others_changes_them():
-    """(a) fp32 Qwen3-MoE: the learner's log-probs with the rollout's routes replayed are the
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_replayed_routes_give_the_engines_logprobs_and_forcing_others_changes_them(name):
+    """(a) fp32, each family: the learner's log-probs with the rollout's routes replayed are the
     engine's behaviour log-probs (1e-5); routes other than the router's change them, and are then
     exactly what the engine's own decoder computes with those routes forced, gating weights
-    recomputed from the router's logits at the forced ids (renormalised: `norm_topk_prob`), with a
-    gradient into every router."""
-    model = moe_model("qwen3_moe")
+    recomputed from the router's logits at the forced ids (renormalised where the family does),
+    with a gradient into every router."""
+    model = moe_model(name)
+    sparse = [layer for layer in model.model.layers if moe.is_sparse(layer)]
     prompts = [PROMPTS[i] for i in (0, 2, 4)]
     outs = generate(model, prompts, 8)
-    assert all(o.routes.dtype == np.uint8 and o.routes.shape == (8, 2, 2) for o in outs)
+    assert all(o.routes.dtype == np.uint8 and o.routes.shape == (8, len(sparse), 2) for o in outs)
     collated = collate(rows_of(prompts, outs))
     assert max_gap(learner_logprobs(model, collated, replay=True), collated) < 1e-5
 
@@ -118,7 +120,8 @@ def test_replayed_routes_give_the_engines_logprobs_and_forcing_others_changes_th
         at = known[..., layer].reshape(-1)
         assert torch.equal(ids[at], moved[..., layer, :].reshape(-1, 2)[at].long())
         probs = logits.float().softmax(-1).gather(-1, ids)
-        torch.testing.assert_close(weights, probs / probs.sum(-1, keepdim=True), atol=1e-7, rtol=0)
+        expected = probs / probs.sum(-1, keepdim=True) if RENORMALISES[name] else probs
+        torch.testing.assert_close(weights, expected, atol=1e-7, rtol=0)
     # The engine's decoder with the same routes forced (prompt positions: the router's own).
     decoder = llama_decoder.LlamaDecoder(model)
     for row, (prompt, out) in enumerate(zip(prompts, outs)):
@@ -133,7 +136,7 @@ def test_replayed_routes_give_the_engines_logprobs_and_forcing_others_changes_th
             expected = torch.log_softmax(logits[0] / PARAMS.temperature, -1)[out.token_ids[t]]
             assert abs(float(forced[row, start + t]) - float(expected)) < 1e-5, (row, t)
 
-    gates = [layer.mlp.gate.weight for layer in model.model.layers]
+    gates = [layer.mlp.gate.weight for layer in sparse]
     model.zero_grad()
     with replayed_routes(model, moved, replay=True):
         logp, _ = token_logprobs(PolicyForward(model), collated.input_ids, collated.attention_mask, collated.targets,
@@ -297,8 +300,9 @@ def test_replay_is_on_for_moe_models_and_refused_explicitly_on_dense_ones(tmp_pa
     assert compose([*base, f"model.path={moe_dir}"]).model.router_replay == "auto"
     assert compose([*base, f"model.path={moe_dir}", "actor_rollout_ref.actor.router_replay.mode=R3"]
                    ).model.router_replay == "rollout"
-    with pytest.raises(ConfigError, match=rf"^model.router_replay=rollout replays a mixture-of-experts model's routes, "
-                                          rf"but model.path={dense_dir} is a dense qwen3 model: set model.router_replay=auto or off$"):
+    with pytest.raises(ConfigError, match=rf"^model.router_replay=rollout replays a mixture-of-experts model's "
+                                          rf"routes, but model.path={dense_dir} is a dense qwen3 model: set "
+                                          rf"model.router_replay=auto or off$"):
         compose([*base, f"model.path={dense_dir}", "model.router_replay=rollout"])
     with pytest.raises(ConfigError, match="dense llama model"):
         compose(["model=tiny", "model.router_replay=rollout"])

@@ -23,10 +23,12 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 import torch
 
 from asyncrl.engines import moe
+from asyncrl.messages.routes import routed_tokens
 from asyncrl.messages.structs import TrainingRow, response_routes
 
 
@@ -40,8 +42,6 @@ class RouteShape:
 
     def refusal(self, routes: np.ndarray) -> str | None:
         """Why `routes` (`[tokens, layers, top_k]`) are not this model's (one phrase), or None."""
-        from asyncrl.messages.routes import routed_tokens
-
         if routes.shape[1:] != (self.layers, self.top_k):
             return (f"routes of {routes.shape[1]} sparse layers x top-{routes.shape[2]}, but the model has "
                     f"{self.layers} x top-{self.top_k}")
@@ -51,9 +51,14 @@ class RouteShape:
         return None
 
 
+# transformers' routers whose forward is `gate(hidden) -> (router_logits, weights, ids)`, a softmax
+# top-k: the families routing replay knows (those of `asyncrl.engines.moe`).
+ROUTERS = ("MixtralTopKRouter", "Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter")
+
+
 def sparse_blocks(model) -> list[torch.nn.Module]:
-    """transformers' sparse MoE blocks of `model` (a router `gate` and `experts`), in layer order."""
-    return [m for m in model.modules() if hasattr(m, "gate") and hasattr(m, "experts")]
+    """transformers' sparse MoE blocks of `model` (a router of `ROUTERS` and experts), in layer order."""
+    return [m for m in model.modules() if type(getattr(m, "gate", None)).__name__ in ROUTERS and hasattr(m, "experts")]
 
 
 def route_shape(model) -> RouteShape | None:
@@ -74,16 +79,16 @@ def replay_on(setting: str, model) -> bool:
     sparse = route_shape(model) is not None
     if setting == "rollout" and not sparse:
         family = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+        kind = (f"a {family} model whose routers it does not know (Mixtral, Qwen2-MoE, Qwen3-MoE)"
+                if any(hasattr(m, "experts") for m in model.modules()) else f"a dense {family} model")
         raise ConfigError(f"model.router_replay=rollout replays a mixture-of-experts model's routes, but the model is "
-                          f"a dense {family} model: set model.router_replay=auto or off")
+                          f"{kind}: set model.router_replay=auto or off")
     return setting != "off" and sparse
 
 
 def refuse_misfit_routes(rows: list[TrainingRow], shape: RouteShape | None) -> tuple[list[TrainingRow], list[str]]:
     """Rows whose routes are not the model's (another model's record) train nothing: their loss
     mask is zeroed and their routes dropped, never replayed. The rows, and why each was refused."""
-    import msgspec
-
     out, reasons = [], []
     for row in rows:
         routes = response_routes(row.segment)

@@ -171,8 +171,8 @@ class Segment(msgspec.Struct, kw_only=True, frozen=True):
             check_routes("new_routes", self.new_routes, n)
         if self.prior_routes is not None:
             check_routes("prior_routes", self.prior_routes, len(self.prior_response_ids))
-            new = self.new_routes
-            if new is not None and (new.shape[1:] != self.prior_routes.shape[1:] or new.dtype != self.prior_routes.dtype):
+            new, prior = self.new_routes, self.prior_routes
+            if new is not None and (new.shape[1:] != prior.shape[1:] or new.dtype != prior.dtype):
                 raise ValueError("fields `prior_routes` and `new_routes` differ in shape or dtype (one model's routes)")
         if self.finished == self.finish_reason.continues:
             raise ValueError(
