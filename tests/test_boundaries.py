@@ -180,7 +180,8 @@ def test_eval_against_an_endpoint_sends_no_key_it_was_not_given(monkeypatch):
 
 
 def test_tokens_stay_out_of_config_json_and_the_wandb_config(tmp_path, monkeypatch):
-    from asyncrl.driver import _init_wandb, write_config
+    from asyncrl.driver import write_config
+    from asyncrl.run.loggers import open_loggers
 
     config = compose(["model=tiny", "task=tiny", "serve.admin_token=adm-secret-1", "serve.reward_token=rwd-secret-2",
                       "trainer.wandb_mode=offline"])
@@ -188,7 +189,6 @@ def test_tokens_stay_out_of_config_json_and_the_wandb_config(tmp_path, monkeypat
     assert "adm-secret-1" not in written and "rwd-secret-2" not in written
     assert json.loads(written)["serve"]["admin_token"] == "<redacted>"
     monkeypatch.setenv("WANDB_MODE", "offline")
-    run = _init_wandb(config, str(tmp_path))
-    run.finish()
+    open_loggers(config, str(tmp_path)).finish()
     files = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "wandb") for f in fs]
     assert files and not any(b"secret" in open(f, "rb").read() for f in files)

@@ -287,15 +287,21 @@ class AsyncMailboxBase(Generic[T]):
     async def _put_items(self, items: Sequence[tuple[str, T]], timeout: float | None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
         accepted = 0
+        placed = False  # since this put last told the others
         async with self._changed:
             for mid, item in items:
                 while True:
                     result = self._core.offer(mid, item)
                     if result is not None:
                         accepted += int(result)
+                        placed = True
                         break
-                    # Full: the items placed so far are visible to the waiting getters first.
-                    self._changed.notify_all()
+                    # Full: the items placed so far are visible to the waiting getters first. Only
+                    # news is told: putters woken by a putter that placed nothing told each other
+                    # again, a loop between two waiting producers.
+                    if placed:
+                        self._changed.notify_all()
+                        placed = False
                     await self._wait(deadline, what="put")
             self._changed.notify_all()
         return accepted
