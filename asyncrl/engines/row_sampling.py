@@ -92,13 +92,24 @@ class RowSampling:
 
     def plain_rows(self, positions: torch.Tensor) -> torch.Tensor | bool:
         """Rows drawn by temperature alone at this step (`sample_from_logits`): no top-k, top-p,
-        min-p or greedy, and no FIRE token at this position."""
-        plain = (torch.as_tensor(self.top_k).eq(0) & torch.as_tensor(self.top_p).ge(1.0)
-                 & torch.as_tensor(self.min_p).eq(0) & ~torch.as_tensor(self.greedy))
+        min-p or greedy, and no FIRE token at this position. A bool when every row agrees (a
+        generator's window, every decode step: no tensor work), else one per row."""
+        settings = (self.top_k, self.top_p, self.min_p, self.greedy)
+        if any(isinstance(v, torch.Tensor) for v in settings):
+            plain = (torch.as_tensor(self.top_k).eq(0) & torch.as_tensor(self.top_p).ge(1.0)
+                     & torch.as_tensor(self.min_p).eq(0) & ~torch.as_tensor(self.greedy)).to(positions.device)
+        else:
+            plain = self.top_k == 0 and self.top_p >= 1.0 and self.min_p == 0 and not self.greedy
         fire = self.fire
-        if isinstance(fire, torch.Tensor) or fire:
-            plain = plain & ~((positions == 0) & torch.as_tensor(fire, device=positions.device))
-        return plain.to(positions.device) if plain.dim() else bool(plain)
+        if plain is not False and (isinstance(fire, torch.Tensor) or fire):
+            first = positions == 0
+            if isinstance(fire, torch.Tensor):
+                first = first & fire.to(positions.device)
+            if bool(first.any()):
+                plain = ~first if plain is True else plain & ~first
+        if isinstance(plain, torch.Tensor) and bool(plain.all()) != bool(plain.any()):
+            return plain  # mixed: each part over its own rows
+        return bool(plain.all()) if isinstance(plain, torch.Tensor) else plain
 
 
 def _bias(each: list[SamplingParams], vocab: int, device) -> torch.Tensor | None:
