@@ -36,6 +36,7 @@ from asyncrl.algo.shaping import shaped_score
 from asyncrl.assembly.copies import SampleCopies
 from asyncrl.assembly.decisions import AssemblyStrategy, Decision, ReadyBatch, Scored
 from asyncrl.assembly.prompt_rows import PromptRows, scoring_with_rows
+from asyncrl.assembly.reward_tally import RewardTally
 from asyncrl.assembly.rows import merge_segments
 from asyncrl.assembly.strategies import build_strategy
 from asyncrl.assembly.values import ValueEdges
@@ -46,10 +47,9 @@ from asyncrl.messages.mailbox import Mailbox
 from asyncrl.messages.structs import (DropReason, Reward, RewardRequest, SampleState, Segment, TrainBatch, final_turn_start,
                                       sample_id)
 from asyncrl.models.loading import load_tokenizer
-from asyncrl.redaction import masked
 from asyncrl.rewards.hybrid import RewardRouter, build_reward_router
 from asyncrl.staleness import has_trained_tokens, mask_stale_tokens
-from asyncrl.storage.trajectory_store import TrajectoryRecord, record_of
+from asyncrl.storage.trajectory_store import PendingRecord, TrajectoryRecord, record_of
 
 ScoreFn = Callable[[list[RewardRequest]], Awaitable[list[Reward]]]
 # The prompt source, told once per step: ledger events (sample ids, new state, reason of a drop) and
@@ -61,18 +61,6 @@ StoreTrajectoriesFn = Callable[[list[TrajectoryRecord]], Any]
 # A sample's fate here, as the store names it.
 RECORD_STATUS = {SampleState.AWAITING_TRAINING: "kept", SampleState.DROPPED: "dropped",
                  SampleState.RECORDED: "recorded"}
-
-
-class _Unrecorded:
-    """What a finished sample's record needs, gathered until its fate is known."""
-
-    __slots__ = ("merged", "window_ends", "prompt_text", "response_text", "reward", "values")
-
-    def __init__(self, merged: Segment, window_ends: list[int], prompt_text: str, response_text: str):
-        self.merged, self.window_ends = merged, window_ends
-        self.prompt_text, self.response_text = prompt_text, response_text
-        self.reward: Reward | None = None
-        self.values: np.ndarray | None = None
 
 
 class Assembler:
@@ -91,7 +79,7 @@ class Assembler:
         self._events: list[tuple[list[str], SampleState, DropReason | None]] = []
         self._outcomes: list[tuple[str, int, bool | None, float, bool]] = []
         self.store_trajectories = store_trajectories  # the trajectory store (None: not storing)
-        self._unrecorded: dict[str, _Unrecorded] = {}
+        self._unrecorded: dict[str, PendingRecord] = {}
         self._records: list[TrajectoryRecord] = []
         self.batch_prefix = batch_prefix  # unique per incarnation of a resumed run
         self.max_pending_tasks = max_pending_tasks
@@ -105,17 +93,7 @@ class Assembler:
         self._running = False
         self._failure: BaseException | None = None
         self.counters = collections.Counter()
-        self.rewards_sum = 0.0
-        self.last_reward_failure = ""
-        # Reward over every sample scored since the last batch, dropped groups included: the policy's
-        # reward. The batch's own mean is biased by dynamic sampling (kept groups are mixed).
-        self._since_batch = [0.0, 0, 0, 0]  # score sum, correct count, samples, suspicious
-        self._last_generated = {"reward_mean_generated": 0.0, "accuracy_generated": 0.0,
-                                "reward_suspicious_share_generated": 0.0}
-        # The other numbers a reward function returns beside its score, per data source (as verl
-        # logs them): (source, name) -> [sum, count] since the last batch.
-        self._extra_since_batch: dict[tuple[str, str], list[float]] = collections.defaultdict(lambda: [0.0, 0])
-        self._last_extra: dict[str, float] = {}
+        self.rewards = RewardTally()  # what the rewards say, overall and since the last batch
 
     def set_versions(self, weight_version: int, delivered_version: int) -> None:
         """The learner's versions (the one conduit); the staleness mask reads one of them."""
@@ -209,50 +187,21 @@ class Assembler:
             stats.update(finished_stats, staleness_max_assembled=stale["staleness_max"],
                          stale_tokens_masked_assembled=stale["stale_tokens_masked"])
         out = TrainBatch(batch_id=f"{self.batch_prefix}-{self._batch_index}", rows=rows,
-                         stats={**stats, **self._generated_stats(), "assembled_at": time.time()},
+                         stats={**stats, **self.rewards.generated_stats(), "assembled_at": time.time()},
                          skip_reason=batch.skip_reason)
         self._batch_index += 1
-        self._since_batch = [0.0, 0, 0, 0]
-        self._extra_since_batch.clear()
+        self.rewards.batch_sent()
         await self.batches.put([out])
         self.counters["batches"] += 1
         self.counters["samples_emitted"] += sum(r.segment.finished for r in rows)
         self.counters["rows_emitted"] += len(rows)
-
-    def _generated_stats(self) -> dict[str, float]:
-        """Reward and accuracy of every sample scored since the previous batch; when none was (two
-        batches emitted back to back), the previous figures stand rather than a false 0."""
-        total, correct, n, suspicious = self._since_batch
-        if n:
-            # The share of rewards that came with a sign of reward hacking: a user sees it begin.
-            self._last_generated = {"reward_mean_generated": total / n, "accuracy_generated": correct / n,
-                                    "reward_suspicious_share_generated": suspicious / n}
-            self._last_extra = {f"reward_extra/{source}/{name}": s / k
-                                for (source, name), (s, k) in self._extra_since_batch.items()}
-        return {**self._last_generated, **self._last_extra}
 
     def _note_scored(self, reward: Reward, data_source: str = "") -> None:
         self._outcomes.append((reward.prompt_id, reward.sample_idx, reward.correct, reward.score, reward.failed))
         if self.store_trajectories is not None and (
                 pending := self._unrecorded.get(sample_id(reward.prompt_id, reward.sample_idx))):
             pending.reward = reward
-        self.counters["samples_scored"] += 1
-        self.counters["reward_failures"] += int(reward.failed)
-        if reward.failed:  # the counter says how many, this says why
-            self.last_reward_failure = masked(reward.details.get("error", ""))[:300]
-        self.counters[f"rewards_by_version.{reward.source_version or reward.source}"] += 1
-        for conduct in reward.suspicious:  # reward hacking, by kind
-            self.counters[f"suspicious.{conduct}"] += 1
-        self.counters["rewards_suspicious"] += int(bool(reward.suspicious))
-        for name, value in (reward.details.get("extra") or {}).items():
-            cell = self._extra_since_batch[data_source, name]
-            cell[0] += value
-            cell[1] += 1
-        self.rewards_sum += reward.score
-        self._since_batch[0] += reward.score
-        self._since_batch[1] += int(bool(reward.correct))
-        self._since_batch[2] += 1
-        self._since_batch[3] += int(bool(reward.suspicious))
+        self.rewards.add(reward, data_source)
 
     def flush_events(self) -> None:
         """Send the ledger events and outcomes gathered since the last call, in one call."""
@@ -303,7 +252,7 @@ class Assembler:
             ends = np.cumsum([len(p.new_token_ids) for p in parts]).tolist()
             transcript = (self.decode(merged.new_token_ids.tolist()) if merged.new_observation is not None
                           else request.response_text)  # an episode's: every turn and observation
-            self._unrecorded[merged.sample_id] = _Unrecorded(merged, ends, request.prompt_text, transcript)
+            self._unrecorded[merged.sample_id] = PendingRecord(merged, ends, request.prompt_text, transcript)
 
     def retire_generator(self, generator_id: str) -> int:
         """A generator left the pool. Nothing of it is dropped: what it finished counts (its segments
@@ -356,16 +305,14 @@ class Assembler:
         self._running = False
 
     def stats(self) -> dict:
-        scored = self.counters["samples_scored"]
         return {
             **self.counters,
             **self._copies.counters,
-            "reward_mean_all": self.rewards_sum / scored if scored else 0.0,
+            **self.rewards.stats(),
             "weight_version": self.weight_version,
             "partial_samples": len(self._copies),
             "scoring_tasks": len(self._tasks),
             "unrecorded_samples": len(self._unrecorded),
-            "last_reward_failure": self.last_reward_failure,
             **self.strategy.stats(),
         }
 
@@ -408,8 +355,7 @@ class AssemblerActor(RoleShell):
         if value_learner is not None:  # (a Ray call's reference is awaitable: the edges are the calls)
             edges = ValueEdges(values=value_learner.values.remote, ready=value_learner.ready.remote,
                                reference_logprobs=value_learner.reference_logprobs.remote)
-        # Nobody waits (but for the last call at stop): the recorder writes at its own pace.
-        def store_trajectories(records):
+        def store_trajectories(records):  # nobody waits (but at stop): the recorder writes at its own pace
             return recorder.add_trajectories.remote(RECORDS_ENCODER.encode(records))
 
         self.prompt_rows = PromptRows(ledger.rows.remote)
@@ -441,5 +387,6 @@ class AssemblerActor(RoleShell):
 
     def reward_health(self) -> dict:
         """Small, read at every poll: samples scored, rewards failed, each endpoint's first failure."""
-        return {"samples_scored": self.inner.counters["samples_scored"],
-                "reward_failures": self.inner.counters["reward_failures"], "endpoints": self.router.failures()}
+        tally = self.inner.rewards.counters
+        return {"samples_scored": tally["samples_scored"], "reward_failures": tally["reward_failures"],
+                "endpoints": self.router.failures()}

@@ -10,19 +10,12 @@ pile up only the newest is sent. Its listeners (the assembler, the prompt source
 versions through one conduit, `set_versions(weight_version, delivered_version)`: the version
 trained, and the version every generator holds.
 
-It also coordinates checkpoints (every `checkpoint_every` steps or `checkpoint_every_s` seconds,
-between two steps): the batches not yet trained are taken from its mailbox first, then the other
-parts (the prompt source's cursor and ledger, the value learner) are written, then its own state,
-and the directory is committed atomically. Taking the batches before the ledger is what keeps
-resume exact: a sample is either in a saved batch, or open in the ledger and regenerated, or
-already ended. The run directory's node begins and commits every checkpoint
-(`asyncrl.storage.checkpoint_transfer`): a learner on a node without that disk ships its part there.
+It also coordinates checkpoints, between two steps (`asyncrl.storage.policy_checkpoints`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -30,16 +23,16 @@ from typing import Any, Awaitable, Callable
 
 import msgspec
 import torch
-from ray.exceptions import RayTaskError
 
 from actors.base import RoleShell, TrainingLoop
 from asyncrl.config import NO_BOUND, AlgorithmConfig, EngineConfig, ModelConfig, PolicyConfig, SamplingConfig
 from asyncrl.learning.rank import PolicyRank, build_policy_rank, learner_backend
+from asyncrl.learning.routing import misfit_reason, route_shape
 from asyncrl.messages.mailbox import Mailbox, RecentIds
-from asyncrl.messages.structs import SampleState, TrainBatch
+from asyncrl.messages.structs import DropReason, SampleState, TrainBatch
 from asyncrl.staleness import mask_stale_tokens, mean_staleness, trained_versions
-from asyncrl.storage import checkpoint, checkpoint_parts
-from asyncrl.storage.checkpoint_transfer import WriterClient, local_copy, write_part
+from asyncrl.storage.checkpoint_transfer import WriterClient
+from asyncrl.storage.policy_checkpoints import CheckpointPolicy, LearnerCheckpoints
 from asyncrl.storage.trajectory_store import BATCH_CODEC, BATCH_RECORD_ENCODER, BatchRecord
 from asyncrl.weights.delta import DeltaTracker
 from asyncrl.weights.sharding import join as join_ranks
@@ -58,26 +51,13 @@ class LearnerEdges:
     generators: dict[str, Any] = field(default_factory=dict)  # generator id -> handle (`receive_weights`)
     listeners: list[VersionListener] = field(default_factory=list)  # told both versions
     trained: Callable[[list[str]], Awaitable[Any]] | None = None  # the ledger: sample ids trained
+    dropped: Callable[[list[str], DropReason], Awaitable[Any]] | None = None  # the ledger: ids ended untrained
     # Write a part into the checkpoint being written (its path on the run's node; the writer to ship it to).
     checkpoint_parts: list[Callable[[str, WriterClient], Awaitable[Any]]] = field(default_factory=list)
     record_batch: Callable[[BatchRecord], Any] | None = None  # the store: each batch as trained
 
 
-@dataclass(frozen=True)
-class CheckpointPolicy:
-    run_dir: str = ""  # empty: no checkpoints
-    every_steps: int = 0  # 0: not by steps
-    every_s: float = 0.0  # 0: not by time
-    keep: int = 1
-    writer: WriterClient | None = None  # the run directory's checkpoint writer (default: in this process)
-
-    def due(self, step: int, since_last_s: float) -> bool:
-        if not self.run_dir:
-            return False
-        return (self.every_steps > 0 and step % self.every_steps == 0) or (0 < self.every_s <= since_last_s)
-
-
-class PolicyLearner(TrainingLoop):
+class PolicyLearner(LearnerCheckpoints, TrainingLoop):
     def __init__(self, policy: PolicyRank, batches: Mailbox, edges: LearnerEdges | None = None,
                  checkpoints: CheckpointPolicy = CheckpointPolicy(), bucket_bytes: int = 64 << 20, tokenizer=None,
                  max_staleness_versions: int = NO_BOUND, max_steps: int = 0, ranks: list[RankCall] = (),
@@ -91,6 +71,7 @@ class PolicyLearner(TrainingLoop):
         self.checkpoints = checkpoints
         self.writer = checkpoints.writer or (WriterClient.local(checkpoints.run_dir) if checkpoints.run_dir else None)
         self.tokenizer = tokenizer
+        self.route_shape = route_shape(self.policy.lm)  # a mixture-of-experts model's (None: dense)
         # The staleness bound holds here, at the step, against the version being trained.
         self.max_staleness_versions = max_staleness_versions
         self.max_steps = max_steps  # stop training at this step (0 = never; `asyncrl train` sets total_steps)
@@ -206,7 +187,7 @@ class PolicyLearner(TrainingLoop):
         self._adam_steps = self.policy.optimizer_steps()
         self.timing["train_s"] += time.perf_counter() - start
         self._trained_ids.add(batch.batch_id)
-        finished_ids = [s.segment.sample_id for s in batch.rows if s.segment.finished]
+        finished_ids, misfit_ids = self._ended(batch)
         self.counters["samples_trained"] += len(finished_ids)
         self.counters["rows_trained"] += len(batch.rows)
         record = {
@@ -225,6 +206,8 @@ class PolicyLearner(TrainingLoop):
         self._metrics.append(record)
         if self.edges.trained is not None:
             await self.edges.trained(finished_ids)
+        if misfit_ids and self.edges.dropped is not None:
+            await self.edges.dropped(misfit_ids, DropReason.ROUTES_MISFIT)
         if self.receivers.generators:
             self._tell_listeners()
             self._request_delivery()
@@ -233,6 +216,13 @@ class PolicyLearner(TrainingLoop):
         else:  # every generator left or failed: this version reaches a generator when one joins
             self._tell_listeners()
         return record
+
+    def _ended(self, batch: TrainBatch) -> tuple[list[str], list[str]]:
+        """The samples the batch ends: (trained, those whose last row trained nothing because its
+        routes are another model's: the step refuses them, so the ledger ends them as dropped)."""
+        ended = [s for s in batch.rows if s.segment.finished]
+        misfit = [s.segment.sample_id for s in ended if misfit_reason(s, self.route_shape) is not None]
+        return [s.segment.sample_id for s in ended if s.segment.sample_id not in misfit], misfit
 
     def _skip(self, batch: TrainBatch) -> dict:
         """A batch with no rows (bounded refill found no group with signal): the step is counted and
@@ -272,72 +262,6 @@ class PolicyLearner(TrainingLoop):
         self._started = time.monotonic()
         while self._running:
             await self.step_once()
-
-    # --- checkpoints ----------------------------------------------------------------------------
-
-    async def save_checkpoint(self) -> str:
-        """Write a checkpoint of the current step (between two steps) and return its path (on the
-        run directory's node). A disk that refuses raises `checkpoint.CheckpointWriteError`."""
-        if self.writer is None:
-            raise RuntimeError("checkpoints need a run directory")
-        async with self._step_lock:  # also waits for a checkpoint in progress
-            if self.last_checkpoint.get("step") == self.step:  # this step is saved already
-                return self.last_checkpoint["path"]
-            start = time.perf_counter()
-            tmp = await asyncio.to_thread(self.writer.call, "begin", self.step)
-            try:
-                pending = await self.batches.drain_unacked()  # before the ledger: see the module doc
-                await asyncio.gather(*(part(tmp, self.writer) for part in self.edges.checkpoint_parts))
-                async with self._weights_lock:
-                    state = await self._on_every_rank("state")
-                await asyncio.to_thread(write_part, self.writer, tmp,
-                                        lambda directory: self._write_state(directory, pending, *state))
-                path = await asyncio.to_thread(self.writer.call, "commit", tmp, self.step, self.checkpoints.keep)
-            except BaseException as exc:
-                await asyncio.to_thread(self.writer.call, "discard", tmp)  # what it took, back
-                if isinstance(exc, checkpoint.CheckpointWriteError):
-                    # Its own message (a part's arrives wrapped by Ray): the run stops on this error.
-                    raise checkpoint.CheckpointWriteError(str(exc.cause if isinstance(exc, RayTaskError) else exc)) \
-                        from None
-                raise
-            elapsed = time.perf_counter() - start
-            self.timing["checkpoint_s"] += elapsed
-            self.counters["checkpoints"] += 1
-            self._last_checkpoint_at = time.monotonic()
-            self.last_checkpoint = {"path": path, "step": self.step, "seconds": elapsed,
-                                    "saved_batches": len(pending)}
-            return path
-
-    def _write_state(self, directory: str, pending_batches: list[TrainBatch], weights: dict, optimizer: dict,
-                     scheduler: dict) -> None:
-        self.policy.save_policy(os.path.join(directory, "policy"), weights, self.tokenizer)  # LoRA: the adapter
-        # The optimizer's state by parameter name, whole: the same file for any number of ranks.
-        checkpoint_parts.save_tensors({"optimizer": optimizer, "scheduler": scheduler}, os.path.join(directory, "learner.pt"))
-        checkpoint_parts.save_json({"step": self.step, "weight_version": self.weight_version, "incarnation": self.incarnation,
-                              "counters": self.counters}, os.path.join(directory, "learner.json"))
-        checkpoint_parts.save_batches(pending_batches, os.path.join(directory, "batches.msgpack"))
-
-    async def load_checkpoint(self, directory: str) -> None:
-        """Continue from a checkpoint (its path on the run directory's node): weights, optimizer,
-        scheduler, step, version, counters."""
-        copy = local_copy(self.writer, directory, ["policy", "learner.pt", "learner.json"])
-        local = await asyncio.to_thread(copy.__enter__)
-        try:
-            await self._load_checkpoint(local)
-        finally:
-            await asyncio.to_thread(copy.__exit__, None, None, None)
-
-    async def _load_checkpoint(self, directory: str) -> None:
-        weights = self.policy.read_policy(os.path.join(directory, "policy"))
-        state = checkpoint_parts.load_tensors(os.path.join(directory, "learner.pt"))
-        async with self._weights_lock:
-            await self._on_every_rank("load", {}, {}, state["scheduler"],
-                                      rank0_args=(weights, state["optimizer"], state["scheduler"]))
-        meta = checkpoint_parts.load_json(os.path.join(directory, "learner.json"))
-        self.step, self.weight_version = int(meta["step"]), int(meta["weight_version"])
-        self.incarnation = int(meta.get("incarnation", 0)) + 1
-        self.counters.update({k: v for k, v in meta["counters"].items() if k in self.counters})
-        self._adam_steps = self.policy.optimizer_steps()
 
     def stats(self) -> dict:
         wall = max(time.monotonic() - self._started, 1e-9)
@@ -385,10 +309,13 @@ class PolicyLearnerActor(RoleShell):
         async def trained(ids):
             await ledger.record.remote(ids, SampleState.TRAINED)
 
+        async def dropped(ids, reason):
+            await ledger.record.remote(ids, SampleState.DROPPED, reason)
+
         edges = LearnerEdges(
             # Fire-and-forget: the listeners take `max` of what they are told.
             listeners=[lambda w, d, actor=actor: actor.set_versions.remote(w, d) for actor in listeners],
-            trained=trained, checkpoint_parts=[_part_writer(actor) for actor in checkpoint_parts],
+            trained=trained, dropped=dropped, checkpoint_parts=[_part_writer(actor) for actor in checkpoint_parts],
             record_batch=(None if recorder is None else
                           lambda record: recorder.add_batch.remote(BATCH_RECORD_ENCODER.encode(record))))
         self.inner = build_policy_learner(model, algorithm, policy, engine, sampling, seed, batches, edges, checkpoints,

@@ -351,7 +351,7 @@ class PromptSourceActor(RoleShell):
     def rows(self, prompt_ids: list[str]) -> dict[str, dict | None] | None:
         return self.inner.rows(prompt_ids)
 
-    def save_checkpoint_part(self, directory: str, writer: WriterClient) -> None:
+    async def save_checkpoint_part(self, directory: str, writer: WriterClient) -> None:
         """The cursor and ledger into the checkpoint being written at `directory` (through the run
         directory's `writer` where this node does not see it)."""
         encoded = SNAPSHOT_CODEC.encode(self.inner.snapshot())
@@ -360,14 +360,17 @@ class PromptSourceActor(RoleShell):
             with open(os.path.join(into, SNAPSHOT_FILE), "wb") as f:
                 f.write(encoded)
 
-        write_part(writer, directory, save)
+        await asyncio.to_thread(write_part, writer, directory, save)  # off the loop: it may wait on the writer
 
-    def restore(self, directory: str, held_sample_ids: set[str], delivered_version: int,
+    async def restore(self, directory: str, held_sample_ids: set[str], delivered_version: int,
                 writer: WriterClient | None = None) -> int:
         """Continue from a checkpoint (its path on the run directory's node, read through its
         `writer`); returns how many prompts will be issued again."""
-        with local_copy(writer, directory, [SNAPSHOT_FILE]) as local, open(os.path.join(local, SNAPSHOT_FILE), "rb") as f:
-            self.inner.restore(SNAPSHOT_CODEC.decode(f.read()), held_sample_ids, delivered_version)
+        def read() -> bytes:
+            with local_copy(writer, directory, [SNAPSHOT_FILE]) as local, open(os.path.join(local, SNAPSHOT_FILE), "rb") as f:
+                return f.read()
+
+        self.inner.restore(SNAPSHOT_CODEC.decode(await asyncio.to_thread(read)), held_sample_ids, delivered_version)
         self.restored = True
         return len(self.inner.reissue)
 

@@ -14,6 +14,7 @@ and answers value requests for (E)GAE (the role, its builder, its Ray shell).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import copy
 import os
 import time
@@ -230,8 +231,14 @@ class ValueLearnerActor(RoleShell):
         torch.set_num_threads(critic.compute.threads)
         self.inner = build_value_learner(model, critic, algorithm, sampling, seed, trajectories)
         if resume_from:
-            with local_copy(checkpoint_writer, resume_from, [checkpoint_parts.VALUE_PART]) as local:
-                self.inner.load_checkpoint(local)
+            # An async actor's constructor runs on its event loop; the copy may wait on the writer,
+            # so it runs in a thread (the actor serves nothing before its constructor returns).
+            with concurrent.futures.ThreadPoolExecutor(1) as thread:
+                thread.submit(self._resume, resume_from, checkpoint_writer).result()
+
+    def _resume(self, resume_from: str, checkpoint_writer: WriterClient | None) -> None:
+        with local_copy(checkpoint_writer, resume_from, [checkpoint_parts.VALUE_PART]) as local:
+            self.inner.load_checkpoint(local)
 
     async def save_checkpoint_part(self, directory: str, writer: WriterClient | None = None) -> None:
         await self.inner.save_checkpoint_part(directory, writer)

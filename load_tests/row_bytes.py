@@ -18,6 +18,8 @@ import os
 import tempfile
 import threading
 
+import psutil
+
 REWARD = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     return float(solution_str[:1] == extra_info["next"])
@@ -37,16 +39,14 @@ def write_data(directory: str, reference_bytes: int) -> None:
 
 
 def workers_rss_mb() -> float:
-    """Resident memory of this machine's Ray worker processes (`ray::` in their command line)."""
+    """Resident memory of this run's Ray workers: the `ray::` processes below this one (the Ray
+    that `train` starts is this process's child), so other jobs' Ray workers are not counted."""
     total = 0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    for child in psutil.Process().children(recursive=True):
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if not f.read().startswith(b"ray::"):
-                    continue
-            with open(f"/proc/{pid}/statm") as f:
-                total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        except OSError:
+            if child.cmdline()[:1] and child.cmdline()[0].startswith("ray::"):
+                total += child.memory_info().rss
+        except psutil.Error:
             continue
     return total / 2**20
 

@@ -249,3 +249,44 @@ def test_parts_are_shipped_where_the_directory_is_not_seen(tmp_path, monkeypatch
     with pytest.raises(ValueError, match="outside"):
         writer.call("write", tmp, "../../escape", 0, b"x")
     shutil.rmtree(tmp_path / "run")
+
+
+@ray.remote(num_cpus=0)
+class AsyncPartOwner:
+    """A role as the learners are (an asyncio actor) shipping a checkpoint part to a writer actor
+    whose directory it does not see, with Ray's warnings of this process collected."""
+
+    def __init__(self):
+        import logging
+
+        self.warnings: list[str] = []
+        collect = logging.Handler(logging.WARNING)
+        collect.emit = lambda record: self.warnings.append(record.getMessage())
+        logging.getLogger("ray").addHandler(collect)
+
+    async def ship(self, writer: WriterClient, tmp: str, payload: bytes) -> tuple[list[str], str]:
+        import asyncio
+
+        def part(directory):
+            open(os.path.join(directory, "part.bin"), "wb").write(payload)
+
+        await asyncio.to_thread(write_part, writer, tmp, part)  # as the learners write theirs
+        try:
+            write_part(writer, tmp, part)  # on the event loop: refused, not a loop stopped for the upload
+            on_the_loop = ""
+        except RuntimeError as exc:
+            on_the_loop = str(exc)
+        return self.warnings, on_the_loop
+
+
+def test_an_async_role_ships_its_part_off_its_event_loop_without_a_blocking_get(ray_session, tmp_path):
+    run_dir = str(tmp_path / "run")
+    writer = WriterClient.spawn(run_dir, lambda cls, **kwargs: ray.remote(num_cpus=0)(cls).remote(**kwargs))
+    elsewhere = WriterClient(writer.target, writer.marker + ".not-here", writer.token)  # as on another node
+    tmp = writer.call("begin", 4)
+    payload = os.urandom(1 << 20)
+    warnings, on_the_loop = ray.get(AsyncPartOwner.remote().ship.remote(elsewhere, tmp, payload))
+    assert not [w for w in warnings if "blocking ray.get" in w], warnings
+    assert "event loop" in on_the_loop and "asyncio.to_thread" in on_the_loop
+    path = writer.call("commit", tmp, 4, 1)
+    assert open(os.path.join(path, "part.bin"), "rb").read() == payload

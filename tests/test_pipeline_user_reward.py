@@ -137,3 +137,35 @@ def test_a_prompts_row_reaches_its_reward_once_per_prompt_not_with_every_sample(
     assert 0 < fetched <= issued and fetched * 4 < scored, (fetched, issued, scored)  # per prompt, not per sample
     peak = max(box["bytes_peak"] for box in status["queue_depths"].values())
     assert peak < 1 << 20, status["queue_depths"]  # no mailbox ever held a row
+
+
+def test_a_reward_call_carries_each_prompts_row_once_whatever_its_group_size(ray_session):
+    """The assembler's requests for one call (`PromptRows.fill`) share their prompt's row, and Ray's
+    serializer (what `endpoint.score.remote` sends) writes a shared object once: a call of 2 prompts
+    x 16 samples with 1 MB rows is 2 MB on the wire, not 32, and the endpoint holds one row per prompt."""
+    import asyncio
+
+    import ray
+
+    from asyncrl.assembly.prompt_rows import PromptRows
+    from asyncrl.messages.structs import RewardRequest
+
+    rows = {pid: {"extra_info": {"reference": pid * (1 << 20)}} for pid in ("a", "b")}
+    fetches: list[list[str]] = []
+
+    async def rows_of(ids):
+        fetches.append(ids)
+        return {pid: rows[pid] for pid in ids}
+
+    requests = [RewardRequest(prompt_id=pid, sample_idx=i, response_text="1", ground_truth="1", data_source="mine")
+                for pid in ("a", "b") for i in range(16)]
+    filled = asyncio.run(PromptRows(rows_of).fill(requests))
+    assert fetches == [["a", "b"]] and all(r.row is rows[r.prompt_id] for r in filled)
+    wire = ray._private.worker.global_worker.get_serialization_context().serialize(filled).total_bytes
+    assert 2 << 20 < wire < (2 << 20) + (64 << 10), wire
+
+    @ray.remote(num_cpus=0)
+    def distinct_rows_held(received):
+        return len({id(r.row) for r in received}), len({r.row["extra_info"]["reference"][:1] for r in received})
+
+    assert ray.get(distinct_rows_held.remote(filled)) == (2, 2)

@@ -223,8 +223,8 @@ def test_suspicious_rewards_are_counted_into_the_batch_stats():
     for reward in [hacked, combined, Reward(prompt_id="p", sample_idx=1, score=1.0, source="verifier", correct=True),
                    Reward(prompt_id="p", sample_idx=2, score=1.0, source="verifier", correct=True)]:
         assembler._note_scored(reward)
-    assert assembler._generated_stats()["reward_suspicious_share_generated"] == 0.5
-    assert assembler.counters["suspicious.early_exit"] == 2
+    assert assembler.rewards.generated_stats()["reward_suspicious_share_generated"] == 0.5
+    assert assembler.rewards.counters["suspicious.early_exit"] == 2
 
 
 # --- HTTP: who may ask for work, and how much -----------------------------------------------------------

@@ -364,3 +364,36 @@ def test_a_moe_directory_trains_with_its_routes_replayed(ray_session, tmp_path):
     stored = read_trajectories(str(tmp_path / "run"))
     assert stored and all(r.route_top_k == 2 and len(r.token_routes) == len(r.response_token_ids)
                           and all(len(t) == 4 and min(t) >= 0 for t in r.token_routes) for r in stored)
+
+
+def test_a_sample_whose_routes_are_refused_ends_dropped_not_trained(tmp_path):
+    """The learner's step refuses a row whose routes are another model's; the ledger hears that
+    sample as dropped (`routes_misfit`), the other as trained, and the counters agree."""
+    import asyncio
+
+    from actors.policy_learner import LearnerEdges, build_policy_learner
+    from asyncrl.config import compose
+    from asyncrl.messages.mailbox import InProcessMailbox
+    from asyncrl.messages.structs import DropReason, TrainBatch
+
+    directory = save_moe_directory(tmp_path / "tiny-moe")
+    config = compose(["model=tiny", "task=tiny", "algorithm=grpo", "model.source=hf", f"model.path={directory}"])
+    heard: dict[str, list] = {"trained": [], "dropped": []}
+
+    async def trained(ids):
+        heard["trained"] += ids
+
+    async def dropped(ids, reason):
+        heard["dropped"] += [(i, reason) for i in ids]
+
+    learner = build_policy_learner(config.model, config.algorithm, config.policy, config.engine, config.sampling, 0,
+                                   InProcessMailbox(2), LearnerEdges(trained=trained, dropped=dropped))
+    outs = TorchEngine(learner.model, NO_EOS).generate_window_sync([seq(0), seq(1)], 3, PARAMS)
+    rows = rows_of([PROMPTS[0], PROMPTS[1]], outs)
+    wrong = np.concatenate([rows[1].segment.new_routes, rows[1].segment.new_routes[:, :1]], axis=1)
+    rows[1] = TrainingRow(segment=Segment(**{**{f: getattr(rows[1].segment, f) for f in Segment.__struct_fields__},
+                                             "new_routes": wrong}), score=1.0, advantages=rows[1].advantages)
+    record = asyncio.run(learner.train_on(TrainBatch(batch_id="b0", rows=rows)))
+    assert record["router_rows_refused"] == 1
+    assert heard == {"trained": ["p0/0"], "dropped": [("p1/0", DropReason.ROUTES_MISFIT)]}
+    assert learner.counters["samples_trained"] == 1

@@ -86,13 +86,18 @@ def replay_on(setting: str, model) -> bool:
     return setting != "off" and sparse
 
 
+def misfit_reason(row: TrainingRow, shape: RouteShape | None) -> str | None:
+    """Why a row's recorded routes are not the model's (one phrase), or None: it has none, or they fit."""
+    routes = response_routes(row.segment)
+    return None if routes is None else ("a dense model" if shape is None else shape.refusal(routes))
+
+
 def refuse_misfit_routes(rows: list[TrainingRow], shape: RouteShape | None) -> tuple[list[TrainingRow], list[str]]:
     """Rows whose routes are not the model's (another model's record) train nothing: their loss
     mask is zeroed and their routes dropped, never replayed. The rows, and why each was refused."""
     out, reasons = [], []
     for row in rows:
-        routes = response_routes(row.segment)
-        reason = None if routes is None else ("a dense model" if shape is None else shape.refusal(routes))
+        reason = misfit_reason(row, shape)
         if reason is None:
             out.append(row)
             continue

@@ -61,6 +61,7 @@ class DropReason(str, enum.Enum):
     REWARD_FAILED = "reward_failed"  # the reward endpoint gave no score (timeout, error, no verdict)
     STALE = "stale"  # every token too many versions behind the weights being trained
     VALUE_WARMUP = "value_warmup"  # the critic was still in its pretraining
+    ROUTES_MISFIT = "routes_misfit"  # its experts were recorded for another model (routing replay)
 
 
 class PromptRequest(msgspec.Struct, kw_only=True, frozen=True):

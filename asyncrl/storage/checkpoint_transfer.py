@@ -18,10 +18,12 @@ learner's state crossing the network at each checkpoint and each restart.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -122,6 +124,23 @@ def publish_marker(run_dir: str) -> tuple[str, str]:
     return marker, token
 
 
+def wait_from_thread(refs: list, timeout_s: float = CALL_TIMEOUT_S) -> list:
+    """The results of Ray calls, waited for in a worker thread of an actor: never on an event loop,
+    which it would stop (refused, naming the mistake), and not through `ray.get`, which warns of a
+    blocking get in any asyncio actor, whichever thread calls it. A writer past `timeout_s` raises
+    TimeoutError."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass  # no loop runs in this thread: waiting here stops nothing else
+    else:
+        raise RuntimeError("a checkpoint transfer was called on an event loop: run it in a thread "
+                           "(asyncio.to_thread), or the actor stops answering while it waits")
+    futures = [ref.future() for ref in refs]
+    deadline = time.monotonic() + timeout_s
+    return [future.result(timeout=max(0.0, deadline - time.monotonic())) for future in futures]
+
+
 @dataclass(frozen=True)
 class WriterClient:
     """A role's way to its run's `CheckpointWriter`: the writer itself (in this process) or its Ray
@@ -147,9 +166,7 @@ class WriterClient:
         """A writer method, in this process or on the writer's node (blocking: call from a thread)."""
         if isinstance(self.target, CheckpointWriter):
             return getattr(self.target, method)(*args)
-        import ray
-
-        return ray.get(getattr(self.target, method).remote(*args), timeout=CALL_TIMEOUT_S)
+        return wait_from_thread([getattr(self.target, method).remote(*args)])[0]
 
     def submit(self, method: str, *args):
         """Start a writer method: its Ray reference (None in this process, where it ran already)."""
@@ -162,9 +179,7 @@ class WriterClient:
         """Wait for methods `submit` started (raising the first one's error)."""
         refs = [ref for ref in submitted if ref is not None]
         if refs:
-            import ray
-
-            ray.get(refs, timeout=CALL_TIMEOUT_S)
+            wait_from_thread(refs)
 
     def sees_directory(self) -> bool:
         """Does this process see the run's checkpoints directory itself (same node, or shared)?"""

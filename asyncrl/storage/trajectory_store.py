@@ -125,6 +125,18 @@ BATCH_RECORD_ENCODER = msgspec.msgpack.Encoder()
 BATCH_RECORD_DECODER = msgspec.msgpack.Decoder(BatchRecord)
 
 
+class PendingRecord:
+    """What a finished sample's record needs, gathered (by the assembler) until its fate is known."""
+
+    __slots__ = ("merged", "window_ends", "prompt_text", "response_text", "reward", "values")
+
+    def __init__(self, merged: Segment, window_ends: list[int], prompt_text: str, response_text: str):
+        self.merged, self.window_ends = merged, window_ends
+        self.prompt_text, self.response_text = prompt_text, response_text
+        self.reward: Reward | None = None
+        self.values: np.ndarray | None = None
+
+
 def record_of(merged: Segment, window_ends: list[int], reward: Reward | None, prompt_text: str, response_text: str,
               status: str, drop_reason: str = "", values: np.ndarray | None = None,
               policy_version: int = 0) -> TrajectoryRecord:
