@@ -288,3 +288,27 @@ def test_dynamic_sampling_filter():
     assert not group_has_signal(T([0.0, 0, 0, 0]))
     assert group_has_signal(T([1.0, 0, 0, 0]))
     assert group_has_signal(T([1.0]))
+
+
+def test_router_balance_loss_by_hand_and_as_transformers_computes_it():
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    from asyncrl.algo.losses import router_balance_loss
+
+    ln3 = float(np.log(3.0))
+    layer = torch.tensor([[ln3, 0.0], [ln3, 0.0], [0.0, ln3]])  # probs .75/.25, .75/.25, .25/.75
+    # Top-1 over the first two tokens: every token to expert 0 (f = [1, 0]), P = [.75, .25]: 2 * .75.
+    valid = torch.tensor([True, True, False])
+    assert router_balance_loss([layer], 1, valid).item() == pytest.approx(1.5)
+    # All three: f = [2/3, 1/3], P = [7/12, 5/12]: 2 * (14/36 + 5/36) = 19/18.
+    assert router_balance_loss([layer], 1).item() == pytest.approx(19 / 18)
+    # Uniform routing gives top_k; layers are pooled as transformers pools them.
+    flat = torch.zeros(4, 8)
+    assert router_balance_loss([flat[:, :8]], 2).item() == pytest.approx(2.0)
+    torch.manual_seed(0)
+    layers = [torch.randn(5, 8, requires_grad=True) for _ in range(3)]
+    ours = router_balance_loss(layers, 2)
+    theirs = load_balancing_loss_func(tuple(layers), 8, 2)
+    assert ours.item() == pytest.approx(float(theirs), rel=1e-6)
+    ours.backward()
+    assert all(layer.grad is not None and layer.grad.abs().sum() > 0 for layer in layers)

@@ -128,3 +128,27 @@ def test_the_int8_benchmark_measures_speed_and_the_shift_of_each_rounding():
     (quantized,) = int8_products._int8_rows(None, (x,))
     assert all(len(row.unique()) <= 256 for row in quantized)
     assert ((quantized - x).abs() <= (x.amax(-1, keepdim=True) - x.amin(-1, keepdim=True)) / 255 / 2 + 1e-6).all()
+
+
+def test_the_moe_benchmark_measures_replay_decode_and_route_bytes():
+    """`asyncrl bench moe` on a few rows: where bf16 flips a route, replay brings the learner's
+    log-probs closer to the engine's; the
+    float32 engine is the learner exactly; the MoE decoder is the engine's own; a route costs its bytes."""
+    import numpy as np
+
+    from asyncrl.bench import moe
+
+    model = moe.tiny_moe()
+    prompts = moe._prompts(16, model.config.vocab_size)
+    bf16 = moe.drift(model, torch.bfloat16, prompts, 16)
+    flipped = bf16["no_replay"]["router_mismatch"]
+    if flipped:  # (bf16 rounds alike on every CPU here, but a flip is the rounding's to give)
+        assert bf16["replay"]["rollout_kl_k3"] < bf16["no_replay"]["rollout_kl_k3"]
+    fp32 = moe.drift(model, torch.float32, prompts, 16)
+    assert fp32["replay"]["router_mismatch"] == 0 and fp32["replay"]["rollout_kl_k3"] < 1e-8
+    rows = moe.decode_rates(model, (2,), 4, 1)
+    assert rows[0]["engine_tokens_per_s"] > 0 and rows[0]["generate_tokens_per_s"] > 0
+    size = moe.route_bytes(model, 8)
+    assert size["per_token_here"] == moe.LAYERS * moe.TOP_K and size["per_token_qwen3_30b_a3b"] == 384
+    assert size["segment_bytes_with_routes"] - size["segment_bytes_without"] >= 8 * size["per_token_here"]
+    assert np.isfinite(bf16["no_replay"]["rollout_kl_k3"])

@@ -132,3 +132,32 @@ def test_the_default_dtype_is_the_model_directory_s(tmp_path, named):
     config = {"model_type": "llama", **({named: "bfloat16"} if named else {})}
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert source_dtype(str(tmp_path)) == ("bfloat16" if named else "float32")
+
+
+def test_a_moe_runs_checkpoint_exports_as_its_own_family_with_the_trained_experts(tmp_path, capsys):
+    """A mixture-of-experts learner's checkpoint (a tiny Qwen3-MoE directory, one optimizer step)
+    exports as a Qwen3-MoE directory transformers loads: every weight, the experts' 3-D tensors
+    among them, the learner's own."""
+    import asyncio
+
+    from actors.policy_learner import CheckpointPolicy, build_policy_learner
+    from asyncrl.bench.learner import synthetic_batch
+    from asyncrl.bench.moe import write_tiny_moe
+    from asyncrl.messages.mailbox import InProcessMailbox
+
+    source = write_tiny_moe(str(tmp_path / "tiny-moe"))
+    config = compose(["model=tiny", "model.source=hf", f"model.path={source}", "policy.optimizer.lr=0.02"])
+    learner = build_policy_learner(config.model, config.algorithm, config.policy, config.engine, config.sampling, 0,
+                                   InProcessMailbox(2), checkpoints=CheckpointPolicy(str(tmp_path / "run")))
+    learner.policy.step(synthetic_batch(4, 6, 6, learner.model.config.vocab_size))
+    learner.step = learner.weight_version = 1
+    asyncio.run(learner.save_checkpoint())
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "exported")]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
+    assert type(exported).__name__ == "Qwen3MoeForCausalLM"
+    trained = dict(learner.model.named_parameters())
+    base = dict(AutoModelForCausalLM.from_pretrained(source).named_parameters())
+    for name, p in exported.named_parameters():
+        assert torch.equal(p, trained[name].detach().to(p.dtype)), name
+    assert not torch.equal(base["model.layers.0.mlp.experts.gate_up_proj"],
+                           dict(exported.named_parameters())["model.layers.0.mlp.experts.gate_up_proj"])

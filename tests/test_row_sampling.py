@@ -59,14 +59,21 @@ def test_fire_per_row_heats_only_the_rows_that_ask_and_penalties_per_row():
     assert torch.equal(out[1], logits[1])
 
 
-@pytest.fixture(scope="module")
-def engine():
-    """A tiny random Llama on the engine's own decoder, with a vocabulary wide enough for top-k,
-    top-p and min-p to cut."""
+@pytest.fixture(scope="module", params=["llama", "qwen3_moe"])
+def engine(request):
+    """A tiny random Llama, and a tiny random Qwen3-MoE (the policy endpoint's path for a
+    mixture-of-experts model), on the engine's own decoder, with vocabularies wide enough for
+    top-k, top-p and min-p to cut."""
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256))
+    if request.param == "qwen3_moe":
+        from asyncrl.bench.moe import tiny_moe
+
+        model = tiny_moe()
+    else:
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256))
     built = TorchEngine(model.eval(), NO_EOS, pad_token_id=0)
+    assert built.decoder is not None
     assert built.keeps_caches
     return built
 

@@ -187,3 +187,21 @@ def positive_example_nll(logp: torch.Tensor, mask: torch.Tensor, correct: torch.
     m = mask.to(logp.dtype) * correct.to(logp.dtype)[:, None]
     count = m.sum().clamp(min=1) if normalizer is None else max(float(normalizer), 1.0)
     return -(logp * m).sum() / count
+
+
+def router_balance_loss(router_logits: list[torch.Tensor], top_k: int, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """The auxiliary load-balancing loss of a mixture-of-experts model (Switch Transformer's, as
+    transformers' MoE families compute it): over every (token, sparse layer) pair at the real
+    positions `valid` (`[T]` bool; None: all), `E * sum_e f_e * P_e`, where `f_e` is the share of
+    the (token, slot) top-`top_k` choices of the router's own softmax that went to expert `e`
+    (counted, no gradient) and `P_e` the router's mean probability of `e`: `top_k` when both are
+    uniform, larger when the router sends more of its mass where it routes more tokens. `router_logits`: one
+    `[T, E]` tensor per sparse layer."""
+    logits = torch.cat(router_logits) if valid is None else torch.cat([layer[valid] for layer in router_logits])
+    experts = logits.shape[-1]
+    if logits.shape[0] == 0:
+        return logits.sum() * 0.0
+    probs = torch.softmax(logits.float(), dim=-1)
+    chosen = torch.nn.functional.one_hot(probs.topk(top_k, dim=-1).indices, experts).float()  # [N, k, E]
+    tokens_per_expert = chosen.mean(dim=0)  # [k, E]: per slot, the share of tokens sent to each expert
+    return experts * (tokens_per_expert * probs.mean(dim=0)).sum()

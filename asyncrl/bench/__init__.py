@@ -12,7 +12,7 @@ MODULES = {
     "async": "async_sync", "trl": "trl", "utilisation": "utilisation", "broadcast": "broadcast",
     "messages": "messages", "endpoint": "endpoint", "engine": "engine", "verifier": "verifier",
     "record": "trajectory_store", "controlplane": "controlplane", "learner": "learner", "lora": "lora_broadcast",
-    "fairness": "fairness",
+    "fairness": "fairness", "moe": "moe",
 }
 BENCHMARKS = tuple(MODULES)
 

@@ -81,12 +81,16 @@ def model_family(model) -> tuple[str | None, bool]:
 
 
 def _router_checks(config) -> list[tuple[bool, str]]:
-    """Routing replay asked for explicitly (`model.router_replay=rollout`; auto does what the model allows)."""
-    m = config.model
-    if m.router_replay != "rollout":
+    """Routing replay asked for explicitly (`model.router_replay=rollout`; auto does what the model
+    allows), and the router balance loss (`policy.loss.router_aux_coef`), on a mixture-of-experts model."""
+    m, aux = config.model, config.policy.loss.router_aux_coef
+    if m.router_replay != "rollout" and not aux:
         return []
     family, sparse = model_family(m)
     where = f"model.path={m.path}" if m.path else f"model.source={m.source}"
+    if m.router_replay != "rollout":
+        return [(family is None or sparse, f"policy.loss.router_aux_coef={aux:g} balances a mixture-of-experts "
+                                           f"model's experts, but {where} is a dense {family} model: set it to 0")]
     return [
         (family is None or sparse, f"model.router_replay=rollout replays a mixture-of-experts model's routes, but "
                                    f"{where} is a dense {family} model: set model.router_replay=auto or off"),

@@ -101,6 +101,11 @@ class PolicyLoss(Section):
     (`rollout_kl_k3`, `rollout_ratio_max`). engine=sglang sets token_tis."""
     rollout_is_cap: AtLeastOne = 2.0
     """The cap of the rollout correction's importance weights."""
+    router_aux_coef: NonNegativeFloat = 0.0
+    """A mixture-of-experts model's load-balancing loss (Switch Transformer's, over the router's own
+    top-k at every real position and sparse layer; `router_balance_loss` in the step records) added
+    with this weight; 0 = none, as most RL recipes run (pretraining balanced the experts). Refused
+    on a dense model."""
 
 
 class PolicyConfig(Section):

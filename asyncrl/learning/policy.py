@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from asyncrl.algo.losses import (agg_loss, behaviour_weights, kl_penalty, positive_example_nll, ppo_policy_loss,
-                                 rollout_mismatch)
+                                 rollout_mismatch, router_balance_loss)
 from asyncrl.config import KLPenalty, PolicyConfig, PolicyLoss, SamplingConfig
 from asyncrl.learning.routing import RouteStats, refuse_misfit_routes, replayed_routes, route_metrics, route_shape
 from asyncrl.learning.scoring import token_logprobs
@@ -154,9 +154,10 @@ def _micro_batch(update: _Update, sl, ghost: bool, sums: dict[str, float]) -> No
     sampling, loss, compute = objective.sampling, objective.policy.loss, objective.policy.compute
     mask = collated.response_mask[sl]
     share = 0.0 if ghost else 1.0
+    router_logits = [] if loss.router_aux_coef else None  # the balance loss's, layer by layer
     # Open through the backward: a layer recomputed there (gradient checkpointing) is replayed too.
     with replayed_routes(update.model, _routes(collated, sl), objective.router_replay,
-                         None if ghost else update.route_stats, collated.attention_mask[sl] > 0):
+                         None if ghost else update.route_stats, collated.attention_mask[sl] > 0, router_logits):
         with autocast(update.model, compute.precision):
             logp, entropy = token_logprobs(update.model, collated.input_ids[sl], collated.attention_mask[sl],
                                            collated.targets[sl], sampling.temperature, with_entropy=True,
@@ -179,13 +180,26 @@ def _micro_batch(update: _Update, sl, ghost: bool, sums: dict[str, float]) -> No
         total, nll = _loss_terms(pg_loss, metrics, logp, entropy, collated, sl, objective, update.reference_model,
                                  update.norm_constant, update.total_nll_tokens)
         weight = _micro_batch_weight(loss.agg, mask, update.total_tokens, update.total_seqs)
-        ((total * weight + objective.nll_coef * nll) * share).backward()
+        balance = _balance_term(router_logits, update.model, collated.attention_mask[sl], metrics)
+        # The balance loss is a mean over the batch's tokens: each micro-batch adds its share.
+        tokens_share = float(mask.sum()) / update.total_tokens
+        ((total * weight + objective.nll_coef * nll + loss.router_aux_coef * balance * tokens_share) * share).backward()
     sums["nll_positive"] = sums.get("nll_positive", 0.0) + nll.item() * share
     token_share = float(mask.sum()) / update.total_tokens * share
     metrics["entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1))
     metrics["loss"] = total.item()
     for key, value in metrics.items():
         sums[key] = sums.get(key, 0.0) + value * token_share
+
+
+def _balance_term(router_logits: list | None, model, attention_mask: torch.Tensor, metrics: dict) -> torch.Tensor | float:
+    """The router balance loss of a micro-batch over its real positions (`metrics` gains
+    `router_balance_loss`); 0 when not asked (`policy.loss.router_aux_coef` 0) or for a dense model."""
+    if not router_logits:
+        return 0.0
+    balance = router_balance_loss(router_logits, route_shape(model).top_k, attention_mask.reshape(-1) > 0)
+    metrics["router_balance_loss"] = balance.item()
+    return balance
 
 
 def _loss_terms(pg_loss: torch.Tensor, metrics: dict, logp: torch.Tensor, entropy: torch.Tensor, collated: Collated,

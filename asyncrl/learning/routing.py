@@ -154,14 +154,16 @@ def route_metrics(sums: dict[str, float], shape: RouteShape) -> dict[str, float]
 
 @contextlib.contextmanager
 def replayed_routes(model, routes: torch.Tensor | None, replay: bool, stats: RouteStats | None = None,
-                    valid: torch.Tensor | None = None):
+                    valid: torch.Tensor | None = None, router_logits: list | None = None):
     """While open, every router of `model` (a transformers MoE model, or a module holding one) sees
     `routes` `[B, L, sparse_layers, top_k]` (-1: none recorded) for its forward's `[B, L]` positions:
     with `replay` it uses them where recorded (see the module's docstring); `stats` measures the
     first forward of each layer (a recomputation in the backward is not counted twice) over the
-    positions `valid` (`[B, L]` bool, the attention mask). A dense model, or nothing asked: no hook."""
+    positions `valid` (`[B, L]` bool, the attention mask); `router_logits` gains each layer's `[B*L,
+    E]` router logits of the first forward, with their graph (the balance loss). A dense model, or
+    nothing asked: no hook."""
     blocks = sparse_blocks(model)
-    if not blocks or (stats is None and (routes is None or not replay)):
+    if not blocks or (stats is None and router_logits is None and (routes is None or not replay)):
         yield
         return
     config = next(m.config for m in model.modules() if hasattr(getattr(m, "config", None), "num_experts_per_tok"))
@@ -176,9 +178,12 @@ def replayed_routes(model, routes: torch.Tensor | None, replay: bool, stats: Rou
             ids = own
             if replay and recorded is not None:
                 ids = torch.where((recorded >= 0).all(-1, keepdim=True), recorded, own)
-            if stats is not None and layer not in counted:
+            if layer not in counted:  # a first forward (not a recomputation in the backward)
                 counted.add(layer)
-                stats.add(layer, own, recorded, ids, flat_valid)
+                if stats is not None:
+                    stats.add(layer, own, recorded, ids, flat_valid)
+                if router_logits is not None:
+                    router_logits.append(logits)
             if ids is own:
                 return None
             chosen = torch.softmax(logits.float(), dim=-1).gather(-1, ids)
