@@ -13,7 +13,8 @@ import pytest
 from asyncrl.api.requests import ChatCompletionRequest, CompletionRequest, OpenAIError
 from asyncrl.config import compose
 from asyncrl.engines.base import SamplingParams
-from asyncrl.engines.batching import TooLarge, WindowBatcher
+from asyncrl.engines.batch_jobs import TooLarge
+from asyncrl.engines.batching import WindowBatcher
 from asyncrl.engines.generation import build_generator_engine, sequence_input
 from asyncrl.messages.structs import FinishReason
 from asyncrl.serve.policy import PolicyServer

@@ -253,7 +253,8 @@ def test_policy_requests_are_bounded_by_their_kv_cache():
     """The policy endpoint refuses a request whose sequences could never fit one window's bounds:
     more sequences than a window holds, or a KV block over the bound at their longest."""
     from asyncrl.config import compose
-    from asyncrl.engines.batching import TooLarge, WindowBatcher
+    from asyncrl.engines.batch_jobs import TooLarge
+    from asyncrl.engines.batching import WindowBatcher
     from asyncrl.engines.generation import build_generator_engine, sequence_input
 
     config = compose(["model=tiny"])

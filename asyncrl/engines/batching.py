@@ -49,56 +49,15 @@ import threading
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import Callable
 
 import msgspec
 
 from asyncrl.engines.base import SamplingParams, SequenceInput
+from asyncrl.engines.batch_jobs import BatchJob, BatchRow, JobSteps, StepToken, TooLarge, ids_of, step_token
 from asyncrl.messages.structs import FinishReason
 
 log = logging.getLogger(__name__)
-
-
-class TooLarge(ValueError):
-    """A job whose rows could never fit in one window's bounds."""
-
-
-@dataclass(frozen=True)
-class StepToken:
-    """One token of one row of a job: `finish` is EOS or MAX_LENGTH on its row's last token (None
-    while it goes on); `top`: None, or `(ids, logprobs)` of that position's most likely tokens."""
-
-    row: int
-    token: int
-    logprob: float
-    finish: FinishReason | None
-    top: tuple[list[int], list[float]] | None
-    version: int
-
-
-@dataclass(eq=False)
-class _Row:
-    job: "_Job"
-    index: int
-    sequence: SequenceInput
-    response: list[int] = field(default_factory=list)
-    done: bool = False
-
-
-@dataclass(eq=False)
-class _Job:
-    params: SamplingParams
-    queue: asyncio.Queue
-    rows: list[_Row] = field(default_factory=list)
-    live: bool = True
-    closed: bool = False
-    started: bool = False
-    ended: bool = False  # its stream's end is queued
-    held: list[StepToken] = field(default_factory=list)  # a whole answer's steps of the window running
-
-    def live_rows(self) -> list[_Row]:
-        return [] if self.closed else [r for r in self.rows if not r.done]
 
 
 class WindowBatcher:
@@ -113,7 +72,7 @@ class WindowBatcher:
             log.info("policy endpoint: windows are not cut for requests that arrive mid-window (the "
                      "engine re-reads every context each window, so a cut would cost a window's prefill)")
         self._last_rows = 0  # the rows of the window before
-        self._jobs: list[_Job] = []  # in arrival order: those running first, then those waiting
+        self._jobs: list[BatchJob] = []  # in arrival order: those running first, then those waiting
         self._wake = asyncio.Event()
         self._update: tuple[Callable[[], None], asyncio.Future] | None = None
         self._task: asyncio.Task | None = None
@@ -150,8 +109,8 @@ class WindowBatcher:
         """Start a job: its tokens (`JobSteps`), as they are sampled (`live`), else at the end of
         each window."""
         self.check(sequences)
-        job = _Job(params, asyncio.Queue(), live=live)
-        job.rows = [_Row(job, i, msgspec.structs.replace(s, key=f"{uuid.uuid4().hex}/{i}"))
+        job = BatchJob(params, asyncio.Queue(), live=live)
+        job.rows = [BatchRow(job, i, msgspec.structs.replace(s, key=f"{uuid.uuid4().hex}/{i}"))
                     for i, s in enumerate(sequences)]
         self._jobs.append(job)
         self.counters["jobs"] += 1
@@ -163,7 +122,7 @@ class WindowBatcher:
         """The engine's thread, after each decode step of a window: end the window here?"""
         return self._cut.is_set() and time.perf_counter() - self._window_started >= self.cut_after_s
 
-    def _cut_for(self, job: _Job) -> None:
+    def _cut_for(self, job: BatchJob) -> None:
         """Cut the window in progress at its next decode step when `job` could join the next one.
         (The KV bound is checked when the next window is planned: a job that does not fit it then
         waits, at the price of one window cut short.)"""
@@ -252,9 +211,9 @@ class WindowBatcher:
         except Exception as exc:  # the follower reports it; the old weights keep serving
             future.set_exception(exc)
 
-    def _plan(self) -> list[_Row]:
+    def _plan(self) -> list[BatchRow]:
         """This window's rows: the jobs in flight, oldest first, while they fit."""
-        rows: list[_Row] = []
+        rows: list[BatchRow] = []
         for job in self._jobs:
             candidate = rows + job.live_rows()
             window = self._window_tokens(candidate)
@@ -265,14 +224,14 @@ class WindowBatcher:
             job.started = True
         return rows
 
-    def _window_tokens(self, rows: list[_Row]) -> int:
+    def _window_tokens(self, rows: list[BatchRow]) -> int:
         return min(self.window_tokens, max(r.sequence.max_response_tokens - len(r.response) for r in rows))
 
     @staticmethod
-    def _inputs(rows: list[_Row]) -> list[SequenceInput]:
-        return [msgspec.structs.replace(r.sequence, response_ids=_ids(r.response)) for r in rows]
+    def _inputs(rows: list[BatchRow]) -> list[SequenceInput]:
+        return [msgspec.structs.replace(r.sequence, response_ids=ids_of(r.response)) for r in rows]
 
-    async def _window(self, rows: list[_Row]) -> None:
+    async def _window(self, rows: list[BatchRow]) -> None:
         loop, version, window = asyncio.get_running_loop(), self.engine.weight_version, self._window_tokens(rows)
         live = any(r.job.live for r in rows)
 
@@ -309,7 +268,7 @@ class WindowBatcher:
             self._hand_over(job)
 
     @staticmethod
-    def _hand_over(job: _Job) -> None:
+    def _hand_over(job: BatchJob) -> None:
         """What `job` holds, to its reader; its end too once every row has ended (once)."""
         if job.held:
             job.queue.put_nowait(job.held)
@@ -318,7 +277,7 @@ class WindowBatcher:
             job.ended = True
             job.queue.put_nowait(None)
 
-    def _deliver_ended(self, rows: list[_Row], ended: list[tuple], version: int) -> None:
+    def _deliver_ended(self, rows: list[BatchRow], ended: list[tuple], version: int) -> None:
         """Rows of a window of whole answers that ended on a step: their tokens to their jobs now,
         and a job whose every row has ended is done (its client need not wait for the window)."""
         self._hold_outputs([rows[i] for i, _ in ended], [out for _, out in ended], version)
@@ -327,7 +286,7 @@ class WindowBatcher:
         for job in {rows[i].job for i, _ in ended}:
             self._hand_over(job)
 
-    def _hold_outputs(self, rows: list[_Row], outputs: list, version: int) -> None:
+    def _hold_outputs(self, rows: list[BatchRow], outputs: list, version: int) -> None:
         """A window's tokens, row by row, as the steps `_dispatch` would have held for them (a row
         already handed over, done, is not)."""
         for row, out in zip(rows, outputs):
@@ -337,20 +296,20 @@ class WindowBatcher:
             tokens, logprobs = out.token_ids.tolist(), out.logprobs.tolist()
             top_ids = out.top_ids[:, :k].tolist() if k and out.top_ids is not None else None
             top_lps = out.top_logprobs[:, :k].tolist() if top_ids is not None else None
-            row.job.held += [_step_token(row, tokens[i], logprobs[i], out.finish_reason if i == n - 1 else None,
+            row.job.held += [step_token(row, tokens[i], logprobs[i], out.finish_reason if i == n - 1 else None,
                                          (top_ids[i], top_lps[i]) if top_ids is not None else None, version)
                              for i in range(n)]
             self.counters["tokens"] += n
 
-    def _dispatch(self, rows: list[_Row], items: list[tuple], version: int) -> None:
+    def _dispatch(self, rows: list[BatchRow], items: list[tuple], version: int) -> None:
         """One decode step's tokens to their jobs (on the loop, in order)."""
-        by_job: dict[_Job, list[StepToken]] = {}
-        ended: set[_Job] = set()
+        by_job: dict[BatchJob, list[StepToken]] = {}
+        ended: set[BatchJob] = set()
         for index, token, logprob, reason, top in items:
             row = rows[index]
             if row.done or row.job.closed:
                 continue
-            by_job.setdefault(row.job, []).append(_step_token(row, token, logprob, reason, top, version))
+            by_job.setdefault(row.job, []).append(step_token(row, token, logprob, reason, top, version))
             self.counters["tokens"] += 1
             if reason is not None and reason is not FinishReason.WINDOW:
                 row.done = True  # (its job's stream can end now, not at the window's end)
@@ -362,61 +321,3 @@ class WindowBatcher:
                 job.held += steps
             if job in ended:  # a row ended: a whole answer gets what it has so far now
                 self._hand_over(job)
-
-
-class JobSteps:
-    """A job's steps (async iterator of `list[StepToken]`), ending when every row has ended or was
-    dropped. `drop(rows)`: stop generating those rows (a stop string or a tool call found);
-    `close()`: the caller is gone, every row is freed at the next window boundary."""
-
-    def __init__(self, batcher: WindowBatcher, job: _Job):
-        self.batcher, self.job = batcher, job
-
-    def __aiter__(self) -> "JobSteps":
-        return self
-
-    async def __anext__(self) -> list[StepToken]:
-        job = self.job
-        while job.live_rows() or not job.queue.empty():
-            steps = await job.queue.get()
-            if steps is None:
-                break
-            if isinstance(steps, BaseException):
-                raise steps
-            return steps + drain(job.queue)
-        raise StopAsyncIteration
-
-    def drop(self, rows: list[int]) -> None:
-        for i in rows:
-            self.job.rows[i].done = True
-
-    def close(self) -> None:
-        if self.job.live_rows():
-            self.batcher.counters["jobs_left"] += 1
-        self.job.closed = True
-        self.batcher._wake.set()
-
-
-def _step_token(row: _Row, token: int, logprob: float, reason: FinishReason | None, top, version: int) -> StepToken:
-    """One token of a row as its job sees it, whether read per decode step or from a window's
-    outputs: a finish only where the row ends (a window's end is not one), the most likely tokens
-    cut to the job's `top_logprobs` (none when it asks for none)."""
-    k = row.job.params.top_logprobs
-    finish = None if reason is FinishReason.WINDOW else reason
-    return StepToken(row.index, token, logprob, finish, (top[0][:k], top[1][:k]) if k and top is not None else None,
-                     version)
-
-
-def drain(queue: asyncio.Queue) -> list[StepToken]:
-    """The steps already waiting behind the one taken (a consumer that fell behind reads them in
-    one go), up to the first item that is not steps (an end or an error), which stays queued."""
-    steps = []
-    while not queue.empty() and isinstance(queue._queue[0], list):  # noqa: SLF001 - peek, asyncio has no API
-        steps += queue.get_nowait()
-    return steps
-
-
-def _ids(tokens: list[int]):
-    import numpy as np
-
-    return np.asarray(tokens, dtype=np.int32)

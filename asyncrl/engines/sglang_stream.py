@@ -16,12 +16,12 @@ import asyncio
 import uuid
 
 from asyncrl.engines.base import SamplingParams, SequenceInput
-from asyncrl.engines.batching import StepToken, drain
+from asyncrl.engines.batch_jobs import StepToken, drain
 from asyncrl.messages.structs import FinishReason
 
 
 class SGLangSteps:
-    """The steps of one job of sequences (the interface of `asyncrl.engines.batching.JobSteps`)."""
+    """The steps of one job of sequences (the interface of `asyncrl.engines.batch_jobs.JobSteps`)."""
 
     def __init__(self, engine, sequences: list[SequenceInput], params: SamplingParams):
         self.engine, self.params = engine, params

@@ -92,7 +92,7 @@ class SGLangPolicy:
 
     def stream(self, sequences: list[SequenceInput], params: SamplingParams, live: bool):
         """Steps as SGLang returns them (`live` or not: its outputs come in chunks of its own)."""
-        from asyncrl.engines.batching import TooLarge
+        from asyncrl.engines.batch_jobs import TooLarge
 
         positions = sum(len(s.prompt_ids) + s.max_response_tokens for s in sequences)
         if len(sequences) > self.max_rows:

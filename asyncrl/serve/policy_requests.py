@@ -15,7 +15,7 @@ from asyncrl.api.choices import ChoiceText, Delta
 from asyncrl.api.requests import (OpenAIError, check_model_name, choice_seeds, logprobs_asked, response_tokens,
                                   sampling_of, stops_of)
 from asyncrl.api.responses import Answer, Chunks
-from asyncrl.engines.batching import TooLarge
+from asyncrl.engines.batch_jobs import TooLarge
 from asyncrl.engines.generation import sequence_input
 
 
