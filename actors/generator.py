@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import math
 import time
-from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
@@ -32,35 +31,13 @@ from actors.base import RoleShell, WeightGroupMember
 from asyncrl.config import EngineConfig, EnvironmentConfig, ModelConfig, SamplingConfig
 from asyncrl.engines.base import Engine, SamplingParams, long_tail_min_tokens
 from asyncrl.engines.generation import EngineCalls, build_generator_engine, sequence_input
+from asyncrl.engines.sequences import GeneratedSequence, ParkedEpisode, window_segment, with_observation
 from asyncrl.environments.episodes import EnvironmentClient, Episodes, build_episodes, observation_of
 from asyncrl.environments.tools import Episode
 from asyncrl.messages.mailbox import Mailbox, keep_leases
-from asyncrl.messages.routes import joined_routes
-from asyncrl.messages.structs import FinishReason, PromptRequest, Segment, observation_mask, sample_id, scored_mask
+from asyncrl.messages.structs import FinishReason, Segment, sample_id
 from asyncrl.weights import transport
 from asyncrl.weights.sync import Delivery, WeightGroup
-
-
-@dataclass
-class _Sequence:
-    request: PromptRequest
-    sample_idx: int
-    window: int = 0  # windows this sequence has advanced (its segments' `window`)
-    response_ids: list[int] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    min_response_tokens: int = 0  # drawn once at admission (long-tail workload), not per window
-    observation: list[int] = field(default_factory=list)  # per response token: 1 = environment's (episodes)
-    turn_start: int = 0  # where the policy's current turn starts in `response_ids` (episodes)
-    tool_calls: int = 0
-
-
-@dataclass
-class _Parked:
-    """An episode waiting for its tool call's observation, with the segment that ends in the call."""
-
-    sequence: _Sequence
-    segment: Segment
-    observing: asyncio.Task
 
 
 class Generator:
@@ -79,9 +56,9 @@ class Generator:
         self.max_inflight = max_inflight
         self.generator_id = generator_id
         self.long_tail = long_tail  # (fraction, tokens): the long-tail benchmark workload
-        self.inflight: list[_Sequence] = []
+        self.inflight: list[GeneratedSequence] = []
         self.episodes = episodes  # a task with an environment: each sample is an episode of turns
-        self.parked: list[_Parked] = []  # episodes waiting for an observation (they hold their slot)
+        self.parked: list[ParkedEpisode] = []  # episodes waiting for an observation (they hold their slot)
         self.samples_left: dict[str, int] = {}  # prompt id -> samples not yet finished
         self._pending_update: tuple[Delivery, object, asyncio.Future] | None = None
         self._engine_lock = asyncio.Lock()  # held by a window and by a weight load: never both at once
@@ -179,7 +156,7 @@ class Generator:
                     returned.append(request.prompt_id)
                     continue
                 self.samples_left[request.prompt_id] = len(samples)
-                self.inflight += [_Sequence(request, i, min_response_tokens=long_tail_min_tokens(request.seed + i, *self.long_tail))
+                self.inflight += [GeneratedSequence(request, i, min_response_tokens=long_tail_min_tokens(request.seed + i, *self.long_tail))
                                   for i in samples]
                 self.counters["prompts_admitted"] += 1
             if returned:
@@ -246,16 +223,16 @@ class Generator:
                 turn = seq.response_ids[seq.turn_start:] + segment.new_token_ids.tolist()
                 observing = asyncio.ensure_future(self.episodes.observe(turn, Episode(seq.request.prompt_id,
                                                                                       seq.sample_idx)))
-                self.parked.append(_Parked(seq, segment, observing))
+                self.parked.append(ParkedEpisode(seq, segment, observing))
             else:
                 segments.append(segment)
-                self._extend(seq, segment)
+                seq.extend(segment, self.episodes is not None)
                 still_running.append(seq)
         # Continuations first, in their original order; sequences outside this batch keep theirs.
         self.inflight = still_running + self.inflight[len(batch):]
         self.timing["prepare_s"] += time.perf_counter() - start
 
-    def _advance(self, seq: _Sequence, out, version: int) -> tuple[Segment, bool]:
+    def _advance(self, seq: GeneratedSequence, out, version: int) -> tuple[Segment, bool]:
         """The segment of one sequence's window, and whether its turn ended in a tool call (the
         window is cut just after the token that completes the call)."""
         versions = out.versions if out.versions is not None else np.full(len(out.token_ids), version, dtype=np.int32)
@@ -271,31 +248,9 @@ class Generator:
             finished = out.finished or last_window
             # The K-th window ends a response whether or not it reached EOS.
             reason = out.finish_reason if out.finished or not finished else FinishReason.MAX_LENGTH
-        return self._segment(seq, *arrays, finished, reason), called is not None and not finished
+        return window_segment(seq, self.generator_id, *arrays, finished, reason), called is not None and not finished
 
-    def _segment(self, seq: _Sequence, tokens, logprobs, versions, scored, routes, finished: bool,
-                 reason: FinishReason) -> Segment:
-        request = seq.request
-        return Segment(
-            prompt_id=request.prompt_id, sample_idx=seq.sample_idx, window=seq.window, group_id=request.prompt_id,
-            prompt_token_ids=request.prompt_token_ids,
-            prior_response_ids=np.asarray(seq.response_ids, dtype=np.int32),
-            prior_versions=np.asarray(seq.versions, dtype=np.int32),
-            prior_observation=np.asarray(seq.observation, dtype=np.uint8) if seq.tool_calls else None,
-            new_token_ids=tokens, new_logprobs=logprobs, new_versions=versions, new_scored=scored, new_routes=routes,
-            finished=finished, finish_reason=reason, data_source=request.data_source,
-            ground_truth=request.ground_truth, seed=request.seed + seq.sample_idx, generator_id=self.generator_id,
-            group_size=request.group_size, row=request.row if finished else None)
-
-    def _extend(self, seq: _Sequence, segment: Segment) -> None:
-        """The sequence's context grows by a segment that continues."""
-        seq.response_ids += segment.new_token_ids.tolist()
-        seq.versions += segment.new_versions.tolist()
-        if self.episodes is not None:
-            seq.observation += observation_mask(segment).astype(np.uint8).tolist()
-        seq.window += 1
-
-    def _finish(self, seq: _Sequence, finished_prompts: list[str]) -> None:
+    def _finish(self, seq: GeneratedSequence, finished_prompts: list[str]) -> None:
         self.counters["samples_finished"] += 1
         self.samples_left[seq.request.prompt_id] -= 1
         if self.samples_left[seq.request.prompt_id] == 0:
@@ -322,17 +277,10 @@ class Generator:
                 segments.append(msgspec.structs.replace(segment, finished=True, finish_reason=FinishReason.MAX_LENGTH))
                 self._finish(seq, finished_prompts)
                 continue
-            last_version = int(segment.new_versions[-1]) if n else self.engine.weight_version
-            segment = msgspec.structs.replace(
-                segment, new_token_ids=np.concatenate([segment.new_token_ids, np.asarray(observation.token_ids, dtype=np.int32)]),
-                new_logprobs=np.concatenate([segment.new_logprobs, np.zeros(k, dtype=np.float32)]),
-                new_versions=np.concatenate([segment.new_versions, np.full(k, last_version, dtype=np.int32)]),
-                new_scored=np.concatenate([scored_mask(segment).astype(np.uint8), np.zeros(k, dtype=np.uint8)]),
-                new_observation=np.concatenate([np.zeros(n, dtype=np.uint8), np.ones(k, dtype=np.uint8)]),
-                new_routes=joined_routes([(segment.new_routes, n), (None, k)]))  # the learner routes observations
+            segment = with_observation(segment, observation.token_ids, self.engine.weight_version)
             self.counters["observation_tokens"] += k
             segments.append(segment)
-            self._extend(seq, segment)
+            seq.extend(segment, self.episodes is not None)
             seq.turn_start = len(seq.response_ids)
             resumed.append(seq)
         self.parked = waiting
