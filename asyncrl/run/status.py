@@ -94,3 +94,37 @@ def reward_failure_lines(health: dict, announced: set[str], fail_fast_samples: i
         return notices, (f"every reward of the first {scored} samples failed, so nothing can be learned: {first}. "
                          f"Fix the reward and start again (reward.fail_fast_samples=0 trains on regardless)")
     return notices, ""
+
+
+def system_status(system) -> dict:
+    """The status of one incarnation (`asyncrl.run.wiring.System`): every role's stats, each call
+    bounded (a role past its deadline is `RoleHung`; a generator that does not answer is listed as
+    unresponsive), summarised, with the ledger, the reward endpoints, the pool and the resume."""
+    import time
+
+    from asyncrl.messages.ray_mailbox import sum_stats
+    from asyncrl.run.deadlines import answer
+
+    def stats(name: str) -> dict:
+        return answer(system.actors[name].stats.remote(), name, "stats")
+
+    learner = stats("learner")
+    generators = answered({gid: g.stats.remote() for gid, g in system.generators.items()}, timeout_s=5.0)
+    assembler = stats("assembler")
+    mailboxes = {name: sum_stats(answer([a.stats.remote() for a in mailbox_actors(box)], f"the {name} mailbox",
+                                        "stats")) for name, box in system.mailboxes.items()}
+    status = summarize(learner, generators, assembler, mailboxes, time.time() - system.started_at)
+    for role in ("value_learner", "environment"):
+        if role in system.actors:
+            status[role] = stats(role)
+    status["reward_endpoints"] = reward_endpoint_table(
+        system.config.reward, assembler.get("reward_router", {}).get("endpoints", {}),
+        {name.removeprefix("reward-"): stats(name) for name in system.actors if name.startswith("reward-")})
+    status["prompt_source"] = stats("prompt_source")
+    status["ledger"] = {**status["prompt_source"].pop("ledger"),
+                        "problems": status["prompt_source"].pop("ledger_problems")}
+    status["resumed"] = system.resumed
+    status["pre_ppo"] = system.pre_ppo
+    status["pool"] = {"target": system.pool.target, "generators": list(system.generators),
+                      "weight_paths": dict(system.weight_paths), "failed_deliveries": learner.get("failed_generators", {})}
+    return status

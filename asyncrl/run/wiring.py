@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -28,32 +27,18 @@ from actors.reward_endpoint import reward_endpoint_actors
 from actors.value_learner import ValueLearnerActor
 from asyncrl.config import Config
 from asyncrl.data.files import check_prompts
-from asyncrl.messages.ray_mailbox import RayMailbox, ShardedMailbox, sum_stats
+from asyncrl.messages.ray_mailbox import RayMailbox, ShardedMailbox
 from asyncrl.messages.structs import PromptRequest, ScoredTrajectory, Segment, TrainBatch
 from asyncrl.run.deadlines import PREPARE_TIMEOUT_S, WORK_TIMEOUT_S, RoleDied, answer
 from asyncrl.run.placement import LEARNER_NAME, ask, role_placement, spawn
 from asyncrl.run.pool import GeneratorPool
-from asyncrl.run.status import (
-                                answered,
-                                mailbox_actors,
-                                reward_endpoint_table,
-                                summarize,
-                                )
+from asyncrl.run.resume_point import ResumePoint, resume_point
+from asyncrl.run.status import mailbox_actors, system_status
 from asyncrl.staleness import open_prompts_bound
-from asyncrl.storage import checkpoint, checkpoint_parts
 from asyncrl.storage.checkpoint_transfer import WriterClient
 from asyncrl.storage.trajectory_store import STORE_DIRNAME
 from asyncrl.weights.sharding import rendezvous_store
 from asyncrl.weights.sync import free_port, node_address
-
-
-@dataclass
-class ResumePoint:
-    checkpoint: str
-    weight_version: int
-    incarnation: int  # how many times the run was resumed (batch ids stay unique across them)
-    saved_batches: list = field(default_factory=list)  # assembled, not yet trained
-    held_sample_ids: set = field(default_factory=set)  # samples inside those batches
 
 
 class System:
@@ -97,7 +82,7 @@ class System:
     def _start(self) -> "System":
         cfg = self.config
         check_prompts(cfg)  # the task's data: refused here, naming the rows, before any role starts
-        resume = self._resume_point()  # None for a fresh run
+        resume, self.resumed = resume_point(self.config, self.run_dir)  # None for a fresh run
         learning = cfg.mode == "train"  # mode=generate: generators, rewards and the store only
         value_based = learning and cfg.algorithm.value_based
         if cfg.trainer.store_trajectories and not self.run_dir:
@@ -252,25 +237,6 @@ class System:
         self._created.append(actor)
         return actor
 
-    def _resume_point(self) -> "ResumePoint | None":
-        """With `resume=true`: the newest valid checkpoint of the run directory and what it holds."""
-        if not self.config.resume:
-            return None
-        if not self.run_dir:
-            raise ValueError("resume=true needs the run directory of the run to resume")
-        path, rejected = checkpoint.latest_valid(self.run_dir)
-        if path is None:
-            raise FileNotFoundError(f"resume=true: no valid checkpoint in {checkpoint.checkpoints_dir(self.run_dir)}"
-                                    + (f" (rejected: {'; '.join(rejected)})" if rejected else ""))
-        saved_batches, held = checkpoint_parts.resumable_batches(checkpoint_parts.load_batches(os.path.join(path, "batches.msgpack")))
-        learner_meta = checkpoint_parts.load_json(os.path.join(path, "learner.json"))
-        point = ResumePoint(checkpoint=path, saved_batches=saved_batches, held_sample_ids=held,
-                            weight_version=learner_meta["weight_version"],
-                            incarnation=int(learner_meta.get("incarnation", 0)) + 1)
-        self.resumed = {"checkpoint": path, "rejected": rejected, "step": learner_meta["step"],
-                        "weight_version": point.weight_version, "saved_batches": len(saved_batches)}
-        return point
-
     # --- while it runs ---------------------------------------------------------------------------------
 
     def stop_learning(self, timeout_s: float = 120.0) -> None:
@@ -344,30 +310,8 @@ class System:
         return dead
 
     def status(self) -> dict:
-        def stats(name: str) -> dict:
-            return answer(self.actors[name].stats.remote(), name, "stats")
-
-        learner = stats("learner")
-        generators = answered({gid: g.stats.remote() for gid, g in self.generators.items()}, timeout_s=5.0)
-        assembler = stats("assembler")
-        mailboxes = {name: sum_stats(answer([a.stats.remote() for a in mailbox_actors(box)], f"the {name} mailbox",
-                                            "stats")) for name, box in self.mailboxes.items()}
-        status = summarize(learner, generators, assembler, mailboxes, time.time() - self.started_at)
-        if "value_learner" in self.actors:
-            status["value_learner"] = stats("value_learner")
-        if "environment" in self.actors:
-            status["environment"] = stats("environment")
-        status["reward_endpoints"] = reward_endpoint_table(
-            self.config.reward, assembler.get("reward_router", {}).get("endpoints", {}),
-            {name.removeprefix("reward-"): stats(name) for name in self.actors if name.startswith("reward-")})
-        status["prompt_source"] = stats("prompt_source")
-        status["ledger"] = {**status["prompt_source"].pop("ledger"),
-                            "problems": status["prompt_source"].pop("ledger_problems")}
-        status["resumed"] = self.resumed
-        status["pre_ppo"] = self.pre_ppo
-        status["pool"] = {"target": self.pool.target, "generators": list(self.generators),
-                          "weight_paths": dict(self.weight_paths), "failed_deliveries": learner.get("failed_generators", {})}
-        return status
+        """Every role's stats and the run's figures as one view (`asyncrl.run.status.system_status`)."""
+        return system_status(self)
 
     def reward_health(self) -> dict:
         """The assembler's count of scored samples and failed rewards, with each endpoint's first failure."""
