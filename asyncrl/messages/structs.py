@@ -141,8 +141,7 @@ class Segment(msgspec.Struct, kw_only=True, frozen=True):
     # uint8 [R]: `new_observation` of the earlier windows' tokens (None: no observation among them),
     # so a row holding the whole response (T-PPO's last window) never trains an observation.
     prior_observation: np.ndarray | None = None
-    # The prompt's data row (`PromptRequest.row`), on a sample's finished segment only: what its
-    # reward needs, carried once.
+    # The prompt's data row (`PromptRequest.row`), on a sample's finished segment only (or None).
     row: dict[str, Any] | None = None
     # [N, sparse_layers, top_k] uint8 or int16 (`asyncrl.messages.routes`): the experts a
     # mixture-of-experts model used for each new token, as the engine recorded them (routing replay).
