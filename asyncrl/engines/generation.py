@@ -37,8 +37,13 @@ def build_engine(model: ModelConfig, policy: tuple | None = None, device: str = 
 
 
 def build_generator_engine(model: ModelConfig, engine: EngineConfig, seed: int = 0) -> tuple[object, dict]:
-    """The engine a generator runs, the embedded one or SGLang's (`engine.name=sglang`), and its
-    precision as the generator reports it (the embedded engine's `engine.dtype`, resolved)."""
+    """The engine a generator runs, the embedded one, SGLang's (`engine.name=sglang`) or vLLM's
+    (`engine.name=vllm`), and its precision as the generator reports it (the embedded engine's
+    `engine.dtype`, resolved)."""
+    if engine.name == "vllm":
+        from asyncrl.engines.vllm_launch import start_vllm  # imports vLLM: only in its venv
+
+        return start_vllm(model, engine, seed), {"precision": model.dtype, "reason": "vLLM runs model.dtype"}
     if engine.name == "sglang":
         from asyncrl.engines.sglang_launch import start_sglang  # imports SGLang: only in its venv
 

@@ -1,0 +1,72 @@
+"""Starting vLLM for a run (`engine=vllm`): the model as a Hugging Face directory (written once
+into the cache where the source is another, as for SGLang: `sglang_launch.hf_directory`), vLLM's
+engine arguments from `EngineConfig`, and the environment its processes start with.
+`start_vllm` is what a generator calls."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+from asyncrl.config import EngineConfig, ModelConfig
+from asyncrl.engines.sglang_launch import eos_ids, hf_directory
+
+# The worker-side loaders (`asyncrl.engines.vllm_worker`), mixed into vLLM's worker class.
+WORKER_EXTENSION = "asyncrl.engines.vllm_worker.WeightLoading"
+
+
+def engine_args(model_path: str, model: ModelConfig, engine: EngineConfig, seed: int) -> dict:
+    """vLLM's `AsyncEngineArgs` for a generator.
+
+    * `logprobs_mode=processed_logprobs`: each sampled token's log-prob is that of the distribution
+      it was drawn from (after temperature, top-k and top-p), the one the learner scores; vLLM's
+      default is the raw softmax's.
+    * Prefix caching on: a window re-sends its sequence's tokens so far and reads them from the
+      cache. Requests carry `cache_salt` = their weight version, so no token reads KV of older weights.
+    * Eager on CPU: vLLM's graph compilation costs minutes of start-up here and changes no number.
+    """
+    args = {"model": model_path, "dtype": model.dtype, "seed": seed, "enable_prefix_caching": True,
+            "logprobs_mode": "processed_logprobs", "worker_extension_cls": WORKER_EXTENSION,
+            "disable_log_stats": True, "enforce_eager": engine.device == "cpu", "block_size": engine.vllm_block_tokens}
+    if engine.vllm_kv_cache_mb:
+        args["kv_cache_memory_bytes"] = engine.vllm_kv_cache_mb << 20
+    else:
+        args["gpu_memory_utilization"] = engine.vllm_mem_fraction
+    if engine.vllm_max_num_seqs:
+        args["max_num_seqs"] = engine.vllm_max_num_seqs
+    return args
+
+
+@contextlib.contextmanager
+def engine_environment(engine: EngineConfig):
+    """The environment vLLM's engine-core and worker processes start with (they copy it when
+    spawned); the generator's own is put back after."""
+    settings = {
+        # vLLM's sampler compiles its log-prob rank counter with inductor on first use: half a
+        # minute of C++ build on this 2-core machine, for a reduction eager runs as exactly.
+        "TORCHDYNAMO_DISABLE": "1",
+        # vLLM binds its OpenMP threads to every core of the node by default; a generator shares the
+        # node with its learner, so it gets `engine.threads` threads and no binding.
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "OMP_NUM_THREADS": str(engine.threads),
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+    }
+    saved = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def start_vllm(model: ModelConfig, engine: EngineConfig, seed: int = 0):
+    """The vLLM engine of a generator (`engine.name=vllm`), built on the running event loop."""
+    from asyncrl.engines.vllm_engine import VLLMEngine
+
+    directory = hf_directory(model)
+    with engine_environment(engine):
+        return VLLMEngine(engine_args(directory, model, engine, seed), eos_ids(directory))
