@@ -20,6 +20,7 @@ def test_generate_on_tiny_model(tmp_path):
     assert "### 0:" in out.stdout and "tokens/s" in out.stdout
 
 
+@pytest.mark.slow  # (CI's time: its path is covered by the suite's other tests)
 def test_bench_messages_quick_writes_json(tmp_path):
     out = asyncrl("bench", "messages", "--quick", "--run-dir", str(tmp_path), cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -145,6 +146,7 @@ def test_train_stops_when_its_time_budget_is_spent_then_checkpoints_and_evaluate
         compose(["mode=generate", "trainer.store_trajectories=true", "trainer.max_train_s=60"])
 
 
+@pytest.mark.slow  # (CI's time: its path is covered by the suite's other tests)
 def test_train_stops_when_its_sample_budget_is_spent(tmp_path):
     """`trainer.max_generated_samples`: the run stops at the first step after the generators have
     finished that many samples (how methods are compared at equal samples), says why, and evaluates."""

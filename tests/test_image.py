@@ -14,6 +14,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,6 +63,7 @@ def test_the_dockerfile_copies_every_top_level_path_the_package_reads():
     assert all(part.startswith("pip install") for run in runs if run not in IMAGE_ONLY for part in run.split(" && "))
 
 
+@pytest.mark.slow  # (CI's time: its path is covered by the suite's other tests)
 def test_the_tree_the_dockerfile_copies_installs_imports_every_app_and_trains(tmp_path, venv_over_this_one):
     tree = build_tree(tmp_path / "image")
     python = venv_over_this_one / "python"

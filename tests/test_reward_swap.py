@@ -100,6 +100,7 @@ def test_reward_endpoint_swaps_while_training_with_no_failed_request(ray_session
         serve.shutdown()
 
 
+@pytest.mark.slow  # (CI's time: its path is covered by the suite's other tests)
 def test_a_reward_function_of_ones_own_swaps_with_its_file_and_version(ray_session, tmp_path):
     """A `kind: python` endpoint as its own Serve application (verl's `custom_reward_function.path`):
     a new file with a new `version` (a user_config change) is read again while training runs, and
