@@ -2,9 +2,11 @@
 
 The driver never waits on the actors' work: generators, assembler and learner run their own
 loops; the driver polls the run (`asyncrl.run.Run`, shared with the Serve app) every 0.5 s, and
-evaluates the policy on held-out prompts before the first step, every `trainer.eval_every` steps
-and after the last. It writes a checkpoint at the end (the learner writes the periodic ones), and
-with `resume=true` continues the run of `trainer.run_dir` from its newest valid checkpoint.
+evaluates the policy on held-out prompts before the first step and after the last, and every
+`trainer.eval_every` steps beside training, on a thread (`asyncrl.evaluation.EvaluationBeside`: the
+weights of one version pinned, the version named in the result) while the run and its polls go
+on. It writes a checkpoint at the end (the learner writes the periodic ones), and with
+`resume=true` continues the run of `trainer.run_dir` from its newest valid checkpoint.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from asyncrl.config import Config, to_record
 from asyncrl.data.files import check_prompts, fit_notices
 from asyncrl.engines.generation import build_engine
 from asyncrl.errors import RewardsFailing
-from asyncrl.evaluation import accuracy_line, greedy_accuracy
+from asyncrl.evaluation import EvaluationBeside, accuracy_line, greedy_accuracy
 from asyncrl.run import Run
 from asyncrl.run.loggers import StepLoggers, open_loggers
 from asyncrl.run.placement import init_ray
@@ -55,23 +57,18 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
     init_ray(config)
     engine, tokenizer = _evaluation_engine(config, run_dir)
     before = _evaluate_before(config, engine, tokenizer, eval_prompts, progress)
-    loggers = open_loggers(config, run_dir)  # wandb, TensorBoard: the run's own, resumed with it
-    evals: list[dict] = []
-
+    loggers = open_loggers(config, run_dir)  # wandb, TensorBoard, Ray: the run's own, resumed with it
     ctrl_c = _CtrlC()
+    evaluator = EvaluationBeside(config, engine, tokenizer, lambda: run.weights(), lambda: time.time() - run.log.started,
+                                 run_dir, eval_prompts)
 
     def evaluate_every(record: dict) -> None:
-        # Not once the run is stopping: when evaluation is slower than training (a tiny model,
-        # eval_every=3, a loaded machine) a poll's backlog of due evaluations would hold the stop
-        # for minutes; the final evaluation follows anyway.
-        if ctrl_c.noted or ctrl_c.loop_over:
-            return
-        if config.trainer.eval_every and record["step"] % config.trainer.eval_every == 0:
-            version, weights = run.weights()
-            engine.update_weights(weights.items(), version)
-            result = greedy_accuracy(config, engine, tokenizer, eval_prompts)
-            record.update({"eval_accuracy": result["accuracy"], "eval_n": result["n"]})
-            evals.append({"step": record["step"], **result})
+        evaluator.annotate(record)  # a result that came since the last record
+        # None once the run is stopping (the final evaluation follows), nor of the last step (it is the final one's).
+        every = config.trainer.eval_every
+        if every and record["step"] % every == 0 and record["step"] < config.trainer.total_steps and not (
+                ctrl_c.noted or ctrl_c.loop_over):
+            evaluator.due(record["step"])
 
     if progress:
         print("starting the run's actors (each loads the model: about a minute on a quiet machine)", flush=True)
@@ -83,8 +80,9 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
             r = run.resumed
             print(f"resumed from {r['checkpoint']} at step {r['step']} ({r['reissued_prompts']} prompts to regenerate, "
                   f"{r['saved_batches']} saved batches)", flush=True)
-        ending = _watch(run, config, progress, ctrl_c)
+        ending = _watch(run, config, progress, ctrl_c, evaluator)
     finally:
+        evaluator.stop(wait=False)  # an error or a second Ctrl-C: the engine free for the final evaluation
         with _sigint_deferred():  # the actors must not be left running
             run.stop()
     wall = time.time() - run.log.started
@@ -96,7 +94,7 @@ def train(config: Config, progress: bool = True, eval_prompts: int | None = None
         print(f"last checkpoint: {last or 'none'}"
               + (f" (continue with: asyncrl train trainer.run_dir={run_dir} resume=true)" if last else ""), flush=True)
     summary = {"run_dir": run_dir, "eval_before": before, "eval_after": after, "train_wall_s": wall,
-               "reached_target": _reached_target(run.records, config), "evals": evals, "resumed": run.resumed,
+               "reached_target": _reached_target(run.records, config), "evals": evaluator.results, "resumed": run.resumed,
                "restarts": run.restarts, "steps": run.log.steps_recorded, "final_status": ending.final_status or {},
                "interrupted": ending.interrupted, "stop_reason": ending.stop_reason or ending.rewards_failing,
                "last_checkpoint": ending.last_checkpoint, "records": run.records}
@@ -154,7 +152,7 @@ def write_config(config: Config, run_dir: str) -> str:
     return path
 
 
-def _watch(run: Run, config: Config, progress: bool, ctrl_c: "_CtrlC") -> Ending:
+def _watch(run: Run, config: Config, progress: bool, ctrl_c: "_CtrlC", evaluator: EvaluationBeside) -> Ending:
     """Poll until the last step, the target reward, the time or sample budget, nothing left to learn, or
     Ctrl-C; then the final checkpoint, status and weights (a second Ctrl-C skips them)."""
     ending = Ending()
@@ -180,7 +178,7 @@ def _watch(run: Run, config: Config, progress: bool, ctrl_c: "_CtrlC") -> Ending
                     break
             ctrl_c.loop_over = True  # from here a Ctrl-C skips what is left, as a second one does
             ending.interrupted = ctrl_c.noted
-            _finish(run, config, ending, bar)
+            _finish(run, config, ending, bar, evaluator)
     except KeyboardInterrupt:  # a second Ctrl-C: stop now; a checkpoint being written is never half there
         ending.interrupted = True
         print("\nstopping without the final checkpoint and evaluation", flush=True)
@@ -190,9 +188,10 @@ def _watch(run: Run, config: Config, progress: bool, ctrl_c: "_CtrlC") -> Ending
     return ending
 
 
-def _finish(run: Run, config: Config, ending: Ending, bar) -> None:
-    """After the watch loop: the learner stopped, the final checkpoint, status and weights. A run
-    whose rewards all fail stops at once: nothing it trained is worth keeping or evaluating."""
+def _finish(run: Run, config: Config, ending: Ending, bar, evaluator: EvaluationBeside) -> None:
+    """After the watch loop: the learner stopped, the evaluation running finished (its result on
+    the steps done meanwhile, if any), the final checkpoint, status and weights. A run whose
+    rewards all fail stops at once: nothing it trained is worth keeping or evaluating."""
     if ending.rewards_failing:
         if bar is not None:
             bar.close()
@@ -200,8 +199,10 @@ def _finish(run: Run, config: Config, ending: Ending, bar) -> None:
         return
     if ending.interrupted or ending.stop_reason:
         run.stop_learning()
+        evaluator.stop(wait=True)
         run.poll(check_health=False)  # the steps done meanwhile
         _say(bar, f"stopped after step {run.step}" + (f": {ending.stop_reason}" if ending.stop_reason else ""))
+    evaluator.stop(wait=True)
     if bar is not None:
         bar.close()
     if config.trainer.checkpoint_every and run.records:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -88,14 +89,26 @@ def sample_engine(config: Config, engine, tokenizer, examples: list[Example], n:
     return [texts[i * n : (i + 1) * n] for i in range(len(examples))]
 
 
-def greedy_accuracy(config: Config, engine, tokenizer, max_prompts: int | None = None, progress: str = "") -> dict:
+class EvaluationCancelled(Exception):
+    """An evaluation stopped between two engine calls (`greedy_accuracy`'s `cancel`)."""
+
+
+def greedy_accuracy(config: Config, engine, tokenizer, max_prompts: int | None = None, progress: str = "",
+                    cancel: threading.Event | None = None) -> dict:
     """Greedy pass@1 on the task's held-out prompts (`trainer.eval_samples` of them unless
     `max_prompts`): the before/after/periodic figure of a training run. `progress`: a label for a
-    progress bar (empty = none)."""
+    progress bar (empty = none). `cancel`, once set, stops it after the engine call in progress
+    (`EvaluationCancelled`)."""
     examples = held_out(config, max_prompts or config.trainer.eval_samples)
     with progress_bar(len(examples), progress, bool(progress)) as bar:
+
+        def on_batch(n: int) -> None:
+            bar.update(n)
+            if cancel is not None and cancel.is_set():
+                raise EvaluationCancelled
+
         completions = respond(config, engine, tokenizer, examples, 1, SamplingParams(greedy=True),
-                              list(range(len(examples))), on_batch=bar.update)
+                              list(range(len(examples))), on_batch=on_batch)
     failures: list[str] = []
     correct = score(config, examples, [[c.text] for c in completions], failures)
     return {"accuracy": sum(c[0] for c in correct) / max(len(examples), 1), "n": len(examples),
@@ -254,3 +267,82 @@ def write_table(result: dict, out_dir: str) -> tuple[str, list[str]]:
     with open(paths[1], "w") as f:
         f.write(table)
     return table, paths
+
+
+class EvaluationBeside:
+    """Held-out evaluations during training that neither stop it nor hold the driver: each on a
+    thread of its own, on the driver's engine, with a pinned copy of the weights of the version
+    the learner has when it starts (`weights()`: `(version, weights)`). One runs at a time; a step
+    due while one runs waits, and only the newest such step is evaluated after it (on the weights
+    of its own start). Each result names the step that asked for it and the weight version it
+    scored (`evals.jsonl` in the run directory, `results`), and goes on the next step record
+    written (`annotate`: `eval_accuracy`, `eval_n`, `eval_step`, `eval_weight_version`)."""
+
+    def __init__(self, config: Config, engine, tokenizer, weights, clock, run_dir: str, max_prompts: int | None):
+        self.config, self.engine, self.tokenizer = config, engine, tokenizer
+        self.weights, self.clock, self.max_prompts = weights, clock, max_prompts
+        self.path = os.path.join(run_dir, "evals.jsonl")
+        self.results: list[dict] = []  # every evaluation done, in order
+        self._unrecorded: list[dict] = []  # results not yet on a step record
+        self._pending: int | None = None  # the newest step due while one ran
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._cancel = threading.Event()
+        self._closed = False  # stopped: no step is due any more
+
+    def due(self, step: int) -> None:
+        """Evaluate for `step`: now, or after the evaluation running."""
+        with self._lock:
+            if self._closed:
+                return
+            if self._thread is not None and self._thread.is_alive():
+                self._pending = step
+                return
+            self._thread = threading.Thread(target=self._work, args=(step,), name="asyncrl-eval", daemon=True)
+            self._thread.start()
+
+    def annotate(self, record: dict) -> None:
+        """The oldest result not yet recorded, on `record` (a step record about to be written)."""
+        with self._lock:
+            if not self._unrecorded:
+                return
+            result = self._unrecorded.pop(0)
+        record.update({"eval_accuracy": result["accuracy"], "eval_n": result["n"], "eval_step": result["step"],
+                       "eval_weight_version": result["weight_version"]})
+
+    def stop(self, wait: bool = True) -> None:
+        """No step is due from now on; the evaluation running and the one due after it are finished
+        (`wait`), or the running one is cancelled after its engine call in progress. The engine is
+        free when this returns."""
+        with self._lock:
+            self._closed = True
+            if not wait:
+                self._pending = None
+                self._cancel.set()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+
+    def _work(self, step: int | None) -> None:
+        while step is not None:
+            started = self.clock()
+            try:
+                version, weights = self.weights()  # pinned: a copy of this version, whatever the learner does next
+                self.engine.update_weights(weights.items(), version)
+                del weights
+                result = greedy_accuracy(self.config, self.engine, self.tokenizer, self.max_prompts,
+                                         cancel=self._cancel)
+            except EvaluationCancelled:
+                return
+            except Exception as exc:  # the run restarting under it, an engine error: said, training goes on
+                print(f"the evaluation for step {step} failed: {type(exc).__name__}: {exc}", flush=True)
+                result, version = None, None
+            with self._lock:
+                if result is not None:
+                    entry = {"step": step, "weight_version": version, **result, "started_s": started,
+                             "finished_s": self.clock()}
+                    self.results.append(entry)
+                    self._unrecorded.append(entry)
+                    with open(self.path, "a") as f:
+                        f.write(json.dumps(entry) + "\n")
+                step, self._pending = self._pending, None

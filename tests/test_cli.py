@@ -107,7 +107,9 @@ def test_train_ctrl_c_resume_export_eval_as_a_user_runs_them(tmp_path):
     assert f"last checkpoint: {summary['last_checkpoint']}" in output and "resume=true" in output
     first = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in first] == list(range(1, stopped + 1))
-    assert [r["step"] for r in first if "eval_accuracy" in r][:2] == [3, 6]
+    # Evaluated beside training (evals.jsonl): from step 3 on, each naming the version it scored.
+    evals = [json.loads(line) for line in (run / "evals.jsonl").read_text().splitlines()]
+    assert evals[0]["step"] == 3 and all(e["step"] % 3 == 0 and e["weight_version"] >= e["step"] for e in evals)
     steps = sorted(int(p.name.split("_")[1]) for p in (run / "checkpoints").iterdir())
     assert steps[-1] == stopped and len(steps) <= 2  # checkpoint_keep=2
     out = asyncrl("train", *common, f"trainer.total_steps={stopped + 4}", "resume=true", cwd=tmp_path)

@@ -83,7 +83,7 @@ def test_a_step_redone_after_a_restart_is_logged_once(tmp_path):
 
 def test_an_unknown_logger_is_refused_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"^trainer.loggers=\[console,tensorbord\]: trainer.loggers: 'tensorbord' is "
-                                          r"not one of console, wandb, tensorboard; did you mean 'tensorboard'\?$"):
+                                          r"not one of console, wandb, tensorboard, ray; did you mean 'tensorboard'\?$"):
         compose(["trainer.loggers=[console,tensorbord]"])
     # verl's name, with one of verl's loggers that asyncrl does not have.
     with pytest.raises(ConfigError, match="^trainer.logger=\\[console,mlflow\\]: trainer.loggers: 'mlflow' is not one"):

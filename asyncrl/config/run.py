@@ -74,12 +74,14 @@ class TrainerConfig(Section):
     """Synchronous baseline: issue a batch of prompts, wait for all of it, train, wait for the new
     weights to reach the generators, repeat (no staleness). Windows are whole responses
     (`engine.window_tokens` is set to `engine.max_response_tokens`)."""
-    loggers: list[Literal["console", "wandb", "tensorboard"]] = msgspec.field(
+    loggers: list[Literal["console", "wandb", "tensorboard", "ray"]] = msgspec.field(
         default_factory=lambda: ["console", "wandb"])
     """Where the step records go besides `metrics.jsonl` (always written): console (`asyncrl
     train`'s progress bar), wandb (a wandb run that follows the run directory across resumes and
-    restarts: `wandb_mode`), tensorboard (scalars in `<run_dir>/tensorboard/`). verl's
-    `trainer.logger` sets it; the Serve `train` app logs to wandb and TensorBoard too."""
+    restarts: `wandb_mode`), tensorboard (scalars in `<run_dir>/tensorboard/`), ray (the run's live
+    figures as `ray.util.metrics` gauges and counters, `asyncrl_*`, tagged with the run's name: the
+    Ray dashboard and Ray's Prometheus endpoint show them; `cluster.metrics_export_port`). verl's
+    `trainer.logger` sets it; the Serve `train` app logs to all of them too."""
     experiment_name: str = ""
     """The run's name in wandb (verl's name for it); empty = the run directory's name."""
     wandb_project: str = "asyncrl"
@@ -121,6 +123,10 @@ class ClusterConfig(Section):
     ray_address: str = ""
     """A running Ray cluster to join (auto, or <head-ip>:6379); empty = start Ray in this process
     (RAY_ADDRESS in the environment also joins one)."""
+    metrics_export_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
+    """The port of Ray's Prometheus endpoint (`http://<node>:<port>/metrics`, where the metrics of
+    `trainer.loggers: [ray]` are) when asyncrl starts Ray; 0 = a free port Ray picks (the run says
+    which at start-up). A cluster joined (`ray_address`) keeps its own."""
     object_store_mb: Annotated[int, msgspec.Meta(ge=64)] = 2048
     """Ray's object store when asyncrl starts Ray: room for a few versions of the policy on their
     way to the policy endpoint and to evaluation (the embedded model: 0.5 GB each)."""

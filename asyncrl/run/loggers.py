@@ -1,5 +1,6 @@
 """Where a run's step records go besides `metrics.jsonl` (`trainer.loggers`), the same for `asyncrl
-train` and the Serve `train` app, each from its own process: a wandb run and TensorBoard scalars.
+train` and the Serve `train` app, each from its own process: a wandb run, TensorBoard scalars, and
+Ray metrics (`asyncrl.run.ray_metrics`: the live figures as gauges on Ray's Prometheus endpoint).
 
 A run is one wandb run however many processes it takes: the id is kept in the run directory
 (`loggers.json`) and every later process that resumes the run (`resume=true`, a Serve controller
@@ -38,13 +39,18 @@ class StepLoggers:
     """The open loggers of one process of a run. `log` takes step records as `RunRecords` writes
     them; `finish` adds the run's last figures (wandb's summary) and closes every logger."""
 
-    def __init__(self, run_dir: str, wandb_run: Any = None, tensorboard: Any = None, last_step: int = 0):
+    def __init__(self, run_dir: str, wandb_run: Any = None, tensorboard: Any = None, last_step: int = 0,
+                 ray_metrics: Any = None):
         self.run_dir = run_dir
         self.wandb_run = wandb_run
         self.tensorboard = tensorboard
+        self.ray_metrics = ray_metrics  # `asyncrl.run.ray_metrics.RayMetrics`
         self.last_step = last_step  # the highest step any process of the run has logged
 
-    def log(self, records: list[dict]) -> None:
+    def log(self, records: list[dict], status: dict | None = None) -> None:
+        """`status`: the run's status read with the records (the mailboxes' depths for Ray)."""
+        if self.ray_metrics is not None:  # gauges show the run as it is now, a redone step too
+            self.ray_metrics.log(records, status)
         if self.wandb_run is None and self.tensorboard is None:
             return
         logged = False
@@ -96,6 +102,12 @@ def open_loggers(config: Config, run_dir: str) -> StepLoggers:
         # purge_step: a START marker at step 1, past which TensorBoard drops the points of files before it.
         loggers.tensorboard = SummaryWriter(os.path.join(run_dir, TENSORBOARD_DIR),
                                             purge_step=None if config.resume else 1)
+    if "ray" in wanted:
+        from asyncrl.run.ray_metrics import RayMetrics, export_address, run_name
+
+        loggers.ray_metrics = RayMetrics(run_name(config, run_dir))
+        where = export_address() or "the Ray cluster's metrics endpoint"
+        print(f"Ray metrics of run {run_name(config, run_dir)!r} (asyncrl_*): {where}", flush=True)
     return loggers
 
 

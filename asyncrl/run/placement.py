@@ -32,8 +32,10 @@ def init_ray(config) -> None:
             ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, runtime_env=runtime_env)
             return
         # The object store carries weight snapshots to the policy endpoint and to evaluation.
-        ray.init(num_cpus=16, include_dashboard=False, object_store_memory=config.cluster.object_store_mb * 2**20,
-                 log_to_driver=False, namespace=NAMESPACE, runtime_env=runtime_env)
+        port = {"_metrics_export_port": config.cluster.metrics_export_port} if config.cluster.metrics_export_port else {}
+        # address="local": a new instance of the run's own, never another job's Ray found on the machine.
+        ray.init(address="local", num_cpus=16, include_dashboard=False, object_store_memory=config.cluster.object_store_mb * 2**20,
+                 log_to_driver=False, namespace=NAMESPACE, runtime_env=runtime_env, **port)
     except Exception as exc:  # Ray raises several types here (timeouts, connection errors, RuntimeError)
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         where = f"the Ray cluster at {address}" if address else "a local Ray instance"

@@ -136,7 +136,7 @@ class RunRecords:
                 self.annotate(record)
         self.append("metrics.jsonl", new)
         if self.loggers is not None:  # after metrics.jsonl, which has every record whatever a logger does
-            self.loggers.log(new)
+            self.loggers.log(new, status)
         self.records += new
         self.steps_recorded += len(new)
         if self.history_limit:
