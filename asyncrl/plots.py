@@ -71,6 +71,17 @@ def write_plots(records: list[dict], run_dir: str) -> list[str]:
         fig.savefig(path, dpi=90)
         plt.close(fig)
         paths.append(path)
+    evaluated = sorted({(r["eval_weight_version"], r["eval_accuracy"]) for r in records
+                        if r.get("eval_weight_version") is not None and r.get("eval_accuracy") is not None})
+    if evaluated:  # evaluation beside training: each score by the weight version it scored
+        fig, ax = plt.subplots(figsize=(6, 3.2))
+        ax.plot(*zip(*evaluated), marker="o", linewidth=1)
+        ax.set_xlabel("weight version")
+        ax.set_title("held-out accuracy by weight version")
+        fig.tight_layout()
+        paths.append(os.path.join(run_dir, "eval_accuracy.png"))
+        fig.savefig(paths[-1], dpi=90)
+        plt.close(fig)
     staleness = [r["staleness_mean"] for r in records if "staleness_mean" in r]
     if staleness:
         fig, ax = plt.subplots(figsize=(6, 3.2))

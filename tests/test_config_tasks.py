@@ -304,3 +304,17 @@ def test_a_serve_app_s_overrides_string_splits_as_a_shell_does():
     config = config_from_args({"overrides": "model=tiny 'task.chat_template_kwargs={enable_thinking: false}'",
                                "trainer.total_steps": "7"})
     assert config.task.chat_template_kwargs == {"enable_thinking": False} and config.trainer.total_steps == 7
+
+
+def test_an_eval_interval_without_held_out_files_is_refused_in_one_line(tmp_path):
+    from asyncrl.config import ConfigError, compose
+
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    with pytest.raises(ConfigError, match=r"^trainer.eval_every=5 scores held-out prompts as the run trains, but "
+                                          r"task=file has no task.eval_path \(the held-out files\): set "
+                                          r"task.eval_path, or trainer.eval_every=0$"):
+        compose(["model=tiny", "task=file", f"task.path={data}", "trainer.eval_every=5"])
+    assert compose(["model=tiny", "task=file", f"task.path={data}", f"task.eval_path={data}",
+                    "trainer.eval_every=5"]).trainer.eval_every == 5
+    assert compose(["model=tiny", "task=tiny", "trainer.eval_every=5"]).trainer.eval_every == 5

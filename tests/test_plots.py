@@ -34,3 +34,14 @@ def test_every_run_plot_is_written(tmp_path):
     records = [{"step": step, "entropy": 1.0 / step, "staleness_mean": step % 2} for step in range(1, 6)]
     paths = write_plots(records, str(tmp_path))
     assert sorted(p.rsplit("/", 1)[1] for p in paths) == ["entropy.png", "staleness_hist.png"]
+
+
+def test_held_out_scores_are_drawn_by_the_weight_version_they_scored(tmp_path):
+    """Evaluation beside training: a score lands on a later step record; the plot puts it at the
+    version it scored (each once, however many records repeat it)."""
+    records = [{"step": 1}, {"step": 5, "eval_accuracy": 0.2, "eval_weight_version": 3},
+               {"step": 6, "eval_accuracy": 0.2, "eval_weight_version": 3},
+               {"step": 9, "eval_accuracy": 0.7, "eval_weight_version": 6}]
+    paths = write_plots(records, str(tmp_path))
+    assert [p.rsplit("/", 1)[1] for p in paths] == ["eval_accuracy.png"]
+    assert write_plots([{"step": 1}], str(tmp_path / "none")) == []

@@ -204,6 +204,9 @@ def _mode_checks(config) -> list[tuple[bool, str]]:
          "policy.compute.ranks > 1 shards the online learner; mode=learn and mode=generate run one rank"),
         (trainer.max_train_s == 0 or config.mode == "train",
          "trainer.max_train_s bounds an online run (mode=train); mode=learn and mode=generate stop by their steps"),
+        (trainer.eval_every == 0 or config.task.name != "file" or bool(config.task.eval_path),
+         f"trainer.eval_every={trainer.eval_every} scores held-out prompts as the run trains, but task=file has "
+         f"no task.eval_path (the held-out files): set task.eval_path, or trainer.eval_every=0"),
         (trainer.max_generated_samples == 0 or config.mode == "train",
          "trainer.max_generated_samples bounds an online run (mode=train); mode=learn and mode=generate stop "
          "by their steps"),

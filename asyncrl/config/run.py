@@ -28,7 +28,9 @@ class TrainerConfig(Section):
     run_dir: str = ""
     """Where metrics.jsonl, plots and checkpoints go (default outputs/<time>)."""
     eval_every: NonNegativeInt = 0
-    """Evaluate on the held-out prompts every N steps (0 = only at start and end)."""
+    """Evaluate on the held-out prompts every N steps, beside training, each score named by the
+    weight version it scored (`evals.jsonl`, `eval_accuracy.png`); 0 = only at start and end. Each
+    step trains one version, so this is also every N versions. task=file needs task.eval_path."""
     eval_samples: PositiveInt = 64
     """Held-out prompts evaluated (greedy pass@1)."""
     checkpoint_every: NonNegativeInt = 10
