@@ -79,12 +79,13 @@ def test_the_compile_benchmark_times_the_engines_own_decode_step_eager_and_compi
 
 
 def test_the_engine_benchmark_times_distinct_prompts_and_grpo_groups_against_generate(monkeypatch, tmp_path):
-    """`asyncrl bench engine --quick` on the tiny model (SGLang's half skipped: no environment at
-    the root it is pointed at): every row has both clocks for the engine and `generate`, and the
+    """`asyncrl bench engine --quick` on the tiny model (SGLang's and vLLM's columns skipped: no
+    environment at the root they are pointed at): every row has both clocks for the engine and `generate`, and the
     last row is the batch a GRPO generator runs, rows sharing their prompts."""
     from asyncrl.bench import engine
 
     monkeypatch.setenv("ASYNCRL_SGLANG_ROOT", str(tmp_path))
+    monkeypatch.setenv("ASYNCRL_VLLM_ROOT", str(tmp_path))
     result = engine.run(quick=True, overrides=["model=tiny", "task=tiny"])
     assert list(result["batches"]) == ["batch_1", "batch_4", "groups_4"]
     groups = result["batches"]["groups_4"]
@@ -94,7 +95,7 @@ def test_the_engine_benchmark_times_distinct_prompts_and_grpo_groups_against_gen
             assert row[f"{variant}_tokens_per_s"] > 0 and row[f"{variant}_tokens_per_cpu_s"] > 0
         assert row["engine_over_generate"] > 0 and row["engine_over_generate_cpu"] > 0
     assert result["families"]["families"] == {"llama": True, "qwen2": True, "qwen3": True}
-    assert "missing" in result["sglang"]["skipped"]
+    assert "missing" in result["sglang"]["skipped"] and "make vllm" in result["vllm"]["skipped"]
     text = engine.report(result)
     assert "| 4 (2 prompts x 2) |" in text and "| 1 |" in text
 

@@ -287,6 +287,30 @@ def test_a_verl_command_line_composes_with_one_notice_per_name(tmp_path):
     assert refused.returncode == 2 and "policy.mini_batches" in refused.stderr and len(refused.stderr.splitlines()) == 1
 
 
+def test_verls_rollout_name_picks_our_engine_and_its_preset():
+    """`actor_rollout_ref.rollout.name` (hf, sglang, vllm) is our engine with its preset (KV cache,
+    rollout correction), as `engine=` gives it; vLLM where it is not installed is refused naming
+    the command that installs it."""
+    import importlib.util
+
+    from asyncrl.config import ConfigError, compose
+
+    notices = []
+    assert compose(["actor_rollout_ref.rollout.name=hf"], notices=notices).engine.name == "torch"
+    assert notices == ["actor_rollout_ref.rollout.name (verl's name) is asyncrl's engine.name=torch"]
+    sglang = compose(["actor_rollout_ref.rollout.name=sglang", "engine.device=cpu"], notices=[])
+    assert sglang.engine.name == "sglang" and sglang.engine.sglang_max_total_tokens == 8192
+    if importlib.util.find_spec("vllm") is None:
+        with pytest.raises(ConfigError, match="`make vllm` builds .venv-vllm"):
+            compose(["actor_rollout_ref.rollout.name=vllm"], notices=[])
+    else:
+        vllm = compose(["actor_rollout_ref.rollout.name=vllm"], notices=[])
+        assert (vllm.engine.name, vllm.engine.vllm_kv_cache_mb) == ("vllm", 512)
+        assert vllm.policy.loss.rollout_correction == "token_tis"
+    with pytest.raises(ConfigError, match="known: sglang, vllm, hf"):
+        compose(["actor_rollout_ref.rollout.name=trtllm"], notices=[])
+
+
 def test_a_recipe_of_ones_own_outside_the_repository_composes_with_the_packages_groups(tmp_path):
     """`--config-dir D --config-name X`: a recipe that starts from asyncrl's config, overrides a
     group with an option of its own and still picks the package's options (model=tiny)."""

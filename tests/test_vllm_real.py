@@ -10,9 +10,7 @@ holds alone and in any order.
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
-import time
 
 import numpy as np
 import pytest
@@ -25,40 +23,25 @@ if importlib.util.find_spec("vllm") is None:
 from asyncrl.config import compose  # noqa: E402
 from asyncrl.engines.base import SamplingParams  # noqa: E402
 from asyncrl.engines.generation import sequence_input  # noqa: E402
-from asyncrl.learning.scoring import LOGPROB_FLOOR, response_logprobs  # noqa: E402
+from asyncrl.learning.scoring import LOGPROB_FLOOR  # noqa: E402
 from asyncrl.messages.structs import FinishReason  # noqa: E402
-from asyncrl.models.loading import build_tiny_tokenizer  # noqa: E402
-from asyncrl.weights.shared_memory import SharedSlots  # noqa: E402
-from tiny_hf_models import perturbed, tiny_qwen2  # noqa: E402
+from real_engine_checks import (  # noqa: E402
+    EOS, PROMPTS, TOLERANCE, check_a_dropped_row_stops_and_the_others_go_on_with_penalties_and_bias,
+    check_against_learner, check_an_update_mid_request_lands_at_once, check_greedy_windows_take_the_learners_argmax,
+    check_streams_carry_the_learners_logprobs_across_an_update,
+    check_the_generator_role_loads_versions_before_and_while_it_runs, check_the_policy_endpoint_answers,
+    check_top_k_top_p_logprobs_are_the_truncated_distributions, check_windows_carry_the_learners_logprobs, generate,
+    learner_logprobs, load, loop, models, saved_tiny, started, stream_rows)
+from tiny_hf_models import perturbed  # noqa: E402
 
-# float32 on both sides: vLLM's CPU kernels and the learner's forward agree to ~1e-6.
-TOLERANCE = 1e-4
-EOS = build_tiny_tokenizer().eos_token_id
-PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14], [15, 16, 17, 18], [19, 20, 21], [22, 23, 24, 25, 26, 27]]
+assert loop and models  # fixtures of real_engine_checks: the module's event loop, its versions' models
 HIDDEN = 128  # four heads of 32: a head size vLLM's CPU attention takes
-
-
-@pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """The tiny model and the Hugging Face directory vLLM loads it from."""
-    model, tokenizer = tiny_qwen2(hidden_size=HIDDEN)
-    directory = tmp_path_factory.mktemp("tiny-qwen2")
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return str(directory), model
-
-
-@pytest.fixture(scope="module")
-def models(tiny):
-    """Weight version -> the model vLLM holds at that version (the learner's side of each check)."""
-    return {0: tiny[1]}
+    return saved_tiny(tmp_path_factory, hidden_size=HIDDEN)
 
 
 @pytest.fixture(scope="module")
@@ -66,48 +49,9 @@ def engine(loop, tiny):
     from asyncrl.engines.vllm_launch import start_vllm
 
     config = compose(["engine=vllm", "model.source=hf", f"model.path={tiny[0]}", "engine.vllm_kv_cache_mb=64"])
-
-    async def start():  # built on the loop that runs it, as in a generator actor
-        return start_vllm(config.model, config.engine, seed=0)
-
-    engine = loop.run_until_complete(start())
+    engine = started(loop, lambda: start_vllm(config.model, config.engine, seed=0))
     yield engine
     engine.shutdown()
-
-
-def generate(loop, engine, sequences, window_tokens, params):
-    return loop.run_until_complete(engine.generate_window(sequences, window_tokens, params))
-
-
-def learner_logprobs(model, context, new, temperature, top_k=0, top_p=1.0) -> np.ndarray:
-    return response_logprobs(model, [(np.asarray(context), np.asarray(new))], temperature, top_k, top_p)[0]
-
-
-def check_against_learner(models, context, out, temperature, top_k=0, top_p=1.0):
-    """Every token's log-prob against the learner's under the weights of the version it was given."""
-    for version in np.unique(out.versions):
-        learner = learner_logprobs(models[int(version)], context, out.token_ids, temperature, top_k, top_p)
-        mine = out.versions == version
-        np.testing.assert_allclose(out.logprobs[mine], learner[mine], atol=TOLERANCE, rtol=0)
-
-
-def load(loop, engine, models, model, how: str) -> int:
-    """Give the engine `model` as the next version, from a worker thread (as the generator does)."""
-    version = engine.weight_version + 1
-    models[version] = model
-    loop.run_until_complete(asyncio.to_thread(_load, engine, model, version, how))
-    return version
-
-
-def _load(engine, model, version, how):
-    if how == "tensors":
-        engine.update_weights(list(model.named_parameters()), version)
-    else:
-        slots = SharedSlots()
-        try:
-            engine.adopt_shared(slots.write(model.named_parameters()), version)
-        finally:
-            slots.close()
 
 
 def test_what_vllm_cannot_do_is_refused_at_start_up():
@@ -129,14 +73,7 @@ def test_what_vllm_cannot_do_is_refused_at_start_up():
 
 
 def test_windows_carry_the_learners_logprobs(loop, engine, models):
-    sequences = [sequence_input(p, seed=i, max_response_tokens=64) for i, p in enumerate(PROMPTS)]
-    outputs = generate(loop, engine, sequences, 24, SamplingParams(temperature=1.0))
-    for prompt, out in zip(PROMPTS, outputs):
-        assert (out.versions == engine.weight_version).all()
-        check_against_learner(models, prompt, out, 1.0)
-        ended = out.finish_reason is FinishReason.EOS
-        assert ended == (out.token_ids[-1] == EOS) and (ended or len(out.token_ids) == 24)
-        assert out.finish_reason in (FinishReason.EOS, FinishReason.WINDOW)
+    check_windows_carry_the_learners_logprobs(loop, engine, models)
 
 
 def test_a_seed_draws_the_same_tokens_and_another_seed_others(loop, engine):
@@ -148,30 +85,12 @@ def test_a_seed_draws_the_same_tokens_and_another_seed_others(loop, engine):
 
 
 def test_top_k_top_p_tokens_carry_the_logprob_of_the_truncated_distribution(loop, engine, models):
-    params = SamplingParams(temperature=0.8, top_k=5, top_p=0.9)
-    sequences = [sequence_input(p, seed=10 + i, max_response_tokens=32) for i, p in enumerate(PROMPTS)]
-    outputs = generate(loop, engine, sequences, 32, params)
-    gaps = []
-    for prompt, out in zip(PROMPTS, outputs):
-        model = models[engine.weight_version]
-        truncated = learner_logprobs(model, prompt, out.token_ids, 0.8, top_k=5, top_p=0.9)
-        assert (truncated > LOGPROB_FLOOR).all(), "a token outside the top-k / top-p set was drawn"
-        check_against_learner(models, prompt, out, 0.8, top_k=5, top_p=0.9)
-        gaps += list(out.logprobs - learner_logprobs(model, prompt, out.token_ids, 0.8))
-    # Renormalised after the cut (vLLM's processed log-probs), each is above the plain softmax(logits / T).
-    assert np.median(gaps) > 0.05
+    # vLLM's processed log-probs: renormalised after the cut.
+    check_top_k_top_p_logprobs_are_the_truncated_distributions(loop, engine, models)
 
 
 def test_greedy_windows_take_the_learners_argmax(loop, engine, models):
-    outputs = generate(loop, engine, [sequence_input(p, seed=0, max_response_tokens=12) for p in PROMPTS], 12,
-                       SamplingParams(greedy=True))
-    model = models[engine.weight_version]
-    for prompt, out in zip(PROMPTS, outputs):
-        ids = torch.tensor([prompt + out.token_ids.tolist()])
-        with torch.no_grad():
-            best = model(ids).logits[0, len(prompt) - 1:-1].argmax(-1)
-        assert out.token_ids.tolist() == best.tolist()
-        check_against_learner(models, prompt, out, 1.0)
+    check_greedy_windows_take_the_learners_argmax(loop, engine, models)
 
 
 def test_a_second_window_resends_its_prefix_and_reads_it_from_the_cache(loop, engine, models):
@@ -224,38 +143,7 @@ def test_eos_stops_a_window_and_a_minimum_length_holds_it_back(loop, engine, mod
 
 
 def test_an_update_mid_request_lands_at_once_and_later_tokens_follow_the_new_weights(loop, engine, models):
-    """Shared-memory path. The update is applied while a long window runs; its requests are cut
-    and continue under the new weights with nothing read from the cache of the old ones."""
-    params = SamplingParams(temperature=1.0)
-    sequences = [sequence_input([3 + i] + PROMPTS[i % len(PROMPTS)], seed=60 + i, max_response_tokens=232)
-                 for i in range(12)]
-    start = time.perf_counter()
-    warm = generate(loop, engine, sequences, 32, params)
-    per_token = (time.perf_counter() - start) / 32
-    continued = [sequence_input(s.prompt_ids, seed=s.seed, max_response_tokens=232, response_ids=o.token_ids)
-                 for s, o in zip(sequences, warm) if not o.finished]
-    before = dict(engine.counters)
-    old = engine.weight_version
-    new_model = perturbed(models[old], seed=old + 1)
-
-    async def window_with_update():
-        window = asyncio.ensure_future(engine.generate_window(continued, 200, params))
-        await asyncio.sleep(60 * per_token)  # about 60 tokens into the window
-        version = engine.weight_version + 1
-        models[version] = new_model
-        await asyncio.to_thread(_load, engine, new_model, version, "shared")
-        assert not window.done(), "the update waited for the window to end"
-        return version, await window
-
-    new, outputs = loop.run_until_complete(window_with_update())
-    spanning = 0
-    for sequence, out in zip(continued, outputs):
-        assert set(np.unique(out.versions)) <= {old, new} and (np.diff(out.versions) >= 0).all()
-        spanning += len(np.unique(out.versions)) == 2
-        check_against_learner(models, np.concatenate([sequence.prompt_ids, sequence.response_ids]), out, 1.0)
-    assert spanning, "no sequence ran across the update"
-    assert engine.counters["continued"] - before["continued"] >= spanning
-    assert engine.counters["continued_cached_tokens"] == before["continued_cached_tokens"]
+    check_an_update_mid_request_lands_at_once(loop, engine, models)
 
 
 def test_an_update_by_tensors_changes_the_outputs_and_nothing_cached_before_is_read(loop, engine, models):
@@ -275,56 +163,68 @@ def test_an_update_by_tensors_changes_the_outputs_and_nothing_cached_before_is_r
 
 
 def test_the_generator_role_loads_versions_before_and_while_it_runs(loop, engine, models):
-    """`actors.generator.Generator` on vLLM, as a generator actor runs it: a version delivered
-    before its loop starts loads at once; one delivered while it runs lands mid-window. Every
-    token's recorded version is exact: its log-prob is the learner's under those weights."""
-    from actors.generator import Generator
-    from asyncrl.messages.mailbox import InProcessMailbox
-    from asyncrl.messages.structs import PromptRequest, int32_array
-    from asyncrl.weights.sync import Delivery
+    generator, paused = check_the_generator_role_loads_versions_before_and_while_it_runs(loop, engine, models)
+    assert generator.counters["weight_updates"] == 1 and paused < 30
 
-    prompts, segments = InProcessMailbox(100, lease_s=600), InProcessMailbox(10_000, lease_s=600)
-    generator = Generator(engine, prompts, segments, SamplingParams(temperature=1.0), window_tokens=48,
-                          max_response_tokens=192, max_windows=0, max_inflight=8)
-    slots = SharedSlots()
 
-    async def deliver(model, version):
-        models[version] = model
-        return await generator.receive_weights(Delivery(version, "shm"), slots.write(model.named_parameters()))
+# --- the policy endpoint on vLLM ----------------------------------------------------------------------
 
-    async def scenario():
-        first = engine.weight_version + 1
-        await deliver(perturbed(models[engine.weight_version], seed=first), first)  # not running: loads now
-        assert engine.weight_version == first
-        await prompts.put([PromptRequest(prompt_id=f"g{i}", prompt_token_ids=int32_array(p), group_size=2, seed=90 + i)
-                           for i, p in enumerate(PROMPTS[:4])])
-        running = asyncio.ensure_future(generator.run())
-        while generator.counters["tokens"] == 0:
-            await asyncio.sleep(0.05)
-        await deliver(perturbed(models[first], seed=first + 1), first + 1)  # mid-window
-        while generator.counters["samples_finished"] < 8:
-            await asyncio.sleep(0.1)
-        generator.stop()
-        await running
-        return first
 
+def test_the_endpoint_streams_vllms_tokens_with_the_learners_logprobs_across_an_update(loop, engine, models):
+    check_streams_carry_the_learners_logprobs_across_an_update(loop, engine, models)
+
+
+def test_a_dropped_row_is_aborted_and_the_others_go_on_with_penalties_and_bias(loop, engine):
+    check_a_dropped_row_stops_and_the_others_go_on_with_penalties_and_bias(loop, engine)
+
+
+def test_a_streamed_row_takes_min_p_and_its_alternatives_are_the_sampled_distributions(loop, engine, models):
+    """A request's min-p (vLLM's own) and top log-probs on the endpoint's stream: every token is in
+    the min-p set with that set's renormalised log-prob, and its alternatives, most likely first,
+    are that distribution's (-inf past the cut); the same seed streams the same tokens."""
+    from asyncrl.algo.sampling import filtered_logprobs
+
+    params = SamplingParams(temperature=1.0, min_p=0.3, top_logprobs=4)
+    sequences = [sequence_input(p, seed=150 + i, max_response_tokens=16) for i, p in enumerate(PROMPTS[:3])]
+    rows, _ = stream_rows(loop, engine, sequences, params)
+    again, _ = stream_rows(loop, engine, sequences, params)
+    model = models[engine.weight_version]
+    for i, prompt in enumerate(PROMPTS[:3]):
+        tokens = [s.token for s in rows[i]]
+        assert tokens == [s.token for s in again[i]]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float()
+        expected = filtered_logprobs(logits, 1.0, min_p=0.3)
+        sampled = expected.gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
+        assert torch.isfinite(sampled).all(), "a token below min-p was drawn"
+        np.testing.assert_allclose([s.logprob for s in rows[i]], sampled.numpy(), atol=TOLERANCE, rtol=0)
+        best = torch.topk(expected, 4, dim=-1)
+        for row, step in enumerate(rows[i]):
+            ids, logprobs = step.top
+            finite = np.isfinite(logprobs)
+            np.testing.assert_allclose(np.asarray(logprobs)[finite], best.values[row][finite].numpy(), atol=TOLERANCE)
+            assert set(np.asarray(ids)[finite].tolist()) == set(best.indices[row][finite].tolist())
+
+
+def test_the_policy_endpoint_answers_from_vllm(loop, engine, tiny):
+    plain, entries = check_the_policy_endpoint_answers(loop, engine, tiny, ["engine=vllm",
+                                                                            "engine.vllm_kv_cache_mb=64"])
+    # vLLM takes a request's seed: the plain answer and the stream are the same sample.
+    assert [e["token"] for e in plain["choices"][0]["logprobs"]["content"]] == [e["token"] for e in entries]
+
+
+def test_the_policy_app_builds_vllm_for_a_vllm_run(tiny):
+    """`engine=vllm` gives the `policy` application vLLM's engine, never the embedded one."""
+    from asyncrl.serve.policy_engine import ServerPolicy, build_policy_engine
+
+    config = compose(["engine=vllm", "model.source=hf", f"model.path={tiny[0]}", "engine.vllm_kv_cache_mb=64",
+                      "serve.follow_learner=false"])
+    policy = build_policy_engine(config)
     try:
-        first = loop.run_until_complete(scenario())
+        assert isinstance(policy, ServerPolicy) and type(policy.engine).__name__ == "VLLMEngine"
+        assert policy.max_positions == policy.engine.kv_positions < (1 << 62)
     finally:
-        slots.close()
-    got = loop.run_until_complete(segments.get(10_000, timeout=0.1))
-    versions = set()
-    for segment in got:
-        assert len(segment.new_versions) == len(segment.new_token_ids)
-        versions |= set(segment.new_versions.tolist())
-        check_against_learner(models, np.concatenate([segment.prompt_token_ids, segment.prior_response_ids]),
-                              _Out(segment.new_token_ids, segment.new_logprobs, segment.new_versions), 1.0)
-    assert versions == {first, first + 1}, "tokens of both versions: the second landed while the generator ran"
-
-
-class _Out:
-    def __init__(self, token_ids, logprobs, versions):
-        self.token_ids, self.logprobs, self.versions = token_ids, logprobs, versions
+        policy.engine.shutdown()
 
 
 # --- a run -----------------------------------------------------------------------------------------

@@ -5,10 +5,12 @@ generates exactly `new_tokens`: EOS is never sampled), paired rounds:
   machine's probe measured it faster, `asyncrl.models.precision`);
 * `engine_fp32`: the same engine in float32 (what bfloat16 brings, apart from the rest);
 * `generate`: transformers' `generate` on a float32 model, as a user calls it;
-* SGLang on this CPU, from `.venv-sglang` (its own benchmark, `engine=sglang_cpu`, run as a
-  subprocess); skipped with a message where that environment is absent. Run inside
-  `.venv-sglang` with `engine=sglang_cpu` (or `engine=sglang`), this benchmark is SGLang's own
-  (`asyncrl.bench.sglang_bench`: SGLang beside the embedded engine, tokens/s and first token).
+* SGLang and vLLM on this CPU, from `.venv-sglang` and `.venv-vllm` (their own benchmark,
+  `engine=sglang_cpu` / `engine=vllm`, run as a subprocess); each skipped with a message where its
+  environment is absent or refuses the model. Run inside `.venv-sglang` with `engine=sglang_cpu`
+  (or `engine=sglang`), or inside `.venv-vllm` with `engine=vllm`, this benchmark is the server's
+  own (`asyncrl.bench.server_bench`: the server beside the embedded engine, tokens/s, first token
+  and the seconds of a weight update).
 
 Each figure is also a share of the *decode ceiling* at that batch: the model's matmul FLOPs per
 token against this CPU's measured throughput for the model's own matmul shapes at that batch, in
@@ -60,8 +62,8 @@ NEVER = [-1]  # an EOS id no token has: every row runs its full length
 def run(quick: bool = False, overrides: list[str] | None = None) -> dict:
     load_start = os.getloadavg()[0]
     config = compose(overrides or [])
-    if config.engine.name == "sglang":  # SGLang beside the embedded engine (.venv-sglang)
-        from asyncrl.bench.sglang_bench import engine_speed
+    if config.engine.name in ("sglang", "vllm"):  # the server beside the embedded engine (.venv-sglang, .venv-vllm)
+        from asyncrl.bench.server_bench import engine_speed
 
         return engine_speed(config, quick)
     threads, device = config.engine.threads, config.engine.device
@@ -99,10 +101,10 @@ def run(quick: bool = False, overrides: list[str] | None = None) -> dict:
     windowed = kept_cache_rounds(engines["engine"], prompts, quick, rounds)
     del engines
     families = family_rounds(user_model, dtype, prompts, pad, (4,) if quick else (16, 64), new_tokens, rounds, device)
-    sglang = sglang_figures(quick, overrides or [])
+    servers = {name: server_figures(name, quick, overrides or []) for name in ("sglang", "vllm")}
     # Other jobs on the machine slow every variant; the paired ratios hold better than the rates.
     setup["load_average_1min_start_end"] = [load_start, os.getloadavg()[0]]
-    return {"setup": setup, "batches": results, "windows": windowed, "families": families, "sglang": sglang}
+    return {"setup": setup, "batches": results, "windows": windowed, "families": families, **servers}
 
 
 def batch_row(batch: int, samples: int, new_tokens: int, threads: int, timings: tuple[dict, dict],
@@ -276,28 +278,32 @@ def family_rounds(like, dtype: torch.dtype, prompts: list[list[int]], pad: int, 
     return out
 
 
-def sglang_figures(quick: bool, overrides: list[str]) -> dict:
-    """SGLang's tokens/s at the same batches, from its own benchmark in `.venv-sglang` (this
-    checkout's, or the checkout `ASYNCRL_SGLANG_ROOT` names)."""
-    root = Path(os.environ.get("ASYNCRL_SGLANG_ROOT", ROOT))
-    python = root / ".venv-sglang" / "bin" / "python"
+def server_figures(name: str, quick: bool, overrides: list[str]) -> dict:
+    """SGLang's or vLLM's tokens/s at the same batches and its weight update's seconds, from its own
+    benchmark in `.venv-sglang` / `.venv-vllm` (this checkout's, or the checkout
+    `ASYNCRL_SGLANG_ROOT` / `ASYNCRL_VLLM_ROOT` names)."""
+    root = Path(os.environ.get(f"ASYNCRL_{name.upper()}_ROOT", ROOT))
+    python = root / f".venv-{name}" / "bin" / "python"
+    label = {"sglang": "SGLang", "vllm": "vLLM"}[name]
     if not python.exists():
-        return {"skipped": f"{python} is missing (SGLang on CPU: `make sglang` builds it)"}
+        return {"skipped": f"{python} is missing ({label} on CPU: `make {name}` builds it)"}
     with tempfile.TemporaryDirectory() as run_dir:
-        command = [str(python), "-m", "asyncrl.cli", "bench", "engine", "engine=sglang_cpu", *overrides,
+        preset = "sglang_cpu" if name == "sglang" else name
+        command = [str(python), "-m", "asyncrl.cli", "bench", "engine", f"engine={preset}", *overrides,
                    *(["--quick"] if quick else []), "--run-dir", run_dir]
         done = subprocess.run(command, cwd=root, capture_output=True, text=True)
         if done.returncode != 0:
-            return {"skipped": f"SGLang's benchmark failed (exit {done.returncode}): {done.stderr.strip()[-600:]}"}
+            return {"skipped": f"{label}'s benchmark failed (exit {done.returncode}): {done.stderr.strip()[-600:]}"}
         with open(os.path.join(run_dir, "bench_engine.json")) as f:
             result = json.load(f)
-    return {name: {"sglang_tokens_per_s": r["sglang_tokens_per_s"]} for name, r in result.items()
-            if name.startswith("batch_")}
+    figures = {key: {f"{name}_tokens_per_s": r[f"{name}_tokens_per_s"]} for key, r in result.items()
+               if key.startswith("batch_")}
+    return {**figures, "weight_update": result.get("weight_update")}
 
 
 def report(result: dict) -> str:
-    if "setup" not in result:  # SGLang's own benchmark (engine=sglang_cpu)
-        from asyncrl.bench.sglang_bench import engine_report
+    if "setup" not in result:  # SGLang's or vLLM's own benchmark (engine=sglang_cpu, engine=vllm)
+        from asyncrl.bench.server_bench import engine_report
 
         return engine_report(result)
     s = result["setup"]
@@ -305,22 +311,29 @@ def report(result: dict) -> str:
              f"thread(s), {s['new_tokens']} new tokens a row, median of {s['rounds']} paired rounds (load average "
              f"{s['load_average_1min_start_end'][0]:.1f} -> {s['load_average_1min_start_end'][1]:.1f}); "
              f"tok/s by wall clock / by CPU time (share of the decode ceiling); ratios by wall / CPU time",
-             "| batch | engine | engine fp32 | HF generate fp32 | SGLang | engine / generate | engine fp32 / generate "
+             "| batch | engine | engine fp32 | HF generate fp32 | SGLang | vLLM | engine / generate | engine fp32 / generate "
              "| ceiling tok/s: engine, fp32 | matmul GFLOP/s: engine, fp32 |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    sglang = result["sglang"]
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    servers = {name: result.get(name, {"skipped": "not run"}) for name in ("sglang", "vllm")}
     for name, r in result["batches"].items():
         cells = [f"{r[f'{v}_tokens_per_s']:.1f} / {r[f'{v}_tokens_per_cpu_s']:.1f} ({r[f'{v}_share_of_ceiling']:.0%})"
                  for v in ("engine", "engine_fp32", "generate")]
-        theirs = f"{sglang[name]['sglang_tokens_per_s']:.1f}" if name in sglang else "-"
+        theirs = " | ".join(f"{figures[name][f'{server}_tokens_per_s']:.1f}" if name in figures else "-"
+                            for server, figures in servers.items())
         ratios = [f"{r[f'{v}_over_generate']:.2f}x / {r[f'{v}_over_generate_cpu']:.2f}x" for v in ("engine", "engine_fp32")]
         samples = r.get("samples_per_prompt", 1)
         label = f"{r['batch']} ({r['batch'] // samples} prompts x {samples})" if samples > 1 else f"{r['batch']}"
         lines.append(f"| {label} | {' | '.join(cells)} | {theirs} | {' | '.join(ratios)} | "
                      f"{r['engine_ceiling_tokens_per_s']:.0f}, {r['generate_ceiling_tokens_per_s']:.0f} | "
                      f"{r['matmul_gflops']['engine']:.0f}, {r['matmul_gflops']['generate']:.0f} |")
-    if "skipped" in sglang:
-        lines.append(f"SGLang: skipped: {sglang['skipped']}")
+    for server, figures in servers.items():
+        if "skipped" in figures:
+            lines.append(f"{server}: skipped: {figures['skipped']}")
+        elif figures.get("weight_update"):
+            u = figures["weight_update"]
+            lines.append(f"{server}: a weight update ({u['bytes'] / 1e6:.0f} MB) {u[f'{server}_shm_s']:.3f} s by shared "
+                         f"memory, {u[f'{server}_tensors_s']:.3f} s by tensors; embedded {u['embedded_shm_s']:.3f} s / "
+                         f"{u['embedded_tensors_s']:.3f} s")
     w = result["windows"]
     lines.append(f"windows: batch {w['batch']}, {w['response_tokens']} tokens in windows of {w['window_tokens']}: "
                  f"KV kept {w['kept_tokens_per_s']:.1f} / {w['kept_tokens_per_cpu_s']:.1f} tok/s, re-read "

@@ -21,7 +21,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from asyncrl.config.checks import ConfigError, validate
 from asyncrl.config.files import config_dir, config_groups
-from asyncrl.config.names import FOREIGN, foreign_notice, ignored_notice, ignored_reason, migrate, renamed_message
+from asyncrl.config.names import (FOREIGN, ROLLOUT_ENGINES, foreign_notice, ignored_notice, ignored_reason, migrate,
+                                  renamed_message)
 from asyncrl.config.run import Config
 import asyncrl.config.schema as schema
 
@@ -98,7 +99,20 @@ DATA_FILE_KEYS = ("task.path", "task.eval_path", *(k for k, e in FOREIGN.items()
 
 def _implied_groups(parsed: list, group_overrides: list) -> list[str]:
     """`task=file` where a data file is named (verl's `data.train_files`, TRL's `dataset_name`, our
-    `task.path`) and no task is; a built-in task named beside a data file is refused."""
+    `task.path`) and no task is; a built-in task named beside a data file is refused. verl's
+    `actor_rollout_ref.rollout.name` with no `engine=` picks that engine's preset (its KV cache,
+    devices and rollout correction), not `engine.name` alone."""
+    return _implied_engine(parsed, group_overrides) + _implied_task(parsed, group_overrides)
+
+
+def _implied_engine(parsed: list, group_overrides: list) -> list[str]:
+    named = [o.value() for o in parsed if o.key_or_group == "actor_rollout_ref.rollout.name"]
+    if not named or any(o.key_or_group == "engine" for o in group_overrides) or str(named[-1]) not in ROLLOUT_ENGINES:
+        return []  # an unknown name is refused with the known ones when it is applied
+    return [f"engine={ROLLOUT_ENGINES[str(named[-1])]}"]
+
+
+def _implied_task(parsed: list, group_overrides: list) -> list[str]:
     files = [o.key_or_group for o in parsed if o.key_or_group.lstrip("+") in DATA_FILE_KEYS]
     if not files or any(o.key_or_group == "task.name" and o.value() == "file" for o in parsed):
         return []  # no file named, or a task's settings with the file task's name (`task=tiny task.name=file`)

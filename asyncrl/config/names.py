@@ -132,6 +132,7 @@ _ADVANTAGES = {"grpo": "grpo", "gae": "gae", "rloo": "rloo", "reinforce_plus_plu
                "drgrpo": "drgrpo", "dr_grpo": "drgrpo"}
 _KL = {"low_var_kl": "low_var_kl", "k3": "low_var_kl", "kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2"}
 _ARO = "actor_rollout_ref"
+ROLLOUT_ENGINES = {"sglang": "sglang", "vllm": "vllm", "hf": "torch"}  # verl's rollout.name -> our engine preset
 FOREIGN: dict[str, Foreign] = {
     # verl (ppo_trainer.yaml)
     f"{_ARO}.rollout.n": _verl("algorithm.group_size"),
@@ -186,7 +187,7 @@ FOREIGN: dict[str, Foreign] = {
     f"{_ARO}.rollout.temperature": _verl("sampling.temperature"),
     f"{_ARO}.rollout.top_p": _verl("sampling.top_p"),
     f"{_ARO}.rollout.top_k": _verl("sampling.top_k", convert=lambda v: (max(int(v), 0),)),  # verl: -1 = off
-    f"{_ARO}.rollout.name": _verl("engine.name", convert=_choice({"sglang": "sglang", "hf": "torch"}, "rollout.name")),
+    f"{_ARO}.rollout.name": _verl("engine.name", convert=_choice(ROLLOUT_ENGINES, "rollout.name")),
     f"{_ARO}.rollout.gpu_memory_utilization": _verl("engine.sglang_mem_fraction"),
     f"{_ARO}.rollout.tensor_model_parallel_size": _verl("engine.sglang_tp_size"),
     "critic.optim.lr": _verl("critic.optimizer.lr"),

@@ -12,54 +12,14 @@ alternatives and weight versions.
 
 from __future__ import annotations
 
-import asyncio
-import uuid
-
-from asyncrl.engines.base import SamplingParams, SequenceInput
-from asyncrl.engines.batch_jobs import StepToken, drain
+from asyncrl.engines.base import SequenceInput
+from asyncrl.engines.batch_jobs import StepToken
+from asyncrl.engines.server_stream import RequestSteps
 from asyncrl.messages.structs import FinishReason
 
 
-class SGLangSteps:
-    """The steps of one job of sequences (the interface of `asyncrl.engines.batch_jobs.JobSteps`)."""
-
-    def __init__(self, engine, sequences: list[SequenceInput], params: SamplingParams):
-        self.engine, self.params = engine, params
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.live = set(range(len(sequences)))
-        self.tasks = {i: asyncio.ensure_future(self._row(i, s)) for i, s in enumerate(sequences)}
-
-    def __aiter__(self) -> "SGLangSteps":
-        return self
-
-    async def __anext__(self) -> list[StepToken]:
-        while self.live or not self.queue.empty():
-            item = await self.queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            if item is not None:  # None: a row ended
-                return item + drain(self.queue)
-        raise StopAsyncIteration
-
-    def drop(self, rows: list[int]) -> None:
-        for i in rows:
-            if i in self.live:
-                self.tasks[i].cancel()
-
-    def close(self) -> None:
-        for task in self.tasks.values():
-            task.cancel()
-
-    async def _row(self, i: int, seq: SequenceInput) -> None:
-        try:
-            await self._generate(i, seq)
-        except asyncio.CancelledError:
-            pass
-        except Exception as exc:  # noqa: BLE001 - the job fails with it, read by its consumer
-            self.queue.put_nowait(exc)
-        finally:
-            self.live.discard(i)
-            self.queue.put_nowait(None)
+class SGLangSteps(RequestSteps):
+    """A job's rows as SGLang requests (`RequestSteps`)."""
 
     async def _generate(self, i: int, seq: SequenceInput) -> None:
         engine, params = self.engine, self.params
@@ -86,32 +46,22 @@ class SGLangSteps:
     async def _request(self, input_ids: list[int], sampling: dict):
         """One streamed SGLang request: (rid, its new tokens, SGLang's finish type or None) per output."""
         engine = self.engine
-        await engine._open.wait()  # noqa: SLF001 - no request starts while an update loads
-        rid = uuid.uuid4().hex
         # An update cuts every request in flight before it loads, so this request's tokens are all of
         # the version it starts under. (SGLang reports its version spans with the last output only.)
-        version = engine.weight_version
-        engine._inflight.add(rid)  # noqa: SLF001 - an update aborts and waits for it like a window's
-        engine._idle.clear()  # noqa: SLF001
-        seen = 0
-        try:
-            stream = await engine.engine.async_generate(
-                input_ids=input_ids, sampling_params=sampling, return_logprob=True, logprob_start_len=-1, rid=rid,
-                top_logprobs_num=self.params.top_logprobs, cache_salt=f"asyncrl-v{engine.weight_version}",
-                custom_logit_processor=engine.truncation if "custom_params" in sampling else None, stream=True)
-            incremental = bool(getattr(engine.engine.tokenizer_manager, "incremental_streaming_output", False))
-            async for out in stream:
-                tokens, seen = _new_tokens(out, 0 if incremental else seen, self.params.top_logprobs, version)
-                reason = out["meta_info"].get("finish_reason")
-                yield rid, tokens, (reason or {}).get("type") if isinstance(reason, dict) else reason
-        except BaseException:
-            engine.engine.tokenizer_manager.abort_request(rid)
-            raise
-        finally:
-            engine._inflight.discard(rid)  # noqa: SLF001
-            if not engine._inflight:  # noqa: SLF001
-                engine._idle.set()  # noqa: SLF001
-
+        async with engine._tracked() as (rid, version):  # noqa: SLF001 - cut by an update like a window's
+            seen = 0
+            try:
+                stream = await engine.engine.async_generate(
+                    input_ids=input_ids, rid=rid, stream=True,
+                    **engine.request_fields(sampling, self.params.top_logprobs, version))
+                incremental = bool(getattr(engine.engine.tokenizer_manager, "incremental_streaming_output", False))
+                async for out in stream:
+                    tokens, seen = _new_tokens(out, 0 if incremental else seen, self.params.top_logprobs, version)
+                    reason = out["meta_info"].get("finish_reason")
+                    yield rid, tokens, (reason or {}).get("type") if isinstance(reason, dict) else reason
+            except BaseException:
+                engine.engine.tokenizer_manager.abort_request(rid)
+                raise
 
 def _new_tokens(out: dict, seen: int, top_n: int, version: int) -> tuple[list[StepToken], int]:
     """The tokens of a streamed output past the first `seen` (SGLang's outputs are cumulative

@@ -4,8 +4,9 @@ the `policy` replica, and how requests and weight versions reach it.
 * `engine=torch`: the embedded engine behind `WindowBatcher` (`asyncrl.engines.batching`), which
   batches concurrent requests into shared engine windows (up to `serve.max_batch_sequences`
   sequences, a KV block of at most `serve.max_kv_mb`).
-* `engine=sglang`: SGLang's offline engine; each sequence is a streamed SGLang request, and
-  SGLang's scheduler batches them continuously within its own KV pool.
+* `engine=sglang` / `engine=vllm`: SGLang's offline engine or vLLM's `AsyncLLM`; each sequence is
+  a streamed request (`server_stream.RequestSteps`), and the server's scheduler batches them
+  continuously within its own KV pool.
 
 An engine of its own, not a generator's: the `policy` application is deployed, scaled and
 redeployed apart from `train` (it also serves a frozen policy with no run at all,
@@ -14,8 +15,8 @@ must never hold the generators' windows or their weight deliveries (the admissio
 for every generator to hold a version). The price is a second copy of the weights and KV cache
 on the device. Its weights follow the learner by the generators' update path: each new version is
 loaded with `Engine.update_weights` (the path of the `group` and `cuda_ipc` deliveries), stamped
-with the learner's version number; the embedded engine takes it between two windows, SGLang while
-requests run (those cut continue under the new weights, as a generator's do).
+with the learner's version number; the embedded engine takes it between two windows, SGLang and
+vLLM while requests run (those cut continue under the new weights, as a generator's do).
 """
 
 from __future__ import annotations
@@ -69,17 +70,21 @@ class EmbeddedPolicy:
         return self.batcher.stats()
 
 
-class SGLangPolicy:
-    """SGLang's engine: every sequence a request of its own, batched by SGLang's scheduler."""
+class ServerPolicy:
+    """SGLang's or vLLM's engine (`engine.name`): every sequence a request of its own, batched by
+    the server's scheduler."""
 
     def __init__(self, config: Config, engine=None):
-        """`engine`: an `SGLangEngine` already started for `config.model` (else one is)."""
-        from asyncrl.engines.sglang_launch import start_sglang
+        """`engine`: a `server_engine.ServerEngine` already started for `config.model` (else one is)."""
         from asyncrl.models.loading import load_tokenizer
 
-        self.engine = engine if engine is not None else start_sglang(config.model, config.engine, config.trainer.seed)
+        self.engine = engine if engine is not None else _start_server(config)
         self.vocab_size = len(load_tokenizer(config.model))
-        self.max_positions = config.engine.sglang_max_total_tokens or (1 << 62)
+        if config.engine.name == "vllm":
+            self.max_positions, self.kv_setting = self.engine.kv_positions, "engine.vllm_kv_cache_mb"
+        else:
+            self.max_positions = config.engine.sglang_max_total_tokens or (1 << 62)
+            self.kv_setting = "engine.sglang_max_total_tokens"
         self.max_rows = config.serve.max_batch_sequences
 
     @property
@@ -91,7 +96,7 @@ class SGLangPolicy:
         return self.engine.context_tokens
 
     def stream(self, sequences: list[SequenceInput], params: SamplingParams, live: bool):
-        """Steps as SGLang returns them (`live` or not: its outputs come in chunks of its own)."""
+        """Steps as the server returns them (`live` or not: its outputs come in chunks of its own)."""
         from asyncrl.engines.batch_jobs import TooLarge
 
         positions = sum(len(s.prompt_ids) + s.max_response_tokens for s in sequences)
@@ -99,8 +104,8 @@ class SGLangPolicy:
             raise TooLarge(f"{len(sequences)} sequences (prompts x n) in one request; at most {self.max_rows} "
                            "(serve.max_batch_sequences)")
         if positions > self.max_positions:
-            raise TooLarge(f"{len(sequences)} sequence(s) need {positions} token positions of KV cache; SGLang's "
-                           f"holds {self.max_positions} (engine.sglang_max_total_tokens)")
+            raise TooLarge(f"{len(sequences)} sequence(s) need {positions} token positions of KV cache; "
+                           f"{self.engine.server}'s holds {self.max_positions} ({self.kv_setting})")
         return self.engine.stream(sequences, params)
 
     async def load(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
@@ -110,5 +115,16 @@ class SGLangPolicy:
         return {"running_sequences": len(self.engine._inflight), **self.engine.counters}  # noqa: SLF001
 
 
-def build_policy_engine(config: Config) -> EmbeddedPolicy | SGLangPolicy:
-    return SGLangPolicy(config) if config.engine.name == "sglang" else EmbeddedPolicy(config)
+def _start_server(config: Config):
+    if config.engine.name == "vllm":
+        from asyncrl.engines.vllm_launch import start_vllm
+
+        return start_vllm(config.model, config.engine, config.trainer.seed)
+    from asyncrl.engines.sglang_launch import start_sglang
+
+    return start_sglang(config.model, config.engine, config.trainer.seed)
+
+
+def build_policy_engine(config: Config) -> EmbeddedPolicy | ServerPolicy:
+    """The run's engine: SGLang's or vLLM's where `engine.name` says so, else the embedded one."""
+    return ServerPolicy(config) if config.engine.name in ("sglang", "vllm") else EmbeddedPolicy(config)
