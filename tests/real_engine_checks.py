@@ -179,11 +179,13 @@ def check_an_update_mid_request_lands_at_once(loop, engine, models):
     assert engine.counters["continued_cached_tokens"] == before["continued_cached_tokens"]
 
 
-def check_the_generator_role_loads_versions_before_and_while_it_runs(loop, engine, models):
+def check_the_generator_role_loads_versions_before_and_while_it_runs(loop, engine, models, from_start: bool = False):
     """`actors.generator.Generator` on the engine, as a generator actor runs it: a version delivered
     before its loop starts (joining the pool) loads at once; one delivered while it runs lands
     mid-window (`updates_mid_window`). Every token's recorded version is exact: its log-prob is the
-    learner's under those weights. Returns the generator and the seconds the second update paused it."""
+    learner's under those weights. Returns the generator and the seconds the second update paused it.
+    Each version is one perturbation of the one before, or (`from_start`) of the starting weights: a
+    chain of them made vLLM's tiny model end every sample in its first window."""
     from actors.generator import Generator
     from asyncrl.messages.mailbox import InProcessMailbox
     from asyncrl.messages.structs import PromptRequest, int32_array
@@ -200,15 +202,14 @@ def check_the_generator_role_loads_versions_before_and_while_it_runs(loop, engin
 
     async def scenario():
         first = engine.weight_version + 1
-        # Each version one step from the start (a chain of them makes EOS common: no window would be left).
-        await deliver(perturbed(models[0], seed=first), first)  # not running: loads now
+        await deliver(perturbed(models[0 if from_start else engine.weight_version], seed=first), first)  # loads now
         assert engine.weight_version == first
         await prompts.put([PromptRequest(prompt_id=f"g{i}", prompt_token_ids=int32_array(p), group_size=2, seed=90 + i)
                            for i, p in enumerate(PROMPTS[:4])])
         running = asyncio.ensure_future(generator.run())
         while generator.counters["tokens"] == 0:
             await asyncio.sleep(0.05)
-        paused = await deliver(perturbed(models[0], seed=first + 1), first + 1)  # mid-window
+        paused = await deliver(perturbed(models[0 if from_start else first], seed=first + 1), first + 1)  # mid-window
         while generator.counters["samples_finished"] < 8:
             await asyncio.sleep(0.1)
         generator.stop()

@@ -496,6 +496,7 @@ def test_the_status_page_does_not_grow_with_the_number_of_steps(apps):
     assert long.count('"samples_per_s"') <= PAGE_RECORDS + 1
 
 
+@pytest.mark.slow  # (CI's time: the pool's scaling runs in tests/test_pool.py; this is its admin route)
 def test_the_generator_pool_scales_1_3_1_by_the_admin_route_while_it_trains(apps):
     """Scaled by hand while training runs: every generator that ever ran holds a version within the
     staleness bound of the learner's, and the books balance with nothing trained twice."""

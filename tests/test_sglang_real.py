@@ -269,24 +269,33 @@ finally:
 """
 
 
-def test_an_exported_run_loads_in_sglang_and_generates_transformers_greedy_tokens(ray_session, tmp_path):
-    """`asyncrl export` of a trained run (the tiny Llama, two steps) is a directory SGLang's engine
-    loads as it is and generates from: its greedy tokens are those of transformers' `generate` on
-    the same directory, and it decodes them with the export's tokenizer."""
+def test_an_exported_run_loads_in_sglang_and_generates_transformers_greedy_tokens(tmp_path):
+    """`asyncrl export` of a learner's checkpoint (the tiny Llama after an optimizer step, written by
+    the policy learner's own checkpoint code, in this process: no Ray beside SGLang here) is a
+    directory SGLang's engine loads as it is and generates from: its greedy tokens are those of
+    transformers' `generate` on the same directory, and it decodes them with the export's tokenizer."""
     import json
     import subprocess
     import sys
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from actors.policy_learner import CheckpointPolicy, build_policy_learner
+    from asyncrl.bench.learner import synthetic_batch
     from asyncrl.cli import main
-    from asyncrl.driver import train
+    from asyncrl.messages.mailbox import InProcessMailbox
 
     run, export = tmp_path / "run", tmp_path / "export"
-    summary = train(compose(["model=tiny", "task=tiny", "algorithm=grpo", "trainer.prompts_per_step=2",
-                             "trainer.total_steps=2", f"trainer.run_dir={run}", "trainer.wandb_mode=disabled"]),
-                    progress=False, eval_prompts=2)
-    assert summary["steps"] == 2
+    config = compose(["model=tiny", "task=tiny", "policy.optimizer.lr=0.02"])
+    learner = build_policy_learner(config.model, config.algorithm, config.policy, config.engine, config.sampling, 0,
+                                   InProcessMailbox(2), checkpoints=CheckpointPolicy(str(run)))
+    learner.policy.step(synthetic_batch(4, 6, 6, learner.model.config.vocab_size))
+    learner.step = learner.weight_version = 1
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(learner.save_checkpoint())
+    finally:
+        loop.close()
     assert main(["export", str(run), str(export)]) == 0
     tokenizer = AutoTokenizer.from_pretrained(export)
     model = AutoModelForCausalLM.from_pretrained(export).eval()

@@ -163,7 +163,8 @@ def test_an_update_by_tensors_changes_the_outputs_and_nothing_cached_before_is_r
 
 
 def test_the_generator_role_loads_versions_before_and_while_it_runs(loop, engine, models):
-    generator, paused = check_the_generator_role_loads_versions_before_and_while_it_runs(loop, engine, models)
+    generator, paused = check_the_generator_role_loads_versions_before_and_while_it_runs(loop, engine, models,
+                                                                                          from_start=True)
     assert generator.counters["weight_updates"] == 1 and paused < 30
 
 
