@@ -28,13 +28,14 @@ from asyncrl.run.records import RUN_FIELDS
 from asyncrl.serve.reward import deploy_declaratively, reward_app_config
 from asyncrl.weights.sync import free_port
 from logged_files import tensorboard_scalars
+from test_ray_metrics import scrape
 
 # critic.warmup.steps=1: the policy trains only after a value step, so every record carries value metrics.
 # The KL to the reference is in the reward (the PPO baseline): the value learner scores the reference.
 # TensorBoard: the train app logs its step records from its controller, as `asyncrl train` does.
 OVERRIDES = ("model=tiny task=tiny algorithm=ppo critic.warmup.steps=1 trainer.wandb_mode=disabled "
              "trainer.checkpoint_every=0 algorithm.advantage.kl_in_reward=true algorithm.kl.coef=0.05 "
-             "trainer.loggers=[console,tensorboard]")
+             "trainer.loggers=[console,tensorboard,ray]")
 TOOL_OVERRIDES = "model=tiny task=tiny_tool trainer.wandb_mode=disabled serve.follow_learner=false"
 ADMIN_TOKEN = "test-admin-token"
 APPS = {"train": "/train", "policy": "/v1", "reward-verifier": "/reward/verifier"}
@@ -191,6 +192,25 @@ def test_serve_train_app_and_asyncrl_train_write_the_same_records(apps, cli_run)
     final = {k for k in summary["final_status"] if k != "generators"}
     assert final <= set(status), final - set(status)
     assert status["reward_curve"]
+
+
+def test_the_train_apps_figures_are_on_rays_prometheus_endpoint(apps):
+    """Issue 60 (2) under `serve run`: the train app's controller sets the run's Ray metrics from the
+    records it writes; Ray's metrics agent serves them tagged with the run's name (its directory's)."""
+    from asyncrl.run.ray_metrics import PREFIX, export_address
+
+    address, run = export_address(), RUN_DIRS["serve"].name
+    deadline, seen = time.time() + 180, {}
+    while time.time() < deadline:
+        seen = scrape(address, run)
+        if seen.get(PREFIX + "learner_step", {}).get((), 0) >= 1 and PREFIX + "mailbox_messages" in seen:
+            break
+        time.sleep(2)
+    assert seen.get(PREFIX + "learner_step", {}).get((), 0) >= 1, sorted(seen)
+    steps = [json.loads(line)["step"] for line in (RUN_DIRS["serve"] / "metrics.jsonl").read_text().splitlines()]
+    assert seen[PREFIX + "learner_step"][()] in steps  # set from a record the app wrote
+    assert seen[PREFIX + "samples_generated"][()] > 0
+    assert (("mailbox", "batches"), ("state", "queued")) in seen[PREFIX + "mailbox_messages"]
 
 
 def test_usage_counts_each_prompt_once(apps):
