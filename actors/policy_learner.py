@@ -221,8 +221,8 @@ class PolicyLearner(LearnerCheckpoints, TrainingLoop):
         """The samples the batch ends: (trained, those whose last row trained nothing because its
         routes are another model's: the step refuses them, so the ledger ends them as dropped)."""
         ended = [s for s in batch.rows if s.segment.finished]
-        misfit = [s.segment.sample_id for s in ended if misfit_reason(s, self.route_shape) is not None]
-        return [s.segment.sample_id for s in ended if s.segment.sample_id not in misfit], misfit
+        misfit = {s.segment.sample_id for s in ended if misfit_reason(s, self.route_shape) is not None}
+        return [s.segment.sample_id for s in ended if s.segment.sample_id not in misfit], sorted(misfit)
 
     def _skip(self, batch: TrainBatch) -> dict:
         """A batch with no rows (bounded refill found no group with signal): the step is counted and
