@@ -30,7 +30,7 @@ from asyncrl.learning.rank import learner_precision
 from asyncrl.learning.routing import route_shape
 from asyncrl.learning.scoring import response_logprobs
 from asyncrl.learning.tensors import build_optimizer
-from asyncrl.learning.value import center_value_head, predict_values, value_step
+from asyncrl.learning.value import ExplainedVarianceWindow, center_value_head, predict_values, value_step
 from asyncrl.messages.mailbox import Mailbox, RecentIds
 from asyncrl.messages.structs import ScoredTrajectory
 from asyncrl.models.loading import load_model, load_tokenizer, value_model_from_checkpoint, value_model_from_policy
@@ -60,6 +60,7 @@ class ValueLearner(TrainingLoop):
         self.center_head = center_head
         self.router_replay = router_replay
         self._explained: list[float] = []  # the fresh-value explained variance of each warm-up step
+        self.explained = ExplainedVarianceWindow()  # over the last batches: one batch's figure is noise
         self._warmed_up = critic.warmup.steps == 0
         self.pad_token_id = pad_token_id
         self.version = 0
@@ -115,7 +116,7 @@ class ValueLearner(TrainingLoop):
                                                 self.pad_token_id, self.critic.compute.micro_batch_tokens,
                                                 self.critic.compute.precision, self.router_replay)
             metrics = await asyncio.to_thread(value_step, self.model, self.optimizer, batch, self.critic, self.gamma,
-                                              self.pad_token_id, self.router_replay)
+                                              self.pad_token_id, self.router_replay, self.explained)
             self.scheduler.step()
             async with self._serving_lock:
                 self.serving.load_state_dict(self.model.state_dict())

@@ -12,7 +12,7 @@ from asyncrl.config import (Compute, CriticConfig, GAEAdvantage, KLPenalty, Mode
 from asyncrl.config.fields import replaced
 from asyncrl.learning.policy import Objective, policy_step
 from asyncrl.learning.tensors import collate
-from asyncrl.learning.value import predict_values, value_step
+from asyncrl.learning.value import ExplainedVarianceWindow, predict_values, value_step
 from asyncrl.messages.structs import segment_row
 from asyncrl.messages.structs import FinishReason, ScoredTrajectory, Segment, TrainingRow, float32_array, int32_array
 from asyncrl.models.loading import build_tiny_model, value_model_from_policy, value_model_from_reward_model
@@ -185,6 +185,28 @@ def test_value_step_targets_are_monte_carlo_and_loss_falls():
     assert np.all(np.abs(predict_values(value_model, [segment_row(windows)])[0] - 1.0) < 0.3)
     with pytest.raises(ValueError, match="not finished"):
         ScoredTrajectory(segment=segment([20], finished=False), score=0.0)
+
+
+def test_the_explained_variance_window_pools_the_last_batches():
+    """Hand-worked: each of the first two batches has constant targets (their own figure is 0: no
+    variance), pooled they are explained exactly; the third pushes the first out."""
+    window = ExplainedVarianceWindow(batches=2)
+    window.add(torch.tensor([0.0, 0.0]), torch.tensor([0.0, 0.0]))
+    window.add(torch.tensor([1.0, 1.0]), torch.tensor([1.0, 1.0]))
+    assert window.explained_variance() == pytest.approx(1.0)
+    window.add(torch.tensor([0.0, 1.0]), torch.tensor([1.0, 0.0]))
+    # targets [1, 1, 0, 1] (variance 0.1875), residuals [0, 0, -1, 1] (variance 0.5): 1 - 0.5/0.1875
+    assert window.explained_variance() == pytest.approx(1.0 - 0.5 / 0.1875)
+    # value_step feeds it: its figure is the pooled one of the batches it has seen.
+    torch.manual_seed(0)
+    value_model = value_model_from_policy(tiny_policy())
+    window = ExplainedVarianceWindow(batches=8)
+    trajectories = [ScoredTrajectory(segment=segment([20 + i, 21], prior=[], window=2), score=float(i % 2))
+                    for i in range(4)]
+    metrics = value_step(value_model, torch.optim.SGD(value_model.parameters(), lr=0.0), trajectories, critic(), 1.0,
+                         window=window)
+    assert metrics["value_explained_variance_window"] == pytest.approx(metrics["value_explained_variance"])
+    assert len(window.parts) == 1 and window.parts[0][0].numel() == 8
 
 
 def test_value_model_from_a_process_reward_model_checkpoint(tmp_path):

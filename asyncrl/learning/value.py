@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 import torch
 
@@ -43,7 +45,8 @@ def predict_values(value_model, rows: list[tuple], pad_token_id: int = 0, max_to
 
 
 def value_step(value_model, optimizer, trajectories: list[ScoredTrajectory], critic: CriticConfig, gamma: float,
-               pad_token_id: int = 0, replay: bool = False) -> dict[str, float]:
+               pad_token_id: int = 0, replay: bool = False,
+               window: ExplainedVarianceWindow | None = None) -> dict[str, float]:
     """One critic update on finished trajectories. Targets are GAE returns with the critic λ (λ=1:
     Monte-Carlo returns, independent of the values); the loss is the clipped value loss around the
     values recorded when each trajectory was valued for its advantages (the PPO recipe: the clip
@@ -56,7 +59,8 @@ def value_step(value_model, optimizer, trajectories: list[ScoredTrajectory], cri
     only its own rows. The explained variance is measured on those fresh values (the critic as it is
     now); `value_explained_variance_recorded` on the recorded anchors (what the rows were valued with).
     `critic`: its section, with `compute.precision` resolved; `gamma`: the advantage's discount;
-    `replay`: the rollout's routes on a mixture-of-experts critic (`asyncrl.learning.routing`)."""
+    `replay`: the rollout's routes on a mixture-of-experts critic (`asyncrl.learning.routing`);
+    `window`: the learner's last batches, which this one joins (`value_explained_variance_window`)."""
     from asyncrl.algo.advantages import critic_returns
     from asyncrl.algo.losses import value_loss
 
@@ -96,7 +100,11 @@ def value_step(value_model, optimizer, trajectories: list[ScoredTrajectory], cri
         sums["value_clip_fraction"] += metrics["value_clip_fraction"] * share
     grad_norm = clip_and_step(value_model, optimizer, critic.optimizer.grad_clip)
     m = mask.bool()
-    return {**sums, "value_grad_norm": float(grad_norm),
+    window_metric = {}
+    if window is not None:
+        window.add(returns[m], fresh[m])
+        window_metric = {"value_explained_variance_window": window.explained_variance()}
+    return {**sums, **window_metric, "value_grad_norm": float(grad_norm),
             "value_explained_variance": explained_variance(returns[m], fresh[m]),
             "value_explained_variance_recorded": explained_variance(returns[m], anchors[m]),
             "value_mean": float(fresh[m].mean()), "return_mean": float(returns[m].mean()),
@@ -110,6 +118,22 @@ def explained_variance(targets: torch.Tensor, predictions: torch.Tensor) -> floa
     if float(target_var) <= 1e-12:
         return 0.0
     return 1.0 - float((targets - predictions).var(unbiased=False) / target_var)
+
+
+class ExplainedVarianceWindow:
+    """The explained variance of a critic's last `batches` batches pooled (their targets and fresh
+    values). One batch of 16 two-token responses whose rewards are nearly all 0 (or all 1) has
+    targets that barely vary, and its explained variance swings from -10^4 to 1 with noise; pooled
+    over several batches the figure says whether the critic has learned."""
+
+    def __init__(self, batches: int = 8):
+        self.parts: collections.deque[tuple[torch.Tensor, torch.Tensor]] = collections.deque(maxlen=batches)
+
+    def add(self, targets: torch.Tensor, predictions: torch.Tensor) -> None:
+        self.parts.append((targets.detach().double().cpu(), predictions.detach().double().cpu()))
+
+    def explained_variance(self) -> float:
+        return explained_variance(torch.cat([t for t, _ in self.parts]), torch.cat([p for _, p in self.parts]))
 
 
 def center_value_head(value_model, trajectories: list[ScoredTrajectory], gamma: float, pad_token_id: int = 0,
