@@ -2,7 +2,8 @@
 and answers value requests for (E)GAE (the role, its builder, its Ray shell).
 
 * Trains only on **finished** trajectories (all windows), with targets from the critic λ
-  (1.0 = Monte-Carlo), `critic.batch_trajectories` per step, whenever that many have arrived.
+  (1.0 = Monte-Carlo), `critic.batch_trajectories` per step, whenever that many have arrived
+  (`critic.mix_batches` at a time, dealt across their groups).
 * Serves `V(s_t)` from a serving copy refreshed after each step, so a request never waits for a
   training step and never sees half-updated weights; each answer carries the value version.
 * Warm-up (VC-PPO value pretraining): until `critic.warmup` ends, `ready` is false
@@ -30,7 +31,7 @@ from asyncrl.learning.rank import learner_precision
 from asyncrl.learning.routing import route_shape
 from asyncrl.learning.scoring import response_logprobs
 from asyncrl.learning.tensors import build_optimizer
-from asyncrl.learning.value import ExplainedVarianceWindow, center_value_head, predict_values, value_step
+from asyncrl.learning.value import ExplainedVarianceWindow, center_value_head, dealt_batches, predict_values, value_step
 from asyncrl.messages.mailbox import Mailbox, RecentIds
 from asyncrl.messages.structs import ScoredTrajectory
 from asyncrl.models.loading import load_model, load_tokenizer, value_model_from_checkpoint, value_model_from_policy
@@ -147,10 +148,14 @@ class ValueLearner(TrainingLoop):
         # Held here from now on (a crash before training loses at most this partial batch).
         if got:
             await self.trajectories.ack([t.msg_id for t in got])
-        if len(self._pending) < self.batch_trajectories:
+        dealt = self.batch_trajectories * self.critic.mix_batches
+        if len(self._pending) < dealt:
             return None
-        batch, self._pending = self._pending[: self.batch_trajectories], self._pending[self.batch_trajectories:]
-        return await self._train(batch)
+        together, self._pending = self._pending[:dealt], self._pending[dealt:]
+        batches = [together] if self.critic.mix_batches == 1 else dealt_batches(together, self.batch_trajectories)
+        for batch in batches:
+            record = await self._train(batch)
+        return record
 
     async def run(self) -> None:
         self._running = True

@@ -41,16 +41,27 @@ ROWS = {
     "lr_2e-4_lam_1": ["critic.optimizer.lr=2e-4", "critic.loss.lam=1.0"],
     "lr_2e-4_zero_head": ["critic.optimizer.lr=2e-4", "critic.head_init=zero"],
     "lr_2e-4_batch_64": ["critic.optimizer.lr=2e-4", "critic.batch_trajectories=64"],
+    "lr_5e-4_one_prompt_batches": ["critic.optimizer.lr=5e-4"],
+    "lr_5e-4_one_prompt_batches_of_64": ["critic.optimizer.lr=5e-4", "critic.batch_trajectories=64"],
+    "lr_5e-4_two_prompt_batches_of_64": ["critic.optimizer.lr=5e-4", "critic.batch_trajectories=64"],
+    "lr_5e-4_two_prompt_batches": ["critic.optimizer.lr=5e-4"],
 }
+# Rows whose batches hold this many prompts (a group of 32 samples arrives whole: 16 or 32 of them
+# are one prompt's), not random ones.
+PROMPTS_PER_BATCH = {"lr_5e-4_one_prompt_batches": 1, "lr_5e-4_one_prompt_batches_of_64": 1,
+                     "lr_5e-4_two_prompt_batches_of_64": 2, "lr_5e-4_two_prompt_batches": 2}
 BASE = ["model=tiny", "task=tiny", "algorithm=ppo", "critic.optimizer.lr=2e-5", "critic.compute.precision=fp32"]
 DIGITS, COLON = list(range(3, 13)), 13  # the tiny vocabulary's "0".."9" and ":"
 RIGHT = np.linspace(0.05, 0.95, 10)  # P(right answer | prompt d)
 
 
-def trajectories(rng: np.random.Generator, n: int) -> list[ScoredTrajectory]:
+def trajectories(rng: np.random.Generator, n: int, prompts_per_batch: int = 0) -> list[ScoredTrajectory]:
+    """`n` trajectories of prompts drawn at random, or of `prompts_per_batch` prompts only (as the
+    value learner's batches arrive from the mailbox: a group's samples one after the other)."""
     out = []
-    for _ in range(n):
-        d = int(rng.integers(10))
+    chosen = rng.choice(10, size=prompts_per_batch, replace=False) if prompts_per_batch else None
+    for i in range(n):
+        d = int(rng.integers(10)) if chosen is None else int(chosen[i * len(chosen) // n])
         right = DIGITS[(d + 1) % 10]
         first = right if rng.random() < RIGHT[d] else DIGITS[int(rng.integers(10))]
         new = int32_array([first, DIGITS[int(rng.integers(10))]])
@@ -90,8 +101,8 @@ def one_row(name: str, steps: int, seed: int, held: list[ScoredTrajectory]) -> d
         center_value_head(model, trajectories(rng, critic.batch_trajectories), config.algorithm.advantage.gamma)
     marks, start, batch_ev = {}, time.perf_counter(), []
     for step in range(1, steps + 1):
-        metrics = value_step(model, optimizer, trajectories(rng, critic.batch_trajectories), critic,
-                             config.algorithm.advantage.gamma)
+        batch = trajectories(rng, critic.batch_trajectories, PROMPTS_PER_BATCH.get(name, 0))
+        metrics = value_step(model, optimizer, batch, critic, config.algorithm.advantage.gamma)
         batch_ev.append(metrics["value_explained_variance"])
         if step in (25, 50, 100, 200, 400) or step == steps:
             marks[step] = {k: round(v, 3) for k, v in held_out_ev(model, held).items()}

@@ -12,7 +12,7 @@ from asyncrl.config import (Compute, CriticConfig, GAEAdvantage, KLPenalty, Mode
 from asyncrl.config.fields import replaced
 from asyncrl.learning.policy import Objective, policy_step
 from asyncrl.learning.tensors import collate
-from asyncrl.learning.value import ExplainedVarianceWindow, predict_values, value_step
+from asyncrl.learning.value import ExplainedVarianceWindow, dealt_batches, predict_values, value_step
 from asyncrl.messages.structs import segment_row
 from asyncrl.messages.structs import FinishReason, ScoredTrajectory, Segment, TrainingRow, float32_array, int32_array
 from asyncrl.models.loading import build_tiny_model, value_model_from_policy, value_model_from_reward_model
@@ -207,6 +207,19 @@ def test_the_explained_variance_window_pools_the_last_batches():
                          window=window)
     assert metrics["value_explained_variance_window"] == pytest.approx(metrics["value_explained_variance"])
     assert len(window.parts) == 1 and window.parts[0][0].numel() == 8
+
+
+def test_batches_are_dealt_across_groups():
+    """Two groups of 4 arrive one after the other; dealt into batches of 4, each holds 2 + 2, each
+    group's order kept; a third, smaller group fills in where the others end."""
+    arrived = [ScoredTrajectory(segment=segment([20 + i], pid=g), score=0.0) for g in "ab" for i in range(4)]
+
+    def names(batches):
+        return [[t.segment.group_id + str(int(t.segment.new_token_ids[0]) - 20) for t in b] for b in batches]
+
+    assert names(dealt_batches(arrived, 4)) == [["a0", "b0", "a1", "b1"], ["a2", "b2", "a3", "b3"]]
+    three = arrived[:3] + [ScoredTrajectory(segment=segment([20], pid="c"), score=0.0)]
+    assert names(dealt_batches(three, 2)) == [["a0", "c0"], ["a1", "a2"]]
 
 
 def test_value_model_from_a_process_reward_model_checkpoint(tmp_path):

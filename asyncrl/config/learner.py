@@ -171,6 +171,12 @@ class CriticConfig(Section):
     per micro-batch, ~6 GB with 4096: 16 trajectories of 164 tokens)."""
     batch_trajectories: PositiveInt = 16
     """Finished trajectories per value step."""
+    mix_batches: PositiveInt = 1
+    """Value steps whose trajectories are dealt out together: the learner waits for this many
+    batches' worth and deals them round-robin across their groups, so that each batch holds every
+    prompt present. A group's samples arrive one after the other: with groups of 32, a batch of 16 is
+    one prompt's, and the tiny critic learned half as fast (load_tests/critic_learning.py).
+    1: batches in arrival order."""
     warmup: CriticWarmup = msgspec.field(default_factory=CriticWarmup)
     """Value pretraining."""
     head_init: Literal["mean_return", "zero"] = "mean_return"

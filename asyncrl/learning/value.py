@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import itertools
 
 import numpy as np
 import torch
@@ -118,6 +119,16 @@ def explained_variance(targets: torch.Tensor, predictions: torch.Tensor) -> floa
     if float(target_var) <= 1e-12:
         return 0.0
     return 1.0 - float((targets - predictions).var(unbiased=False) / target_var)
+
+
+def dealt_batches(trajectories: list[ScoredTrajectory], size: int) -> list[list[ScoredTrajectory]]:
+    """`trajectories` dealt into batches of `size` round-robin across their groups (each group's
+    order kept): two groups of 32 give four batches of 8 + 8."""
+    groups: dict[str, list[ScoredTrajectory]] = {}
+    for t in trajectories:
+        groups.setdefault(t.segment.group_id, []).append(t)
+    order = [t for rank in itertools.zip_longest(*groups.values()) for t in rank if t is not None]
+    return [order[i:i + size] for i in range(0, len(order), size)]
 
 
 class ExplainedVarianceWindow:

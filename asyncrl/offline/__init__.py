@@ -153,7 +153,8 @@ def learn_dqo(config: Config, records: list[TrajectoryRecord], run_dir: str, pro
 async def pretrain_value(config: Config, records: list[TrajectoryRecord], run_dir: str) -> dict:
     """The critic alone on the recorded responses (Monte-Carlo returns with critic.loss.lam = 1)."""
     trajectories_box = InProcessMailbox(max(4 * config.offline.batch_trajectories, 64))
-    critic = msgspec.structs.replace(config.critic, batch_trajectories=config.offline.batch_trajectories,
+    # Shuffled below, so each batch already mixes prompts: one batch a step (`mix_batches=1`).
+    critic = msgspec.structs.replace(config.critic, batch_trajectories=config.offline.batch_trajectories, mix_batches=1,
                                      warmup=msgspec.structs.replace(config.critic.warmup, steps=0))
     learner = build_value_learner(config.model, critic, config.algorithm, config.sampling, config.trainer.seed,
                                   trajectories_box)
