@@ -59,9 +59,8 @@ def value_step(value_model, optimizer, trajectories: list[ScoredTrajectory], cri
     change only after every micro-batch), and GAE runs row by row, so a micro-batch's returns need
     only its own rows. The explained variance is measured on those fresh values (the critic as it is
     now); `value_explained_variance_recorded` on the recorded anchors (what the rows were valued with).
-    `critic`: its section, with `compute.precision` resolved; `gamma`: the advantage's discount;
-    `replay`: the rollout's routes on a mixture-of-experts critic (`asyncrl.learning.routing`);
-    `window`: the learner's last batches, which this one joins (`value_explained_variance_window`)."""
+    `critic`: its section, with `compute.precision` resolved; `gamma`: the advantage's discount; `replay`:
+    a MoE critic's rollout routes (`asyncrl.learning.routing`); `window`: the learner's last batches."""
     from asyncrl.algo.advantages import critic_returns
     from asyncrl.algo.losses import value_loss
 
@@ -100,17 +99,22 @@ def value_step(value_model, optimizer, trajectories: list[ScoredTrajectory], cri
         sums["value_loss"] += loss.item() * share
         sums["value_clip_fraction"] += metrics["value_clip_fraction"] * share
     grad_norm = clip_and_step(value_model, optimizer, critic.optimizer.grad_clip)
-    m = mask.bool()
-    window_metric = {}
+    return {**sums, "value_grad_norm": float(grad_norm), "value_tokens": total_tokens,
+            **_fit_metrics(returns, fresh, anchors, mask.bool(), window),
+            "value_trajectories": len(trajectories), "value_anchor_recorded_fraction": float(recorded.float().mean()),
+            # The newest policy version the batch was generated with: a step record's weight_version
+            # less this is how far behind the policy the critic is learning.
+            "value_batch_policy_version": float(max(int(t.segment.new_versions.max(initial=0)) for t in trajectories))}
+
+
+def _fit_metrics(returns: torch.Tensor, fresh: torch.Tensor, anchors: torch.Tensor, m: torch.Tensor,
+                 window: ExplainedVarianceWindow | None) -> dict[str, float]:
     if window is not None:
         window.add(returns[m], fresh[m])
-        window_metric = {"value_explained_variance_window": window.explained_variance()}
-    return {**sums, **window_metric, "value_grad_norm": float(grad_norm),
-            "value_explained_variance": explained_variance(returns[m], fresh[m]),
+    return {"value_explained_variance": explained_variance(returns[m], fresh[m]),
             "value_explained_variance_recorded": explained_variance(returns[m], anchors[m]),
-            "value_mean": float(fresh[m].mean()), "return_mean": float(returns[m].mean()),
-            "value_tokens": total_tokens, "value_trajectories": len(trajectories),
-            "value_anchor_recorded_fraction": float(recorded.float().mean())}
+            **({"value_explained_variance_window": window.explained_variance()} if window is not None else {}),
+            "value_mean": float(fresh[m].mean()), "return_mean": float(returns[m].mean())}
 
 
 def explained_variance(targets: torch.Tensor, predictions: torch.Tensor) -> float:
