@@ -195,7 +195,7 @@ def _finish(run: Run, config: Config, ending: Ending, bar, evaluator: Evaluation
     if ending.rewards_failing:
         if bar is not None:
             bar.close()
-        ending.final_status = run.status()
+        ending.final_status = run.status().json_dict()
         return
     if ending.interrupted or ending.stop_reason:
         run.stop_learning()
@@ -209,7 +209,7 @@ def _finish(run: Run, config: Config, ending: Ending, bar, evaluator: Evaluation
         # The final step's checkpoint (waits for one the learner is writing, if any).
         ending.last_checkpoint = run.checkpoint()
         print(f"checkpoint: {ending.last_checkpoint}", flush=True)
-    ending.final_status = run.status()
+    ending.final_status = run.status().json_dict()
     ending.weights = run.weights()
 
 

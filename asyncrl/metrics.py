@@ -1,6 +1,6 @@
 """The run's status as Prometheus metrics (text exposition format), for `/train/metrics/prometheus`.
 
-Built per scrape from `System.status()` (`asyncrl.run.wiring`) with `prometheus_client`'s metric families, so
+Built per scrape from `Run.status()` (`asyncrl.run`) with `prometheus_client`'s metric families, so
 the numbers are the ones the status page shows, with no second set of counters to keep in step.
 """
 

@@ -71,7 +71,7 @@ def learner_step(sup: Run) -> int | None:
     """The learner's step, or None while some part cannot be reached (a node cut off or dying:
     the supervisor's check restarts the run once an actor is known dead)."""
     try:
-        return ray.get(sup.system.actors["learner"].stats.remote(), timeout=10)["step"]
+        return sup.role_stats("learner", timeout_s=10)["step"]
     except ray.exceptions.RayError:
         return None
 
@@ -91,7 +91,7 @@ def advance(sup: Run, steps: int, timeout_s: float = 300.0) -> list[dict]:
             events.append(event)
             target = max(target, event["step"] + 1)
         try:
-            sup.system.pop_metrics()
+            sup.pop_metrics()
         except ray.exceptions.RayError:
             pass
         time.sleep(0.3)
@@ -113,8 +113,8 @@ def ledger_report(sup: Run) -> dict:
     return runtime_faults.drained_ledger(sup)
 
 
-def rss_mb(actor) -> float:
-    return psutil.Process(ray.get(actor.pid.remote())).memory_info().rss / 2**20
+def rss_mb(pid: int) -> float:
+    return psutil.Process(pid).memory_info().rss / 2**20
 
 
 # Overrides every scenario's run gets (`--engine`).
@@ -131,18 +131,16 @@ def _kill(role: str, overrides: list[str], run_dir: str, quick: bool) -> dict:
     sup = _start(overrides, run_dir)
     try:
         advance(sup, 4 if quick else 8)
-        system = sup.system
-        target = system.actors[role]
-        step_at_kill = system.status()["step"]
-        ray.kill(target, no_restart=True)
+        step_at_kill = sup.status().step
+        sup.kill(role)
         event = wait_restart(sup)
         advance(sup, 6 if quick else 12)
         status = sup.status()
         return {"injected": f"ray.kill({role}) at step {step_at_kill}",
                 "restart_s": round(event["restart_s"], 2), "resumed_from_step": event["step"],
                 "regenerated_prompts": event["reissued_prompts"], "saved_batches_trained": event["saved_batches"],
-                "steps_redone": step_at_kill - event["step"], "step_after": status["step"],
-                "generator_versions_after": [g["delivered_version"] for g in status["generators"]],
+                "steps_redone": step_at_kill - event["step"], "step_after": status.step,
+                "generator_versions_after": [g["delivered_version"] for g in status.generators],
                 "ledger": ledger_report(sup)}
     finally:
         sup.stop()
@@ -161,19 +159,18 @@ def kill_reward(run_dir: str, quick: bool) -> dict:
     sup = _start(BASE + ["reward.endpoints.verifier.fault_delay_s=0.3"], run_dir)
     try:
         advance(sup, 3)
-        endpoint = sup.system.actors["reward-verifier"]
-        before = sup.status()["assembler"]
+        before = sup.status().assembler
         kills = 2 if quick else 5
         for _ in range(kills):
-            ray.kill(endpoint, no_restart=False)  # Ray restarts it; in-flight calls are retried
+            sup.kill("reward-verifier", restart=True)  # Ray restarts it; in-flight calls are retried
             advance(sup, 2)
         status = sup.status()
-        router = status["assembler"]["reward_router"]
+        router = status.assembler["reward_router"]
         return {"injected": f"{kills} kills of the reward endpoint actor mid-request",
                 "supervisor_restarts": len(sup.restarts),
-                "reward_failures": status["assembler"].get("reward_failures", 0) - before.get("reward_failures", 0),
+                "reward_failures": status.assembler.get("reward_failures", 0) - before.get("reward_failures", 0),
                 "router": {k: router.get(k) for k in ("calls", "retries", "timeouts", "failures") if k in router},
-                "step_after": status["step"], "ledger": ledger_report(sup)}
+                "step_after": status.step, "ledger": ledger_report(sup)}
     finally:
         sup.stop()
 
@@ -182,18 +179,17 @@ def hang_reward(run_dir: str, quick: bool) -> dict:
     sup = _start(BASE + ["reward.timeout_s=1.0", "reward.retries=1"], run_dir)
     try:
         advance(sup, 3)
-        endpoint = sup.system.actors["reward-verifier"]
         hang_s = 5 if quick else 20
-        ray.get(endpoint.reconfigure.remote({"fault_delay_s": 3600.0}))  # never answers in time
+        sup.reconfigure_reward("verifier", {"fault_delay_s": 3600.0})  # never answers in time
         time.sleep(hang_s)
-        ray.get(endpoint.reconfigure.remote({"fault_delay_s": 0.0}))
-        during = sup.status()["assembler"]
+        sup.reconfigure_reward("verifier", {"fault_delay_s": 0.0})
+        during = sup.status().assembler
         advance(sup, 4)
         status = sup.status()
         return {"injected": f"reward endpoint hung for {hang_s}s (timeout 1 s, 1 retry)",
                 "failed_rewards_recorded": during.get("reward_failures", 0),
-                "router": status["assembler"]["reward_router"], "supervisor_restarts": len(sup.restarts),
-                "step_after": status["step"], "ledger": ledger_report(sup)}
+                "router": status.assembler["reward_router"], "supervisor_restarts": len(sup.restarts),
+                "step_after": status.step, "ledger": ledger_report(sup)}
     finally:
         sup.stop()
 
@@ -203,20 +199,19 @@ def fill_mailbox(run_dir: str, quick: bool) -> dict:
     sup = _start(BASE + [f"cluster.mailbox_capacity={capacity}"], run_dir)
     try:
         advance(sup, 2)
-        system = sup.system
-        endpoint = system.actors["reward-verifier"]
-        mailbox = system.mailboxes["segments"].actor
-        rss_before = {"segments_mailbox": rss_mb(mailbox), "assembler": rss_mb(system.actors["assembler"])}
-        ray.get(endpoint.reconfigure.remote({"fault_delay_s": 2.0}))  # the consumer falls behind
-        depths, wait_before = [], ray.get(next(iter(system.generators.values())).stats.remote())["wait_mailbox_s"]
+        pids = {"segments_mailbox": sup.pid("mailbox-segments"), "assembler": sup.pid("assembler")}
+        rss_before = {name: rss_mb(pid) for name, pid in pids.items()}
+        sup.reconfigure_reward("verifier", {"fault_delay_s": 2.0})  # the consumer falls behind
+        generator = sup.generator_ids[0]
+        depths, wait_before = [], sup.role_stats(generator)["wait_mailbox_s"]
         end = time.time() + (15 if quick else 60)
         while time.time() < end:
-            s = ray.get(mailbox.stats.remote())
+            s = sup.mailbox_stats("segments")
             depths.append(s.queued + s.leased)
             time.sleep(0.2)
-        wait_after = ray.get(next(iter(system.generators.values())).stats.remote())["wait_mailbox_s"]
-        rss_after = {"segments_mailbox": rss_mb(mailbox), "assembler": rss_mb(system.actors["assembler"])}
-        ray.get(endpoint.reconfigure.remote({"fault_delay_s": 0.0}))
+        wait_after = sup.role_stats(generator)["wait_mailbox_s"]
+        rss_after = {name: rss_mb(pid) for name, pid in pids.items()}
+        sup.reconfigure_reward("verifier", {"fault_delay_s": 0.0})
         advance(sup, 3)
         return {"injected": "reward endpoint slowed to 2 s per call for "
                             f"{15 if quick else 60}s; segments mailbox capacity {capacity}",
@@ -224,7 +219,7 @@ def fill_mailbox(run_dir: str, quick: bool) -> dict:
                 "generator_waited_for_mailbox_s": round(wait_after - wait_before, 1),
                 "rss_mb_before": {k: round(v) for k, v in rss_before.items()},
                 "rss_mb_after": {k: round(v) for k, v in rss_after.items()},
-                "step_after": sup.status()["step"], "ledger": ledger_report(sup)}
+                "step_after": sup.status().step, "ledger": ledger_report(sup)}
     finally:
         sup.stop()
 
@@ -290,7 +285,7 @@ def full_disk(run_dir: str, quick: bool) -> dict:
             advance(sup, 4)  # the step-3 checkpoint
             kept = checkpoint.latest_valid(run_dir)[0]
             filler = _fill(disk)
-            filled_at_step, start = sup.status()["step"], time.time()
+            filled_at_step, start = sup.status().step, time.time()
             error = None
             while error is None and time.time() - start < 300:
                 try:
@@ -316,7 +311,7 @@ def full_disk(run_dir: str, quick: bool) -> dict:
                     "error": error, "seconds_to_the_error": round(stopped_s, 1), "restarts_before_the_error": restarts,
                     "checkpoint_after_the_error": os.path.basename(latest or "none"),
                     "partial_checkpoints_left": leftovers, "ledger_at_the_error": ledger_at_error,
-                    "resumed_from": sup.resumed.get("step"), "step_after": status["step"], "ledger": ledger_report(sup)}
+                    "resumed_from": sup.resumed.get("step"), "step_after": status.step, "ledger": ledger_report(sup)}
         finally:
             sup.stop()
     finally:
@@ -338,11 +333,11 @@ def private_run_dir(run_dir: str, quick: bool) -> dict:
     sup = Run(compose(overrides + [f"trainer.run_dir={run_dir}"]), run_dir).start()
     try:
         advance(sup, 4)
-        learner_node = sup.status()["learner_node"]
+        learner_node = sup.status().learner_node
         committed = [os.path.basename(p) for _, p in checkpoint.committed(checkpoint.checkpoints_dir(run_dir))]
         on_the_worker = ray.get(_listing_on_the_private_node.remote(run_dir), timeout=60)
-        step_at_kill = sup.status()["step"]
-        ray.kill(sup.system.actors["learner"], no_restart=True)
+        step_at_kill = sup.status().step
+        sup.kill("learner")
         event = wait_restart(sup)
         advance(sup, 6 if quick else 12)
         status = sup.status()
@@ -350,7 +345,7 @@ def private_run_dir(run_dir: str, quick: bool) -> dict:
                             f"{step_at_kill}",
                 "checkpoints_on_the_head": committed, "run_directory_as_the_learner_node_sees_it": on_the_worker,
                 "restart_s": round(event["restart_s"], 2), "resumed_from_step": event["step"],
-                "learner_node_after": status["learner_node"], "step_after": status["step"],
+                "learner_node_after": status.learner_node, "step_after": status.step,
                 "ledger": ledger_report(sup)}
     finally:
         sup.stop()

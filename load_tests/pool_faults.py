@@ -30,7 +30,7 @@ FULL_RATE = 0.9  # "full rate again": a window at this share of the reference ra
 def learner_progress(run: Run) -> tuple[int, int] | None:
     """The learner's step and count of trained samples, or None while it cannot be reached."""
     try:
-        stats = ray.get(run.system.actors["learner"].stats.remote(), timeout=10)
+        stats = run.role_stats("learner", timeout_s=10)
     except (ray.exceptions.RayError, KeyError, AttributeError):
         return None
     return stats["step"], stats["samples_trained"]
@@ -102,7 +102,7 @@ class Timeline:
 
 
 def ledger(run: Run) -> dict:
-    found = run.system.ledger()
+    found = run.ledger()
     counts = found["counts"]
     return {"admitted": counts["admitted"], "trained": counts["trained"], "dropped": counts["dropped"],
             "in_flight": counts["in_flight"], "awaiting": counts["awaiting_reward"] + counts["awaiting_training"],
@@ -122,9 +122,9 @@ def monotone(steps: list[int]) -> dict:
             "learner_steps_during": (steps[0], steps[-1]) if steps else None}
 
 
-def wait_mid_window(generator) -> int:
-    """Wait until `generator` holds sequences in a window; how many."""
-    while (held := ray.get(generator.stats.remote())["inflight_sequences"]) == 0:
+def wait_mid_window(run: Run, generator_id: str) -> int:
+    """Wait until the generator holds sequences in a window; how many."""
+    while (held := run.role_stats(generator_id)["inflight_sequences"]) == 0:
         time.sleep(0.05)
     return held
 
@@ -132,8 +132,8 @@ def wait_mid_window(generator) -> int:
 def learner_restart(run: Run, timeline: Timeline, settle_s: float) -> dict:
     """Kill the learner (the whole run comes back from its checkpoint) and measure it like the rest."""
     reference = timeline.rate(time.time() - 2 * WINDOW_S, time.time())
-    step, at = run.status()["step"], time.time()
-    ray.kill(run.system.actors["learner"], no_restart=True)
+    step, at = run.status().step, time.time()
+    run.kill("learner")
     before = len(timeline.restarts)
     timeline.watch(120, until=lambda: len(timeline.restarts) > before)
     timeline.watch(settle_s)
@@ -151,7 +151,7 @@ def _pool_events(run: Run, since: float) -> list[dict]:
 def _healed(run: Run, timeline: Timeline, at: float, reference: float, step: int, injected: str) -> dict:
     return {"injected": injected, **timeline.recovery(at, reference), "learner_restarts": len(timeline.restarts),
             **monotone(timeline.steps_since(at)), "pool_events": _pool_events(run, at), **staleness(run, step),
-            "generator_nodes_after": sorted(g.get("node_ip", "") for g in run.status()["generators"]),
+            "generator_nodes_after": sorted(g.get("node_ip", "") for g in run.status().generators),
             "ledger": ledger(run)}
 
 
@@ -173,11 +173,11 @@ def kill_generator(run: Run, quick: bool) -> dict:
     timeline = Timeline(run)
     try:
         timeline.watch(settle)
-        victim = run.system.pool.live[0]
-        held = wait_mid_window(run.system.generators[victim])
+        victim = run.generator_ids[0]
+        held = wait_mid_window(run, victim)
         return _inject(run, timeline, settle,
-                       f"ray.kill({victim}) of {len(run.system.pool.live)} holding {held} sequences",
-                       lambda: ray.kill(run.system.generators[victim], no_restart=True),
+                       f"ray.kill({victim}) of {len(run.generator_ids)} holding {held} sequences",
+                       lambda: run.kill(victim),
                        compare=not quick)  # --quick: the learner's restart is kill_learner's
     finally:
         timeline.close()
@@ -191,7 +191,7 @@ def node_loss(run: Run, quick: bool) -> dict:
     try:
         timeline.watch(settle / 2)
         victim = worker_generator(run)
-        held = wait_mid_window(run.system.generators[victim])
+        held = wait_mid_window(run, victim)
         return _inject(run, timeline, settle, f"worker node {cluster.WORKER_IP} killed, its generator {victim} "
                                               f"holding {held} sequences", cluster.kill_worker)
     finally:
@@ -241,7 +241,7 @@ def scale(run: Run, quick: bool) -> dict:
 def worker_generator(run: Run) -> str:
     from load_tests.cluster import WORKER_IP
 
-    for gid, generator in run.system.generators.items():
-        if ray.get(generator.stats.remote())["node_ip"] == WORKER_IP:
+    for gid in run.generator_ids:
+        if run.role_stats(gid)["node_ip"] == WORKER_IP:
             return gid
     raise RuntimeError("no generator landed on the worker node (cluster.placement=spread should put one there)")

@@ -35,8 +35,6 @@ import threading
 import time
 from typing import Callable
 
-import ray
-
 from asyncrl.config import compose
 from asyncrl.run import RestartBudgetSpent, Run
 from load_tests.pool_faults import WINDOW_S, Timeline, _pool_events, monotone, staleness
@@ -49,7 +47,7 @@ def drained_ledger(run: Run, timeout_s: float = 120.0) -> dict:
     """The books after a drain: balanced, nothing trained twice, and nothing in flight that no
     generator holds (`unaccounted`, with up to ten of their ids)."""
     drained = run.drain(timeout_s)
-    found = run.system.ledger()
+    found = run.ledger()
     counts = found["counts"]
     return {"admitted": counts["admitted"], "in_flight": counts["in_flight"],
             "awaiting": counts["awaiting_reward"] + counts["awaiting_training"], "trained": counts["trained"],
@@ -64,7 +62,7 @@ def _start(overrides: list[str], run_dir: str, extra: list[str]) -> Run:
 
 
 def _learner_step(run: Run) -> int:
-    return ray.get(run.system.actors["learner"].stats.remote(), timeout=30)["step"]
+    return run.role_stats("learner", timeout_s=30)["step"]
 
 
 def hang_delivery(run_dir: str, quick: bool, extra: list[str]) -> dict:
@@ -78,19 +76,19 @@ def hang_delivery(run_dir: str, quick: bool, extra: list[str]) -> dict:
                 status = run.status()
             except Exception:  # noqa: BLE001 - a status read across a heal: the next one
                 continue
-            held = [g["delivered_version"] for g in status["generators"] if not g.get("unresponsive")]
-            if held and status["delivered_version"] > min(held):
-                announced_beyond.append((status["delivered_version"], held))
+            held = [g["delivered_version"] for g in status.generators if not g.get("unresponsive")]
+            if held and status.delivered_version > min(held):
+                announced_beyond.append((status.delivered_version, held))
             time.sleep(0.5)
 
     stop = threading.Event()
     try:
         timeline.watch(15 if quick else 30)
-        victim = run.system.pool.live[0]
+        victim = run.generator_ids[0]
         reference, at, step = timeline.rate(time.time() - 2 * WINDOW_S, time.time()), time.time(), run.step
         watcher = threading.Thread(target=watch_versions, daemon=True)
         watcher.start()
-        ray.get(run.system.generators[victim].inject_fault.remote(load_hang_s=3600))
+        run.inject_generator_fault(victim, load_hang_s=3600)
         timeline.watch(40 if quick else 80)
         stop.set()
         watcher.join()
@@ -112,34 +110,32 @@ def lease_outlived(run_dir: str, quick: bool, extra: list[str]) -> dict:
     timeline = Timeline(run)
     try:
         timeline.watch(10)
-        prompts = run.system.mailboxes["prompts"].actor
-        victim = run.system.pool.live[0]
-        handle = run.system.generators[victim]
-        before = ray.get(prompts.stats.remote())
+        victim = run.generator_ids[0]
+        before = run.mailbox_stats("prompts")
         # A window three leases long: the lease is renewed beside it, nothing is handed over.
-        ray.get(handle.inject_fault.remote(window_hang_s=3 * lease_s))
+        run.inject_generator_fault(victim, window_hang_s=3 * lease_s)
         timeline.watch(3 * lease_s + 2)
-        ray.get(handle.inject_fault.remote(window_hang_s=0.0))
-        renewed = ray.get(prompts.stats.remote())
+        run.inject_generator_fault(victim, window_hang_s=0.0)
+        renewed = run.mailbox_stats("prompts")
         long_window = {"redelivered": renewed.redelivered_total - before.redelivered_total,
                        "renewed": renewed.renewed_total - before.renewed_total,
-                       "generator": {k: ray.get(handle.stats.remote())[k] for k in ("leases_renewed", "leases_lost")}}
+                       "generator": {k: run.role_stats(victim)[k] for k in ("leases_renewed", "leases_lost")}}
         # The generator stopped for two leases (no renewal): its prompts go to the other generator.
-        pid = ray.get(handle.pid.remote())
-        assembler_before = ray.get(run.system.actors["assembler"].stats.remote())
+        pid = run.pid(victim)
+        assembler_before = run.role_stats("assembler")
         os.kill(pid, signal.SIGSTOP)
         timeline.watch(2 * lease_s + 2)
         os.kill(pid, signal.SIGCONT)
         timeline.watch(15 if quick else 30)
-        after = ray.get(prompts.stats.remote())
-        assembler = ray.get(run.system.actors["assembler"].stats.remote())
+        after = run.mailbox_stats("prompts")
+        assembler = run.role_stats("assembler")
         delta = {k: assembler.get(k, 0) - assembler_before.get(k, 0)
                  for k in ("copies_discarded", "segments_ignored", "segments_out_of_order")}
         return {"injected": f"cluster.lease_s={lease_s:g}: a window of {3 * lease_s:g} s on {victim}, then "
                             f"{victim} stopped (SIGSTOP) for {2 * lease_s + 2:g} s",
                 "long_window": long_window,
                 "stopped": {"prompts_redelivered": after.redelivered_total - renewed.redelivered_total,
-                            "assembler": delta, "held_again": ray.get(handle.stats.remote())["prompts_held_again"]},
+                            "assembler": delta, "held_again": run.role_stats(victim)["prompts_held_again"]},
                 "learner_restarts": len(timeline.restarts), **monotone(timeline.steps),
                 "assembler_alive": True, "step_after": _learner_step(run), "ledger": drained_ledger(run)}
     finally:
@@ -152,16 +148,15 @@ def scale_down_slow(run_dir: str, quick: bool, extra: list[str]) -> dict:
     timeline = Timeline(run)
     try:
         timeline.watch(10)
-        endpoint = run.system.actors["reward-verifier"]
-        ray.get(endpoint.reconfigure.remote({"fault_delay_s": 1.0}))  # every reward call takes a second
+        run.reconfigure_reward("verifier", {"fault_delay_s": 1.0})  # every reward call takes a second
         timeline.watch(8)
-        queued = ray.get(run.system.mailboxes["segments"].actor.stats.remote())
+        queued = run.mailbox_stats("segments")
         at, step = time.time(), run.step
         events = run.scale(1, reason="load test: scale down while rewards are slow")
         timeline.watch(5)
-        ray.get(endpoint.reconfigure.remote({"fault_delay_s": 0.0}))
+        run.reconfigure_reward("verifier", {"fault_delay_s": 0.0})
         timeline.watch(20 if quick else 40)
-        prompt_source = ray.get(run.system.actors["prompt_source"].stats.remote())
+        prompt_source = run.role_stats("prompt_source")
         return {"injected": "reward calls slowed to 1 s, then the pool scaled 3 -> 1 (two generators drained)",
                 "segments_queued_at_scale": queued.queued + queued.leased,
                 "pool_events": [{k: e[k] for k in ("event", "generator", "handed_back")} for e in events if "handed_back" in e],
@@ -212,8 +207,8 @@ def restart_budget(run_dir: str, quick: bool, extra: list[str]) -> dict:
 
 def _kill_learner(run: Run, timeline: Timeline) -> dict:
     """Kill the learner; the poll that sees it restarts the run (or raises: the budget is spent)."""
-    step, at = run.status()["step"], time.time()
-    ray.kill(run.system.actors["learner"], no_restart=True)
+    step, at = run.status().step, time.time()
+    run.kill("learner")
     while (restart := run.poll().restart) is None:
         time.sleep(0.25)
     timeline.watch(5)

@@ -36,31 +36,19 @@ OVERRIDES = ["model=tiny", "task=tiny", "algorithm=grpo", "trainer.prompts_per_s
              "reward.timeout_s=2.0", "reward.retries=1"]
 
 
-def processes(sup: Run) -> dict[str, int]:
-    """role -> pid of every actor of the running system."""
-    system = sup.system
-    actors = {**{name: a for name, a in system.actors.items()},
-              **{f"generator-{gid}": g for gid, g in system.generators.items()},
-              **{f"mailbox-{name}": box.actor for name, box in system.mailboxes.items()}}
-    refs = {name: a.pid.remote() for name, a in actors.items()}
-    return {name: ray.get(ref, timeout=30) for name, ref in refs.items()}
-
-
 def inject(sup: Run, kind: str) -> str:
-    system = sup.system
-    endpoint = system.actors["reward-verifier"]
     if kind == "hang_reward":
-        ray.get(endpoint.reconfigure.remote({"fault_delay_s": 3600.0}))
+        sup.reconfigure_reward("verifier", {"fault_delay_s": 3600.0})
         time.sleep(10)
-        ray.get(endpoint.reconfigure.remote({"fault_delay_s": 0.0}))
+        sup.reconfigure_reward("verifier", {"fault_delay_s": 0.0})
         return "reward endpoint hung 10 s"
     if kind == "kill_reward":
-        ray.kill(endpoint, no_restart=False)
+        sup.kill("reward-verifier", restart=True)
         return "reward endpoint killed (restarted by Ray)"
     if kind == "kill_generator":
-        ray.kill(next(iter(system.generators.values())), no_restart=True)
+        sup.kill(sup.generator_ids[0])
         return "generator killed"
-    ray.kill(system.actors["learner"], no_restart=True)
+    sup.kill("learner")
     return "policy learner killed"
 
 
@@ -105,13 +93,13 @@ def main() -> int:
             if event is not None:
                 faults[-1]["restart_s"] = round(event["restart_s"], 1) if faults else None
             try:
-                sup.system.pop_metrics()
+                sup.pop_metrics()
             except ray.exceptions.RayError:
                 continue  # the learner just died; the next check restarts the system
             now = time.time()
             if now >= next_sample:
                 try:
-                    pids = processes(sup)
+                    pids = sup.pids()
                 except ray.exceptions.RayError:  # an actor just died: the next check restarts the system
                     pids = {}
                 for role, pid in pids.items():
@@ -123,7 +111,7 @@ def main() -> int:
                 next_sample = now + args.sample_every
             if now >= next_fault:
                 kind = cycle[len(faults) % len(cycle)]
-                step = sup.status()["step"]
+                step = sup.status().step
                 faults.append({"at_s": round(now - started), "kind": kind, "what": inject(sup, kind), "step": step})
                 print(json.dumps(faults[-1]), flush=True)
                 next_fault = now + args.fault_every
@@ -142,7 +130,7 @@ def main() -> int:
                                        "slope_mb_per_min": slope_mb_per_min(samples, warmup_s),
                                        "series": [(round(t - started, 1), round(mb, 1)) for t, mb in samples]})
     result = {"minutes": args.minutes, "warmup_minutes": warmup_s / 60, "faults": faults, "supervisor_restarts": len(sup.restarts),
-              "final_step": status["step"], "samples_trained": status["samples_trained"], "ledger": ledger,
+              "final_step": status.step, "samples_trained": status.samples_trained, "ledger": ledger,
               "memory": dict(per_role)}
     os.makedirs(args.run_dir, exist_ok=True)
     with open(os.path.join(args.run_dir, "soak.json"), "w") as f:

@@ -14,7 +14,6 @@ import ray
 
 from asyncrl.config import compose
 from asyncrl.run import Run
-from asyncrl.run.wiring import System
 from asyncrl.storage import checkpoint, checkpoint_parts
 from asyncrl.storage.checkpoint_transfer import WriterClient, local_copy, write_part
 
@@ -191,13 +190,13 @@ def test_a_learner_whose_node_does_not_see_the_run_directory(private_node):
     overrides = ["model=tiny", "task=tiny_seq", "algorithm=tppo", "engine.window_tokens=2",
                  "trainer.prompts_per_step=2", "trainer.checkpoint_every=0", f"trainer.run_dir={run_dir}",
                  "policy.compute.resources={private_disk: 1}", "critic.compute.resources={private_disk: 0.5}"]
-    first = System(compose(overrides), name_actors=False, run_dir=run_dir).start()
+    first = Run(compose(overrides), run_dir, name_learner=False).start()
     try:
-        nodes = {name: ray.get(first.actors[name].node_id.remote()) for name in ("learner", "value_learner")}
+        nodes = {name: first.node_id(name) for name in ("learner", "value_learner")}
         head = ray.get_runtime_context().get_node_id()
         assert head not in nodes.values()
         deadline = time.time() + 240
-        while ray.get(first.actors["learner"].stats.remote())["step"] < 2:
+        while first.role_stats("learner")["step"] < 2:
             assert time.time() < deadline
             first.check_alive()
             time.sleep(0.5)
@@ -212,12 +211,12 @@ def test_a_learner_whose_node_does_not_see_the_run_directory(private_node):
     finally:
         first.stop()
     # Resumed: the learners on that node read the checkpoint through the head's writer.
-    second = System(compose(overrides + ["resume=true"]), name_actors=False, run_dir=run_dir).start()
+    second = Run(compose(overrides + ["resume=true"]), run_dir, name_learner=False).start()
     try:
         assert second.resumed["checkpoint"] == path and second.resumed["step"] == step
-        learner = ray.get(second.actors["learner"].stats.remote())  # (it may have trained on meanwhile)
+        learner = second.role_stats("learner")  # (it may have trained on meanwhile)
         assert learner["step"] >= step >= 2 and learner["incarnation"] == 1
-        value = ray.get(second.actors["value_learner"].stats.remote())
+        value = second.role_stats("value_learner")
         saved_value = checkpoint_parts.load_json(os.path.join(path, "value", "state.json"))["version"]
         assert value["value_version"] >= saved_value
     finally:

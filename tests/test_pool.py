@@ -10,7 +10,6 @@ import time
 
 import psutil
 import pytest
-import ray
 
 from asyncrl.config import compose
 from asyncrl.run import Run
@@ -21,7 +20,7 @@ OVERRIDES = ["model=tiny", "task=tiny", "algorithm=grpo", "trainer.wandb_mode=di
 
 
 def learner_step(run: Run) -> int:
-    return ray.get(run.system.actors["learner"].stats.remote())["step"]
+    return run.role_stats("learner")["step"]
 
 
 def poll_until(run: Run, done, timeout_s: float = 180.0, every_s: float = 0.3) -> list[int]:
@@ -39,8 +38,7 @@ def test_a_killed_generator_is_replaced_while_the_learner_keeps_training(ray_ses
     run = Run(compose([*OVERRIDES, f"trainer.run_dir={tmp_path}"]), str(tmp_path)).start()
     try:
         poll_until(run, lambda: learner_step(run) >= 5)
-        victim = run.system.generators["gen-0"]
-        os.kill(ray.get(victim.pid.remote()), signal.SIGKILL)  # mid-window: the process is gone
+        os.kill(run.pid("gen-0"), signal.SIGKILL)  # mid-window: the process is gone
         killed_at = learner_step(run)
         steps = poll_until(run, lambda: "gen-2" in run.generator_ids and learner_step(run) >= killed_at + 10)
         assert steps == sorted(steps) and steps[-1] >= killed_at + 10  # never stopped, never went back
@@ -51,9 +49,9 @@ def test_a_killed_generator_is_replaced_while_the_learner_keeps_training(ray_ses
         assert sorted(run.generator_ids) == ["gen-1", "gen-2"]
         status = run.status()
         bound = run.config.algorithm.max_staleness_versions
-        assert all(g["delivered_version"] >= status["weight_version"] - bound - 1 for g in status["generators"])
+        assert all(g["delivered_version"] >= status.weight_version - bound - 1 for g in status.generators)
         run.stop_learning()
-        ledger = run.system.ledger()
+        ledger = run.ledger()
         assert ledger["problems"] == [] and ledger["counts"]["duplicates"] == 0
         assert len(ledger["trained_ids"]) == len(set(ledger["trained_ids"]))
     finally:
@@ -69,7 +67,7 @@ def test_a_hung_generator_is_detected_and_replaced(ray_session, tmp_path):
     run = Run(compose([*overrides, "cluster.generator_timeout_s=8", f"trainer.run_dir={tmp_path}"]), str(tmp_path)).start()
     try:
         poll_until(run, lambda: learner_step(run) >= 5)
-        victim = ray.get(run.system.generators["gen-0"].pid.remote())
+        victim = run.pid("gen-0")
         os.kill(victim, signal.SIGSTOP)  # alive but silent: only the missing answers can tell
         stopped_at = learner_step(run)
         steps = poll_until(run, lambda: "gen-2" in run.generator_ids and learner_step(run) >= stopped_at + 10)
@@ -81,7 +79,7 @@ def test_a_hung_generator_is_detected_and_replaced(ray_session, tmp_path):
         assert removed[0]["reason"] == "no answer for 8s" or "weight delivery failed" in removed[0]["reason"], removed
         assert sorted(run.generator_ids) == ["gen-1", "gen-2"]
         run.stop_learning()
-        ledger = run.system.ledger()
+        ledger = run.ledger()
         assert ledger["problems"] == [] and ledger["counts"]["duplicates"] == 0
     finally:
         try:
@@ -117,16 +115,15 @@ def test_a_generator_whose_weight_delivery_hangs_while_it_answers_is_healed(ray_
 
     def watch() -> bool:
         status = run.status()
-        held = [g["delivered_version"] for g in status["generators"] if not g.get("unresponsive")]
-        if held and status["delivered_version"] > min(held):
-            announced_beyond.append((status["delivered_version"], held))
-        return "gen-1" in run.system.generators and status["step"] >= hung_at + 10
+        held = [g["delivered_version"] for g in status.generators if not g.get("unresponsive")]
+        if held and status.delivered_version > min(held):
+            announced_beyond.append((status.delivered_version, held))
+        return "gen-1" in run.generator_ids and status.step >= hung_at + 10
 
     try:
         poll_until(run, lambda: learner_step(run) >= 5)
-        victim = run.system.generators["gen-0"]
-        pid = ray.get(victim.pid.remote())
-        ray.get(victim.inject_fault.remote(load_hang_s=3600))
+        pid = run.pid("gen-0")
+        run.inject_generator_fault("gen-0", load_hang_s=3600)
         hung_at = learner_step(run)
         steps = poll_until(run, watch, timeout_s=240)
         assert steps == sorted(steps) and run.restarts == []
@@ -137,7 +134,7 @@ def test_a_generator_whose_weight_delivery_hangs_while_it_answers_is_healed(ray_
         assert not announced_beyond, announced_beyond[:5]
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
         run.stop_learning()
-        ledger = run.system.ledger()
+        ledger = run.ledger()
         assert ledger["problems"] == [] and ledger["counts"]["duplicates"] == 0
     finally:
         run.stop()

@@ -11,16 +11,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from actors.prompt_source import SNAPSHOT_CODEC
 from asyncrl.config import compose
-from asyncrl.run.wiring import System
+from asyncrl.run import Run
 from asyncrl.storage import checkpoint, checkpoint_parts
 
 
-def run_until(system: System, step: int, timeout_s: float = 240.0) -> list[dict]:
+def run_until(run: Run, step: int, timeout_s: float = 240.0) -> list[dict]:
     records, deadline = [], time.time() + timeout_s
     while not records or records[-1]["step"] < step:
-        assert time.time() < deadline, f"no step {step} within {timeout_s}s: {system.status()['dropped_by_reason']}"
-        system.check_alive()
-        records += system.pop_metrics()
+        assert time.time() < deadline, f"no step {step} within {timeout_s}s: {run.status().dropped_by_reason}"
+        run.check_alive()
+        records += run.pop_metrics()
         time.sleep(0.2)
     return records
 
@@ -43,7 +43,7 @@ def test_kill_after_step_k_and_resume(ray_session, tmp_path, setup):
     run_dir = str(tmp_path)
     overrides = ["model=tiny", *setup, "trainer.prompts_per_step=2",
                  "trainer.checkpoint_every=3", "trainer.checkpoint_keep=2", f"trainer.run_dir={run_dir}"]
-    first = System(compose(overrides), name_actors=False, run_dir=run_dir).start()
+    first = Run(compose(overrides), run_dir, name_learner=False).start()
     try:
         before = run_until(first, 7)  # checkpoints at steps 3 and 6, then killed mid-stream
     finally:
@@ -72,7 +72,7 @@ def test_kill_after_step_k_and_resume(ray_session, tmp_path, setup):
         value_version_at_k = checkpoint_parts.load_json(os.path.join(ckpt, "value", "state.json"))["version"]
         assert value_version_at_k >= 1
 
-    second = System(compose(overrides + ["resume=true"]), name_actors=False, run_dir=run_dir).start()
+    second = Run(compose(overrides + ["resume=true"]), run_dir, name_learner=False).start()
     try:
         assert second.resumed["checkpoint"] == ckpt and second.resumed["step"] == k
         after = run_until(second, k + 6)
@@ -81,17 +81,15 @@ def test_kill_after_step_k_and_resume(ray_session, tmp_path, setup):
         assert after[0]["weight_version"] == k + 1
         status = second.status()
         # The generators got the checkpoint's weights before their first prompt: nothing is older.
-        assert all(g["delivered_version"] >= k for g in status["generators"])
+        assert all(g["delivered_version"] >= k for g in status.generators)
         assert max(r["staleness_max"] for r in after) <= compose(overrides).algorithm.max_staleness_versions
-        import ray
-
-        learner = ray.get(second.actors["learner"].stats.remote())
+        learner = second.role_stats("learner")
         # Adam's count continues from the checkpoint's (a fresh optimizer would restart at 0).
         assert learner["optimizer_steps"] == learner["optimizer_updates"] > updates_at_k and learner["incarnation"] == 1
         if value_version_at_k is not None:  # the value learner continues from its saved version
-            assert status["value_learner"]["value_version"] >= value_version_at_k
+            assert status.value_learner["value_version"] >= value_version_at_k
         # The prompt cursor continues: the resumed run issues prompts after the saved position.
-        prompts = ray.get(second.actors["prompt_source"].stats.remote())
+        prompts = second.role_stats("prompt_source")
         assert prompts["issued"] > cursor.issued
         assert (prompts["epoch"], prompts["index"]) > (cursor.epoch, cursor.index)
         # No sample trained twice: the ledger carries the checkpoint's trained ids and would
@@ -107,7 +105,7 @@ def test_kill_after_step_k_and_resume(ray_session, tmp_path, setup):
         # trained) and has ended, or is still moving through the pipeline.
         deadline = time.time() + 120
         while True:
-            states = ray.get(second.actors["prompt_source"].sample_states.remote(open_at_k))
+            states = second.sample_states(open_at_k)
             assert None not in states.values()
             if all(s in ("trained", "dropped") for s in states.values()) or time.time() > deadline:
                 break
@@ -120,10 +118,9 @@ def test_kill_after_step_k_and_resume(ray_session, tmp_path, setup):
         assert ledger["problems"] == [] and ledger["counts"]["duplicates"] == 0
         # Every rank of a sharded learner took every step (its own shard of Adam's state): read
         # once the learner's loop has ended, so no step is between the reads.
-        ray.get(second.actors["learner"].stop.remote())
-        ray.wait([second.run_refs["learner"]], timeout=120)
-        learner = ray.get(second.actors["learner"].stats.remote())
-        ranks = [ray.get(actor.stats.remote()) for name, actor in second.actors.items() if name.startswith("learner-rank")]
+        second.stop_learning()
+        learner = second.role_stats("learner")
+        ranks = [second.role_stats(name) for name in second.role_names if name.startswith("learner-rank")]
         assert len(ranks) == (1 if "policy.compute.ranks=2" in setup else 0)
         assert all(rank["optimizer_steps"] == learner["optimizer_steps"] for rank in ranks)
     finally:
@@ -135,17 +132,14 @@ def test_checkpoint_exports_a_hugging_face_directory(ray_session, tmp_path):
     run_dir = str(tmp_path / "run")
     config = compose(["model=tiny", "task=tiny", "algorithm=grpo", "trainer.prompts_per_step=2",
                       "trainer.checkpoint_every=2", f"trainer.run_dir={run_dir}"])
-    system = System(config, name_actors=False, run_dir=run_dir).start()
+    run = Run(config, run_dir, name_learner=False).start()
     try:
-        run_until(system, 2)
-        import ray
-
-        ray.get(system.actors["learner"].stop.remote())  # no step between the two reads below
-        ray.wait([system.run_refs["learner"]], timeout=30)
-        path = system.checkpoint()  # on demand (the admin route does the same)
-        version, weights = system.weights()
+        run_until(run, 2)
+        run.stop_learning()  # no step between the two reads below
+        path = run.checkpoint()  # on demand (the admin route does the same)
+        version, weights = run.weights()
     finally:
-        system.stop()
+        run.stop()
     out = checkpoint_parts.export_hf(path, str(tmp_path / "hf"))
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(out))
     # Every exported file gets the same default mode (safetensors' temporary file was 0600).
@@ -189,7 +183,7 @@ def test_every_error_of_a_poll_restarts_the_run_and_a_spent_budget_says_when_it_
     controller was replaced and a fresh run began). Now it restarts the run from its checkpoint,
     within the budget of the window; past it, `RestartBudgetSpent` names when the next restart is
     allowed, and a later `Run` on the same directory (a replaced controller) counts those restarts."""
-    from asyncrl.run import RestartBudgetSpent, Run
+    from asyncrl.run import RestartBudgetSpent
 
     overrides = ["model=tiny", "task=tiny", "algorithm=grpo", "trainer.prompts_per_step=2", "trainer.checkpoint_every=2",
                  "trainer.max_restarts=1", "trainer.restart_window_s=600", "trainer.wandb_mode=disabled",

@@ -7,7 +7,7 @@ import pytest
 from ray import serve
 
 from asyncrl.config import compose
-from asyncrl.run.wiring import System
+from asyncrl.run import Run
 from asyncrl.serve.reward import deploy_declaratively, reward_app_config
 from asyncrl.weights.sync import free_port
 
@@ -17,7 +17,7 @@ REWARD_OVERRIDES = f"model=tiny task=tiny algorithm=grpo serve.reward_token={REW
 
 
 def versions(status):
-    return {k.removeprefix("rewards_by_version."): v for k, v in status["assembler"].items()
+    return {k.removeprefix("rewards_by_version."): v for k, v in status.assembler.items()
             if k.startswith("rewards_by_version.")}
 
 
@@ -26,15 +26,15 @@ def replica_pids() -> set[int]:
     return {handle.pid.remote().result() for _ in range(16)}  # two replicas, requests spread over both
 
 
-def wait_for(predicate, system, timeout=120):
+def wait_for(predicate, run, timeout=120):
     deadline = time.time() + timeout
     while time.time() < deadline:
-        system.check_alive()
-        status = system.status()
+        run.check_alive()
+        status = run.status()
         if predicate(status):
             return status
         time.sleep(1.0)
-    raise AssertionError(f"timed out; last status: {versions(status)} step {status['step']}")
+    raise AssertionError(f"timed out; last status: {versions(status)} step {status.step}")
 
 
 @pytest.mark.slow
@@ -44,30 +44,30 @@ def test_reward_endpoint_swaps_while_training_with_no_failed_request(ray_session
     # Deployed as `serve deploy configs/serve.yaml` deploys it (serve.run would restart replicas on
     # every redeploy, user_config-only changes included).
     deploy_declaratively([reward_app_config("verifier", REWARD_OVERRIDES, {"version": "1"})])
-    system = System(compose([*OVERRIDES.split(), f"trainer.run_dir={tmp_path}"]), name_actors=False).start()
+    run = Run(compose([*OVERRIDES.split(), f"trainer.run_dir={tmp_path}"]), "", name_learner=False).start()
     try:
-        wait_for(lambda s: s["step"] >= 3, system)
+        wait_for(lambda s: s.step >= 3, run)
         pids = replica_pids()
         assert len(pids) == 2
 
         # 1. Settings swap through user_config: reconfigure in place, the same replicas; the version changes.
         deploy_declaratively([reward_app_config("verifier", REWARD_OVERRIDES, {"version": "2"})])
         assert replica_pids() == pids
-        wait_for(lambda s: versions(s).get("verifier:verifier:2", 0) > 0, system)
+        wait_for(lambda s: versions(s).get("verifier:verifier:2", 0) > 0, run)
 
         # 2. A code/model swap: new constructor arguments roll the replicas (two: one always serves).
         deploy_declaratively([reward_app_config("verifier", REWARD_OVERRIDES + " reward.endpoints.verifier.code_wall_s=3.0",
                                                 {"version": "3"})])
         assert not replica_pids() & pids
-        status = wait_for(lambda s: versions(s).get("verifier:verifier:3", 0) > 0, system)
-        step_at_swap = status["step"]
-        status = wait_for(lambda s: s["step"] >= step_at_swap + 3, system)
+        status = wait_for(lambda s: versions(s).get("verifier:verifier:3", 0) > 0, run)
+        step_at_swap = status.step
+        status = wait_for(lambda s: s.step >= step_at_swap + 3, run)
 
-        assembler = status["assembler"]
+        assembler = status.assembler
         assert assembler["reward_failures"] == 0, assembler["last_reward_failure"]
         assert set(versions(status)) >= {"verifier:verifier:1", "verifier:verifier:2", "verifier:verifier:3"}
         # The status's endpoint table shows the swap (the endpoint is a Serve app, not an actor of the run).
-        row = status["reward_endpoints"]["verifier"]
+        row = status.reward_endpoints["verifier"]
         assert row["where"] == "serve app reward-verifier" and row["version"] == "verifier:verifier:3"
         assert set(row["versions"]) >= {"verifier:verifier:1", "verifier:verifier:3"} and row["failed"] == 0
         # Nothing lost: every scored sample is in a group that is open, emitted or dropped.
@@ -95,7 +95,7 @@ def test_reward_endpoint_swaps_while_training_with_no_failed_request(ray_session
         assert huge.status_code == 413
         assert httpx.post(url, json={"requests": []}, timeout=30).status_code == 401  # no token sent
     finally:
-        system.stop()
+        run.stop()
         serve.delete("reward-verifier")
         serve.shutdown()
 
@@ -114,20 +114,20 @@ def test_a_reward_function_of_ones_own_swaps_with_its_file_and_version(ray_sessi
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     deploy_declaratively([reward_app_config("custom", f"{REWARD_OVERRIDES} {mine}", {"version": "1"})])
-    system = System(compose([*OVERRIDES.split(), mine, f"trainer.run_dir={tmp_path}/run"]), name_actors=False).start()
+    run = Run(compose([*OVERRIDES.split(), mine, f"trainer.run_dir={tmp_path}/run"]), "", name_learner=False).start()
     try:
-        wait_for(lambda s: versions(s).get("custom:python:1", 0) > 0, system)
+        wait_for(lambda s: versions(s).get("custom:python:1", 0) > 0, run)
         reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                           "    return 0.25\n")
         deploy_declaratively([reward_app_config("custom", f"{REWARD_OVERRIDES} {mine}", {"version": "2"})])
-        status = wait_for(lambda s: versions(s).get("custom:python:2", 0) > 0, system)
-        assert status["assembler"]["reward_failures"] == 0, status["assembler"]["last_reward_failure"]
+        status = wait_for(lambda s: versions(s).get("custom:python:2", 0) > 0, run)
+        assert status.assembler["reward_failures"] == 0, status.assembler["last_reward_failure"]
         handle = serve.get_app_handle("reward-custom")
         probe = RewardRequest(prompt_id="p", sample_idx=0, response_text="7", ground_truth="7", data_source="tiny")
         for _ in range(4):  # both replicas read the new file
             (answer,) = handle.score.remote([probe]).result()
             assert (answer.score, answer.source_version) == (0.25, "custom:python:2")
     finally:
-        system.stop()
+        run.stop()
         serve.delete("reward-custom")
         serve.shutdown()

@@ -142,6 +142,28 @@ def test_the_roles_live_in_actors_and_never_import_each_other():
     assert '"actors",' in (ROOT / "pyproject.toml").read_text()  # shipped in the wheel (test_packaging checks the list)
 
 
+def test_a_run_is_reached_through_run_alone():
+    """`Run` is the door (issue 56): the incarnation it keeps (`System`, `asyncrl.run.wiring`) is
+    imported nowhere outside `asyncrl/run/`, and nothing there reaches a run's `_system`: offline
+    generation, the CLI, Serve, the tests and the load tests go through `Run`'s methods."""
+    inside = ROOT / "asyncrl" / "run"
+    violations = []
+    for path in sorted(p for d in (*PACKAGES, "tests", "load_tests") for p in (ROOT / d).rglob("*.py")):
+        if inside in path.parents:
+            continue
+        where = path.relative_to(ROOT)
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("asyncrl.run"):
+                names = {alias.name for alias in node.names}
+                if node.module == "asyncrl.run.wiring" or names & {"wiring", "System"}:
+                    violations.append(f"{where}:{node.lineno} imports {sorted(names)} from {node.module}")
+            elif isinstance(node, ast.Import) and any(a.name.startswith("asyncrl.run.wiring") for a in node.names):
+                violations.append(f"{where}:{node.lineno} imports asyncrl.run.wiring")
+            elif isinstance(node, ast.Attribute) and node.attr == "_system":
+                violations.append(f"{where}:{node.lineno} reaches a run's _system")
+    assert not violations, "\n".join(violations)
+
+
 def test_one_mapping_per_choice_by_name_and_the_config_allows_exactly_its_names():
     from asyncrl.environments.formats import FORMATS
     from asyncrl.environments.tools import ENVIRONMENTS

@@ -45,11 +45,9 @@ def test_a_hung_role_restarts_the_run_instead_of_hanging_it(ray_session, tmp_pat
             assert time.time() < deadline
             run.poll()
             time.sleep(0.2)
-        stopped = ray.get(run.system.actors["assembler"].pid.remote())
+        stopped = run.pid("assembler")
         if generator_killed:  # dead before the assembler stops: the next poll heals it first
-            gid, handle = next(iter(run.system.generators.items()))
-            ray.kill(handle)
-            ray.wait([run.system.run_refs[f"generator:{gid}"]], timeout=60)
+            run.kill(run.generator_ids[0], wait_s=60)
         os.kill(stopped, signal.SIGSTOP)  # alive to Ray, answering nothing
         stopped_at = time.time()
         polls: list = []
@@ -70,7 +68,7 @@ def test_a_hung_role_restarts_the_run_instead_of_hanging_it(ray_session, tmp_pat
         if generator_killed:
             assert "retire_generator" in polls[0]["reason"], polls
         assert time.time() - stopped_at < 120  # the bound (5 s), a restart's start, a loaded machine
-        assert polls[0]["step"] >= 2 and run.system.ledger()["counts"]["admitted"] >= 0  # the new system answers
+        assert polls[0]["step"] >= 2 and run.ledger()["counts"]["admitted"] >= 0  # the new system answers
     finally:
         if stopped is not None:
             try:

@@ -48,32 +48,30 @@ from asyncrl.weights import lora
 
 def generate_and_store(config: Config, progress: bool = True) -> dict:
     """Generate, score and store `total_steps × prompts_per_step` prompts; no learner."""
+    from asyncrl.run import Run
     from asyncrl.run.placement import init_ray
-    from asyncrl.run.wiring import System
 
     run_dir = _start_run(config)
     init_ray(config)
     tr = config.trainer
     expected = tr.total_steps * tr.prompts_per_step * config.algorithm.group_size
-    system = System(config, run_dir=run_dir, name_actors=False).start()
+    run = Run(config, run_dir, name_learner=False).start()
     started, ended = time.time(), 0
     try:
         with progress_bar(expected, "generate", progress) as bar:
             while ended < expected:
                 time.sleep(0.5)
-                system.check_alive()
-                counts = system.ledger()["counts"]
+                run.check_alive()
+                counts = run.ledger()["counts"]
                 now = counts["recorded"] + counts["dropped"]
                 bar.update(now - ended)
                 ended = now
         wall = time.time() - started
-        import ray
-
-        generators = ray.get([g.stats.remote() for g in system.generators.values()])
-        assembler = ray.get(system.actors["assembler"].stats.remote())
-        ledger = system.ledger()
+        generators = [run.role_stats(gid) for gid in run.generator_ids]
+        assembler = run.role_stats("assembler")
+        ledger = run.ledger()
     finally:
-        system.stop()  # closes the store's files
+        run.stop()  # closes the store's files
     summary = {"run_dir": run_dir, "mode": "generate", "samples_recorded": ledger["counts"]["recorded"],
                "samples_dropped": ledger["counts"]["dropped"], "ledger_problems": ledger["problems"],
                "wall_s": wall, "samples_per_s": ledger["counts"]["recorded"] / wall,

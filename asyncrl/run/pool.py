@@ -32,18 +32,25 @@ import ray
 from actors.generator import GeneratorActor
 from asyncrl.run.deadlines import answer
 from asyncrl.run.placement import ask, spawn
+from asyncrl.run.status import mailbox_actors
 from asyncrl.weights.transport import choose_paths
 
 PING_EVERY_S = 2.0  # how often each generator is asked for its stats (the hung-generator check)
 
 
 class GeneratorPool:
-    """The run's generators: joins, leaves, heals and scales them toward `target` (see above)."""
+    """The run's generators: joins, leaves, heals and scales them toward `target` (see above). The
+    pool owns them: their actors, their weight paths and their loops are written here alone; the
+    system (`asyncrl.run.wiring.System`) reads them, and lends the pool its config, mailboxes and
+    roles."""
 
     def __init__(self, system, target: int, on_event: Callable[[dict], None] = lambda event: None):
         self.system = system
         self.target = target  # the number of generators the run wants
         self.on_event = on_event
+        self.generators: dict[str, Any] = {}  # generator id -> actor
+        self.weight_paths: dict[str, str] = {}  # generator id -> its weight path (`asyncrl.weights.transport`)
+        self.loops: dict[str, Any] = {}  # generator id -> its loop's reference (done when the loop ended)
         self._next = 0  # generator ids are never reused within an incarnation of the run
         self._pings: dict[str, tuple[Any, float]] = {}  # generator id -> (stats call in flight, sent at)
         self._last_ping: dict[str, float] = {}
@@ -52,7 +59,7 @@ class GeneratorPool:
 
     @property
     def live(self) -> list[str]:
-        return list(self.system.generators)
+        return list(self.generators)
 
     def next_id(self) -> str:
         gid, self._next = f"gen-{self._next}", self._next + 1
@@ -66,13 +73,13 @@ class GeneratorPool:
                        segments=boxes["segments"], generator_id=gid, environment=cfg.environment,
                        environment_endpoint=self.system.environment, template_kwargs=cfg.task.chat_template_kwargs,
                        lease_s=cfg.cluster.lease_s, placement=placement)
-        self.system.generators[gid] = handle
+        self.generators[gid] = handle
         return handle
 
     def join(self, gids: list[str], timeout_s: float = 600.0) -> None:
         """The learner delivers the current version to each of `gids`, each by its path."""
         learner, policy = self.system.actors["learner"], self.system.config.policy
-        nodes = answer([self.system.generators[g].node_id.remote() for g in gids], "new generators", "node_id", timeout_s)
+        nodes = answer([self.generators[g].node_id.remote() for g in gids], "new generators", "node_id", timeout_s)
         paths = choose_paths(answer(learner.node_id.remote(), "the learner", "node_id"), nodes, policy.compute.device,
                              policy.weight_transport)
         backend = "nccl" if policy.compute.device == "cuda" else "gloo"
@@ -81,14 +88,14 @@ class GeneratorPool:
             group = None
             if path == "group":  # receivers join first, then the sender (a wrong order deadlocks)
                 host, port = answer(learner.weight_group_address.remote(), "the learner", "weight_group_address")
-                calls.append(self.system.generators[gid].init_weight_group.remote(host, port, 2, 1, backend))
+                calls.append(self.generators[gid].init_weight_group.remote(host, port, 2, 1, backend))
                 group = (host, port, backend)
-            calls.append(learner.join_generator.remote(gid, self.system.generators[gid], path, group))
+            calls.append(learner.join_generator.remote(gid, self.generators[gid], path, group))
         answer(calls, "the learner and new generators", "join_generator", timeout_s)
-        self.system.weight_paths.update(zip(gids, paths))
+        self.weight_paths.update(zip(gids, paths))
 
     def start(self, gid: str) -> None:
-        self.system.run_refs[f"generator:{gid}"] = self.system.generators[gid].run.remote()
+        self.loops[gid] = self.generators[gid].run.remote()
 
     def add(self, reason: str, count: int = 1, timeout_s: float = 600.0) -> list[dict]:
         """`count` more generators, together: spawned, given the current weights, then started (a
@@ -101,8 +108,8 @@ class GeneratorPool:
                 self.join(gids, timeout_s)
         except Exception as exc:
             for gid, handle in zip(gids, handles):
-                self.system.generators.pop(gid, None)
-                self.system.weight_paths.pop(gid, None)
+                self.generators.pop(gid, None)
+                self.weight_paths.pop(gid, None)
                 ray.kill(handle)
             why = f"{reason}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             return [self._event("join_failed", gid, why) for gid in gids]
@@ -112,7 +119,7 @@ class GeneratorPool:
 
     def remove(self, gid: str, reason: str, drain_timeout_s: float | None = None) -> dict:
         """`gid` leaves: it finishes its sequences (or hands them back after the drain timeout)."""
-        handle = self.system.generators[gid]
+        handle = self.generators[gid]
         timeout = self.system.config.cluster.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
         try:
             drained = ray.get(handle.drain.remote(timeout), timeout=timeout + 60)
@@ -133,12 +140,13 @@ class GeneratorPool:
         system = self.system
         # First: nothing of it is merged again; then its prompts go to the others.
         answer(system.actors["assembler"].retire_generator.remote(gid), "the assembler", f"retire_generator({gid})")
-        answer(system.mailboxes["prompts"].actor.release.remote(gid), "the prompts mailbox", f"release({gid})")
+        answer([box.release.remote(gid) for box in mailbox_actors(system.mailboxes["prompts"])], "the prompts mailbox",
+               f"release({gid})")
         if "learner" in system.actors:
             answer(system.actors["learner"].leave_generator.remote(gid), "the learner", f"leave_generator({gid})")
-        handle = system.generators.pop(gid)
-        system.run_refs.pop(f"generator:{gid}", None)
-        system.weight_paths.pop(gid, None)
+        handle = self.generators.pop(gid)
+        self.loops.pop(gid, None)
+        self.weight_paths.pop(gid, None)
         self._pings.pop(gid, None)
         ray.kill(handle)
 
@@ -152,10 +160,10 @@ class GeneratorPool:
     def _scale(self, count: int, reason: str) -> list[dict]:
         self.target = count
         events = []
-        while len(self.system.generators) > count:
+        while len(self.generators) > count:
             events.append(self.remove(self.live[-1], reason))
-        if len(self.system.generators) < count:
-            events += self.add(reason, count - len(self.system.generators))
+        if len(self.generators) < count:
+            events += self.add(reason, count - len(self.generators))
         return events
 
     # --- health -------------------------------------------------------------------------------------
@@ -168,12 +176,12 @@ class GeneratorPool:
             return self._check(dead)
 
     def _check(self, dead: list[str]) -> list[dict]:
-        events = [self.heal(gid, "its loop ended") for gid in dead if gid in self.system.generators]
+        events = [self.heal(gid, "its loop ended") for gid in dead if gid in self.generators]
         events += [self.heal(gid, f"its weight delivery failed ({why})") for gid, why in self._undelivered()]
-        events += [self.heal(gid, why) for gid, why in self._unresponsive() if gid in self.system.generators]
+        events += [self.heal(gid, why) for gid, why in self._unresponsive() if gid in self.generators]
         now = time.monotonic()
-        if len(self.system.generators) < self.target and now >= self._retry_at:
-            added = self.add("replacement", self.target - len(self.system.generators))
+        if len(self.generators) < self.target and now >= self._retry_at:
+            added = self.add("replacement", self.target - len(self.generators))
             events += added
             if any(event["event"] == "join_failed" for event in added):
                 self._retry_at = now + self.system.config.cluster.generator_timeout_s
@@ -183,17 +191,17 @@ class GeneratorPool:
         """Generators of the pool that the learner reports a failed (or timed out) delivery to: it
         dropped them, so they would keep generating on the version they hold, for ever."""
         learner = self.system.actors.get("learner")
-        if learner is None or not self.system.generators:
+        if learner is None or not self.generators:
             return []
         failed = answer(learner.failed_generators.remote(), "the learner", "failed_generators")
-        return [(gid, why) for gid, why in failed.items() if gid in self.system.generators]
+        return [(gid, why) for gid, why in failed.items() if gid in self.generators]
 
     def _unresponsive(self) -> list[tuple[str, str]]:
         """Generators that are not live: a stats call unanswered, or an engine call (a window, a weight
         load) running, for over `cluster.generator_timeout_s`."""
         now, limit = time.monotonic(), self.system.config.cluster.generator_timeout_s
         hung = []
-        for gid, handle in self.system.generators.items():
+        for gid, handle in self.generators.items():
             ping = self._pings.get(gid)
             if ping is None:
                 if now - self._last_ping.get(gid, 0.0) >= PING_EVERY_S:
@@ -216,7 +224,7 @@ class GeneratorPool:
 
     def _event(self, kind: str, gid: str, reason: str, **extra) -> dict:
         event = {"at": time.time(), "event": kind, "generator": gid, "reason": reason,
-                 "generators": len(self.system.generators), "target": self.target, **extra}
+                 "generators": len(self.generators), "target": self.target, **extra}
         self.on_event(event)
         return event
 

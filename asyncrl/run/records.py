@@ -90,8 +90,9 @@ class RunRecords:
         self.pool_events: list[dict] = []  # the newest generator joins, leaves and heals (status page)
 
     def append(self, name: str, records: list[dict]) -> None:
-        """Lines of the jsonl log `name` in the run directory (rolled past its size)."""
-        append_jsonl(os.path.join(self.run_dir, name), records, self.log_file_bytes, self.log_files_kept)
+        """Lines of the jsonl log `name` in the run directory (rolled past its size); none without one."""
+        if self.run_dir:
+            append_jsonl(os.path.join(self.run_dir, name), records, self.log_file_bytes, self.log_files_kept)
 
     def after_restart(self, step: int) -> None:
         """The steps after the checkpoint a restart came back from are redone."""

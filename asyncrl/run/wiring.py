@@ -3,7 +3,7 @@ down. `_start` is the map of a run, read top to bottom: the mailboxes, the roles
 config sections and its edges by keyword), the weight paths between the learner and the
 generators, then the loops, consumers first. The roles are `actors/`; their placement is
 `asyncrl.run.placement`; the status views are `asyncrl.run.status`. `asyncrl.run.Run` keeps a
-run alive across incarnations.
+run alive across incarnations, and is the door to it: `System` is private to `asyncrl.run`.
 """
 
 from __future__ import annotations
@@ -27,13 +27,14 @@ from actors.reward_endpoint import reward_endpoint_actors
 from actors.value_learner import ValueLearnerActor
 from asyncrl.config import Config
 from asyncrl.data.files import check_prompts
-from asyncrl.messages.ray_mailbox import RayMailbox, ShardedMailbox
+from asyncrl.messages.mailbox import MailboxStats
+from asyncrl.messages.ray_mailbox import RayMailbox, ShardedMailbox, sum_stats
 from asyncrl.messages.structs import PromptRequest, ScoredTrajectory, Segment, TrainBatch
 from asyncrl.run.deadlines import PREPARE_TIMEOUT_S, WORK_TIMEOUT_S, RoleDied, answer
 from asyncrl.run.placement import LEARNER_NAME, ask, role_placement, spawn
 from asyncrl.run.pool import GeneratorPool
 from asyncrl.run.resume_point import ResumePoint, resume_point
-from asyncrl.run.status import mailbox_actors, system_status
+from asyncrl.run.status import RunStatus, mailbox_actors, system_status
 from asyncrl.staleness import open_prompts_bound
 from asyncrl.storage.checkpoint_transfer import WriterClient
 from asyncrl.storage.trajectory_store import STORE_DIRNAME
@@ -55,12 +56,10 @@ class System:
         self.name_actors = name_actors
         self.resumed: dict[str, Any] = {}
         self.actors: dict[str, Any] = {}
-        self.generators: dict[str, Any] = {}  # generator id -> actor (the pool: `asyncrl.run.pool`)
         self.pool = GeneratorPool(self, config.cluster.num_generators if num_generators is None else num_generators,
                                   on_pool_event)
         self.mailboxes: dict[str, Any] = {}
-        self.run_refs: dict[str, Any] = {}
-        self.weight_paths: dict[str, str] = {}  # generator id -> its weight path (`asyncrl.weights.transport`)
+        self.run_refs: dict[str, Any] = {}  # role -> its loop's reference (the generators' are the pool's)
         self.pre_ppo: dict = {}
         self.started_at = 0.0
         self.placement_group = None  # cluster.placement colocated/spread: removed at stop
@@ -71,6 +70,11 @@ class System:
         self.checkpoint_writer: WriterClient | None = None  # the checkpoints' writer, on the run directory's node
         self._last_value: dict = {}
         self.draining = False  # `drain` stopped the prompt source
+
+    @property
+    def generators(self) -> dict[str, Any]:
+        """Generator id -> actor: the pool's (`asyncrl.run.pool`), read here, written there alone."""
+        return self.pool.generators
 
     def start(self) -> "System":
         try:
@@ -245,6 +249,26 @@ class System:
         answer(self.actors["learner"].stop.remote(), "the learner", "stop")
         ray.wait([self.run_refs["learner"]], timeout=timeout_s)
 
+    def actor(self, role: str) -> Any:
+        """The actor behind a role's name (`learner`, `reward-<name>`, ...), a generator's id, or
+        `mailbox-<name>` (a mailbox of one shard); KeyError for none of them."""
+        if role.startswith("mailbox-"):
+            return self.mailboxes[role.removeprefix("mailbox-")].actor
+        return self.actors[role] if role in self.actors else self.generators[role]
+
+    def kill(self, role: str, restart: bool = False, wait_s: float = 0.0) -> None:
+        """`ray.kill` of a role or a generator (a fault); then up to `wait_s` for its loop to end."""
+        ray.kill(self.actor(role), no_restart=not restart)
+        loops = self._loops_running()
+        loop = loops.get(role, loops.get(f"generator:{role}"))
+        if wait_s and loop is not None:
+            ray.wait([loop], timeout=wait_s)
+
+    def mailbox_stats(self, name: str) -> MailboxStats:
+        """A mailbox's counters, its shards summed; each call bounded."""
+        box = self.mailboxes[name]
+        return sum_stats(answer([a.stats.remote() for a in mailbox_actors(box)], f"the {name} mailbox", "stats"))
+
     def checkpoint(self) -> str:
         """Write a checkpoint now (between two learner steps); returns its path."""
         return answer(self.actors["learner"].save_checkpoint.remote(), "the learner", "save_checkpoint",
@@ -293,10 +317,11 @@ class System:
     def check_alive(self) -> list[str]:
         """Raise the error of any role's loop that ended (a crash must not look like a slow run),
         but a generator's: the generators whose loops ended are returned, for the pool to heal."""
-        done, _ = ray.wait(list(self.run_refs.values()), timeout=0, num_returns=len(self.run_refs))
+        loops = self._loops_running()
+        done, _ = ray.wait(list(loops.values()), timeout=0, num_returns=len(loops))
         dead = []
         for ref in done:
-            name = next(k for k, v in self.run_refs.items() if v == ref)
+            name = next(k for k, v in loops.items() if v == ref)
             if name.startswith("generator:"):
                 dead.append(name.removeprefix("generator:"))
                 continue
@@ -309,7 +334,7 @@ class System:
             raise RoleDied(f"{name}'s loop stopped unexpectedly")
         return dead
 
-    def status(self) -> dict:
+    def status(self) -> RunStatus:
         """Every role's stats and the run's figures as one view (`asyncrl.run.status.system_status`)."""
         return system_status(self)
 
@@ -354,5 +379,10 @@ class System:
 
             remove_placement_group(self.placement_group)
             self.placement_group = None
-        if self.run_refs:
-            ray.wait(list(self.run_refs.values()), num_returns=len(self.run_refs), timeout=15)
+        loops = self._loops_running()
+        if loops:
+            ray.wait(list(loops.values()), num_returns=len(loops), timeout=15)
+
+    def _loops_running(self) -> dict[str, Any]:
+        """Every loop's reference: the roles' and the pool's generators' (as `generator:<id>`)."""
+        return {**self.run_refs, **{f"generator:{gid}": ref for gid, ref in self.pool.loops.items()}}

@@ -197,8 +197,9 @@ class TrainController:
         return self.run.inject_poll_errors
 
     def _system_status(self) -> dict:
+        """The run's status as JSON (`RunStatus.json_dict`)."""
         try:
-            return self.run.status()
+            return self.run.status().json_dict()
         except RoleHung as exc:  # the watch loop restarts the run; meanwhile say why there is no status
             raise HTTPException(503, str(exc)) from None
 
