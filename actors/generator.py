@@ -201,7 +201,8 @@ class Generator:
         start = time.perf_counter()
         batch = self.inflight[: self.max_inflight]
         inputs = [sequence_input(s.request.prompt_token_ids, s.request.seed + s.sample_idx, self.max_response_tokens,
-                                 s.response_ids, s.min_response_tokens, key=sample_id(s.request.prompt_id, s.sample_idx))
+                                 s.response_ids, s.min_response_tokens, key=sample_id(s.request.prompt_id, s.sample_idx),
+                                 images=s.request.images)
                   for s in batch]
         self.timing["prepare_s"] += time.perf_counter() - start
         async with self._engine_lock:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import os
 import random
 import time
@@ -45,6 +46,7 @@ from asyncrl.data.tasks import Example, encode_prompt
 from asyncrl.messages.mailbox import Mailbox
 from asyncrl.messages.structs import Codec, DropReason, PromptRequest, SampleState
 from asyncrl.models.loading import load_tokenizer
+from asyncrl.models.vision import image_prep
 from asyncrl.staleness import admission_budget
 from asyncrl.storage.checkpoint_transfer import WriterClient, local_copy, write_part
 from asyncrl.storage.ledger import LedgerSnapshot, SampleLedger
@@ -218,6 +220,7 @@ class PromptSource:
             ground_truth=example.ground_truth,
             prompt_text=example.text,  # (the row stays here: `rows` hands it to the assembler once)
             seed=(self.seed * 1_000_003 + self.issued) * 1024,
+            images=example.images,  # processed, by reference (`build_prompt_source`)
         )
         self.ledger.admit(request)
         self.retirements.issued(request.prompt_id, self.issued)
@@ -303,8 +306,11 @@ def build_prompt_source(model: ModelConfig, task: TaskConfig, algorithm: Algorit
     learner: `mode=generate`). `environment`: the prompts list its tools (a task with episodes)."""
     tokenizer = load_tokenizer(model)
     examples = load_examples(task, "train")
-    tokens = [encode_prompt(ex, tokenizer, model.use_chat_template, task.chat_template_kwargs, environment)
+    images = image_prep(model, tokenizer)
+    tokens = [encode_prompt(ex, tokenizer, model.use_chat_template, task.chat_template_kwargs, environment, images)
               for ex in examples]
+    if images is not None:  # the requests carry the processed images' references
+        examples = [dataclasses.replace(ex, images=images.processed(ex.images)) for ex in examples]
     examples, tokens = drop_overlong(examples, tokens, task.max_prompt_length, "train")
     curriculum = [(stage.start_step, list(stage.data_sources)) for stage in task.curriculum]
     staleness = NO_BOUND if max_prompts else algorithm.max_staleness_versions

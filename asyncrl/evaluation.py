@@ -62,11 +62,15 @@ def respond(config: Config, engine, tokenizer, examples: list[Example], n: int, 
     """n completions per example from a local engine: whole responses, or whole episodes where the
     task has an environment (`config.environment`; run in this process), sample j of an example
     being the episode (its prompt id, j)."""
+    from asyncrl.models.vision import image_prep
+
+    images = image_prep(config.model, tokenizer) if any(ex.images for ex in examples) else None
     prompts = [encode_prompt(ex, tokenizer, config.model.use_chat_template, config.task.chat_template_kwargs,
-                             config.environment) for ex in examples for _ in range(n)]
+                             config.environment, images) for ex in examples for _ in range(n)]
     if not config.environment.enabled:
+        processed = [images.processed(ex.images) for ex in examples for _ in range(n)] if images else None
         return complete(engine, tokenizer, prompts, seeds, config.engine.max_response_tokens, params,
-                        on_batch=on_batch)
+                        on_batch=on_batch, images=processed)
     from asyncrl.environments.episodes import LocalEnvironment, build_episodes, complete_episodes
     from asyncrl.environments.tools import Episode, build_environment
 

@@ -21,7 +21,16 @@ def test_every_shipped_config_composes(algorithm, model):
         extra = ["task.path=/tmp/x.jsonl"] if task == "file" else []
         if algorithm == "dqo":  # offline: it learns from a store or a file
             extra += ["mode=learn", "offline.data=/tmp/store"]
-        config = compose([f"algorithm={algorithm}", f"model={model}", f"task={task}", *extra])
+        overrides = [f"algorithm={algorithm}", f"model={model}", f"task={task}", *extra]
+        if task == "shapes" and model != "tiny_vl":  # images on a text-only model
+            with pytest.raises(ConfigError, match="task=shapes gives every prompt an image"):
+                compose(overrides)
+            continue
+        if model == "tiny_vl" and algorithm in ("ppo", "vcppo", "vapo", "tppo", "tppo_sync", "dqo"):
+            with pytest.raises(ConfigError, match="is a vision-language model: (the value learner|mode=learn)"):
+                compose(overrides)  # the value learner and stored trajectories take no images yet
+            continue
+        config = compose(overrides)
         assert config.algorithm.name == algorithm
 
 

@@ -71,6 +71,7 @@ def merge_segments(segments: list[Segment]) -> Segment:
         seed=last.seed,
         generator_id=last.generator_id,
         group_size=last.group_size,
+        images=last.images,
     )
 
 

@@ -24,8 +24,8 @@ class ConfigError(ValueError):
 
 def validate(config) -> None:
     """Every cross-field rule; the first broken one is raised."""
-    for ok, message in [*_algorithm_checks(config), *_placement_checks(config), *_mode_checks(config),
-                        *_reward_checks(config), *_vllm_checks(config)]:
+    for ok, message in [*_vision_checks(config), *_algorithm_checks(config), *_placement_checks(config),
+                        *_mode_checks(config), *_reward_checks(config), *_vllm_checks(config)]:
         if not ok:
             raise ConfigError(message)
 
@@ -104,6 +104,39 @@ def _router_checks(config) -> list[tuple[bool, str]]:
         (config.engine.name == "torch", "model.router_replay=rollout replays the routes the embedded engine records "
                                         "(engine=torch); SGLang's (--enable-return-routed-experts) are not read: set "
                                         "model.router_replay=off, or engine=torch"),
+    ]
+
+
+def is_vision_model_section(model) -> bool:
+    """Whether the `model` section names a vision-language model (tiny_vl, or a directory whose
+    config.json has a vision tower's), without loading it."""
+    if model.source == "tiny_vl":
+        return True
+    try:
+        with open(os.path.join(model.path, "config.json")) as f:
+            return "vision_config" in json.load(f)
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def _vision_checks(config) -> list[tuple[bool, str]]:
+    """Images (task=shapes, or a vision-language model): what runs them today."""
+    m, vision = config.model, is_vision_model_section(config.model)
+    where = f"model.path={m.path}" if m.path else f"model.source={m.source}"
+    if not vision:
+        return [(config.task.name != "shapes", f"task=shapes gives every prompt an image, and {where} is a "
+                                               f"text-only model: use model=tiny_vl or a vision-language directory")]
+    return [
+        (config.engine.name == "torch", f"{where} is a vision-language model: prompts with images run on the "
+                                        f"embedded engine (engine=torch); engine={config.engine.name} is not given "
+                                        f"the images yet"),
+        (not m.lora_rank, f"{where} is a vision-language model: LoRA on it (model.lora_rank > 0) is not supported "
+                          f"yet; train it whole (model.lora_rank=0)"),
+        (not isinstance(config.algorithm.advantage, GAEAdvantage),
+         f"{where} is a vision-language model: the value learner (algorithm.advantage.type=gae) does not take "
+         f"images yet; use a critic-free algorithm (grpo, dapo, rloo)"),
+        (config.mode != "learn", f"{where} is a vision-language model: mode=learn replays stored trajectories, "
+                                 f"which do not keep their images"),
     ]
 
 

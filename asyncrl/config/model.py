@@ -21,8 +21,9 @@ Device = Literal["cpu", "cuda"]
 class ModelConfig(Section):
     """The policy model every role loads."""
 
-    source: Literal["tiny", "gguf", "hf"] = "gguf"
-    """tiny (random, built in-process) | gguf (embedded SmolLM2-135M-Instruct) | hf (local dir)."""
+    source: Literal["tiny", "tiny_vl", "gguf", "hf"] = "gguf"
+    """tiny (random, built in-process) | tiny_vl (a random Qwen2-VL, built in-process: images) | gguf
+    (embedded SmolLM2-135M-Instruct) | hf (local dir)."""
     name: str = ""
     """Name reported by the policy endpoint's /v1/models; empty = the model directory's name (the
     embedded model's: smollm2-135m; the tiny one's: tiny)."""
@@ -45,6 +46,20 @@ class ModelConfig(Section):
     """tiny only: its context length."""
     seed: int = 0
     """tiny only: initialisation seed."""
+    vision_layers: PositiveInt = 2
+    """tiny_vl only: blocks of its vision tower."""
+    vision_width: PositiveInt = 32
+    """tiny_vl only: the width of its vision tower (the merger projects to `hidden_size`)."""
+    image_min_pixels: NonNegativeInt = 0
+    """A vision-language model: an image is resized to at least this many pixels by the model's
+    processor (0 = the processor's own: tiny_vl 56x56, a directory's preprocessor_config.json)."""
+    image_max_pixels: NonNegativeInt = 0
+    """A vision-language model: an image is resized to at most this many pixels (0 = the processor's
+    own, as `image_min_pixels`); fewer pixels, fewer image tokens in the prompt."""
+    freeze_vision_tower: bool = True
+    """A vision-language model: the vision tower (its patch merger too, as verl freezes it) is not
+    trained: no gradient, not in the optimizer, run once per distinct image without autograd; false
+    trains it with the language model. verl's actor_rollout_ref.actor.freeze_vision_tower is this."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """The weights' dtype as loaded (the learners keep fp32 master weights; see `policy.compute.precision`)."""
     use_chat_template: bool = True
@@ -72,8 +87,8 @@ class ModelConfig(Section):
 
     def directory_name(self) -> str:
         """What `name` defaults to: the model directory's name, the embedded model's, or `tiny`."""
-        if self.source == "tiny":
-            return "tiny"
+        if self.source in ("tiny", "tiny_vl"):
+            return self.source
         if not self.path:
             return "smollm2-135m"
         return os.path.basename(os.path.normpath(self.path))

@@ -181,6 +181,7 @@ FOREIGN: dict[str, Foreign] = {
     f"{_ARO}.model.lora_rank": _verl("model.lora_rank"),
     f"{_ARO}.model.lora_alpha": _verl("model.lora_alpha"),
     f"{_ARO}.model.target_modules": _verl("model.target_modules"),
+    f"{_ARO}.actor.freeze_vision_tower": _verl("model.freeze_vision_tower"),
     # verl's R3 replays the rollout's routes; its R2 replays its own old-log-prob forward's, which asyncrl has not.
     f"{_ARO}.actor.router_replay.mode": _verl("model.router_replay", convert=_choice(
         {"R3": "rollout", "disabled": "off"}, "actor_rollout_ref.actor.router_replay.mode")),

@@ -23,8 +23,9 @@ class CurriculumStage(Section):
 class TaskConfig(Section):
     """The prompts and how they are issued."""
 
-    name: Literal["tiny", "tiny_seq", "tiny_tool", "arithmetic", "arithmetic_tool", "file"] = "arithmetic"
-    """tiny | tiny_seq | tiny_tool | arithmetic | arithmetic_tool | file."""
+    name: Literal["tiny", "tiny_seq", "tiny_tool", "arithmetic", "arithmetic_tool", "shapes", "file"] = "arithmetic"
+    """tiny | tiny_seq | tiny_tool | arithmetic | arithmetic_tool | shapes (images: the colour of a
+    square; a vision-language model, e.g. model=tiny_vl) | file."""
     path: str | list[str] = ""
     """file: the training prompts in verl's layout: a jsonl or parquet file, a glob, a directory
     written by `datasets`' `save_to_disk`, or a list of them (their rows in that order)."""

@@ -1,19 +1,24 @@
 """The prompts of a run (`load_examples`): a built-in task's, or data as users have it: jsonl and parquet files, globs of them, and directories written by
 `datasets`' `save_to_disk`, in verl's layout (`prompt` as chat messages, `reward_model.ground_truth`,
 `data_source`, `extra_info`) or TRL's (`prompt` as text or messages, `answer`/`solution`), read into
-`Example`s. Every row keeps its own columns (`Example.row`): a reward function of the user's gets
+`Example`s. Images: verl's `images` column (bytes, paths, `{"bytes", "path"}` dicts, data URIs) with
+`<image>` placeholders in the prompt, or TRL's `image`/`images` with `{"type": "image"}` content
+parts; each image goes to the store once (`asyncrl.data.images`) and the row keeps its path. Every row keeps its own columns (`Example.row`): a reward function of the user's gets
 them (verl's `extra_info`, TRL's columns). Rows that cannot be trained on are refused at start-up
 naming where they are; nothing is dropped silently.
 """
 
 from __future__ import annotations
 
+import base64
 import glob
 import json
 import os
 from dataclasses import dataclass
 
 from asyncrl.config import Config, ConfigError, RewardConfig, TaskConfig
+from asyncrl.config.checks import is_vision_model_section
+from asyncrl.data.images import IMAGE_PLACEHOLDER, store_image
 from asyncrl.data.tasks import BUILTIN_TASKS, Example
 
 
@@ -107,9 +112,10 @@ def row_example(row: dict, keys: DataKeys, where: str, number: int) -> Example:
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
     elif isinstance(prompt, list) and all(isinstance(m, dict) and "content" in m for m in prompt):
-        messages = [{"role": m.get("role", "user"), "content": m["content"]} for m in prompt]
+        messages = [{"role": m.get("role", "user"), "content": _content_text(m["content"], where)} for m in prompt]
     else:
         raise ConfigError(f"{where}: `{keys.prompt}` is neither text nor a list of chat messages")
+    row, images = _row_images(row, where)
     if keys.answer:
         truth = row.get(keys.answer)
     else:
@@ -118,7 +124,32 @@ def row_example(row: dict, keys: DataKeys, where: str, number: int) -> Example:
     extra = row.get("extra_info") if isinstance(row.get("extra_info"), dict) else {}
     source = str(row.get("data_source") or "file")
     return Example(prompt_id=f"{source}-{extra.get('index', number)}", messages=messages,
-                   ground_truth=truth, data_source=source, row=row, where=where)
+                   ground_truth=truth, data_source=source, row=row, where=where, images=images)
+
+
+def _content_text(content, where: str) -> str:
+    """A message's content as text: TRL's parts (`{"type": "text", "text": ...}`, `{"type": "image"}`)
+    joined, each image part as verl's `<image>` placeholder."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ConfigError(f"{where}: a message's content is neither text nor a list of parts")
+    kinds = {"text": lambda part: part.get("text") or "", "image": lambda part: IMAGE_PLACEHOLDER}
+    unknown = [p.get("type") for p in content if not isinstance(p, dict) or p.get("type") not in kinds]
+    if unknown:
+        raise ConfigError(f"{where}: content parts of type {unknown[0]!r}: text and image are read")
+    return "".join(kinds[p["type"]](p) for p in content)
+
+
+def _row_images(row: dict, where: str) -> tuple[dict, tuple[str, ...]]:
+    """The row's images (verl's and TRL's `images`, TRL's `image`) put in the store, and the row with
+    their paths in place of their bytes (what a reward function gets)."""
+    column = "images" if row.get("images") is not None else "image" if row.get("image") is not None else None
+    if column is None:
+        return row, ()
+    values = row[column] if isinstance(row[column], (list, tuple)) else [row[column]]
+    refs = tuple(store_image(value, f"{where}: {column}[{k}]") for k, value in enumerate(values))
+    return {**row, column: list(refs) if isinstance(row[column], (list, tuple)) else refs[0]}, refs
 
 
 def check_prompts(config: Config) -> None:
@@ -143,9 +174,14 @@ def check_prompts(config: Config) -> None:
             raise ConfigError(f"environment.class_path: {type(exc).__name__}: {exc}") from exc
     if config.task.name != "file":
         return
-    refuse_unscorable(load_examples(config.task, "train"), config.reward)
-    if config.task.eval_path:
-        load_examples(config.task, "eval")
+    train = load_examples(config.task, "train")
+    refuse_unscorable(train, config.reward)
+    examples = train + (load_examples(config.task, "eval") if config.task.eval_path else [])
+    with_images = next((ex for ex in examples if ex.images), None)
+    if with_images is not None and not is_vision_model_section(config.model):
+        m = config.model
+        raise ConfigError(f"{with_images.where}: the prompt has images, and "
+                          f"{f'model.path={m.path}' if m.path else f'model.source={m.source}'} is a text-only model")
 
 
 def fit_notices(config: Config, tokenizer, context_tokens: int) -> list[str]:
@@ -213,7 +249,9 @@ def verl_rows(examples: list[Example], split: str) -> list[dict]:
     row's place in its split)."""
     return [{"data_source": ex.data_source, "prompt": [dict(m) for m in ex.messages],
              "reward_model": {"style": "rule", "ground_truth": ex.ground_truth},
-             "extra_info": {"split": split, "index": i}} for i, ex in enumerate(examples)]
+             "extra_info": {"split": split, "index": i},
+             **({"images": [{"bytes": open(ref, "rb").read(), "path": None} for ref in ex.images]} if ex.images else {})}
+            for i, ex in enumerate(examples)]
 
 
 def write_examples(examples: list[Example], path: str, split: str, overwrite: bool = False) -> bool:
@@ -231,8 +269,9 @@ def write_examples(examples: list[Example], path: str, split: str, overwrite: bo
 
         pq.write_table(pa.Table.from_pylist(rows), path)
     elif path.endswith(".jsonl"):
-        with open(path, "w") as f:
-            f.writelines(json.dumps(row) + "\n" for row in rows)
+        with open(path, "w") as f:  # an image's bytes as a data URI
+            f.writelines(json.dumps(row, default=lambda b: "data:image/png;base64," + base64.b64encode(b).decode())
+                         + "\n" for row in rows)
     else:
         raise ValueError(f"a prompt file is .parquet or .jsonl, got {path!r}")
     return True

@@ -17,6 +17,7 @@ class Example:
     data_source: str
     row: dict | None = None  # a file's row as read (its columns), for a reward function of the user's
     where: str = ""  # where a file's row is ("train.parquet: row 7"), for the errors that name it
+    images: tuple[str, ...] = ()  # the prompt's images in the store (`asyncrl.data.images`), placeholder order
 
     @property
     def text(self) -> str:
@@ -59,6 +60,36 @@ def tiny_tool_examples(split: str) -> list[Example]:
 
     return [Example(f"tiny_tool-{split}-{d}", [{"role": "user", "content": f"{d}:"}], EPISODE_TRUTH, "tiny_tool")
             for d in range(10)]
+
+
+# --- shapes: what the image shows -------------------------------------------------------------
+
+SHAPE_COLOURS = [(220, 30, 30), (30, 170, 40), (40, 60, 220), (230, 200, 20)]  # red, green, blue, yellow: 0..3
+
+
+def shapes_examples(split: str, n: int, seed: int = 0) -> list[Example]:
+    """"<image>c?" -> the colour of the square in the image, as a digit (0 red, 1 green, 2 blue, 3
+    yellow). Each image (56x56, drawn with PIL) has one square of a random size and place on a grey
+    background of random shade; the held-out images are drawn apart from the training ones, so
+    the policy must read the image, not remember a prompt (the text is the same for all). Right
+    one time in four by guessing a colour."""
+    from PIL import Image, ImageDraw
+
+    from asyncrl.data.images import store_image
+
+    rng = random.Random(f"shapes-{split}-{seed}")
+    out = []
+    for i in range(n):
+        colour = rng.randrange(len(SHAPE_COLOURS))
+        shade = rng.randint(90, 170)
+        image = Image.new("RGB", (56, 56), (shade, shade, shade))
+        side = rng.randint(20, 36)
+        x, y = rng.randint(0, 56 - side), rng.randint(0, 56 - side)
+        ImageDraw.Draw(image).rectangle([x, y, x + side - 1, y + side - 1], fill=SHAPE_COLOURS[colour])
+        ref = store_image(image, f"shapes {split} {i}")
+        out.append(Example(f"shapes-{split}-{i}", [{"role": "user", "content": "<image>c?"}], str(colour), "shapes",
+                           images=(ref,)))
+    return out
 
 
 # --- arithmetic word problems -------------------------------------------------------------------
@@ -129,6 +160,7 @@ BUILTIN_TASKS = {
     "tiny_tool": lambda split, n, seed: tiny_tool_examples(split),
     "arithmetic": arithmetic_examples,
     "arithmetic_tool": arithmetic_tool_examples,
+    "shapes": shapes_examples,
 }
 
 
@@ -153,10 +185,14 @@ def reference_response(data_source: str, ground_truth) -> str:
 
 
 def encode_prompt(example: Example, tokenizer, use_chat_template: bool, template_kwargs: dict | None = None,
-                  environment=None) -> list[int]:
+                  environment=None, images=None) -> list[int]:
     """Prompt token ids: the chat template with a generation prompt (and `task.chat_template_kwargs`),
     or the raw user text. With an environment (an `EnvironmentConfig` that has one), the template
-    lists its tools, as the policy endpoint's prompt does (`asyncrl.environments.templates.ChatTemplate.prompt`)."""
+    lists its tools, as the policy endpoint's prompt does (`asyncrl.environments.templates.ChatTemplate.prompt`).
+    An example with images needs the model's `images` (`asyncrl.data.images.ImagePrep`): its
+    placeholders become the image tokens each processed image fills."""
+    if example.images:
+        return _encode_with_images(example, tokenizer, use_chat_template, template_kwargs, images)
     if use_chat_template and environment is not None and environment.enabled:
         from asyncrl.environments.formats import FORMATS
         from asyncrl.environments.templates import ChatTemplate, encode
@@ -168,3 +204,19 @@ def encode_prompt(example: Example, tokenizer, use_chat_template: bool, template
         return list(tokenizer.apply_chat_template(example.messages, add_generation_prompt=True, tokenize=True,
                                                   return_dict=False, **(template_kwargs or {})))
     return tokenizer.encode(example.text, add_special_tokens=False)
+
+
+def _encode_with_images(example: Example, tokenizer, use_chat_template: bool, template_kwargs: dict | None,
+                        images) -> list[int]:
+    from asyncrl.config import ConfigError
+
+    where = example.where or example.prompt_id
+    if images is None:
+        raise ConfigError(f"{where}: the prompt has images, and the model is a text-only one")
+    messages = [{**m, "content": images.placeholder_text(m["content"])} for m in example.messages]
+    if use_chat_template:
+        ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False, **(template_kwargs or {})))
+    else:
+        ids = tokenizer.encode("\n".join(m["content"] for m in messages), add_special_tokens=False)
+    return images.expand(ids, images.processed(example.images, where), where)

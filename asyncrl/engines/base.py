@@ -70,6 +70,8 @@ class SequenceInput(msgspec.Struct, kw_only=True, frozen=True):
     # The sequence's identity across windows (the generator's sample id), or None. An engine may
     # keep a keyed sequence's KV cache from one window to its next while its weights do not change.
     key: str | None = None
+    # The prompt's processed images by reference (`asyncrl.data.images`), in the order of its image tokens.
+    images: tuple[str, ...] = ()
 
 
 def long_tail_min_tokens(seed: int, fraction: float, tokens: int) -> int:

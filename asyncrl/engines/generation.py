@@ -55,12 +55,14 @@ def build_generator_engine(model: ModelConfig, engine: EngineConfig, seed: int =
 
 def sequence_input(prompt_ids: Sequence[int] | np.ndarray, seed: int, max_response_tokens: int,
                    response_ids: Sequence[int] | np.ndarray = EMPTY, min_response_tokens: int = 0,
-                   key: str | None = None) -> SequenceInput:
+                   key: str | None = None, images: tuple[str, ...] = ()) -> SequenceInput:
     """A sequence to advance: its prompt, the response so far (empty for a new one), its seed;
-    `key`, its identity across windows (the engine may keep its KV cache between them)."""
+    `key`, its identity across windows (the engine may keep its KV cache between them); `images`,
+    the prompt's processed images by reference."""
     return SequenceInput(prompt_ids=np.asarray(prompt_ids, dtype=np.int32),
                          response_ids=np.asarray(response_ids, dtype=np.int32), seed=seed,
-                         max_response_tokens=max_response_tokens, min_response_tokens=min_response_tokens, key=key)
+                         max_response_tokens=max_response_tokens, min_response_tokens=min_response_tokens, key=key,
+                         images=tuple(images))
 
 
 def decode(tokenizer, token_ids: Sequence[int] | np.ndarray) -> str:
@@ -81,10 +83,12 @@ class Completion:
     top_logprobs: np.ndarray | None = None
 
 
-def _inputs(prompts: list[Sequence[int]], seeds: list[int], max_tokens: int) -> list[SequenceInput]:
-    if len(prompts) != len(seeds):
-        raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
-    return [sequence_input(ids, seed, max_tokens) for ids, seed in zip(prompts, seeds)]
+def _inputs(prompts: list[Sequence[int]], seeds: list[int], max_tokens: int,
+            images: list[tuple[str, ...]] | None = None) -> list[SequenceInput]:
+    if len(prompts) != len(seeds) or (images is not None and len(images) != len(prompts)):
+        raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds{'' if images is None else f' and {len(images)} image lists'}")
+    return [sequence_input(ids, seed, max_tokens, images=images[i] if images is not None else ())
+            for i, (ids, seed) in enumerate(zip(prompts, seeds))]
 
 
 def _completions(tokenizer, outputs) -> list[Completion]:
@@ -93,10 +97,12 @@ def _completions(tokenizer, outputs) -> list[Completion]:
 
 
 def complete(engine, tokenizer, prompts: list[Sequence[int]], seeds: list[int], max_tokens: int,
-             params: SamplingParams, batch_size: int = 16, on_batch=None) -> list[Completion]:
-    """Whole responses (one window of `max_tokens`) to `prompts`, `batch_size` sequences per engine
-    call; `on_batch(n)` after each call (a progress bar's `update`)."""
-    inputs = _inputs(prompts, seeds, max_tokens)
+             params: SamplingParams, batch_size: int = 16, on_batch=None,
+             images: list[tuple[str, ...]] | None = None) -> list[Completion]:
+    """Whole responses (one window of `max_tokens`) to `prompts` (with their processed `images`,
+    one tuple each, where they have any), `batch_size` sequences per engine call; `on_batch(n)`
+    after each call (a progress bar's `update`)."""
+    inputs = _inputs(prompts, seeds, max_tokens, images)
     out: list[Completion] = []
     # With a progress bar, a small first batch: its rate gives an estimate of the whole within
     # seconds (a first batch of 16 on a busy machine took minutes with no estimate at all).

@@ -20,7 +20,9 @@ cover (normally one: the last token sampled). Invariants, held here:
 Within a window, rows that start from their prompt share what their prompts share
 (`share_prefixes`): the samples of a group have one prompt, and a chat template opens every
 prompt with the same turns. Their keys and values are computed once and handed to each row as if
-kept (a prefix's keys do not depend on the tokens after it, so this is exact).
+kept (a prefix's keys do not depend on the tokens after it, so this is exact). Prompts with images
+(`asyncrl.engines.vision_prompts`) are one prompt only with the same images, and what distinct
+prompts share ends before the first image token.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch
 
 from asyncrl.engines import moe
 from asyncrl.engines.llama_decoder import KVBlock, LlamaDecoder
+from asyncrl.engines.vision_prompts import PromptMedia, fetch_features, media_key
 
 
 @dataclass
@@ -107,17 +110,24 @@ MIN_SHARED_TOKENS = 4
 
 
 def share_prefixes(decoder: LlamaDecoder, contexts: list[np.ndarray], kept: list[KeptKV | None],
-                   pad_token_id: int) -> tuple[list[KeptKV | None], int]:
+                   pad_token_id: int, media: list[PromptMedia | None] | None = None,
+                   vision=None) -> tuple[list[KeptKV | None], int]:
     """`kept` with the rows that have no kept cache given one for what they share, and the number
     of tokens this spares the window's prefill. Each distinct context (all but its last token,
-    which the window still feeds for its first logits) is prefilled once, continuing from the
-    prefix every distinct context shares, itself prefilled once."""
-    groups: dict[bytes, list[int]] = {}
+    which the window still feeds for its first logits; with its images) is prefilled once,
+    continuing from the prefix every distinct context shares, itself prefilled once."""
+    media = media if media is not None else [None] * len(contexts)
+    groups: dict[tuple, list[int]] = {}
     for i, (context, entry) in enumerate(zip(contexts, kept)):
         if entry is None and len(context) > 1:
-            groups.setdefault(context[:-1].tobytes(), []).append(i)
+            groups.setdefault((context[:-1].tobytes(), media_key(media[i])), []).append(i)
     heads = [contexts[rows[0]][:-1] for rows in groups.values()]
+    head_media = [media[rows[0]] for rows in groups.values()]
     common = _common_prefix(heads) if len(heads) > 1 else 0
+    for head, m in zip(heads, head_media):  # images differ from their first token on: shared up to it
+        first_image = np.flatnonzero(head == m.image_token_id) if m is not None else ()
+        if len(first_image):
+            common = min(common, int(first_image[0]))
     shared_common = common >= MIN_SHARED_TOKENS
     if len(heads) == sum(len(rows) for rows in groups.values()) and not shared_common:
         return kept, 0  # every prompt distinct, nothing in common worth a pass
@@ -125,7 +135,8 @@ def share_prefixes(decoder: LlamaDecoder, contexts: list[np.ndarray], kept: list
     # Heads that are the common prefix itself take `base`; the others continue from it.
     longer = sorted((h for h in range(len(heads)) if base is None or len(heads[h]) > common),
                     key=lambda h: len(heads[h]), reverse=True)
-    entries = dict(zip(longer, _prefill(decoder, [heads[h] for h in longer], [base] * len(longer), pad_token_id)))
+    entries = dict(zip(longer, _prefill(decoder, [heads[h] for h in longer], [base] * len(longer), pad_token_id,
+                                        [head_media[h] for h in longer], vision)))
     out = list(kept)
     for h, rows in enumerate(groups.values()):
         for i in rows:
@@ -146,9 +157,9 @@ def _common_prefix(arrays: list[np.ndarray]) -> int:
 
 
 def _prefill(decoder: LlamaDecoder, contexts: list[np.ndarray], kept: list[KeptKV | None],
-             pad_token_id: int) -> list[KeptKV]:
+             pad_token_id: int, media: list[PromptMedia | None] | None = None, vision=None) -> list[KeptKV]:
     """The keys and values of `contexts` (longest suffix first) as kept caches, without logits."""
-    window = CachedWindow(decoder, contexts, kept, 1, pad_token_id)
+    window = CachedWindow(decoder, contexts, kept, 1, pad_token_id, media=media, vision=vision)
     window.start(logits=False)
     no_tokens = np.zeros(1, dtype=np.int64)  # `kept` keeps all but the last of the tokens produced: none
     return [window.kept(row, no_tokens) for row in range(len(contexts))]
@@ -166,11 +177,16 @@ class CachedWindow:
 
     `routes_dtype` (a mixture-of-experts model; None: not recorded): after `start` and each `step`,
     `routes` holds the experts `[B, sparse_layers, top_k]` of the position whose logits were
-    returned, in this dtype: the route of the token sampled from them."""
+    returned, in this dtype: the route of the token sampled from them.
+
+    `media` (rows whose prompts have images; `vision` runs the tower for those that feed image
+    tokens): their multimodal positions and image features (`asyncrl.engines.vision_prompts`)."""
 
     def __init__(self, decoder: LlamaDecoder, contexts: list[np.ndarray], kept: list[KeptKV | None],
-                 window_tokens: int, pad_token_id: int, routes_dtype: torch.dtype | None = None):
+                 window_tokens: int, pad_token_id: int, routes_dtype: torch.dtype | None = None,
+                 media: list[PromptMedia | None] | None = None, vision=None):
         self.decoder, self.contexts, self.pad_token_id = decoder, contexts, pad_token_id
+        self.media = media if media is not None and any(m is not None for m in media) else None
         self.routes_dtype = routes_dtype if decoder.moe is not None else None
         self.routes: torch.Tensor | None = None
         self.reused = [0 if k is None else len(k.tokens) for k in kept]
@@ -181,7 +197,10 @@ class CachedWindow:
         self.first_decode = kept_width + self.suffix_width
         self.block = decoder.new_block(len(contexts), self.first_decode + window_tokens - 1)
         device = self.block.valid.device
-        self.positions = torch.tensor([len(c) for c in contexts], device=device)
+        deltas = [0 if self.media is None or self.media[i] is None else self.media[i].delta for i in range(len(contexts))]
+        self.positions = torch.tensor([len(c) + d for c, d in zip(contexts, deltas)], device=device)
+        if self.media is not None:
+            fetch_features(vision, self.media, contexts, self.reused)
         columns = torch.arange(self.block.valid.shape[1], device=device)[None]
         reused = torch.tensor(self.reused, device=device)[:, None]
         suffix = torch.tensor(self.suffix, device=device)[:, None]
@@ -212,13 +231,30 @@ class CachedWindow:
     def _prefill(self, first: int, end: int, logits: bool, routes: moe.Routes | None = None) -> torch.Tensor | None:
         width, device = self.suffix[first], self.block.valid.device
         tokens = np.full((end - first, width), self.pad_token_id, dtype=np.int64)
-        positions = np.zeros((end - first, width), dtype=np.int64)
+        positions = np.zeros((end - first, width, 3) if self.decoder.mrope else (end - first, width), dtype=np.int64)
         for i in range(first, end):
             n, s = self.reused[i], self.suffix[i]
             tokens[i - first, width - s:] = self.contexts[i][n:]
-            positions[i - first, width - s:] = np.arange(n, n + s)
-        return self.decoder.forward(torch.from_numpy(tokens).to(device), torch.from_numpy(positions).to(device),
-                                    self.block, slice(first, end), self.first_decode - width, logits, routes)
+            media = self.media[i] if self.media is not None else None
+            at = np.arange(n, n + s)
+            positions[i - first, width - s:] = media.positions_of(n, n + s) if media is not None else (
+                at[:, None] if self.decoder.mrope else at)
+        token_tensor = torch.from_numpy(tokens).to(device)
+        return self.decoder.forward(token_tensor, torch.from_numpy(positions).to(device), self.block,
+                                    slice(first, end), self.first_decode - width, logits, routes,
+                                    self._embeds(first, end, token_tensor, tokens))
+
+    def _embeds(self, first: int, end: int, token_tensor: torch.Tensor, tokens: np.ndarray) -> torch.Tensor | None:
+        """The rows' input embeddings with their image features spliced in (None: no row feeds an image)."""
+        rows = [i for i in range(first, end) if self.media is not None and self.media[i] is not None
+                and self.media[i].feeds_images(self.contexts[i], self.reused[i])]
+        if not rows:
+            return None
+        embeds = self.decoder.embed(token_tensor)
+        for i in rows:
+            self.media[i].splice(embeds[i - first], tokens[i - first, tokens.shape[1] - self.suffix[i]:],
+                                 self.contexts[i], self.reused[i])
+        return embeds
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per row (`[B]`); the logits of the next."""

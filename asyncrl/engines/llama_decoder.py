@@ -1,7 +1,9 @@
 """The embedded engine's own forward for Llama-architecture models, over a KV block it owns.
 
 Three dense families share the architecture: Llama, Qwen2 (Qwen2.5 too: biases on the q/k/v
-projections) and Qwen3 (an RMSNorm over each head of q and k, before the rotary embedding, and an
+projections; and Qwen2-VL's language model, whose rotary positions have three axes for the
+image tokens of a prompt: its own `rotary_emb` computes them, `asyncrl.engines.vision_prompts`
+gives the positions and the image features that replace the image tokens' embeddings) and Qwen3 (an RMSNorm over each head of q and k, before the rotary embedding, and an
 explicit `head_dim`). Biases come with the model's own projection modules; the per-head norms are
 used where the attention module has them. Three mixture-of-experts families have the same
 attention (Mixtral: Llama's; Qwen2-MoE: Qwen2's; Qwen3-MoE: Qwen3's) and a sparse MLP on some or
@@ -25,8 +27,11 @@ import torch
 import torch.nn.functional as F
 
 from asyncrl.engines import moe
+from asyncrl.models.vision import image_token_ids, is_vision_model, text_config, without_image_tokens
 
 FAMILIES = ("llama", "qwen2", "qwen3") + moe.MOE_FAMILIES
+# Vision-language families whose language model is one of the above, with multimodal rotary positions.
+VISION_FAMILIES = ("qwen2_vl",)
 # Rotary variants whose frequencies do not depend on the sequence length (transformers computes
 # `inv_freq` once for them); "dynamic" and "longrope" rescale with the length.
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -37,10 +42,10 @@ def unsupported(model) -> str | None:
     a transformers model of one of `FAMILIES` with static rotary frequencies, SiLU, full attention
     on every layer (a sliding window shorter than the context is not implemented), one plain
     linear head, and experts in the layout `asyncrl.engines.moe` reads."""
-    config = model.config
-    family = getattr(config, "model_type", None)
-    if family not in FAMILIES:
-        return f"model_type {family!r} is not one of {', '.join(FAMILIES)}"
+    family = getattr(model.config, "model_type", None)
+    if family not in FAMILIES + VISION_FAMILIES:
+        return f"model_type {family!r} is not one of {', '.join(FAMILIES + VISION_FAMILIES)}"
+    config = text_config(model.config)
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in _STATIC_ROPE_TYPES:
@@ -90,27 +95,31 @@ class LlamaDecoder:
         if reason is not None:
             raise ValueError(f"LlamaDecoder does not support {type(model).__name__}: {reason}")
         self.model = model
-        config = model.config
+        # The language model's trunk: a vision-language model's (`language_model`) or the model's own.
+        self.inner = model.model.language_model if is_vision_model(model) else model.model
+        self.mrope = is_vision_model(model)  # positions with three axes (Qwen2-VL's multimodal rotary)
+        self.banned = image_token_ids(model) if self.mrope else None  # never sampled: a prompt's image tokens
+        config = text_config(model.config)
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         # A bool, not compared per call: traced by torch.compile with dynamic shapes, the comparison
         # of two int attributes is symbolic, and SDPA's `enable_gqa` takes only a real bool.
         self.grouped_query = self.kv_heads != self.heads
-        attn = model.model.layers[0].self_attn
+        attn = self.inner.layers[0].self_attn
         self.scale = float(attn.scaling)
         # Qwen3: q and k normalised per head (over head_dim) before the rotary embedding.
         self.qk_norm = hasattr(attn, "q_norm")
         # Each layer's index among the sparse (MoE) layers, None for a dense MLP.
-        sparse = [moe.is_sparse(layer) for layer in model.model.layers]
+        sparse = [moe.is_sparse(layer) for layer in self.inner.layers]
         self.sparse_index = [sum(sparse[:i]) if is_sparse else None for i, is_sparse in enumerate(sparse)]
         self.moe = moe.MoeMLP(config) if self.sparse_layers else None
-        self.experts = next((layer.mlp.experts.gate_up_proj.shape[0] for layer in model.model.layers
+        self.experts = next((layer.mlp.experts.gate_up_proj.shape[0] for layer in self.inner.layers
                              if moe.is_sparse(layer)), 0)  # per sparse layer (0: a dense model)
 
     @property
     def layers(self) -> int:
-        return len(self.model.model.layers)
+        return len(self.inner.layers)
 
     @property
     def sparse_layers(self) -> int:
@@ -122,14 +131,17 @@ class LlamaDecoder:
         return KVBlock(self.layers, rows, self.kv_heads, columns, self.head_dim, weight.dtype, weight.device)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, block: KVBlock, rows: slice,
-                start: int, logits: bool = True, routes: moe.Routes | None = None) -> torch.Tensor | None:
+                start: int, logits: bool = True, routes: moe.Routes | None = None,
+                embeds: torch.Tensor | None = None) -> torch.Tensor | None:
         """`tokens`, `positions`: `[b, S]` for block rows `rows` (b of them), written at columns
         `start..start+S`; `block.valid` must already mark those columns of real tokens. Each
         query attends to the valid columns up to its own. Returns float logits `[b, vocab]` of
         column `start+S-1` (None with `logits=False`: only the keys and values are wanted).
         `routes` (MoE models, opt-in): records the experts every position chose at every sparse
-        layer, or forces them (`moe.Routes`)."""
-        inner = self.model.model
+        layer, or forces them (`moe.Routes`). `embeds` `[b, S, hidden]`: the inputs' embeddings in
+        place of the tokens' (a prompt's image features spliced in); `positions` `[b, S, 3]` with
+        `mrope` (or `[b, S]`: the same position on every axis)."""
+        inner = self.inner
         width = tokens.shape[1]
         end = start + width
         # [b, 1, S, end]: a query at column start+j sees the valid columns <= start+j, and always
@@ -140,7 +152,7 @@ class LlamaDecoder:
         own = torch.zeros((width, end), dtype=torch.bool, device=tokens.device)
         own[steps, start + steps] = True
         mask = (causal & (block.valid[rows, None, :end] | own))[:, None]
-        hidden = inner.embed_tokens(tokens)
+        hidden = inner.embed_tokens(tokens) if embeds is None else embeds
         cos, sin = self._rotary(positions, hidden.dtype)
         for index, layer in enumerate(inner.layers):
             hidden = self._attention(layer, hidden, cos, sin, block.data[index], rows, start, end, mask)
@@ -151,10 +163,18 @@ class LlamaDecoder:
         if not logits:
             return None
         last = _rms_norm(hidden[:, -1], inner.norm)
-        return self.model.lm_head(last).float()
+        out = self.model.lm_head(last).float()
+        return out if self.banned is None else without_image_tokens(out, self.banned)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.inner.embed_tokens(tokens)
 
     def _rotary(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        rotary = self.model.model.rotary_emb
+        rotary = self.inner.rotary_emb
+        if self.mrope:  # the family's own: each frequency reads the axis its mrope section names
+            axes = positions if positions.dim() == 3 else positions[..., None].expand(*positions.shape, 3)
+            cos, sin = rotary(torch.empty(0, dtype=dtype, device=positions.device), axes.permute(2, 0, 1))
+            return cos[:, None], sin[:, None]
         freqs = positions[..., None].float() * rotary.inv_freq.float()
         angles = torch.cat((freqs, freqs), dim=-1)[:, None]  # [b, 1, S, head_dim]
         return ((angles.cos() * rotary.attention_scaling).to(dtype),

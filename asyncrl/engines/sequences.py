@@ -62,7 +62,7 @@ def window_segment(seq: GeneratedSequence, generator_id: str, tokens, logprobs, 
         new_token_ids=tokens, new_logprobs=logprobs, new_versions=versions, new_scored=scored, new_routes=routes,
         finished=finished, finish_reason=reason, data_source=request.data_source,
         ground_truth=request.ground_truth, seed=request.seed + seq.sample_idx, generator_id=generator_id,
-        group_size=request.group_size, row=request.row if finished else None)
+        group_size=request.group_size, row=request.row if finished else None, images=request.images)
 
 
 def with_observation(segment: Segment, observation_ids, engine_version: int) -> Segment:

@@ -9,7 +9,9 @@ sequence's KV cache from one window to its next while the weights do not change
 (`asyncrl.engines.kv_cache`); other models run transformers' forward over left-padded batches,
 re-reading each context (said once, when the engine is built). A mixture-of-experts model's tokens
 come with their routes (`WindowOutput.routes`: the experts of the position each was sampled from),
-which the learners replay.
+which the learners replay. A vision-language model's (Qwen2-VL's) prompts with images run on the
+same decoder: the vision tower once per distinct image of a window, its features in place of the
+image tokens' embeddings, the family's multimodal positions (`asyncrl.engines.vision_prompts`).
 """
 
 from __future__ import annotations
@@ -32,9 +34,11 @@ from asyncrl.engines.decode_loop import WindowRows, decode_window
 from asyncrl.engines.kv_cache import CachedWindow, KeptCaches, share_prefixes
 from asyncrl.engines.padded_window import PaddedWindow
 from asyncrl.engines.row_sampling import LogitAdjust, RowSampling
+from asyncrl.engines.vision_prompts import prompt_media
 from asyncrl.messages.routes import route_dtype
 from asyncrl.messages.structs import FinishReason
 from asyncrl.models.precision import Precision, choose_precision
+from asyncrl.models.vision import VisionInputs, is_vision_model, text_config
 from asyncrl.weights import delta as weights_delta
 from asyncrl.weights.lora import AdapterMerger, adapter_modules
 from asyncrl.weights.shared_memory import SharedVersion, shared_views
@@ -71,7 +75,8 @@ class TorchEngine:
             raise ValueError("an engine needs at least one EOS token id")
         self.pad_token_id = pad_token_id
         self.last_step_at = 0.0  # monotonic time of the last decode step: a long window's progress
-        self.max_positions = int(getattr(model.config, "max_position_embeddings", 1 << 30))
+        self.max_positions = int(getattr(text_config(model.config), "max_position_embeddings", 1 << 30))
+        self.vision = VisionInputs(model) if is_vision_model(model) else None  # a prompt's images, if any
         reason = llama_decoder.unsupported(model)
         if reason is not None:
             log.warning("embedded engine: %s runs on transformers' forward, the slower path (each window "
@@ -240,19 +245,21 @@ class TorchEngine:
                   params: SamplingParams | Sequence[SamplingParams], on_step=None, cut: Callable[[], bool] | None = None, on_end=None) -> list[WindowOutput]:
         contexts = [np.concatenate([s.prompt_ids, s.response_ids]).astype(np.int64) for s in sequences]
         rows = WindowRows.of(sequences, contexts, window_tokens, self.max_positions, self.device)  # checks budgets first
+        media = self._media(sequences)
         if self.decoder is None:
             window, order = PaddedWindow(self.model, contexts, window_tokens, self.pad_token_id), list(range(len(sequences)))
         else:
             stamp = self.weights_stamp()
             kept = self.kept.take([s.key for s in sequences], contexts, stamp)
             if self.share_prefixes:
-                kept, spared = share_prefixes(self.decoder, contexts, kept, self.pad_token_id)
+                kept, spared = share_prefixes(self.decoder, contexts, kept, self.pad_token_id, media, self.vision)
                 self.kept.stats["prefill_tokens_shared"] += spared
             # Longest suffix (tokens not in a kept cache) first: `CachedWindow` prefills in slices.
             suffix = [len(c) - (0 if k is None else len(k.tokens)) for c, k in zip(contexts, kept)]
             order = sorted(range(len(sequences)), key=lambda i: suffix[i], reverse=True)
             window = CachedWindow(self.decoder, [contexts[i] for i in order], [kept[i] for i in order],
-                                  window_tokens, self.pad_token_id, self.routes_dtype)
+                                  window_tokens, self.pad_token_id, self.routes_dtype,
+                                  None if media is None else [media[i] for i in order], self.vision)
             self.largest_block_positions = max(self.largest_block_positions, window.block.valid.numel())
         sampling = RowSampling.of(params, len(sequences), self.vocab_size, self.device).select(order)
         adjust = LogitAdjust.of([sequences[i] for i in order], sampling, self.vocab_size, self.device)
@@ -267,3 +274,14 @@ class TorchEngine:
         for row, i in enumerate(order):
             results[i] = outputs[row]
         return results
+
+    def _media(self, sequences: list[SequenceInput]) -> list | None:
+        """Each row's images as the decoder takes them (None: no row has any). Images on a model
+        without a vision tower, or on transformers' padded path, are refused naming the model."""
+        if not any(s.images for s in sequences):
+            return None
+        if self.vision is None or self.decoder is None:
+            raise ValueError(f"prompts with images, but {type(self.model).__name__} "
+                             f"({getattr(self.model.config, 'model_type', '?')}) "
+                             f"{'is a text-only model' if self.vision is None else 'does not run on the engine decoder'}")
+        return prompt_media(self.vision, [s.prompt_ids for s in sequences], [s.images for s in sequences])

@@ -22,7 +22,7 @@ from asyncrl.algo.losses import (agg_loss, behaviour_weights, kl_penalty, positi
                                  rollout_mismatch, router_balance_loss)
 from asyncrl.config import KLPenalty, PolicyConfig, PolicyLoss, SamplingConfig
 from asyncrl.learning.routing import RouteStats, refuse_misfit_routes, replayed_routes, route_metrics, route_shape
-from asyncrl.learning.scoring import token_logprobs
+from asyncrl.learning.scoring import PolicyForward, token_logprobs
 from asyncrl.learning.tensors import (Collated, autocast, clip_and_step, collate, device_of, mini_batch_rows,
                                       rank_micro_batches, row_length, width_of)
 from asyncrl.messages.structs import TrainingRow
@@ -73,7 +73,8 @@ def proximal_logprobs(model, collated: Collated, policy: PolicyConfig, sampling:
                 logp, _ = token_logprobs(model, collated.input_ids[sl], collated.attention_mask[sl],
                                          collated.targets[sl], sampling.temperature,
                                          positions=_trained_positions(collated, sl), top_k=sampling.top_k,
-                                         top_p=sampling.top_p, chunk_tokens=compute.logits_chunk_tokens)
+                                         top_p=sampling.top_p, chunk_tokens=compute.logits_chunk_tokens,
+                                         images=collated.images_of(rows))
             if not ghost:
                 out[sl] = logp.float()
     if parallel is not None:
@@ -162,7 +163,8 @@ def _micro_batch(update: _Update, sl, ghost: bool, sums: dict[str, float]) -> No
             logp, entropy = token_logprobs(update.model, collated.input_ids[sl], collated.attention_mask[sl],
                                            collated.targets[sl], sampling.temperature, with_entropy=True,
                                            positions=_trained_positions(collated, sl), top_k=sampling.top_k,
-                                           top_p=sampling.top_p, chunk_tokens=compute.logits_chunk_tokens)
+                                           top_p=sampling.top_p, chunk_tokens=compute.logits_chunk_tokens,
+                                           images=collated.images_of(sl[0]))
         anchor = weights = None
         if update.correction is not None:
             anchor = logp.detach().float() if update.own is not None else update.proximal[sl]
@@ -230,7 +232,8 @@ def _reference_kl(reference_model, collated: Collated, sl, logp: torch.Tensor, o
         ref_logp, _ = token_logprobs(reference_model, collated.input_ids[sl], collated.attention_mask[sl],
                                      collated.targets[sl], sampling.temperature, positions=mask > 0,
                                      top_k=sampling.top_k, top_p=sampling.top_p,
-                                     chunk_tokens=objective.policy.compute.logits_chunk_tokens)
+                                     chunk_tokens=objective.policy.compute.logits_chunk_tokens,
+                                     images=collated.images_of(sl[0]))
     return agg_loss(kl_penalty(logp, ref_logp, objective.kl.estimator), mask, objective.policy.loss.agg, norm_constant)
 
 
@@ -252,6 +255,8 @@ def policy_step(model, optimizer, samples: list[TrainingRow], objective: Objecti
     approximate KL (the trust region at work), and the rollout-training mismatch. `parallel`: this
     rank of a sharded learner (every rank calls it with the whole batch and trains its share)."""
     policy = objective.policy
+    vision = model.vision if isinstance(model, PolicyForward) else None
+    vision_start = vision.seconds if vision is not None else 0.0
     samples, route_stats, refused = _routed(model, samples)
     # Rows sorted by length, micro-batches trimmed to their longest row: little padding with
     # long-tailed lengths. The loss is a sum over rows, so their order does not change it.
@@ -297,7 +302,8 @@ def policy_step(model, optimizer, samples: list[TrainingRow], objective: Objecti
     metrics["skipped_updates"] = float(sum(h["skipped_updates"] for h in history))
     return {**metrics, **_combine_mismatch(parts), "policy_updates": policy.ppo_epochs * len(minis),
             "tokens_trained": float(collated.response_mask.sum()), "rows_trained": len(samples),
-            **refused, **_route_record(route_stats, parallel)}
+            **refused, **_route_record(route_stats, parallel),
+            **({"vision_s": vision.seconds - vision_start} if vision is not None else {})}
 
 
 def _routed(model, samples: list[TrainingRow]) -> tuple[list[TrainingRow], RouteStats | None, dict[str, float]]:

@@ -13,6 +13,7 @@ from asyncrl.algo.losses import entropy_from_logprobs
 from asyncrl.algo.sampling import filtered_logprobs
 from asyncrl.learning.routing import replayed_routes
 from asyncrl.learning.tensors import device_of, layout_rows, length_sorted_chunks, row_routes
+from asyncrl.models.vision import VisionInputs, image_token_ids, is_vision_model, without_image_tokens
 
 
 def _head_only_on(model) -> bool:
@@ -39,29 +40,35 @@ class PolicyForward(torch.nn.Module):
     """A causal LM's forward as one module: logits at every position, or (`selected`, a `[B, L]`
     bool mask) at the selected positions only. The learner trains through it: a sharded learner
     (FSDP2) wraps it whole, so the root's hooks that gather the embedding and the head run on every
-    forward (calling `base_model` and then `lm_head` on the bare model would bypass them)."""
+    forward (calling `base_model` and then `lm_head` on the bare model would bypass them). A
+    vision-language model's rows may have images (`images`: each row's processed references): the
+    vision tower runs once per distinct image of the forward (`asyncrl.models.vision.VisionInputs`)."""
 
     def __init__(self, lm):
         super().__init__()
         self.lm = lm
+        self.vision = VisionInputs(lm) if is_vision_model(lm) else None
+        self.banned = image_token_ids(lm) if self.vision is not None else None  # as the engine samples
 
     def forward(self, input_ids, attention_mask, selected: torch.Tensor | None = None, score=None,
-                chunk_tokens: int = 0):
+                chunk_tokens: int = 0, images: list[tuple[str, ...]] | None = None):
         """`score(logits, start)`: what the caller wants of the logits of the selected positions
         `start:start + len(logits)` (a tuple of `[n]` tensors); with it the head runs `chunk_tokens`
         positions at a time, each chunk recomputed in the backward instead of kept (the `[tokens,
         vocab]` logits, their softmax and the entropy's terms, several copies of the vocabulary per
         trained position), and the parts are joined."""
+        extra = self._vision_kwargs(input_ids, images)
         if selected is None:
-            return self.lm(input_ids=input_ids, attention_mask=attention_mask).logits
-        hidden = self.lm.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state[selected]
+            return self._head_out(self.lm(input_ids=input_ids, attention_mask=attention_mask, **extra).logits)
+        hidden = self.lm.base_model(input_ids=input_ids, attention_mask=attention_mask,
+                                    **extra).last_hidden_state[selected]
         if score is None:
-            return self.lm.lm_head(hidden)
+            return self._head_out(self.lm.lm_head(hidden))
         step = chunk_tokens if chunk_tokens > 0 else max(len(hidden), 1)
         recompute = chunk_tokens > 0 and torch.is_grad_enabled()  # no backward, nothing kept: no recompute
 
         def chunk(h, i):
-            return score(self.lm.lm_head(h), i)
+            return score(self._head_out(self.lm.lm_head(h)), i)
 
         parts = [torch.utils.checkpoint.checkpoint(chunk, hidden[i:i + step], i, use_reentrant=False,
                                                    preserve_rng_state=False) if recompute
@@ -69,10 +76,21 @@ class PolicyForward(torch.nn.Module):
                  for i in range(0, max(len(hidden), 1), step)]  # one (empty) part when nothing is selected
         return tuple(torch.cat(outs) for outs in zip(*parts))
 
+    def _head_out(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits a token is scored from: a vision-language model's without its image tokens."""
+        return logits if self.banned is None else without_image_tokens(logits, self.banned)
+
+    def _vision_kwargs(self, input_ids, images: list[tuple[str, ...]] | None) -> dict:
+        if not images or not any(images):
+            return {}
+        if self.vision is None:
+            raise ValueError(f"rows with images, but {type(self.lm).__name__} is a text-only model")
+        return self.vision.model_kwargs(input_ids, images)
+
 
 def token_logprobs(model, input_ids, attention_mask, targets, temperature: float, with_entropy: bool = False,
                    positions: torch.Tensor | None = None, top_k: int = 0, top_p: float = 1.0,
-                   chunk_tokens: int = 0):
+                   chunk_tokens: int = 0, images: list[tuple[str, ...]] | None = None):
     """log π(target | prefix) at every position under the sampler's distribution: `softmax(logits/T)`
     restricted to `top_k`/`top_p` as `asyncrl.algo.sampling.filtered_logprobs` does (a token outside
     it gets `LOGPROB_FLOOR`), and optionally the entropy of that distribution.
@@ -82,10 +100,11 @@ def token_logprobs(model, input_ids, attention_mask, targets, temperature: float
     `[tokens, vocab]` tensor is 200 KB per position on the embedded model (49k vocabulary, fp32).
     Other positions get log-prob 0 and entropy 0. `chunk_tokens` (with `positions`): project that
     many positions at a time, recomputing each chunk in the backward (`PolicyForward.forward`).
-    `model`: a causal LM or its `PolicyForward`."""
+    `model`: a causal LM or its `PolicyForward`; `images`: each row's processed images (a
+    vision-language model's rows)."""
     forward = model if isinstance(model, PolicyForward) else PolicyForward(model)
     if positions is None or not _head_only_on(forward.lm):
-        logits = forward(input_ids, attention_mask)
+        logits = forward(input_ids, attention_mask, images=images)
         all_logp = _scored_logprobs(logits, temperature, top_k, top_p)
         logp = all_logp.gather(-1, targets[..., None]).squeeze(-1).clamp(min=LOGPROB_FLOOR)
         entropy = entropy_from_logprobs(all_logp) if with_entropy else None
@@ -98,7 +117,7 @@ def token_logprobs(model, input_ids, attention_mask, targets, temperature: float
         logp = all_logp.gather(-1, selected_targets[start:start + len(logits), None]).squeeze(-1)
         return (logp.clamp(min=LOGPROB_FLOOR), *((entropy_from_logprobs(all_logp),) if with_entropy else ()))
 
-    scored = forward(input_ids, attention_mask, selected, score=score, chunk_tokens=chunk_tokens)
+    scored = forward(input_ids, attention_mask, selected, score=score, chunk_tokens=chunk_tokens, images=images)
     logp = torch.zeros(targets.shape, dtype=scored[0].dtype, device=targets.device).masked_scatter(selected, scored[0])
     entropy = None
     if with_entropy:

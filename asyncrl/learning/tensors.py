@@ -34,6 +34,8 @@ class Collated:
     # [B, L, sparse_layers, top_k] int16: the rollout's experts at each position (`place_routes`);
     # None: no row has any (a dense model).
     routes: torch.Tensor | None = None
+    # Each row's processed images by reference (`Segment.images`); None: no row has any.
+    images: list[tuple[str, ...]] | None = None
 
     def _tensors(self) -> tuple[torch.Tensor | None, ...]:
         return (self.input_ids, self.attention_mask, self.response_mask, self.targets, self.old_logprobs,
@@ -41,10 +43,15 @@ class Collated:
 
     def select(self, rows: list[int]) -> "Collated":
         index = torch.as_tensor(rows, dtype=torch.long, device=self.input_ids.device)
-        return Collated(*(None if t is None else t.index_select(0, index) for t in self._tensors()))
+        return Collated(*(None if t is None else t.index_select(0, index) for t in self._tensors()),
+                        images=None if self.images is None else [self.images[i] for i in rows])
 
     def to(self, device: torch.device | str) -> "Collated":
-        return Collated(*(None if t is None else t.to(device) for t in self._tensors()))
+        return Collated(*(None if t is None else t.to(device) for t in self._tensors()), images=self.images)
+
+    def images_of(self, rows: slice) -> list[tuple[str, ...]] | None:
+        """The images of a micro-batch's rows (None: none has any)."""
+        return None if self.images is None else self.images[rows]
 
 
 @dataclass
@@ -144,6 +151,7 @@ def collate(samples: list[TrainingRow], pad_token_id: int = 0) -> Collated:
         # Every generated token of a positive row, never an environment's observation.
         nll_mask=layout.place([(1.0 - observation_mask(s.segment)) * p for s, p in zip(samples, positive)]),
         routes=place_routes(layout, [response_routes(s.segment) for s in samples]),
+        images=[s.segment.images for s in samples] if any(s.segment.images for s in samples) else None,
     )
 
 

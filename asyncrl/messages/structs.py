@@ -2,7 +2,7 @@
 
 Every message is a `msgspec.Struct` encoded as msgpack. Numeric arrays (token ids, log-probs,
 weight versions, per-token rewards) are numpy arrays carried as msgpack extension values holding
-raw little-endian bytes, never as lists of Python numbers.
+raw little-endian bytes, never as lists of Python numbers; images as references, never pixels.
 
 Invariants checked on construction *and* on decode (msgspec runs `__post_init__` when decoding):
 array dtypes and the lengths that must agree. A malformed message raises `msgspec.ValidationError`
@@ -15,13 +15,13 @@ field and new fields may be appended with defaults; never change a field's type.
 from __future__ import annotations
 
 import enum
+import json
 from typing import Any
 
 import msgspec
 import numpy as np
 
-# The wire format (arrays as msgpack extensions, codecs) lives in `asyncrl.messages.wire`; the names every
-# role uses with the messages are here too.
+# The wire format lives in `asyncrl.messages.wire`; the names every role uses with it are here too.
 from asyncrl.messages.routes import check_routes, joined_routes
 from asyncrl.messages.wire import Codec, check_array, encode, float32_array, int32_array  # noqa: F401
 
@@ -82,6 +82,7 @@ class PromptRequest(msgspec.Struct, kw_only=True, frozen=True):
     # Which of the G samples to generate (empty = all): a resumed run regenerates only the samples
     # of a prompt whose work was lost with the old actors.
     sample_indices: tuple[int, ...] = ()
+    images: tuple[str, ...] = ()  # processed images by reference (`asyncrl.data.images`), never pixels
 
     def __post_init__(self) -> None:
         check_array("prompt_token_ids", self.prompt_token_ids, "int32")
@@ -150,6 +151,7 @@ class Segment(msgspec.Struct, kw_only=True, frozen=True):
     # [R, sparse_layers, top_k]: the routes of the earlier windows' tokens (a window row's context),
     # filled in by the assembler; None when not held.
     prior_routes: np.ndarray | None = None
+    images: tuple[str, ...] = ()  # the prompt's images, as `PromptRequest.images`: references
 
     def __post_init__(self) -> None:
         check_array("prompt_token_ids", self.prompt_token_ids, "int32")
@@ -260,11 +262,7 @@ def ground_truth_text(ground_truth: Any) -> str:
         return ground_truth
     if isinstance(ground_truth, (int, float)) and not isinstance(ground_truth, bool):
         return str(ground_truth)
-    if ground_truth is None:
-        return ""
-    import json
-
-    return json.dumps(ground_truth, sort_keys=True, default=str)
+    return "" if ground_truth is None else json.dumps(ground_truth, sort_keys=True, default=str)
 
 
 def sample_id(prompt_id: str, sample_idx: int) -> str:

