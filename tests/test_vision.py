@@ -17,7 +17,7 @@ from PIL import Image
 
 from asyncrl.config import ConfigError, compose
 from asyncrl.data.files import load_examples
-from asyncrl.data.images import ImagePrep, decode_image, store_image
+from asyncrl.storage.images import ImagePrep, decode_image, store_image
 from asyncrl.data.tasks import Example, encode_prompt
 from asyncrl.engines.base import SamplingParams
 from asyncrl.engines.generation import build_engine, sequence_input
@@ -48,7 +48,7 @@ def _prompts(config, n: int):
 def _transformers_logprobs(lm, prompt_ids, images, tokens) -> np.ndarray:
     """log π(token | prefix) from transformers' own forward (pixels through its own vision tower, its
     own rope index), over the distribution without image tokens the engine samples from."""
-    from asyncrl.data.images import load_processed
+    from asyncrl.storage.images import load_processed
 
     ids = torch.tensor(np.concatenate([prompt_ids, tokens]).astype(np.int64))[None]
     pixels = torch.cat([load_processed(r)[0] for r in images])

@@ -3,7 +3,7 @@
 `data_source`, `extra_info`) or TRL's (`prompt` as text or messages, `answer`/`solution`), read into
 `Example`s. Images: verl's `images` column (bytes, paths, `{"bytes", "path"}` dicts, data URIs) with
 `<image>` placeholders in the prompt, or TRL's `image`/`images` with `{"type": "image"}` content
-parts; each image goes to the store once (`asyncrl.data.images`) and the row keeps its path. Every row keeps its own columns (`Example.row`): a reward function of the user's gets
+parts; each image goes to the store once (`asyncrl.storage.images`) and the row keeps its path. Every row keeps its own columns (`Example.row`): a reward function of the user's gets
 them (verl's `extra_info`, TRL's columns). Rows that cannot be trained on are refused at start-up
 naming where they are; nothing is dropped silently.
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from asyncrl.config import Config, ConfigError, RewardConfig, TaskConfig
 from asyncrl.config.checks import is_vision_model_section
-from asyncrl.data.images import IMAGE_PLACEHOLDER, store_image
+from asyncrl.storage.images import IMAGE_PLACEHOLDER, store_image
 from asyncrl.data.tasks import BUILTIN_TASKS, Example
 
 

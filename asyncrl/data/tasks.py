@@ -17,7 +17,7 @@ class Example:
     data_source: str
     row: dict | None = None  # a file's row as read (its columns), for a reward function of the user's
     where: str = ""  # where a file's row is ("train.parquet: row 7"), for the errors that name it
-    images: tuple[str, ...] = ()  # the prompt's images in the store (`asyncrl.data.images`), placeholder order
+    images: tuple[str, ...] = ()  # the prompt's images in the store (`asyncrl.storage.images`), placeholder order
 
     @property
     def text(self) -> str:
@@ -75,7 +75,7 @@ def shapes_examples(split: str, n: int, seed: int = 0) -> list[Example]:
     one time in four by guessing a colour."""
     from PIL import Image, ImageDraw
 
-    from asyncrl.data.images import store_image
+    from asyncrl.storage.images import store_image
 
     rng = random.Random(f"shapes-{split}-{seed}")
     out = []
@@ -189,7 +189,7 @@ def encode_prompt(example: Example, tokenizer, use_chat_template: bool, template
     """Prompt token ids: the chat template with a generation prompt (and `task.chat_template_kwargs`),
     or the raw user text. With an environment (an `EnvironmentConfig` that has one), the template
     lists its tools, as the policy endpoint's prompt does (`asyncrl.environments.templates.ChatTemplate.prompt`).
-    An example with images needs the model's `images` (`asyncrl.data.images.ImagePrep`): its
+    An example with images needs the model's `images` (`asyncrl.storage.images.ImagePrep`): its
     placeholders become the image tokens each processed image fills."""
     if example.images:
         return _encode_with_images(example, tokenizer, use_chat_template, template_kwargs, images)

@@ -70,7 +70,7 @@ class SequenceInput(msgspec.Struct, kw_only=True, frozen=True):
     # The sequence's identity across windows (the generator's sample id), or None. An engine may
     # keep a keyed sequence's KV cache from one window to its next while its weights do not change.
     key: str | None = None
-    # The prompt's processed images by reference (`asyncrl.data.images`), in the order of its image tokens.
+    # The prompt's processed images by reference (`asyncrl.storage.images`), in the order of its image tokens.
     images: tuple[str, ...] = ()
 
 

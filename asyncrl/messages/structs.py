@@ -82,7 +82,7 @@ class PromptRequest(msgspec.Struct, kw_only=True, frozen=True):
     # Which of the G samples to generate (empty = all): a resumed run regenerates only the samples
     # of a prompt whose work was lost with the old actors.
     sample_indices: tuple[int, ...] = ()
-    images: tuple[str, ...] = ()  # processed images by reference (`asyncrl.data.images`), never pixels
+    images: tuple[str, ...] = ()  # processed images by reference (`asyncrl.storage.images`), never pixels
 
     def __post_init__(self) -> None:
         check_array("prompt_token_ids", self.prompt_token_ids, "int32")

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from asyncrl.config import ConfigError, ModelConfig
-from asyncrl.data.images import ImagePrep, ImageTokens, load_processed
+from asyncrl.storage.images import ImagePrep, ImageTokens, load_processed
 
 # The tiny tokenizer's special tokens, then the Qwen2-VL family's image tokens.
 TINY_VL_IMAGE_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
