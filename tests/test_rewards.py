@@ -13,13 +13,18 @@ from transformers import LlamaConfig, LlamaForSequenceClassification, LlamaForTo
 from asyncrl.algo.advantages import pairwise_advantages
 from asyncrl.algo.selection import curriculum_sources, domain_zscores, select_hardest
 from asyncrl.algo.shaping import prm_dense_rewards, symmetrized_preference
-from asyncrl.config import RouteConfig
+from asyncrl.assembly.decisions import Scored
+from asyncrl.assembly.groups import PairwiseStrategy
+from asyncrl.config import DynamicSampling, RouteConfig, VerifierEndpoint
 from asyncrl.config import GenerativeJudgeEndpoint
-from asyncrl.messages.structs import PairRequest, RewardRequest, int32_array
+from asyncrl.messages.structs import (FinishReason, PairRequest, Reward, RewardRequest, Segment, float32_array,
+                                      int32_array)
 from asyncrl.models.loading import build_tiny_tokenizer
 from asyncrl.rewards.endpoint import RewardEndpoint
+from asyncrl.rewards.calls import RewardCall, run_in_call
 from asyncrl.rewards.hybrid import RewardRouter
 from asyncrl.rewards.judge import GenerativeJudge, LocalVerdicts, quote
+from asyncrl.rewards.verifier import Verifier
 from asyncrl.rewards.verifiers import verify
 
 
@@ -66,6 +71,106 @@ def test_bad_input_becomes_a_recorded_failure_not_a_crash():
     assert rewards[4].failed and rewards[4].details["not_applicable"]
     assert all(r.source == "verifier" and r.source_version == "verifier:verifier:1" for r in rewards)
     assert endpoint.stats()["failed"] == 2
+
+
+# --- the verifier as a pairwise judge --------------------------------------------------------------
+
+
+def pair(first, second, truth="4", source="tiny", **kw):
+    return PairRequest(prompt_text="3:", first=first, second=second, data_source=source, truth=truth, **kw)
+
+
+def test_the_verifier_judges_pairs_by_its_rule():
+    verifier = Verifier(VerifierEndpoint(style="plus_minus"))
+    out = verifier.compare([
+        pair("4", "7"),                      # tiny: the first character; +1 against -1, the first wins
+        pair("7", "4"),                      # the same pair swapped: the second wins
+        pair("4!", "4"),                     # both right (+1, +1): a tie
+        pair("8", "9"),                      # both wrong (-1, -1): a tie, not a failure
+        pair("124", "100", truth="123", source="tiny_seq"),  # partial credit: 2/3 -> 1/3, 1/3 -> -1/3
+        pair("so \\boxed{12}", "\\boxed{13}", truth=12, source="math"),  # a number as the data holds it
+        pair("4", "4", second_is_reference=True),   # anchor=reference: right ties the reference
+        pair("7", "4", second_is_reference=True),   # wrong loses to it
+        # The reference is not checked (code's would be its tests, not a program): it scores as a
+        # correct check, +1, so a right response ties it whatever the reference's text.
+        pair("\\boxed{12}", "\\boxed{13}", truth="12", source="math", second_is_reference=True),
+    ])
+    assert [o["p_first"] for o in out] == [1.0, 0.0, 0.5, 0.5, 1.0, 1.0, 0.5, 0.0, 0.5]
+    assert all(o["consistent"] and not o["failed"] for o in out)
+    assert [(o["score_first"], o["score_second"]) for o in out[:2]] == [(1.0, -1.0), (-1.0, 1.0)]
+    assert out[4]["score_first"] == pytest.approx(1 / 3) and out[4]["score_second"] == pytest.approx(-1 / 3)
+    assert verifier.stats()["pairs"] == 9 and verifier.stats()["failed_pairs"] == 0
+
+
+def test_a_pair_whose_check_fails_has_no_verdict():
+    verifier = Verifier(VerifierEndpoint(verifier_kinds={"chat": "none"}))
+    out = verifier.compare([
+        pair("print(1)", "print(2)", truth="not json", source="code"),  # malformed tests: the check raises
+        pair("4", "5", truth=""),                                       # nothing to check against
+        pair("4", "5", source="chat"),                                  # no rule for this source
+        pair("4", "5", truth={"a": 1}),                                 # the tiny rule checks text only
+        pair("4", "5"),                                                 # this one is judged
+    ])
+    assert [o["failed"] for o in out] == [True, True, True, True, False]
+    assert "not JSON" in out[0]["error"] and "no ground truth" in out[1]["error"]
+    assert "no verifier for 'chat'" in out[2]["error"] and "checks against text" in out[3]["error"]
+    assert all(o["p_first"] == 0.5 and o["consistent"] for o in out[:4]) and out[4]["p_first"] == 1.0
+    assert verifier.stats()["failed_pairs"] == 4
+    # A call stopped (its deadline passed, its caller gone) judges no further pair: each fails with why.
+    call = RewardCall()
+    call.stop("past the deadline")
+    stopped = asyncio.run(run_in_call(call, verifier.compare, [pair("4", "5")] * 2))
+    assert all(o["failed"] and o["error"] == "past the deadline" for o in stopped)
+
+
+def test_the_verifier_endpoint_judges_a_pairwise_ppo_group():
+    """A closed group through Pairwise PPO's strategy with the verifier endpoint as its judge: the
+    requests carry the data source and the ground truth, the advantages are the hand-worked ones."""
+    endpoint = RewardEndpoint("verifier", {"kind": "verifier"})
+    seen = []
+
+    async def judge(pairs):
+        seen.extend(pairs)
+        return await endpoint.compare(pairs)
+
+    def members(pid):  # responses "7", "3", "7" to a prompt whose answer is "7": right, wrong, right
+        segments = [Segment(prompt_id=pid, sample_idx=i, window=0, group_id=pid, group_size=3,
+                            prompt_token_ids=int32_array([6]), prior_response_ids=int32_array([]),
+                            prior_versions=int32_array([]), new_token_ids=int32_array([token]),
+                            new_logprobs=float32_array([-1.0]), new_versions=int32_array([0]), finished=True,
+                            finish_reason=FinishReason.EOS, ground_truth="7", data_source="tiny")
+                    for i, token in enumerate([7, 3, 7])]
+        return [Scored(s, Reward(prompt_id=pid, sample_idx=s.sample_idx, score=0.0, source="v"), 0.0)
+                for s in segments]
+
+    def rows(anchor):
+        strategy = PairwiseStrategy(DynamicSampling(enabled=False), 1, pairwise_advantages, judge=judge,
+                                    decode=lambda ids: "".join(map(str, ids)), anchor=anchor)
+        decision = asyncio.run(strategy.decide([], members(anchor)))
+        return [float(r.advantages[0]) for r in decision.batches[0].rows], decision.counters
+
+    # group: 0 ties 2 and beats 1 -> 2·((0.5 + 1)/2 − 0.5) = 0.5; 1 loses to both -> 2·(0 − 0.5) = −1.
+    advantages, counters = rows("group")
+    assert advantages == pytest.approx([0.5, -1.0, 0.5])
+    assert counters["pairs_judged"] == 3 and counters["pairs_failed"] == 0 and counters["pairs_inconsistent"] == 0
+    assert all(p.data_source == "tiny" and p.truth == "7" and not p.second_is_reference for p in seen)
+    # reference: a right response ties the reference (0), a wrong one loses to it (−1).
+    seen.clear()
+    advantages, _ = rows("reference")
+    assert advantages == pytest.approx([0.0, -1.0, 0.0])
+    assert all(p.second == "7" and p.second_is_reference and p.ground_truth == "" for p in seen)
+
+
+def test_pairwise_ppo_takes_a_genrm_or_verifier_judge_and_refuses_others():
+    from asyncrl.config import ConfigError, compose
+
+    base = ["model=tiny", "task=tiny", "algorithm=pairwise_ppo"]
+    assert compose([*base, "algorithm.advantage.endpoint=verifier"]).algorithm.advantage.endpoint == "verifier"
+    assert compose(base).algorithm.advantage.endpoint == "genrm"
+    with pytest.raises(ConfigError, match=r"endpoint='bt' names a bt endpoint: .*kind genrm .* or verifier"):
+        compose([*base, "+reward.endpoints.bt={kind: bt, model_path: /models/rm}", "algorithm.advantage.endpoint=bt"])
+    with pytest.raises(ConfigError, match=r"'judge' names no endpoint of reward.endpoints \(verifier, genrm\)"):
+        compose([*base, "algorithm.advantage.endpoint=judge"])
 
 
 # --- generative judge (the embedded model) --------------------------------------------------------

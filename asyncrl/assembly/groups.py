@@ -157,7 +157,8 @@ class BatchReturnsStrategy(GroupStrategy):
 class PairwiseStrategy(GroupStrategy):
     """Pairwise PPO: judge each closed group's responses against each other (or the reference) in
     both orders; advantages from the symmetrised win probabilities (`advantage_fn` takes the
-    preference matrix), plus each sample's overlong penalty (a reward term's advantage adds)."""
+    preference matrix), plus each sample's overlong penalty (a reward term's advantage adds). The
+    judge is a generative one (`genrm`) or the rule verifier (`verifier`: the higher score wins)."""
 
     judge: JudgeFn | None = None
     decode: Callable[[list[int]], str] | None = None
@@ -169,8 +170,11 @@ class PairwiseStrategy(GroupStrategy):
         prompt = self.decode(first.prompt_token_ids.tolist())
         pairs = judged_pairs(len(members), self.anchor == "reference")
         reference = reference_response(first.data_source, first.ground_truth)
+        # A generative judge reads the texts (the reference shown beside two responses, not beside
+        # itself); a verifier judge checks both responses against the ground truth as the data holds it.
         requests = [PairRequest(prompt_text=prompt, first=texts[i], second=reference if j is None else texts[j],
-                                ground_truth="" if j is None else ground_truth_text(first.ground_truth))
+                                ground_truth="" if j is None else ground_truth_text(first.ground_truth),
+                                data_source=first.data_source, truth=first.ground_truth, second_is_reference=j is None)
                     for i, j in pairs]
         verdicts = await self.judge(requests) if requests else []
         decision.counters["pairs_judged"] += len(verdicts)

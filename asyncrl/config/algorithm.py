@@ -44,9 +44,12 @@ class PairwiseAdvantage(Variant, tag="pairwise"):
     """Pairwise PPO: mean win probability against the group (or the reference) from a pairwise judge."""
 
     endpoint: str = "genrm"
-    """The genrm endpoint of reward.endpoints that judges pairs (both orders, averaged)."""
+    """The endpoint of reward.endpoints that judges pairs: kind genrm (a generative judge, both orders
+    averaged) or verifier (each response checked by the data source's rule: the higher score wins,
+    equal scores tie; a judge that knows the answer, where a verifier applies)."""
     anchor: Literal["group", "reference"] = "group"
-    """group (every other response of the group) | reference (the ground-truth answer)."""
+    """group (every other response of the group) | reference (the ground-truth answer, written as a
+    response; a verifier judge takes it as correct)."""
 
 
 class GAEAdvantage(Variant, tag="gae"):

@@ -9,7 +9,7 @@ import json
 import os
 
 from asyncrl.config.algorithm import GAEAdvantage, PairwiseAdvantage
-from asyncrl.config.reward import GenerativeJudgeEndpoint, ProcessRewardEndpoint, RouteConfig
+from asyncrl.config.reward import GenerativeJudgeEndpoint, ProcessRewardEndpoint, RouteConfig, VerifierEndpoint
 
 
 # vLLM's CPU attention kernels take these head sizes only (vLLM 0.32's
@@ -279,6 +279,11 @@ def _reward_checks(config) -> list[tuple[bool, str]]:
                            f"cut off by the deadline, which fails it with every sample of the call not yet scored"))
     checks += route_checks(r.routes, set(r.endpoints))
     if isinstance(advantage, PairwiseAdvantage):
-        checks.append((isinstance(r.endpoints.get(advantage.endpoint), GenerativeJudgeEndpoint),
-                       "algorithm.advantage.endpoint must name a genrm endpoint in reward.endpoints"))
+        judge = r.endpoints.get(advantage.endpoint)
+        found = (f"names a {judge.kind} endpoint" if judge is not None
+                 else f"names no endpoint of reward.endpoints ({', '.join(r.endpoints)})")
+        checks.append((isinstance(judge, (GenerativeJudgeEndpoint, VerifierEndpoint)),
+                       f"algorithm.advantage.endpoint={advantage.endpoint!r} {found}: Pairwise PPO's judge must be an "
+                       f"endpoint of kind genrm (a generative judge) or verifier (the rule verifier: the higher "
+                       f"score wins)"))
     return checks

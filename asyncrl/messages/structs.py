@@ -9,8 +9,7 @@ array dtypes and the lengths that must agree. A malformed message raises `msgspe
 whose text names the offending field.
 
 Wire evolution: structs are encoded as maps (field names on the wire), so a decode error names the
-field and new fields may be appended with defaults; never change a field's type.
-"""
+field and new fields may be appended with defaults; never change a field's type."""
 
 from __future__ import annotations
 
@@ -302,7 +301,10 @@ class PairRequest(msgspec.Struct, kw_only=True, frozen=True):
     prompt_text: str
     first: str
     second: str
-    ground_truth: str = ""
+    ground_truth: str = ""  # the reference text a generative judge is shown ("" = none)
+    data_source: str = ""  # a verifier judge checks both with this source's rule against `truth`
+    truth: Any = None  # the prompt's ground truth as the data holds it (a dict of tests, a list); None: none
+    second_is_reference: bool = False  # anchor=reference: `second` is the ground truth written as a response
 
 
 class Reward(msgspec.Struct, kw_only=True, frozen=True):

@@ -86,7 +86,7 @@ def _process_reward_model(endpoint: ProcessRewardEndpoint, model: ModelConfig | 
 
 
 # The one mapping from an endpoint's kind to what builds its scorer (a `Scorer`: `score`, `version`,
-# `reconfigure` in place or False to be rebuilt; a judge also `compare`s pairs).
+# `reconfigure` in place or False to be rebuilt; a judge and the verifier also `compare` pairs).
 SCORERS = {"verifier": _verifier, "genrm": _generative_judge, "bt": _scalar_reward_model, "prm": _process_reward_model,
            "python": _python_reward, "openai": _openai_judge}
 

@@ -286,7 +286,7 @@ class RewardRouter:
         return [combine_rewards(req, route, answers[i]) for i, (req, route) in enumerate(zip(requests, routes))]
 
     async def compare(self, name: str, pairs: list[PairRequest]) -> list[dict]:
-        """Pairs judged by the endpoint `name` (a pairwise generative judge)."""
+        """Pairs judged by the endpoint `name` (a pairwise generative judge, or the verifier)."""
         if self._compare is None:
             raise ValueError("this reward router has no pairwise judge")
         try:
