@@ -45,11 +45,14 @@ ROWS = {
     "lr_5e-4_one_prompt_batches_of_64": ["critic.optimizer.lr=5e-4", "critic.batch_trajectories=64"],
     "lr_5e-4_two_prompt_batches_of_64": ["critic.optimizer.lr=5e-4", "critic.batch_trajectories=64"],
     "lr_5e-4_two_prompt_batches": ["critic.optimizer.lr=5e-4"],
+    "lr_1e-3_two_prompt_batches_of_64": ["critic.optimizer.lr=1e-3", "critic.batch_trajectories=64"],
+    "lr_2e-3_two_prompt_batches_of_64": ["critic.optimizer.lr=2e-3", "critic.batch_trajectories=64"],
 }
 # Rows whose batches hold this many prompts (a group of 32 samples arrives whole: 16 or 32 of them
 # are one prompt's), not random ones.
 PROMPTS_PER_BATCH = {"lr_5e-4_one_prompt_batches": 1, "lr_5e-4_one_prompt_batches_of_64": 1,
-                     "lr_5e-4_two_prompt_batches_of_64": 2, "lr_5e-4_two_prompt_batches": 2}
+                     "lr_5e-4_two_prompt_batches_of_64": 2, "lr_5e-4_two_prompt_batches": 2,
+                     "lr_1e-3_two_prompt_batches_of_64": 2, "lr_2e-3_two_prompt_batches_of_64": 2}
 BASE = ["model=tiny", "task=tiny", "algorithm=ppo", "critic.optimizer.lr=2e-5", "critic.compute.precision=fp32"]
 DIGITS, COLON = list(range(3, 13)), 13  # the tiny vocabulary's "0".."9" and ":"
 RIGHT = np.linspace(0.05, 0.95, 10)  # P(right answer | prompt d)

@@ -79,18 +79,3 @@ def test_the_learner_never_trains_a_token_beyond_the_staleness_bound(ray_session
     # Generation does not run ahead of what can be trained: nearly every generated token is trained.
     assert sum(r["stale_tokens_masked"] for r in lines) <= 0.05 * sum(r["tokens_trained"] for r in lines)
     assert status["ledger"]["problems"] == []
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("algorithm", ["rloo", "reinforce_plus_plus"])
-def test_the_estimators_verl_users_expect_learn_the_tiny_task(ray_session, tmp_path, algorithm):
-    """RLOO and REINFORCE++ through the real actors, each with its preset: the tiny task to 0.9."""
-    config = compose(["model=tiny", "task=tiny", f"algorithm={algorithm}", "trainer.total_steps=400",
-                      "trainer.target_reward=0.9", f"trainer.run_dir={tmp_path}", "trainer.wandb_mode=disabled",
-                      "trainer.checkpoint_every=0"])
-    assert config.algorithm.advantage.type == algorithm
-    summary = train(config, progress=False, eval_prompts=10)
-    rewards = [r["reward_mean_generated"] for r in summary["records"]]
-    assert summary["reached_target"], rewards[-20:]
-    assert summary["eval_after"]["accuracy"] > summary["eval_before"]["accuracy"]
-    assert summary["final_status"]["ledger"]["problems"] == []
