@@ -222,6 +222,43 @@ def test_batches_are_dealt_across_groups():
     assert names(dealt_batches(three, 2)) == [["a0", "c0"], ["a1", "a2"]]
 
 
+def test_the_value_learner_trains_mix_batches_dealt_across_groups_once_all_arrived():
+    """`critic.mix_batches=2`, `batch_trajectories=2`: the learner holds what arrives until four
+    trajectories are there, then takes two steps, each on one of group a's and one of group b's
+    (a group's samples arrive together: without dealing, a batch would be one prompt's)."""
+    import asyncio
+
+    from actors.value_learner import ValueLearner
+    from asyncrl.messages.mailbox import InProcessMailbox
+
+    mailbox = InProcessMailbox(16)
+    learner = ValueLearner(value_model_from_policy(tiny_policy()), mailbox,
+                           replaced(critic(), {"batch_trajectories": 2, "mix_batches": 2}))
+    trained = []
+    train = learner._train  # noqa: SLF001 -- the learner's own step, observed
+
+    async def observed(batch):
+        trained.append(sorted(t.segment.group_id + str(t.segment.sample_idx) for t in batch))
+        return await train(batch)
+
+    learner._train = observed  # noqa: SLF001
+    import msgspec
+
+    arrived = [ScoredTrajectory(segment=msgspec.structs.replace(segment([20 + i, 21], pid=g), sample_idx=i, group_size=2),
+                                score=float(i)) for g in "ab" for i in range(2)]
+
+    async def run():
+        await mailbox.put(arrived[:2])
+        assert await learner.step_once(timeout=0.1) is None  # two held: not yet a mix
+        await mailbox.put(arrived[2:])
+        return await learner.step_once(timeout=0.1)
+
+    record = asyncio.run(run())
+    assert trained == [["a0", "b0"], ["a1", "b1"]]
+    assert record["value_step"] == 2 and learner.counters["trajectories_trained"] == 4
+    assert learner.stats()["pending_trajectories"] == 0
+
+
 def test_value_model_from_a_process_reward_model_checkpoint(tmp_path):
     from transformers import LlamaForTokenClassification
 
