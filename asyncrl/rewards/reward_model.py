@@ -16,7 +16,30 @@ from asyncrl.rewards.calls import current_call
 from asyncrl.rewards.verifier import failed, not_applicable
 
 
-class ScalarRewardModel:
+class _HeadRewardModel:
+    """A transformers model with a one-label head read from `endpoint.model_path`, its tokenizer,
+    and the endpoint's version; a new endpoint of the same model is taken in place (`reconfigure`),
+    another model needs a new scorer."""
+
+    def __init__(self, endpoint: ScalarRewardEndpoint | ProcessRewardEndpoint, auto_class: str):
+        import transformers
+
+        self.endpoint = endpoint
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(endpoint.model_path)
+        self.model = getattr(transformers, auto_class).from_pretrained(endpoint.model_path, num_labels=1).eval()
+
+    @property
+    def version(self) -> str:
+        return self.endpoint.version
+
+    def reconfigure(self, endpoint: ScalarRewardEndpoint | ProcessRewardEndpoint) -> bool:
+        if endpoint.model_path != self.endpoint.model_path:
+            return False
+        self.endpoint = endpoint
+        return True
+
+
+class ScalarRewardModel(_HeadRewardModel):
     """Bradley–Terry reward model: a sequence-classification head with one label; the score is the
     logit at the last token (optionally squashed with a sigmoid)."""
 
@@ -25,23 +48,9 @@ class ScalarRewardModel:
     MAX_TOKENS = 2048
 
     def __init__(self, endpoint: ScalarRewardEndpoint):
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-        self.endpoint = endpoint
-        self.tokenizer = AutoTokenizer.from_pretrained(endpoint.model_path)
-        self.model = AutoModelForSequenceClassification.from_pretrained(endpoint.model_path, num_labels=1).eval()
+        super().__init__(endpoint, "AutoModelForSequenceClassification")
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id or 0
-
-    @property
-    def version(self) -> str:
-        return self.endpoint.version
-
-    def reconfigure(self, endpoint: ScalarRewardEndpoint) -> bool:
-        if endpoint.model_path != self.endpoint.model_path:
-            return False
-        self.endpoint = endpoint
-        return True
 
     @torch.no_grad()
     def score(self, requests: list[RewardRequest]) -> list[Reward]:
@@ -63,7 +72,7 @@ class ScalarRewardModel:
         return out
 
 
-class ProcessRewardModel:
+class ProcessRewardModel(_HeadRewardModel):
     """Line-level process rewards on the policy's own tokens: a token-classification model with one
     label scores the state at each line end; comment lines are neutral; scores are normalised by the
     number of scored lines (`prm_dense_rewards` with λ = 1; the hybrid router applies the λ switch)."""
@@ -73,21 +82,7 @@ class ProcessRewardModel:
     MAX_TOKENS = 4096
 
     def __init__(self, endpoint: ProcessRewardEndpoint):
-        from transformers import AutoModelForTokenClassification, AutoTokenizer
-
-        self.endpoint = endpoint
-        self.tokenizer = AutoTokenizer.from_pretrained(endpoint.model_path)
-        self.model = AutoModelForTokenClassification.from_pretrained(endpoint.model_path, num_labels=1).eval()
-
-    @property
-    def version(self) -> str:
-        return self.endpoint.version
-
-    def reconfigure(self, endpoint: ProcessRewardEndpoint) -> bool:
-        if endpoint.model_path != self.endpoint.model_path:
-            return False
-        self.endpoint = endpoint
-        return True
+        super().__init__(endpoint, "AutoModelForTokenClassification")
 
     def line_structure(self, token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(line-end mask, neutral mask) over response tokens: a line ends at a token containing a
