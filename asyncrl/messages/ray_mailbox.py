@@ -96,6 +96,11 @@ class RayMailbox(Generic[M]):
     async def release(self, consumer: str) -> int:
         return await self.actor.release.remote(consumer)
 
+    def release_calls(self, consumer: str) -> list:
+        """`release(consumer)` for a caller outside an event loop (the generator pool's thread): the
+        calls under way, to wait on as it waits on its other calls."""
+        return [self.actor.release.remote(consumer)]
+
     async def stats(self) -> MailboxStats:
         return await self.actor.stats.remote()
 
@@ -192,6 +197,9 @@ class ShardedMailbox(Generic[M]):
 
     async def release(self, consumer: str) -> int:
         return sum(await asyncio.gather(*(shard.release(consumer) for shard in self.shards)))
+
+    def release_calls(self, consumer: str) -> list:
+        return [call for shard in self.shards for call in shard.release_calls(consumer)]
 
     async def stats(self) -> MailboxStats:
         return sum_stats(await asyncio.gather(*(shard.stats() for shard in self.shards)))

@@ -32,7 +32,6 @@ import ray
 from actors.generator import GeneratorActor
 from asyncrl.run.deadlines import answer
 from asyncrl.run.placement import ask, spawn
-from asyncrl.run.status import mailbox_actors
 from asyncrl.weights.transport import choose_paths
 
 PING_EVERY_S = 2.0  # how often each generator is asked for its stats (the hung-generator check)
@@ -140,7 +139,7 @@ class GeneratorPool:
         system = self.system
         # First: nothing of it is merged again; then its prompts go to the others.
         answer(system.actors["assembler"].retire_generator.remote(gid), "the assembler", f"retire_generator({gid})")
-        answer([box.release.remote(gid) for box in mailbox_actors(system.mailboxes["prompts"])], "the prompts mailbox",
+        answer(system.mailboxes["prompts"].release_calls(gid), "the prompts mailbox",
                f"release({gid})")
         if "learner" in system.actors:
             answer(system.actors["learner"].leave_generator.remote(gid), "the learner", f"leave_generator({gid})")
