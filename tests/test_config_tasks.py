@@ -241,6 +241,15 @@ def test_value_based_knobs_are_validated():
     # Synchronous batches are whole responses whatever window the task sets (tiny_seq: W=2 < 4).
     sync = compose(["algorithm=tppo_sync", "model=tiny", "task=tiny_seq"])
     assert sync.engine.window_tokens == sync.engine.max_response_tokens == 4
+    # An edge mask as long as the window would leave every cut window out of the loss: refused. The
+    # 2-token tasks take T-PPO with none (configs/task_algorithm/); a task whose responses fit one
+    # window (task=tiny) never cuts one, so the preset's mask is harmless there.
+    with pytest.raises(ConfigError, match="edge_mask_tokens=2 leaves every token of a cut window out of the loss"):
+        compose(["algorithm=tppo", "model=tiny", "task=tiny_seq", "algorithm.advantage.edge_mask_tokens=2"])
+    for task in ("tiny_seq", "tiny_tool"):
+        assert compose(["algorithm=tppo", "model=tiny", f"task={task}"]).algorithm.advantage.edge_mask_tokens == 0
+    assert compose(["algorithm=tppo", "model=tiny", "task=tiny"]).algorithm.advantage.edge_mask_tokens == 4
+    assert compose(["algorithm=tppo"]).algorithm.advantage.edge_mask_tokens == 4  # W=16 on the embedded model
     with pytest.raises(ConfigError, match="long_tail"):
         compose(["engine.long_tail_fraction=1.5"])
 

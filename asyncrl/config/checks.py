@@ -54,6 +54,11 @@ def _algorithm_checks(config) -> list[tuple[bool, str]]:
          "algorithm.dynamic_sampling cannot filter T-PPO's windows: they train as they stream, before "
          "their group is complete; set algorithm.dynamic_sampling.enabled=false, or "
          "algorithm.advantage.window_training=false to train whole responses (then groups are filtered)"),
+        (gae is None or not gae.window_training or gae.edge_mask_tokens < e.window_tokens
+         or e.window_tokens >= e.max_response_tokens,
+         f"algorithm.advantage.edge_mask_tokens={gae.edge_mask_tokens if gae else 0} leaves every token of a cut "
+         f"window out of the loss (engine.window_tokens={e.window_tokens}): only the last window of each response "
+         f"would train; set it below the window (T-PPO's recipe masks 8 of 8,192 tokens)"),
         (gae is None or a.dynamic_sampling.max_refill_rounds == 0,
          "algorithm.dynamic_sampling.max_refill_rounds bounds how long a group estimator's batch waits for "
          "groups with a signal; advantage type gae cuts batches by finished samples: set it to 0"),
