@@ -12,7 +12,10 @@ either honoured or refused by name: a request never gets silently less than it a
   `presence_penalty`, `frequency_penalty`, `logit_bias`, log-probs, streaming with usage, tools
   (`asyncrl.api.tools`); asyncrl's own `min_weight_version` and `weight_version` (the weights an
   answer must come from: waited for up to `serve.version_wait_s`, else 409; an exact version that
-  an update replaced during a whole answer is a 409 too, the answer not given).
+  an update replaced during a whole answer is a 409 too, the answer not given); on a
+  vision-language model, a user message's `image_url` parts (`asyncrl.api.images`: a base64 data
+  URL, or a file under `serve.image_files_from`; `detail` is accepted and ignored, the model's
+  image processor sizes every image alike).
 * Accepted because they ask for nothing the answer must show: `user`, `safety_identifier`,
   `prompt_cache_key`, `parallel_tool_calls` (at most one call per choice satisfies either value),
   and the defaults of the fields below.
@@ -21,6 +24,9 @@ either honoured or refused by name: a request never gets silently less than it a
   `reasoning_effort`, `verbosity`, `audio`, `prediction`, `web_search_options`, the legacy
   `functions`/`function_call`; completions' `echo`, `suffix`, `best_of` other than n. Any field
   OpenAI does not define is refused by name too.
+* Content parts other than `text` and `image_url` (`input_audio`, `file`, ...) are refused naming
+  the part's type; so are image parts to a text-only model, or to an engine other than the
+  embedded one (SGLang, vLLM), and `image_url`s of the network (`http(s)://`: never fetched).
 
 OpenAI's conventions kept here: `n` choices of one `seed` are independent samples, each with its
 own seed hashed from (seed, index), so neighbouring seeds share none; `logprobs` (completions: the
@@ -56,12 +62,15 @@ def openai_error(status: int, message: str, param: str | None = None, code: str 
 def describe_invalid_request(errors: list[dict]) -> tuple[str, str | None]:
     """(message, param) of a request FastAPI could not validate: the first error's field as
     `param`, or for a body that is not JSON, the character where parsing failed in the message."""
-    first = errors[0] if errors else {}
+    # The deepest error is the most specific: a content part's own, not "should be a string" of
+    # `content`'s other form.
+    first = max(errors, key=lambda e: len(e.get("loc", ())), default={})
     loc = list(first.get("loc", []))
     if first.get("type") == "json_invalid":
         where = f" at character {loc[-1]}" if loc and isinstance(loc[-1], int) else ""
         return f"the body is not valid JSON{where}: {first.get('ctx', {}).get('error', 'malformed')}", None
-    return f"invalid request: {first.get('msg', 'malformed body')}", ".".join(str(p) for p in loc[1:]) or None
+    where = [str(p) for p in loc[1:] if not (isinstance(p, str) and "[" in p)]  # not pydantic's union branches
+    return f"invalid request: {first.get('msg', 'malformed body')}", ".".join(where) or None
 
 
 def check_model_name(requested: str | None, served: str) -> None:
@@ -146,20 +155,45 @@ class CompletionRequest(_Sampling):
             raise OpenAIError(400, "best_of other than n is not supported (every sample is returned)", "best_of")
 
 
+class ImageURL(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = Field(..., min_length=1)  # a data URL, or a file path (`asyncrl.api.images`)
+    detail: Literal["auto", "low", "high"] = "auto"  # accepted and ignored: one processor sizes every image
+
+
 class ContentPart(BaseModel):
-    """One part of a message's `content`: text is read; any other kind is refused by name."""
+    """One part of a message's `content`: text, or an image (`image_url`); any other kind is
+    validated loosely and refused by name (`refuse_unread`), so the 400 names the part's type."""
 
     model_config = ConfigDict(extra="allow")
 
     type: str
     text: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
+    image_url: ImageURL | None = None
 
-    @model_validator(mode="after")
-    def _text_only(self) -> "ContentPart":
-        if self.type != "text" or self.text is None:
-            raise ValueError(f"a content part of type {self.type!r} is not supported: this endpoint reads text "
-                             f"parts ({{\"type\": \"text\", \"text\": ...}}) only")
-        return self
+    def refuse_unread(self, param: str, role: str) -> None:
+        """A 400 for a part this endpoint does not read: a kind other than text and image_url, a
+        part without its payload, an image outside a user message, an image URL of the network."""
+        if self.type == "text":
+            if self.text is None:
+                raise OpenAIError(400, 'a text part needs its text ({"type": "text", "text": ...})', param)
+            return
+        if self.type != "image_url":
+            raise OpenAIError(400, f"a content part of type {self.type!r} is not supported: this endpoint reads "
+                                   f"text and image_url parts only", param)
+        if self.image_url is None:
+            raise OpenAIError(400, 'an image_url part needs its image_url ({"url": ...})', param)
+        if role != "user":
+            raise OpenAIError(400, f"image_url parts are read in user messages only, not in a {role} message", param)
+        named = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", self.image_url.url)
+        scheme = named.group(1).lower() if named else ""
+        if scheme in ("http", "https"):
+            raise OpenAIError(400, "image_url: an http(s) URL is never fetched from the network; send the image "
+                                   "as a data URL (data:image/png;base64,...)", f"{param}.image_url.url")
+        if scheme not in ("", "file"):
+            raise OpenAIError(400, f"image_url: a {scheme}:// URL is not read; send a data URL "
+                                   f"(data:image/png;base64,...)", f"{param}.image_url.url")
 
 
 class ChatMessage(BaseModel):
@@ -183,7 +217,7 @@ class ChatMessage(BaseModel):
     @property
     def text(self) -> str:
         """The content as one text (parts joined, as OpenAI concatenates them); developer is system."""
-        if isinstance(self.content, list):
+        if isinstance(self.content, list):  # (image parts: the caller puts the model's image tokens in their place)
             return "".join(part.text or "" for part in self.content)
         return self.content if self.content is not None else (self.refusal or "")
 
@@ -199,6 +233,12 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[ToolSpec] | None = Field(None, max_length=64)
     tool_choice: ToolChoice | None = None
+
+    def refuse_unhonoured(self) -> None:
+        super().refuse_unhonoured()
+        for i, message in enumerate(self.messages):
+            for j, part in enumerate(message.content if isinstance(message.content, list) else []):
+                part.refuse_unread(f"messages[{i}].content[{j}]", message.role)
 
 
 def logprobs_asked(body: _Sampling, chat: bool) -> int | None:

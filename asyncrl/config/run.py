@@ -221,6 +221,16 @@ class ServeConfig(Section):
     max_body_mb: PositiveInt = 4
     """Policy endpoint: request bodies over this are refused with 413 before they are read
     (declared lengths at once, chunked bodies as they arrive)."""
+    max_images_per_request: NonNegativeInt = 4
+    """Policy endpoint, a vision-language model: the most `image_url` content parts one chat request
+    may hold (every message together); more is refused (400). 0 = no images at all."""
+    max_image_mb: PositiveFloat = 8.0
+    """Policy endpoint: the most bytes one image may have (a data URL's decoded payload, or a file),
+    else 400; a data URL is bounded by `max_body_mb` first (base64 is 4/3 of its bytes)."""
+    image_files_from: str = ""
+    """Policy endpoint: a directory whose files an `image_url` may name (a path, absolute or relative
+    to it, or `file://`), read only where its real path (links resolved) is inside it. Empty = no
+    files: images come as data URLs only. Never URLs of the network (http, https)."""
     resume_run: bool = True
     """The `train` app continues the run of its run directory when that has a valid checkpoint (a
     controller Serve replaced, a redeploy, a restarted cluster), as `resume=true` does; without

@@ -102,7 +102,9 @@ class PolicyServer:
         """`policy`: an engine already built (`asyncrl.serve.policy_engine`), else one of the run's kind."""
         from asyncrl.environments.templates import renderer
         from asyncrl.models.loading import load_tokenizer
+        from asyncrl.api.images import RequestImages
         from asyncrl.api.tools import tool_format
+        from asyncrl.models.vision import image_prep
         from asyncrl.serve.policy_engine import build_policy_engine
 
         guards.BODY_LIMIT["value"] = config.serve.max_body_mb << 20  # through the module: one per process
@@ -112,6 +114,10 @@ class PolicyServer:
         self.policy = policy if policy is not None else build_policy_engine(config)
         self.tokenizer = load_tokenizer(config.model)
         self.format = tool_format(config.environment.tool_format)
+        # A vision-language model's image processor (None: a text-only model) and the limits of
+        # image_url parts; the images themselves only on the embedded engine for now.
+        self.images = RequestImages.of(config, image_prep(config.model, self.tokenizer),
+                                       getattr(self.policy, "takes_images", True))
         # The conversation's pieces as training renders an episode's, with the run's template options
         # (`task.chat_template_kwargs`) and the model's template (`model.chat_template`, through
         # load_tokenizer); a model without a tool template: the documented fallback
@@ -170,8 +176,9 @@ class PolicyServer:
     @policy_api.post("/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request = None):
         body.refuse_unhonoured()
-        ids, start = await asyncio.to_thread(chat_prompt, self, body)
-        return await self._respond(Prepared.of(self, body, [ids], chat=True, start=start), request)
+        # Images are decoded, stored and processed there too (`asyncrl.api.images`).
+        ids, start, images = await asyncio.to_thread(chat_prompt, self, body)
+        return await self._respond(Prepared.of(self, body, [ids], chat=True, start=start, images=[images]), request)
 
     async def _await_version(self, body) -> None:
         """Hold a request until the weights it asks for are served (`min_weight_version`, or an

@@ -31,8 +31,11 @@ from asyncrl.engines.base import SamplingParams, SequenceInput
 
 
 def kv_bytes_per_position(model) -> int:
-    """Keys and values of one token position, every layer, in the model's dtype."""
-    config = model.config
+    """Keys and values of one token position, every layer, in the model's dtype (a vision-language
+    model's: its language model's)."""
+    from asyncrl.models.vision import text_config
+
+    config = text_config(model.config)
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return config.num_hidden_layers * 2 * heads * head_dim * next(model.parameters()).element_size()
@@ -40,6 +43,8 @@ def kv_bytes_per_position(model) -> int:
 
 class EmbeddedPolicy:
     """The embedded engine, batched across requests."""
+
+    takes_images = True  # a vision-language model's prompts with images (`SequenceInput.images`)
 
     def __init__(self, config: Config):
         from asyncrl.engines.batching import WindowBatcher
@@ -73,6 +78,8 @@ class EmbeddedPolicy:
 class ServerPolicy:
     """SGLang's or vLLM's engine (`engine.name`): every sequence a request of its own, batched by
     the server's scheduler."""
+
+    takes_images = False  # the image_url parts of chat requests are served by the embedded engine only, for now
 
     def __init__(self, config: Config, engine=None):
         """`engine`: a `server_engine.ServerEngine` already started for `config.model` (else one is)."""

@@ -19,9 +19,10 @@ from asyncrl.engines.batch_jobs import TooLarge
 from asyncrl.engines.generation import sequence_input
 
 
-def chat_prompt(server, body) -> tuple[list[int], str]:
-    """A chat request's prompt tokens (the conversation in pieces, as an episode's) and the text
-    written for the model before it samples (the start of a required call); in a worker thread."""
+def chat_prompt(server, body) -> tuple[list[int], str, tuple[str, ...]]:
+    """A chat request's prompt tokens (the conversation in pieces, as an episode's, its images'
+    tokens expanded), the text written for the model before it samples (the start of a required
+    call) and its processed images (`asyncrl.api.images`); in a worker thread."""
     from asyncrl.environments.templates import encode
     from asyncrl.api.tools import ToolsError, check_tools, conversation_ids, forced_start
 
@@ -29,12 +30,14 @@ def chat_prompt(server, body) -> tuple[list[int], str]:
         check_tools(body)
     except ToolsError as exc:
         raise OpenAIError(400, str(exc), exc.param) from exc
+    body, images = server.images.read(body)  # image parts: stored, processed, written as the model's tokens
     try:
         ids = conversation_ids(body, server.render, server.tokenizer)
     except jinja2.TemplateError as exc:  # the model's own template refuses the conversation (a role it has not)
         raise OpenAIError(400, f"the model's chat template cannot render these messages: {exc}", "messages") from exc
+    ids = server.images.expand(ids, images, server.tokenizer)
     start = forced_start(body, server.format) if body.tools else ""
-    return ids + (encode(server.tokenizer, start) if start else []), start
+    return ids + (encode(server.tokenizer, start) if start else []), start, images
 
 
 @dataclass
@@ -51,7 +54,9 @@ class Prepared:
     start_tokens: int = 0  # the start of a required call, written for the model: its answer's, not the prompt's
 
     @classmethod
-    def of(cls, server, body, prompt_ids: list[list[int]], chat: bool, start: str = "") -> "Prepared":
+    def of(cls, server, body, prompt_ids: list[list[int]], chat: bool, start: str = "",
+           images: list[tuple[str, ...]] | None = None) -> "Prepared":
+        """`images`: each prompt's processed images (None: none); its `n` choices share them."""
         from asyncrl.api.tools import CallReader, offered
 
         check_model_name(body.model, server.config.model.name)
@@ -61,11 +66,13 @@ class Prepared:
         params = sampling_of(body, asked or 0, server.policy.vocab_size)
         seeds = choice_seeds(body, len(prompt_ids))
         prompts = [ids for ids in prompt_ids for _ in range(body.n)]
+        shown = [refs for refs in (images or [()] * len(prompt_ids)) for _ in range(body.n)]
         reader = CallReader(server.format, offered(body)) if chat and offered(body) else None
         start_tokens = len(server.tokenizer.encode(start, add_special_tokens=False)) if start else 0
         choices = [ChoiceText(i, server.tokenizer, stops_of(body), reader, start, start_tokens, alternatives=bool(asked))
                    for i in range(len(prompts))]
-        sequences = [sequence_input(ids, seed, max_tokens) for ids, seed in zip(prompts, seeds)]
+        sequences = [sequence_input(ids, seed, max_tokens, images=refs)
+                     for ids, seed, refs in zip(prompts, seeds, shown)]
         return cls(body, chat, prompt_ids, asked, choices, sequences, params, start_tokens)
 
     def start(self, policy):
