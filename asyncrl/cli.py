@@ -89,6 +89,7 @@ def _eval_config(args: argparse.Namespace, api_key: str):
             path = lora.export(path, tempfile.mkdtemp(prefix="asyncrl-eval-"), adapter_only=False,
                                trust_remote_code=_trusts_code(args), dtype="float32")  # evaluated as trained
         weights = {"model.source": "hf", "model.path": path}
+        derived = {**evaluation.directory_settings(path), **derived}  # what the run says wins
     if args.endpoint:
         derived.update(evaluation.endpoint_settings(args.endpoint, api_key))
     return _composed(args, derived, weights)
@@ -141,53 +142,12 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _data_example(args: argparse.Namespace) -> int:
-    """Write the built-in arithmetic task's prompts as `train` and `test` files in verl's layout:
-    the same prompts as `task=arithmetic` with the same settings, for `task=file` to train on."""
-    import os
+    """Write a built-in task's prompts (`--task`) as `train` and `test` files in verl's layout, with a
+    reward function beside them: the same prompts as `task=<name>` with the same settings, for
+    `task=file` to train on (`asyncrl.data.example`)."""
+    from asyncrl.data.example import write_example
 
-    from asyncrl.config import compose
-    from asyncrl.data.files import write_examples
-    from asyncrl.data.tasks import arithmetic_examples
-
-    task = compose(["task=arithmetic", *args.overrides]).task
-    splits = {"train": arithmetic_examples("train", task.num_train_prompts, task.seed),
-              "test": arithmetic_examples("eval", task.num_eval_prompts, task.seed)}
-    paths = {split: os.path.join(args.out, f"{split}.{args.format}") for split in splits}
-    os.makedirs(args.out, exist_ok=True)
-    for split, examples in splits.items():
-        if write_examples(examples, paths[split], split, overwrite=args.force):
-            print(f"wrote {paths[split]}: {len(examples)} arithmetic word problems (verl's layout)")
-        else:
-            print(f"{paths[split]} already holds these {len(examples)} prompts: left as it is")
-    reward = os.path.join(args.out, "reward.py")
-    if os.path.exists(reward) and open(reward).read() != EXAMPLE_REWARD and not args.force:
-        print(f"{reward} exists and is not the example: left as it is (--force replaces it)")
-    else:
-        with open(reward, "w") as f:
-            f.write(EXAMPLE_REWARD)
-        print(f"wrote {reward}: a reward function in verl's signature for these prompts")
-    print(f"train on them: asyncrl train task=file task.path={paths['train']} task.eval_path={paths['test']} "
-          f"custom_reward_function.path={reward}")
-    return 0
-
-
-# What `asyncrl data example` writes beside the data: a reward function as verl's users write theirs.
-EXAMPLE_REWARD = r'''"""A reward function in verl's signature, for the arithmetic word problems of `asyncrl data example`.
-
-Use it with `custom_reward_function.path=data/reward.py` (or a `kind: python` endpoint). It is called
-once per response, in a worker process of the reward endpoint, with a timeout.
-"""
-
-import re
-
-
-def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    """1 when the last boxed answer of the response's tail is the ground truth. The other numbers
-    are averaged per data source into the step records; `acc` says which are right."""
-    boxed = re.findall(r"\\boxed\{([^}]*)\}", solution_str[-300:])
-    right = bool(boxed) and boxed[-1].strip() == str(ground_truth)
-    return {"score": 1.0 if right else 0.0, "acc": right, "boxed": float(bool(boxed))}
-'''
+    return write_example(args.task, args.out, args.format, args.overrides, args.force)
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -217,8 +177,11 @@ def _export(args: argparse.Namespace) -> int:
                                 f"drop --adapter for the model")
     refuse_own_code(source, trusted)
     out = export_hf(args.source, args.out, trusted, args.dtype)
-    print(f"exported to {out}, weights in {', '.join(sorted(stored_dtypes(out)))} "
-          f"(load it with transformers' from_pretrained)")
+    from asyncrl.storage.images import directory_has_vision
+
+    how = ("transformers' AutoModelForImageTextToText.from_pretrained, its image processor (preprocessor_config.json) "
+           "AutoImageProcessor's" if directory_has_vision(out) else "transformers' from_pretrained")
+    print(f"exported to {out}, weights in {', '.join(sorted(stored_dtypes(out)))} (load it with {how})")
     return 0
 
 
@@ -315,7 +278,10 @@ def _file_and_service_commands(sub) -> None:
     """data, export, scale, bench."""
     data = sub.add_parser("data", help="prompt files in verl's layout for task=file")
     data_sub = data.add_subparsers(dest="data_command", required=True)
-    example = data_sub.add_parser("example", help="write the built-in arithmetic task as train/test files")
+    example = data_sub.add_parser("example", help="write a built-in task (arithmetic, shapes) as train/test files")
+    example.add_argument("--task", default="arithmetic", choices=["arithmetic", "shapes"],
+                         help="arithmetic word problems, or shapes: an image per prompt, for a vision-language model "
+                              "(default: %(default)s)")
     example.add_argument("--out", default="data", help="directory for train.<format> and test.<format> (default: %(default)s)")
     example.add_argument("--format", choices=["parquet", "jsonl"], default="parquet")
     example.add_argument("--force", action="store_true", help="overwrite existing files")

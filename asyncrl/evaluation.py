@@ -43,9 +43,12 @@ def held_out(config: Config, max_prompts: int | None = None) -> list[Example]:
     examples = load_examples(config.task, "eval")
     if config.task.max_prompt_length:
         from asyncrl.models.loading import load_tokenizer
+        from asyncrl.models.vision import image_prep
 
         tokenizer = load_tokenizer(config.model)
-        tokens = [encode_prompt(ex, tokenizer, config.model.use_chat_template, config.task.chat_template_kwargs) for ex in examples]
+        images = image_prep(config.model, tokenizer) if any(ex.images for ex in examples) else None
+        tokens = [encode_prompt(ex, tokenizer, config.model.use_chat_template, config.task.chat_template_kwargs,
+                                images=images) for ex in examples]
         examples, _ = drop_overlong(examples, tokens, config.task.max_prompt_length, "held-out")
     return examples[: max_prompts or len(examples)]
 
@@ -144,8 +147,29 @@ def run_settings(path: str) -> dict[str, Any]:
                 settings = _task_settings(saved["task"], engine.get("max_response_tokens"))
                 if "use_chat_template" in model:
                     settings["model.use_chat_template"] = model["use_chat_template"]
+                # What the run's response budget was checked against (a task=file run of 2-token
+                # answers has a buffer of 0, which the default algorithm's would not fit).
+                overlong = ((saved.get("algorithm") or {}).get("overlong") or {}).get("buffer_tokens")
+                if engine.get("max_response_tokens") and isinstance(overlong, int):
+                    settings["algorithm.overlong.buffer_tokens"] = overlong
+                if engine.get("max_response_tokens") and isinstance(engine.get("long_tail_tokens"), int):
+                    settings["engine.long_tail_tokens"] = engine["long_tail_tokens"]
                 return _checked(settings, f"--checkpoint {config_path}")
     return {}
+
+
+def directory_settings(directory: str) -> dict[str, Any]:
+    """What a Hugging Face directory says of how it is prompted: a tokenizer without a chat template
+    (none in tokenizer_config.json, no chat_template.jinja: an export of the tiny models) takes the
+    prompt's text as it is (`model.use_chat_template=false`). Data, as `run_settings`."""
+    if any(os.path.exists(os.path.join(directory, name)) for name in ("chat_template.jinja", "chat_template.json")):
+        return {}
+    try:
+        with open(os.path.join(directory, "tokenizer_config.json")) as f:
+            tokenizer = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return {} if not isinstance(tokenizer, dict) or tokenizer.get("chat_template") else {"model.use_chat_template": False}
 
 
 def endpoint_settings(url: str, api_key: str = "") -> dict[str, Any]:

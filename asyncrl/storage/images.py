@@ -75,9 +75,10 @@ def decode_image(value: Any, where: str):
 
 def _image_bytes(value: Any, where: str) -> bytes:
     if isinstance(value, dict):
-        if value.get("bytes"):
-            return bytes(value["bytes"])
-        value = value.get("path") or value.get("image") or value.get("url") or ""
+        raw = value.get("bytes")
+        if isinstance(raw, str) and not raw.startswith("data:"):
+            raw = base64.b64decode(raw, validate=True)  # bytes written as base64 text (JSON has no bytes)
+        value = raw or value.get("path") or value.get("image") or value.get("url") or ""
     if isinstance(value, (bytes, bytearray)):
         return bytes(value)
     if isinstance(value, str) and value.startswith("data:"):
@@ -103,6 +104,31 @@ def store_image(value: Any, where: str) -> str:
     path = os.path.join(store_root(), f"{hashlib.sha256(data).hexdigest()[:32]}.png")
     _write_atomic(path, data)
     return path
+
+
+# The attribute of a loaded vision-language model that holds the image processor it reads images
+# with (`asyncrl.models.vision.with_image_processor`): what its checkpoints and exports save beside
+# the weights (`save_image_processor`).
+PROCESSOR_ATTRIBUTE = "asyncrl_image_processor"
+
+
+def save_image_processor(model, directory: str) -> bool:
+    """Write the image processor `model` was loaded with (`preprocessor_config.json`) into a model
+    directory; False when it has none (a text model)."""
+    processor = getattr(model, PROCESSOR_ATTRIBUTE, None)
+    if processor is None:
+        return False
+    processor.save_pretrained(directory)
+    return True
+
+
+def directory_has_vision(path: str) -> bool:
+    """Whether a model directory holds a vision-language model (its config.json has a vision tower's)."""
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            return "vision_config" in json.load(f)
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 @functools.lru_cache(maxsize=4096)
