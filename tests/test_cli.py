@@ -130,6 +130,7 @@ def test_train_ctrl_c_resume_export_eval_as_a_user_runs_them(tmp_path):
     assert "eval: " in out.stderr and "sample/s" in out.stderr  # the progress bar
 
 
+@pytest.mark.slow  # (CI's time: a run's stop, checkpoint and evaluation run in the suite's other tests)
 def test_train_stops_when_its_time_budget_is_spent_then_checkpoints_and_evaluates(tmp_path):
     """`trainer.max_train_s`: the run stops on time (not at its 100,000 steps), says why, and ends
     as after a last step: a checkpoint of the step it stopped at and the held-out evaluation."""

@@ -16,6 +16,7 @@ def metrics(run_dir) -> list[dict]:
     return [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl")).read().splitlines()]
 
 
+@pytest.mark.slow  # (CI's time: a step redone after a restart is logged once, below)
 def test_a_resumed_run_logs_into_the_same_wandb_run_and_tensorboard_run(ray_session, tmp_path, monkeypatch):
     """Three steps, then `resume=true` to six: one wandb id (kept in the run directory) for both
     processes' offline parts, named and grouped as configured, the first part's steps 1-3 and the

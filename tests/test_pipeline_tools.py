@@ -64,6 +64,7 @@ class Secret:
 '''
 
 
+@pytest.mark.slow  # (CI's time: a class from a file answers calls in tests/test_episodes.py)
 def test_an_environment_class_from_a_file_answers_a_multi_turn_run(tmp_path):
     """`environment.class_path=file.py:Class` with `options`: the class is the environment endpoint's,
     its answers are the episodes' observations, and the policy learns to use it."""

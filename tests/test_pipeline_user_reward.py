@@ -5,6 +5,7 @@ that fails in every way leaves the run whole; the held-out accuracy is measured 
 import json
 
 import numpy as np
+import pytest
 
 from asyncrl.config import compose
 from asyncrl.driver import train
@@ -77,6 +78,7 @@ def test_a_reward_file_written_for_verl_trains_the_tiny_model(ray_session, tmp_p
     assert summary["final_status"]["ledger"]["problems"] == []
 
 
+@pytest.mark.slow  # (CI's time: a TRL function's calls in tests/test_user_reward.py; a user's function trains in the verl test above)
 def test_a_reward_function_written_for_trl_trains_the_tiny_model(ray_session, tmp_path):
     summary = user_run(tmp_path, "trl", TRL_REWARD, "+reward.endpoints.mine={kind: python, path: "
                        f"{tmp_path}/reward.py, function: first_digit}}", "reward.routes=[{match: '*', endpoints: [mine]}]",
@@ -86,6 +88,7 @@ def test_a_reward_function_written_for_trl_trains_the_tiny_model(ray_session, tm
     assert summary["final_status"]["reward_endpoints"]["mine"]["signature"] == "trl"
 
 
+@pytest.mark.slow  # (CI's time: each fault is a failed reward with its reason in tests/test_user_reward.py)
 def test_a_reward_function_that_fails_every_way_leaves_the_run_whole(ray_session, tmp_path):
     """It raises, hangs past its timeout, returns NaN, None and a string: each is a failed reward
     with its reason in the store, counted by its endpoint; the run reaches its last step and the
@@ -113,6 +116,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 '''
 
 
+@pytest.mark.slow  # (CI's time: a reward call carries each prompt's row once, below)
 def test_a_prompts_row_reaches_its_reward_once_per_prompt_not_with_every_sample(ray_session, tmp_path):
     """Rows of 1 MB each (a long reference text): the reward function reads the answer from its
     row, which the assembler fetched from the prompt source once per prompt; segments, batches

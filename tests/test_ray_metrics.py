@@ -27,6 +27,7 @@ def scrape(address: str, run: str) -> dict[str, dict[tuple, float]]:
     return out
 
 
+@pytest.mark.slow  # (CI's time: the same gauges under `serve run` in tests/test_serve.py)
 def test_a_runs_step_figures_are_on_rays_prometheus_endpoint(ray_session, tmp_path, capsys):
     """Three steps with `trainer.loggers=[ray]`: Ray's metrics agent serves the run's gauges with the
     last step record's values (metrics.jsonl), its counters with the run's totals, and the

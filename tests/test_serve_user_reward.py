@@ -23,6 +23,7 @@ def example_data(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # (CI's time: the same file trains under `asyncrl train` in tests/test_pipeline_user_reward.py)
 def test_a_reward_file_under_serve_needs_its_application_and_then_scores_every_sample(ray_session, example_data,
                                                                                     tmp_path):
     overrides = (f"model=tiny algorithm=grpo data.train_files={example_data}/train.parquet "
