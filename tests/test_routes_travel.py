@@ -1,5 +1,5 @@
 """A mixture-of-experts model's routes travel with their tokens (`asyncrl.messages.routes`): from
-the real generator and engine, through the wire, the assembler's merge of a sample's windows and a
+the real generator and engine (and from SGLang's record), through the wire, the assembler's merge of a sample's windows and a
 window row's context, the trajectory store and a checkpoint's saved batches, each token keeping the
 route it was sampled with, under its own weights. Dense segments are as before (no routes)."""
 
@@ -200,3 +200,43 @@ def test_t_ppo_window_rows_carry_their_contexts_routes_through_the_assembler():
     assert rows[0].segment.prior_routes is None and np.array_equal(rows[0].segment.new_routes, first)
     assert np.array_equal(response_routes(rows[1].segment), whole)  # the whole response, for the NLL
     assert np.array_equal(trajectories[0].segment.new_routes, whole)
+
+
+def sglang_result(tokens: int, routes: np.ndarray | None, finish: str = "length") -> dict:
+    """What SGLang's `async_generate` returns for a request (the fields the engine reads)."""
+    import base64
+
+    return {"output_ids": list(range(tokens)), "meta_info": {
+        "id": "r", "output_token_logprobs": [[-1.0, t] for t in range(tokens)], "finish_reason": {"type": finish},
+        "weight_versions": [{"version": "0", "start": 0, "end": tokens}],
+        "routed_experts": None if routes is None else base64.b64encode(routes.astype(np.int32).tobytes()).decode()}}
+
+
+def test_sglangs_routes_become_each_tokens_route_of_the_sparse_layers(tmp_path):
+    """SGLang's routes (`--enable-return-routed-experts`: base64 int32 `[tokens, every layer, top_k]`
+    from a request's last input token on) as the embedded engine records them
+    (`asyncrl.engines.sglang_routes`): the layers transformers makes sparse, in order, uint8; each
+    request of a window its own tokens'; a request back without them unrouted, a count that is not
+    its tokens' refused. SGLang itself: tests/test_sglang_real.py."""
+    from asyncrl.engines.server_engine import WindowTokens
+    from asyncrl.engines.sglang_engine import take_output
+    from asyncrl.engines.sglang_routes import RouteLayout, route_layout
+    from test_engine_moe import MODELS
+
+    for name, build in MODELS.items():  # a dense first layer, a dense second one, Mixtral's all sparse
+        model = build()
+        model.config.save_pretrained(tmp_path / name)
+        layout = route_layout(str(tmp_path / name))
+        assert layout.sparse == tuple(i for i, layer in enumerate(model.model.layers) if moe.is_sparse(layer))
+        assert (layout.layers, layout.top_k, layout.dtype) == (2, 2, np.uint8)
+    assert RouteLayout.request_fields(5) == {"return_routed_experts": True, "routed_experts_start_len": 4}
+    layout = route_layout(str(tmp_path / "qwen3_moe_step2"))  # layer 0 dense, layer 1 sparse
+    recorded = np.random.default_rng(0).integers(0, 8, size=(3, 2, 2))
+    out = WindowTokens()
+    take_output(out, sglang_result(3, recorded), 0, layout)
+    take_output(out, sglang_result(2, None, "abort"), 0, layout)  # cut by an update, returned without them
+    routes = joined_routes(out.routes)
+    assert routes.dtype == np.uint8 and routes.shape == (5, 1, 2)
+    assert routes[:3].tolist() == recorded[:, 1:].tolist() and (routes[3:] == UNROUTED[routes.dtype]).all()
+    with pytest.raises(RuntimeError, match="3 tokens and 2 routes"):
+        take_output(WindowTokens(), sglang_result(3, recorded[:2]), 0, layout)

@@ -280,7 +280,8 @@ def test_routes_of_another_model_fail_their_row_with_a_reason(caplog):
 def test_replay_is_on_for_moe_models_and_refused_explicitly_on_dense_ones(tmp_path):
     """`model.router_replay`: auto replays on a mixture-of-experts model only; rollout on a dense
     one is refused in one line naming its family, from a directory's config.json before anything
-    loads (and by the learner for a model it loads); verl's R3 is rollout; SGLang's routes are not read."""
+    loads (and by the learner for a model it loads); verl's R3 is rollout; SGLang's routes are read (its own
+    test: tests/test_sglang_real.py), vLLM's are not."""
     from transformers import Qwen3Config
 
     moe_dir, dense_dir = tmp_path / "moe", tmp_path / "dense"
@@ -300,8 +301,10 @@ def test_replay_is_on_for_moe_models_and_refused_explicitly_on_dense_ones(tmp_pa
         compose(["model=tiny", "model.router_replay=rollout"])
     with pytest.raises(ConfigError, match="R2 has no counterpart here"):
         compose([*base, f"model.path={moe_dir}", "actor_rollout_ref.actor.router_replay.mode=R2"])
-    with pytest.raises(ConfigError, match="--enable-return-routed-experts"):
-        compose([*base, f"model.path={moe_dir}", "model.router_replay=rollout", "engine=sglang"])
+    assert compose([*base, f"model.path={moe_dir}", "model.router_replay=rollout", "engine=sglang"]
+                   ).model.router_replay == "rollout"
+    with pytest.raises(ConfigError, match="vLLM's are not read"):
+        compose([*base, f"model.path={moe_dir}", "model.router_replay=rollout", "engine=vllm"])
     moe_model_ = moe_model("qwen3_moe")
     assert replay_on("auto", moe_model_) and replay_on("rollout", moe_model_) and not replay_on("off", moe_model_)
     from transformers import Qwen3ForCausalLM

@@ -5,7 +5,8 @@ saves with transformers, checked against the learner's own log-probs for the sam
 Needs SGLang, which has an environment of its own: `make test-sglang` builds .venv-sglang (`make
 sglang`) and runs this module there. The engine starts once for the module (about a minute of CPU);
 tests that load weights look every token's weights up by the version SGLang reports for it, so each
-test holds alone and in any order.
+test holds alone and in any order. The routing-replay test runs a second engine, on a tiny
+mixture-of-experts model, in a process of its own.
 """
 
 from __future__ import annotations
@@ -250,6 +251,89 @@ def test_a_lora_version_is_merged_into_the_base_and_its_tokens_are_the_learners(
         check_against_learner(models, PROMPTS[1], out, 1.0)
     base = learner_logprobs(tiny_qwen2()[0], PROMPTS[1], out.token_ids, 1.0)
     assert np.abs(base - out.logprobs).max() > 0.05  # the adapter matters
+
+
+# A mixture-of-experts model on an SGLang engine of its own process (`Engine.shutdown` ends every child
+# of its process: this module's engine's too): two windows at most per response as the generator's
+# `_advance` makes them, each sample's segments merged and sent back as the wire encodes them.
+MOE_WINDOWS = """
+import asyncio, json, sys
+from asyncrl.assembly.rows import merge_segments
+from asyncrl.config import compose
+from asyncrl.engines.base import SamplingParams
+from asyncrl.engines.generation import sequence_input
+from asyncrl.engines.sequences import GeneratedSequence, window_segment
+from asyncrl.engines.sglang_launch import start_sglang
+from asyncrl.messages.structs import FinishReason, PromptRequest, Segment, int32_array
+from asyncrl.messages.wire import Codec
+async def main(directory, prompts, path):
+    config = compose(["engine=sglang_cpu", "model.source=hf", f"model.path={directory}",
+                      "engine.sglang_max_total_tokens=2048"])
+    engine = start_sglang(config.model, config.engine, seed=0)
+    running = [GeneratedSequence(PromptRequest(prompt_id=f"p{i}", prompt_token_ids=int32_array(p), group_size=1,
+                                               seed=90 + i), 0) for i, p in enumerate(prompts)]
+    samples = {s.request.prompt_id: [] for s in running}
+    try:
+        for window in range(2):
+            outs = await engine.generate_window([sequence_input(s.request.prompt_token_ids, seed=s.request.seed,
+                                                                max_response_tokens=16, response_ids=s.response_ids)
+                                                 for s in running], 6, SamplingParams(temperature=1.0))
+            for seq, out in zip(list(running), outs):
+                done = out.finished or window == 1
+                segment = window_segment(seq, "g0", out.token_ids, out.logprobs, out.versions, out.scored, out.routes,
+                                         done, FinishReason.MAX_LENGTH if done and not out.finished else out.finish_reason)
+                samples[seq.request.prompt_id].append(segment)
+                running.remove(seq) if done else seq.extend(segment, False)
+    finally:
+        engine.shutdown()
+    with open(path, "wb") as f:
+        f.write(Codec(list[Segment]).encode([merge_segments(s) for s in samples.values()]))
+
+asyncio.run(main(sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]))
+"""
+
+
+@pytest.mark.slow  # its own engine (~2 min on 2 cores): `make test-sglang-slow`; the conversion: tests/test_routes_travel.py
+def test_a_moe_models_routes_are_each_tokens_top_k_and_the_learner_replays_them(tmp_path):
+    """Routing replay on SGLang (`--enable-return-routed-experts`; on CPU through sglang_cpu/'s
+    plugin): a tiny random Qwen3-MoE (8 experts, top-2, 2 layers, float32), windows as a generator
+    advances them (`MOE_WINDOWS`). Each token's route is the top-2 set transformers' router chooses in
+    float32 at the position the token was sampled from; the samples pass the learner's route check
+    and, replayed, give SGLang's log-probs."""
+    import json
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.learning.routing import refuse_misfit_routes, route_shape
+    from asyncrl.learning.tensors import collate
+    from asyncrl.messages.structs import Segment, TrainingRow
+    from asyncrl.messages.wire import Codec
+    from test_routing_replay import learner_logprobs, max_gap, save_moe_directory
+
+    directory, path = save_moe_directory(tmp_path / "tiny-moe"), tmp_path / "segments"
+    done = subprocess.run([sys.executable, "-c", MOE_WINDOWS, directory, json.dumps(PROMPTS[:4]), str(path)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    rows, same, pairs = [], 0, 0
+    for segment in Codec(list[Segment]).decode(path.read_bytes()):
+        prompt, response = segment.prompt_token_ids.tolist(), segment.new_token_ids.tolist()
+        assert segment.new_routes.dtype == np.uint8 and segment.new_routes.shape == (len(response), 2, 2)
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + response]), output_router_logits=True).router_logits
+        at = slice(len(prompt) - 1, len(prompt) - 1 + len(response))  # the positions the tokens were sampled from
+        router = torch.stack([torch.topk(layer.float(), 2, dim=-1).indices[at] for layer in logits], dim=1)
+        agree = (np.sort(router.numpy(), -1) == np.sort(segment.new_routes, -1)).all(-1)
+        same, pairs = same + int(agree.sum()), pairs + agree.size
+        rows.append(TrainingRow(segment=segment, score=1.0, advantages=np.zeros(len(response), np.float32)))
+    print(f"SGLang's routes are transformers' float32 top-2 on {same}/{pairs} (token, layer) pairs")
+    assert same >= 0.95 * pairs
+    kept, refused = refuse_misfit_routes(rows, route_shape(model))
+    assert refused == []
+    collated = collate(kept)
+    assert max_gap(learner_logprobs(model, collated, replay=True), collated) < TOLERANCE
 
 
 # SGLang's engine on an export, in a process of its own as a user starts it (this module's engine

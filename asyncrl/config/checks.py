@@ -106,9 +106,10 @@ def _router_checks(config) -> list[tuple[bool, str]]:
     return [
         (family is None or sparse, f"model.router_replay=rollout replays a mixture-of-experts model's routes, but "
                                    f"{where} is a dense {family} model: set model.router_replay=auto or off"),
-        (config.engine.name == "torch", "model.router_replay=rollout replays the routes the embedded engine records "
-                                        "(engine=torch); SGLang's (--enable-return-routed-experts) are not read: set "
-                                        "model.router_replay=off, or engine=torch"),
+        (config.engine.name != "vllm", "model.router_replay=rollout replays the routes the engine records: the "
+                                        "embedded engine's (engine=torch) or SGLang's (engine=sglang, "
+                                        "--enable-return-routed-experts); vLLM's are not read: set "
+                                        "model.router_replay=off, or engine=torch or sglang"),
     ]
 
 

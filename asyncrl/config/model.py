@@ -78,7 +78,8 @@ class ModelConfig(Section):
     router_replay: Literal["auto", "off", "rollout"] = "auto"
     """Routing replay (R3) for a mixture-of-experts model (Mixtral, Qwen2-MoE, Qwen3-MoE). rollout:
     the learners' forward sends each generated token through the experts the rollout chose for it
-    (the embedded engine records them with every token), the gating weights recomputed by the
+    (the embedded engine records them with every token, SGLang with --enable-return-routed-experts;
+    vLLM's are not read: rollout with engine=vllm is refused), the gating weights recomputed by the
     learner's router at those experts; prompt tokens are routed by the learner. off: the learner
     routes every token itself. auto: rollout on a mixture-of-experts model, nothing on a dense one;
     rollout set on a dense model is refused. Replayed or not, the step records say how often the

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from asyncrl.engines.base import SamplingParams, SequenceInput, WindowOutput, scored_positions
+from asyncrl.messages.routes import joined_routes
 from asyncrl.messages.structs import FinishReason
 
 # How long an update waits for the requests it aborted to come back before it fails.
@@ -48,6 +49,8 @@ class WindowTokens:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     top: list[list[tuple[float, int]]] = field(default_factory=list)  # per token, with top log-probs asked for
+    # Per request, a mixture-of-experts model's routes of its tokens (None: not recorded) and its token count.
+    routes: list[tuple[np.ndarray | None, int]] = field(default_factory=list)
 
     def top_arrays(self, top_n: int) -> tuple[np.ndarray | None, np.ndarray | None]:
         """`WindowOutput.top_ids` / `top_logprobs`: [N, top_n], most likely first; -inf for a token
@@ -151,7 +154,7 @@ class ServerEngine:
                             logprobs=np.asarray(out.logprobs, dtype=np.float32), finish_reason=reason,
                             versions=np.asarray(out.versions, dtype=np.int32),
                             scored=None if scored is None else scored[0].numpy().copy(),
-                            top_ids=top_ids, top_logprobs=top_logprobs)
+                            top_ids=top_ids, top_logprobs=top_logprobs, routes=joined_routes(out.routes))
 
     async def _request(self, context: list[int], out: WindowTokens, max_new: int, min_new: int,
                        seed: tuple[int, int], setting: Setting, params: SamplingParams) -> str | None:

@@ -15,6 +15,9 @@ here, SGLang's side of them:
   update, end). Pausing in place would keep the old KV of running requests, and a retract re-reads
   the radix cache's old prefix (both measured: docs/gpu.md). Each token's version is the one
   SGLang's weight-version spans give it.
+* A mixture-of-experts model's routes (`sglang_routes.RouteLayout`, when SGLang was started with
+  `--enable-return-routed-experts`): each request asks for those of its new tokens; a request that
+  comes back without them (or, cut by an update, with a partial record) leaves its tokens unrouted.
 * Top log-probs (`SamplingParams.top_logprobs`) are SGLang's `top_logprobs_num`, from the same
   distribution as the sampled token's (after the cut: -inf for a token it leaves out).
 * A LoRA version (`load_adapter`) is merged here, in the generator's process, into the base weights
@@ -33,11 +36,13 @@ import torch
 
 from asyncrl.engines.base import SamplingParams, SequenceInput
 from asyncrl.engines.server_engine import ServerEngine, Setting, WindowTokens
+from asyncrl.engines.sglang_routes import RouteLayout
 from asyncrl.weights.shared_memory import SharedVersion
 
 
-def take_output(out: WindowTokens, result: dict, top_n: int) -> str:
-    """Append a SGLang request's output to `out`; returns SGLang's finish type (stop, length, abort)."""
+def take_output(out: WindowTokens, result: dict, top_n: int, routes: RouteLayout | None = None) -> str:
+    """Append a SGLang request's output to `out` (with `routes`, its tokens' routes); returns SGLang's
+    finish type (stop, length, abort)."""
     meta, new = result["meta_info"], list(result["output_ids"])
     logprobs = [float(entry[0]) for entry in meta["output_token_logprobs"]]
     versions = [int(span["version"]) for span in meta["weight_versions"] for _ in range(span["start"], span["end"])]
@@ -49,14 +54,24 @@ def take_output(out: WindowTokens, result: dict, top_n: int) -> str:
     out.logprobs += logprobs
     out.versions += versions
     out.top += top
-    return meta["finish_reason"]["type"]
+    finish = meta["finish_reason"]["type"]
+    if routes is not None:
+        recorded = routes.decode(meta.get("routed_experts"))
+        if recorded is not None and len(recorded) != len(new):
+            if finish != "abort":
+                raise RuntimeError(f"SGLang returned {len(new)} tokens and {len(recorded)} routes for request "
+                                   f"{meta['id']}")
+            recorded = None  # an aborted request's partial record: its tokens stay unrouted
+        out.routes.append((recorded, len(new)))
+    return finish
 
 
 class SGLangEngine(ServerEngine):
     server = "SGLang"
 
-    def __init__(self, server_args: dict, eos_token_ids: Iterable[int]):
-        """`server_args`: SGLang's `ServerArgs` fields (`sglang_launch.server_args`)."""
+    def __init__(self, server_args: dict, eos_token_ids: Iterable[int], routes: RouteLayout | None = None):
+        """`server_args`: SGLang's `ServerArgs` fields (`sglang_launch.server_args`); `routes`: a
+        mixture-of-experts model's, which SGLang captures (`enable_return_routed_experts`)."""
         # Imported here, never at package import: importing SGLang installs uvloop's event-loop
         # policy and sets multiprocessing's start method to spawn (ecosystem §2.4).
         import sglang
@@ -70,6 +85,7 @@ class SGLangEngine(ServerEngine):
         self.serializer = MultiprocessingSerializer
         self.tp_size = int(server_args["tp_size"])
         self.model_path = server_args["model_path"]
+        self.routes = routes
         self._lora = None  # `asyncrl.weights.lora.AdapterMerger`, from the first adapter on
         self.truncation = TruncatedSampling.to_str()
         # The initial version as an integer string: SGLang's default is "default", and every
@@ -105,10 +121,11 @@ class SGLangEngine(ServerEngine):
 
     async def _send(self, rid: str, input_ids: list[int], sampling: dict, out: WindowTokens, top_n: int,
                     version: int) -> tuple[str | None, int]:
-        result = await self.engine.async_generate(input_ids=input_ids, rid=rid,
+        routes = {} if self.routes is None else self.routes.request_fields(len(input_ids))
+        result = await self.engine.async_generate(input_ids=input_ids, rid=rid, **routes,
                                                   **self.request_fields(sampling, top_n, version))
         # Each token's version is the one SGLang's weight-version spans give it.
-        finish = take_output(out, result, top_n)
+        finish = take_output(out, result, top_n, self.routes)
         # A request aborted before the scheduler took it has no `cached_tokens`: nothing was read.
         return finish, result["meta_info"].get("cached_tokens", 0)
 
