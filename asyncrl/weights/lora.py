@@ -42,10 +42,20 @@ ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetens
 
 def adaptable_modules(model: torch.nn.Module) -> list[str]:
     """Full names of the modules `all-linear` adapts: every linear layer but the output head (peft's
-    convention; a head tied to the input embedding would change it too)."""
-    output = output_head(model)
+    convention; a head tied to the input embedding would change it too) and a mixture-of-experts
+    model's routers. On such a model that is attention (and Qwen2-MoE's shared expert and its gate),
+    never the experts: transformers 5 holds them as 3-D parameters, not linear layers. The routers
+    are left out explicitly (whatever their class): routing replay forces the rollout's experts,
+    and an adapted router would move the choices it replays."""
+    skip = {id(output_head(model))} | {id(module.gate) for module in model.modules() if is_sparse_block(module)}
     return [name for name, module in model.named_modules()
-            if isinstance(module, torch.nn.Linear) and module is not output]
+            if isinstance(module, torch.nn.Linear) and id(module) not in skip]
+
+
+def is_sparse_block(module: torch.nn.Module) -> bool:
+    """A mixture-of-experts block: experts behind a router (`experts`, `gate`)."""
+    return isinstance(getattr(module, "experts", None), torch.nn.Module) and isinstance(
+        getattr(module, "gate", None), torch.nn.Module)
 
 
 def output_head(model: torch.nn.Module) -> torch.nn.Module | None:
@@ -67,8 +77,10 @@ def resolve_targets(model: torch.nn.Module, targets: str | list[str]) -> list[st
     if missing:
         have = sorted({m.rsplit(".", 1)[-1] for m in modules})
         tied = " (its output head is tied to the input embedding: not adaptable)" if tied else ""
+        moe = ("; on a mixture-of-experts model LoRA adapts neither the experts (3-D parameters, not linear "
+               "layers) nor the routers (routing replay)") if any(map(is_sparse_block, model.modules())) else ""
         raise ConfigError(f"model.target_modules: {type(model).__name__} has no linear module named "
-                          f"{', '.join(missing)}; the modules LoRA can adapt are {', '.join(have)}{tied}")
+                          f"{', '.join(missing)}; the modules LoRA can adapt are {', '.join(have)}{tied}{moe}")
     return [m for m in modules if any(m == t or m.endswith("." + t) for t in targets)]
 
 
@@ -108,7 +120,11 @@ def wrap(lm, model_config: ModelConfig):
     from peft import get_peft_model
 
     targets = resolve_targets(lm, model_config.target_modules)
-    peft_model = get_peft_model(lm, peft_config(model_config, model_config.target_modules))
+    # On a mixture-of-experts model peft (0.21, transformers 5) turns `all-linear` and the dense
+    # names (gate_proj, up_proj, down_proj, gate) into its `target_parameters` on the fused experts and
+    # the routers, which the merge path here does not carry: it is given the resolved modules by name.
+    moe = any(map(is_sparse_block, lm.modules()))
+    peft_model = get_peft_model(lm, peft_config(model_config, targets if moe else model_config.target_modules))
     adapted = sorted(module_of(name) for name, _ in lm.named_parameters() if name.endswith(_A))
     if adapted != sorted(targets):  # peft matched other modules than we would merge: never silently
         raise ConfigError(f"model.target_modules={model_config.target_modules}: peft adapted {len(adapted)} "
