@@ -44,9 +44,9 @@ def _generate(args: argparse.Namespace) -> int:
     import torch
 
     from asyncrl.data.files import load_examples
-    from asyncrl.data.tasks import encode_prompt
     from asyncrl.engines.base import SamplingParams
-    from asyncrl.engines.generation import build_engine, complete
+    from asyncrl.engines.generation import build_engine
+    from asyncrl.evaluation import respond
 
     config = _composed(args)
     if config is None:
@@ -57,16 +57,16 @@ def _generate(args: argparse.Namespace) -> int:
     print(f"loaded {config.model.name} ({sum(p.numel() for p in engine.model.parameters()) / 1e6:.1f}M params) "
           f"in {time.perf_counter() - start:.1f}s")
     examples = load_examples(config.task, "eval", args.n)[: args.n]
-    prompts = [encode_prompt(ex, tokenizer, config.model.use_chat_template, config.task.chat_template_kwargs) for ex in examples]
     params = SamplingParams.of(config.sampling)
     start = time.perf_counter()
-    completions = complete(engine, tokenizer, prompts, [config.trainer.seed + i for i in range(len(prompts))],
-                           config.engine.max_response_tokens, params, batch_size=len(prompts))
+    # As evaluation samples: a prompt's images (a vision-language model) go with it.
+    completions = respond(config, engine, tokenizer, examples, 1, params,
+                          [config.trainer.seed + i for i in range(len(examples))])
     elapsed = time.perf_counter() - start
     tokens = sum(len(c.token_ids) for c in completions)
     for ex, c in zip(examples, completions):
         print(f"\n### {ex.text}\n{c.text}  [{c.finish_reason.value}]")
-    print(f"\n{tokens} tokens in {elapsed:.1f}s ({tokens / elapsed:.1f} tokens/s, batch {len(prompts)})")
+    print(f"\n{tokens} tokens in {elapsed:.1f}s ({tokens / elapsed:.1f} tokens/s, batch {len(examples)})")
     return 0
 
 

@@ -195,3 +195,11 @@ def test_tiny_vl_learns_the_colour_of_the_square_from_the_user_s_own_files_to_0_
     assert summary["eval_after"]["accuracy"] >= 0.9, summary["eval_after"]
     records = [json.loads(line) for line in open(store / "run" / "metrics.jsonl")]
     assert all(r["vision_s"] > 0 for r in records)  # the learner's forward ran the tower on the images
+
+
+def test_generate_samples_image_prompts_with_their_images(store, capsys):
+    """`asyncrl generate` on the image task: each prompt goes to the engine with its image (it once
+    encoded the text alone and was refused as images on a text-only model)."""
+    assert main(["generate", "-n", "2", "model=tiny_vl", "task=shapes"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("### <image>c?") == 2 and "tokens/s" in out
