@@ -7,7 +7,7 @@ STAMP := $(VENV)/.asyncrl-installed
 # files it publishes (its GSM8K and maths scorers) as a user brings them.
 VERL_VERSION := 0.9.1
 
-.PHONY: setup demo generate test test-slow clean bench-venv sglang test-sglang test-sglang-slow vllm test-vllm lock floors gpu-wheels
+.PHONY: setup demo generate test test-slow clean bench-venv sglang test-sglang test-sglang-slow vllm test-vllm test-vllm-slow lock floors gpu-wheels
 
 setup: $(STAMP)
 
@@ -129,6 +129,11 @@ $(VLLM_STAMP): pyproject.toml vllm_cpu/overrides.txt
 	$(VLLM_PY) -c "import vllm, torch, transformers; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
 	touch $(VLLM_STAMP)
 
-# The real-vLLM tests (not in .ci/run yet).
+# The real-vLLM tests (what .ci/run runs after `make test-sglang`).
 test-vllm: vllm
-	$(VLLM_PY) -m pytest -q --durations=15 tests/test_vllm_real.py
+	$(VLLM_PY) -m pytest -q -m "not slow" --durations=15 tests/test_vllm_real.py
+
+# The real-vLLM tests that start engines of their own (the policy application's, a killed engine
+# healed by the pool: ~4 minutes).
+test-vllm-slow: vllm
+	$(VLLM_PY) -m pytest -q -m slow --durations=15 tests/test_vllm_real.py

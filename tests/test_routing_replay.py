@@ -361,6 +361,41 @@ def test_a_moe_directory_trains_with_its_routes_replayed(ray_session, tmp_path):
                           and all(len(t) == 4 and min(t) >= 0 for t in r.token_routes) for r in stored)
 
 
+def test_the_policy_endpoint_answers_from_a_moe_directory_with_transformers_logprobs(tmp_path):
+    """The `policy` application on a Qwen3-MoE directory: the embedded engine's MoE decoder answers
+    (the class Serve wraps, its route's method), every sampled token's log-prob is transformers' own
+    model's for it, and `n` samples of one prompt are whole, each its own."""
+    import asyncio
+    import json
+
+    from transformers import AutoTokenizer
+
+    from asyncrl.api.requests import CompletionRequest
+    from asyncrl.serve.policy import PolicyServer
+
+    directory = save_moe_directory(tmp_path / "tiny-moe")
+    config = compose(["model=tiny", "task=tiny", "model.source=hf", f"model.path={directory}", "engine.dtype=float32",
+                      "model.use_chat_template=false", "serve.follow_learner=false"])
+    server = PolicyServer.func_or_class.__bases__[0](config)
+    body = CompletionRequest(prompt="12+34=", max_tokens=6, n=3, seed=5, temperature=1.0, logprobs=1)
+    reply = json.loads(asyncio.run(server.completions(body)).body)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    reference = Qwen3MoeForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    prompt = tokenizer.encode("12+34=", add_special_tokens=False)
+    assert len(reply["choices"]) == 3 and reply["usage"]["prompt_tokens"] == len(prompt)
+    samples = set()
+    for choice in reply["choices"]:
+        tokens, logprobs = choice["logprobs"]["tokens"], choice["logprobs"]["token_logprobs"]
+        assert 1 <= len(tokens) <= 6 and len(logprobs) == len(tokens)
+        ids = tokenizer.convert_tokens_to_ids(tokens)
+        with torch.no_grad():
+            logits = reference(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1]
+        expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
+        np.testing.assert_allclose(logprobs, expected.numpy(), atol=1e-4)
+        samples.add(tuple(ids))
+    assert len(samples) > 1  # n samples, not one answer copied
+
+
 def test_a_sample_whose_routes_are_refused_ends_dropped_not_trained(tmp_path):
     """The learner's step refuses a row whose routes are another model's; the ledger hears that
     sample as dropped (`routes_misfit`), the other as trained, and the counters agree."""
@@ -450,3 +485,49 @@ def test_a_random_moe_learns_the_tiny_task_to_0_9_with_replay(ray_session, tmp_p
     records = summary["records"]
     assert summary["eval_after"]["accuracy"] >= 0.9, (summary["eval_before"], summary["eval_after"], len(records))
     assert all("router_mismatch" in r for r in records if not r.get("skipped"))
+
+
+@pytest.mark.slow  # the demo's run through the command line, on a random MoE: ~2 minutes
+def test_the_demos_run_on_a_small_random_moe_trains_evaluates_and_exports(tmp_path):
+    """`asyncrl train` as `make demo` runs it (DAPO on the arithmetic word problems, two windows a
+    response, the embedded model's tokenizer and chat template), with a small random Qwen3-MoE
+    directory in place of SmolLM2: it trains with the rollout's routes replayed, each step record
+    carries the router's mismatch and the experts' load, `asyncrl eval` scores its checkpoint and
+    `asyncrl export` writes a Qwen3-MoE that transformers loads. A random model earns no reward on
+    arithmetic, so DAPO's dynamic sampling would skip every step (each record says so): the filter
+    is off here, so that the learner's steps run."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.bench.moe import EXPERTS, LAYERS, tiny_moe
+    from asyncrl.models.loading import load_tokenizer
+    from test_first_hour import asyncrl
+
+    tokenizer = load_tokenizer(compose([]).model)  # the embedded SmolLM2's, its chat template included
+    directory, run = tmp_path / "small-moe", tmp_path / "run"
+    model = tiny_moe(0, vocab=len(tokenizer))
+    model.config.update({"pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.bos_token_id,
+                         "eos_token_id": tokenizer.eos_token_id})
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+
+    code, out, _ = asyncrl("train", "model.source=hf", f"model.path={directory}", "trainer.total_steps=3",
+                           "algorithm.dynamic_sampling.enabled=false", f"trainer.run_dir={run}", cwd=tmp_path)
+    assert code == 0, out[-3000:]
+    records = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert len(records) == 3 and json.load(open(run / "config.json"))["algorithm"]["name"] == "dapo"
+    for record in records:
+        assert record["router_replayable"] == LAYERS * record["tokens_trained"] > 0
+        assert 0.0 <= record["router_mismatch"] <= 1.0 and record["router_rows_refused"] == 0
+        assert record["expert_load_max"] >= record["expert_load_mean"] > 0
+
+    code, out, _ = asyncrl("eval", "--checkpoint", str(run), "--prompts", "8", "--out", str(tmp_path / "eval"),
+                           cwd=tmp_path)
+    assert code == 0, out[-3000:]
+    result = json.load(open(tmp_path / "eval" / "eval.json"))
+    assert result["prompts"] == 8 and 0.0 <= result["pass@1"] <= 1.0
+    code, out, _ = asyncrl("export", str(run), str(tmp_path / "export"), cwd=tmp_path)
+    assert code == 0, out[-3000:]
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    assert type(exported).__name__ == "Qwen3MoeForCausalLM" and exported.config.num_experts == EXPERTS
