@@ -338,7 +338,7 @@ def train_cli(config: Config) -> int:
     if config.model.lora_rank:  # against the model itself: a module it lacks is refused here, in one line
         from asyncrl.weights import lora
 
-        lora.check_targets(config.model)
+        lora.check_targets(config.model, config.engine.name)
     if config.mode != "train":  # the generate and learn modes have drivers of their own
         from asyncrl import offline
 

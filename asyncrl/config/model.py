@@ -73,8 +73,11 @@ class ModelConfig(Section):
     target_modules: str | list[str] = "all-linear"
     """LoRA: the modules that get adapters, by name (e.g. [q_proj, v_proj]: every module whose name
     ends so), or all-linear (every linear layer but the output head). The head (lm_head) is adapted
-    only when named and not tied to the input embedding. A name the model does not have is refused
-    at start-up, naming the ones it has."""
+    only when named and not tied to the input embedding. On a mixture-of-experts model all-linear
+    leaves the experts and the routers; the fused experts are adapted when named with their module,
+    experts.gate_up_proj and/or experts.down_proj (a bare down_proj is the linear layers of that
+    name), with engine=torch; a router (gate) is never adapted (routing replay) and naming one is
+    refused. A name the model does not have is refused at start-up, naming the ones it has."""
     router_replay: Literal["auto", "off", "rollout"] = "auto"
     """Routing replay (R3) for a mixture-of-experts model (Mixtral, Qwen2-MoE, Qwen3-MoE). rollout:
     the learners' forward sends each generated token through the experts the rollout chose for it

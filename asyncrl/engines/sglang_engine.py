@@ -159,11 +159,15 @@ class SGLangEngine(ServerEngine):
     def load_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], adapter, version: int) -> None:
         """A LoRA version: merged here into the base of its modules (`asyncrl.weights.lora.AdapterMerger`),
         then loaded like any version (only the adapted modules' weights)."""
-        from asyncrl.weights.lora import AdapterMerger, adapter_modules
+        from asyncrl.weights.lora import AdapterMerger, adapted_weight, adapter_modules
 
         tensors = {name: t.clone() for name, t in named_tensors}
         if self._lora is None:
-            self._lora = AdapterMerger(_read_weights(self.model_path, [m + ".weight" for m in adapter_modules(tensors)]))
+            weights = [adapted_weight(m) for m in adapter_modules(tensors)]
+            if any(not w.endswith(".weight") for w in weights):  # refused at start-up too (lora.check_targets)
+                raise NotImplementedError("LoRA on the fused experts needs engine=torch: SGLang's checkpoint "
+                                          "holds them one expert at a time")
+            self._lora = AdapterMerger(_read_weights(self.model_path, weights))
         self._run(self._load(list(self._lora.merged(tensors, adapter.scaling)), version))
 
     def adopt_shared(self, shared: SharedVersion, version: int) -> None:

@@ -24,7 +24,7 @@ from asyncrl.models.loading import load_model, load_tokenizer
 from asyncrl.models.precision import Precision, choose_precision
 from asyncrl.models.vision import is_vision_model
 from asyncrl.storage import checkpoint, checkpoint_parts
-from asyncrl.weights import lora, sharding
+from asyncrl.weights import lora, lora_experts, sharding
 from asyncrl.weights.sharding import DataParallel
 from asyncrl.weights.sync import AdapterSpec
 
@@ -43,6 +43,8 @@ class PolicyRank:
         self.peft_model, self.model_config = peft_model, model_config
         self.adapter = (AdapterSpec(model_config.lora_rank, model_config.lora_alpha) if peft_model is not None
                         else None)
+        # peft's expert wrappers -> the parameters they adapt: the names generators and plain models know.
+        self.experts = lora_experts.wrapped_parameters(lm) if peft_model is not None else {}
         self.objective = objective
         self.precision: Precision | None = None  # how `objective`'s precision was chosen (`learner_precision`)
         self.pad_token_id = pad_token_id
@@ -76,14 +78,14 @@ class PolicyRank:
             full = sharding.full_weights(self.model, self.parallel)
             state = {name: full[PREFIX + name] for name in self.names} if full else {}
         if self.adapter is not None:
-            return lora.merged_weights(state, self.adapter.scaling) if state else {}
+            return lora.merged_weights(state, self.adapter.scaling, self.experts) if state else {}
         return {name: t.clone() for name, t in state.items()} if self.parallel is None else state
 
     def delivered_parameters(self):
         """(name, tensor) of what the generators receive, live (for planning transfers and the shm
         path): every parameter, or with LoRA the adapter (`asyncrl.weights.lora.adapter_tensors`)."""
         named = self.lm.named_parameters()
-        return named if self.adapter is None else lora.adapter_tensors(named)
+        return named if self.adapter is None else lora.adapter_tensors(named, self.experts)
 
     def delivered(self) -> dict[str, torch.Tensor]:
         """A copy of what the generators receive (whole on rank 0, {} on the others): every
@@ -93,7 +95,7 @@ class PolicyRank:
         if self.parallel is None:
             return {name: t.detach().clone() for name, t in self.delivered_parameters()}
         full = sharding.full_weights(self.model, self.parallel)
-        return dict(lora.adapter_tensors((name.removeprefix(PREFIX), t) for name, t in full.items()))
+        return dict(lora.adapter_tensors(((name.removeprefix(PREFIX), t) for name, t in full.items()), self.experts))
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict, dict]:
         """(weights with buffers by the model's own names, optimizer state by parameter name,

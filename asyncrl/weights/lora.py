@@ -9,6 +9,10 @@ to the generators, and its merge into the base weights they hold.
   `[out, r]` per module, plus rank and alpha (`asyncrl.weights.sync.AdapterSpec`). The generator keeps
   the base weights of those modules unmerged (`AdapterMerger`) and loads `merge(W0, A, B, scale)`
   for each version: version n+1 is never merged on top of version n.
+* A mixture-of-experts model's fused experts (3-D parameters) are adapted when named
+  (`experts.gate_up_proj`, `experts.down_proj`: peft's `target_parameters`); their adapter travels
+  as `<block>.experts.gate_up_proj.lora_A` / `.lora_B` and merges by `lora_experts.merge_experts`.
+  Routers never are (routing replay).
 * Checkpoints and `asyncrl export --adapter` hold the adapter in peft's own format
   (`adapter_config.json`, `adapter_model.safetensors`: `PeftModel.from_pretrained` loads it) and the
   base model's settings (`asyncrl_model.json`), from which `asyncrl export` builds the merged model.
@@ -28,6 +32,8 @@ import msgspec
 import torch
 
 from asyncrl.config import ConfigError, ModelConfig
+from asyncrl.weights import lora_experts
+from asyncrl.weights.lora_experts import is_sparse_block
 
 ADAPTER = "default"  # peft's name of the one adapter
 _A, _B = f".lora_A.{ADAPTER}.weight", f".lora_B.{ADAPTER}.weight"
@@ -52,41 +58,56 @@ def adaptable_modules(model: torch.nn.Module) -> list[str]:
             if isinstance(module, torch.nn.Linear) and id(module) not in skip]
 
 
-def is_sparse_block(module: torch.nn.Module) -> bool:
-    """A mixture-of-experts block: experts behind a router (`experts`, `gate`)."""
-    return isinstance(getattr(module, "experts", None), torch.nn.Module) and isinstance(
-        getattr(module, "gate", None), torch.nn.Module)
-
-
 def output_head(model: torch.nn.Module) -> torch.nn.Module | None:
     return model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
 
 
 def resolve_targets(model: torch.nn.Module, targets: str | list[str]) -> list[str]:
-    """The full names of the modules `targets` selects (`all-linear`, or names that a module's name
-    is or ends with, as peft matches them). The output head is adapted only when named and not tied
-    to the input embedding. A name that selects nothing is refused, naming the modules the model has."""
+    """The full names of what `targets` selects: modules (`all-linear`, or names that a module's name
+    is or ends with, as peft matches them), then a mixture-of-experts model's fused expert parameters
+    named with their module (`experts.gate_up_proj`, `experts.down_proj`: `lora_experts.selects`).
+    The output head is adapted only when named and not tied to the input embedding. A router named is
+    refused (routing replay), and so is a name that selects nothing, naming what the model has."""
     modules = adaptable_modules(model)
     if targets == "all-linear":
         return modules
+    _refuse_routers(model, targets)
     head = output_head(model)
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     if isinstance(head, torch.nn.Linear) and not tied:
         modules += [name for name, module in model.named_modules() if module is head]
-    missing = [t for t in targets if not any(m == t or m.endswith("." + t) for m in modules)]
+    experts = lora_experts.expert_parameters(model)
+
+    def picks(target: str, module: str) -> bool:
+        return module == target or module.endswith("." + target)
+
+    missing = [t for t in targets if not any(picks(t, m) for m in modules)
+               and not any(lora_experts.selects(t, p) for p in experts)]
     if missing:
-        have = sorted({m.rsplit(".", 1)[-1] for m in modules})
+        have = sorted({m.rsplit(".", 1)[-1] for m in modules} | {".".join(p.split(".")[-2:]) for p in experts})
         tied = " (its output head is tied to the input embedding: not adaptable)" if tied else ""
-        moe = ("; on a mixture-of-experts model LoRA adapts neither the experts (3-D parameters, not linear "
-               "layers) nor the routers (routing replay)") if any(map(is_sparse_block, model.modules())) else ""
+        moe = ("; on a mixture-of-experts model LoRA adapts the experts when named with their module "
+               "(experts.gate_up_proj, experts.down_proj), never the routers (routing replay)"
+               ) if any(map(is_sparse_block, model.modules())) else ""
         raise ConfigError(f"model.target_modules: {type(model).__name__} has no linear module named "
                           f"{', '.join(missing)}; the modules LoRA can adapt are {', '.join(have)}{tied}{moe}")
-    return [m for m in modules if any(m == t or m.endswith("." + t) for t in targets)]
+    return ([m for m in modules if any(picks(t, m) for t in targets)]
+            + [p for p in experts if any(lora_experts.selects(t, p) for t in targets)])
 
 
-def check_targets(model_config: ModelConfig) -> list[str]:
+def _refuse_routers(model: torch.nn.Module, targets: list[str]) -> None:
+    routers = lora_experts.routers(model)
+    named = [t for t in targets if any(r == t or r.endswith("." + t) for r in routers)]
+    if named:
+        raise ConfigError(f"model.target_modules: {', '.join(named)} names the routers of {type(model).__name__}'s "
+                          f"mixture-of-experts blocks (<block>.gate); LoRA never adapts a router: routing replay "
+                          f"forces the rollout's experts, and an adapted router would move the choices it replays")
+
+
+def check_targets(model_config: ModelConfig, engine: str = "torch") -> list[str]:
     """At start-up: the target modules of `model_config` against its architecture (built on the meta
-    device: no weights are read). Raises `ConfigError` naming the modules it has."""
+    device: no weights are read). Raises `ConfigError` naming the modules it has, or when experts are
+    adapted for a generator `engine` other than the embedded one."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from asyncrl.models.loading import build_tiny_model, build_tiny_tokenizer, embedded_gguf_dir
@@ -101,17 +122,23 @@ def check_targets(model_config: ModelConfig) -> list[str]:
             else:
                 config = AutoConfig.from_pretrained(model_config.path, trust_remote_code=model_config.trust_remote_code)
             skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=model_config.trust_remote_code)
-    return resolve_targets(skeleton, model_config.target_modules)
+    targets = resolve_targets(skeleton, model_config.target_modules)
+    if engine != "torch" and any(map(lora_experts.is_expert_parameter, targets)):
+        # SGLang's checkpoint and loader hold the experts one by one (experts.<e>.gate_proj.weight), not fused.
+        raise ConfigError(f"model.target_modules={model_config.target_modules}: LoRA on the experts needs the "
+                          f"embedded engine (engine=torch), not engine={engine}")
+    return targets
 
 
 # --- the learner's side ----------------------------------------------------------------------------
 
 
-def peft_config(model_config: ModelConfig, targets: list[str] | str):
+def peft_config(model_config: ModelConfig, targets: list[str] | str, parameters: list[str] | None = None):
     from peft import LoraConfig
 
+    # lora_dropout stays 0: peft refuses dropout on parameter targets (it cannot factor x out of B(A(drop(x)))).
     return LoraConfig(r=model_config.lora_rank, lora_alpha=model_config.lora_alpha, target_modules=targets,
-                      lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
+                      target_parameters=parameters or None, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
 
 
 def wrap(lm, model_config: ModelConfig):
@@ -120,15 +147,20 @@ def wrap(lm, model_config: ModelConfig):
     from peft import get_peft_model
 
     targets = resolve_targets(lm, model_config.target_modules)
+    fused = set(lora_experts.expert_parameters(lm))
+    parameters = [t for t in targets if t in fused]
+    modules = [t for t in targets if t not in parameters]
     # On a mixture-of-experts model peft (0.21, transformers 5) turns `all-linear` and the dense
     # names (gate_proj, up_proj, down_proj, gate) into its `target_parameters` on the fused experts and
-    # the routers, which the merge path here does not carry: it is given the resolved modules by name.
+    # the routers on its own: it is given the resolved modules and expert parameters by full name.
     moe = any(map(is_sparse_block, lm.modules()))
-    peft_model = get_peft_model(lm, peft_config(model_config, targets if moe else model_config.target_modules))
-    adapted = sorted(module_of(name) for name, _ in lm.named_parameters() if name.endswith(_A))
-    if adapted != sorted(targets):  # peft matched other modules than we would merge: never silently
-        raise ConfigError(f"model.target_modules={model_config.target_modules}: peft adapted {len(adapted)} "
-                          f"modules, asyncrl resolved {len(targets)}")
+    peft_model = get_peft_model(lm, peft_config(model_config, modules if moe else model_config.target_modules,
+                                                parameters))
+    wrapped = lora_experts.wrapped_parameters(lm)
+    adapted = sorted(m for m in (module_of(n) for n, _ in lm.named_parameters() if n.endswith(_A)) if m not in wrapped)
+    if adapted != sorted(modules) or sorted(wrapped.values()) != sorted(parameters):  # never silently
+        raise ConfigError(f"model.target_modules={model_config.target_modules}: peft adapted {len(adapted)} modules "
+                          f"and {len(wrapped)} expert parameters, asyncrl resolved {len(modules)} and {len(parameters)}")
     return peft_model
 
 
@@ -144,14 +176,23 @@ def is_adapter(name: str) -> bool:
     return name.endswith(_A) or name.endswith(_B)
 
 
-def adapter_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+def adapter_tensors(named: Iterable[tuple[str, torch.Tensor]], experts: dict[str, str] | None = None
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """The adapter of the learner's parameters, as generators receive it: `<module>.lora_A`, then
-    `<module>.lora_B`, for each adapted module in the model's order."""
+    `<module>.lora_B`, for each adapted module in the model's order. `experts`
+    (`lora_experts.wrapped_parameters` of the learner's model): an expert adapter goes by its
+    parameter's name instead (`<block>.experts.gate_up_proj.lora_A`)."""
+    experts = experts or {}
     for name, tensor in named:
-        if name.endswith(_A):
-            yield module_of(name) + ".lora_A", tensor
-        elif name.endswith(_B):
-            yield module_of(name) + ".lora_B", tensor
+        if is_adapter(name):
+            module = module_of(name)
+            yield experts.get(module, module) + (".lora_A" if name.endswith(_A) else ".lora_B"), tensor
+
+
+def adapted_weight(module: str) -> str:
+    """The weight an adapter's module (as generators receive it) adapts: `<module>.weight`, or the
+    fused expert parameter itself."""
+    return module if lora_experts.is_expert_parameter(module) else module + ".weight"
 
 
 def merge(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -160,18 +201,26 @@ def merge(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float
     return (weight.float() + scaling * (b.float() @ a.float())).to(weight.dtype)
 
 
-def merged_weights(state: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
+def merge_any(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """`merge` of a linear layer's weight, `lora_experts.merge_experts` of fused experts (3-D)."""
+    return (lora_experts.merge_experts if weight.dim() == 3 else merge)(weight, a, b, scaling)
+
+
+def merged_weights(state: dict[str, torch.Tensor], scaling: float, experts: dict[str, str] | None = None
+                   ) -> dict[str, torch.Tensor]:
     """The learner's parameters (injected names) as a plain model's, each adapted module's weight
-    merged; other tensors are copied."""
+    (and each adapted expert parameter, `experts` as for `adapter_tensors`) merged; other tensors are copied."""
+    wrapper_of = {parameter: wrapper for wrapper, parameter in (experts or {}).items()}
     out = {}
     for name, tensor in state.items():
         if is_adapter(name):
             continue
-        if name.endswith(BASE_LAYER + ".weight") and (module := name[: -len(BASE_LAYER + ".weight")]) + _A in state:
-            out[module + ".weight"] = merge(tensor.detach(), state[module + _A].detach(), state[module + _B].detach(),
-                                            scaling)
+        plain = name.replace(BASE_LAYER, "")  # nested wrappers: <experts>.base_layer.base_layer.down_proj
+        module = plain[: -len(".weight")] if name.endswith(BASE_LAYER + ".weight") else wrapper_of.get(plain)
+        if module is not None and module + _A in state:
+            out[plain] = merge_any(tensor.detach(), state[module + _A].detach(), state[module + _B].detach(), scaling)
         else:
-            out[name.replace(BASE_LAYER + ".", ".")] = tensor.detach().clone()
+            out[plain] = tensor.detach().clone()
     return out
 
 
@@ -187,19 +236,21 @@ class AdapterMerger:
 
     @classmethod
     def of(cls, weights: dict[str, torch.Tensor], modules: Iterable[str]) -> "AdapterMerger":
-        """Copies of `weights[<module>.weight]` for `modules` (the engine's weights before any adapter)."""
-        return cls({m + ".weight": weights[m + ".weight"].detach().clone() for m in modules})
+        """Copies of the weights `modules` adapt (`adapted_weight`: `<module>.weight`, or a fused expert
+        parameter) from `weights` (the engine's weights before any adapter)."""
+        return cls({adapted_weight(m): weights[adapted_weight(m)].detach().clone() for m in modules})
 
     def merged(self, adapter: dict[str, torch.Tensor], scaling: float) -> Iterator[tuple[str, torch.Tensor]]:
         """`(<module>.weight, W0 + scaling * B @ A)` for every module of `adapter` (`<module>.lora_A`,
-        `<module>.lora_B`), one at a time."""
+        `<module>.lora_B`), one at a time; a fused expert parameter's own name and `merge_experts`."""
         modules = adapter_modules(adapter)
-        unknown = [m for m in modules if m + ".weight" not in self.base]
+        unknown = [m for m in modules if adapted_weight(m) not in self.base]
         if unknown:
             raise KeyError(f"adapter names modules whose base this engine does not hold: {unknown[:3]}")
         for module in modules:
-            yield module + ".weight", merge(self.base[module + ".weight"], adapter[module + ".lora_A"],
-                                            adapter[module + ".lora_B"], scaling)
+            weight = adapted_weight(module)
+            yield weight, merge_any(self.base[weight], adapter[module + ".lora_A"], adapter[module + ".lora_B"],
+                                    scaling)
 
 
 def adapter_modules(adapter: dict[str, torch.Tensor]) -> list[str]:
@@ -255,12 +306,20 @@ def merged_model(directory: str, trust_remote_code: bool = False):
     model_config = msgspec.structs.replace(saved_model_config(directory), trust_remote_code=trust_remote_code)
     lm, tokenizer = load_policy(model_config)
     adapter = read_adapter(directory)
+    # peft's saved names of expert adapters (`<experts>.base_layer.lora_A`) follow its wrappers' nesting:
+    # the model is wrapped as the learner's was to read them, then unwrapped (its base weights untouched).
+    peft_model = wrap(lm, model_config)
+    experts = lora_experts.wrapped_parameters(lm)
+    unknown = sorted(set(adapter) - {name for name, _ in lm.named_parameters() if is_adapter(name)})
+    if unknown:
+        raise ValueError(f"{directory}: the adapter names modules its saved model.target_modules do not: {unknown[:3]}")
+    lm = peft_model.unload()
     weights = dict(lm.named_parameters())
     scaling = model_config.lora_alpha / model_config.lora_rank
     with torch.no_grad():
         for module in sorted({module_of(name) for name in adapter}):
-            weight = weights[module + ".weight"]
-            weight.copy_(merge(weight, adapter[module + _A], adapter[module + _B], scaling))
+            weight = weights[experts.get(module, module + ".weight")]
+            weight.copy_(merge_any(weight, adapter[module + _A], adapter[module + _B], scaling))
     return lm, tokenizer
 
 
