@@ -300,6 +300,47 @@ def check_a_dropped_row_stops_and_the_others_go_on_with_penalties_and_bias(loop,
     assert len(set(tokens["penalised"])) > len(set(tokens["greedy"]))
 
 
+def check_a_lora_version_is_merged_into_the_base(loop, engine, models, **shape):
+    """LoRA (`model.lora_rank`): a version reaches the server as its adapter; the engine merges it
+    into the base weights of the model directory (never into an earlier version) and loads them. Two
+    versions in a row, the second through the shared-memory path as the learner sends it; every
+    token's log-prob is the learner's peft model's. `shape`: the module's tiny model's."""
+    import torch
+
+    from asyncrl.config import ModelConfig
+    from asyncrl.weights import lora, transport
+    from asyncrl.weights.sync import AdapterSpec, Delivery
+
+    settings = ModelConfig(source="hf", lora_rank=4, lora_alpha=8)
+    params = SamplingParams(temperature=1.0)
+    for seed, how in ((1, "direct"), (2, "shm")):
+        learner, _ = tiny_qwen2(**shape)
+        lora.wrap(learner, settings)
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in learner.named_parameters():
+                if ".lora_B." in name:
+                    p.copy_(0.3 * torch.randn(p.shape, generator=generator))
+        adapter = [(name, t.detach().clone()) for name, t in lora.adapter_tensors(learner.named_parameters())]
+        version = engine.weight_version + 1
+        models[version] = learner
+        spec = AdapterSpec(settings.lora_rank, settings.lora_alpha)
+        if how == "direct":
+            loop.run_until_complete(asyncio.to_thread(engine.load_adapter, adapter, spec, version))
+        else:
+            slots = SharedSlots()
+            try:
+                delivery = Delivery(version, "shm", adapter=spec)
+                loop.run_until_complete(asyncio.to_thread(transport.load, engine, delivery, slots.write(adapter), None))
+            finally:
+                slots.close()
+        (out,) = generate(loop, engine, [sequence_input(PROMPTS[1], seed=80 + seed, max_response_tokens=24)], 24, params)
+        assert (out.versions == version).all()
+        check_against_learner(models, PROMPTS[1], out, 1.0)
+    base = learner_logprobs(tiny_qwen2(**shape)[0], PROMPTS[1], out.token_ids, 1.0)
+    assert np.abs(base - out.logprobs).max() > 0.05  # the adapter matters
+
+
 def check_the_policy_endpoint_answers(loop, engine, tiny, overrides: list[str]):
     """The `policy` application's class on the engine (`overrides` pick it), given the module's
     engine: a chat answer and its stream are whole (their lengths, log-probs and finish reasons), and

@@ -27,15 +27,15 @@ from asyncrl.engines.base import SamplingParams  # noqa: E402
 from asyncrl.engines.generation import sequence_input  # noqa: E402
 from asyncrl.learning.scoring import LOGPROB_FLOOR  # noqa: E402
 from asyncrl.messages.structs import FinishReason  # noqa: E402
-from asyncrl.weights.shared_memory import SharedSlots  # noqa: E402
 from real_engine_checks import (  # noqa: E402
+    check_a_lora_version_is_merged_into_the_base,
     EOS, PROMPTS, TOLERANCE, check_a_dropped_row_stops_and_the_others_go_on_with_penalties_and_bias,
     check_against_learner, check_an_update_mid_request_lands_at_once, check_greedy_windows_take_the_learners_argmax,
     check_streams_carry_the_learners_logprobs_across_an_update,
     check_the_generator_role_loads_versions_before_and_while_it_runs, check_the_policy_endpoint_answers,
     check_top_k_top_p_logprobs_are_the_truncated_distributions, check_windows_carry_the_learners_logprobs, generate,
     learner_logprobs, load, loop, models, saved_tiny, started)
-from tiny_hf_models import perturbed, tiny_qwen2  # noqa: E402
+from tiny_hf_models import perturbed  # noqa: E402
 
 assert loop and models  # fixtures of real_engine_checks: the module's event loop, its versions' models
 
@@ -215,42 +215,7 @@ def test_the_policy_endpoint_answers_from_sglang(loop, engine, tiny):
 
 # Last: it leaves SGLang's weights LoRA-merged, which the tests above do not expect.
 def test_a_lora_version_is_merged_into_the_base_and_its_tokens_are_the_learners(loop, engine, models):
-    """LoRA (`model.lora_rank`): a version reaches SGLang as its adapter; the engine merges it into
-    the base weights of the model directory (never into an earlier version) and loads the merged
-    modules. Two versions in a row, the second through the shared-memory path as the learner sends
-    it; every token's log-prob is the learner's peft model's."""
-    from asyncrl.weights import lora, transport
-    from asyncrl.config import ModelConfig
-    from asyncrl.weights.sync import AdapterSpec, Delivery
-
-    settings = ModelConfig(source="hf", lora_rank=4, lora_alpha=8)
-    params = SamplingParams(temperature=1.0)
-    for seed, how in ((1, "direct"), (2, "shm")):
-        learner, _ = tiny_qwen2()
-        lora.wrap(learner, settings)
-        generator = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for name, p in learner.named_parameters():
-                if ".lora_B." in name:
-                    p.copy_(0.3 * torch.randn(p.shape, generator=generator))
-        adapter = [(name, t.detach().clone()) for name, t in lora.adapter_tensors(learner.named_parameters())]
-        version = engine.weight_version + 1
-        models[version] = learner
-        spec = AdapterSpec(settings.lora_rank, settings.lora_alpha)
-        if how == "direct":
-            loop.run_until_complete(asyncio.to_thread(engine.load_adapter, adapter, spec, version))
-        else:
-            slots = SharedSlots()
-            try:
-                delivery = Delivery(version, "shm", adapter=spec)
-                loop.run_until_complete(asyncio.to_thread(transport.load, engine, delivery, slots.write(adapter), None))
-            finally:
-                slots.close()
-        (out,) = generate(loop, engine, [sequence_input(PROMPTS[1], seed=80 + seed, max_response_tokens=24)], 24, params)
-        assert (out.versions == version).all()
-        check_against_learner(models, PROMPTS[1], out, 1.0)
-    base = learner_logprobs(tiny_qwen2()[0], PROMPTS[1], out.token_ids, 1.0)
-    assert np.abs(base - out.logprobs).max() > 0.05  # the adapter matters
+    check_a_lora_version_is_merged_into_the_base(loop, engine, models)
 
 
 # A mixture-of-experts model on an SGLang engine of its own process (`Engine.shutdown` ends every child

@@ -211,8 +211,6 @@ def _vllm_checks(config) -> list[tuple[bool, str]]:
         (config.sampling.temperature <= 2 and (config.sampling.first_token_temperature or 0) <= 2,
          "engine=vllm: vLLM samples at temperatures up to 2; set sampling.temperature and "
          "sampling.first_token_temperature (FIRE) to at most 2, or use engine=torch or engine=sglang"),
-        (not m.lora_rank, "engine=vllm takes whole versions; LoRA (model.lora_rank > 0) runs on engine=torch or "
-                          "engine=sglang"),
     ]
 
 

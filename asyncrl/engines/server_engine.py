@@ -250,3 +250,21 @@ def running_loop() -> asyncio.AbstractEventLoop | None:
         return asyncio.get_running_loop()
     except RuntimeError:
         return None
+
+
+def read_weights(directory: str, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """Tensors of a Hugging Face directory by name (all of them: `names=None`), read from its
+    safetensors files: the base a LoRA version is merged into."""
+    import glob
+    import os
+
+    from safetensors import safe_open
+
+    out = {}
+    for path in sorted(glob.glob(os.path.join(directory, "*.safetensors"))):
+        with safe_open(path, "pt") as f:
+            out.update({name: f.get_tensor(name) for name in f.keys() if names is None or name in names})
+    missing = sorted(set(names or ()) - set(out))
+    if missing:
+        raise KeyError(f"{directory} has no weights {missing[:3]}: the adapter names modules the model lacks")
+    return out

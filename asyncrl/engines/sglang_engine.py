@@ -35,7 +35,7 @@ from typing import Iterable
 import torch
 
 from asyncrl.engines.base import SamplingParams, SequenceInput
-from asyncrl.engines.server_engine import ServerEngine, Setting, WindowTokens
+from asyncrl.engines.server_engine import ServerEngine, Setting, WindowTokens, read_weights
 from asyncrl.engines.sglang_routes import RouteLayout
 from asyncrl.weights.shared_memory import SharedVersion
 
@@ -167,7 +167,7 @@ class SGLangEngine(ServerEngine):
             if any(not w.endswith(".weight") for w in weights):  # refused at start-up too (lora.check_targets)
                 raise NotImplementedError("LoRA on the fused experts needs engine=torch: SGLang's checkpoint "
                                           "holds them one expert at a time")
-            self._lora = AdapterMerger(_read_weights(self.model_path, weights))
+            self._lora = AdapterMerger(read_weights(self.model_path, weights))
         self._run(self._load(list(self._lora.merged(tensors, adapter.scaling)), version))
 
     def adopt_shared(self, shared: SharedVersion, version: int) -> None:
@@ -194,23 +194,6 @@ class SGLangEngine(ServerEngine):
 
     def shutdown(self) -> None:
         self.engine.shutdown()
-
-
-def _read_weights(directory: str, names: list[str]) -> dict[str, torch.Tensor]:
-    """Tensors of a Hugging Face directory by name, read from its safetensors files."""
-    import glob
-    import os
-
-    from safetensors import safe_open
-
-    out = {}
-    for path in sorted(glob.glob(os.path.join(directory, "*.safetensors"))):
-        with safe_open(path, "pt") as f:
-            out.update({name: f.get_tensor(name) for name in names if name in f.keys()})
-    missing = sorted(set(names) - set(out))
-    if missing:
-        raise KeyError(f"{directory} has no weights {missing[:3]}: the adapter names modules the model lacks")
-    return out
 
 
 async def _succeed(call, what: str) -> None:

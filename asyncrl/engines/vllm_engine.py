@@ -33,7 +33,7 @@ import torch
 from asyncrl.algo.sampling import choice_seed
 from asyncrl.engines.base import SamplingParams, SequenceInput
 from asyncrl.engines.batch_jobs import StepToken
-from asyncrl.engines.server_engine import ServerEngine, Setting, WindowTokens
+from asyncrl.engines.server_engine import ServerEngine, Setting, WindowTokens, read_weights
 from asyncrl.engines.server_stream import RequestSteps
 from asyncrl.messages.structs import FinishReason
 from asyncrl.weights.shared_memory import SharedVersion
@@ -104,6 +104,7 @@ class VLLMEngine(ServerEngine):
 
         super().__init__(eos_token_ids)
         self.model_path = engine_args["model"]
+        self._lora = None  # `asyncrl.weights.lora.AdapterMerger` over every base weight, from the first adapter on
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args))
 
     @property
@@ -179,8 +180,22 @@ class VLLMEngine(ServerEngine):
         from it (`vllm_worker.WeightLoading.asyncrl_load_shared`)."""
         self._run(self._load("asyncrl_load_shared", (msgspec.msgpack.encode(shared),), version))
 
-    def load_adapter(self, named_tensors, adapter, version: int) -> None:
-        raise NotImplementedError("engine=vllm takes whole versions; model.lora_rank > 0 is refused at start-up")
+    def load_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], adapter, version: int) -> None:
+        """A LoRA version: merged here into the base weights of the model directory
+        (`asyncrl.weights.lora.AdapterMerger`, never into an earlier version), then loaded as a whole
+        version. vLLM's CPU build repacks every layer at a reload (`vllm_worker`), so the modules the
+        adapter leaves go along unchanged. vLLM's own LoRA serving (a `LoRARequest` per request, the
+        adapter read from disk per version) is not used: merged, the forward is the base model's own."""
+        from asyncrl.weights.lora import AdapterMerger, adapted_weight, adapter_modules
+
+        tensors = {name: t.clone() for name, t in named_tensors}
+        if self._lora is None:
+            if any(not adapted_weight(m).endswith(".weight") for m in adapter_modules(tensors)):
+                raise NotImplementedError("LoRA on the fused experts needs engine=torch")  # refused at start-up too
+            self._lora = AdapterMerger(read_weights(self.model_path))
+        whole = dict(self._lora.base)
+        whole.update(self._lora.merged(tensors, adapter.scaling))
+        self.update_weights(whole.items(), version)
 
     async def _load(self, method: str, args: tuple, version: int) -> None:
         """Load in the worker, drop the prefix cache (the salt keeps old KV from being read;
