@@ -77,6 +77,20 @@ def test_windows_carry_the_learners_logprobs(loop, engine, models):
     check_windows_carry_the_learners_logprobs(loop, engine, models)
 
 
+def test_more_prompt_tokens_than_one_step_takes_prefill_whole_and_keep_their_seeds(loop, engine, models):
+    """64 seeded rows of 120-token prompts: more prompt tokens than vLLM schedules in one step. With
+    vLLM's chunked prefill a seeded request split across steps kills its CPU worker (it rewinds the
+    request's generator by an offset, which CPU generators lack: "CPU Generator does not use
+    offset"); asyncrl turns chunked prefill off on CPU, so each prompt is prefilled whole."""
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(5, 30, size=120).tolist() for _ in range(64)]
+    sequences = [sequence_input(p, seed=i, max_response_tokens=4) for i, p in enumerate(prompts)]
+    outputs = generate(loop, engine, sequences, 4, SamplingParams(temperature=1.0))
+    assert len(outputs) == 64 and all(len(out.token_ids) >= 1 for out in outputs)
+    for prompt, out in list(zip(prompts, outputs))[::16]:
+        check_against_learner(models, prompt, out, 1.0)
+
+
 def test_a_seed_draws_the_same_tokens_and_another_seed_others(loop, engine):
     params = SamplingParams(temperature=1.0)
     again = [generate(loop, engine, [sequence_input(PROMPTS[1], seed=s, max_response_tokens=24)], 24, params)[0]

@@ -24,10 +24,17 @@ def engine_args(model_path: str, model: ModelConfig, engine: EngineConfig, seed:
     * Prefix caching on: a window re-sends its sequence's tokens so far and reads them from the
       cache. Requests carry `cache_salt` = their weight version, so no token reads KV of older weights.
     * Eager on CPU: vLLM's graph compilation costs minutes of start-up here and changes no number.
+    * No chunked prefill on CPU: a seeded request whose prompt is split across steps has its
+      generator rewound by an offset after each partial step, which a CPU generator lacks (vLLM
+      0.32's worker dies: "CPU Generator does not use offset"). A step takes whole prompts, up to
+      the model's context (as vLLM's CPU platform itself does for MLA models).
     """
+    cpu = engine.device == "cpu"
     args = {"model": model_path, "dtype": model.dtype, "seed": seed, "enable_prefix_caching": True,
             "logprobs_mode": "processed_logprobs", "worker_extension_cls": WORKER_EXTENSION,
-            "disable_log_stats": True, "enforce_eager": engine.device == "cpu", "block_size": engine.vllm_block_tokens}
+            "disable_log_stats": True, "enforce_eager": cpu, "block_size": engine.vllm_block_tokens}
+    if cpu:
+        args |= {"enable_chunked_prefill": False, "max_num_batched_tokens": max(context_length(model_path), 4096)}
     if engine.vllm_kv_cache_mb:
         args["kv_cache_memory_bytes"] = engine.vllm_kv_cache_mb << 20
     else:
@@ -35,6 +42,13 @@ def engine_args(model_path: str, model: ModelConfig, engine: EngineConfig, seed:
     if engine.vllm_max_num_seqs:
         args["max_num_seqs"] = engine.vllm_max_num_seqs
     return args
+
+
+def context_length(model_path: str) -> int:
+    """The longest sequence the model directory's config allows (`max_position_embeddings`)."""
+    from transformers import AutoConfig
+
+    return int(AutoConfig.from_pretrained(model_path).get_text_config().max_position_embeddings)
 
 
 @contextlib.contextmanager
