@@ -8,6 +8,7 @@ other than the embedded one, refuse images in one line (the application's class 
 import asyncio
 import base64
 import io
+import json
 import os
 import random
 
@@ -165,3 +166,45 @@ def test_a_text_model_an_engine_server_and_files_without_the_setting_refuse_imag
     vl = _direct(["model=tiny_vl", "task=shapes"])
     assert "serve.image_files_from, which is not set" in _refused(vl, [image_part("/etc/hostname")]).message
 
+
+
+def _stored(part) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in part.iterdir()} if part.is_dir() else {}
+
+
+def _ask_direct(server, colour: int, side: int) -> dict:
+    body = ChatCompletionRequest(messages=asking(image_part(data_url(shape_png(colour, side)))), max_tokens=1,
+                                 temperature=0, logprobs=True, top_logprobs=3)
+    return json.loads(asyncio.run(server.chat_completions(body)).body)
+
+
+def test_the_endpoints_images_are_kept_under_their_budget_least_recently_used_first(tmp_path, monkeypatch):
+    """`serve.image_store_mb`: the requests' images and their processed tensors stay within the
+    budget (give or take the last request's own), the least recently used go first, one used again
+    is kept, and a deleted one sent again is stored again with the same answer. Within
+    `serve.image_store_keep_s` nothing is deleted, whatever the budget."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    part = tmp_path / "asyncrl" / "images" / "endpoint"
+    budget = 60_000
+    server = _direct(["model=tiny_vl", "task=shapes", f"serve.image_store_mb={budget / (1 << 20)}",
+                      "serve.image_store_keep_s=0"])
+    first = _ask_direct(server, 0, 56)
+    first_files = set(_stored(part))
+    assert len(first_files) == 2  # the image and its processed tensors
+    one_request = sum(_stored(part).values())
+    totals = []
+    for side in range(57, 71):
+        _ask_direct(server, 1, side)
+        _ask_direct(server, 0, 56)  # used again: the most recently used, never the one to go
+        totals.append(sum(_stored(part).values()))
+    assert first_files <= set(_stored(part))
+    assert max(totals) <= budget + 2 * one_request and len(_stored(part)) < 2 * 15  # trimmed as it went
+    second = _ask_direct(server, 1, 57)  # deleted long since: stored again, the same answer
+    assert second["choices"][0]["logprobs"] == _ask_direct(server, 1, 57)["choices"][0]["logprobs"]
+    assert first["choices"][0]["logprobs"] == _ask_direct(server, 0, 56)["choices"][0]["logprobs"]
+
+    kept = _direct(["model=tiny_vl", "task=shapes", "serve.image_store_mb=0.001"])  # keep_s: 600 s
+    before = len(_stored(part))
+    for side in range(80, 84):
+        _ask_direct(kept, 2, side)
+    assert len(_stored(part)) == before + 2 * 4

@@ -10,7 +10,8 @@ other parts it does not read. `detail` (auto, low, high) is accepted and ignored
 image processor sizes every image alike (`model.image_min_pixels` / `model.image_max_pixels`).
 
 Each image is checked before its pixels are decoded (its bytes against `serve.max_image_mb`, its
-sides against `MAX_IMAGE_SIDE` from its header), decoded and stored once (`store_image`), and
+sides against `MAX_IMAGE_SIDE` from its header), decoded and stored once (`store_image`, in the
+endpoint's own part of the store, kept under `serve.image_store_mb` by `StoreBudget`), and
 processed by the model's `ImagePrep`. Its place in the conversation becomes the family's image
 tokens (`<|vision_start|><|image_pad|><|vision_end|>`), written for the part itself: a user's
 text `<image>` stays text, and text that holds the image tokens themselves is refused. The prompt's
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 
 from asyncrl.api.requests import OpenAIError
 from asyncrl.config import ConfigError
-from asyncrl.storage.images import IMAGE_PLACEHOLDER, MAX_IMAGE_SIDE, ImagePrep, store_image
+from asyncrl.storage.images import IMAGE_PLACEHOLDER, MAX_IMAGE_SIDE, ImagePrep, StoreBudget, store_image, store_root
 
 
 def image_parts(body) -> list[tuple[str, str]]:
@@ -52,12 +53,15 @@ class RequestImages:
     max_images: int
     max_bytes: int
     files_from: str
+    store: StoreBudget  # the endpoint's part of the image store, kept under serve.image_store_mb
 
     @classmethod
     def of(cls, config, prep: ImagePrep | None, engine_takes_images: bool) -> "RequestImages":
         s = config.serve
+        store = StoreBudget(os.path.join(store_root(), "endpoint"), int(s.image_store_mb * (1 << 20)),
+                            s.image_store_keep_s)
         return cls(config.model.name, config.engine.name, prep, engine_takes_images, s.max_images_per_request,
-                   int(s.max_image_mb * (1 << 20)), s.image_files_from)
+                   int(s.max_image_mb * (1 << 20)), s.image_files_from, store)
 
     def read(self, body) -> tuple[object, tuple[str, ...]]:
         """The request with each image part as the model's image tokens, and the processed
@@ -85,14 +89,16 @@ class RequestImages:
         data = self._bytes(url, param)
         check_header(data, param)
         try:
-            ref = store_image(data, param)
+            ref = store_image(data, param, self.store.root)
         except ConfigError as exc:  # cannot be decoded, or too large on a side
             raise OpenAIError(400, str(exc), param) from exc
         try:
-            return self.prep.processed((ref,), param)[0]
+            processed = self.prep.processed((ref,), param)[0]
         except ValueError as exc:  # the processor's own bounds (Qwen2-VL's: an aspect ratio under 200)
             raise OpenAIError(400, f"{param}: the model's image processor cannot take the image ({exc})",
                               param) from exc
+        self.store.used((ref, processed))
+        return processed
 
     def _bytes(self, url: str, param: str) -> bytes:
         if url.startswith("data:"):

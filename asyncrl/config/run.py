@@ -227,6 +227,14 @@ class ServeConfig(Section):
     max_image_mb: PositiveFloat = 8.0
     """Policy endpoint: the most bytes one image may have (a data URL's decoded payload, or a file),
     else 400; a data URL is bounded by `max_body_mb` first (base64 is 4/3 of its bytes)."""
+    image_store_mb: NonNegativeFloat = 1024.0
+    """Policy endpoint: the disk its requests' images and their processed tensors may fill, in their
+    own part of the image store (`~/.cache/asyncrl/images/endpoint`); past it the least recently
+    used are deleted (never one used within `image_store_keep_s`). 0 = no bound. Training's images
+    are never deleted."""
+    image_store_keep_s: NonNegativeFloat = 600.0
+    """Policy endpoint: an image used (stored or read) within this many seconds is never deleted to
+    keep `image_store_mb`, so that the requests in flight keep theirs."""
     image_files_from: str = ""
     """Policy endpoint: a directory whose files an `image_url` may name (a path, absolute or relative
     to it, or `file://`), read only where its real path (links resolved) is inside it. Empty = no

@@ -17,14 +17,17 @@ are expanded to as many image tokens as the processed image fills (`expand_image
 from __future__ import annotations
 
 import base64
+import contextlib
 import functools
 import hashlib
 import io
 import json
 import os
 import tempfile
+import threading
+import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -43,6 +46,7 @@ def store_root() -> str:
 
 def _write_atomic(path: str, data: bytes) -> None:
     if os.path.exists(path):
+        _touch(path)
         return
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd, staging = tempfile.mkstemp(prefix=".staging-", dir=os.path.dirname(path))
@@ -95,13 +99,22 @@ def _image_bytes(value: Any, where: str) -> bytes:
     raise ConfigError(f"{where}: no image in {type(value).__name__} {str(value)[:60]!r}")
 
 
-def store_image(value: Any, where: str) -> str:
-    """The reference of an image: the path of its PNG in the store, written the first time."""
+def _touch(path: str) -> None:
+    """Mark a stored file used now: its modification time is its last use (`StoreBudget`)."""
+    try:
+        os.utime(path)
+    except FileNotFoundError:  # deleted meanwhile by a budget: its user writes it again
+        pass
+
+
+def store_image(value: Any, where: str, root: str = "") -> str:
+    """The reference of an image: the path of its PNG in the store (`root`, else `store_root()`),
+    written the first time."""
     image = decode_image(value, where)
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
     data = buffer.getvalue()
-    path = os.path.join(store_root(), f"{hashlib.sha256(data).hexdigest()[:32]}.png")
+    path = os.path.join(root or store_root(), f"{hashlib.sha256(data).hexdigest()[:32]}.png")
     _write_atomic(path, data)
     return path
 
@@ -168,7 +181,8 @@ class ImagePrep:
         return tuple(self._processed(ref, where) for ref in refs)
 
     def _processed(self, ref: str, where: str) -> str:
-        if ref in self._done:
+        if ref in self._done and os.path.exists(self._done[ref]):
+            _touch(self._done[ref])
             return self._done[ref]
         if ref.endswith(f"-{self.settings_key}.pt"):  # processed already, with these settings
             return ref
@@ -196,3 +210,56 @@ class ImagePrep:
             out += ids[last:index] + [self.pad_token_id] * image_tokens(ref, self.merge_size)
             last = index + 1
         return out + ids[last:]
+
+
+class StoreBudget:
+    """A part of the image store (the endpoint's: `serve.image_store_mb`) kept under `max_bytes`:
+    once this process has written a twentieth of it since it last looked, the least recently used
+    files (modification time: `_touch` on every use) are deleted until the part fits, never one
+    used within `keep_s` (the requests in flight keep theirs). Several processes may share the part:
+    each deletes what is old enough, and a file deleted under another is written again by its user."""
+
+    def __init__(self, root: str, max_bytes: int, keep_s: float):
+        self.root, self.max_bytes, self.keep_s = root, max_bytes, keep_s
+        self._written, self._lock = 0, threading.Lock()
+
+    def used(self, paths: Iterable[str]) -> None:
+        """Count the files a request stored or read; trim the part when enough was written (never
+        deleting these: the request reads them next)."""
+        if not self.max_bytes:
+            return
+        paths = set(paths)
+        with self._lock:
+            self._written += sum(os.path.getsize(p) for p in paths if os.path.exists(p))
+            if self._written * 20 >= self.max_bytes:
+                self.trim(keep=paths)
+
+    def trim(self, keep: set[str] = frozenset()) -> int:
+        """Delete the least recently used files until the part holds at most `max_bytes` (or only
+        files used within `keep_s`, or named in `keep`, are left); the bytes it holds after."""
+        self._written = 0
+        entries = _stored_files(self.root)
+        total, oldest_kept = sum(size for _, size, _ in entries), time.time() - self.keep_s
+        for mtime, size, path in entries:
+            if total <= self.max_bytes or mtime > oldest_kept:
+                break
+            if path in keep:
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+            total -= size
+        return total
+
+
+def _stored_files(root: str) -> list[tuple[float, int, str]]:
+    """(last use, bytes, path) of the files of a part of the store, least recently used first."""
+    out = []
+    for entry in os.scandir(root) if os.path.isdir(root) else ():
+        if entry.name.startswith(".staging-"):
+            continue
+        try:
+            stat = entry.stat()
+        except FileNotFoundError:  # deleted by another process meanwhile
+            continue
+        out.append((stat.st_mtime, stat.st_size, entry.path))
+    return sorted(out)
