@@ -220,9 +220,13 @@ def test_a_lora_version_is_merged_into_the_base_and_its_tokens_are_the_learners(
 
 # A mixture-of-experts model on an SGLang engine of its own process (`Engine.shutdown` ends every child
 # of its process: this module's engine's too): two windows at most per response as the generator's
-# `_advance` makes them, each sample's segments merged and sent back as the wire encodes them.
+# `_advance` makes them, each sample's segments merged and sent back as the wire encodes them. In the
+# first window a weight update (the same weights, as version 1) cuts the requests a few tokens in, as
+# the learner's updates do: the cut requests continue under version 1.
 MOE_WINDOWS = """
-import asyncio, json, sys
+import asyncio, json, sys, time
+import torch
+from transformers import AutoModelForCausalLM
 from asyncrl.assembly.rows import merge_segments
 from asyncrl.config import compose
 from asyncrl.engines.base import SamplingParams
@@ -238,11 +242,21 @@ async def main(directory, prompts, path):
     running = [GeneratedSequence(PromptRequest(prompt_id=f"p{i}", prompt_token_ids=int32_array(p), group_size=1,
                                                seed=90 + i), 0) for i, p in enumerate(prompts)]
     samples = {s.request.prompt_id: [] for s in running}
+    weights = list(AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).named_parameters())
+    params = SamplingParams(temperature=1.0)
     try:
+        start = time.perf_counter()  # a warm-up window of 4 tokens: how long a token takes here
+        await engine.generate_window([sequence_input(s.request.prompt_token_ids, seed=7, max_response_tokens=4)
+                                      for s in running], 4, params)
+        per_token = (time.perf_counter() - start) / 4
         for window in range(2):
-            outs = await engine.generate_window([sequence_input(s.request.prompt_token_ids, seed=s.request.seed,
-                                                                max_response_tokens=16, response_ids=s.response_ids)
-                                                 for s in running], 6, SamplingParams(temperature=1.0))
+            pending = asyncio.ensure_future(engine.generate_window(
+                [sequence_input(s.request.prompt_token_ids, seed=s.request.seed, max_response_tokens=24,
+                                response_ids=s.response_ids) for s in running], 12, params))
+            if window == 0:
+                await asyncio.sleep(4 * per_token)
+                await asyncio.to_thread(engine.update_weights, weights, 1)
+            outs = await pending
             for seq, out in zip(list(running), outs):
                 done = out.finished or window == 1
                 segment = window_segment(seq, "g0", out.token_ids, out.logprobs, out.versions, out.scored, out.routes,
@@ -264,7 +278,10 @@ def test_a_moe_models_routes_are_each_tokens_top_k_and_the_learner_replays_them(
     plugin): a tiny random Qwen3-MoE (8 experts, top-2, 2 layers, float32), windows as a generator
     advances them (`MOE_WINDOWS`). Each token's route is the top-2 set transformers' router chooses in
     float32 at the position the token was sampled from; the samples pass the learner's route check
-    and, replayed, give SGLang's log-probs."""
+    and, replayed, give SGLang's log-probs. A weight update cuts the first window's requests a few
+    tokens in: SGLang 0.5.23 returns an aborted request's routes with its tokens, so every token is
+    routed across the cut, before it and after (a record of another length would leave its tokens
+    `UNROUTED`, for the learner to route: `sglang_engine.take_output`)."""
     import json
     import subprocess
     import sys
@@ -273,6 +290,7 @@ def test_a_moe_models_routes_are_each_tokens_top_k_and_the_learner_replays_them(
 
     from asyncrl.learning.routing import refuse_misfit_routes, route_shape
     from asyncrl.learning.tensors import collate
+    from asyncrl.messages.routes import routed_tokens
     from asyncrl.messages.structs import Segment, TrainingRow
     from asyncrl.messages.wire import Codec
     from test_routing_replay import learner_logprobs, max_gap, save_moe_directory
@@ -282,19 +300,23 @@ def test_a_moe_models_routes_are_each_tokens_top_k_and_the_learner_replays_them(
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    rows, same, pairs = [], 0, 0
+    rows, same, pairs, unrouted, spanning = [], 0, 0, 0, 0
     for segment in Codec(list[Segment]).decode(path.read_bytes()):
         prompt, response = segment.prompt_token_ids.tolist(), segment.new_token_ids.tolist()
         assert segment.new_routes.dtype == np.uint8 and segment.new_routes.shape == (len(response), 2, 2)
+        spanning += set(segment.new_versions.tolist()) == {0, 1}
         with torch.no_grad():
             logits = model(torch.tensor([prompt + response]), output_router_logits=True).router_logits
         at = slice(len(prompt) - 1, len(prompt) - 1 + len(response))  # the positions the tokens were sampled from
         router = torch.stack([torch.topk(layer.float(), 2, dim=-1).indices[at] for layer in logits], dim=1)
-        agree = (np.sort(router.numpy(), -1) == np.sort(segment.new_routes, -1)).all(-1)
+        routed = routed_tokens(segment.new_routes)
+        unrouted += int((~routed).sum())
+        agree = (np.sort(router.numpy(), -1) == np.sort(segment.new_routes, -1)).all(-1)[routed]
         same, pairs = same + int(agree.sum()), pairs + agree.size
         rows.append(TrainingRow(segment=segment, score=1.0, advantages=np.zeros(len(response), np.float32)))
-    print(f"SGLang's routes are transformers' float32 top-2 on {same}/{pairs} (token, layer) pairs")
-    assert same >= 0.95 * pairs
+    print(f"SGLang's routes are transformers' float32 top-2 on {same}/{pairs} (token, layer) pairs; "
+          f"{unrouted} tokens unrouted; {spanning} samples across the update")
+    assert spanning and unrouted == 0 and same >= 0.95 * pairs and pairs >= 2 * 4 * 4
     kept, refused = refuse_misfit_routes(rows, route_shape(model))
     assert refused == []
     collated = collate(kept)

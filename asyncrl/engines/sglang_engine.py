@@ -16,8 +16,9 @@ here, SGLang's side of them:
   the radix cache's old prefix (both measured: docs/gpu.md). Each token's version is the one
   SGLang's weight-version spans give it.
 * A mixture-of-experts model's routes (`sglang_routes.RouteLayout`, when SGLang was started with
-  `--enable-return-routed-experts`): each request asks for those of its new tokens; a request that
-  comes back without them (or, cut by an update, with a partial record) leaves its tokens unrouted.
+  `--enable-return-routed-experts`): each request asks for those of its new tokens. A request cut
+  by an update comes back with its tokens' routes too (SGLang 0.5.23, tests/test_sglang_real.py);
+  one that comes back without them, or with a record of another length, leaves its tokens unrouted.
 * Top log-probs (`SamplingParams.top_logprobs`) are SGLang's `top_logprobs_num`, from the same
   distribution as the sampled token's (after the cut: -inf for a token it leaves out).
 * A LoRA version (`load_adapter`) is merged here, in the generator's process, into the base weights
