@@ -157,8 +157,9 @@ def test_images_on_a_text_model_and_engines_without_images_are_refused_at_start_
         compose([*VL, "engine=sglang_cpu"])
     with pytest.raises(ConfigError, match="engine=vllm is not given the images yet"):
         compose([*VL, "engine=vllm"])
-    with pytest.raises(ConfigError, match="LoRA on it"):
-        compose([*VL, "model.lora_rank=8"])
+    assert compose([*VL, "model.lora_rank=8"]).model.lora_rank == 8  # the language model's adapter (test_lora_vision)
+    with pytest.raises(ConfigError, match="model.freeze_vision_tower=false .* needs model.lora_rank=0"):
+        compose([*VL, "model.lora_rank=8", "model.freeze_vision_tower=false"])
     with pytest.raises(ConfigError, match="the value learner"):
         compose([*VL, "algorithm=ppo"])
     text = compose(["model=tiny", "task=tiny"])

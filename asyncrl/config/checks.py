@@ -136,8 +136,11 @@ def _vision_checks(config) -> list[tuple[bool, str]]:
         (config.engine.name == "torch", f"{where} is a vision-language model: prompts with images run on the "
                                         f"embedded engine (engine=torch); engine={config.engine.name} is not given "
                                         f"the images yet"),
-        (not m.lora_rank, f"{where} is a vision-language model: LoRA on it (model.lora_rank > 0) is not supported "
-                          f"yet; train it whole (model.lora_rank=0)"),
+        # LoRA adapts the language model alone (`asyncrl.weights.lora.language_model`); peft freezes every other
+        # weight, and a LoRA update carries the adapter alone: a tower trained whole would reach no generator.
+        (not (m.lora_rank and not m.freeze_vision_tower),
+         f"{where} is a vision-language model: model.lora_rank > 0 adapts its language model and keeps the vision "
+         f"tower frozen; model.freeze_vision_tower=false (the tower trained whole) needs model.lora_rank=0"),
         (not isinstance(config.algorithm.advantage, GAEAdvantage),
          f"{where} is a vision-language model: the value learner (algorithm.advantage.type=gae) does not take "
          f"images yet; use a critic-free algorithm (grpo, dapo, rloo)"),

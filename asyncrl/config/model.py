@@ -59,7 +59,8 @@ class ModelConfig(Section):
     freeze_vision_tower: bool = True
     """A vision-language model: the vision tower (its patch merger too, as verl freezes it) is not
     trained: no gradient, not in the optimizer, run once per distinct image without autograd; false
-    trains it with the language model. verl's actor_rollout_ref.actor.freeze_vision_tower is this."""
+    trains it with the language model (with model.lora_rank = 0 only: LoRA adapts the language model
+    alone). verl's actor_rollout_ref.actor.freeze_vision_tower is this."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """The weights' dtype as loaded (the learners keep fp32 master weights; see `policy.compute.precision`)."""
     use_chat_template: bool = True
@@ -77,7 +78,9 @@ class ModelConfig(Section):
     leaves the experts and the routers; the fused experts are adapted when named with their module,
     experts.gate_up_proj and/or experts.down_proj (a bare down_proj is the linear layers of that
     name), with engine=torch; a router (gate) is never adapted (routing replay) and naming one is
-    refused. A name the model does not have is refused at start-up, naming the ones it has."""
+    refused. On a vision-language model (Qwen2-VL) both mean the language model's layers: never the
+    vision tower nor its merger. A name the model does not have is refused at start-up, naming the
+    ones it has."""
     router_replay: Literal["auto", "off", "rollout"] = "auto"
     """Routing replay (R3) for a mixture-of-experts model (Mixtral, Qwen2-MoE, Qwen3-MoE). rollout:
     the learners' forward sends each generated token through the experts the rollout chose for it

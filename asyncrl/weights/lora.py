@@ -13,6 +13,9 @@ to the generators, and its merge into the base weights they hold.
   (`experts.gate_up_proj`, `experts.down_proj`: peft's `target_parameters`); their adapter travels
   as `<block>.experts.gate_up_proj.lora_A` / `.lora_B` and merges by `lora_experts.merge_experts`.
   Routers never are (routing replay).
+* A vision-language model's (Qwen2-VL's) language model alone is adapted (`language_model`); the
+  vision tower and its merger stay frozen at the base, as every generator already holds them, and a
+  checkpoint or export carries the image processor as a full one's does.
 * Checkpoints and `asyncrl export --adapter` hold the adapter in peft's own format
   (`adapter_config.json`, `adapter_model.safetensors`: `PeftModel.from_pretrained` loads it) and the
   base model's settings (`asyncrl_model.json`), from which `asyncrl export` builds the merged model.
@@ -52,10 +55,27 @@ def adaptable_modules(model: torch.nn.Module) -> list[str]:
     model's routers. On such a model that is attention (and Qwen2-MoE's shared expert and its gate),
     never the experts: transformers 5 holds them as 3-D parameters, not linear layers. The routers
     are left out explicitly (whatever their class): routing replay forces the rollout's experts,
-    and an adapted router would move the choices it replays."""
+    and an adapted router would move the choices it replays. On a vision-language model only the
+    language model's layers are (`language_model`): never the vision tower nor its merger."""
     skip = {id(output_head(model))} | {id(module.gate) for module in model.modules() if is_sparse_block(module)}
+    inside = {id(module) for module in language_model(model).modules()}
     return [name for name, module in model.named_modules()
-            if isinstance(module, torch.nn.Linear) and id(module) not in skip]
+            if isinstance(module, torch.nn.Linear) and id(module) not in skip and id(module) in inside]
+
+
+def language_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The part of `model` LoRA adapts: a vision-language model's language model (transformers'
+    `get_decoder`: Qwen2-VL's `model.language_model`), a text model whole. The vision tower stays
+    as `model.freeze_vision_tower` says, and the generators hold its weights from the base already."""
+    from asyncrl.models.vision import is_vision_model
+
+    if not is_vision_model(model):
+        return model
+    decoder = model.get_decoder()
+    if is_vision_model(decoder):  # transformers found no part without the tower (the model itself, or its trunk)
+        raise ConfigError(f"{type(model).__name__}: its language model cannot be told apart from its vision "
+                          f"tower (transformers' get_decoder), so LoRA cannot leave the tower out")
+    return decoder
 
 
 def output_head(model: torch.nn.Module) -> torch.nn.Module | None:
@@ -89,8 +109,10 @@ def resolve_targets(model: torch.nn.Module, targets: str | list[str]) -> list[st
         moe = ("; on a mixture-of-experts model LoRA adapts the experts when named with their module "
                "(experts.gate_up_proj, experts.down_proj), never the routers (routing replay)"
                ) if any(map(is_sparse_block, model.modules())) else ""
+        vision = ("; on a vision-language model LoRA adapts the language model's, never the vision tower's or "
+                  "its merger's") if language_model(model) is not model else ""
         raise ConfigError(f"model.target_modules: {type(model).__name__} has no linear module named "
-                          f"{', '.join(missing)}; the modules LoRA can adapt are {', '.join(have)}{tied}{moe}")
+                          f"{', '.join(missing)}; the modules LoRA can adapt are {', '.join(have)}{tied}{moe}{vision}")
     return ([m for m in modules if any(picks(t, m) for t in targets)]
             + [p for p in experts if any(lora_experts.selects(t, p) for t in targets)])
 
@@ -108,20 +130,25 @@ def check_targets(model_config: ModelConfig, engine: str = "torch") -> list[str]
     """At start-up: the target modules of `model_config` against its architecture (built on the meta
     device: no weights are read). Raises `ConfigError` naming the modules it has, or when experts are
     adapted for a generator `engine` other than the embedded one."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    from asyncrl.models.loading import build_tiny_model, build_tiny_tokenizer, embedded_gguf_dir
+    from asyncrl.models.loading import build_tiny_model, build_tiny_tokenizer, embedded_gguf_dir, load_tokenizer
+    from asyncrl.models.vision import build_tiny_vl_model
 
     with torch.device("meta"):
         if model_config.source == "tiny":
             skeleton = build_tiny_model(model_config, len(build_tiny_tokenizer()))
+        elif model_config.source == "tiny_vl":
+            skeleton = build_tiny_vl_model(model_config, load_tokenizer(model_config))
         else:
             if model_config.source == "gguf":
                 config = AutoConfig.from_pretrained(model_config.path or embedded_gguf_dir(),
                                                     gguf_file=model_config.gguf_file)
             else:
                 config = AutoConfig.from_pretrained(model_config.path, trust_remote_code=model_config.trust_remote_code)
-            skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=model_config.trust_remote_code)
+            # A vision-language directory loads as its conditional-generation class (`load_model`).
+            auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) else AutoModelForCausalLM
+            skeleton = auto.from_config(config, trust_remote_code=model_config.trust_remote_code)
     targets = resolve_targets(skeleton, model_config.target_modules)
     if engine != "torch" and any(map(lora_experts.is_expert_parameter, targets)):
         # SGLang's checkpoint and loader hold the experts one by one (experts.<e>.gate_proj.weight), not fused.
@@ -153,8 +180,10 @@ def wrap(lm, model_config: ModelConfig):
     # On a mixture-of-experts model peft (0.21, transformers 5) turns `all-linear` and the dense
     # names (gate_proj, up_proj, down_proj, gate) into its `target_parameters` on the fused experts and
     # the routers on its own: it is given the resolved modules and expert parameters by full name.
-    moe = any(map(is_sparse_block, lm.modules()))
-    peft_model = get_peft_model(lm, peft_config(model_config, modules if moe else model_config.target_modules,
+    # So does peft's `all-linear` on a vision-language model (the vision tower's layers too), and a
+    # name such as down_proj would pick Qwen2.5-VL's tower blocks: there it is given the full names too.
+    by_name = any(map(is_sparse_block, lm.modules())) or language_model(lm) is not lm
+    peft_model = get_peft_model(lm, peft_config(model_config, modules if by_name else model_config.target_modules,
                                                 parameters))
     wrapped = lora_experts.wrapped_parameters(lm)
     adapted = sorted(m for m in (module_of(n) for n, _ in lm.named_parameters() if n.endswith(_A)) if m not in wrapped)
@@ -267,12 +296,15 @@ def save_adapter(directory: str, peft_model, adapter: dict[str, torch.Tensor], m
                  tokenizer=None) -> None:
     """`adapter` (the learner's names, whole tensors) in peft's format, with the base model's settings
     and the tokenizer: `PeftModel.from_pretrained(base, directory)` loads it."""
+    from asyncrl.storage.images import save_image_processor
+
     state = {PEFT_PREFIX + name: tensor for name, tensor in adapter.items()}
     peft_model.save_pretrained(directory, state_dict=state, safe_serialization=True)
     with open(os.path.join(directory, MODEL_FILE), "w") as f:
         json.dump(msgspec.to_builtins(model_config), f, indent=1)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
+    save_image_processor(peft_model.get_base_model(), directory)  # a vision-language model's, as a full checkpoint's
 
 
 def is_adapter_dir(directory: str) -> bool:
@@ -331,6 +363,7 @@ def export(policy_dir: str, out_dir: str, adapter_only: bool, trust_remote_code:
     import shutil
 
     from asyncrl.storage.checkpoint_parts import saved_dtype
+    from asyncrl.storage.images import save_image_processor
 
     if adapter_only:
         shutil.copytree(policy_dir, out_dir, dirs_exist_ok=True)
@@ -341,4 +374,5 @@ def export(policy_dir: str, out_dir: str, adapter_only: bool, trust_remote_code:
     lm.to(getattr(torch, dtype))
     lm.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
+    save_image_processor(lm, out_dir)  # a vision-language model's (`load_policy` attached it): as a full export's
     return out_dir
