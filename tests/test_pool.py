@@ -34,6 +34,14 @@ def poll_until(run: Run, done, timeout_s: float = 180.0, every_s: float = 0.3) -
     return steps
 
 
+def assert_ledger_whole(run: Run) -> None:
+    """Learning stopped, every admitted sample is accounted for: none lost, none trained twice."""
+    run.stop_learning()
+    ledger = run.ledger()
+    assert ledger["problems"] == [] and ledger["counts"]["duplicates"] == 0
+    assert len(ledger["trained_ids"]) == len(set(ledger["trained_ids"]))
+
+
 def test_a_killed_generator_is_replaced_while_the_learner_keeps_training(ray_session, tmp_path):
     run = Run(compose([*OVERRIDES, f"trainer.run_dir={tmp_path}"]), str(tmp_path)).start()
     try:
@@ -50,10 +58,7 @@ def test_a_killed_generator_is_replaced_while_the_learner_keeps_training(ray_ses
         status = run.status()
         bound = run.config.algorithm.max_staleness_versions
         assert all(g["delivered_version"] >= status.weight_version - bound - 1 for g in status.generators)
-        run.stop_learning()
-        ledger = run.ledger()
-        assert ledger["problems"] == [] and ledger["counts"]["duplicates"] == 0
-        assert len(ledger["trained_ids"]) == len(set(ledger["trained_ids"]))
+        assert_ledger_whole(run)
     finally:
         run.stop()
 

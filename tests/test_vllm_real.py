@@ -311,39 +311,25 @@ def test_a_killed_vllm_engine_is_healed_by_the_pool(ray_session, tmp_path):
     import json
     import os
     import signal
-    import time
 
     from asyncrl.run import Run
+    from test_pool import assert_ledger_whole, learner_step, poll_until
 
     config = compose(["engine=vllm", "model=tiny", "model.num_heads=2", "task=tiny", "algorithm=grpo",
                       "engine.vllm_kv_cache_mb=64", "trainer.wandb_mode=disabled", "trainer.checkpoint_every=0",
                       f"trainer.run_dir={tmp_path}"])
     run = Run(config, str(tmp_path)).start()
-
-    def step() -> int:
-        return run.role_stats("learner")["step"]
-
-    def poll_until(done, timeout_s: float) -> None:
-        deadline = time.time() + timeout_s
-        while not done():
-            assert time.time() < deadline, f"timed out at step {step()}; generators {run.generator_ids}"
-            run.poll()
-            time.sleep(0.5)
-
     try:
-        poll_until(lambda: step() >= 2, 240)
+        poll_until(run, lambda: learner_step(run) >= 2, 240)
         cores = vllm_processes(run.pid("gen-0"))
         assert len(cores) == 1, cores
         os.kill(cores[0].pid, signal.SIGKILL)
-        killed_at = step()
-        poll_until(lambda: "gen-1" in run.generator_ids and step() >= killed_at + 2, 300)
+        killed_at = learner_step(run)
+        poll_until(run, lambda: "gen-1" in run.generator_ids and learner_step(run) >= killed_at + 2, 300)
         assert run.restarts == []  # healed in place
         events = [json.loads(line) for line in open(tmp_path / "generators.jsonl")]
         assert [(e["event"], e["generator"]) for e in events][:2] == [("removed", "gen-0"), ("joined", "gen-1")], events
         assert run.generator_ids == ["gen-1"] and len(vllm_processes(run.pid("gen-1"))) == 1
-        run.stop_learning()
-        ledger = run.ledger()
-        assert ledger["problems"] == [] and ledger["counts"]["duplicates"] == 0
-        assert len(ledger["trained_ids"]) == len(set(ledger["trained_ids"]))
+        assert_ledger_whole(run)
     finally:
         run.stop()
