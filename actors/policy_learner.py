@@ -34,7 +34,7 @@ from asyncrl.staleness import mask_stale_tokens, mean_staleness, trained_version
 from asyncrl.storage.checkpoint_transfer import WriterClient
 from asyncrl.storage.policy_checkpoints import CheckpointPolicy, LearnerCheckpoints
 from asyncrl.storage.trajectory_store import BATCH_CODEC, BATCH_RECORD_ENCODER, BatchRecord
-from asyncrl.weights.delta import DeltaTracker
+from asyncrl.weights.delta import DeltaTracker, held_dtype
 from asyncrl.weights.sharding import join as join_ranks
 from asyncrl.weights.sync import free_port, node_address, plan_buckets
 from asyncrl.weights.transport import WeightReceivers, WeightSender
@@ -286,7 +286,7 @@ def build_policy_learner(model: ModelConfig, algorithm: AlgorithmConfig, policy:
     """`parallel`, `ranks`: rank 0 of a sharded learner and the calls to its other ranks;
     `delivery_timeout_s`: a weight delivery to a generator that takes longer fails it."""
     rank, tokenizer = build_policy_rank(model, algorithm, policy, engine, sampling, seed, parallel)
-    delta = getattr(torch, engine.dtype) if policy.weight_delta else None  # explicit (checks.py)
+    delta = held_dtype(engine, model) if policy.weight_delta else None
     return PolicyLearner(rank, batches, edges, checkpoints, policy.broadcast_bucket_mb << 20, tokenizer,
                          algorithm.max_staleness_versions, max_steps, ranks, delta, delivery_timeout_s)
 

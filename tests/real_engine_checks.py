@@ -340,6 +340,53 @@ def check_a_lora_version_is_merged_into_the_base(loop, engine, models, **shape):
     assert np.abs(base - out.logprobs).max() > 0.05  # the adapter matters
 
 
+def check_deltas_change_the_version_the_generator_holds(loop, engine, models, **shape):
+    """`policy.weight_delta`: a whole version, then two deltas, staged by the learner's
+    `DeltaTracker` in the server's dtype (float32) and carried by shared memory as the learner sends
+    them; each learner step moves one tensor in a few values (sent as indices and values) and one
+    whole. Every token's log-prob is the learner's at each version. A delta from a version the
+    generator does not hold is refused and changes nothing. `shape`: the module's tiny model's."""
+    import copy
+
+    import torch
+
+    from asyncrl.weights import transport
+    from asyncrl.weights.delta import DeltaTracker
+    from asyncrl.weights.sync import Delivery, WeightTransferError
+
+    def deliver(pieces, version, base):
+        slots = SharedSlots()
+        try:
+            delivery = Delivery(version, "shm", delta_base=base)
+            loop.run_until_complete(asyncio.to_thread(transport.load, engine, delivery, slots.write(pieces), None))
+        finally:
+            slots.close()
+
+    tracker, learner = DeltaTracker(torch.float32), tiny_qwen2(seed=3, **shape)[0]
+    for step in range(3):
+        if step:
+            learner = copy.deepcopy(learner)
+            with torch.no_grad():
+                weights = dict(learner.named_parameters())
+                weights["model.layers.0.self_attn.q_proj.weight"].view(-1)[step::97].add_(0.8)
+                weights[f"model.layers.{step - 1}.mlp.gate_proj.weight"].mul_(-1.5)
+        version = engine.weight_version + 1
+        pieces, base, stats = tracker.stage(version, learner.named_parameters())
+        assert (base, stats["tensors_changed"], stats["tensors_sparse"]) == ((-1, stats["tensors"], 0) if not step
+                                                                             else (version - 1, 2, 1))
+        deliver(pieces, version, base)
+        models[version] = learner
+        (out,) = generate(loop, engine, [sequence_input(PROMPTS[3], seed=90 + step, max_response_tokens=24)], 24,
+                          SamplingParams(temperature=1.0))
+        assert (out.versions == version).all()
+        check_against_learner(models, PROMPTS[3], out, 1.0)
+    stale, _, _ = DeltaTracker(torch.float32).stage(0, tiny_qwen2(**shape)[0].named_parameters())
+    with pytest.raises(WeightTransferError, match=f"a delta from version {version - 1}, but this generator holds "
+                                                  f"version {version}"):
+        deliver(stale[:1], version + 1, version - 1)
+    assert engine.weight_version == version
+
+
 def check_the_policy_endpoint_answers(loop, engine, tiny, overrides: list[str]):
     """The `policy` application's class on the engine (`overrides` pick it), given the module's
     engine: a chat answer and its stream are whole (their lengths, log-probs and finish reasons), and

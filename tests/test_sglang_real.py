@@ -28,7 +28,7 @@ from asyncrl.engines.generation import sequence_input  # noqa: E402
 from asyncrl.learning.scoring import LOGPROB_FLOOR  # noqa: E402
 from asyncrl.messages.structs import FinishReason  # noqa: E402
 from real_engine_checks import (  # noqa: E402
-    check_a_lora_version_is_merged_into_the_base,
+    check_a_lora_version_is_merged_into_the_base, check_deltas_change_the_version_the_generator_holds,
     EOS, PROMPTS, TOLERANCE, check_a_dropped_row_stops_and_the_others_go_on_with_penalties_and_bias,
     check_against_learner, check_an_update_mid_request_lands_at_once, check_greedy_windows_take_the_learners_argmax,
     check_streams_carry_the_learners_logprobs_across_an_update,
@@ -216,6 +216,10 @@ def test_the_policy_endpoint_answers_from_sglang(loop, engine, tiny):
 # Last: it leaves SGLang's weights LoRA-merged, which the tests above do not expect.
 def test_a_lora_version_is_merged_into_the_base_and_its_tokens_are_the_learners(loop, engine, models):
     check_a_lora_version_is_merged_into_the_base(loop, engine, models)
+
+
+def test_deltas_change_the_version_the_generator_holds(loop, engine, models):
+    check_deltas_change_the_version_the_generator_holds(loop, engine, models)
 
 
 # A mixture-of-experts model on an SGLang engine of its own process (`Engine.shutdown` ends every child

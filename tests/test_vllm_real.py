@@ -26,7 +26,7 @@ from asyncrl.engines.generation import sequence_input  # noqa: E402
 from asyncrl.learning.scoring import LOGPROB_FLOOR  # noqa: E402
 from asyncrl.messages.structs import FinishReason  # noqa: E402
 from real_engine_checks import (  # noqa: E402
-    check_a_lora_version_is_merged_into_the_base,
+    check_a_lora_version_is_merged_into_the_base, check_deltas_change_the_version_the_generator_holds,
     EOS, PROMPTS, TOLERANCE, check_a_dropped_row_stops_and_the_others_go_on_with_penalties_and_bias,
     check_against_learner, check_an_update_mid_request_lands_at_once, check_greedy_windows_take_the_learners_argmax,
     check_streams_carry_the_learners_logprobs_across_an_update,
@@ -226,6 +226,10 @@ def test_a_lora_version_is_merged_into_the_base_and_its_tokens_are_the_learners(
     check_a_lora_version_is_merged_into_the_base(loop, engine, models, hidden_size=HIDDEN)
 
 
+def test_deltas_change_the_version_the_generator_holds(loop, engine, models):
+    check_deltas_change_the_version_the_generator_holds(loop, engine, models, hidden_size=HIDDEN)
+
+
 def test_the_policy_endpoint_answers_from_vllm(loop, engine, tiny):
     plain, entries = check_the_policy_endpoint_answers(loop, engine, tiny, ["engine=vllm",
                                                                             "engine.vllm_kv_cache_mb=64"])
@@ -307,7 +311,8 @@ def test_a_killed_vllm_engine_is_healed_by_the_pool(ray_session, tmp_path):
     """vLLM's engine-core process killed under a running generator: vLLM's error ends the
     generator's loop, the pool replaces the generator (a new one with a vLLM of its own) and the
     learner trains on, with no restart from a checkpoint and nothing lost or trained twice. Never
-    a silent stall."""
+    a silent stall. With delta updates (`policy.weight_delta`): the new generator is sent a whole
+    version to hold, then deltas from it."""
     import json
     import os
     import signal
@@ -317,7 +322,7 @@ def test_a_killed_vllm_engine_is_healed_by_the_pool(ray_session, tmp_path):
 
     config = compose(["engine=vllm", "model=tiny", "model.num_heads=2", "task=tiny", "algorithm=grpo",
                       "engine.vllm_kv_cache_mb=64", "trainer.wandb_mode=disabled", "trainer.checkpoint_every=0",
-                      f"trainer.run_dir={tmp_path}"])
+                      "policy.weight_delta=true", f"trainer.run_dir={tmp_path}"])
     run = Run(config, str(tmp_path)).start()
     try:
         poll_until(run, lambda: learner_step(run) >= 2, 240)
@@ -330,6 +335,7 @@ def test_a_killed_vllm_engine_is_healed_by_the_pool(ray_session, tmp_path):
         events = [json.loads(line) for line in open(tmp_path / "generators.jsonl")]
         assert [(e["event"], e["generator"]) for e in events][:2] == [("removed", "gen-0"), ("joined", "gen-1")], events
         assert run.generator_ids == ["gen-1"] and len(vllm_processes(run.pid("gen-1"))) == 1
+        assert "delta_elements" in run.role_stats("learner")["last_broadcast"]
         assert_ledger_whole(run)
     finally:
         run.stop()

@@ -161,12 +161,9 @@ def _lora_checks(config) -> list[tuple[bool, str]]:
         (not (m.lora_rank and p.weight_delta),
          "policy.weight_delta sends the changed weights of a full fine-tune; with model.lora_rank > 0 every "
          "update is the adapter alone already: set one of them"),
-        (not p.weight_delta or config.engine.name == "torch",
-         "policy.weight_delta needs the embedded engine (engine=torch), which keeps its own weights to apply "
-         "changes to; SGLang takes whole versions"),
-        (not p.weight_delta or config.engine.dtype != "auto",
-         "policy.weight_delta computes what changed in the engine's dtype, which the learner must know: set "
-         "engine.dtype=bfloat16 or float32 (auto is measured by each generator at start-up)"),
+        (not p.weight_delta or config.engine.name != "torch" or config.engine.dtype != "auto",
+         "policy.weight_delta computes what changed in the embedded engine's dtype, which the learner must "
+         "know: set engine.dtype=bfloat16 or float32 (auto is measured by each generator at start-up)"),
     ]
 
 

@@ -129,9 +129,11 @@ class PolicyConfig(Section):
     GPU, a torch.distributed group for other nodes) | shm | cuda_ipc | group (forced)."""
     weight_delta: bool = False
     """Full fine-tuning: send each generator only what changed since the version it holds, in the
-    engine's dtype (unchanged tensors left out; a tensor with few changed values as their indices
-    and values), instead of every weight. The embedded engine only, with engine.dtype set (not auto). Off by default: see whether it
-    pays (docs/benchmarks.md, "Delta weight updates")."""
+    generators' dtype (unchanged tensors left out; a tensor with few changed values as their indices
+    and values), instead of every weight. The embedded engine needs engine.dtype set (not auto);
+    SGLang and vLLM hold the weights in model.dtype, and each generator keeps a copy of the
+    version deltas change (vLLM then loads it whole). Off by default: see whether it pays
+    (docs/benchmarks.md, "Delta weight updates")."""
 
 
 class ValueLoss(Section):

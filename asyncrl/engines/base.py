@@ -154,3 +154,10 @@ class Engine(Protocol):
     def load_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], adapter, version: int) -> None:
         """Take a LoRA version: `<module>.lora_A`, `<module>.lora_B` (`asyncrl.weights.sync.AdapterSpec`
         says the scale), merged into the base weights of those modules, never into an earlier version."""
+
+    def hold_version(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """`policy.weight_delta`: take a whole version and keep it as the weights deltas change."""
+
+    def apply_delta(self, named_tensors: Iterable[tuple[str, torch.Tensor]], base_version: int, version: int) -> None:
+        """`policy.weight_delta`: what changed since `base_version` (`asyncrl.weights.delta`); a delta
+        from any other version than the one held is refused (`WeightTransferError`)."""

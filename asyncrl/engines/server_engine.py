@@ -34,6 +34,8 @@ import torch
 from asyncrl.engines.base import SamplingParams, SequenceInput, WindowOutput, scored_positions
 from asyncrl.messages.routes import joined_routes
 from asyncrl.messages.structs import FinishReason
+from asyncrl.weights import delta as weights_delta
+from asyncrl.weights.sync import WeightTransferError
 
 # How long an update waits for the requests it aborted to come back before it fails.
 DRAIN_TIMEOUT_S = 120.0
@@ -71,6 +73,9 @@ class ServerEngine:
     # The generator hands this engine an update at once instead of between windows.
     updates_mid_window = True
     server = "the server"  # its name in messages
+    # True: every tensor of a version is loaded at each update (vLLM's CPU build repacks every
+    # layer at a reload); False: the server takes some tensors and keeps the rest (SGLang).
+    loads_whole_versions = False
 
     def __init__(self, eos_token_ids: Iterable[int]):
         self.eos_token_ids = sorted(set(int(i) for i in eos_token_ids))
@@ -88,6 +93,9 @@ class ServerEngine:
         # Requests sent, prefix tokens the server read from its cache, and the same for the requests
         # that continued a request an update cut (their cache hits must be 0: no KV of old weights).
         self.counters = {"requests": 0, "cached_tokens": 0, "continued": 0, "continued_cached_tokens": 0}
+        # `policy.weight_delta`: (version, weights) of the whole version deltas change; a server's
+        # loaded weights cannot be read back, so the generator keeps this copy.
+        self._held: tuple[int, dict[str, torch.Tensor]] | None = None
 
     @property
     def weight_version(self) -> int:
@@ -217,6 +225,29 @@ class ServerEngine:
             coroutine.close()
             raise RuntimeError(f"{type(self).__name__}'s weight updates block: call them from a worker thread")
         asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def hold_version(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """A whole version in delta mode (`policy.weight_delta`): copied here, in the dtype it came in
+        (the server's), then loaded; the deltas that follow change the copy."""
+        held = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in named_tensors}
+        self._held = None
+        self.update_weights(held.items(), version)
+        self._held = (version, held)
+
+    def apply_delta(self, named_tensors: Iterable[tuple[str, torch.Tensor]], base_version: int, version: int) -> None:
+        """What changed since `base_version` (`asyncrl.weights.delta`), written into the held copy; then
+        the changed tensors are loaded (every tensor where the server takes whole versions only). A
+        delta from another version is refused, and one whose load failed leaves no version held."""
+        if self._held is None or self._held[0] != base_version:
+            held = "none" if self._held is None else f"version {self._held[0]}"
+            raise WeightTransferError(f"a delta from version {base_version}, but this generator holds {held}")
+        pieces = list(named_tensors)
+        held, self._held = self._held[1], None
+        weights_delta.apply(held, pieces)
+        changed = {weights_delta.target(name) for name, _ in pieces}
+        self.update_weights([(name, t) for name, t in held.items() if self.loads_whole_versions or name in changed],
+                            version)
+        self._held = (version, held)
 
     async def _swap(self, load, version: int) -> None:
         """Cut the requests in flight, `await load()` (the server loads the version), set the version;

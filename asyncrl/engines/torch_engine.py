@@ -170,6 +170,10 @@ class TorchEngine:
             self._lora = AdapterMerger.of(dict(self.model.named_parameters()), adapter_modules(tensors))
         self.update_weights(self._lora.merged(tensors, adapter.scaling), version)
 
+    def hold_version(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """A whole version in delta mode: copied into the engine's own weights, which deltas change."""
+        self.update_weights(named_tensors, version)
+
     def apply_delta(self, named_tensors: Iterable[tuple[str, torch.Tensor]], base_version: int, version: int) -> None:
         """What changed since `base_version` (`asyncrl.weights.delta`), written into the engine's own weights."""
         with self._lock:

@@ -95,6 +95,7 @@ class VLLMSteps(RequestSteps):
 
 class VLLMEngine(ServerEngine):
     server = "vLLM"
+    loads_whole_versions = True
 
     def __init__(self, engine_args: dict, eos_token_ids: Iterable[int]):
         """`engine_args`: vLLM's `AsyncEngineArgs` fields (`vllm_launch.engine_args`)."""

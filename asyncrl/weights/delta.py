@@ -21,6 +21,18 @@ INDEX, VALUES = "@index", "@values"
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+def held_dtype(engine, model) -> torch.dtype:
+    """The dtype the generators hold the weights in, which a delta is computed in: the embedded
+    engine's `engine.dtype` (set, not auto: `asyncrl.config.checks`), an inference server's the
+    model's (`model.dtype`: SGLang and vLLM load the weights so)."""
+    return getattr(torch, engine.dtype if engine.name == "torch" else model.dtype)
+
+
+def target(name: str) -> str:
+    """The tensor a delta's piece writes into (`<name>`, `<name>@index` or `<name>@values`)."""
+    return name.removesuffix(INDEX).removesuffix(VALUES)
+
+
 def changed(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """Bool mask of the elements whose bits differ (flat)."""
     if old.shape != new.shape or old.dtype != new.dtype:
@@ -62,17 +74,16 @@ def apply(weights: dict[str, torch.Tensor], pieces: Iterable[tuple[str, torch.Te
     index = None
     with torch.no_grad():
         for name, tensor in pieces:
-            target = weights[name.removesuffix(INDEX).removesuffix(VALUES)]
-            if not name.endswith(INDEX) and tensor.dtype != target.dtype:
-                raise ValueError(f"a delta in {tensor.dtype} for {name}, whose weights are {target.dtype}: "
+            into = weights[target(name)]
+            if not name.endswith(INDEX) and tensor.dtype != into.dtype:
+                raise ValueError(f"a delta in {tensor.dtype} for {name}, whose weights are {into.dtype}: "
                                  f"deltas are exact only in the engine's own dtype")
             if name.endswith(INDEX):
                 index = (name[: -len(INDEX)], tensor.long())
             elif name.endswith(VALUES):
-                target = name[: -len(VALUES)]
-                if index is None or index[0] != target:
-                    raise ValueError(f"delta values of {target} without its indices")
-                weights[target].view(-1).index_copy_(0, index[1], tensor)
+                if index is None or index[0] != target(name):
+                    raise ValueError(f"delta values of {target(name)} without its indices")
+                weights[target(name)].view(-1).index_copy_(0, index[1], tensor)
                 index = None
             else:
                 weights[name].copy_(tensor)

@@ -137,8 +137,8 @@ def load(engine, delivery: Delivery, payload, group: WeightGroup | None) -> None
     windows, or while they run where the engine takes updates mid-window: SGLang). On shm the
     engine gets the slot's layout (`Engine.adopt_shared`): the embedded engine views it, SGLang's
     scheduler maps the file itself. An adapter is merged by the engine (`Engine.load_adapter`), a
-    delta applied to its own weights (`Engine.apply_delta`); a whole version in delta mode is
-    copied (later deltas write into it), never viewed."""
+    delta applied to the copy of the weights it holds (`Engine.apply_delta`); a whole version in
+    delta mode is copied (`Engine.hold_version`: later deltas write into it), never viewed."""
     version = delivery.weight_version
     if delivery.path == "shm" and delivery.adapter is None and delivery.delta_base is None:
         engine.adopt_shared(payload, version)
@@ -157,6 +157,8 @@ def load(engine, delivery: Delivery, payload, group: WeightGroup | None) -> None
         engine.load_adapter(named, delivery.adapter, version)
     elif delivery.delta_base is not None and delivery.delta_base >= 0:
         engine.apply_delta(named, delivery.delta_base, version)
+    elif delivery.delta_base is not None:
+        engine.hold_version(named, version)
     else:
         engine.update_weights(named, version)
 
