@@ -100,6 +100,18 @@ def load_in_thread(engine, model, version, how):
             slots.close()
 
 
+def deliver_over_shared_memory(loop, engine, delivery, named_tensors):
+    """`delivery` with its tensors through a shared-memory slot, taken by the generator's own
+    `asyncrl.weights.transport.load` on a worker thread."""
+    from asyncrl.weights import transport
+
+    slots = SharedSlots()
+    try:
+        loop.run_until_complete(asyncio.to_thread(transport.load, engine, delivery, slots.write(named_tensors), None))
+    finally:
+        slots.close()
+
+
 # --- the checks both engines pass ------------------------------------------------------------------
 
 
@@ -307,7 +319,7 @@ def check_a_lora_version_is_merged_into_the_base(loop, engine, models, **shape):
     import torch
 
     from asyncrl.config import ModelConfig
-    from asyncrl.weights import lora, transport
+    from asyncrl.weights import lora
     from asyncrl.weights.sync import AdapterSpec, Delivery
 
     settings = ModelConfig(source="hf", lora_rank=4, lora_alpha=8)
@@ -327,12 +339,7 @@ def check_a_lora_version_is_merged_into_the_base(loop, engine, models, **shape):
         if how == "direct":
             loop.run_until_complete(asyncio.to_thread(engine.load_adapter, adapter, spec, version))
         else:
-            slots = SharedSlots()
-            try:
-                delivery = Delivery(version, "shm", adapter=spec)
-                loop.run_until_complete(asyncio.to_thread(transport.load, engine, delivery, slots.write(adapter), None))
-            finally:
-                slots.close()
+            deliver_over_shared_memory(loop, engine, Delivery(version, "shm", adapter=spec), adapter)
         (out,) = generate(loop, engine, [sequence_input(PROMPTS[1], seed=80 + seed, max_response_tokens=24)], 24, params)
         assert (out.versions == version).all()
         check_against_learner(models, PROMPTS[1], out, 1.0)
@@ -350,17 +357,11 @@ def check_deltas_change_the_version_the_generator_holds(loop, engine, models, **
 
     import torch
 
-    from asyncrl.weights import transport
     from asyncrl.weights.delta import DeltaTracker
     from asyncrl.weights.sync import Delivery, WeightTransferError
 
     def deliver(pieces, version, base):
-        slots = SharedSlots()
-        try:
-            delivery = Delivery(version, "shm", delta_base=base)
-            loop.run_until_complete(asyncio.to_thread(transport.load, engine, delivery, slots.write(pieces), None))
-        finally:
-            slots.close()
+        deliver_over_shared_memory(loop, engine, Delivery(version, "shm", delta_base=base), pieces)
 
     tracker, learner = DeltaTracker(torch.float32), tiny_qwen2(seed=3, **shape)[0]
     for step in range(3):
