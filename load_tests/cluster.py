@@ -6,6 +6,8 @@
     sudo python load_tests/cluster.py scale            # 1, 2, 4, 8 generators spread over the nodes
     sudo python load_tests/cluster.py delta            # the demo's weight updates, full against delta
                                                        # (policy.weight_delta), same node and across
+    sudo python load_tests/cluster.py vllm             # vLLM generators on the worker node: full and
+                                                       # delta updates into them across the nodes
     sudo python load_tests/cluster.py up | down        # leave it running / take it down
 
 Two namespaces joined by a veth pair, each with its own address (head 10.77.0.1, worker
@@ -272,6 +274,45 @@ def delta(steps: int, out_dir: str, timeout_s: float = 1800) -> dict:
     return out
 
 
+# The tiny task with a vLLM generator on the worker node (the whole cluster runs .venv-vllm's Ray:
+# its nodes must match), its learner on the head; every version crosses the nodes in the learner's
+# gloo group and is loaded into the running vLLM by tensors (`VLLMEngine.update_weights`).
+# Synchronous (each batch generated under the version the learner trains next), so that every
+# step's gap between vLLM's log-probs and the learner's says whether that version arrived whole.
+VLLM_RUN = ["engine=vllm", "model=tiny", "model.num_heads=2", "task=tiny", "algorithm=grpo", "engine.vllm_kv_cache_mb=64",
+            "trainer.synchronous=true", "algorithm.max_staleness_versions=0", "trainer.checkpoint_every=0", *PINNED]
+
+
+def vllm(steps: int, out_dir: str, timeout_s: float = 900) -> dict:
+    """Full and delta weight updates into a vLLM generator on the other node: per run the path, the
+    versions each generator holds, bytes and seconds per update, and the gap between vLLM's log-probs
+    and the learner's on the steps whose tokens were all of the version the engine held."""
+    out = {}
+    for variant, extra in (("full", []), ("delta", ["policy.weight_delta=true"])):
+        run_dir = tempfile.mkdtemp(prefix=f"cluster-vllm-{variant}-", dir=out_dir)
+        args = [f"{VENV_BIN}/asyncrl", "train", f"trainer.total_steps={steps}", f"trainer.run_dir={run_dir}",
+                f"cluster.ray_address={ADDRESS}", *VLLM_RUN, *extra]
+        start = time.time()
+        done = run_in_head(args, timeout_s)
+        if done.returncode != 0:
+            raise RuntimeError(f"asyncrl train failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        summary = json.load(open(os.path.join(run_dir, "summary.json")))
+        status = summary["final_status"]
+        records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+        fresh = [r["rollout_kl_k3"] for r in records if r["staleness_max"] == 0 and "rollout_kl_k3" in r]
+        row = {"wall_s": round(time.time() - start, 1), "steps": summary["steps"],
+               "paths": status["last_broadcast"].get("paths"), "learner_version": status["weight_version"],
+               "weight_versions": {f"{g['generator_id']}@{g['node_ip']}": g["delivered_version"] for g in status["generators"]},
+               "bytes": [r["broadcast_bytes"] for r in records], "seconds": [r["broadcast_s"] for r in records],
+               "changed_fraction": [r.get("delta_changed_fraction") for r in records],
+               "rollout_kl_k3_fresh_max": max(fresh) if fresh else None, "fresh_steps": len(fresh),
+               "reward_first_last": [records[0].get("reward_mean_generated"), records[-1].get("reward_mean_generated")],
+               "ledger_problems": status["ledger"]["problems"]}
+        out[variant] = row
+        print(variant, json.dumps(row), flush=True)
+    return out
+
+
 def delta_table(result: dict) -> str:
     """One line per run: the medians over its updates after the first (a step's record before any
     update has 0 bytes; a delta's first update is the whole version)."""
@@ -290,12 +331,15 @@ def delta_table(result: dict) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["up", "down", "train", "serve", "scale", "delta"])
+    parser.add_argument("command", choices=["up", "down", "train", "serve", "scale", "delta", "vllm"])
     parser.add_argument("--steps", type=int, help="learner steps a run takes (default 40; delta: 4, the demo's steps are long)")
     parser.add_argument("--generators", type=int, nargs="*", default=[1, 2, 4, 8])
     parser.add_argument("--out", default=os.path.join(ROOT, "outputs", "cluster"))
     args = parser.parse_args()
-    args.steps = args.steps or (4 if args.command == "delta" else 40)
+    args.steps = args.steps or {"delta": 4, "vllm": 10}.get(args.command, 40)
+    if args.command == "vllm":  # every node and the driver from vLLM's venv (`make vllm`)
+        global VENV_BIN
+        VENV_BIN = os.path.join(ROOT, ".venv-vllm", "bin")
     if os.geteuid() != 0:
         print("needs root (ip netns)", file=sys.stderr)
         return 2
@@ -308,7 +352,12 @@ def main() -> int:
         return 0
     os.makedirs(args.out, exist_ok=True)
     try:
-        if args.command == "delta":
+        if args.command == "vllm":
+            result = vllm(args.steps, tempfile.mkdtemp(prefix="cluster-vllm-", dir=args.out))
+            ok = all(not r["ledger_problems"] and r["paths"] == ["group"] and r["rollout_kl_k3_fresh_max"] is not None
+                     and r["rollout_kl_k3_fresh_max"] < 1e-3 and min(r["weight_versions"].values()) >= r["learner_version"] - 1
+                     for r in result.values())
+        elif args.command == "delta":
             result = delta(args.steps, tempfile.mkdtemp(prefix="cluster-delta-", dir=args.out))
             print(delta_table(result))
             ok = (not any(r["ledger_problems"] for r in result.values())
