@@ -13,7 +13,7 @@ import pytest
 
 from asyncrl.config import compose
 from asyncrl.run import Run
-from asyncrl.run.pool import autoscale_step
+from asyncrl.run.pool import autoscale_step, start_refusal
 
 OVERRIDES = ["model=tiny", "task=tiny", "algorithm=grpo", "trainer.wandb_mode=disabled", "trainer.checkpoint_every=0",
              "cluster.num_generators=2", "cluster.generator_timeout_s=30", "algorithm.max_staleness_versions=4"]
@@ -103,6 +103,26 @@ def test_the_autoscaler_grows_on_a_waiting_learner_and_shrinks_on_waiting_batche
     assert autoscale_step(1, 1, 4, learner_waiting=0.0, batches_waiting=1.0) == 1  # at the bottom
     assert autoscale_step(3, 1, 4, learner_waiting=0.5, batches_waiting=0.5) == 3  # exactly half: no change
     assert autoscale_step(6, 1, 4, learner_waiting=0.2, batches_waiting=0.2) == 4
+
+
+def test_a_generator_that_refuses_to_start_is_the_runs_one_line_refusal():
+    """Ray keeps only the text of a generator's failed start (its traceback): a `ConfigError` raised
+    there (vLLM cannot load the model) comes back as itself, one line, for the CLI to print; any
+    other death stays Ray's. `tests/test_vllm_real.py` raises the real one."""
+    from ray.exceptions import RayActorError
+
+    from asyncrl.config import ConfigError
+
+    reason = "engine=vllm: vLLM cannot start on the model directory /m: Model architectures ['X'] are not supported"
+    died = RayActorError(error_msg="The actor died because of an error raised in its creation task, ray::G.__init__()\n"
+                         "  File \"vllm/config/model.py\", line 1\npydantic_core.ValidationError: 1 validation error\n"
+                         "  Value error, ...\n\nThe above exception was the direct cause of the following exception:\n"
+                         f"  File \"vllm_launch.py\", line 90\nasyncrl.config.checks.ConfigError: {reason}",
+                         actor_init_failed=True)
+    refused = start_refusal(died)
+    assert isinstance(refused, ConfigError) and str(refused) == reason
+    assert start_refusal(RayActorError(error_msg=str(died), actor_init_failed=False)) is None  # died later: a heal
+    assert start_refusal(RayActorError(error_msg="ValueError: something else", actor_init_failed=True)) is None
 
 
 @pytest.mark.slow

@@ -73,6 +73,33 @@ def test_what_vllm_cannot_do_is_refused_at_start_up():
         VLLMSampling(temperature=3.0)
 
 
+def test_a_model_vllm_cannot_load_is_refused_in_one_line_with_vllms_reason(loop, tmp_path):
+    """GPT-Neo (EleutherAI's gpt-neo-125M, say): transformers, and so the learner, loads it; vLLM has
+    no implementation of it and its Transformers backend cannot run it (no attention interface).
+    vLLM's refusal (a pydantic `ValidationError` of many lines, ending in every architecture it
+    knows) becomes one line naming the directory and vLLM's reason. Fails in seconds, before any
+    vLLM process starts."""
+    from transformers import AutoModelForCausalLM, GPTNeoConfig, GPTNeoForCausalLM
+
+    from asyncrl.config import ConfigError
+    from asyncrl.engines.vllm_launch import start_vllm
+    from asyncrl.models.loading import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    GPTNeoForCausalLM(GPTNeoConfig(vocab_size=len(tokenizer), hidden_size=HIDDEN, num_layers=2, num_heads=4,
+                                   attention_types=[[["global", "local"], 1]], max_position_embeddings=1024,
+                                   eos_token_id=tokenizer.eos_token_id)).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    assert type(AutoModelForCausalLM.from_pretrained(tmp_path)).__name__ == "GPTNeoForCausalLM"
+    config = compose(["engine=vllm", "model.source=hf", f"model.path={tmp_path}", "engine.vllm_kv_cache_mb=64"])
+    with pytest.raises(ConfigError) as refused:
+        started(loop, lambda: start_vllm(config.model, config.engine, seed=0))
+    message = str(refused.value)
+    assert "\n" not in message and len(message) < 300, message
+    assert message == (f"engine=vllm: vLLM cannot start on the model directory {tmp_path}: "
+                       "Model architectures ['GPTNeoForCausalLM'] are not supported for now.")
+
+
 def test_windows_carry_the_learners_logprobs(loop, engine, models):
     check_windows_carry_the_learners_logprobs(loop, engine, models)
 

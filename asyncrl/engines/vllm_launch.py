@@ -8,8 +8,9 @@ from __future__ import annotations
 import contextlib
 import os
 
-from asyncrl.config import EngineConfig, ModelConfig
+from asyncrl.config import ConfigError, EngineConfig, ModelConfig
 from asyncrl.engines.sglang_launch import eos_ids, hf_directory
+from asyncrl.errors import StartupError
 
 # The worker-side loaders (`asyncrl.engines.vllm_worker`), mixed into vLLM's worker class.
 WORKER_EXTENSION = "asyncrl.engines.vllm_worker.WeightLoading"
@@ -82,5 +83,41 @@ def start_vllm(model: ModelConfig, engine: EngineConfig, seed: int = 0):
     from asyncrl.engines.vllm_engine import VLLMEngine
 
     directory = hf_directory(model)
+    args, eos = engine_args(directory, model, engine, seed), eos_ids(directory)
     with engine_environment(engine):
-        return VLLMEngine(engine_args(directory, model, engine, seed), eos_ids(directory))
+        try:
+            return VLLMEngine(args, eos)
+        except Exception as exc:  # vLLM refused the model or its settings: its reason, in one line
+            raise refusal(directory, exc) from exc
+
+
+# vLLM ends some reasons with every name it knows (its ~300 architectures): the reason stops before it.
+_ENUMERATIONS = (" Supported architectures:",)
+_ENGINE_CORE_FAILED = "See root cause above"
+
+
+def refusal(directory: str, exc: BaseException) -> Exception:
+    """vLLM's failed start-up as one line naming the model directory and vLLM's reason: the root
+    cause's message (a pydantic `ValidationError`'s, as vLLM's `ModelConfig` raises, is its
+    validator's own error), its first line, without a trailing list of what vLLM supports. A
+    `ConfigError` where vLLM refused the model or the settings; a `StartupError` where its engine
+    process failed while starting, whose cause vLLM logged (the exception here names none)."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    message = str(exc)
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        try:
+            first = errors()[0]
+            inner = (first.get("ctx") or {}).get("error")
+            message = str(inner) if inner is not None else str(first.get("msg", message))
+        except Exception:  # noqa: BLE001 - not pydantic's after all: its own message
+            pass
+    if _ENGINE_CORE_FAILED in message:
+        return StartupError(f"engine=vllm: vLLM's engine process failed while starting on the model directory "
+                            f"{directory} (vLLM's log above says why)")
+    line = next((part.strip() for part in message.splitlines() if part.strip()), type(exc).__name__)
+    for enumeration in _ENUMERATIONS:
+        line = line.split(enumeration)[0]
+    line = line if len(line) <= 400 else line[:400] + "..."
+    return ConfigError(f"engine=vllm: vLLM cannot start on the model directory {directory}: {line}")

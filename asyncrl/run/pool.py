@@ -23,6 +23,7 @@ Every change is an event: a line of `generators.jsonl` in the run directory and 
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from typing import Any, Callable
@@ -30,6 +31,8 @@ from typing import Any, Callable
 import ray
 
 from actors.generator import GeneratorActor
+from asyncrl.config import ConfigError
+from asyncrl.errors import StartupError
 from asyncrl.run.deadlines import answer
 from asyncrl.run.placement import ask, spawn
 from asyncrl.weights.transport import choose_paths
@@ -78,7 +81,13 @@ class GeneratorPool:
     def join(self, gids: list[str], timeout_s: float = 600.0) -> None:
         """The learner delivers the current version to each of `gids`, each by its path."""
         learner, policy = self.system.actors["learner"], self.system.config.policy
-        nodes = answer([self.generators[g].node_id.remote() for g in gids], "new generators", "node_id", timeout_s)
+        try:
+            nodes = answer([self.generators[g].node_id.remote() for g in gids], "new generators", "node_id", timeout_s)
+        except ray.exceptions.RayActorError as exc:  # a generator refused to start (vLLM cannot load the model)
+            refused = start_refusal(exc)
+            if refused is None:
+                raise
+            raise refused from None
         paths = choose_paths(answer(learner.node_id.remote(), "the learner", "node_id"), nodes, policy.compute.device,
                              policy.weight_transport)
         backend = "nccl" if policy.compute.device == "cuda" else "gloo"
@@ -226,6 +235,24 @@ class GeneratorPool:
                  "generators": len(self.generators), "target": self.target, **extra}
         self.on_event(event)
         return event
+
+
+# The last line of a creation task's traceback as Ray words it, when the task raised a refusal.
+_REFUSAL = re.compile(r"^(?:[\w.]+\.)?(ConfigError|StartupError): (.+)$")
+
+
+def start_refusal(exc: Exception) -> Exception | None:
+    """The one-line refusal (`ConfigError`, `StartupError`) a generator's start raised, read back
+    from Ray's `ActorDiedError`, or None. Ray keeps only the text of a creation task's error (its
+    traceback), never the exception: the refusal is that traceback's last line of its kind. A
+    deterministic refusal is the run's to report, not a start to try again."""
+    if not getattr(exc, "actor_init_failed", False):
+        return None
+    for line in reversed(str(exc).splitlines()):
+        match = _REFUSAL.match(line.strip())
+        if match:
+            return (ConfigError if match[1] == "ConfigError" else StartupError)(match[2])
+    return None
 
 
 def autoscale_step(live: int, low: int, high: int, learner_waiting: float, batches_waiting: float) -> int:
