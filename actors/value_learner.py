@@ -35,6 +35,7 @@ from asyncrl.learning.value import ExplainedVarianceWindow, center_value_head, d
 from asyncrl.messages.mailbox import Mailbox, RecentIds
 from asyncrl.messages.structs import ScoredTrajectory
 from asyncrl.models.loading import load_model, load_tokenizer, value_model_from_checkpoint, value_model_from_policy
+from asyncrl.models.vision import freeze_vision_tower
 from asyncrl.storage import checkpoint_parts
 from asyncrl.storage.checkpoint_transfer import WriterClient, local_copy, write_part
 
@@ -55,7 +56,9 @@ class ValueLearner(TrainingLoop):
         self.serving = copy.deepcopy(value_model).eval().requires_grad_(False)
         self.trajectories = trajectories
         self.critic, self.gamma = critic, gamma
-        self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), critic.optimizer)
+        # A frozen vision tower is not in the optimizer, as the policy learner's (`PolicyRank`).
+        self.optimizer, self.scheduler = build_optimizer([p for p in self.model.parameters() if p.requires_grad],
+                                                         critic.optimizer)
         self.batch_trajectories = critic.batch_trajectories
         self.warmup = critic.warmup
         self.center_head = center_head
@@ -82,28 +85,33 @@ class ValueLearner(TrainingLoop):
         """The warm-up (value pretraining) is over: it learned what it could, or ran its longest."""
         return self._warmed_up
 
-    async def values(self, rows: list[tuple]) -> tuple[list[np.ndarray], int]:
+    async def values(self, rows: list[tuple], images: list[tuple[str, ...]] | None = None
+                     ) -> tuple[list[np.ndarray], int]:
         """`V(s_t)` for the new tokens of each (context, new[, routes]) row plus the state after its
-        last token (n + 1 values), and the value version used."""
+        last token (n + 1 values), and the value version used. `images`: each row's prompt images
+        by reference (a vision-language model's rows; None: none has any)."""
         start = time.perf_counter()
         async with self._serving_lock:
             version = self.version
             out = await asyncio.to_thread(predict_values, self.serving, rows, self.pad_token_id,
                                           self.critic.compute.micro_batch_tokens, True, self.critic.compute.precision,
-                                          self.router_replay)
+                                          self.router_replay, images)
         self.timing["serve_s"] += time.perf_counter() - start
         self.counters["value_requests"] += 1
         self.counters["rows_valued"] += len(rows)
         return out, version
 
-    async def reference_logprobs(self, rows: list[tuple]) -> list[np.ndarray]:
-        """log π_ref of each (context, new[, routes]) row's new tokens, under the generators' sampling settings."""
+    async def reference_logprobs(self, rows: list[tuple], images: list[tuple[str, ...]] | None = None
+                                 ) -> list[np.ndarray]:
+        """log π_ref of each (context, new[, routes]) row's new tokens (with its prompt's `images`),
+        under the generators' sampling settings."""
         if self.reference is None:
             raise RuntimeError("this value learner holds no reference policy (algorithm.advantage.kl_in_reward is off)")
         p = self.sampling
         start = time.perf_counter()
         out = await asyncio.to_thread(response_logprobs, self.reference, rows, p.temperature, p.top_k, p.top_p,
-                                      self.pad_token_id, self.critic.compute.micro_batch_tokens, self.router_replay)
+                                      self.pad_token_id, self.critic.compute.micro_batch_tokens, self.router_replay,
+                                      images)
         self.timing["serve_s"] += time.perf_counter() - start
         self.counters["rows_referenced"] += len(rows)
         return out
@@ -215,6 +223,8 @@ def build_value_learner(model: ModelConfig, critic: CriticConfig, algorithm: Alg
         value_model = value_model_from_checkpoint(critic.init_path, model, tokenizer)
     else:
         value_model = value_model_from_policy(load_model(model, tokenizer))
+    if value_model.vision is not None and model.freeze_vision_tower:  # as the policy learner's (`build_policy_rank`)
+        freeze_vision_tower(value_model.backbone)
     precision = learner_precision(critic.compute.precision, value_model, critic.compute.device, "value learner")
     compute = msgspec.structs.replace(critic.compute, precision=precision.name)
     reference = load_model(model, tokenizer).to(critic.compute.device) if algorithm.advantage.kl_in_reward else None
@@ -249,11 +259,11 @@ class ValueLearnerActor(RoleShell):
     async def save_checkpoint_part(self, directory: str, writer: WriterClient | None = None) -> None:
         await self.inner.save_checkpoint_part(directory, writer)
 
-    async def values(self, rows):
-        return await self.inner.values(rows)
+    async def values(self, rows, images=None):
+        return await self.inner.values(rows, images)
 
-    async def reference_logprobs(self, rows):
-        return await self.inner.reference_logprobs(rows)
+    async def reference_logprobs(self, rows, images=None):
+        return await self.inner.reference_logprobs(rows, images)
 
     def ready(self) -> bool:
         """The warm-up (value pretraining) is over: the assembler may train policy rows."""

@@ -167,7 +167,7 @@ def test_t_ppo_window_rows_carry_their_contexts_routes_through_the_assembler():
     windows = [window(0, 2, [], first), window(1, 2, [0, 1], second, finished=True)]
     asked = []
 
-    async def values(rows):
+    async def values(rows, images=None):
         asked.extend(rows)
         return [np.zeros(len(row[1]) + 1, dtype=np.float32) for row in rows], 1
 

@@ -156,7 +156,7 @@ def test_positive_example_nll_counts_a_positive_score_when_correctness_is_unknow
 
 def value_estimator(gae: GAEAdvantage, value_of=lambda row: 0.25, nll=False, reference=None, kl=None,
                     window_tokens=2):
-    async def values(rows):
+    async def values(rows, images=None):
         return [np.full(len(new) + 1, value_of(new), dtype=np.float32) for _, new in rows], 3
 
     async def ready():
@@ -509,7 +509,7 @@ def test_kl_reward_hand_values_and_it_enters_gae_and_the_critics_return():
     assert trained[0].advantages.tolist() == pytest.approx([-0.05 + 0.1 + 1.0, 0.1 + 1.0])
 
     # Through the estimator: rows and the critic's trajectory carry the same KL rewards.
-    async def reference(rows):
+    async def reference(rows, images=None):
         return [np.full(len(new), -1.5, dtype=np.float32) for _, new in rows]
 
     estimator = value_estimator(gae, reference=reference, kl=KLPenalty(coef=0.1, estimator="k1"), window_tokens=8)

@@ -70,7 +70,7 @@ def group_member(pid: str, idx: int, token: int) -> Segment:
 
 
 def test_dynamic_sampling_drops_whole_response_groups_without_signal_for_the_ppo_family():
-    async def values(rows):
+    async def values(rows, images=None):
         return [np.zeros(len(new) + 1, dtype=np.float32) for _, new in rows], 1
 
     async def ready():

@@ -160,8 +160,9 @@ def test_images_on_a_text_model_and_engines_without_images_are_refused_at_start_
     assert compose([*VL, "model.lora_rank=8"]).model.lora_rank == 8  # the language model's adapter (test_lora_vision)
     with pytest.raises(ConfigError, match="model.freeze_vision_tower=false .* needs model.lora_rank=0"):
         compose([*VL, "model.lora_rank=8", "model.freeze_vision_tower=false"])
-    with pytest.raises(ConfigError, match="the value learner"):
-        compose([*VL, "algorithm=ppo"])
+    assert compose([*VL, "algorithm=ppo"]).algorithm.name == "ppo"  # the critic takes the images (test_vision_value)
+    with pytest.raises(ConfigError, match="mode=learn replays stored trajectories, which do not keep their images"):
+        compose([*VL, "mode=learn", "offline.data=/tmp/store"])
     text = compose(["model=tiny", "task=tiny"])
     _, tokenizer = load_policy(text.model)
     example = load_examples(compose(VL).task, "train", 1)[0]

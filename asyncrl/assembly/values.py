@@ -20,11 +20,14 @@ from asyncrl.assembly.groups import group_drop_reason
 from asyncrl.assembly.rows import (RunningMoments, cut_row_batch, kl_rewards, recorded_values, value_rows, whiten_rows,
                                    widen_positive_rows)
 from asyncrl.config import DynamicSampling, GAEAdvantage, KLPenalty
+from asyncrl.learning.tensors import segment_images
 from asyncrl.messages.mailbox import RecentIds
 from asyncrl.messages.structs import DropReason, ScoredTrajectory, Segment, TrainingRow, routed_row
 
-ValuesFn = Callable[[list[tuple[np.ndarray, np.ndarray]]], Awaitable[tuple[list[np.ndarray], int]]]
-LogprobsFn = Callable[[list[tuple[np.ndarray, np.ndarray]]], Awaitable[list[np.ndarray]]]
+# (rows, each row's prompt images or None) -> an answer per row.
+Images = list[tuple[str, ...]] | None
+ValuesFn = Callable[[list[tuple[np.ndarray, np.ndarray]], Images], Awaitable[tuple[list[np.ndarray], int]]]
+LogprobsFn = Callable[[list[tuple[np.ndarray, np.ndarray]], Images], Awaitable[list[np.ndarray]]]
 
 
 @dataclass(frozen=True)
@@ -124,7 +127,8 @@ class ValueStrategy:
         return ready
 
     async def _value(self, keep: list[Segment], outcomes: dict[str, Scored], decision: Decision) -> None:
-        (values, value_version), kl = await asyncio.gather(self.edges.values([routed_row(r) for r in keep]),
+        (values, value_version), kl = await asyncio.gather(self.edges.values([routed_row(r) for r in keep],
+                                                                             segment_images(keep)),
                                                             self._kl_rewards(keep))
         for i, (row, v) in enumerate(zip(keep, values)):
             if row.sample_id not in self._finished:  # a later window's call may have ended it
@@ -148,7 +152,7 @@ class ValueStrategy:
         """`−β·KL_t` per token of each row (None when the KL is not in the reward)."""
         if self.kl is None:
             return None
-        reference = await self.edges.reference_logprobs([routed_row(r) for r in rows])
+        reference = await self.edges.reference_logprobs([routed_row(r) for r in rows], segment_images(rows))
         out = [kl_rewards(row, ref, self.kl) for row, ref in zip(rows, reference)]
         self._kl_since_batch[0] += float(sum(r.sum() for r in out))
         self._kl_since_batch[1] += sum(len(r) for r in out)

@@ -141,11 +141,10 @@ def _vision_checks(config) -> list[tuple[bool, str]]:
         (not (m.lora_rank and not m.freeze_vision_tower),
          f"{where} is a vision-language model: model.lora_rank > 0 adapts its language model and keeps the vision "
          f"tower frozen; model.freeze_vision_tower=false (the tower trained whole) needs model.lora_rank=0"),
-        (not isinstance(config.algorithm.advantage, GAEAdvantage),
-         f"{where} is a vision-language model: the value learner (algorithm.advantage.type=gae) does not take "
-         f"images yet; use a critic-free algorithm (grpo, dapo, rloo)"),
+        # The value learner takes the images as the policy learner does (`asyncrl.models.loading.ValueModel`);
+        # the trajectory store does not keep them, so nothing offline can replay a row with its images.
         (config.mode != "learn", f"{where} is a vision-language model: mode=learn replays stored trajectories, "
-                                 f"which do not keep their images"),
+                                 f"which do not keep their images (train online: mode=train)"),
     ]
 
 

@@ -58,8 +58,9 @@ class ModelConfig(Section):
     own, as `image_min_pixels`); fewer pixels, fewer image tokens in the prompt."""
     freeze_vision_tower: bool = True
     """A vision-language model: the vision tower (its patch merger too, as verl freezes it) is not
-    trained: no gradient, not in the optimizer, run once per distinct image without autograd; false
-    trains it with the language model (with model.lora_rank = 0 only: LoRA adapts the language model
+    trained, by the policy learner nor by the value learner (the critic's copy of the trunk): no
+    gradient, not in the optimizer, run once per distinct image without autograd; false trains it
+    with the language model (with model.lora_rank = 0 only: LoRA adapts the language model
     alone). verl's actor_rollout_ref.actor.freeze_vision_tower is this."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """The weights' dtype as loaded (the learners keep fp32 master weights; see `policy.compute.precision`)."""

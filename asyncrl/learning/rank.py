@@ -22,7 +22,7 @@ from asyncrl.learning.tensors import build_optimizer
 from asyncrl.messages.structs import TrainingRow
 from asyncrl.models.loading import load_model, load_tokenizer
 from asyncrl.models.precision import Precision, choose_precision
-from asyncrl.models.vision import is_vision_model
+from asyncrl.models.vision import freeze_vision_tower, is_vision_model
 from asyncrl.storage import checkpoint, checkpoint_parts
 from asyncrl.weights import lora, lora_experts, sharding
 from asyncrl.weights.sharding import DataParallel
@@ -148,8 +148,8 @@ def build_policy_rank(model: ModelConfig, algorithm: AlgorithmConfig, policy: Po
     torch.manual_seed(seed)
     tokenizer = load_tokenizer(model)
     lm = load_model(model, tokenizer)
-    if is_vision_model(lm) and model.freeze_vision_tower:  # its patch merger too, as verl freezes it
-        lm.model.visual.requires_grad_(False)
+    if is_vision_model(lm) and model.freeze_vision_tower:
+        freeze_vision_tower(lm)
     if policy.compute.gradient_checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     precision = learner_precision(policy.compute.precision, lm, policy.compute.device, "policy learner", parallel)

@@ -13,7 +13,7 @@ from asyncrl.algo.losses import entropy_from_logprobs
 from asyncrl.algo.sampling import filtered_logprobs
 from asyncrl.learning.routing import replayed_routes
 from asyncrl.learning.tensors import device_of, layout_rows, length_sorted_chunks, row_routes
-from asyncrl.models.vision import VisionInputs, image_token_ids, is_vision_model, without_image_tokens
+from asyncrl.models.vision import VisionInputs, image_token_ids, is_vision_model, vision_kwargs, without_image_tokens
 
 
 def _head_only_on(model) -> bool:
@@ -57,7 +57,7 @@ class PolicyForward(torch.nn.Module):
         positions at a time, each chunk recomputed in the backward instead of kept (the `[tokens,
         vocab]` logits, their softmax and the entropy's terms, several copies of the vocabulary per
         trained position), and the parts are joined."""
-        extra = self._vision_kwargs(input_ids, images)
+        extra = vision_kwargs(self.vision, input_ids, images, self.lm)
         if selected is None:
             return self._head_out(self.lm(input_ids=input_ids, attention_mask=attention_mask, **extra).logits)
         hidden = self.lm.base_model(input_ids=input_ids, attention_mask=attention_mask,
@@ -79,13 +79,6 @@ class PolicyForward(torch.nn.Module):
     def _head_out(self, logits: torch.Tensor) -> torch.Tensor:
         """The logits a token is scored from: a vision-language model's without its image tokens."""
         return logits if self.banned is None else without_image_tokens(logits, self.banned)
-
-    def _vision_kwargs(self, input_ids, images: list[tuple[str, ...]] | None) -> dict:
-        if not images or not any(images):
-            return {}
-        if self.vision is None:
-            raise ValueError(f"rows with images, but {type(self.lm).__name__} is a text-only model")
-        return self.vision.model_kwargs(input_ids, images)
 
 
 def token_logprobs(model, input_ids, attention_mask, targets, temperature: float, with_entropy: bool = False,
@@ -127,10 +120,12 @@ def token_logprobs(model, input_ids, attention_mask, targets, temperature: float
 
 
 def response_logprobs(model, rows: list[tuple], temperature: float, top_k: int = 0, top_p: float = 1.0,
-                      pad_token_id: int = 0, max_tokens: int = 4096, replay: bool = False) -> list[np.ndarray]:
+                      pad_token_id: int = 0, max_tokens: int = 4096, replay: bool = False,
+                      images: list[tuple[str, ...]] | None = None) -> list[np.ndarray]:
     """log π(new token | context) for each new token of each (context, new) row, under the sampling
     distribution (`token_logprobs`): e.g. the reference policy's for a KL penalty. `replay`: a
-    row's routes (`routed_row`'s third item) are replayed on a mixture-of-experts model."""
+    row's routes (`routed_row`'s third item) are replayed on a mixture-of-experts model; `images`:
+    each row's processed images (a vision-language model's rows)."""
     by_index: dict[int, np.ndarray] = {}
     with torch.no_grad():
         for chunk in length_sorted_chunks(rows, max_tokens):
@@ -140,7 +135,8 @@ def response_logprobs(model, rows: list[tuple], temperature: float, top_k: int =
             positions = layout.place([np.ones(len(n), dtype=np.float32) for n in new]) > 0
             with replayed_routes(model, row_routes(layout, [rows[i] for i in chunk]), replay):
                 logp, _ = token_logprobs(model, layout.input_ids, layout.attention_mask, targets, temperature,
-                                         positions=positions, top_k=top_k, top_p=top_p)
+                                         positions=positions, top_k=top_k, top_p=top_p,
+                                         images=None if images is None else [images[i] for i in chunk])
             for j, i in enumerate(chunk):
                 by_index[i] = logp[j, layout.slices[j]].float().cpu().numpy().copy()
     return [by_index[i] for i in range(len(rows))]

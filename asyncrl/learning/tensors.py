@@ -151,8 +151,14 @@ def collate(samples: list[TrainingRow], pad_token_id: int = 0) -> Collated:
         # Every generated token of a positive row, never an environment's observation.
         nll_mask=layout.place([(1.0 - observation_mask(s.segment)) * p for s, p in zip(samples, positive)]),
         routes=place_routes(layout, [response_routes(s.segment) for s in samples]),
-        images=[s.segment.images for s in samples] if any(s.segment.images for s in samples) else None,
+        images=segment_images([s.segment for s in samples]),
     )
+
+
+def segment_images(segments: list) -> list[tuple[str, ...]] | None:
+    """Each segment's prompt images by reference, as a forward of their rows takes them (the
+    policy's, the critic's, the reference's); None when no segment has any."""
+    return [s.images for s in segments] if any(s.images for s in segments) else None
 
 
 def row_length(segment) -> int:

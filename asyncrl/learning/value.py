@@ -11,7 +11,7 @@ import torch
 from asyncrl.config import CriticConfig
 from asyncrl.learning.routing import replayed_routes
 from asyncrl.learning.tensors import (autocast, clip_and_step, device_of, layout_rows, length_sorted_chunks, micro_batches_of,
-                                      row_length, row_routes, width_of)
+                                      row_length, row_routes, segment_images, width_of)
 from asyncrl.messages.structs import ScoredTrajectory, observation_mask, routed_row
 
 
@@ -28,21 +28,32 @@ def trajectory_rewards(trajectory: ScoredTrajectory) -> np.ndarray:
 
 
 def predict_values(value_model, rows: list[tuple], pad_token_id: int = 0, max_tokens: int = 4096,
-                   with_next: bool = False, precision: str = "fp32", replay: bool = False) -> list[np.ndarray]:
+                   with_next: bool = False, precision: str = "fp32", replay: bool = False,
+                   images: list[tuple[str, ...]] | None = None) -> list[np.ndarray]:
     """`V(s_t)` for each new token of each (context, new) row: the state before the token. With
     `with_next`, one more value per row: the state after its last token. `replay`: a row's routes
-    (`routed_row`'s third item) are replayed on a mixture-of-experts critic."""
+    (`routed_row`'s third item) are replayed on a mixture-of-experts critic; `images`: each row's
+    processed images (a vision-language critic: the tower once per distinct image of a chunk)."""
     by_index: dict[int, np.ndarray] = {}
     with torch.no_grad(), autocast(value_model, precision):
         for chunk in length_sorted_chunks(rows, max_tokens):
             layout = layout_rows([rows[i] for i in chunk], pad_token_id, device_of(value_model))
             with replayed_routes(value_model, row_routes(layout, [rows[i] for i in chunk]), replay):
-                values = value_model(layout.input_ids, layout.attention_mask).float().cpu()
+                values = value_model(layout.input_ids, layout.attention_mask,
+                                     **_images_of(images, chunk)).float().cpu()
             for j, i in enumerate(chunk):
                 sl = layout.slices[j]
                 stop = sl.stop + 1 if with_next else sl.stop
                 by_index[i] = values[j, sl.start : stop].numpy().copy()
     return [by_index[i] for i in range(len(rows))]
+
+
+def _images_of(images: list[tuple[str, ...]] | None, rows) -> dict:
+    """The critic's `images` argument for these rows (a list of indices or a slice); none when no row
+    has any, so a critic of any trunk (a reward model's) is called as before."""
+    if images is None or not any(images):
+        return {}
+    return {"images": [images[i] for i in rows] if isinstance(rows, list) else images[rows]}
 
 
 def value_step(value_model, optimizer, trajectories: list[ScoredTrajectory], critic: CriticConfig, gamma: float,
@@ -68,18 +79,15 @@ def value_step(value_model, optimizer, trajectories: list[ScoredTrajectory], cri
         raise ValueError("the value model trains on finished trajectories only")
     trajectories = sorted(trajectories, key=lambda t: row_length(t.segment))  # see policy_step
     rows = [routed_row(t.segment) for t in trajectories]
+    images = segment_images([t.segment for t in trajectories])
     layout = layout_rows(rows, pad_token_id, device_of(value_model))
     routes = row_routes(layout, rows)
     chunks = [(part, slice(0, width_of(layout.attention_mask, part)))
               for part in micro_batches_of(layout, critic.compute.micro_batch_tokens)]
-    # The critic values policy positions only: an observation is not an action (`gae` carries V and
-    # Â across it).
-    mask = layout.place([1.0 - observation_mask(t.segment).astype(np.float32) for t in trajectories])
-    rewards = layout.place([trajectory_rewards(t) for t in trajectories])
-    recorded = torch.tensor([t.values is not None for t in trajectories], device=mask.device)
-    placed = layout.place([t.values if t.values is not None else np.zeros(len(t.segment.new_token_ids))
-                           for t in trajectories])
+    mask, rewards, recorded, placed = _placed_targets(layout, trajectories)
     fresh, anchors, returns = (torch.zeros(mask.shape, device=mask.device) for _ in range(3))
+    vision = getattr(value_model, "vision", None)  # a vision-language critic's tower, timed
+    vision_start = vision.seconds if vision is not None else 0.0
     total_tokens = max(float(mask.sum()), 1.0)
     value_model.train()
     optimizer.zero_grad(set_to_none=True)
@@ -87,7 +95,8 @@ def value_step(value_model, optimizer, trajectories: list[ScoredTrajectory], cri
     for sl in chunks:
         with replayed_routes(value_model, None if routes is None else routes[sl], replay):
             with autocast(value_model, critic.compute.precision):
-                values = value_model(layout.input_ids[sl], layout.attention_mask[sl])  # float32 (the head's)
+                values = value_model(layout.input_ids[sl], layout.attention_mask[sl],
+                                     **_images_of(images, sl[0]))  # float32 (the head's)
             fresh[sl] = values.detach() * mask[sl]
             anchors[sl] = torch.where(recorded[sl[0], None], placed[sl], fresh[sl]) * mask[sl]
             # Positions run left to right through context then response; GAE walks only the masked ones.
@@ -104,7 +113,21 @@ def value_step(value_model, optimizer, trajectories: list[ScoredTrajectory], cri
             "value_trajectories": len(trajectories), "value_anchor_recorded_fraction": float(recorded.float().mean()),
             # The newest policy version the batch was generated with: a step record's weight_version
             # less this is how far behind the policy the critic is learning.
-            "value_batch_policy_version": float(max(int(t.segment.new_versions.max(initial=0)) for t in trajectories))}
+            "value_batch_policy_version": float(max(int(t.segment.new_versions.max(initial=0)) for t in trajectories)),
+            **({"value_vision_s": vision.seconds - vision_start} if vision is not None else {})}
+
+
+def _placed_targets(layout, trajectories: list[ScoredTrajectory]) -> tuple[torch.Tensor, ...]:
+    """`[B, L]` tensors of what the critic's loss reads: the positions it values, the rewards, whether
+    each row's values were recorded (`[B]`), and those values (0 where not)."""
+    # The critic values policy positions only: an observation is not an action (`gae` carries V and
+    # Â across it).
+    mask = layout.place([1.0 - observation_mask(t.segment).astype(np.float32) for t in trajectories])
+    rewards = layout.place([trajectory_rewards(t) for t in trajectories])
+    recorded = torch.tensor([t.values is not None for t in trajectories], device=mask.device)
+    placed = layout.place([t.values if t.values is not None else np.zeros(len(t.segment.new_token_ids))
+                           for t in trajectories])
+    return mask, rewards, recorded, placed
 
 
 def _fit_metrics(returns: torch.Tensor, fresh: torch.Tensor, anchors: torch.Tensor, m: torch.Tensor,
@@ -160,7 +183,8 @@ def center_value_head(value_model, trajectories: list[ScoredTrajectory], gamma: 
     from asyncrl.algo.warmup import mean_return_bias
 
     rows = [routed_row(t.segment) for t in trajectories]
-    values = predict_values(value_model, rows, pad_token_id, max_tokens, precision=precision, replay=replay)
+    values = predict_values(value_model, rows, pad_token_id, max_tokens, precision=precision, replay=replay,
+                            images=segment_images([t.segment for t in trajectories]))
     returns_sum, values_sum, tokens = 0.0, 0.0, 0
     for t, v in zip(trajectories, values):
         rewards = torch.from_numpy(trajectory_rewards(t)).double()[None]

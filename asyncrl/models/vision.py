@@ -5,8 +5,9 @@ over the image store (`image_prep`), and the vision tower's output for a batch o
 The families are transformers' own: `Qwen2VLForConditionalGeneration` (its vision tower, its
 `get_rope_index` for the multimodal rotary positions, its splicing of image features into the
 prompt's embeddings through `mm_encoder_outputs`) and `Qwen2VLImageProcessorPil` (min/max pixels
-as the family defines them). The learners' forward passes `VisionInputs.model_kwargs` to the model;
-the engine's own decoder takes `VisionInputs.features` and `rope_index` (`asyncrl.engines.vision_prompts`).
+as the family defines them). The learners' forwards (the policy's, the critic's) pass `vision_kwargs`
+to the model or its trunk; the engine's own decoder takes `VisionInputs.features` and `rope_index`
+(`asyncrl.engines.vision_prompts`).
 """
 
 from __future__ import annotations
@@ -123,6 +124,12 @@ def image_prep(model_config: ModelConfig, tokenizer, model=None) -> ImagePrep | 
     return ImagePrep(processor, tokenizer.convert_tokens_to_ids(tokens.pad), processor.merge_size, tokens)
 
 
+def freeze_vision_tower(model) -> None:
+    """No gradient for the vision tower of `model` (the conditional-generation model, or its trunk:
+    a critic's backbone), its patch merger too, as verl freezes it."""
+    model.base_model.visual.requires_grad_(False)
+
+
 def with_image_processor(model, model_config: ModelConfig):
     """`model` with the image processor of `model_config` attached (a vision-language model; a
     directory without preprocessor_config.json has none to attach: it is refused where images are
@@ -135,9 +142,9 @@ def with_image_processor(model, model_config: ModelConfig):
 
 
 class VisionInputs:
-    """The vision tower of `model` (a Qwen2-VL) over processed image references: `features` runs
-    it once per distinct image of a batch (no gradient while the tower is frozen) and times it
-    (`seconds`)."""
+    """The vision tower of `model` (a Qwen2-VL, or its trunk: a critic's backbone) over processed
+    image references: `features` runs it once per distinct image of a batch (no gradient while the
+    tower is frozen) and times it (`seconds`)."""
 
     def __init__(self, model):
         self.model = model
@@ -146,7 +153,8 @@ class VisionInputs:
 
     @property
     def inner(self):
-        return self.model.model
+        """The trunk (vision tower, language model, rope index): the model's `model`, or the trunk itself."""
+        return self.model.base_model
 
     def features(self, refs: list[str]) -> dict[str, torch.Tensor]:
         """The merged image features `[tokens, hidden]` of each distinct reference."""
@@ -189,3 +197,15 @@ class VisionInputs:
         return {"mm_encoder_outputs": {"image": BaseModelOutputWithPooling(pooler_output=[features[r] for r in refs])},
                 "image_grid_thw": self.grids(refs).to(input_ids.device),
                 "mm_token_type_ids": (input_ids == self.config.image_token_id).int()}
+
+
+def vision_kwargs(vision: VisionInputs | None, input_ids: torch.Tensor, images: list[tuple[str, ...]] | None,
+                  model) -> dict:
+    """What a learner's forward of `model` takes beside `input_ids` for rows with these `images`
+    (each row's processed references): `VisionInputs.model_kwargs`, {} when no row has any. Rows with
+    images on a text-only model (`vision` None) are refused naming it."""
+    if not images or not any(images):
+        return {}
+    if vision is None:
+        raise ValueError(f"rows with images, but {type(model).__name__} is a text-only model")
+    return vision.model_kwargs(input_ids, images)
