@@ -13,7 +13,7 @@ import ray
 
 from asyncrl.config import EnvironmentConfig
 from asyncrl.environments.formats import ToolCall
-from asyncrl.environments.tools import Episode, build_environment
+from asyncrl.environments.tools import Episode, build_environment, step_answer
 
 
 class EnvironmentEndpoint:
@@ -30,7 +30,7 @@ class EnvironmentEndpoint:
         if self.fault_delay_s:
             await asyncio.sleep(self.fault_delay_s)
         try:
-            text, error = await asyncio.to_thread(self.environment.step, ToolCall(name, arguments),
+            text, error = await asyncio.to_thread(step_answer, self.environment, ToolCall(name, arguments),
                                                   Episode(prompt_id, sample_idx))
         except Exception as exc:  # noqa: BLE001 - an environment that raises answers with why; the episode goes on
             text, error = f"error: {type(exc).__name__}: {exc}", True

@@ -239,3 +239,37 @@ def test_the_documented_environment_class_loads_by_its_path_and_answers(tmp_path
     with pytest.raises(ValueError, match="has no class 'Calculatr'.*Calculator"):
         build_environment(compose(["model=tiny", "task=tiny_tool", "environment.name=",
                                    f"environment.class_path={tmp_path}/my_env.py:Calculatr"]).environment)
+
+
+def test_a_tool_that_answers_with_an_image_gets_an_error_observation_saying_images_are_not_supported():
+    """Observations are text. An environment whose step returns an image (a PIL screenshot, PNG
+    bytes, a chat image part) or anything but (text, is_error) answers that call with an error
+    observation saying what came back (`step_answer`, which the endpoint actor and the in-process
+    environment both call); the episode goes on (the next call's text answer is taken)."""
+    import io
+
+    from PIL import Image
+
+    from asyncrl.environments.tools import step_answer
+
+    png = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(png, format="PNG")
+
+    class Screens:
+        answers = [(Image.new("RGB", (8, 8)), False), (png.getvalue(), False),
+                   ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}], False),
+                   "just text", ("a screen of text", 0)]
+
+        def step(self, call, episode):
+            return self.answers[episode.sample_idx]
+
+    call = ToolCall("screenshot", {})
+    answers = [step_answer(Screens(), call, Episode("p", i)) for i in range(5)]
+    for text, error in answers[:3]:
+        assert error and "images from tools are not supported yet" in text and "screenshot" in text
+    assert "PIL.Image.Image" in answers[0][0] and "builtins.bytes" in answers[1][0]
+    assert answers[3] == ("error: the environment's step must return (text, is_error), not builtins.str", True)
+    assert answers[4] == ("a screen of text", False)
+    local = LocalEnvironment(Screens())
+    assert asyncio.run(local(call, Episode("p", 4))) == ("a screen of text", False)
+    assert asyncio.run(local(call, Episode("p", 0)))[1] is True

@@ -20,7 +20,7 @@ import ray
 
 from asyncrl.environments.formats import FORMATS, Malformed, ToolCall, ToolFormat
 from asyncrl.environments.templates import ChatTemplate, PlainText, renderer
-from asyncrl.environments.tools import Episode
+from asyncrl.environments.tools import Episode, step_answer
 
 # (call, episode) -> (observation text, error): the environment endpoint (`EnvironmentClient`) or
 # an environment in this process (`LocalEnvironment`).
@@ -124,7 +124,7 @@ class LocalEnvironment:
         self.environment = environment
 
     async def __call__(self, call: ToolCall, episode: Episode) -> tuple[str, bool]:
-        return await asyncio.to_thread(self.environment.step, call, episode)
+        return await asyncio.to_thread(step_answer, self.environment, call, episode)
 
 
 @dataclass

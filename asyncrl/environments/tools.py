@@ -81,6 +81,32 @@ class Environment(Protocol):
         observation too; the episode goes on."""
 
 
+def step_answer(environment: Environment, call: ToolCall, episode: Episode) -> tuple[str, bool]:
+    """`environment.step`, its answer checked: (text, is_error). Anything else is an error observation
+    saying what came back (the episode goes on, as when `step` raises). Observations are text: an
+    image from a tool (a screenshot) is not supported yet, and says so."""
+    answer = environment.step(call, episode)
+    text = answer[0] if isinstance(answer, tuple) and len(answer) == 2 else answer
+    if isinstance(answer, tuple) and len(answer) == 2 and isinstance(text, str):
+        return text, bool(answer[1])
+    kind = f"{type(text).__module__}.{type(text).__qualname__}"
+    if _is_image(text):
+        return (f"error: the environment answered {call.name} with an image ({kind}): tool observations are text; "
+                f"images from tools are not supported yet (docs/environments.md)"), True
+    return f"error: the environment's step must return (text, is_error), not {kind}", True
+
+
+def _is_image(value) -> bool:
+    """A PIL image, image bytes, or a chat content part / dict holding one."""
+    if type(value).__module__.startswith("PIL."):
+        return True
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value[:8]).startswith((b"\x89PNG", b"\xff\xd8\xff", b"GIF8", b"RIFF"))
+    if isinstance(value, dict):
+        return bool({"image", "image_url", "images"} & set(value)) or value.get("type") in ("image", "image_url")
+    return isinstance(value, list) and any(_is_image(v) for v in value)
+
+
 _BUILT_IN: dict[str, type] = {"lookup": LookupTool, "python": PythonTool}
 # The built-in environments by `environment.name`.
 ENVIRONMENTS: dict[str, Callable[[EnvironmentConfig], Environment]] = {
