@@ -82,9 +82,15 @@ def test_shapes_prompts_carry_image_tokens_and_references_not_pixels(store):
     assert extra < len(refs[0]) + 16, extra  # a 56x56 image's pixels would be 9408 bytes, processed 75 KB
 
 
-def test_engine_logprobs_match_transformers_qwen2vl_forward_across_windows_and_shared_prompts(store):
-    config = compose(VL)
+FAMILIES = pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+
+
+@FAMILIES
+def test_engine_logprobs_match_transformers_qwen2vl_forward_across_windows_and_shared_prompts(store, family):
+    """Qwen2-VL and Qwen2.5-VL (its tower's windowed attention, the same language model)."""
+    config = compose([*VL, f"model.vision_family={family}"])
     lm, _, _, prompts = _prompts(config, 3)
+    assert lm.config.model_type == family
     engine, _ = build_engine(config.model, (lm, load_policy(config.model)[1]))
     # Three prompts of the same text and different images, three samples each: their prefixes are
     # shared up to the first image token, and never across images.
@@ -106,8 +112,9 @@ def test_engine_logprobs_match_transformers_qwen2vl_forward_across_windows_and_s
         np.testing.assert_allclose(logprobs, _transformers_logprobs(lm, seq.prompt_ids, seq.images, tokens), atol=2e-5)
 
 
-def test_learner_forward_scores_the_engine_samples_as_the_engine_with_images(store):
-    config = compose(VL)
+@FAMILIES
+def test_learner_forward_scores_the_engine_samples_as_the_engine_with_images(store, family):
+    config = compose([*VL, f"model.vision_family={family}"])
     lm, _, _, prompts = _prompts(config, 2)
     engine, _ = build_engine(config.model, (lm, load_policy(config.model)[1]))
     seqs = [sequence_input(ids, j, 2, images=refs) for ids, refs in prompts for j in range(2)]

@@ -31,7 +31,7 @@ from asyncrl.models.vision import image_token_ids, is_vision_model, text_config,
 
 FAMILIES = ("llama", "qwen2", "qwen3") + moe.MOE_FAMILIES
 # Vision-language families whose language model is one of the above, with multimodal rotary positions.
-VISION_FAMILIES = ("qwen2_vl",)
+VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 # Rotary variants whose frequencies do not depend on the sequence length (transformers computes
 # `inv_freq` once for them); "dynamic" and "longrope" rescale with the length.
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")

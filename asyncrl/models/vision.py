@@ -63,34 +63,49 @@ def build_tiny_vl_tokenizer(alphabet: list[str], special: list[str]) -> PreTrain
 
 
 def build_tiny_vl_model(model_config: ModelConfig, tokenizer):
-    """A random Qwen2-VL from transformers' config classes: the tiny Llama's sizes for the language
+    """A random Qwen2-VL (or Qwen2.5-VL: `model.vision_family`) from transformers' config classes: the tiny Llama's sizes for the language
     model (mrope sections splitting its head), a vision tower of `model.vision_layers` blocks whose
     merger projects to the language model's width, the tokenizer's image token ids."""
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
+                              Qwen2VLForConditionalGeneration)
 
     head_dim = model_config.hidden_size // model_config.num_heads
     half = head_dim // 2
     sections = [half - 2 * (half // 3), half // 3, half // 3]  # temporal, height, width: Qwen2-VL's 16/24/24 in kind
     ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in TINY_VL_IMAGE_TOKENS}
-    config = Qwen2VLConfig(
+    family = model_config.vision_family == "qwen2_5_vl"
+    config_class, model_class = ((Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration) if family
+                                 else (Qwen2VLConfig, Qwen2VLForConditionalGeneration))
+    config = config_class(
         text_config=dict(vocab_size=len(tokenizer), hidden_size=model_config.hidden_size,
                          intermediate_size=model_config.hidden_size * 4, num_hidden_layers=model_config.num_layers,
                          num_attention_heads=model_config.num_heads, num_key_value_heads=model_config.num_heads,
                          max_position_embeddings=model_config.max_positions, pad_token_id=0, eos_token_id=1,
                          bos_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                           "mrope_section": sections}),
-        vision_config=dict(depth=model_config.vision_layers, embed_dim=model_config.vision_width,
-                           hidden_size=model_config.hidden_size, num_heads=2, patch_size=14, spatial_merge_size=2,
-                           temporal_patch_size=2),
+        vision_config=_tiny_tower(model_config),
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=False)
     state = torch.random.get_rng_state()
     torch.manual_seed(model_config.seed)
     try:
-        return Qwen2VLForConditionalGeneration(config)
+        return model_class(config)
     finally:
         torch.random.set_rng_state(state)
+
+
+def _tiny_tower(model_config: ModelConfig) -> dict:
+    """tiny_vl's vision tower settings in its family's names: Qwen2-VL's `embed_dim` is the tower's
+    width and `hidden_size` the language model's; Qwen2.5-VL's `hidden_size` is the tower's and
+    `out_hidden_size` the language model's, and its blocks attend in windows except the last one."""
+    common = dict(depth=model_config.vision_layers, num_heads=2, patch_size=14, spatial_merge_size=2,
+                  temporal_patch_size=2)
+    if model_config.vision_family == "qwen2_5_vl":
+        return common | dict(hidden_size=model_config.vision_width, intermediate_size=2 * model_config.vision_width,
+                             out_hidden_size=model_config.hidden_size, window_size=56,
+                             fullatt_block_indexes=[model_config.vision_layers - 1])
+    return common | dict(embed_dim=model_config.vision_width, hidden_size=model_config.hidden_size)
 
 
 def image_processor(model_config: ModelConfig):
