@@ -252,24 +252,27 @@ def test_a_tool_that_answers_with_an_image_gets_an_error_observation_saying_imag
 
     from asyncrl.environments.tools import step_answer
 
-    png = io.BytesIO()
+    png, webp = io.BytesIO(), io.BytesIO()
     Image.new("RGB", (4, 4)).save(png, format="PNG")
+    Image.new("RGB", (4, 4)).save(webp, format="WEBP")
+    wav = b"RIFF\x24\x00\x00\x00WAVEfmt "  # a RIFF container as WebP is, of sound
 
     class Screens:
         answers = [(Image.new("RGB", (8, 8)), False), (png.getvalue(), False),
                    ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}], False),
-                   "just text", ("a screen of text", 0)]
+                   "just text", ("a screen of text", 0), (webp.getvalue(), False), (wav, False)]
 
         def step(self, call, episode):
             return self.answers[episode.sample_idx]
 
     call = ToolCall("screenshot", {})
-    answers = [step_answer(Screens(), call, Episode("p", i)) for i in range(5)]
-    for text, error in answers[:3]:
+    answers = [step_answer(Screens(), call, Episode("p", i)) for i in range(7)]
+    for text, error in [*answers[:3], answers[5]]:
         assert error and "images from tools are not supported yet" in text and "screenshot" in text
     assert "PIL.Image.Image" in answers[0][0] and "builtins.bytes" in answers[1][0]
     assert answers[3] == ("error: the environment's step must return (text, is_error), not builtins.str", True)
     assert answers[4] == ("a screen of text", False)
+    assert answers[6][1] and "images from tools" not in answers[6][0], answers[6]
     local = LocalEnvironment(Screens())
     assert asyncio.run(local(call, Episode("p", 4))) == ("a screen of text", False)
     assert asyncio.run(local(call, Episode("p", 0)))[1] is True

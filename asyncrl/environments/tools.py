@@ -101,7 +101,8 @@ def _is_image(value) -> bool:
     if type(value).__module__.startswith("PIL."):
         return True
     if isinstance(value, (bytes, bytearray)):
-        return bytes(value[:8]).startswith((b"\x89PNG", b"\xff\xd8\xff", b"GIF8", b"RIFF"))
+        head = bytes(value[:12])  # PNG, JPEG, GIF, WebP (a RIFF container, as WAV is: its form type says which)
+        return head.startswith((b"\x89PNG", b"\xff\xd8\xff", b"GIF8")) or (head[:4], head[8:]) == (b"RIFF", b"WEBP")
     if isinstance(value, dict):
         return bool({"image", "image_url", "images"} & set(value)) or value.get("type") in ("image", "image_url")
     return isinstance(value, list) and any(_is_image(v) for v in value)
