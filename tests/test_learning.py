@@ -159,3 +159,44 @@ def test_the_learners_adamw_is_fused_and_steps_as_the_reference_adamw():
     for (name, a), b in zip(model.named_parameters(), reference.parameters()):
         assert torch.allclose(a, b, atol=1e-6), name
     assert all(not torch.equal(a, s) for a, s in zip(model.parameters(), start))  # every tensor moved
+
+
+def test_the_learning_rate_schedules_warm_up_then_decay_to_their_floor_by_hand():
+    """`policy.optimizer.schedule`: lr 1.0, 2 warm-up steps, decay to 0.2 x lr at step 6, held after.
+    linear from step 2: 1 - 0.8 x k/4; cosine: 0.2 + 0.8 x (1 + cos(pi k/4))/2 (k = step - 2)."""
+    from asyncrl.learning.tensors import build_optimizer
+
+    by_hand = {"constant": [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0],
+               "linear": [0.5, 1.0, 1.0, 0.8, 0.6, 0.4, 0.2, 0.2],
+               "cosine": [0.5, 1.0, 1.0, 0.2 + 0.4 * (1 + 0.5 ** 0.5), 0.6, 0.2 + 0.4 * (1 - 0.5 ** 0.5), 0.2, 0.2]}
+    for schedule, expected in by_hand.items():
+        weight = torch.nn.Parameter(torch.zeros(2))
+        adam, scheduler = build_optimizer([weight], Optimizer(lr=1.0, warmup_steps=2, schedule=schedule,
+                                                              min_lr_ratio=0.2, decay_steps=6))
+        seen = []
+        for _ in expected:  # as a learner steps: the optimizer, then the schedule, once per batch
+            seen.append(adam.param_groups[0]["lr"])
+            weight.grad = torch.ones(2)
+            adam.step()
+            scheduler.step()
+        assert seen == pytest.approx(expected, abs=1e-12), schedule
+
+
+def test_a_decaying_schedule_ends_at_the_runs_last_step_and_takes_verls_and_trls_names():
+    from asyncrl.config import ConfigError, compose
+
+    config = compose(["model=tiny", "task=tiny", "trainer.total_steps=300",
+                      "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine",
+                      "actor_rollout_ref.actor.optim.min_lr_ratio=0.1"])
+    optimizer = config.policy.optimizer
+    assert (optimizer.schedule, optimizer.min_lr_ratio, optimizer.decay_steps) == ("cosine", 0.1, 300)
+    assert compose(["model=tiny", "task=tiny", "lr_scheduler_type=linear",
+                    "policy.optimizer.decay_steps=50"]).policy.optimizer.decay_steps == 50
+    assert compose(["model=tiny", "task=tiny"]).policy.optimizer.decay_steps == 0  # constant: no horizon
+    with pytest.raises(ConfigError, match="lr_scheduler_type=cosine_with_restarts has no counterpart here"):
+        compose(["model=tiny", "task=tiny", "lr_scheduler_type=cosine_with_restarts"])
+    # The critic's steps follow its own pace: a decay needs its horizon said.
+    with pytest.raises(ConfigError, match="critic.optimizer.schedule=cosine needs critic.optimizer.decay_steps"):
+        compose(["model=tiny", "task=tiny", "algorithm=ppo", "critic.optim.lr_scheduler_type=cosine"])
+    assert compose(["model=tiny", "task=tiny", "algorithm=ppo", "critic.optimizer.schedule=linear",
+                    "critic.optimizer.decay_steps=80"]).critic.optimizer.decay_steps == 80

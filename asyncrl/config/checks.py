@@ -64,6 +64,9 @@ def _algorithm_checks(config) -> list[tuple[bool, str]]:
          "groups with a signal; advantage type gae cuts batches by finished samples: set it to 0"),
         (gae is not None or not critic.init_path,
          "critic.init_path initialises the value learner, which only algorithm.advantage.type=gae has"),
+        (critic.optimizer.schedule == "constant" or critic.optimizer.decay_steps > 0,
+         f"critic.optimizer.schedule={critic.optimizer.schedule} needs critic.optimizer.decay_steps: the value "
+         "learner's steps follow its own pace, not trainer.total_steps"),
         (critic.warmup.steps == 0 or critic.warmup.min_steps <= critic.warmup.steps,
          "critic.warmup.min_steps must be <= critic.warmup.steps"),
         (not config.trainer.synchronous or a.max_staleness_versions == 0,

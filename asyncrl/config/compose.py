@@ -152,6 +152,8 @@ def _derived(config: Config) -> Config:
         config.engine.window_tokens = config.engine.max_response_tokens
     if not config.model.name:
         config.model.name = config.model.directory_name()
+    if config.policy.optimizer.schedule != "constant" and not config.policy.optimizer.decay_steps:
+        config.policy.optimizer.decay_steps = config.trainer.total_steps
     return config
 
 

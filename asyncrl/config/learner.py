@@ -27,6 +27,15 @@ class Optimizer(Section):
     """Gradient norm clip."""
     warmup_steps: NonNegativeInt = 0
     """Linear learning-rate warm-up over this many learner steps (batches trained)."""
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """The learning rate after the warm-up: constant | linear (down to `min_lr_ratio` x lr at
+    `decay_steps`, TRL's default) | cosine (half a cosine down to the same, verl's `cosine`)."""
+    min_lr_ratio: UnitFloat = 0.0
+    """Where linear and cosine end, as a fraction of lr (held there after `decay_steps`)."""
+    decay_steps: NonNegativeInt = 0
+    """Learner steps from the start to the end of the decay, warm-up included. 0: the run's
+    `trainer.total_steps` for the policy (one policy step per run step); the critic's steps follow
+    its own pace, so a decaying critic needs it set."""
 
 
 class Compute(Section):

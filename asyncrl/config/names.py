@@ -128,6 +128,7 @@ def _choice(mapping: dict, name: str) -> Callable[[Any], tuple]:
     return convert
 
 
+_VERL_SCHEDULES = {"constant": "constant", "cosine": "cosine"}
 _ADVANTAGES = {"grpo": "grpo", "gae": "gae", "rloo": "rloo", "reinforce_plus_plus": "reinforce_plus_plus",
                "drgrpo": "drgrpo", "dr_grpo": "drgrpo"}
 _KL = {"low_var_kl": "low_var_kl", "k3": "low_var_kl", "kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2"}
@@ -175,6 +176,11 @@ FOREIGN: dict[str, Foreign] = {
     f"{_ARO}.actor.optim.lr": _verl("policy.optimizer.lr"),
     f"{_ARO}.actor.optim.weight_decay": _verl("policy.optimizer.weight_decay"),
     f"{_ARO}.actor.optim.lr_warmup_steps": _verl("policy.optimizer.warmup_steps"),
+    f"{_ARO}.actor.optim.lr_scheduler_type": _verl("policy.optimizer.schedule", convert=_choice(
+        _VERL_SCHEDULES, "actor_rollout_ref.actor.optim.lr_scheduler_type")),
+    f"{_ARO}.actor.optim.warmup_style": _verl("policy.optimizer.schedule", convert=_choice(
+        _VERL_SCHEDULES, "actor_rollout_ref.actor.optim.warmup_style")),  # verl's older name
+    f"{_ARO}.actor.optim.min_lr_ratio": _verl("policy.optimizer.min_lr_ratio"),
     f"{_ARO}.actor.grad_clip": _verl("policy.optimizer.grad_clip"),
     f"{_ARO}.model.path": _verl("model.source", "model.path", convert=lambda v: ("hf", v)),
     f"{_ARO}.model.enable_gradient_checkpointing": _verl("policy.compute.gradient_checkpointing"),
@@ -193,6 +199,9 @@ FOREIGN: dict[str, Foreign] = {
     f"{_ARO}.rollout.tensor_model_parallel_size": _verl("engine.sglang_tp_size"),
     "critic.optim.lr": _verl("critic.optimizer.lr"),
     "critic.optim.weight_decay": _verl("critic.optimizer.weight_decay"),
+    "critic.optim.lr_scheduler_type": _verl("critic.optimizer.schedule", convert=_choice(
+        _VERL_SCHEDULES, "critic.optim.lr_scheduler_type")),
+    "critic.optim.min_lr_ratio": _verl("critic.optimizer.min_lr_ratio"),
     "critic.cliprange_value": _verl("critic.loss.clip_low", "critic.loss.clip_high"),
     "critic.grad_clip": _verl("critic.optimizer.grad_clip"),
     "critic.model.path": _verl("critic.init_path"),
@@ -212,6 +221,10 @@ FOREIGN: dict[str, Foreign] = {
     "weight_decay": _trl("policy.optimizer.weight_decay"),
     "max_grad_norm": _trl("policy.optimizer.grad_clip"),
     "warmup_steps": _trl("policy.optimizer.warmup_steps"),
+    # transformers' scheduler names; TRL's default is `linear` (asyncrl's is constant).
+    "lr_scheduler_type": _trl("policy.optimizer.schedule", convert=_choice(
+        {"linear": "linear", "cosine": "cosine", "constant": "constant", "constant_with_warmup": "constant"},
+        "lr_scheduler_type")),
     "beta": _trl("algorithm.kl.coef"),
     "epsilon": _trl("policy.loss.clip_low", "policy.loss.clip_high"),
     "epsilon_high": _trl("policy.loss.clip_high"),

@@ -223,11 +223,24 @@ def adamw(parameters, lr: float, weight_decay: float) -> torch.optim.AdamW:
 
 
 def build_optimizer(parameters, optimizer: Optimizer) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
-    """A learner's `optimizer` section: AdamW (`adamw`) and its linear learning-rate warm-up over
-    `warmup_steps` learner steps (the learner steps the schedule once per batch it trains)."""
+    """A learner's `optimizer` section: AdamW (`adamw`) and its learning-rate schedule
+    (`lr_factor`; the learner steps it once per batch it trains)."""
     adam = adamw(parameters, optimizer.lr, optimizer.weight_decay)
-    warmup = optimizer.warmup_steps
-    return adam, torch.optim.lr_scheduler.LambdaLR(adam, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0)
+    return adam, torch.optim.lr_scheduler.LambdaLR(adam, lambda step: lr_factor(optimizer, step))
+
+
+def lr_factor(optimizer: Optimizer, step: int) -> float:
+    """The learning rate of learner step `step` (0 = the first) as a fraction of `optimizer.lr`: a
+    linear warm-up over `warmup_steps`, then constant, or linear or half-cosine down to
+    `min_lr_ratio` at `decay_steps` (counted from the start), held there after."""
+    if step < optimizer.warmup_steps:
+        return (step + 1) / optimizer.warmup_steps
+    if optimizer.schedule == "constant":
+        return 1.0
+    span = optimizer.decay_steps - optimizer.warmup_steps
+    progress = min(1.0, (step - optimizer.warmup_steps) / span) if span > 0 else 1.0
+    shape = 1.0 - progress if optimizer.schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return optimizer.min_lr_ratio + (1.0 - optimizer.min_lr_ratio) * shape
 
 
 def clip_and_step(model, optimizer, grad_clip: float) -> torch.Tensor:
