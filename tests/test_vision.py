@@ -82,7 +82,7 @@ def test_shapes_prompts_carry_image_tokens_and_references_not_pixels(store):
     assert extra < len(refs[0]) + 16, extra  # a 56x56 image's pixels would be 9408 bytes, processed 75 KB
 
 
-FAMILIES = pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+FAMILIES = pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 
 
 @FAMILIES
@@ -211,6 +211,29 @@ def test_a_vision_directory_without_its_processor_says_which_file_it_needs(store
     image_prep(config.model, tokenizer).processor.save_pretrained(directory)
     assert isinstance(image_prep(hf.model, tokenizer), ImagePrep)
     assert json.load(open(directory / "preprocessor_config.json"))["merge_size"] == 2
+
+
+def test_a_qwen3_vl_directory_loads_with_its_processor_and_the_engine_reads_its_deepstack(store):
+    """Qwen3-VL as a user brings it: a Hugging Face directory (weights, tokenizer, processor of
+    16-pixel patches normalised to [-1, 1]) through `model.source=hf`; the engine's log-probs equal
+    transformers' forward, whose first layers add the tower's deepstack features."""
+    tiny = compose([*VL, "model.vision_family=qwen3_vl"])
+    lm, tokenizer = load_policy(tiny.model)
+    assert lm.config.model_type == "qwen3_vl" and lm.config.vision_config.deepstack_visual_indexes == [0, 1]
+    directory = store / "qwen3vl"
+    lm.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    image_prep(tiny.model, tokenizer).processor.save_pretrained(directory)
+    config = compose(["model.source=hf", f"model.path={directory}", "model.use_chat_template=false", "task=shapes",
+                      "algorithm=grpo", "model.dtype=float32"])
+    loaded, _, prep, prompts = _prompts(config, 2)
+    assert type(loaded).__name__ == "Qwen3VLForConditionalGeneration"
+    assert (prep.processor.patch_size, list(prep.processor.image_mean)) == (16, [0.5, 0.5, 0.5])
+    engine, _ = build_engine(config.model, (loaded, load_policy(config.model)[1]))
+    seqs = [sequence_input(ids, j, 3, images=refs) for ids, refs in prompts for j in range(2)]
+    for seq, out in zip(seqs, engine.generate_window_sync(seqs, 3, SamplingParams(temperature=1.0))):
+        np.testing.assert_allclose(out.logprobs, _transformers_logprobs(loaded, seq.prompt_ids, seq.images,
+                                                                        out.token_ids), atol=2e-5)
 
 
 @pytest.mark.slow

@@ -87,8 +87,9 @@ def _critic(config):
     return value_model
 
 
-def test_critic_values_with_images_equal_transformers_forward_row_by_row(store):
-    config = compose(VL_PPO)
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])  # Qwen3-VL: deepstack features in the trunk
+def test_critic_values_with_images_equal_transformers_forward_row_by_row(store, family):
+    config = compose([*VL_PPO, f"model.vision_family={family}"])
     prompts = _prompts(config, 3)
     value_model = _critic(config)
     rows = [(ids, np.asarray(tokens)) for (ids, _), tokens in zip(prompts, RESPONSES)]

@@ -50,9 +50,11 @@ class ModelConfig(Section):
     """tiny_vl only: blocks of its vision tower."""
     vision_width: PositiveInt = 32
     """tiny_vl only: the width of its vision tower (the merger projects to `hidden_size`)."""
-    vision_family: Literal["qwen2_vl", "qwen2_5_vl"] = "qwen2_vl"
+    vision_family: Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl"] = "qwen2_vl"
     """tiny_vl only: the family it is built as: qwen2_vl (Qwen2-VL) | qwen2_5_vl (Qwen2.5-VL: its
-    tower's windowed attention, RMSNorm and gated MLP; the same language model and processor)."""
+    tower's windowed attention, RMSNorm and gated MLP; the same language model and processor) |
+    qwen3_vl (Qwen3-VL: a Qwen3 language model with interleaved multimodal rotary positions, whose
+    first layers also take the tower's intermediate features, "deepstack"; patches of 16 pixels)."""
     image_min_pixels: NonNegativeInt = 0
     """A vision-language model: an image is resized to at least this many pixels by the model's
     processor (0 = the processor's own: tiny_vl 56x56, a directory's preprocessor_config.json)."""

@@ -240,21 +240,26 @@ class CachedWindow:
             positions[i - first, width - s:] = media.positions_of(n, n + s) if media is not None else (
                 at[:, None] if self.decoder.mrope else at)
         token_tensor = torch.from_numpy(tokens).to(device)
+        embeds, deepstack = self._embeds(first, end, token_tensor, tokens)
         return self.decoder.forward(token_tensor, torch.from_numpy(positions).to(device), self.block,
-                                    slice(first, end), self.first_decode - width, logits, routes,
-                                    self._embeds(first, end, token_tensor, tokens))
+                                    slice(first, end), self.first_decode - width, logits, routes, embeds, deepstack)
 
-    def _embeds(self, first: int, end: int, token_tensor: torch.Tensor, tokens: np.ndarray) -> torch.Tensor | None:
-        """The rows' input embeddings with their image features spliced in (None: no row feeds an image)."""
+    def _embeds(self, first: int, end: int, token_tensor: torch.Tensor,
+                tokens: np.ndarray) -> tuple[torch.Tensor | None, list[torch.Tensor] | None]:
+        """The rows' input embeddings with their image features spliced in, and what each deepstack
+        layer adds (Qwen3-VL; zeros off the image tokens); (None, None): no row feeds an image."""
         rows = [i for i in range(first, end) if self.media is not None and self.media[i] is not None
                 and self.media[i].feeds_images(self.contexts[i], self.reused[i])]
         if not rows:
-            return None
+            return None, None
         embeds = self.decoder.embed(token_tensor)
+        layers = max(len(self.media[i].deepstack) for i in rows)
+        deepstack = [torch.zeros_like(embeds) for _ in range(layers)] or None
         for i in rows:
             self.media[i].splice(embeds[i - first], tokens[i - first, tokens.shape[1] - self.suffix[i]:],
-                                 self.contexts[i], self.reused[i])
-        return embeds
+                                 self.contexts[i], self.reused[i],
+                                 None if deepstack is None else [layer[i - first] for layer in deepstack])
+        return embeds, deepstack
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per row (`[B]`); the logits of the next."""

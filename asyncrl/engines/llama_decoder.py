@@ -4,7 +4,8 @@ Three dense families share the architecture: Llama, Qwen2 (Qwen2.5 too: biases o
 projections; and Qwen2-VL's language model, whose rotary positions have three axes for the
 image tokens of a prompt: its own `rotary_emb` computes them, `asyncrl.engines.vision_prompts`
 gives the positions and the image features that replace the image tokens' embeddings) and Qwen3 (an RMSNorm over each head of q and k, before the rotary embedding, and an
-explicit `head_dim`). Biases come with the model's own projection modules; the per-head norms are
+explicit `head_dim`; Qwen3-VL's language model too, its rotary axes interleaved by its own
+`rotary_emb`, and the tower's deepstack features added to its first layers' outputs at the image tokens). Biases come with the model's own projection modules; the per-head norms are
 used where the attention module has them. Three mixture-of-experts families have the same
 attention (Mixtral: Llama's; Qwen2-MoE: Qwen2's; Qwen3-MoE: Qwen3's) and a sparse MLP on some or
 all layers, computed by `asyncrl.engines.moe`; a forward can record or replay their routes.
@@ -31,7 +32,7 @@ from asyncrl.models.vision import image_token_ids, is_vision_model, text_config,
 
 FAMILIES = ("llama", "qwen2", "qwen3") + moe.MOE_FAMILIES
 # Vision-language families whose language model is one of the above, with multimodal rotary positions.
-VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 # Rotary variants whose frequencies do not depend on the sequence length (transformers computes
 # `inv_freq` once for them); "dynamic" and "longrope" rescale with the length.
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -132,7 +133,7 @@ class LlamaDecoder:
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, block: KVBlock, rows: slice,
                 start: int, logits: bool = True, routes: moe.Routes | None = None,
-                embeds: torch.Tensor | None = None) -> torch.Tensor | None:
+                embeds: torch.Tensor | None = None, deepstack: list[torch.Tensor] | None = None) -> torch.Tensor | None:
         """`tokens`, `positions`: `[b, S]` for block rows `rows` (b of them), written at columns
         `start..start+S`; `block.valid` must already mark those columns of real tokens. Each
         query attends to the valid columns up to its own. Returns float logits `[b, vocab]` of
@@ -140,7 +141,8 @@ class LlamaDecoder:
         `routes` (MoE models, opt-in): records the experts every position chose at every sparse
         layer, or forces them (`moe.Routes`). `embeds` `[b, S, hidden]`: the inputs' embeddings in
         place of the tokens' (a prompt's image features spliced in); `positions` `[b, S, 3]` with
-        `mrope` (or `[b, S]`: the same position on every axis)."""
+        `mrope` (or `[b, S]`: the same position on every axis). `deepstack` (Qwen3-VL): layer i's
+        output gains `deepstack[i]` `[b, S, hidden]` (image features at image tokens, zeros elsewhere)."""
         inner = self.inner
         width = tokens.shape[1]
         end = start + width
@@ -158,6 +160,8 @@ class LlamaDecoder:
             hidden = self._attention(layer, hidden, cos, sin, block.data[index], rows, start, end, mask)
             hidden = hidden + self._mlp(layer, _rms_norm(hidden, layer.post_attention_layernorm),
                                         self.sparse_index[index], routes)
+            if deepstack is not None and index < len(deepstack):
+                hidden = hidden + deepstack[index].to(hidden.dtype)
         if routes is not None and self.moe is not None:
             routes.finish()
         if not logits:

@@ -2,10 +2,12 @@
 over the image store (`image_prep`), and the vision tower's output for a batch of rows
 (`VisionInputs`), computed once per distinct image.
 
-The families are transformers' own: `Qwen2VLForConditionalGeneration` (its vision tower, its
-`get_rope_index` for the multimodal rotary positions, its splicing of image features into the
-prompt's embeddings through `mm_encoder_outputs`) and `Qwen2VLImageProcessorPil` (min/max pixels
-as the family defines them). The learners' forwards (the policy's, the critic's) pass `vision_kwargs`
+The families are transformers' own: `Qwen2VLForConditionalGeneration`, Qwen2.5-VL's and Qwen3-VL's
+(their vision towers, their `get_rope_index` for the multimodal rotary positions, their splicing
+of image features into the prompt's embeddings through `mm_encoder_outputs`; Qwen3-VL's tower also
+gives "deepstack" features that its first decoder layers add at the image tokens) and
+`Qwen2VLImageProcessorPil` (min/max pixels as the family defines them; Qwen3-VL's processor is the
+same with patches of 16). The learners' forwards (the policy's, the critic's) pass `vision_kwargs`
 to the model or its trunk; the engine's own decoder takes `VisionInputs.features` and `rope_index`
 (`asyncrl.engines.vision_prompts`).
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -66,23 +69,24 @@ def build_tiny_vl_model(model_config: ModelConfig, tokenizer):
     """A random Qwen2-VL (or Qwen2.5-VL: `model.vision_family`) from transformers' config classes: the tiny Llama's sizes for the language
     model (mrope sections splitting its head), a vision tower of `model.vision_layers` blocks whose
     merger projects to the language model's width, the tokenizer's image token ids."""
-    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
-                              Qwen2VLForConditionalGeneration)
+    import transformers
 
     head_dim = model_config.hidden_size // model_config.num_heads
     half = head_dim // 2
     sections = [half - 2 * (half // 3), half // 3, half // 3]  # temporal, height, width: Qwen2-VL's 16/24/24 in kind
     ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in TINY_VL_IMAGE_TOKENS}
-    family = model_config.vision_family == "qwen2_5_vl"
-    config_class, model_class = ((Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration) if family
-                                 else (Qwen2VLConfig, Qwen2VLForConditionalGeneration))
+    prefix = _FAMILY_CLASSES[model_config.vision_family]
+    config_class = getattr(transformers, f"{prefix}Config")
+    model_class = getattr(transformers, f"{prefix}ForConditionalGeneration")
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": sections}
+    if model_config.vision_family == "qwen3_vl":  # its frequencies' axes interleave (t h w t h w ...)
+        rope["mrope_interleaved"] = True
     config = config_class(
         text_config=dict(vocab_size=len(tokenizer), hidden_size=model_config.hidden_size,
                          intermediate_size=model_config.hidden_size * 4, num_hidden_layers=model_config.num_layers,
                          num_attention_heads=model_config.num_heads, num_key_value_heads=model_config.num_heads,
-                         max_position_embeddings=model_config.max_positions, pad_token_id=0, eos_token_id=1,
-                         bos_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                          "mrope_section": sections}),
+                         head_dim=head_dim, max_position_embeddings=model_config.max_positions, pad_token_id=0,
+                         eos_token_id=1, bos_token_id=2, rope_parameters=rope),
         vision_config=_tiny_tower(model_config),
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
@@ -95,12 +99,25 @@ def build_tiny_vl_model(model_config: ModelConfig, tokenizer):
         torch.random.set_rng_state(state)
 
 
+# transformers' class names of each `model.vision_family`.
+_FAMILY_CLASSES = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL"}
+# The side of tiny_vl's images after the processor: 2x2 merged patches of the family's patch size.
+_TINY_PATCH = {"qwen2_vl": 14, "qwen2_5_vl": 14, "qwen3_vl": 16}
+
+
 def _tiny_tower(model_config: ModelConfig) -> dict:
     """tiny_vl's vision tower settings in its family's names: Qwen2-VL's `embed_dim` is the tower's
     width and `hidden_size` the language model's; Qwen2.5-VL's `hidden_size` is the tower's and
-    `out_hidden_size` the language model's, and its blocks attend in windows except the last one."""
-    common = dict(depth=model_config.vision_layers, num_heads=2, patch_size=14, spatial_merge_size=2,
-                  temporal_patch_size=2)
+    `out_hidden_size` the language model's, and its blocks attend in windows except the last one;
+    Qwen3-VL's names are Qwen2.5-VL's, its patch embedding has learned positions (a 4x4 grid,
+    interpolated) and every block's output feeds one decoder layer (deepstack)."""
+    common = dict(depth=model_config.vision_layers, num_heads=2, patch_size=_TINY_PATCH[model_config.vision_family],
+                  spatial_merge_size=2, temporal_patch_size=2)
+    if model_config.vision_family == "qwen3_vl":
+        layers = min(model_config.vision_layers, model_config.num_layers)
+        return common | dict(hidden_size=model_config.vision_width, intermediate_size=2 * model_config.vision_width,
+                             out_hidden_size=model_config.hidden_size, num_position_embeddings=16,
+                             deepstack_visual_indexes=list(range(layers)))
     if model_config.vision_family == "qwen2_5_vl":
         return common | dict(hidden_size=model_config.vision_width, intermediate_size=2 * model_config.vision_width,
                              out_hidden_size=model_config.hidden_size, window_size=56,
@@ -118,8 +135,11 @@ def image_processor(model_config: ModelConfig):
     bounds = {key: value for key, value in (("min_pixels", model_config.image_min_pixels),
                                             ("max_pixels", model_config.image_max_pixels)) if value}
     if model_config.source == "tiny_vl":
-        return Qwen2VLImageProcessorPil(patch_size=14, merge_size=2, temporal_patch_size=2,
-                                        **{"min_pixels": 56 * 56, "max_pixels": 56 * 56, **bounds})
+        side = 4 * _TINY_PATCH[model_config.vision_family]  # 16 patches, 4 image tokens
+        # Qwen3-VL normalises pixels to [-1, 1] (mean and std 0.5); Qwen2-VL's are CLIP's, the class default.
+        norm = {"image_mean": [0.5] * 3, "image_std": [0.5] * 3} if model_config.vision_family == "qwen3_vl" else {}
+        return Qwen2VLImageProcessorPil(patch_size=side // 4, merge_size=2, temporal_patch_size=2, **norm,
+                                        **{"min_pixels": side * side, "max_pixels": side * side, **bounds})
     if not os.path.exists(os.path.join(model_config.path, "preprocessor_config.json")):
         raise ConfigError(f"{model_config.path} is a vision-language model but has no preprocessor_config.json: "
                           f"its image processor's settings are needed to read images (save the processor with "
@@ -156,6 +176,21 @@ def with_image_processor(model, model_config: ModelConfig):
     return model
 
 
+@dataclass
+class ImageFeatures:
+    """One image through the tower: `embeds` `[tokens, hidden]` replace its image tokens' embeddings;
+    `deepstack` (Qwen3-VL) holds one `[tokens, hidden]` per decoder layer it is added after."""
+
+    embeds: torch.Tensor
+    deepstack: tuple[torch.Tensor, ...] = ()
+
+
+def _deepstack_output(**fields):
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
+
+    return BaseModelOutputWithDeepstackFeatures(**fields)
+
+
 class VisionInputs:
     """The vision tower of `model` (a Qwen2-VL, or its trunk: a critic's backbone) over processed
     image references: `features` runs it once per distinct image of a batch (no gradient while the
@@ -171,8 +206,9 @@ class VisionInputs:
         """The trunk (vision tower, language model, rope index): the model's `model`, or the trunk itself."""
         return self.model.base_model
 
-    def features(self, refs: list[str]) -> dict[str, torch.Tensor]:
-        """The merged image features `[tokens, hidden]` of each distinct reference."""
+    def features(self, refs: list[str]) -> dict[str, ImageFeatures]:
+        """The tower's output for each distinct reference: merged features `[tokens, hidden]`, and
+        the deepstack features of a family that has them."""
         distinct = list(dict.fromkeys(refs))
         if not distinct:
             return {}
@@ -184,9 +220,17 @@ class VisionInputs:
         grid = torch.stack([g for _, g in loaded]).to(device)
         trainable = any(p.requires_grad for p in visual.parameters())
         with torch.set_grad_enabled(trainable and torch.is_grad_enabled()):
-            out = self.inner.get_image_features(pixels, grid, return_dict=True).pooler_output
+            out = self.inner.get_image_features(pixels, grid, return_dict=True)
         self.seconds += time.perf_counter() - start
-        return dict(zip(distinct, out))
+        # deepstack_features: per feeding layer, the images' features; each image's across layers here.
+        stacks = zip(*getattr(out, "deepstack_features", None) or ()) if self.deepstack else None
+        return {ref: ImageFeatures(embeds, tuple(next(stacks)) if stacks is not None else ())
+                for ref, embeds in zip(distinct, out.pooler_output)}
+
+    @property
+    def deepstack(self) -> bool:
+        """Whether the family's first decoder layers also take image features (Qwen3-VL)."""
+        return bool(getattr(self.config.vision_config, "deepstack_visual_indexes", None))
 
     def grids(self, refs: list[str]) -> torch.Tensor:
         """`[images, 3]`: the (t, h, w) patch grid of each reference, in order."""
@@ -209,7 +253,11 @@ class VisionInputs:
         if not refs:
             return {}
         features = self.features(refs)
-        return {"mm_encoder_outputs": {"image": BaseModelOutputWithPooling(pooler_output=[features[r] for r in refs])},
+        encoded = BaseModelOutputWithPooling(pooler_output=[features[r].embeds for r in refs])
+        if self.deepstack:  # the family's own output type, whose forward reads `deepstack_features`
+            encoded = _deepstack_output(pooler_output=encoded.pooler_output,
+                                        deepstack_features=list(zip(*(features[r].deepstack for r in refs))))
+        return {"mm_encoder_outputs": {"image": encoded},
                 "image_grid_thw": self.grids(refs).to(input_ids.device),
                 "mm_token_type_ids": (input_ids == self.config.image_token_id).int()}
 
