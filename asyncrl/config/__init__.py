@@ -19,7 +19,8 @@ from asyncrl.config.files import config_dir, config_groups
 from asyncrl.config.learner import (Compute, CriticConfig, CriticWarmup, Optimizer, PolicyCompute, PolicyConfig,
                                     PolicyLoss, ValueLoss)
 from asyncrl.config.model import EngineConfig, ModelConfig, SamplingConfig
-from asyncrl.config.names import FOREIGN, RENAMED
+from asyncrl.config.names import FOREIGN
+from asyncrl.config.renames import RENAMED
 from asyncrl.config.reward import (Endpoint, GenerativeJudgeEndpoint, OpenAIJudgeEndpoint, ProcessRewardEndpoint,
                                    PythonRewardEndpoint, RewardConfig, RouteConfig, ScalarRewardEndpoint,
                                    VerifierEndpoint)

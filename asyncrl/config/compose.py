@@ -21,8 +21,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from asyncrl.config.checks import ConfigError, validate
 from asyncrl.config.files import config_dir, config_groups
-from asyncrl.config.names import (FOREIGN, ROLLOUT_ENGINES, foreign_notice, ignored_notice, ignored_reason, migrate,
-                                  renamed_message)
+from asyncrl.config.names import FOREIGN, ROLLOUT_ENGINES, foreign_notice, ignored_notice, ignored_reason
+from asyncrl.config.renames import migrate, renamed_message
 from asyncrl.config.run import Config
 import asyncrl.config.schema as schema
 
