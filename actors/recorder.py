@@ -17,7 +17,8 @@ import msgspec
 
 from actors.base import RoleShell
 from asyncrl.storage.checkpoint import disk_refusal
-from asyncrl.storage.trajectory_store import BATCH_RECORD_DECODER, BATCH_SCHEMA, RECORDS_DECODER, TRAJECTORY_SCHEMA, StoreWriter
+from asyncrl.storage.trajectory_store import (BATCH_RECORD_DECODER, BATCH_SCHEMA, RECORDS_DECODER, TRAJECTORY_SCHEMA,
+                                             StoreWriter, keep_images)
 
 
 class TrajectoryRecorder:
@@ -26,7 +27,7 @@ class TrajectoryRecorder:
         """`keep_bytes` > 0: the store's oldest closed files go past this total (`asyncrl.storage.trajectory_store`)."""
         self.directory = directory
         self.trajectories = StoreWriter(directory, "trajectories", TRAJECTORY_SCHEMA, max_file_bytes, max_file_age_s,
-                                        keep_bytes)
+                                        keep_bytes, prepare=keep_images)
         self.batches = StoreWriter(directory, "batches", BATCH_SCHEMA, max_file_bytes, max_file_age_s, keep_bytes)
         self.flush_s = flush_s
         self._lock = asyncio.Lock()  # one writer thread at a time

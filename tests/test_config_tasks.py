@@ -27,8 +27,8 @@ def test_every_shipped_config_composes(algorithm, model):
                 compose(overrides)
             continue
         if model == "tiny_vl" and algorithm == "dqo":
-            with pytest.raises(ConfigError, match="is a vision-language model: mode=learn"):
-                compose(overrides)  # stored trajectories keep no images
+            with pytest.raises(ConfigError, match="is a vision-language model: algorithm=dqo's offline step"):
+                compose(overrides)  # DQO's own step takes no images
             continue
         config = compose(overrides)
         assert config.algorithm.name == algorithm

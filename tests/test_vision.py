@@ -168,8 +168,11 @@ def test_images_on_a_text_model_and_engines_without_images_are_refused_at_start_
     with pytest.raises(ConfigError, match="model.freeze_vision_tower=false .* needs model.lora_rank=0"):
         compose([*VL, "model.lora_rank=8", "model.freeze_vision_tower=false"])
     assert compose([*VL, "algorithm=ppo"]).algorithm.name == "ppo"  # the critic takes the images (test_vision_value)
-    with pytest.raises(ConfigError, match="mode=learn replays stored trajectories, which do not keep their images"):
-        compose([*VL, "mode=learn", "offline.data=/tmp/store"])
+    # mode=learn replays a store with its images (test_vision_offline); DQO's step and labelled files take none.
+    with pytest.raises(ConfigError, match="algorithm=dqo's offline step does not take images yet"):
+        compose(["model=tiny_vl", "task=shapes", "algorithm=dqo", "mode=learn", f"offline.data={store}"])
+    with pytest.raises(ConfigError, match="is a file of labelled responses, whose images are not read yet"):
+        compose([*VL, "mode=learn", f"offline.data={store / 'labelled.jsonl'}"])
     text = compose(["model=tiny", "task=tiny"])
     _, tokenizer = load_policy(text.model)
     example = load_examples(compose(VL).task, "train", 1)[0]

@@ -144,10 +144,14 @@ def _vision_checks(config) -> list[tuple[bool, str]]:
         (not (m.lora_rank and not m.freeze_vision_tower),
          f"{where} is a vision-language model: model.lora_rank > 0 adapts its language model and keeps the vision "
          f"tower frozen; model.freeze_vision_tower=false (the tower trained whole) needs model.lora_rank=0"),
-        # The value learner takes the images as the policy learner does (`asyncrl.models.loading.ValueModel`);
-        # the trajectory store does not keep them, so nothing offline can replay a row with its images.
-        (config.mode != "learn", f"{where} is a vision-language model: mode=learn replays stored trajectories, "
-                                 f"which do not keep their images (train online: mode=train)"),
+        # mode=learn replays a trajectory store's records with their images (the store keeps a copy of
+        # each) through the online learners; DQO's own step and a labelled file's responses take none.
+        (config.mode != "learn" or config.algorithm.name != "dqo",
+         f"{where} is a vision-language model: algorithm=dqo's offline step does not take images yet (replay "
+         f"the store with the algorithm it was recorded with, or learn online)"),
+        (config.mode != "learn" or not config.offline.data or os.path.isdir(config.offline.data),
+         f"{where} is a vision-language model: offline.data={config.offline.data} is a file of labelled "
+         f"responses, whose images are not read yet; mode=learn replays a trajectory store with its images"),
     ]
 
 

@@ -6,6 +6,9 @@ Layout under `<run_dir>/trajectories/` (`trainer.store_trajectories=true`):
     trajectories-00000.parquet ...   one row per finished sample (`TrajectoryRecord`), kept or dropped
     batches-00000.parquet ...        one row per trained batch: the `TrainBatch` as msgspec bytes,
                                      the weight version it was trained from, loss and gradient norm
+    images/<name>.pt                 a prompt's processed images (a vision-language model), each once:
+                                     a record's `images` name them relative to the store, so the
+                                     store replays (`mode=learn`) without the run's image cache
 
 Append-only: a file is written under a `.inprogress` name and renamed when it is rolled (by size or
 age) or the run stops, so every `*.parquet` a reader sees is whole and never changes again. The
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 import time
 
 import msgspec
@@ -79,6 +83,9 @@ class TrajectoryRecord(msgspec.Struct, kw_only=True, frozen=True):
     # position, `sparse_layers x route_top_k` ids layer by layer (-1: not recorded); None: none.
     token_routes: list[list[int]] | None = None
     route_top_k: int = 0
+    # The prompt's processed images (`asyncrl.storage.images`): as the run held them, and once
+    # written, `images/<name>` in the store (`keep_images`); read back as paths (`read_trajectories`).
+    images: list[str] = []
 
 
 TRAJECTORY_SCHEMA = pa.schema([
@@ -95,6 +102,7 @@ TRAJECTORY_SCHEMA = pa.schema([
     ("drop_reason", pa.string()), ("policy_version", pa.int64()), ("recorded_at", pa.float64()),
     ("token_scored", pa.list_(pa.uint8())), ("token_observation", pa.list_(pa.uint8())),
     ("reward_error", pa.string()), ("token_routes", pa.list_(pa.list_(pa.int16()))), ("route_top_k", pa.int16()),
+    ("images", pa.list_(pa.string())),
 ])
 
 BATCH_SCHEMA = pa.schema([
@@ -162,7 +170,7 @@ def record_of(merged: Segment, window_ends: list[int], reward: Reward | None, pr
         status=status, drop_reason=drop_reason, policy_version=policy_version, recorded_at=time.time(),
         token_scored=None if merged.new_scored is None else merged.new_scored.tolist(),
         token_observation=None if merged.new_observation is None else merged.new_observation.tolist(),
-        token_routes=routes, route_top_k=top_k)
+        token_routes=routes, route_top_k=top_k, images=list(merged.images))
 
 
 def segments_of(record: TrajectoryRecord) -> list[Segment]:
@@ -191,7 +199,7 @@ def segments_of(record: TrajectoryRecord) -> list[Segment]:
             finish_reason=FinishReason(record.finish_reason) if last else
             FinishReason.TOOL_CALL if observed is not None and observed[start:end].any() else FinishReason.WINDOW,
             data_source=record.data_source, ground_truth=record.ground_truth, seed=record.seed,
-            generator_id=record.generator_id))
+            generator_id=record.generator_id, images=tuple(record.images)))
         start = end
     return out
 
@@ -216,10 +224,11 @@ class StoreWriter:
     """
 
     def __init__(self, directory: str, kind: str, schema: pa.Schema, max_file_bytes: int = 64 << 20,
-                 max_file_age_s: float = 600.0, keep_bytes: int = 0):
+                 max_file_age_s: float = 600.0, keep_bytes: int = 0, prepare=None):
         """`keep_bytes` > 0: after each roll the store's oldest closed files (both kinds) are
-        deleted until the rest fit in it."""
-        self.directory, self.kind, self.schema = directory, kind, schema
+        deleted until the rest fit in it. `prepare(rows, directory)`: run on the rows in the writing
+        thread before they are written (`keep_images`)."""
+        self.directory, self.kind, self.schema, self.prepare = directory, kind, schema, prepare
         self.max_file_bytes, self.max_file_age_s, self.keep_bytes = max_file_bytes, max_file_age_s, keep_bytes
         os.makedirs(directory, exist_ok=True)
         self._rows: list[dict] = []
@@ -243,6 +252,8 @@ class StoreWriter:
         # Take the buffer first: rows appended meanwhile (the recorder appends on its event loop
         # while this runs in a thread) go to the next flush, not lost.
         rows, self._rows = self._rows, []
+        if rows and self.prepare is not None:
+            rows = self.prepare(rows, self.directory)
         if rows:
             if self._writer is None:
                 self._open()
@@ -269,6 +280,28 @@ class StoreWriter:
         self.files_closed += 1
         if self.keep_bytes:
             self.files_deleted += prune_store(self.directory, self.keep_bytes)
+
+
+IMAGES_DIRNAME = "images"
+
+
+def keep_images(rows: list[dict], directory: str) -> list[dict]:
+    """Trajectory rows whose processed images are copied into the store (`images/`, each file once:
+    its name is content-addressed) and named relative to it. An image no longer on this node keeps
+    its path (replay says which one is missing)."""
+    for row in rows:
+        kept = []
+        for ref in row.get("images") or ():
+            name = os.path.join(IMAGES_DIRNAME, os.path.basename(ref))
+            target = os.path.join(directory, name)
+            if not os.path.exists(target) and os.path.exists(ref):
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                staging = f"{target}{INPROGRESS}"
+                shutil.copyfile(ref, staging)
+                os.replace(staging, target)
+            kept.append(name if os.path.exists(target) else ref)
+        row["images"] = kept
+    return rows
 
 
 def prune_store(directory: str, keep_bytes: int) -> int:
@@ -305,12 +338,22 @@ def read_trajectories(path: str, statuses: tuple[str, ...] = ("kept", "dropped",
     files = store_files(path)
     if not files:
         raise FileNotFoundError(f"no trajectory files (trajectories-*.parquet) in {store_dir(path)}")
-    records = []
+    records, directory = [], store_dir(path)
     for file in files:
         for row in pq.read_table(file).to_pylist():
             if row["status"] in statuses:
+                row["images"] = [_stored_image(directory, ref, row["sample_id"]) for ref in row.get("images") or ()]
                 records.append(msgspec.convert(row, TrajectoryRecord))
     return records
+
+
+def _stored_image(directory: str, ref: str, sample_id: str) -> str:
+    """The path of a record's image: in the store (`images/<name>`), else where the run held it."""
+    path = os.path.join(directory, ref)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{directory}: sample {sample_id}'s image {ref} is not in the store, nor on this "
+                                f"machine (the store keeps a copy of each image it records)")
+    return path
 
 
 def read_batches(path: str) -> list[BatchRecord]:
