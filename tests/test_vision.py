@@ -240,12 +240,13 @@ def test_a_qwen3_vl_directory_loads_with_its_processor_and_the_engine_reads_its_
 
 
 @pytest.mark.slow
-def test_tiny_vl_learns_the_colour_of_the_square_from_chance_to_0_9_held_out(ray_session, tmp_path, monkeypatch):
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])  # Qwen3-VL: its deepstack features in engine and learner
+def test_tiny_vl_learns_the_colour_of_the_square_from_chance_to_0_9_held_out(ray_session, tmp_path, monkeypatch, family):
     from asyncrl.driver import train
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    config = compose([*VL, "policy.loss.clip_high=0.28", "policy.loss.agg=token-mean", "trainer.total_steps=500",
-                      f"trainer.run_dir={tmp_path}", "trainer.wandb_mode=disabled"])
+    config = compose([*VL, f"model.vision_family={family}", "policy.loss.clip_high=0.28", "policy.loss.agg=token-mean",
+                      "trainer.total_steps=500", f"trainer.run_dir={tmp_path}", "trainer.wandb_mode=disabled"])
     summary = train(config, progress=False)
     # Chance: a digit of the four colours, among the ~35 tokens a random model draws from.
     assert summary["eval_before"]["accuracy"] < 0.4, summary["eval_before"]
