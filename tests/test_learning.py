@@ -183,16 +183,24 @@ def test_the_learning_rate_schedules_warm_up_then_decay_to_their_floor_by_hand()
 
 
 def test_a_decaying_schedule_ends_at_the_runs_last_step_and_takes_verls_and_trls_names():
+    """`asyncrl train` and `mode=learn` decay over trainer.total_steps unless told (`with_decay_horizon`,
+    at composition); the Serve app trains until stopped, so it needs the horizon said."""
     from asyncrl.config import ConfigError, compose
+    from asyncrl.serve.train import build_train
 
-    config = compose(["model=tiny", "task=tiny", "trainer.total_steps=300",
-                      "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine",
-                      "actor_rollout_ref.actor.optim.min_lr_ratio=0.1"])
-    optimizer = config.policy.optimizer
+    foreign = ["model=tiny", "task=tiny", "trainer.total_steps=300", "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine",
+               "actor_rollout_ref.actor.optim.min_lr_ratio=0.1"]
+    optimizer = compose(foreign).policy.optimizer
     assert (optimizer.schedule, optimizer.min_lr_ratio, optimizer.decay_steps) == ("cosine", 0.1, 300)
+    assert compose(foreign, until_stopped=True).policy.optimizer.decay_steps == 0  # a service: no horizon
     assert compose(["model=tiny", "task=tiny", "lr_scheduler_type=linear",
                     "policy.optimizer.decay_steps=50"]).policy.optimizer.decay_steps == 50
     assert compose(["model=tiny", "task=tiny"]).policy.optimizer.decay_steps == 0  # constant: no horizon
+    with pytest.raises(ConfigError, match="the train app runs until stopped .* set policy.optimizer.decay_steps"):
+        build_train({"overrides": "model=tiny task=tiny policy.optimizer.schedule=cosine"})
+    with pytest.raises(ConfigError, match="policy.optimizer.decay_steps=10 must be past its warmup_steps=20"):
+        compose(["model=tiny", "task=tiny", "lr_scheduler_type=linear", "policy.optimizer.decay_steps=10",
+                 "policy.optimizer.warmup_steps=20"])
     with pytest.raises(ConfigError, match="lr_scheduler_type=cosine_with_restarts has no counterpart here"):
         compose(["model=tiny", "task=tiny", "lr_scheduler_type=cosine_with_restarts"])
     # The critic's steps follow its own pace: a decay needs its horizon said.

@@ -226,9 +226,12 @@ def test_dqo_offline_trains_the_adapter_alone(tmp_path):
                 f.write(json.dumps({"prompt": f"{d}:", "data_source": "tiny", "reward_model": {"ground_truth": answer},
                                     "response": answer if good else "a", "score": float(good)}) + "\n")
     summary = learn(compose([*LORA, "task=tiny", "algorithm=dqo", "mode=learn", f"offline.data={data}",
-                             "trainer.total_steps=2", "policy.optimizer.lr=0.01", f"trainer.run_dir={tmp_path / 'run'}"]),
-                    progress=False)
+                             "trainer.total_steps=2", "policy.optimizer.lr=0.01", "policy.optimizer.warmup_steps=2",
+                             f"trainer.run_dir={tmp_path / 'run'}"]), progress=False)
     assert summary["steps"] == 2
+    # DQO's optimizer follows its schedule as the online learners' do: a warm-up of 2 steps.
+    rates = [json.loads(line)["lr"] for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert rates == pytest.approx([0.005, 0.01])
     part = policy_dir(summary["last_checkpoint"])
     adapter = lora.read_adapter(part)
     assert adapter and any(float(t.abs().max()) > 0 for n, t in adapter.items() if ".lora_B." in n)

@@ -23,7 +23,7 @@ from asyncrl.models.loading import load_policy
 from asyncrl.models.vision import image_prep
 from asyncrl.offline import learn
 from asyncrl.storage.images import store_root
-from asyncrl.storage.trajectory_store import RECORDS_ENCODER, read_trajectories, record_of
+from asyncrl.storage.trajectory_store import RECORDS_ENCODER, prune_store, read_trajectories, record_of, store_files
 
 GROUP = 4
 VL = ["model=tiny_vl", "task=shapes", f"algorithm.group_size={GROUP}", "trainer.prompts_per_step=2",
@@ -37,14 +37,15 @@ def store(tmp_path, monkeypatch):
     return tmp_path
 
 
-def _record_samples(config, directory: str, prompts: int) -> list:
-    """`prompts` x GROUP samples of the initial tiny_vl with their images, scored by the task's
-    verifier, written by the run's own recorder (as `mode=generate` records them)."""
+def _record_samples(config, directory: str, prompts: int, first: int = 0) -> list:
+    """`prompts` x GROUP samples (of training prompts `first`...) of the initial tiny_vl with their
+    images, scored by the task's verifier, written by the run's own recorder (as `mode=generate`
+    records them: one closed file)."""
     lm, tokenizer = load_policy(config.model)
     prep = image_prep(config.model, tokenizer, lm)
     engine, _ = build_engine(config.model, (lm, tokenizer))
     records = []
-    for p, example in enumerate(load_examples(config.task, "train", prompts)):
+    for p, example in enumerate(load_examples(config.task, "train", first + prompts)[first:]):
         ids, refs = encode_prompt(example, tokenizer, False, images=prep), prep.processed(example.images)
         seqs = [sequence_input(ids, 10 * p + j, 2, images=refs) for j in range(GROUP)]
         for j, out in enumerate(engine.generate_window_sync(seqs, 2, SamplingParams(temperature=1.0))):
@@ -96,3 +97,16 @@ def test_a_record_whose_image_is_gone_is_refused_naming_the_sample(store):
     shutil.rmtree(os.path.join(directory, "images"))
     with pytest.raises(FileNotFoundError, match=r"sample shapes-train-0/0's image images/\S+ is not in the store"):
         read_trajectories(directory)
+
+
+def test_pruning_the_store_counts_its_images_and_drops_those_no_file_left_names(store):
+    config = compose(VL)
+    directory = str(store / "pruned")
+    old = {os.path.basename(ref) for r in _record_samples(config, directory, prompts=2) for ref in r.images}
+    new = {os.path.basename(ref) for r in _record_samples(config, directory, prompts=2, first=2) for ref in r.images}
+    assert len(store_files(directory)) == 2 and not old & new
+    parquet = sum(os.path.getsize(f) for f in store_files(directory))
+    # Under the bound with the images not counted, over it with them: the older file goes, and its images.
+    assert prune_store(directory, keep_bytes=parquet, images=True) == 1
+    assert set(os.listdir(os.path.join(directory, "images"))) == new
+    assert {os.path.basename(ref) for r in read_trajectories(directory) for ref in r.images} == new

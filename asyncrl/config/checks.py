@@ -67,6 +67,10 @@ def _algorithm_checks(config) -> list[tuple[bool, str]]:
         (critic.optimizer.schedule == "constant" or critic.optimizer.decay_steps > 0,
          f"critic.optimizer.schedule={critic.optimizer.schedule} needs critic.optimizer.decay_steps: the value "
          "learner's steps follow its own pace, not trainer.total_steps"),
+        *[(o.schedule == "constant" or not o.decay_steps or o.decay_steps > o.warmup_steps,
+           f"{name}.optimizer.decay_steps={o.decay_steps} must be past its warmup_steps={o.warmup_steps}: the "
+           f"rate would fall from lr to its floor at once") for name, o in (("policy", config.policy.optimizer),
+                                                                          ("critic", critic.optimizer))],
         (critic.warmup.steps == 0 or critic.warmup.min_steps <= critic.warmup.steps,
          "critic.warmup.min_steps must be <= critic.warmup.steps"),
         (not config.trainer.synchronous or a.max_staleness_versions == 0,

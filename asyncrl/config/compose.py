@@ -51,7 +51,8 @@ for _name, _resolver in (("detected_device", detected_device), ("by_device", by_
 
 
 def compose(overrides: list[str] | None = None, config_name: str = "config", user_dir: str | None = None,
-            notices: list[str] | None = None, values: dict[str, Any] | None = None) -> Config:
+            notices: list[str] | None = None, values: dict[str, Any] | None = None,
+            until_stopped: bool = False) -> Config:
     """Compose the Hydra config with overrides and return it validated.
 
     `user_dir` (`--config-dir`): a directory of the user's recipes, searched before the package's,
@@ -85,6 +86,8 @@ def compose(overrides: list[str] | None = None, config_name: str = "config", use
     if ignored:
         said.append(ignored_notice(ignored))
     config = _derived(_convert(merged, values or {}))
+    if not until_stopped:  # a Serve app trains until stopped: no trainer.total_steps to decay over
+        with_decay_horizon(config)
     _check(config, groups)
     if notices is None:
         for line in said:
@@ -152,8 +155,17 @@ def _derived(config: Config) -> Config:
         config.engine.window_tokens = config.engine.max_response_tokens
     if not config.model.name:
         config.model.name = config.model.directory_name()
-    if config.policy.optimizer.schedule != "constant" and not config.policy.optimizer.decay_steps:
-        config.policy.optimizer.decay_steps = config.trainer.total_steps
+    return config
+
+
+def with_decay_horizon(config: Config) -> Config:
+    """A run that stops at `trainer.total_steps` (`asyncrl train`, `mode=learn`): a decaying policy
+    rate without `policy.optimizer.decay_steps` decays over those steps (one policy step a run step).
+    A Serve app trains until stopped (`compose(until_stopped=True)`): its train app refuses a decay
+    without the field set (`asyncrl.serve.train.build_train`)."""
+    optimizer = config.policy.optimizer
+    if optimizer.schedule != "constant" and not optimizer.decay_steps:
+        optimizer.decay_steps = config.trainer.total_steps
     return config
 
 

@@ -105,8 +105,9 @@ class TrainerConfig(Section):
     store_file_age_s: PositiveFloat = 600.0
     """...or this age, so a long run's store is readable while it runs."""
     store_keep_mb: NonNegativeInt = 0
-    """The store's closed files are deleted oldest first past this many MB in all (0 = keep every
-    file: the store is the run's data set; a run of days sets a bound or a disk of its own)."""
+    """The store's closed files are deleted oldest first past this many MB in all, its images
+    counted (one that no file left names goes too; 0 = keep every file: the store is the run's data
+    set; a run of days sets a bound or a disk of its own)."""
     log_file_mb: PositiveInt = 256
     """A run's jsonl log (metrics, generators, retirements, restarts) rolls to `<name>.1` past this size..."""
     log_files_kept: NonNegativeInt = 4

@@ -120,8 +120,9 @@ def learn_dqo(config: Config, records: list[TrajectoryRecord], run_dir: str, pro
     records = with_behaviour(records, reference_logp, config)
     trajectories = [scored_trajectory(r, config) for r in records]
     sections = (config.policy, config.critic, config.sampling)
-    policy_opt, _ = build_optimizer([p for p in policy.parameters() if p.requires_grad], config.policy.optimizer)
-    value_opt, _ = build_optimizer(value_model.parameters(), config.critic.optimizer)
+    policy_opt, policy_schedule = build_optimizer([p for p in policy.parameters() if p.requires_grad],
+                                                  config.policy.optimizer)
+    value_opt, value_schedule = build_optimizer(value_model.parameters(), config.critic.optimizer)
     batch, order, step = config.offline.batch_trajectories, list(range(len(trajectories))), 0
     rng = random.Random(tr.seed)
     started = time.time()
@@ -137,7 +138,9 @@ def learn_dqo(config: Config, records: list[TrajectoryRecord], run_dir: str, pro
                                    [reference_logp[i] for i in chosen], config.offline.dqo, sections,
                                    tokenizer.pad_token_id or 0)
                 step += 1
-                metrics_file.write(json.dumps({"step": step, **metrics, "wall_time_s": time.time() - started}) + "\n")
+                metrics_file.write(json.dumps({"step": step, **metrics, "lr": policy_opt.param_groups[0]["lr"],
+                                               "wall_time_s": time.time() - started}) + "\n")
+                policy_schedule.step(), value_schedule.step()  # each optimizer stepped once in `dqo_step`
                 bar.update(1)
     after = greedy_accuracy(config, engine, tokenizer, progress="eval after" if progress else "")
     print(f"held-out accuracy after {step} DQO updates: {after['accuracy']:.3f}", flush=True)

@@ -47,7 +47,7 @@ def config_from_args(args: dict[str, Any]) -> Config:
     overrides = args.get("overrides", "")
     overrides = shlex.split(overrides) if isinstance(overrides, str) else list(overrides)
     overrides += [f"{k}={v}" for k, v in args.items() if k != "overrides"]
-    return compose(overrides)
+    return compose(overrides, until_stopped=True)
 
 
 def _route_path(request: Request) -> str:

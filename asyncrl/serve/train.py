@@ -32,7 +32,7 @@ from pydantic import BaseModel, Field
 import ray
 from ray import serve
 
-from asyncrl.config import Config
+from asyncrl.config import Config, ConfigError
 from asyncrl.run import RestartBudgetSpent, Run
 from asyncrl.run.loggers import open_loggers
 from asyncrl.run.records import REWARD_KEY
@@ -322,6 +322,12 @@ class TrainController:
 
 def build_train(args: dict[str, Any]) -> serve.Application:
     config = config_from_args(args)
+    optimizer = config.policy.optimizer
+    if optimizer.schedule != "constant" and not optimizer.decay_steps:
+        # `asyncrl train` decays over trainer.total_steps; a service trains until stopped.
+        raise ConfigError(f"policy.optimizer.schedule={optimizer.schedule} decays over policy.optimizer.decay_steps, "
+                          f"and the train app runs until stopped (trainer.total_steps does not end it): set "
+                          f"policy.optimizer.decay_steps, or policy.optimizer.schedule=constant")
     if config.reward.use_serve and ray.is_initialized():  # built by Serve (not imported to look at)
         # Refused here, as the config's applications are built (Serve knows them all by now), not by
         # a replica, which Serve would start again and again before giving up.

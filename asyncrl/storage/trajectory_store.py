@@ -279,7 +279,7 @@ class StoreWriter:
         self._writer, self._index = None, self._index + 1
         self.files_closed += 1
         if self.keep_bytes:
-            self.files_deleted += prune_store(self.directory, self.keep_bytes)
+            self.files_deleted += prune_store(self.directory, self.keep_bytes, images=self.kind == "trajectories")
 
 
 IMAGES_DIRNAME = "images"
@@ -304,18 +304,28 @@ def keep_images(rows: list[dict], directory: str) -> list[dict]:
     return rows
 
 
-def prune_store(directory: str, keep_bytes: int) -> int:
-    """Delete the oldest closed files of a store (by when they were closed) until the rest fit in
-    `keep_bytes`; how many were deleted. The newest file is always kept."""
+def prune_store(directory: str, keep_bytes: int, images: bool = False) -> int:
+    """Delete the oldest closed files of a store (by when they were closed) until the rest, its
+    images counted, fit in `keep_bytes`; how many were deleted. The newest file is always kept.
+    `images` (the trajectories' writer, between two of its files): then also the images that no
+    trajectory file left names."""
     files = sorted(glob.glob(os.path.join(directory, "*.parquet")), key=os.path.getmtime)
     sizes = [os.path.getsize(f) for f in files]
-    deleted, total = 0, sum(sizes)
+    kept_images = glob.glob(os.path.join(directory, IMAGES_DIRNAME, "*.pt"))
+    deleted, total = 0, sum(sizes) + sum(os.path.getsize(f) for f in kept_images)
     for path, size in zip(files[:-1], sizes):
         if total <= keep_bytes:
             break
         os.remove(path)
         total -= size
         deleted += 1
+    if deleted and images:
+        named = {name for f in glob.glob(os.path.join(directory, "trajectories-*.parquet"))
+                 if "images" in pq.read_schema(f).names
+                 for row in pq.read_table(f, columns=["images"]).column("images").to_pylist() for name in row or ()}
+        for path in kept_images:
+            if os.path.join(IMAGES_DIRNAME, os.path.basename(path)) not in named:
+                os.remove(path)
     return deleted
 
 
@@ -349,7 +359,7 @@ def read_trajectories(path: str, statuses: tuple[str, ...] = ("kept", "dropped",
 
 def _stored_image(directory: str, ref: str, sample_id: str) -> str:
     """The path of a record's image: in the store (`images/<name>`), else where the run held it."""
-    path = os.path.join(directory, ref)
+    path = os.path.abspath(os.path.join(directory, ref))  # read in other processes, from other directories
     if not os.path.exists(path):
         raise FileNotFoundError(f"{directory}: sample {sample_id}'s image {ref} is not in the store, nor on this "
                                 f"machine (the store keeps a copy of each image it records)")
