@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -93,10 +94,17 @@ def test_a_store_keeps_its_images_and_mode_learn_replays_them_without_the_image_
 def test_a_record_whose_image_is_gone_is_refused_naming_the_sample(store):
     config = compose(VL)
     directory = str(store / "recorded")
-    _record_samples(config, directory, prompts=1)
+    recorded = _record_samples(config, directory, prompts=1)
     shutil.rmtree(os.path.join(directory, "images"))
     with pytest.raises(FileNotFoundError, match=r"sample shapes-train-0/0's image images/\S+ is not in the store"):
         read_trajectories(directory)
+    # An image already gone from this node when recorded keeps its path, and is refused by it.
+    elsewhere = str(store / "elsewhere")
+    recorder = TrajectoryRecorder(elsewhere)
+    recorder.add_trajectories(RECORDS_ENCODER.encode([msgspec.structs.replace(recorded[0], images=["/gone/x.pt"])]))
+    asyncio.run(recorder.close())
+    with pytest.raises(FileNotFoundError, match="sample shapes-train-0/0's image /gone/x.pt is not in the store"):
+        read_trajectories(elsewhere)
 
 
 def test_pruning_the_store_counts_its_images_and_drops_those_no_file_left_names(store):

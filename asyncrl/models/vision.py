@@ -222,10 +222,10 @@ class VisionInputs:
         with torch.set_grad_enabled(trainable and torch.is_grad_enabled()):
             out = self.inner.get_image_features(pixels, grid, return_dict=True)
         self.seconds += time.perf_counter() - start
-        # deepstack_features: per feeding layer, the images' features; each image's across layers here.
-        stacks = zip(*getattr(out, "deepstack_features", None) or ()) if self.deepstack else None
-        return {ref: ImageFeatures(embeds, tuple(next(stacks)) if stacks is not None else ())
-                for ref, embeds in zip(distinct, out.pooler_output)}
+        # deepstack_features: per feeding layer, the images' features; here each image's across layers.
+        stacks = list(zip(*out.deepstack_features)) if self.deepstack else [()] * len(distinct)
+        return {ref: ImageFeatures(embeds, tuple(stack))
+                for ref, embeds, stack in zip(distinct, out.pooler_output, stacks)}
 
     @property
     def deepstack(self) -> bool:

@@ -44,7 +44,9 @@ def store_root() -> str:
     return os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "asyncrl", "images")
 
 
-def _write_atomic(path: str, data: bytes) -> None:
+def write_atomic(path: str, data: bytes) -> None:
+    """`data` at `path` through a staging file in the same directory (a reader never sees a part);
+    an existing file is kept (content-addressed: the same name holds the same bytes) and touched."""
     if os.path.exists(path):
         _touch(path)
         return
@@ -115,7 +117,7 @@ def store_image(value: Any, where: str, root: str = "") -> str:
     image.save(buffer, format="PNG")
     data = buffer.getvalue()
     path = os.path.join(root or store_root(), f"{hashlib.sha256(data).hexdigest()[:32]}.png")
-    _write_atomic(path, data)
+    write_atomic(path, data)
     return path
 
 
@@ -191,7 +193,7 @@ class ImagePrep:
             batch = self.processor(images=[decode_image(ref, where or ref)], return_tensors="pt")
             buffer = io.BytesIO()
             torch.save({"pixel_values": batch["pixel_values"], "image_grid_thw": batch["image_grid_thw"][0]}, buffer)
-            _write_atomic(out, buffer.getvalue())
+            write_atomic(out, buffer.getvalue())
         self._done[ref] = out
         return out
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import glob
 import os
-import shutil
 import time
 
 import msgspec
@@ -289,16 +288,16 @@ def keep_images(rows: list[dict], directory: str) -> list[dict]:
     """Trajectory rows whose processed images are copied into the store (`images/`, each file once:
     its name is content-addressed) and named relative to it. An image no longer on this node keeps
     its path (replay says which one is missing)."""
+    from asyncrl.storage.images import write_atomic  # torch: only a store with images needs it
+
     for row in rows:
         kept = []
         for ref in row.get("images") or ():
             name = os.path.join(IMAGES_DIRNAME, os.path.basename(ref))
             target = os.path.join(directory, name)
             if not os.path.exists(target) and os.path.exists(ref):
-                os.makedirs(os.path.dirname(target), exist_ok=True)
-                staging = f"{target}{INPROGRESS}"
-                shutil.copyfile(ref, staging)
-                os.replace(staging, target)
+                with open(ref, "rb") as f:
+                    write_atomic(target, f.read())
             kept.append(name if os.path.exists(target) else ref)
         row["images"] = kept
     return rows
